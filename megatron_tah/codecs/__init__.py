@@ -1,0 +1,48 @@
+"""Codecs for pipeline tensors: one contract (see ``base.Codec``), one file per codec.
+
+>>> from megatron_tah.codecs import get_codec
+>>> codec = get_codec("tah", tile_size=64, high_bits=4, low_bits=3, high_ratio=0.8, outlier_threshold=2.0)
+>>> buf = codec.encode(x)                       # 1-D uint8, codec.wire_nbytes(x.shape, x.dtype) bytes
+>>> y = codec.decode(buf, x.shape, x.dtype)     # or codec.decode(buf, shape, dtype, out=t)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Codec, CodecError, WireFormatError
+
+# name -> "module:Class"; modules are imported on first use.
+CODECS = {
+    "none": "none:NoneCodec",
+    "fixedpoint": "fixedpoint:FixedPointCodec",
+    "tah": "tah:TahCodec",
+    "fp8": "fp8:Fp8Codec",
+    "aqsgd": "aqsgd:AqSgdCodec",
+}
+
+
+def codec_class(name: str) -> type[Codec]:
+    if name not in CODECS:
+        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    module_name, class_name = CODECS[name].split(":")
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return getattr(module, class_name)
+
+
+def get_codec(name: str, **config) -> Codec:
+    """A new codec object of kind ``name`` with the given options (see each codec's class)."""
+    cls = codec_class(name)
+    try:
+        return cls(**config)
+    except TypeError as err:
+        raise CodecError(f"codec {name!r}: {err}") from None
+
+
+def load_all_codecs() -> None:
+    """Import every codec module (registers the ids used in wire-format error messages)."""
+    for name in CODECS:
+        codec_class(name)
+
+
+__all__ = ["CODECS", "Codec", "CodecError", "WireFormatError", "codec_class", "get_codec", "load_all_codecs"]

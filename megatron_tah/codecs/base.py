@@ -1,0 +1,297 @@
+"""The codec contract shared by every codec, and the wire header.
+
+Every codec turns a tensor into one contiguous 1-D ``torch.uint8`` buffer whose
+length depends only on the tensor's shape and dtype and on the codec's config
+(``wire_nbytes``), so a pipeline receiver can post its receive before anything
+arrives. Subclasses describe their buffer as a list of named sections; this
+module lays the sections out behind a 16-byte header:
+
+====== ===== ==========================================================
+offset bytes  field
+====== ===== ==========================================================
+0      2      magic ``b"MT"``
+2      1      wire format version (``WIRE_VERSION``)
+3      1      codec id (``Codec.codec_id``)
+4      4      CRC-32 of the codec's config (little endian)
+8      4      CRC-32 of the shape and dtype (little endian)
+12     4      reserved, zero
+====== ===== ==========================================================
+
+Sections follow in the order the codec lists them, each starting on an
+8-byte boundary (so bf16/fp32 sections can be viewed in place). Decoding
+checks the length and every header field and raises :class:`WireFormatError`
+naming what differs, instead of returning garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Sequence
+
+import torch
+
+MAGIC = b"MT"
+WIRE_VERSION = 1
+HEADER_NBYTES = 16
+SECTION_ALIGN = 8
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "torch", "triton")
+
+# Finite inputs up to this magnitude round-trip. A tile holding NaN, +-Inf or a
+# larger magnitude decodes to all-NaN (the other tiles are unaffected): the
+# quantizers' arithmetic (ranges, Hadamard sums) stays inside fp32 below it.
+MAX_ABS_VALUE = 1e36
+
+
+class CodecError(ValueError):
+    """A codec was configured or called with something it cannot handle."""
+
+
+class WireFormatError(CodecError):
+    """A buffer does not match what this decoder expects (length, header, config, shape)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise CodecError(
+            f"unsupported dtype {dtype_name(dtype)}: codecs take "
+            f"{', '.join(dtype_name(d) for d in SUPPORTED_DTYPES)}"
+        )
+
+
+def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in shape)
+    if len(shape) == 0 or any(d <= 0 for d in shape):
+        raise CodecError(f"shape {shape} must have at least one dimension and no empty dimensions")
+    return shape
+
+
+def align_up(n: int, alignment: int = SECTION_ALIGN) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLayout:
+    """Byte offsets of a codec's sections inside one buffer (header first)."""
+
+    offsets: dict[str, tuple[int, int]]  # name -> (start, nbytes)
+    nbytes: int
+
+    @classmethod
+    def build(cls, sections: Sequence[tuple[str, int]]) -> "WireLayout":
+        offsets = {}
+        cursor = HEADER_NBYTES
+        for name, size in sections:
+            cursor = align_up(cursor)
+            offsets[name] = (cursor, int(size))
+            cursor += int(size)
+        return cls(offsets=offsets, nbytes=align_up(cursor))
+
+    def view(self, buf: torch.Tensor, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """The section ``name`` of ``buf`` as a 1-D tensor of ``dtype`` (no copy)."""
+        start, size = self.offsets[name]
+        return buf[start : start + size].view(dtype)
+
+
+def crc32_of(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0xFFFFFFFF
+
+
+class Codec:
+    """Base class: header, layout, validation and backend choice.
+
+    Subclasses set ``name`` and ``codec_id``, keep their options as plain
+    attributes listed in ``config()``, and implement ``_sections`` (the wire
+    layout), ``_encode_torch`` and ``_decode_torch`` (the pure-torch
+    reference). A fused path implements ``_encode_triton`` / ``_decode_triton``
+    with the same wire format; ``backend`` picks one (``"auto"``: Triton for
+    CUDA tensors when it is available, torch otherwise).
+    """
+
+    name: str = "?"
+    codec_id: int = 255
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise CodecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self._header_cache: dict[tuple, torch.Tensor] = {}
+
+    # ----- configuration -------------------------------------------------------------
+    def config(self) -> dict:
+        """Options that change the bytes on the wire (the backend does not)."""
+        raise NotImplementedError
+
+    def config_digest(self) -> int:
+        items = ",".join(f"{k}={self.config()[k]!r}" for k in sorted(self.config()))
+        return crc32_of(f"{self.name}({items})")
+
+    def describe(self) -> str:
+        items = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{self.name}({items})"
+
+    def __repr__(self) -> str:
+        return f"<codec {self.describe()} backend={self.backend}>"
+
+    # ----- the public contract -------------------------------------------------------
+    def wire_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Exact length of ``encode(x)`` for any ``x`` of this shape and dtype."""
+        return self.layout(shape, dtype).nbytes
+
+    def layout(self, shape: Sequence[int], dtype: torch.dtype) -> WireLayout:
+        shape = check_shape(shape)
+        check_dtype(dtype)
+        return WireLayout.build(self._sections(shape, dtype))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode ``x`` into a new 1-D uint8 buffer of ``wire_nbytes(x.shape, x.dtype)`` bytes on x's device."""
+        if not isinstance(x, torch.Tensor):
+            raise CodecError(f"encode takes a torch.Tensor, got {type(x).__name__}")
+        shape = check_shape(x.shape)
+        check_dtype(x.dtype)
+        layout = self.layout(shape, x.dtype)
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
+        buf[:HEADER_NBYTES].copy_(self._header(shape, x.dtype, x.device))
+        # Alignment padding is zeroed so identical inputs give identical bytes.
+        self._zero_padding(buf, layout)
+        if self._use_triton(x.device):
+            self._encode_triton(x.contiguous(), buf, layout)
+        else:
+            self._encode_torch(x.contiguous(), buf, layout)
+        return buf
+
+    def decode(
+        self,
+        buf: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode ``buf`` into a tensor of ``shape``/``dtype`` on buf's device (or into ``out``)."""
+        shape = check_shape(shape)
+        check_dtype(dtype)
+        layout = self.layout(shape, dtype)
+        self.check_buffer(buf, shape, dtype, layout)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != dtype:
+                raise CodecError(
+                    f"out is {tuple(out.shape)} {dtype_name(out.dtype)}, expected {shape} {dtype_name(dtype)}"
+                )
+            if out.device != buf.device:
+                raise CodecError(f"out is on {out.device}, the buffer on {buf.device}")
+        if self._use_triton(buf.device):
+            values = self._decode_triton(buf, shape, dtype, layout)
+        else:
+            values = self._decode_torch(buf, shape, dtype, layout)
+        if out is None:
+            return values
+        with torch.no_grad():
+            out.copy_(values)
+        return out
+
+    # ----- header ----------------------------------------------------------------------
+    def _header_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+        shape_digest = crc32_of(f"{shape}/{dtype_name(dtype)}")
+        return (
+            MAGIC
+            + bytes([WIRE_VERSION, self.codec_id])
+            + self.config_digest().to_bytes(4, "little")
+            + shape_digest.to_bytes(4, "little")
+            + bytes(4)
+        )
+
+    def _header(self, shape, dtype, device) -> torch.Tensor:
+        key = (shape, dtype, str(device))
+        if key not in self._header_cache:
+            raw = torch.frombuffer(bytearray(self._header_bytes(shape, dtype)), dtype=torch.uint8)
+            self._header_cache[key] = raw.to(device)
+        return self._header_cache[key]
+
+    def check_buffer(self, buf, shape, dtype, layout: WireLayout | None = None) -> None:
+        """Raise WireFormatError unless ``buf`` was made by a codec configured like this one for shape/dtype."""
+        layout = layout or self.layout(shape, dtype)
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise WireFormatError("a wire buffer is a 1-D torch.uint8 tensor")
+        if buf.numel() != layout.nbytes:
+            raise WireFormatError(
+                f"{self.name}: buffer has {buf.numel()} bytes, {layout.nbytes} expected for "
+                f"{shape} {dtype_name(dtype)} with {self.describe()}"
+            )
+        got = bytes(buf[:HEADER_NBYTES].cpu().tolist())
+        want = self._header_bytes(shape, dtype)
+        if got[:2] != MAGIC:
+            raise WireFormatError(f"not a megatron_tah buffer (magic {got[:2]!r})")
+        if got[2] != WIRE_VERSION:
+            raise WireFormatError(f"wire format version {got[2]}, this build reads version {WIRE_VERSION}")
+        if got[3] != self.codec_id:
+            sender = codec_name_for_id(got[3])
+            raise WireFormatError(f"buffer was encoded by codec {sender!r}, this decoder is {self.describe()}")
+        if got[4:8] != want[4:8]:
+            raise WireFormatError(
+                f"buffer was encoded by a {self.name} codec with another config "
+                f"(digest {int.from_bytes(got[4:8], 'little'):08x}); this decoder is {self.describe()} "
+                f"(digest {self.config_digest():08x})"
+            )
+        if got[8:12] != want[8:12]:
+            raise WireFormatError(f"buffer was encoded for another shape or dtype than {shape} {dtype_name(dtype)}")
+
+    @staticmethod
+    def _zero_padding(buf: torch.Tensor, layout: WireLayout) -> None:
+        cursor = HEADER_NBYTES
+        for start, size in sorted(layout.offsets.values()):
+            if start > cursor:
+                buf[cursor:start].zero_()
+            cursor = start + size
+        if layout.nbytes > cursor:
+            buf[cursor:].zero_()
+
+    # ----- backends --------------------------------------------------------------------
+    def _use_triton(self, device: torch.device) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            if not self.has_triton_path():
+                raise CodecError(f"codec {self.name!r} has no Triton path; use backend='torch'")
+            return True
+        return device.type == "cuda" and self.has_triton_path()
+
+    def has_triton_path(self) -> bool:
+        return type(self)._encode_triton is not Codec._encode_triton
+
+    def _sections(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def _encode_torch(self, x: torch.Tensor, buf: torch.Tensor, layout: WireLayout) -> None:
+        raise NotImplementedError
+
+    def _decode_torch(self, buf, shape, dtype, layout: WireLayout) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _encode_triton(self, x: torch.Tensor, buf: torch.Tensor, layout: WireLayout) -> None:
+        raise NotImplementedError
+
+    def _decode_triton(self, buf, shape, dtype, layout: WireLayout) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ----- helpers for subclasses ------------------------------------------------------
+    @staticmethod
+    def bits_per_element(nbytes: int, shape: Sequence[int]) -> float:
+        return 8.0 * nbytes / math.prod(shape)
+
+
+_CODEC_NAMES_BY_ID: dict[int, str] = {}
+
+
+def register_codec_id(codec_id: int, name: str) -> None:
+    _CODEC_NAMES_BY_ID[codec_id] = name
+
+
+def codec_name_for_id(codec_id: int) -> str:
+    return _CODEC_NAMES_BY_ID.get(codec_id, f"unknown id {codec_id}")

@@ -1,0 +1,75 @@
+"""``fixedpoint``: tile-wise uniform b-bit quantization, no transform ("direct quantization").
+
+The naive baseline of the AQ-SGD paper and the default backward codec (tile 32,
+6 bits). Each tile of ``tile_size`` channels of one token is quantized
+asymmetrically (``common.quantize_tiles``): every element decodes within half
+a step (``scale / 2``) of its input.
+
+Wire (T = tokens * ceil(h / tile_size), h zero-padded to whole tiles):
+header | ``scale``: bf16[T] | ``zero``: bf16[T] | ``codes``: T*tile_size codes of
+``bits`` bits packed by ``common.pack_bits``. At tile 32, 6 bits: 7 bits/element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import common
+from .base import Codec, register_codec_id
+
+
+class FixedPointCodec(Codec):
+    name = "fixedpoint"
+    codec_id = 1
+
+    def __init__(self, bits: int = 6, tile_size: int = 32, stochastic_rounding: bool = False,
+                 seed: int = 0, backend: str = "auto"):
+        super().__init__(backend)
+        self.bits = common.check_bits(bits)
+        self.tile_size = common.check_tile_size(tile_size)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def config(self) -> dict:
+        return {"bits": self.bits, "tile_size": self.tile_size, "stochastic_rounding": self.stochastic_rounding}
+
+    def num_tiles(self, shape) -> int:
+        return math.prod(shape[:-1]) * common.num_tiles(shape[-1], self.tile_size)
+
+    def _sections(self, shape, dtype):
+        tiles = self.num_tiles(shape)
+        return [
+            ("scale", 2 * tiles),
+            ("zero", 2 * tiles),
+            ("codes", common.packed_nbytes(tiles * self.tile_size, self.bits)),
+        ]
+
+    def rounding_noise(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Uniform [0, 1) noise from this codec's own seeded generator, or None (round to nearest)."""
+        if not self.stochastic_rounding:
+            return None
+        key = str(like.device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=like.device).manual_seed(self.seed)
+        return torch.rand(like.shape, generator=self._generators[key], device=like.device)
+
+    def _encode_torch(self, x, buf, layout):
+        tiles, bad = common.to_tiles(x, self.tile_size)
+        codes, scale, zero = common.quantize_tiles(tiles, 2**self.bits - 1, bad, self.rounding_noise(tiles))
+        layout.view(buf, "scale", torch.bfloat16).copy_(scale.reshape(-1))
+        layout.view(buf, "zero", torch.bfloat16).copy_(zero.reshape(-1))
+        layout.view(buf, "codes").copy_(common.pack_bits(codes, self.bits))
+
+    def _decode_torch(self, buf, shape, dtype, layout):
+        tiles = self.num_tiles(shape)
+        scale = layout.view(buf, "scale", torch.bfloat16)
+        zero = layout.view(buf, "zero", torch.bfloat16)
+        codes = common.unpack_bits(layout.view(buf, "codes"), self.bits, tiles * self.tile_size)
+        values = common.dequantize_tiles(codes.reshape(tiles, self.tile_size), scale, zero)
+        return common.from_tiles(values, shape, dtype)
+
+
+register_codec_id(FixedPointCodec.codec_id, FixedPointCodec.name)
