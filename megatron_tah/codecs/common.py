@@ -36,7 +36,8 @@ def num_tiles(h: int, tile_size: int) -> int:
 def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split the last dim into tiles: fp32 ``[tokens, n_tiles, G]`` and a per-tile bad mask.
 
-    The last tile is zero-padded when ``h % G != 0``. A tile is *bad* when it holds
+    When ``h % G != 0`` the last tile is padded by repeating the token's last channel,
+    which leaves every tile's range (and a constant tile) unchanged. A tile is *bad* when it holds
     NaN, +-Inf or a magnitude above ``MAX_ABS_VALUE``; its values are replaced by 0
     here so they cannot disturb anything computed from other tiles, and codecs
     decode it as all-NaN.
@@ -45,7 +46,7 @@ def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tenso
     tokens = x.reshape(-1, h).float()
     pad = num_tiles(h, tile_size) * tile_size - h
     if pad:
-        tokens = torch.nn.functional.pad(tokens, (0, pad))
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
     tiles = tokens.reshape(tokens.shape[0], -1, tile_size)
     bad_elem = ~torch.isfinite(tiles) | (tiles.abs() > MAX_ABS_VALUE)
     bad_tile = bad_elem.any(dim=-1)

@@ -5,7 +5,7 @@ The naive baseline of the AQ-SGD paper and the default backward codec (tile 32,
 asymmetrically (``common.quantize_tiles``): every element decodes within half
 a step (``scale / 2``) of its input.
 
-Wire (T = tokens * ceil(h / tile_size), h zero-padded to whole tiles):
+Wire (T = tokens * ceil(h / tile_size), h padded to whole tiles by repeating the last channel):
 header | ``scale``: bf16[T] | ``zero``: bf16[T] | ``codes``: T*tile_size codes of
 ``bits`` bits packed by ``common.pack_bits``. At tile 32, 6 bits: 7 bits/element.
 """

@@ -1,0 +1,25 @@
+"""Shared fixtures: a table of named edge-case inputs used by the codec tests."""
+
+import torch
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def edge_case_tensor(kind: str, shape=(6, 2, 96), dtype=torch.float32, seed=0) -> torch.Tensor:
+    """Named edge cases: gaussian, zeros, constant, huge (1e6, capped at fp16's range), tiny, one_outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    if kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "constant":
+        x = torch.full(shape, 3.25)
+    elif kind == "huge":
+        x = x * (6e4 / x.abs().max() if dtype == torch.float16 else 1e6)
+    elif kind == "tiny":
+        x = x * 1e-30 if dtype != torch.float16 else x * 1e-4
+    elif kind == "one_outlier":
+        x[..., 5] = 20 * x.abs().max()
+    return x.to(dtype)
+
+
+EDGE_CASES = ["gaussian", "zeros", "constant", "huge", "tiny", "one_outlier"]
