@@ -1,0 +1,61 @@
+"""The codec comparison table (``python -m megatron_tah.codecs.report``) on a small shape."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_tah.codecs import get_codec, report
+from megatron_tah.codecs.samples import activation_like
+
+SHAPE = (32, 2, 256)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return report.measure(SHAPE, torch.bfloat16, seed=1, repeats=1)
+
+
+def test_rows_cover_every_codec_with_consistent_numbers(measured):
+    rows, buffer_nbytes = measured
+    by_label = {r.label: r for r in rows}
+    assert list(by_label) == [label for label, _, _ in report.STATELESS_ROWS] + [
+        "aqsgd 4b/64 first visit", "aqsgd 4b/64 revisit"]
+    x = activation_like(SHAPE, torch.bfloat16, seed=1)
+    for label, name, options in report.STATELESS_ROWS:
+        row = by_label[label]
+        nbytes = get_codec(name, **options).wire_nbytes(SHAPE, torch.bfloat16)
+        assert row.nbytes == nbytes
+        assert row.bits_per_element == pytest.approx(8 * nbytes / math.prod(SHAPE))
+        assert row.ratio_bf16 * row.bits_per_element == pytest.approx(16)
+        assert row.encode_ms > 0 and row.decode_ms > 0
+    assert by_label["none"].rel_error == 0.0
+    fixed = get_codec("fixedpoint", bits=4, tile_size=64)
+    direct = report.relative_error(x, fixed.decode(fixed.encode(x), SHAPE, torch.bfloat16))
+    assert by_label["fixedpoint 4b/64"].rel_error == pytest.approx(direct)
+    # More bits, less error; rotation helps on outlier channels; a revisit beats the first visit.
+    assert by_label["fixedpoint 6b/32"].rel_error < by_label["fixedpoint 4b/64"].rel_error \
+        < by_label["fixedpoint 3b/64"].rel_error
+    assert by_label["tah (default)"].rel_error < by_label["tah tau=inf (no rotation)"].rel_error
+    assert by_label["aqsgd 4b/64 revisit"].rel_error < 0.2 * by_label["aqsgd 4b/64 first visit"].rel_error
+    assert by_label["aqsgd 4b/64 first visit"].rel_error == pytest.approx(direct, rel=1e-3)
+    assert by_label["fp8 G=128"].bits_per_element < 8.6
+    assert buffer_nbytes == SHAPE[1] * SHAPE[0] * SHAPE[2] * 4
+
+
+def test_main_prints_the_table(capsys):
+    assert report.main(["--shape", "16", "1", "128", "--dtype", "fp32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "shape [16, 1, 128] fp32" in out
+    for label in ("none", "fixedpoint 6b/32", "tah (default)", "fp8 G=128", "aqsgd 4b/64 revisit"):
+        assert label in out
+    header = next(line for line in out.splitlines() if line.startswith("codec"))
+    assert header.split() == ["codec", "bits/elem", "vs", "bf16", "vs", "fp32", "rel.", "error", "encode", "ms",
+                              "decode", "ms"]
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="three sizes"):
+        report.measure((4, 64), torch.float32)
+    with pytest.raises(SystemExit):
+        report.main(["--dtype", "int8"])
