@@ -1,0 +1,43 @@
+"""Run an unchanged Megatron-LM training script with megatron_tah plugged in.
+
+    python -m megatron_tah.launch <Megatron-LM>/pretrain_gpt.py <megatron args> <--tah-* args>
+    torchrun --nproc-per-node 8 -m megatron_tah.launch <Megatron-LM>/pretrain_gpt.py ...
+
+Installs the plugin (``megatron_tah.megatron.plugin.install_megatron_lm_plugin``: ``--tah-*``
+flags, statistics in the log line, compressed pipeline transports once arguments are parsed),
+then runs SCRIPT as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` and SCRIPT's directory first
+on ``sys.path`` (as ``python SCRIPT`` would; pretrain_gpt.py imports its sibling modules).
+Exit status: the script's; 2 with a one-line message when SCRIPT is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+USAGE = "usage: python -m megatron_tah.launch SCRIPT [SCRIPT ARGS...]  (e.g. <Megatron-LM>/pretrain_gpt.py --num-layers 24 ... --tah-forward-codec tah)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        raise SystemExit(2 if not argv else 0)
+    script, script_args = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        print(f"megatron_tah.launch: error: script {script!r} not found (expected e.g. <Megatron-LM checkout>/pretrain_gpt.py)",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+    from .megatron.plugin import install_megatron_lm_plugin
+
+    install_megatron_lm_plugin()
+    script = os.path.abspath(script)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
