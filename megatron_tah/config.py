@@ -12,7 +12,7 @@ import ast
 import dataclasses
 from typing import Any
 
-from .codecs import CODECS, Codec, get_codec
+from .codecs import CODECS, Codec, CodecError, get_codec
 from .units import parse_bandwidth
 
 def _field_docs(cls) -> dict[str, str]:
@@ -102,8 +102,12 @@ class TahConfig:
         if self.tah_emulate_latency_ms < 0:
             raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.
-        self.forward_codec()
-        self.backward_codec()
+        for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec)):
+            try:
+                build()
+            except CodecError as err:
+                name = getattr(self, f"tah_{role}_codec")
+                raise ValueError(f"tah_{role}_codec = {name!r}: {err}") from None
 
     @classmethod
     def from_args(cls, args: Any) -> "TahConfig":

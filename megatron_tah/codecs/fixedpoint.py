@@ -71,5 +71,16 @@ class FixedPointCodec(Codec):
         values = common.dequantize_tiles(codes.reshape(tiles, self.tile_size), scale, zero)
         return common.from_tiles(values, shape, dtype)
 
+    def _encode_triton(self, x, buf, layout):
+        from ..kernels.common import philox_seed
+        from ..kernels.fixedpoint import triton_fixedpoint_encode
+
+        triton_fixedpoint_encode(x, buf, layout, self.bits, self.tile_size, seed=philox_seed(self.rounding_noise))
+
+    def _decode_triton(self, buf, shape, dtype, layout):
+        from ..kernels.fixedpoint import triton_fixedpoint_decode
+
+        return triton_fixedpoint_decode(buf, shape, dtype, layout, self.bits, self.tile_size)
+
 
 register_codec_id(FixedPointCodec.codec_id, FixedPointCodec.name)

@@ -202,6 +202,18 @@ class TahCodec(Codec):
         values = common.dequantize_tiles(codes, scale, zero)
         return common.from_tiles(unrotate_tiles(values, rotate, pivot), shape, dtype)
 
+    # ----- fused Triton path (megatron_tah/kernels/tah.py) --------------------------
+    def _encode_triton(self, x, buf, layout):
+        from ..kernels.common import philox_seed
+        from ..kernels.tah import triton_tah_encode
+
+        self._last_rotated = triton_tah_encode(self, x, buf, layout, seed=philox_seed(self._rounding_noise))
+
+    def _decode_triton(self, buf, shape, dtype, layout):
+        from ..kernels.tah import triton_tah_decode
+
+        return triton_tah_decode(self, buf, shape, dtype, layout)
+
 
 def _swap_index(pivot: torch.Tensor, tile_size: int) -> torch.Tensor:
     """Gather index that swaps element 0 and element ``pivot`` of each tile (an involution)."""
