@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Time every codec's encode and decode (fused Triton path and torch reference) beside a plain copy.
+
+For each shape (bf16 ``[s, b, h]`` pipeline tensors by default) and codec, runs
+encode then decode of the same message, many times over a pool of distinct inputs
+(larger than the GPU's L2 cache, so the cache is not what is measured), after a
+warm-up, and reports the median of each: microseconds, effective GB/s (bytes read +
+bytes written: input + wire for encode, wire + output for decode) and that
+bandwidth as a % of a device-to-device copy of the input. The table is printed and
+written as JSON with the device name, date and versions.
+
+    python scripts/bench_codecs.py                       # CUDA, the default shapes
+    python scripts/bench_codecs.py --device cpu --quick  # smoke test: tiny shapes, wall-clock timer
+
+On CUDA the timer is CUDA events; on CPU ``time.perf_counter`` (the Triton path runs
+there only under TRITON_INTERPRET=1, and its timings then mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from megatron_tah.codecs import CodecError, get_codec  # noqa: E402
+from megatron_tah.codecs.samples import activation_like  # noqa: E402
+
+SHAPES = [(4096, 1, 4096), (2048, 8, 8192), (1024, 1, 1600)]  # the last: GPT2-XL, micro-batch 1
+QUICK_SHAPES = [(64, 1, 256), (32, 2, 320)]
+# label -> (codec name, config); aqsgd is timed with a sender and a receiver object in step.
+CODECS = {
+    "none": ("none", {}),
+    "fixedpoint-b6-g32": ("fixedpoint", {"bits": 6, "tile_size": 32}),
+    "fixedpoint-b4-g64": ("fixedpoint", {"bits": 4, "tile_size": 64}),
+    "tah": ("tah", {}),
+    "tah-tile": ("tah", {"allocation": "tile"}),
+    "fp8": ("fp8", {"group_size": 128}),
+    "aqsgd": ("aqsgd", {"bits": 4, "tile_size": 64}),
+}
+DEFAULT_L2_BYTES = 50 << 20
+
+
+class Timer:
+    """Marks on a timeline: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def elapsed_us(self, start, end) -> float:
+        return start.elapsed_time(end) * 1e3 if self.cuda else (end - start) * 1e6
+
+
+def input_pool(shape, dtype, device, l2_bytes: int, max_count: int) -> list[torch.Tensor]:
+    """Distinct activation-like inputs whose total size exceeds twice the L2 cache (at least 2)."""
+    base = activation_like(shape, dtype=dtype, seed=0).to(device)
+    nbytes = base.numel() * base.element_size()
+    count = max(2, min(max_count, math.ceil(2 * l2_bytes / nbytes)))
+    return [base] + [torch.roll(base, shifts=i, dims=0) for i in range(1, count)]
+
+
+def time_copy(pool, timer, warmup, iters) -> float:
+    dst = torch.empty_like(pool[0])
+    for i in range(warmup):
+        dst.copy_(pool[i % len(pool)])
+    timer.sync()
+    marks = []
+    for i in range(iters):
+        start = timer.mark()
+        dst.copy_(pool[i % len(pool)])
+        marks.append((start, timer.mark()))
+    timer.sync()
+    return statistics.median(timer.elapsed_us(a, b) for a, b in marks)
+
+
+def make_pair(name, config, backend):
+    """(encode(x) -> buf, decode(buf, shape, dtype) -> tensor) for one codec and backend."""
+    sender = get_codec(name, backend=backend, **config)
+    if name != "aqsgd":
+        return sender.encode, sender.decode
+    receiver = get_codec(name, backend=backend, **config)
+    ids = {}
+
+    def encode(x):
+        key = (x.shape[1], x.device)
+        if key not in ids:
+            ids[key] = torch.arange(x.shape[1], device=x.device)
+        return sender.encode(x, sample_ids=ids[key])
+
+    return encode, receiver.decode
+
+
+def time_codec(name, config, backend, pool, timer, warmup, iters) -> tuple[float, float, int]:
+    """Median encode and decode microseconds, and the wire size in bytes."""
+    encode, decode = make_pair(name, config, backend)
+    shape, dtype = tuple(pool[0].shape), pool[0].dtype
+    for i in range(warmup):
+        decode(encode(pool[i % len(pool)]), shape, dtype)
+    timer.sync()
+    marks = []
+    for i in range(iters):
+        start = timer.mark()
+        buf = encode(pool[i % len(pool)])
+        mid = timer.mark()
+        decode(buf, shape, dtype)
+        marks.append((start, mid, timer.mark()))
+    timer.sync()
+    enc = statistics.median(timer.elapsed_us(a, b) for a, b, _ in marks)
+    dec = statistics.median(timer.elapsed_us(b, c) for _, b, c in marks)
+    return enc, dec, buf.numel()
+
+
+def gbps(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e9 if us > 0 else float("nan")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def triton_available_on(device: torch.device) -> bool:
+    from megatron_tah.kernels.common import kernel_device
+
+    return kernel_device() == device.type
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must look like 4096x1x4096, got {text!r}") from None
+    if len(shape) != 3 or min(shape) <= 0:
+        raise argparse.ArgumentTypeError(f"shape must be three positive sizes s x b x h, got {text!r}")
+    return shape
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda (CUDA events) or cpu (perf_counter; a smoke test, not a measurement)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few runs (a smoke test)")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", help="shapes like 4096x1x4096 (default: see SHAPES)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS))
+    parser.add_argument("--backends", nargs="+", choices=["triton", "torch"], default=["triton", "torch"])
+    parser.add_argument("--warmup", type=int, help="untimed runs per measurement (default 10; quick: 2)")
+    parser.add_argument("--iters", type=int, help="timed runs per measurement (default 50; quick: 5)")
+    parser.add_argument("--max-pool", type=int, default=64, help="most distinct inputs per shape")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_codecs.json"),
+                        help="JSON report (device name, date, versions, one row per measurement)")
+    args = parser.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
+    args.iters = args.iters if args.iters is not None else (5 if args.quick else 50)
+    if args.warmup < 0 or args.iters < 1:
+        parser.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+    args.shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+    return args
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA device here; use --device cpu --quick for a smoke test")
+    dtype = getattr(torch, args.dtype)
+    backends = [b for b in args.backends if b == "torch" or triton_available_on(device)]
+    if "triton" in args.backends and "triton" not in backends:
+        print(f"note: the Triton path cannot run on {device.type} here (needs CUDA or TRITON_INTERPRET=1); "
+              "timing the torch reference only", file=sys.stderr)
+    l2_bytes = DEFAULT_L2_BYTES
+    if device.type == "cuda":
+        l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", DEFAULT_L2_BYTES)
+    timer = Timer(device)
+    rows = []
+    for shape in args.shapes:
+        pool = input_pool(shape, dtype, device, l2_bytes, args.max_pool)
+        in_bytes = pool[0].numel() * pool[0].element_size()
+        copy_us = time_copy(pool, timer, args.warmup, args.iters)
+        copy_gbps = gbps(2 * in_bytes, copy_us)
+        rows.append(dict(shape=list(shape), codec="copy", backend="torch", op="copy", us=copy_us,
+                         gbps=copy_gbps, pct_copy=100.0, wire_bytes=in_bytes, bits_per_element=8.0 * in_bytes
+                         / pool[0].numel()))
+        for label in args.codecs:
+            name, config = CODECS[label]
+            for backend in backends:
+                try:
+                    enc_us, dec_us, wire = time_codec(name, config, backend, pool, timer, args.warmup, args.iters)
+                except CodecError as err:
+                    if "no Triton path" not in str(err):
+                        raise
+                    continue  # e.g. none: a copy, nothing to fuse
+                for op, us in (("encode", enc_us), ("decode", dec_us)):
+                    rate = gbps(in_bytes + wire, us)
+                    rows.append(dict(shape=list(shape), codec=label, backend=backend, op=op, us=us, gbps=rate,
+                                     pct_copy=100.0 * rate / copy_gbps, wire_bytes=wire,
+                                     bits_per_element=8.0 * wire / pool[0].numel()))
+        del pool
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "dtype": args.dtype,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "statistic": "median",
+        "results": rows,
+    }
+
+
+def versions() -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def format_table(report: dict) -> str:
+    header = f"{'shape':>16} {'codec':>18} {'backend':>7} {'op':>6} {'us':>10} {'GB/s':>8} {'% copy':>7} {'bits/el':>7}"
+    lines = [f"{report['device']} ({report['timer']}, median of {report['iters']}, {report['dtype']})", header]
+    for row in report["results"]:
+        shape = "x".join(str(d) for d in row["shape"])
+        lines.append(f"{shape:>16} {row['codec']:>18} {row['backend']:>7} {row['op']:>6} {row['us']:>10.1f} "
+                     f"{row['gbps']:>8.1f} {row['pct_copy']:>7.1f} {row['bits_per_element']:>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    print(format_table(report))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
