@@ -260,7 +260,11 @@ class Codec:
             if not self.has_triton_path():
                 raise CodecError(f"codec {self.name!r} has no Triton path; use backend='torch'")
             return True
-        return device.type == "cuda" and self.has_triton_path()
+        if device.type != "cuda" or not self.has_triton_path():
+            return False
+        from ..kernels import HAVE_TRITON  # a CUDA machine without Triton uses the torch reference
+
+        return HAVE_TRITON
 
     def has_triton_path(self) -> bool:
         return type(self)._encode_triton is not Codec._encode_triton
