@@ -1,0 +1,163 @@
+"""Per-rank pipeline traffic statistics: what the compressing transports sent, per direction.
+
+The transports call ``record_send`` once per message. ``collect()`` returns (and by
+default resets) this rank's totals since the last collect, i.e. one iteration when the
+training log collects every iteration::
+
+    {"forward":  {"messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction",
+                  "rel_error_samples", "rotated_samples"},
+     "backward": {...same keys...},
+     "links": {(src_global_rank, dst_global_rank): wire_bytes}}
+
+``raw_bytes`` is numel * element size of the tensors Megatron asked to send,
+``ratio`` = raw / wire (None without messages). ``rel_error`` is the mean of the sampled
+``||x - decode(encode(x))|| / ||x||`` and ``rotated_fraction`` the mean fraction of tiles
+rotated (TAH-Quant); both None when nothing was sampled. ``reduce_to_last_rank`` sums
+the totals over the pipeline group (a collective: every rank of the group calls it) and
+``format_for_log`` renders a Megatron-style log fragment.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+DIRECTIONS = ("forward", "backward")
+_SHORT = {"forward": "fwd", "backward": "bwd"}
+# Per direction, in this order, in the reduction tensor.
+_SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
+         "rotated_sum", "rotated_samples")
+
+_lock = threading.Lock()
+
+
+def _empty_totals() -> dict:
+    return {d: dict.fromkeys(_SUMS, 0.0) for d in DIRECTIONS}
+
+
+_totals = _empty_totals()
+_links: dict[tuple[int, int], int] = {}
+
+
+def _this_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def record_send(direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
+                rel_error: float | None = None, rotated_fraction: float | None = None) -> None:
+    """Count one message sent by this rank to global rank ``peer``."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    with _lock:
+        t = _totals[direction]
+        t["messages"] += 1
+        t["raw_bytes"] += int(raw_nbytes)
+        t["wire_bytes"] += int(wire_nbytes)
+        if rel_error is not None:
+            t["rel_error_sum"] += float(rel_error)
+            t["rel_error_samples"] += 1
+        if rotated_fraction is not None:
+            t["rotated_sum"] += float(rotated_fraction)
+            t["rotated_samples"] += 1
+        key = (_this_rank(), int(peer))
+        _links[key] = _links.get(key, 0) + int(wire_nbytes)
+
+
+def _summarise(sums: dict) -> dict:
+    raw, wire = int(sums["raw_bytes"]), int(sums["wire_bytes"])
+    err_n, rot_n = int(sums["rel_error_samples"]), int(sums["rotated_samples"])
+    return {
+        "messages": int(sums["messages"]),
+        "raw_bytes": raw,
+        "wire_bytes": wire,
+        "ratio": raw / wire if wire else None,
+        "rel_error": sums["rel_error_sum"] / err_n if err_n else None,
+        "rotated_fraction": sums["rotated_sum"] / rot_n if rot_n else None,
+        "rel_error_samples": err_n,
+        "rotated_samples": rot_n,
+    }
+
+
+def _to_sums(summary: dict) -> dict:
+    """Inverse of ``_summarise`` (means back to sums) for reductions."""
+    sums = {k: float(summary[k]) for k in ("messages", "raw_bytes", "wire_bytes",
+                                           "rel_error_samples", "rotated_samples")}
+    sums["rel_error_sum"] = (summary["rel_error"] or 0.0) * summary["rel_error_samples"]
+    sums["rotated_sum"] = (summary["rotated_fraction"] or 0.0) * summary["rotated_samples"]
+    return sums
+
+
+def collect(reset: bool = True) -> dict:
+    """This rank's statistics since the last reset (see the module docstring for the layout)."""
+    global _totals, _links
+    with _lock:
+        result = {d: _summarise(_totals[d]) for d in DIRECTIONS}
+        result["links"] = dict(_links)
+        if reset:
+            _totals, _links = _empty_totals(), {}
+    return result
+
+
+def _default_group():
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_pipeline_model_parallel_group()
+    except ImportError:
+        pass
+    return None
+
+
+def reduce_to_last_rank(stats: dict, group=None) -> dict:
+    """Sum ``stats`` (from ``collect``) over ``group`` (default: the pipeline group, else WORLD).
+
+    A collective: every rank of the group must call it. The result is valid on the group's
+    last rank (where Megatron's TensorBoard/wandb writers live); other ranks get their input back.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return stats
+    group = group if group is not None else _default_group()
+    size = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
+    index = {g: i for i, g in enumerate(ranks)}
+    scalars = [_to_sums(stats[d])[k] for d in DIRECTIONS for k in _SUMS]
+    links = torch.zeros(size * size, dtype=torch.float64)
+    for (src, dst), nbytes in stats["links"].items():
+        if src not in index or dst not in index:
+            raise ValueError(f"link {src}->{dst} is not inside the reduction group (global ranks {ranks})")
+        links[index[src] * size + index[dst]] += nbytes
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links]).to(device)
+    last = ranks[-1]
+    dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group)
+    if me != size - 1:
+        return stats
+    packed = packed.cpu()
+    n = len(_SUMS)
+    result = {d: _summarise(dict(zip(_SUMS, packed[i * n:(i + 1) * n].tolist())))
+              for i, d in enumerate(DIRECTIONS)}
+    matrix = packed[len(scalars):].reshape(size, size)
+    result["links"] = {(ranks[s], ranks[t]): int(matrix[s, t]) for s, t in matrix.nonzero().tolist()}
+    return result
+
+
+def format_for_log(stats: dict) -> str:
+    """Megatron-style fragment: `` tah fwd MB: 1.234 | tah fwd ratio: 3.62x | ... |`` (MB = 1e6 wire bytes)."""
+    parts = []
+    for d in DIRECTIONS:
+        s = stats[d]
+        if not s["messages"]:
+            continue
+        short = _SHORT[d]
+        parts.append(f"tah {short} MB: {s['wire_bytes'] / 1e6:.3f}")
+        parts.append(f"tah {short} ratio: {s['ratio']:.2f}x")
+        if s["rel_error"] is not None:
+            parts.append(f"tah {short} rel err: {s['rel_error']:.1E}")
+        if s["rotated_fraction"] is not None:
+            parts.append(f"tah {short} rotated: {s['rotated_fraction']:.3f}")
+    return "".join(f" {p} |" for p in parts)

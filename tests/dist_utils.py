@@ -1,0 +1,136 @@
+"""Run a function in N CPU/gloo processes and get each rank's result back (for multi-process tests).
+
+API::
+
+    from dist_utils import run_distributed, RankFailure
+
+    def body(rank, world_size, scale):        # module level (it is pickled by reference)
+        t = torch.full((1,), float(rank))
+        torch.distributed.all_reduce(t)
+        return t.item() * scale               # must be picklable
+
+    results = run_distributed(body, 2, 10.0)  # -> [10.0, 10.0], one entry per rank
+
+* Each rank is a fresh ``spawn`` process with ``torch.distributed`` initialised (gloo,
+  file rendezvous, no fixed port), ``torch.set_num_threads(threads)`` (default 1; the CI
+  machine has 2 cores) and the parent's environment plus ``env``. The process group is
+  destroyed after ``fn`` returns. Run several scenarios inside one ``fn`` to pay the
+  start-up (~5 s with megatron-core imports) once.
+* If a rank raises, ``run_distributed`` raises ``DistributedError`` listing every rank's
+  failure, unless ``return_exceptions=True``: then a failed rank's entry is a
+  ``RankFailure`` (``type_name``, ``message``, ``traceback``). After the first failure the
+  other ranks get ``grace`` seconds to finish (they usually fail too, when their peer's
+  connections close) and are then killed (``RankFailure("Killed", ...)``).
+* ``timeout`` bounds the whole run: ranks still running then are killed and
+  ``TimeoutError`` names them, so a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclasses.dataclass
+class RankFailure:
+    """What a failed rank raised (or why it was stopped)."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+
+class DistributedError(RuntimeError):
+    def __init__(self, failures: list[RankFailure]):
+        self.failures = failures
+        details = "\n".join(f"--- {f}\n{f.traceback}" for f in failures)
+        super().__init__(f"{len(failures)} rank(s) failed:\n{details}")
+
+
+def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results, pg_timeout):
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    try:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout))
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", value))
+    except BaseException as err:  # noqa: BLE001 - everything a rank raises is reported to the parent
+        results.put((rank, "error", RankFailure(rank, type(err).__name__, str(err), traceback.format_exc())))
+        results.close()
+        results.join_thread()
+        os._exit(1)  # do not wait on peers (destroy/atexit could block on a dead link)
+    torch.distributed.destroy_process_group()
+    results.close()
+    results.join_thread()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0,
+                    return_exceptions: bool = False, env: dict | None = None, threads: int = 1,
+                    **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="tah_dist_")
+    init_file = os.path.join(tmpdir, "rendezvous")
+    env = {k: str(v) for k, v in (env or {}).items()}
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, init_file, fn, args, kwargs, env, threads, results, timeout))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(1.0, deadline - now))
+            except queue_module.Empty:
+                if any(not p.is_alive() and p.exitcode not in (0, None) and r not in outcome
+                       for r, p in enumerate(procs)):
+                    # A rank died without reporting (e.g. a crash in C++): stop waiting soon.
+                    deadline = min(deadline, time.monotonic() + grace)
+                continue
+            outcome[rank] = value
+            if status == "error":
+                deadline = min(deadline, time.monotonic() + grace)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outcome) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    missing = [r for r in range(world_size) if r not in outcome]
+    errors_seen = any(isinstance(v, RankFailure) for v in outcome.values())
+    if missing and not errors_seen:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f} s "
+                           f"(exit codes {codes}; negative = killed by the harness or a signal)")
+    for r in missing:
+        code = procs[r].exitcode
+        outcome[r] = RankFailure(r, "Killed", f"no result (exit code {code}) after another rank failed")
+    ordered = [outcome[r] for r in range(world_size)]
+    failures = [v for v in ordered if isinstance(v, RankFailure)]
+    if failures and not return_exceptions:
+        raise DistributedError(failures)
+    return ordered

@@ -1,0 +1,196 @@
+"""Unit tests of the p2p patch: install/uninstall, version gate, sample-id queue, link emulation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatron_tah
+from megatron_tah.megatron import patch, version
+from megatron_tah.megatron.emulate import LinkEmulator
+
+p2p = pytest.importorskip("megatron.core.pipeline_parallel.p2p_communication")
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    originals = {n: getattr(p2p, n) for n in patch.TRANSPORTS}
+    yield originals
+    megatron_tah.uninstall()
+    for n, fn in originals.items():
+        setattr(p2p, n, fn)
+
+
+def test_install_replaces_both_transports_and_keeps_originals(_clean):
+    megatron_tah.install()
+    assert patch.is_installed()
+    for name in patch.TRANSPORTS:
+        fn = getattr(p2p, name)
+        assert fn is not _clean[name] and getattr(fn, patch._MARKER)
+        assert fn.__wrapped__ is _clean[name]
+    cfg = patch.current_config()
+    assert (cfg.tah_forward_codec, cfg.tah_backward_codec, cfg.tah_backward_bits) == ("tah", "fixedpoint", 6)
+
+
+def test_install_is_idempotent_and_reconfigures_without_rewrapping(_clean):
+    megatron_tah.install(tah_forward_codec="none")
+    first = {n: getattr(p2p, n) for n in patch.TRANSPORTS}
+    megatron_tah.install(tah_forward_codec="none")
+    assert {n: getattr(p2p, n) for n in patch.TRANSPORTS} == first
+    megatron_tah.install(megatron_tah.TahConfig(tah_forward_codec="fixedpoint"))
+    assert patch.current_config().tah_forward_codec == "fixedpoint"
+    for name in patch.TRANSPORTS:  # still one layer deep: the original, not a patched function
+        assert getattr(p2p, name).__wrapped__ is _clean[name]
+
+
+def test_uninstall_restores_the_exact_originals(_clean):
+    megatron_tah.install()
+    megatron_tah.uninstall()
+    assert not patch.is_installed() and patch.current_config() is None
+    for name in patch.TRANSPORTS:
+        assert getattr(p2p, name) is _clean[name]
+    megatron_tah.uninstall()  # a second uninstall is a no-op
+    assert all(getattr(p2p, n) is _clean[n] for n in patch.TRANSPORTS)
+
+
+def test_install_rejects_unknown_options_and_bad_values(_clean):
+    with pytest.raises(ValueError, match="tah_forward_codex"):
+        megatron_tah.install(tah_forward_codex="tah")
+    with pytest.raises(ValueError, match="tah_forward_codec"):
+        megatron_tah.install(tah_forward_codec="zip")
+    assert all(getattr(p2p, n) is _clean[n] for n in patch.TRANSPORTS)
+
+
+def test_missing_transport_symbol_is_named(monkeypatch, _clean):
+    monkeypatch.delattr(p2p, "_p2p_ops")
+    with pytest.raises(RuntimeError, match="_p2p_ops"):
+        megatron_tah.install()
+    assert p2p._batched_p2p_ops is _clean["_batched_p2p_ops"]
+
+
+@pytest.mark.parametrize("text, ok", [("0.16.2", False), ("0.17.0", True), ("0.19.2", True),
+                                      ("0.19.0rc1+git1234", True), ("0.20.0", False), ("1.0.0", False)])
+def test_version_range(text, ok):
+    assert version.is_supported(text) is ok
+    if ok:
+        assert version.check_version(text) == text
+    else:
+        with pytest.raises(RuntimeError, match=r"megatron-core >= 0\.17, < 0\.20") as err:
+            version.check_version(text)
+        assert text in str(err.value)
+
+
+def test_install_refuses_an_unsupported_megatron_core(monkeypatch, _clean):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.16.1")
+    with pytest.raises(RuntimeError, match="0.16.1.*>= 0.17, < 0.20"):
+        megatron_tah.install()
+    assert all(getattr(p2p, n) is _clean[n] for n in patch.TRANSPORTS)
+    with pytest.raises(ValueError):
+        version.parse_version("dev")
+
+
+def test_importing_the_package_does_not_import_megatron_core():
+    code = "import sys, megatron_tah; megatron_tah.TahConfig; print('megatron' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_transport_without_install_raises():
+    with pytest.raises(RuntimeError, match="not installed"):
+        patch.batched_p2p_ops(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None,
+                              tensor_recv_next=None, group=None, prev_pipeline_rank=0, next_pipeline_rank=0)
+
+
+def test_calls_without_tensors_post_nothing(_clean):
+    megatron_tah.install(tah_forward_codec="none")
+    kwargs = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None,
+                  group=None, prev_pipeline_rank=0, next_pipeline_rank=0)
+    assert p2p._batched_p2p_ops(**kwargs) == []
+
+
+def test_sample_id_queue_is_fifo_and_validated():
+    patch.clear_sample_ids()
+    patch.push_sample_ids(torch.tensor([1, 2]))
+    patch.push_sample_ids(torch.tensor([3, 4], dtype=torch.int32))
+    assert patch.pending_sample_ids() == 2
+    assert patch._pop_sample_ids(required=True).tolist() == [1, 2]
+    popped = patch._pop_sample_ids(required=False)
+    assert popped.tolist() == [3, 4] and popped.dtype == torch.long
+    assert patch._pop_sample_ids(required=False) is None
+    with pytest.raises(RuntimeError, match="push_sample_ids"):
+        patch._pop_sample_ids(required=True)
+    with pytest.raises(ValueError, match="1-D"):
+        patch.push_sample_ids(torch.zeros(2, 2, dtype=torch.long))
+
+
+class _FakeGroup:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_aqsgd_with_the_interleaved_schedule_is_refused(monkeypatch):
+    from megatron.core import parallel_state
+
+    state = patch._State(config=megatron_tah.TahConfig(tah_forward_codec="aqsgd"), emulator=None,
+                         shims_applied=False)
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
+    patch._check_schedule(state, _FakeGroup(1, 4), torch.zeros(1), None)  # 1F1B middle stage: fine
+    with pytest.raises(RuntimeError, match="interleaved"):  # last stage sending "next" wraps around
+        patch._check_schedule(state, _FakeGroup(3, 4), torch.zeros(1), None)
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    with pytest.raises(RuntimeError, match="not supported with the interleaved"):
+        patch._check_schedule(state, _FakeGroup(1, 4), None, torch.zeros(1))
+    tah = patch._State(config=megatron_tah.TahConfig(), emulator=None, shims_applied=False)
+    patch._check_schedule(tah, _FakeGroup(1, 4), None, torch.zeros(1))
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_link_emulator_serialises_messages_and_adds_latency():
+    clock = _FakeClock()
+    emu = LinkEmulator(1e6, latency_s=0.01, clock=clock, sleep=clock.sleep)
+    assert emu.complete((0, 1), 125_000, completed_at=0.0) == pytest.approx(1.0)  # 1 Mbit at 1 Mbit/s
+    # A second message posted at t=0 on the same link waits for the first: done at 2 s.
+    assert emu.complete((0, 1), 125_000, completed_at=0.0) == pytest.approx(1.0)
+    assert clock.now == pytest.approx(2.0)
+    # The other direction is its own link; the receiver also waits for the latency.
+    assert emu.complete((1, 0), 125_000, completed_at=2.0, receiver=True) == pytest.approx(1.01)
+    # Compute that outlasted the transfer: nothing left to wait.
+    clock.now = 10.0
+    assert emu.complete((2, 3), 125_000, completed_at=8.0) == 0.0
+    assert emu.total_delay_s == pytest.approx(3.01)
+
+
+def test_link_emulator_validates():
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkEmulator(0)
+    with pytest.raises(ValueError, match="latency"):
+        LinkEmulator(1e6, latency_s=-1)
+
+
+def test_install_builds_an_emulator_from_the_config(_clean):
+    megatron_tah.install(tah_emulate_bandwidth="100mbit", tah_emulate_latency_ms=5)
+    emu = patch._STATE.emulator
+    assert emu.bandwidth_bps == 1e8 and emu.latency_s == pytest.approx(0.005)
+    megatron_tah.install(tah_emulate_bandwidth=None)
+    assert patch._STATE.emulator is None

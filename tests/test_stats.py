@@ -1,0 +1,73 @@
+"""Pipeline traffic statistics: per-rank totals, the reduction to the last rank, the log fragment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_tah.megatron import stats
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    stats.collect(reset=True)
+    yield
+    stats.collect(reset=True)
+
+
+def test_collect_totals_ratio_means_and_links():
+    stats.record_send("forward", 4000, 1000, peer=1, rel_error=0.1, rotated_fraction=0.25)
+    stats.record_send("forward", 4000, 1000, peer=1, rotated_fraction=0.75)
+    stats.record_send("backward", 3000, 1500, peer=3, rel_error=0.02)
+    s = stats.collect(reset=False)
+    fwd, bwd = s["forward"], s["backward"]
+    assert (fwd["messages"], fwd["raw_bytes"], fwd["wire_bytes"]) == (2, 8000, 2000)
+    assert fwd["ratio"] == 4.0 and bwd["ratio"] == 2.0
+    assert fwd["rel_error"] == pytest.approx(0.1) and fwd["rel_error_samples"] == 1
+    assert fwd["rotated_fraction"] == pytest.approx(0.5) and bwd["rotated_fraction"] is None
+    assert s["links"] == {(0, 1): 2000, (0, 3): 1500}  # no process group: this rank is 0
+    assert stats.collect(reset=True) == s  # reset=False kept them
+    empty = stats.collect()
+    assert empty["forward"]["messages"] == 0 and empty["forward"]["ratio"] is None and empty["links"] == {}
+
+
+def test_record_send_rejects_unknown_direction():
+    with pytest.raises(ValueError, match="sideways"):
+        stats.record_send("sideways", 1, 1, peer=0)
+
+
+def test_format_for_log():
+    stats.record_send("forward", 4_936_000, 1_234_000, peer=1, rel_error=0.0123, rotated_fraction=0.5)
+    line = stats.format_for_log(stats.collect())
+    assert line.startswith(" tah fwd MB: 1.234 | tah fwd ratio: 4.00x | tah fwd rel err: 1.2E-02 |")
+    assert "tah fwd rotated: 0.500 |" in line and "bwd" not in line
+    assert stats.format_for_log(stats.collect()) == ""
+
+
+def test_reduce_without_a_process_group_returns_the_input():
+    stats.record_send("backward", 10, 5, peer=0)
+    s = stats.collect()
+    assert stats.reduce_to_last_rank(s) is s
+
+
+def _reduce_body(rank, world_size):
+    stats.record_send("forward", 100 * (rank + 1), 10 * (rank + 1), peer=(rank + 1) % world_size,
+                      rel_error=0.1 * (rank + 1))
+    if rank == 2:
+        stats.record_send("backward", 80, 20, peer=1, rotated_fraction=0.4)
+    # An explicit group (WORLD) keeps megatron-core out of these processes; the pipeline tests
+    # cover the default (megatron-core's pipeline group).
+    return stats.reduce_to_last_rank(stats.collect(), group=torch.distributed.group.WORLD)
+
+
+@pytest.mark.distributed
+def test_reduce_to_last_rank_sums_over_the_group():
+    results = run_distributed(_reduce_body, 3, timeout=120)
+    last = results[-1]
+    assert last["forward"]["messages"] == 3 and last["forward"]["raw_bytes"] == 600
+    assert last["forward"]["wire_bytes"] == 60 and last["forward"]["ratio"] == 10.0
+    assert last["forward"]["rel_error"] == pytest.approx(0.2)  # mean of 0.1, 0.2, 0.3
+    assert last["backward"]["messages"] == 1 and last["backward"]["rotated_fraction"] == pytest.approx(0.4)
+    assert last["links"] == {(0, 1): 10, (1, 2): 20, (2, 0): 30, (2, 1): 20}
+    assert results[0]["links"] == {(0, 1): 10}  # other ranks keep their own numbers
