@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Finetune at pipeline size 2: scripts/finetune_gpt.sh 2 (see its header for the environment variables).
+set -euo pipefail
+exec "$(dirname "${BASH_SOURCE[0]}")/finetune_gpt.sh" 2 "$@"
