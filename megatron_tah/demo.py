@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="100mbit", help="link rate (default 100mbit)")
     p.add_argument("--link", choices=("auto", "netns", "emulate"), default="auto",
                    help="auto: network namespaces when root with ip/tc, else in-process emulation")
-    p.add_argument("--train-iters", type=int, default=120)
+    p.add_argument("--train-iters", type=int, default=160)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-attention-heads", type=int, default=4)

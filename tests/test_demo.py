@@ -1,7 +1,7 @@
 """``make demo`` scaled down: both runs learn, the table, PNG and summary exist, and TAH-Quant
 sends at most 40% of the bytes of an uncompressed bf16 pipeline (forward and backward together).
 
-The full-size demo (120 iterations of a 4-layer, hidden-128 GPT on Shakespeare) is `make demo`;
+The full-size demo (160 iterations of a 4-layer, hidden-128 GPT on Shakespeare) is `make demo`;
 here: 2 layers, hidden 64, 30 iterations on the first plays, in-process link emulation.
 """
 
