@@ -148,6 +148,28 @@ def round_bf16(x: torch.Tensor, direction: int) -> torch.Tensor:
     return rounded.view(torch.float32)
 
 
+# ----- stochastic rounding -------------------------------------------------------------
+class RoundingNoise:
+    """Uniform [0, 1) noise for stochastic rounding, or None when rounding to nearest.
+
+    One generator per device, seeded with ``seed`` on first use, so a codec's sequence
+    of encodes is reproducible run to run.
+    """
+
+    def __init__(self, enabled: bool, seed: int):
+        self.enabled = bool(enabled)
+        self.seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def __call__(self, like: torch.Tensor) -> torch.Tensor | None:
+        if not self.enabled:
+            return None
+        key = str(like.device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=like.device).manual_seed(self.seed)
+        return torch.rand(like.shape, generator=self._generators[key], device=like.device)
+
+
 # ----- the asymmetric quantizer ----------------------------------------------------------
 def quantize_tiles(
     tiles: torch.Tensor,

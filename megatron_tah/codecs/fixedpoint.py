@@ -31,7 +31,7 @@ class FixedPointCodec(Codec):
         self.tile_size = common.check_tile_size(tile_size)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
 
     def config(self) -> dict:
         return {"bits": self.bits, "tile_size": self.tile_size, "stochastic_rounding": self.stochastic_rounding}
@@ -46,15 +46,6 @@ class FixedPointCodec(Codec):
             ("zero", 2 * tiles),
             ("codes", common.packed_nbytes(tiles * self.tile_size, self.bits)),
         ]
-
-    def rounding_noise(self, like: torch.Tensor) -> torch.Tensor | None:
-        """Uniform [0, 1) noise from this codec's own seeded generator, or None (round to nearest)."""
-        if not self.stochastic_rounding:
-            return None
-        key = str(like.device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=like.device).manual_seed(self.seed)
-        return torch.rand(like.shape, generator=self._generators[key], device=like.device)
 
     def _encode_torch(self, x, buf, layout):
         tiles, bad = common.to_tiles(x, self.tile_size)

@@ -68,7 +68,7 @@ class TahCodec(Codec):
         self.allocation = allocation
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
         self._last_rotated: torch.Tensor | None = None
 
     def config(self) -> dict:
@@ -153,14 +153,6 @@ class TahCodec(Codec):
         pivot = torch.where(rotate, magnitude.argmax(dim=-1), torch.zeros((), dtype=torch.long, device=tiles.device))
         return rotate, pivot
 
-    def _rounding_noise(self, like: torch.Tensor) -> torch.Tensor | None:
-        if not self.stochastic_rounding:
-            return None
-        key = str(like.device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=like.device).manual_seed(self.seed)
-        return torch.rand(like.shape, generator=self._generators[key], device=like.device)
-
     def _encode_torch(self, x, buf, layout):
         shape = self._dims(tuple(x.shape))
         tiles, bad = common.to_tiles(x, self.tile_size)
@@ -168,7 +160,7 @@ class TahCodec(Codec):
         rotate, pivot = self.find_outliers(tiles)
         rotated = rotate_tiles(tiles, rotate, pivot)
         levels = torch.where(low, 2**self.low_bits - 1, 2**self.high_bits - 1)
-        codes, scale, zero = common.quantize_tiles(rotated, levels, bad, self._rounding_noise(rotated))
+        codes, scale, zero = common.quantize_tiles(rotated, levels, bad, self.rounding_noise(rotated))
         self._last_rotated = rotate.float().mean()
 
         flags = low[:, 0] if self.allocation == "token" else low
@@ -207,7 +199,7 @@ class TahCodec(Codec):
         from ..kernels.common import philox_seed
         from ..kernels.tah import triton_tah_encode
 
-        self._last_rotated = triton_tah_encode(self, x, buf, layout, seed=philox_seed(self._rounding_noise))
+        self._last_rotated = triton_tah_encode(self, x, buf, layout, seed=philox_seed(self.rounding_noise))
 
     def _decode_triton(self, buf, shape, dtype, layout):
         from ..kernels.tah import triton_tah_decode
