@@ -1,0 +1,91 @@
+"""``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
+
+PART: data, throughput, convergence, ablations, memory, report. ``--size tiny`` is the CI
+smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
+Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from . import convergence
+from .runner import ReproduceError, execute_all, say
+
+PARTS = ("data", "throughput", "convergence", "ablations", "memory", "report")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_tah.reproduce", description=__doc__.split("\n")[0])
+    p.add_argument("part", choices=PARTS)
+    p.add_argument("--out", default="runs/reproduce", help="results root (default runs/reproduce)")
+    p.add_argument("--size", choices=sorted(convergence.SIZES), default="full")
+    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (convergence, ablations)")
+    p.add_argument("--force", action="store_true", help="rerun runs that already completed")
+    p.add_argument("--only", default=None, help="convergence/ablations: comma-separated run names to run")
+    p.add_argument("--docs", default=None, help="report: output directory (default docs/, or OUT/docs for tiny)")
+    p.add_argument("--link", choices=("netns", "emulate"), default="netns",
+                   help="throughput: real namespaced links (root) or the in-process emulation")
+    p.add_argument("--max-load", type=float, default=3.0,
+                   help="throughput: wait until the 1-minute load average is below this (0: do not wait)")
+    p.add_argument("--max-wait", type=float, default=900.0,
+                   help="throughput: give up waiting for a quiet machine after this many seconds (default 900)")
+    return p
+
+
+def _select(runs, only: str):
+    """The runs named in the comma-separated ``only`` (their ``after`` dependencies must already be done)."""
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    known = {r.name: r for r in runs}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"--only {only}: no run named {', '.join(unknown)} (known: {', '.join(known)})")
+    return [dataclasses.replace(known[n], after=()) for n in wanted]
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.jobs < 1:
+        print(f"error: --jobs {args.jobs}: must be >= 1", file=sys.stderr)
+        return 2
+    root = Path(args.out)
+    try:
+        if args.part in ("data", "convergence", "ablations", "memory"):
+            convergence.prepare_data(root, args.size)
+        if args.part in ("convergence", "ablations"):
+            if args.part == "convergence":
+                runs = convergence.pretrain_runs(root, args.size) + convergence.finetune_runs(root, args.size)
+            else:
+                runs = convergence.ablation_runs(root, args.size)
+            if args.only:
+                runs = _select(runs, args.only)
+            execute_all(runs, root / "convergence", jobs=args.jobs, force=args.force)
+        elif args.part == "memory":
+            from . import memory
+
+            memory.run(root, args.size)
+        elif args.part == "throughput":
+            from . import throughput
+
+            throughput.run(root, args.size, link=args.link, max_load=args.max_load, max_wait=args.max_wait,
+                           force=args.force)
+        elif args.part == "report":
+            from . import report
+
+            docs = Path(args.docs) if args.docs else (Path("docs") if args.size == "full" else root / "docs")
+            path = report.write(root, docs, args.size)
+            say(f"wrote {path}")
+    except ReproduceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

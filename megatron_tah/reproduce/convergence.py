@@ -1,0 +1,192 @@
+"""Convergence, ablation and memory experiments: which runs, and what their logs say.
+
+Pretraining: a GPT (``SIZES[size]``) on the Shakespeare corpus, one run per codec
+(:data:`CODECS`), same seed and data order. Fine-tuning: from the uncompressed
+pretraining checkpoint, on a small State of the Union subset for several epochs
+(so AQ-SGD's per-sample buffer is revisited; its warm-up is the first epoch).
+Ablations: TAH-Quant pretraining runs varying one knob of the default
+(tau = 2, 80/20 INT4/INT3, tile 64, token allocation).
+
+Every codec run uses the same backward codec as TAH-Quant (6-bit fixed point,
+tile 32) except ``none`` (uncompressed both ways) and ``fp8`` (fp8 both ways, as TACO),
+so the forward codec is the only difference among the quantizing runs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .runner import Run, read_log, read_meta
+
+# name -> (label, trainer flags)
+CODECS = {
+    "none": ("uncompressed (fp32)", ["--tah-forward-codec", "none", "--tah-backward-codec", "none"]),
+    "tah": ("TAH-Quant (4/3-bit fwd, 6-bit bwd)", ["--tah-forward-codec", "tah"]),
+    "fixedpoint4": ("direct 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4"]),
+    "fixedpoint3": ("direct 3-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "3"]),
+    "fp8": ("fp8 (TACO) both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
+    "none_seed2": ("uncompressed (fp32), seed 1235 (run-to-run spread)",
+                   ["--tah-forward-codec", "none", "--tah-backward-codec", "none", "--seed", "1235"]),
+    "tah_bwdnone": ("TAH-Quant fwd, uncompressed bwd (diagnostic)",
+                    ["--tah-forward-codec", "tah", "--tah-backward-codec", "none"]),
+    "aqsgd": ("AQ-SGD 4-bit deltas, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4"]),
+}
+PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone", "none_seed2")
+FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
+
+# ablation group -> [(run name, value shown, flags)]; the default TAH-Quant run is each group's reference.
+ABLATIONS = {
+    "outlier threshold tau": [
+        ("abl_tau0", "0 (always rotate)", ["--tah-outlier-threshold", "0"]),
+        ("tah", "2 (default)", []),
+        ("abl_tau4", "4", ["--tah-outlier-threshold", "4"]),
+        ("abl_tauinf", "inf (never rotate)", ["--tah-outlier-threshold", "inf"]),
+    ],
+    "INT4/INT3 mix": [
+        ("abl_mix100", "100/0", ["--tah-high-ratio", "1.0"]),
+        ("tah", "80/20 (default)", []),
+        ("abl_mix50", "50/50", ["--tah-high-ratio", "0.5"]),
+        ("abl_mix0", "0/100", ["--tah-high-ratio", "0.0"]),
+    ],
+    "tile size": [
+        ("abl_tile16", "16", ["--tah-tile-size", "16"]),
+        ("abl_tile32", "32", ["--tah-tile-size", "32"]),
+        ("tah", "64 (default)", []),
+        ("abl_tile128", "128", ["--tah-tile-size", "128"]),
+    ],
+    "bit allocation": [
+        ("tah", "token (default)", []),
+        ("abl_alloc_tile", "tile", ["--tah-allocation", "tile"]),
+    ],
+}
+
+SIZES = {
+    # PP 4, one layer per stage; 8 sequences of 128 tokens per iteration (4 micro-batches of 2).
+    "full": {"model": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+                       "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "8"],
+             "pipeline": 4, "pretrain_iters": 200, "finetune_iters": 100, "eval_interval": 25, "eval_iters": 8,
+             "shakespeare_tokens": 800_000, "sotu_tokens": 32_768},
+    # CI smoke size: seconds per run.
+    "tiny": {"model": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
+                       "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
+             "pipeline": 2, "pretrain_iters": 4, "finetune_iters": 4, "eval_interval": 2, "eval_iters": 1,
+             "shakespeare_tokens": 4_000, "sotu_tokens": 1_000},
+}
+PRETRAIN_LR = ["--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20", "--hidden-dropout", "0",
+               "--attention-dropout", "0"]
+FINETUNE_LR = ["--lr", "5e-4", "--min-lr", "5e-5", "--lr-warmup-iters", "10"]
+
+
+def data_prefixes(root: Path, size: str) -> dict[str, str]:
+    return {"shakespeare": str(Path(root) / "data" / f"shakespeare_{size}"),
+            "sotu": str(Path(root) / "data" / f"sotu_{size}")}
+
+
+def prepare_data(root: Path, size: str) -> dict[str, str]:
+    """Tokenize both corpora (capped per ``SIZES[size]``) unless present; returns the prefixes."""
+    from ..data import prepare
+
+    prefixes = data_prefixes(root, size)
+    caps = {"shakespeare": SIZES[size]["shakespeare_tokens"], "sotu": SIZES[size]["sotu_tokens"]}
+    for corpus, prefix in prefixes.items():
+        if not all(Path(f"{prefix}_{s}_text_document.{e}").is_file() for s in ("train", "valid")
+                   for e in ("bin", "idx")):
+            prepare(corpus, prefix, max_tokens=caps[corpus])
+    return prefixes
+
+
+def train_samples(prefix: str, seq_length: int) -> int:
+    """Training samples of ``seq_length + 1`` tokens in ``prefix``'s train split (as the trainer cuts them)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(f"{prefix}_train_text_document")
+    tokens = sum(len(ds[i]) for i in range(len(ds)))
+    return (tokens - 1) // seq_length
+
+
+def _flag(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str, list[str]] | None = None) -> list[Run]:
+    """Pretraining runs per codec (plus ``extra``: name -> additional TAH-Quant flags, the ablations)."""
+    cfg, prefixes = SIZES[size], data_prefixes(root, size)
+    common = [*cfg["model"], "--data-path", prefixes["shakespeare"], "--train-iters", str(cfg["pretrain_iters"]),
+              "--eval-interval", str(cfg["eval_interval"]), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR]
+    runs = []
+    for name in codecs:
+        label, flags = CODECS[name]
+        save = ["--save", str(Path(root) / "convergence" / "ckpt_none")] if name == "none" else []
+        runs.append(Run(name, [*common, *flags, *save], cfg["pipeline"], label=label,
+                        info={"phase": "pretrain", "codec": name}))
+    for name, flags in (extra or {}).items():
+        runs.append(Run(name, [*common, *CODECS["tah"][1], *flags], cfg["pipeline"], label=name,
+                        info={"phase": "pretrain", "codec": "tah", "ablation": flags}))
+    return runs
+
+
+def finetune_runs(root: Path, size: str, codecs=FINETUNE_CODECS) -> list[Run]:
+    """Fine-tuning runs from the ``none`` pretraining checkpoint; AQ-SGD warms up for one epoch."""
+    cfg, prefixes = SIZES[size], data_prefixes(root, size)
+    samples = train_samples(prefixes["sotu"], int(_flag(cfg["model"], "--seq-length")))
+    common = [*cfg["model"], "--data-path", prefixes["sotu"], "--train-iters", str(cfg["finetune_iters"]),
+              "--eval-interval", str(cfg["eval_interval"]), "--eval-iters", str(cfg["eval_iters"]), *FINETUNE_LR,
+              "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune"]
+    epochs = cfg["finetune_iters"] * int(_flag(cfg["model"], "--global-batch-size")) / samples
+    runs = []
+    for name in codecs:
+        label, flags = CODECS[name]
+        if name == "aqsgd":
+            flags = [*flags, "--tah-aqsgd-warmup-samples", str(samples)]
+        runs.append(Run(f"ft_{name}", [*common, *flags], cfg["pipeline"], label=label, after=("none",),
+                        info={"phase": "finetune", "codec": name, "train_samples": samples, "epochs": epochs}))
+    return runs
+
+
+def ablation_runs(root: Path, size: str) -> list[Run]:
+    extra = {name: flags for group in ABLATIONS.values() for name, _, flags in group if name != "tah"}
+    return pretrain_runs(root, size, codecs=(), extra=extra)
+
+
+# ----------------------------------------------------------------------------- analysis
+def summarize(records: list[dict]) -> dict:
+    """Final validation loss / perplexity, the validation curve, and the mean wire bytes per iteration."""
+    valid = [r for r in records if "valid_loss" in r]
+    if not valid:
+        raise ValueError("log has no validation records")
+    n = len(records)
+    wire = sum(r["fwd_wire_bytes"] + r["bwd_wire_bytes"] for r in records) / n
+    raw = sum(r["fwd_raw_bytes"] + r["bwd_raw_bytes"] for r in records) / n
+    return {"valid_loss": valid[-1]["valid_loss"], "valid_ppl": math.exp(min(valid[-1]["valid_loss"], 700)),
+            "best_valid_loss": min(r["valid_loss"] for r in valid),
+            "train_loss": sum(r["lm_loss"] for r in records[-10:]) / len(records[-10:]),
+            "iterations": records[-1]["iteration"], "wire_bytes_per_iter": wire, "raw_bytes_per_iter": raw,
+            "fwd_rel_error": _mean([(r.get("tah") or {}).get("forward", {}).get("rel_error") for r in records]),
+            "rotated_fraction": _mean([(r.get("tah") or {}).get("forward", {}).get("rotated_fraction")
+                                       for r in records])}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def collect(out_dir: Path, names) -> dict[str, dict]:
+    """``{name: summary + meta}`` for the runs of ``names`` that completed (others are left out)."""
+    rows = {}
+    for name in names:
+        path = Path(out_dir) / f"{name}.jsonl"
+        meta = read_meta(out_dir, name)
+        if not path.is_file() or not meta or meta.get("status") != 0:
+            continue
+        records = read_log(path)
+        rows[name] = {**summarize(records), "records": records, "meta": meta}
+    return rows
+
+
+def relative_gap(value: float, reference: float) -> float:
+    """``(value - reference) / reference``: positive when ``value`` is worse (higher loss)."""
+    if reference == 0:
+        raise ValueError("reference loss is 0")
+    return (value - reference) / reference

@@ -1,0 +1,94 @@
+"""PNG plots of the reproduction (matplotlib, Agg backend, ~100 dpi so each file stays well under 200 KB)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = {"none": "black", "none_bf16": "tab:gray", "tah": "tab:red", "tah_bf16": "tab:pink",
+          "fixedpoint4": "tab:blue", "fixedpoint3": "tab:cyan", "aqsgd": "tab:green", "fp8": "tab:purple"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_curves(rows: dict[str, dict], path: Path, title: str, prefix: str = "") -> Path:
+    """Validation loss (markers) and smoothed training loss (thin lines) per run; ``rows`` from ``convergence.collect``."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, row in rows.items():
+        codec = name.removeprefix(prefix)
+        color = COLORS.get(codec)
+        records = row["records"]
+        it = [r["iteration"] for r in records]
+        loss = [r["lm_loss"] for r in records]
+        k = max(1, len(loss) // 20)
+        smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
+        label = row["meta"].get("label") or codec
+        axes[0].plot(it, smooth, color=color, lw=1.0, label=label)
+        valid = [r for r in records if "valid_loss" in r]
+        axes[1].plot([r["iteration"] for r in valid], [r["valid_loss"] for r in valid], "o-", ms=3, lw=1.0,
+                     color=color, label=label)
+    axes[0].set_title("training loss (moving average)", fontsize=9)
+    axes[1].set_title("validation loss", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("lm loss")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    # Zoom the validation panel on the last two thirds, where the curves separate.
+    finals = [r["valid_loss"] for row in rows.values() for r in row["records"][len(row["records"]) // 3:]
+              if "valid_loss" in r]
+    if finals:
+        lo, hi = min(finals), max(finals)
+        axes[1].set_ylim(lo - 0.1 * (hi - lo + 1e-3) - 0.02, hi + 0.6 * (hi - lo + 1e-3) + 0.02)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def throughput(table: dict, path: Path, labels: dict[str, str]) -> Path:
+    """tokens/s vs link rate (log x) per codec, and measured speed-up vs the bound for TAH-Quant."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    rates = sorted(table["rates"].values(), key=lambda e: e["rate_bps"])
+    codecs = [c for c in labels if any(c in e["rows"] and e["rows"][c] for e in rates)]
+    for codec in codecs:
+        pts = [(e["rate_bps"] / 1e6, e["rows"][codec]["tokens_per_s"]) for e in rates if e["rows"].get(codec)]
+        axes[0].plot(*zip(*pts), "o-", ms=3, color=COLORS.get(codec), label=labels[codec])
+    unthrottled = (table["compute"].get("none") or {}).get("tokens_per_s")
+    if unthrottled:
+        axes[0].axhline(unthrottled, color="black", ls=":", lw=0.8, label="fp32, unthrottled loopback")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("link rate (Mbit/s)")
+    axes[0].set_ylabel("tokens/s")
+    axes[0].set_title("throughput vs link rate (PP %d, real tc links)" % table["pipeline"], fontsize=9)
+    axes[0].legend(fontsize=7)
+    for codec in ("tah", "fixedpoint4", "aqsgd", "fp8"):
+        pts = [(e["rate_bps"] / 1e6, e["rows"][codec]["speedup"], e["rows"][codec]["bound"]) for e in rates
+               if e["rows"].get(codec) and e["rows"][codec].get("speedup")]
+        if not pts:
+            continue
+        x, s, b = zip(*pts)
+        axes[1].plot(x, s, "o-", ms=3, color=COLORS.get(codec), label=f"{labels[codec]}: measured")
+        if codec == "tah":
+            axes[1].plot(x, b, "s--", ms=3, color=COLORS.get(codec), alpha=0.6, label=f"{labels[codec]}: bound")
+    axes[1].axhline(1.0, color="black", lw=0.6)
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("link rate (Mbit/s)")
+    axes[1].set_ylabel("speed-up over fp32")
+    axes[1].set_title("speed-up over uncompressed fp32", fontsize=9)
+    axes[1].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

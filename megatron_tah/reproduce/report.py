@@ -1,0 +1,504 @@
+"""Regenerate ``docs/RESULTS.md`` and its PNG plots from the logs under ``runs/reproduce``.
+
+Every measured number in the page is computed here from the trainer's JSON logs and the
+runner's meta files; the only constants are the papers' reported numbers (``PAPER_*``,
+from SPEC.md) and the targets the issue set (``TARGETS``). Sections whose runs are
+missing say so instead of showing numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+
+from . import convergence, plots, throughput
+from .runner import read_meta
+
+# The papers' numbers (SPEC.md): GPT2-XL, 8 stages, tokens/s (FP32, AQ-SGD, TAH-Quant).
+PAPER_THROUGHPUT = {"1gbit": (2600, 4749, 5650), "500mbit": (2482, 4311, 5749), "300mbit": (1761, 4369, 5120),
+                    "100mbit": (751, 3310, 4045)}
+PAPER_ABLATIONS = {"abl_tau0": 2.60, "tah": 2.55, "abl_tau4": 2.57, "abl_tauinf": 2.63,
+                   "abl_mix100": 2.51, "abl_mix50": 2.57, "abl_mix0": 2.60}
+TARGETS = {"of_bound": 0.85, "paper_vs_fp32": 4.3, "paper_vs_bf16": 2.4, "loss_gap": 0.01, "direct3_worse": 0.005}
+
+
+def _f(x, spec=".2f", missing="n/a") -> str:
+    return missing if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _x(x) -> str:
+    """``1.23x``, or ``n/a``."""
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _pct(x, spec=".2f") -> str:
+    return "n/a" if x is None else f"{100 * x:{spec}}%"
+
+
+def _ok(flag) -> str:
+    return "n/a" if flag is None else ("**met**" if flag else "**not met**")
+
+
+def _wall(metas: list[dict]) -> float | None:
+    """Wall-clock seconds from the first run's start to the last run's end."""
+    spans = []
+    for m in metas:
+        if m and m.get("started") and m.get("seconds") is not None:
+            t0 = datetime.datetime.strptime(m["started"], "%Y-%m-%dT%H:%M:%SZ").timestamp()
+            spans.append((t0, t0 + m["seconds"]))
+    return (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else None
+
+
+# ----------------------------------------------------------------------------- sections
+def _throughput_section(t: dict, docs: Path, size: str) -> tuple[list[str], dict]:
+    labels = {k: v[0] for k, v in throughput.CODECS.items()}
+    lines = ["## 1. Throughput vs link rate", ""]
+    checks: dict = {}
+    if t["compute"].get("none") is None:
+        return lines + ["Not run yet (`scripts/reproduce.sh throughput`).", ""], checks
+    cfg = throughput.SIZES[size]
+    lines += [f"Model: `{' '.join(cfg['model'])}`, PP {t['pipeline']}, synthetic tokens (vocabulary "
+              f"{throughput.VOCAB}), {cfg['iters']} iterations per run; tokens/s and ms are medians over "
+              "iterations 3 and later. Links: one network namespace per stage, `tc tbf` at the rate "
+              "(`megatron_tah.slow_link`), gloo over TCP.", "",
+              "**Model of an iteration.** " + throughput.MODEL_TEXT, ""]
+    lines += ["Compute time per iteration on an unthrottled loopback link (`c` is the fp32 row):", "",
+              "| codec | ms/iter | tokens/s | critical-link MB/iter | compression vs fp32 |", "|---|---:|---:|---:|---:|"]
+    base = t["compute"]["none"]
+    for name, row in t["compute"].items():
+        if row:
+            lines.append(f"| {labels[name]} | {row['ms']:.1f} | {row['tokens_per_s']:.0f} | "
+                         f"{row['critical_wire_bytes'] / 1e6:.3f} | "
+                         f"{base['critical_raw_bytes'] / row['critical_wire_bytes']:.2f}x |")
+    lines.append("")
+    if t.get("links"):
+        lines += ["Achieved TCP rate of the namespaced links (`slow_link.measure`):", "",
+                  "| requested | achieved | ratio |", "|---|---:|---:|"]
+        for rate, m in t["links"].items():
+            lines.append(f"| {rate} | {m['achieved_bps'] / 1e6:.1f} Mbit/s | {100 * m['ratio']:.0f}% |")
+        lines.append("")
+    if t.get("k") is not None:
+        lines += [f"Serialization factor used: **k = {t['k']:.2f}** (paper-regime fp32 run). The same fit on the "
+                  "fp32 run at each rate, for reference: " + ", ".join(
+                      f"{r}: {_f(e.get('k_fit'))}" for r, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"]))
+                  + ".", ""]
+    lines += ["| link | codec | tokens/s | speed-up vs fp32 | bound (c+t_raw)/(c+t_wire) | of bound | "
+              "bytes-only bound (k=1) | vs bf16 | measured ms | model c+t_wire ms | load |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    misses = []
+    for rate, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"]):
+        for name, row in e["rows"].items():
+            if not row:
+                continue
+            lines.append(f"| {rate} | {labels[name]} | {row['tokens_per_s']:.0f} | "
+                         f"{_x(row['speedup'])} | {row['bound']:.2f}x | {_pct(row['of_bound'], '.0f')} | "
+                         f"{row['bound_bytes_only']:.2f}x | {_x(row['vs_bf16'])} | "
+                         f"{row['ms']:.0f} | {row['model_ms']:.0f} | {_f(row['load'], '.1f')} |")
+        tah = e["rows"].get("tah")
+        if tah and tah.get("of_bound") is not None:
+            checks[f"tah_of_bound_{rate}"] = tah["of_bound"] >= TARGETS["of_bound"]
+            if tah["of_bound"] < TARGETS["of_bound"]:
+                misses.append((rate, tah))
+    loads = [row["load"] for e in t["rates"].values() for row in e["rows"].values() if row and row.get("load")]
+    if loads:
+        lines += ["", f"1-minute load average before each sweep run: {min(loads):.1f} to {max(loads):.1f} (about 4 of it "
+                  "is this part's own previous run; the rest is other jobs sharing the 2 cores). At the fast rates the "
+                  "differences between codecs are of the order of the codecs' own CPU time and of the run-to-run "
+                  "noise (compare the fp32 rows at 500 Mbit/s-10 Gbit/s, whose link time is small)."]
+    lines.append("")
+    png = plots.throughput(t, docs / "throughput.png", labels)
+    lines += [f"![tokens/s vs link rate]({png.name})", ""]
+    lines += _paper_comparison(t)
+    lines += _paper_regime(t, checks)
+    if misses and t["compute"].get("tah"):
+        codec_ms = t["compute"]["tah"]["ms"] - base["ms"]
+        lines += ["**Where TAH-Quant stays below 85% of the bound.** The bound counts only bytes; the measured run "
+                  "also pays TAH-Quant's encode/decode on the CPU (torch reference path): its unthrottled iteration "
+                  f"is {codec_ms:.0f} ms longer than fp32's. Per miss, the link time the bound model saves per "
+                  "iteration against that codec time: "
+                  + "; ".join(f"{r}: {_pct(row['of_bound'], '.0f')} of a {row['bound']:.2f}x bound "
+                              f"({_pct(row['speedup'] / row['bound_bytes_only'], '.0f')} of the bytes-only "
+                              f"{row['bound_bytes_only']:.2f}x; fp32 fit k here "
+                              f"{_f(t['rates'][r].get('k_fit'))}), "
+                              f"{1e3 * (t['rates'][r]['t_raw_s'] - row['t_wire_s']):.0f} ms saved vs {codec_ms:.0f} ms "
+                              "of codec" for r, row in misses)
+                  + ". Where the fp32 fit gives k near 1 the link time partly overlaps compute, so the k-scaled bound "
+                  "is optimistic there and the bytes-only bound is the better reference. Where the codec time is a "
+                  "sizeable part of the time saved, the measured speed-up falls short of "
+                  "the bytes-only bound (on GPUs the project's fused Triton kernels address that cost; not measured "
+                  "here).", ""]
+    return lines, checks
+
+
+def _paper_comparison(t: dict) -> list[str]:
+    lines = ["Against the paper's table (GPT2-XL, 8 stages; the speed-ups are computed from the paper's tokens/s):", "",
+             "| link | paper AQ-SGD / FP32 | here AQ-SGD / fp32 | paper TAH-Quant / FP32 | here TAH-Quant / fp32 |",
+             "|---|---:|---:|---:|---:|"]
+    for rate, (fp32, aq, tah) in PAPER_THROUGHPUT.items():
+        rows = t["rates"].get(rate, {}).get("rows", {})
+        here_aq = (rows.get("aqsgd") or {}).get("speedup")
+        here_tah = (rows.get("tah") or {}).get("speedup")
+        lines.append(f"| {rate} | {aq / fp32:.2f}x | {_x(here_aq)} | {tah / fp32:.2f}x | {_x(here_tah)} |")
+    ratios = [f"{rate}: {e['t_raw_s'] / e['c_s']:.2f}" for rate, e in
+              sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"])]
+    fp32, _, tah = PAPER_THROUGHPUT["100mbit"]
+    lines += ["", "Any speed-up `S` from fewer bytes obeys `S <= 1 + t_raw / c`, so the paper's "
+              f"{tah / fp32:.2f}x at 100 Mbit/s means its fp32 link time was at least {tah / fp32 - 1:.1f}x its compute "
+              "time. Here the ratio `t_raw / c` (fp32 link time of the busiest link over the measured compute time) "
+              "is " + (", ".join(ratios) if ratios else "not measured yet") + ". "
+              + ("At the paper's rates this model is less communication-bound than the paper's was, so the same "
+                 "compression buys less; the paper regime below restores the ratio."
+                 if "100mbit" in t["rates"] and t["rates"]["100mbit"]["t_raw_s"] / t["rates"]["100mbit"]["c_s"]
+                 < tah / fp32 - 1 else "The paper regime below sets the ratio explicitly."), ""]
+    return lines
+
+
+def _paper_regime(t: dict, checks: dict) -> list[str]:
+    p = t.get("paper")
+    lines = ["### The paper's regime: a link where fp32 traffic takes "
+             f"{throughput.PAPER_REGIME_FACTOR:.0f}x the compute time", ""]
+    if not p:
+        return lines + ["Not run yet.", ""]
+    lines += [f"Rate computed from the unthrottled fp32 run: c = {p['c_ms']:.1f} ms, fp32 bytes on the busiest "
+              f"link {p['critical_raw_bytes'] / 1e6:.3f} MB per iteration, so rate = bytes * 8 / "
+              f"({throughput.PAPER_REGIME_FACTOR:.0f} c) = **{p['rate_bps'] / 1e6:.3f} Mbit/s** (`{p['rate']}`). "
+              f"The issue asks for a rate where fp32 traffic takes at least 20x c; "
+              f"{throughput.PAPER_REGIME_FACTOR:.0f}x is the rate used. With the serialization factor measured "
+              f"at this rate (k = {p['k']:.2f}), the fp32 run spent "
+              f"{(p['rows']['none']['ms'] / 1e3 - p['c_s']) / p['c_s'] if p['rows'].get('none') else float('nan'):.0f}"
+              "x c on the link per iteration.", "",
+              "| codec | tokens/s | ms/iter | speed-up vs fp32 | vs uncompressed bf16 | bound (vs fp32) | "
+              "bytes-only bound | k of this run | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    labels = {k: v[0] for k, v in throughput.PAPER_CODECS.items()}
+    rows = p["rows"]
+    for name, row in rows.items():
+        if row:
+            lines.append(f"| {labels[name]} | {row['tokens_per_s']:.0f} | {row['ms']:.0f} | {_x(row['speedup'])} | "
+                         f"{_x(row['vs_bf16'])} | {row['bound']:.2f}x | {row['bound_bytes_only']:.2f}x | "
+                         f"{_f(row['k_run'])} | {_f(row['load'], '.1f')} |")
+    tah, tah16, none16 = rows.get("tah"), rows.get("tah_bf16"), rows.get("none_bf16")
+    vs_fp32 = tah["speedup"] if tah else None
+    vs_bf16 = tah16["tokens_per_s"] / none16["tokens_per_s"] if (tah16 and none16) else None
+    if tah and tah.get("of_bound") is not None:
+        checks["tah_of_bound_paper regime"] = tah["of_bound"] >= TARGETS["of_bound"]
+    checks["paper_vs_fp32"] = None if vs_fp32 is None else vs_fp32 >= TARGETS["paper_vs_fp32"]
+    checks["paper_vs_bf16"] = None if vs_bf16 is None else vs_bf16 >= TARGETS["paper_vs_bf16"]
+    checks["_paper_values"] = (vs_fp32, vs_bf16)
+    if tah and tah.get("of_bound") and tah["of_bound"] > 1 and rows.get("none"):
+        lines += ["", f"TAH-Quant beats the bound ({_pct(tah['of_bound'], '.0f')} of it) because the link time is not "
+                  f"proportional to the bytes at this rate: the fp32 run spent k = {_f(rows['none'].get('k_run'))} times "
+                  f"its bytes/rate on the link, the TAH-Quant run k = {_f(tah.get('k_run'))} (column *k of this run*: "
+                  "(ms - own unthrottled ms) / (wire bytes * 8 / rate)): the large fp32 messages used the link less "
+                  "efficiently in the blocking 1F1B exchange than the smaller compressed ones (measured; the mechanism "
+                  "was not isolated here)."]
+    lines += ["", f"TAH-Quant vs fp32: **{_x(vs_fp32)}** (target >= {TARGETS['paper_vs_fp32']}x: "
+              f"{_ok(checks['paper_vs_fp32'])}); TAH-Quant on a bf16 pipeline vs uncompressed bf16: "
+              f"**{_x(vs_bf16)}** (target >= {TARGETS['paper_vs_bf16']}x: {_ok(checks['paper_vs_bf16'])}).", ""]
+    return lines
+
+
+def _loss_table(rows: dict, ref: str, prefix: str = "") -> list[str]:
+    lines = ["| run | final valid loss | valid ppl | gap vs uncompressed | best valid loss | wire MB/iter | "
+             "compression vs fp32 | fwd rel. error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = rows.get(ref)
+    for name, row in rows.items():
+        gap = convergence.relative_gap(row["valid_loss"], base["valid_loss"]) if base else None
+        comp = row["raw_bytes_per_iter"] / row["wire_bytes_per_iter"] if row["wire_bytes_per_iter"] else None
+        lines.append(f"| {row['meta'].get('label') or name.removeprefix(prefix)} | {row['valid_loss']:.4f} | "
+                     f"{row['valid_ppl']:.1f} | {_pct(gap, '+.2f')} | {row['best_valid_loss']:.4f} | "
+                     f"{row['wire_bytes_per_iter'] / 1e6:.3f} | {_x(comp)} | {_f(row['fwd_rel_error'], '.3f')} |")
+    return lines + [""]
+
+
+def _convergence_section(root: Path, docs: Path, size: str) -> tuple[list[str], dict]:
+    out = Path(root) / "convergence"
+    cfg = convergence.SIZES[size]
+    pre = convergence.collect(out, convergence.PRETRAIN_CODECS)
+    ft = convergence.collect(out, [f"ft_{c}" for c in convergence.FINETUNE_CODECS])
+    checks: dict = {}
+    lines = ["## 2. Convergence", ""]
+    if not pre:
+        return lines + ["Not run yet (`scripts/reproduce.sh convergence`).", ""], checks
+    lines += [f"Model: `{' '.join(cfg['model'])}`, PP {cfg['pipeline']} ({cfg['pipeline'] - 1} compressed stage boundaries), "
+              f"GPT-2 BPE vocabulary. Pretraining: Shakespeare ({cfg['shakespeare_tokens']:,} training tokens "
+              f"at most), {cfg['pretrain_iters']} iterations, `{' '.join(convergence.PRETRAIN_LR)}`. Fine-tuning: "
+              f"from the uncompressed pretraining checkpoint, State of the Union subset, "
+              f"{cfg['finetune_iters']} iterations, `{' '.join(convergence.FINETUNE_LR)}`. Validation: "
+              f"{cfg['eval_iters']} fixed batches every {cfg['eval_interval']} iterations. Same seed and data order "
+              "in every run; the quantizing runs share the backward codec (6-bit fixed point, tile 32) except fp8.",
+              "", "### Pretraining (Shakespeare)", ""]
+    lines += _loss_table(pre, "none")
+    skipped = [convergence.CODECS[c][0] for c in convergence.PRETRAIN_CODECS if c not in pre]
+    if skipped:
+        lines += [f"Not run in this reproduction (time budget): {'; '.join(skipped)}.", ""]
+    png = plots.loss_curves(pre, docs / "loss_pretrain.png", "pretraining, Shakespeare")
+    lines += [f"![pretraining loss curves]({png.name})", ""]
+    if ft:
+        info = next(iter(ft.values()))["meta"].get("info", {})
+        lines += ["### Fine-tuning (State of the Union)", "",
+                  f"{info.get('train_samples', 'n/a')} training samples, {_f(info.get('epochs'), '.1f')} epochs; "
+                  "AQ-SGD sends the first epoch uncompressed (its warm-up) and 4-bit deltas afterwards.", ""]
+        lines += _loss_table(ft, "ft_none", "ft_")
+        skipped = [convergence.CODECS[c][0] for c in convergence.FINETUNE_CODECS if f"ft_{c}" not in ft]
+        if skipped:
+            lines += [f"Not run in this reproduction (time budget): {'; '.join(skipped)}.", ""]
+        png = plots.loss_curves(ft, docs / "loss_finetune.png", "fine-tuning, State of the Union", prefix="ft_")
+        lines += [f"![fine-tuning loss curves]({png.name})", ""]
+    lines += _convergence_discussion(pre, ft)
+    spread = _gap(pre, "none_seed2", "none")
+    # "Measurably worse": beyond 0.5% and beyond the measured seed-to-seed spread.
+    checks["_direct3_threshold"] = max(TARGETS["direct3_worse"], abs(spread) if spread is not None else 0.0)
+    for phase, rows, ref in (("pretraining", pre, "none"), ("fine-tuning", ft, "ft_none")):
+        tah_name = "tah" if ref == "none" else "ft_tah"
+        fp3 = "fixedpoint3" if ref == "none" else "ft_fixedpoint3"
+        if ref in rows and tah_name in rows:
+            gap = convergence.relative_gap(rows[tah_name]["valid_loss"], rows[ref]["valid_loss"])
+            checks[f"loss_gap_{phase}"] = abs(gap) <= TARGETS["loss_gap"]
+            checks[f"_gap_{phase}"] = gap
+        if fp3 in rows and tah_name in rows:
+            diff = convergence.relative_gap(rows[fp3]["valid_loss"], rows[tah_name]["valid_loss"])
+            checks[f"direct3_{phase}"] = diff > checks["_direct3_threshold"]
+            checks[f"_direct3_{phase}"] = diff
+    return lines, checks
+
+
+def _gap(rows: dict, name: str, ref: str) -> float | None:
+    if name in rows and ref in rows:
+        return convergence.relative_gap(rows[name]["valid_loss"], rows[ref]["valid_loss"])
+    return None
+
+
+def _gap_series(ref: list[dict], run: list[dict]) -> list[tuple[int, float]]:
+    """``[(iteration, relative validation-loss gap)]`` at the iterations both logs validated."""
+    base = {r["iteration"]: r["valid_loss"] for r in ref if "valid_loss" in r}
+    return [(r["iteration"], convergence.relative_gap(r["valid_loss"], base[r["iteration"]]))
+            for r in run if "valid_loss" in r and r["iteration"] in base]
+
+
+def _convergence_discussion(pre: dict, ft: dict) -> list[str]:
+    """What the numbers say about the paper's convergence claims (every number from the logs)."""
+    out = []
+    tah = pre.get("tah")
+    gap = _gap(pre, "tah", "none")
+    if tah is None or gap is None:
+        return out
+    text = (f"**Reading the pretraining numbers.** TAH-Quant ends {_pct(gap, '+.2f')} from uncompressed "
+            f"(target: within {100 * TARGETS['loss_gap']:.0f}%). ")
+    rotated = tah.get("rotated_fraction")
+    if rotated is not None and rotated < 0.05:
+        text += (f"Only {_pct(rotated, '.3f')} of its tiles met the outlier test (tau = 2) in this small, briefly "
+                 "trained model, so its Hadamard path rarely ran: here it behaves as token-adaptive 4/3-bit tile "
+                 "quantization, without the outlier channels that make direct quantization of large models' "
+                 "activations fail. ")
+    elif rotated is not None:
+        text += f"{_pct(rotated, '.1f')} of its tiles met the outlier test (tau = 2) and were rotated. "
+    diag = _gap(pre, "tah_bwdnone", "none")
+    if diag is not None:
+        text += (f"The diagnostic run with TAH-Quant forward and uncompressed backward ends {_pct(diag, '+.2f')} "
+                 f"from uncompressed, so the 6-bit backward quantization accounts for about "
+                 f"{_pct(gap - diag, '+.2f')} of the gap and the forward codec for the rest. ")
+    others = [f"{pre[n]['meta'].get('label') or n} {_pct(_gap(pre, n, 'none'), '+.2f')}"
+              for n in ("fixedpoint4", "fixedpoint3", "fp8") if n in pre]
+    if others:
+        text += "Other codecs vs uncompressed: " + "; ".join(others) + ". "
+    spread = _gap(pre, "none_seed2", "none")
+    if spread is not None:
+        text += (f"Run-to-run spread: the uncompressed run with another seed (initialization and data order) ends "
+                 f"{_pct(spread, '+.2f')} from the first, so single-run differences of that size are not resolved "
+                 "at this scale. ")
+    series = _gap_series(pre["none"]["records"], tah["records"])
+    if series:
+        text += ("TAH-Quant's gap at each validation point (iteration: gap): "
+                 + ", ".join(f"{it}: {_pct(g, '+.2f')}" for it, g in series) + ".")
+    out += [text, ""]
+    fgap = _gap(ft, "ft_tah", "ft_none")
+    if fgap is not None:
+        text = f"**Fine-tuning.** TAH-Quant ends {_pct(fgap, '+.2f')} from uncompressed"
+        aq = _gap(ft, "ft_aqsgd", "ft_none")
+        if aq is not None:
+            text += f", AQ-SGD {_pct(aq, '+.2f')}"
+        d3 = _gap(ft, "ft_fixedpoint3", "ft_none")
+        if d3 is not None:
+            text += f", direct 3-bit {_pct(d3, '+.2f')}"
+        text += "."
+        if "ft_aqsgd" in ft:
+            recs = ft["ft_aqsgd"]["records"]
+            text += (f" AQ-SGD's forward traffic: {recs[0]['fwd_wire_bytes'] / 1e6:.3f} MB per iteration during its "
+                     f"warm-up epoch (uncompressed), {recs[-1]['fwd_wire_bytes'] / 1e6:.3f} MB per iteration on "
+                     "later epochs (4-bit deltas); TAH-Quant sends "
+                     f"{ft['ft_tah']['records'][-1]['fwd_wire_bytes'] / 1e6:.3f} MB from the first step, with no "
+                     "per-sample state." if "ft_tah" in ft else "")
+        out += [text, ""]
+    return out
+
+
+def _ablation_section(root: Path) -> list[str]:
+    out = Path(root) / "convergence"
+    lines = ["## 3. Ablations (TAH-Quant pretraining, one knob changed from the default)", ""]
+    names = [n for g in convergence.ABLATIONS.values() for n, _, _ in g]
+    rows = convergence.collect(out, dict.fromkeys(names))
+    if "tah" not in rows or len(rows) < 2:
+        return lines + ["Not run yet (`scripts/reproduce.sh ablations`).", ""]
+    ref = rows["tah"]["valid_loss"]
+    lines += ["Final validation loss of the pretraining run above; the paper's column is its loss at step 500 "
+              "(GPT2-XL), for the direction of the effect, not the value.", "",
+              "| knob | value | final valid loss | vs default | wire MB/iter | fwd rel. error | rotated tiles | paper |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for group, entries in convergence.ABLATIONS.items():
+        for name, value, _ in entries:
+            row = rows.get(name)
+            if row is None:
+                lines.append(f"| {group} | {value} | not run | | | | | |")
+                continue
+            paper = PAPER_ABLATIONS.get(name) if (name != "tah" or group == "outlier threshold tau") else None
+            lines.append(f"| {group} | {value} | {row['valid_loss']:.4f} | "
+                         f"{_pct(convergence.relative_gap(row['valid_loss'], ref), '+.2f')} | "
+                         f"{row['wire_bytes_per_iter'] / 1e6:.3f} | {_f(row['fwd_rel_error'], '.3f')} | "
+                         f"{_f(row['rotated_fraction'], '.3f')} | {_f(paper)} |")
+    hidden = int(convergence._flag(convergence.SIZES["full"]["model"], "--hidden-size"))
+    why = {("abl_tau4", "abl_tauinf"): "with tau >= 4 no tile of this model passed the outlier test (rotated "
+           "fraction 0), so tau = 4 and tau = inf encode identically",
+           ("abl_mix100", "abl_alloc_tile"): f"with hidden {hidden} and tile 64 a token has {hidden // 64} tiles, so "
+           f"tile-level allocation at 80/20 gives floor({hidden // 64} x 0.2) = 0 low-bit tiles per token, i.e. all "
+           "INT4 like the 100/0 mix (its wire differs slightly, presumably by the per-tile allocation bits)"}
+    for (a, b), reason in why.items():
+        if a in rows and b in rows and rows[a]["valid_loss"] == rows[b]["valid_loss"]:
+            lines += ["", f"`{a}` and `{b}` end at exactly the same loss, as expected: {reason}."]
+    seeds = convergence.collect(out, ["none", "none_seed2"])
+    spread = _gap(seeds, "none_seed2", "none")
+    if spread is not None:
+        lines += ["", f"One run per setting: the seed-to-seed spread of the uncompressed run ({_pct(spread, '+.2f')}) "
+                  "is the scale below which these differences are not resolved."]
+    if any(n not in rows for n in names):
+        lines += ["", "Rows marked *not run* did not fit this reproduction's time budget; "
+                  "`bash scripts/reproduce.sh ablations` runs them (finished runs are skipped)."]
+    return lines + [""]
+
+
+def _memory_section(root: Path) -> tuple[list[str], dict]:
+    path = Path(root) / "memory" / "memory.json"
+    lines = ["## 4. Memory: AQ-SGD's buffer vs TAH-Quant's", ""]
+    if not path.is_file():
+        return lines + ["Not run yet (`scripts/reproduce.sh memory`).", ""], {}
+    m = json.loads(path.read_text())
+    rss = m["max_rss_kb"]
+    lines += [f"For the fine-tuning run ({m['samples']} samples of [{m['seq']}, {m['hidden']}], PP {m['pipeline']}): "
+              "AQ-SGD's buffer measured by replaying every training sample through one `AqSgdCodec` link end "
+              "(`buffer_nbytes()`), times the 2 (p - 1) link ends of the pipeline; TAH-Quant keeps nothing per "
+              f"sample (checked: encoding a tensor again after others gives identical bytes: {m['tah_stateless']}).", "",
+              "| | AQ-SGD | TAH-Quant |", "|---|---:|---:|",
+              f"| buffer per link end | {m['aqsgd_buffer_bytes_per_link_end'] / 2**20:.2f} MiB | 0 |",
+              f"| buffer per sample per link end | {m['aqsgd_buffer_bytes_per_sample_per_end'] / 1024:.1f} KiB | 0 |",
+              f"| buffer, whole run ({2 * (m['pipeline'] - 1)} link ends) | "
+              f"{m['aqsgd_buffer_bytes_run'] / 2**20:.2f} MiB | 0 |",
+              f"| peak RSS of the largest stage process (fine-tuning run) | {_f(_mib(rss.get('aqsgd')), '.0f')} MiB | "
+              f"{_f(_mib(rss.get('tah')), '.0f')} MiB |", "",
+              f"Peak RSS of the uncompressed fine-tuning run: {_f(_mib(rss.get('none')), '.0f')} MiB. At the AQ-SGD "
+              f"paper's GPT2-XL setting (seq 1024, hidden 1600, fp16 buffer) a middle stage holds two link ends, "
+              f"{m['gpt2_xl_bytes_per_sample_per_middle_rank'] / 1e6:.1f} MB per training sample (computed, matching "
+              "SPEC's ~6.5 MB), which TAH-Quant does not need.", ""]
+    if rss.get("aqsgd") and rss.get("tah"):
+        diff = (rss["aqsgd"] - rss["tah"]) * 1024
+        if diff < m["aqsgd_buffer_bytes_per_link_end"]:
+            lines += [f"The peak-RSS difference ({diff / 2**20:+.0f} MiB) is smaller than one link end's buffer: "
+                      f"at this size one buffer is {_pct(m['aqsgd_buffer_bytes_per_link_end'] / (rss['aqsgd'] * 1024), '.1f')} "
+                      "of a stage process's peak RSS (model, optimizer, megatron-core and torch), below the "
+                      "run-to-run variation of RSS; the codec's own count above is the measurement.", ""]
+    return lines, {"memory_reported": True}
+
+
+def _mib(kb):
+    return None if kb is None else kb / 1024
+
+
+def _summary(checks: dict) -> list[str]:
+    lines = ["## Summary: the claims and what was measured here", "",
+             "| claim (target) | result | status |", "|---|---|---|"]
+    bound_keys = sorted(k for k in checks if k.startswith("tah_of_bound_"))
+    if bound_keys:
+        met = [k.removeprefix("tah_of_bound_") for k in bound_keys if checks[k]]
+        missed = [k.removeprefix("tah_of_bound_") for k in bound_keys if not checks[k]]
+        lines.append(f"| TAH-Quant reaches >= 85% of the bound (c+t_raw)/(c+t_wire) | met at: {', '.join(met) or 'none'}; "
+                     f"missed at: {', '.join(missed) or 'none'} | {_ok(not missed)} |")
+    if "_paper_values" in checks:
+        a, b = checks["_paper_values"]
+        lines.append(f"| paper regime: TAH-Quant >= 4.3x faster than fp32 | {_x(a)} | {_ok(checks['paper_vs_fp32'])} |")
+        lines.append(f"| paper regime: TAH-Quant >= 2.4x faster than bf16 | {_x(b)} | {_ok(checks['paper_vs_bf16'])} |")
+    for phase in ("pretraining", "fine-tuning"):
+        if f"_gap_{phase}" in checks:
+            lines.append(f"| {phase}: TAH-Quant final validation loss within 1% of uncompressed | "
+                         f"{_pct(checks[f'_gap_{phase}'], '+.2f')} | {_ok(checks[f'loss_gap_{phase}'])} |")
+        if f"_direct3_{phase}" in checks:
+            lines.append(f"| {phase}: direct 3-bit measurably worse than TAH-Quant (loss > TAH-Quant's by more "
+                         f"than {_pct(checks['_direct3_threshold'])}: 0.5% or the seed spread, whichever is larger) | "
+                         f"{_pct(checks[f'_direct3_{phase}'], '+.2f')} | {_ok(checks[f'direct3_{phase}'])} |")
+    if checks.get("memory_reported"):
+        lines.append("| AQ-SGD's buffer memory reported | section 4 | **met** |")
+    return lines + [""]
+
+
+def _timing(root: Path) -> list[str]:
+    lines = ["## How to reproduce, and how long it took here", "",
+             "```", "bash scripts/reproduce.sh all        # everything, then the report (or: make reproduce)",
+             "bash scripts/reproduce.sh convergence  # or one part: throughput | convergence | ablations | memory | report",
+             "```", "", "Results go to `runs/reproduce/<part>/` (one `NAME.jsonl` trainer log, `NAME.meta.json` "
+             "with the command, status, duration, load average and peak RSS, and `NAME.log` per run); finished runs "
+             "are skipped on a rerun (`--force` reruns them). Measured wall time of each part on this machine:", "",
+             "| part | runs | wall time (first start to last end) | sum of run times |", "|---|---:|---:|---:|"]
+    conv_names = [r for r in convergence.PRETRAIN_CODECS] + [f"ft_{c}" for c in convergence.FINETUNE_CODECS]
+    abl_names = [n for g in convergence.ABLATIONS.values() for n, _, _ in g if n != "tah"]
+    tput = sorted(p.name.removesuffix(".meta.json") for p in (Path(root) / "throughput").glob("*.meta.json"))
+    for part, folder, names in (("convergence", "convergence", conv_names), ("ablations", "convergence", abl_names),
+                                ("throughput", "throughput", tput)):
+        metas = [read_meta(Path(root) / folder, n) for n in names]
+        metas = [m for m in metas if m]
+        wall = _wall(metas)
+        total = sum(m.get("seconds", 0) for m in metas)
+        lines.append(f"| {part} | {len(metas)} | {_f(None if wall is None else wall / 60, '.1f')} min | "
+                     f"{total / 60:.1f} min |")
+    both = [read_meta(Path(root) / "convergence", n) for n in conv_names + abl_names]
+    both_wall = _wall([m for m in both if m])
+    if both_wall is not None:
+        loads = [m[k] for m in both if m for k in ("load_before", "load_after") if m.get(k) is not None]
+        lines += ["", f"Here the convergence and ablation parts ran concurrently: {both_wall / 60:.1f} min of wall time "
+                  f"for both, on a machine shared with other jobs (1-minute load average {min(loads):.0f} to "
+                  f"{max(loads):.0f} at the runs' starts and ends, on 2 cores)."]
+    lines.append("")
+    lines.append("Convergence and ablation runs were executed two to four at a time on a machine shared with other "
+                 "jobs (their losses do not depend on timing); the throughput runs one at a time, each started "
+                 "with the 1-minute load average recorded in its row. That average decays slowly, so it includes "
+                 "about 4 from the part's own previous run (4 stage processes); values well above 4 mean other "
+                 "jobs were running.")
+    return lines + [""]
+
+
+def _machine(t: dict) -> list[str]:
+    m = t.get("machine")
+    if not m:
+        return []
+    return ["## Machine", "", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
+            f"Python {m['python']}, torch {m['torch']}, no GPU. Throughput machine record written {m['date']} (end of the rate sweep); 1-minute load "
+            f"average {m['load_start']:.2f} at their start and {_f(m['load_end'])} at their end.", ""]
+
+
+def write(root: Path, docs: Path, size: str = "full") -> Path:
+    """Write ``docs/RESULTS.md`` (+ PNGs) from ``root``'s logs; returns the markdown path."""
+    root, docs = Path(root), Path(docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    t = throughput.table_rows(root / "throughput", size)
+    tput_lines, checks = _throughput_section(t, docs, size)
+    conv_lines, conv_checks = _convergence_section(root, docs, size)
+    mem_lines, mem_checks = _memory_section(root)
+    checks.update(conv_checks)
+    checks.update(mem_checks)
+    text = ["# Reproducing the TAH-Quant and AQ-SGD claims at small scale", "",
+            "Generated by `python -m megatron_tah.reproduce report` from the run logs under `runs/reproduce/` "
+            f"(size `{size}`); do not edit by hand. Papers: TAH-Quant (arXiv 2506.01352), AQ-SGD (arXiv 2206.01299); "
+            "their numbers are quoted from SPEC.md.", ""]
+    text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root) + mem_lines
+    text += _timing(root)
+    path = docs / "RESULTS.md"
+    path.write_text("\n".join(text))
+    return path
