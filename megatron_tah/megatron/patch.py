@@ -247,9 +247,12 @@ def _poll_outstanding() -> None:
         m.poll()
 
 
-def _messages(state, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+def _messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
               group, prev_pipeline_rank, next_pipeline_rank) -> dict[str, _Message]:
-    """Check configs, encode the sends and allocate the receive buffers of one call (Megatron's op order)."""
+    """Start of every transport call: finish earlier handles whose transfer is done, check configs,
+    encode the sends and allocate the receive buffers (Megatron's op order)."""
+    state = _state()
+    _poll_outstanding()
     tensors = [t for t in (tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next) if t is not None]
     if not tensors:
         return {}
@@ -274,9 +277,7 @@ def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, ten
                     group, prev_pipeline_rank, next_pipeline_rank):
     """Compressing ``_batched_p2p_ops``: one batch of uint8 messages, waited and decoded; returns ``[]``."""
     dist = torch.distributed
-    state = _state()
-    _poll_outstanding()
-    messages = _messages(state, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+    messages = _messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                          group, prev_pipeline_rank, next_pipeline_rank)
     if not messages:
         return []
@@ -294,9 +295,7 @@ def p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv
             group, prev_pipeline_rank, next_pipeline_rank):
     """Compressing ``_p2p_ops``: Megatron's op order and group choice; returns ``{name: handle}``."""
     dist = torch.distributed
-    state = _state()
-    _poll_outstanding()
-    messages = _messages(state, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+    messages = _messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                          group, prev_pipeline_rank, next_pipeline_rank)
     # Megatron alternates process groups by rank parity so that the two directions can overlap
     # (the WORLD group stands in for a second group when the pipeline group has two ranks).
