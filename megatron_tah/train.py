@@ -11,9 +11,11 @@ and, with ``--log-json PATH``, writes one JSON object per line::
 
     {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "ms", "tokens_per_s",
      "fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes", "compression_ratio",
-     "tah": {...stats.collect()...}, ["valid_loss", "valid_ppl"]}
+     "codec_ms", "buffer_bytes", "tah": {...stats.collect()...}, ["valid_loss", "valid_ppl"]}
 
-Byte counts are per iteration and summed over all stages (both directions).
+Byte counts and ``codec_ms`` (encode + decode wall time) are per iteration and summed over
+all stages (both directions); ``buffer_bytes`` is what AQ-SGD's per-sample buffers hold on
+all stages after the iteration (0 for the other codecs).
 """
 
 from __future__ import annotations
@@ -255,6 +257,10 @@ def _traffic(stats: dict) -> dict:
         out[f"{key}_wire_bytes"] = int(entry.get("wire_bytes", 0))
     wire = out["fwd_wire_bytes"] + out["bwd_wire_bytes"]
     out["compression_ratio"] = (out["fwd_raw_bytes"] + out["bwd_raw_bytes"]) / wire if wire else None
+    # encode + decode time summed over the stages (not the critical path), and AQ-SGD's buffer.
+    out["codec_ms"] = 1e3 * sum((stats.get(d) or {}).get(k, 0.0) for d in ("forward", "backward")
+                                for k in ("encode_seconds", "decode_seconds"))
+    out["buffer_bytes"] = int(stats.get("buffer_bytes", 0))
     return out
 
 

@@ -155,6 +155,25 @@ def test_hadamard_rotation_does_not_hurt_gaussian_tiles():
     assert err_always <= err_never * 1.02, (err_always, err_never)
 
 
+@pytest.mark.parametrize("tau", [0.0, 1.5, 2.0, float("inf")])
+def test_outlier_test_matches_the_spec_definition(tau):
+    """find_outliers == the SPEC's rule written with topk: |a1| / (|a2| + eps) > tau, pivot = first argmax."""
+    gen = torch.Generator().manual_seed(7)
+    tiles = torch.randn(40, 3, 16, generator=gen)
+    tiles[::3, :, 5] *= 20  # outliers
+    tiles[1, 0, 2] = tiles[1, 0, 9] = -50.0  # tied largest magnitudes: ratio 1, pivot 2
+    tiles[2, 1] = 0.0  # all-zero tile
+    tiles[4, 2, :] = 3.0  # constant tile
+    rotate, pivot = get_codec("tah", tile_size=16, outlier_threshold=tau).find_outliers(tiles)
+    top2 = tiles.abs().topk(2, dim=-1).values
+    ratio = top2[..., 0] / (top2[..., 1] + 1e-8)
+    expected = torch.ones_like(ratio, dtype=torch.bool) if tau == 0 else ratio > tau
+    assert torch.equal(rotate, expected)
+    assert torch.equal(pivot, torch.where(expected, tiles.abs().argmax(dim=-1), 0))
+    assert (tau == 0) == bool(rotate[1, 0]) and pivot[1, 0] == (2 if tau == 0 else 0)
+    assert 0 < int(rotate.sum()) < rotate.numel() or tau in (0.0, float("inf"))
+
+
 def test_rotation_is_exactly_invertible():
     from megatron_tah.codecs.tah import rotate_tiles, unrotate_tiles
 

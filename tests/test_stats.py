@@ -32,6 +32,28 @@ def test_collect_totals_ratio_means_and_links():
     assert empty["forward"]["messages"] == 0 and empty["forward"]["ratio"] is None and empty["links"] == {}
 
 
+def test_codec_time_and_buffer_bytes():
+    stats.record_send("forward", 400, 100, peer=1)
+    stats.record_codec_time("forward", encode_seconds=0.004)
+    stats.record_codec_time("forward", decode_seconds=0.001)
+    stats.record_codec_time("backward", encode_seconds=0.002)
+    stats.set_buffer_source(lambda: 12_500_000)
+    try:
+        s = stats.collect()
+    finally:
+        stats.set_buffer_source(None)
+    assert s["forward"]["encode_seconds"] == pytest.approx(0.004)
+    assert s["forward"]["decode_seconds"] == pytest.approx(0.001)
+    assert s["backward"]["encode_seconds"] == pytest.approx(0.002)
+    assert s["buffer_bytes"] == 12_500_000
+    # Backward has no message, so only the forward 5 ms count in the log line.
+    assert stats.format_for_log(s).endswith(" tah codec ms: 5.0 | tah buffer MB: 12.5 |")
+    after = stats.collect()
+    assert after["forward"]["encode_seconds"] == 0 and after["buffer_bytes"] == 0
+    with pytest.raises(ValueError, match="sideways"):
+        stats.record_codec_time("sideways", encode_seconds=1.0)
+
+
 def test_record_send_rejects_unknown_direction():
     with pytest.raises(ValueError, match="sideways"):
         stats.record_send("sideways", 1, 1, peer=0)
@@ -56,6 +78,8 @@ def _reduce_body(rank, world_size):
                       rel_error=0.1 * (rank + 1))
     if rank == 2:
         stats.record_send("backward", 80, 20, peer=1, rotated_fraction=0.4)
+    stats.record_codec_time("forward", encode_seconds=0.001 * (rank + 1))
+    stats.set_buffer_source(lambda: 1000 * (rank + 1))
     # An explicit group (WORLD) keeps megatron-core out of these processes; the pipeline tests
     # cover the default (megatron-core's pipeline group).
     return stats.reduce_to_last_rank(stats.collect(), group=torch.distributed.group.WORLD)
@@ -70,4 +94,5 @@ def test_reduce_to_last_rank_sums_over_the_group():
     assert last["forward"]["rel_error"] == pytest.approx(0.2)  # mean of 0.1, 0.2, 0.3
     assert last["backward"]["messages"] == 1 and last["backward"]["rotated_fraction"] == pytest.approx(0.4)
     assert last["links"] == {(0, 1): 10, (1, 2): 20, (2, 0): 30, (2, 1): 20}
+    assert last["forward"]["encode_seconds"] == pytest.approx(0.006) and last["buffer_bytes"] == 6000
     assert results[0]["links"] == {(0, 1): 10}  # other ranks keep their own numbers

@@ -82,6 +82,19 @@ def pp2_run(corpus, tmp_path_factory):
 def test_pp2_learns(pp2_run):
     _, records = pp2_run
     assert_learns(records, 24)
+    # The codecs' own time is logged; no per-sample state without AQ-SGD.
+    assert all(r["codec_ms"] > 0 and r["buffer_bytes"] == 0 for r in records)
+    assert all(r["tah"]["forward"]["encode_seconds"] > 0 and r["tah"]["backward"]["decode_seconds"] > 0
+               for r in records)
+
+
+@pytest.mark.distributed
+def test_aqsgd_buffer_bytes_are_logged(corpus, tmp_path):
+    """Both ends of the one link hold [seq, hidden] fp32 per sample seen (no sample revisited yet)."""
+    flags = model_flags(corpus, 2, 2, 3) + ["--tah-forward-codec", "aqsgd"]
+    records = run_trainer(flags, tmp_path / "log.jsonl")
+    per_sample = 32 * 64 * 4
+    assert [r["buffer_bytes"] for r in records] == [2 * 8 * i * per_sample for i in (1, 2, 3)]
 
 
 @pytest.mark.distributed

@@ -48,9 +48,11 @@ def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tenso
     if pad:
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
     tiles = tokens.reshape(tokens.shape[0], -1, tile_size)
-    bad_elem = ~torch.isfinite(tiles) | (tiles.abs() > MAX_ABS_VALUE)
-    bad_tile = bad_elem.any(dim=-1)
-    tiles = torch.where(bad_elem, torch.zeros((), dtype=tiles.dtype, device=tiles.device), tiles)
+    # NaN compares false, so "not <= MAX_ABS_VALUE" catches NaN, +-Inf and huge values;
+    # amax propagates NaN, so one reduction finds the bad tiles.
+    bad_tile = ~(tiles.abs().amax(dim=-1) <= MAX_ABS_VALUE)
+    if bad_tile.any():
+        tiles = tiles.masked_fill(~(tiles.abs() <= MAX_ABS_VALUE), 0.0)
     return tiles, bad_tile
 
 
@@ -189,7 +191,7 @@ def quantize_tiles(
     and decodes exactly. ``noise`` (uniform in [0, 1), tiles' shape) switches to
     stochastic rounding. Bad tiles get ``zero = NaN`` and decode to NaN.
     """
-    lo = tiles.amin(dim=-1)
+    lo = tiles.amin(dim=-1)  # (two reductions are several times faster than aminmax on CPU)
     hi = tiles.amax(dim=-1)
     if not isinstance(levels, torch.Tensor):
         levels = torch.full_like(lo, float(levels))
@@ -197,11 +199,13 @@ def quantize_tiles(
     zero = round_bf16(lo, -1)
     # (hi - zero) / levels, split so the subtraction cannot overflow fp32.
     scale = round_bf16(hi / levels - zero / levels, +1)
-    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = (tiles - zero[..., None]) / safe_scale[..., None]
-    scaled = torch.floor(scaled + noise) if noise is not None else torch.round(scaled)
-    codes = torch.minimum(scaled.clamp_min(0), levels[..., None])
-    codes = torch.where(scale[..., None] > 0, codes, torch.zeros_like(codes))
+    flat = ~(scale > 0)
+    safe_scale = scale.masked_fill(flat, 1.0)
+    scaled = (tiles - zero[..., None]).div_(safe_scale[..., None])
+    scaled = scaled.add_(noise).floor_() if noise is not None else scaled.round_()
+    codes = torch.minimum(scaled.clamp_min_(0), levels[..., None])
+    if flat.any():
+        codes.masked_fill_(flat[..., None], 0.0)
     zero = torch.where(bad_tile, torch.full_like(zero, float("nan")), zero)
     return codes.to(torch.uint8), scale.to(torch.bfloat16), zero.to(torch.bfloat16)
 

@@ -129,8 +129,8 @@ class TahCodec(Codec):
             magnitude[:, h:] = 0
             magnitude = magnitude.reshape(tiles.shape)
         if self.allocation == "token":
-            p = magnitude / (magnitude.sum(dim=(1, 2), keepdim=True) + EPS)
-            entropy = -(p * torch.log(p + EPS)).sum(dim=(1, 2)).reshape(s, b)
+            p = magnitude.div_(magnitude.sum(dim=(1, 2), keepdim=True) + EPS)
+            entropy = -(p * (p + EPS).log_()).sum(dim=(1, 2)).reshape(s, b)
             order = torch.sort(entropy, dim=0, stable=True).indices[:n_low]
             low_token = torch.zeros(s, b, dtype=torch.bool, device=tiles.device)
             low_token.scatter_(0, order, True)
@@ -143,14 +143,22 @@ class TahCodec(Codec):
 
     def find_outliers(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotate flag, pivot index) per tile; the pivot is 0 for tiles left unrotated."""
+        if self.outlier_threshold == math.inf:
+            never = torch.zeros(tiles.shape[:-1], dtype=torch.bool, device=tiles.device)
+            return never, never.long()
         magnitude = tiles.abs()
-        top2 = magnitude.topk(2, dim=-1).values
-        ratio = top2[..., 0] / (top2[..., 1] + EPS)
         if self.outlier_threshold == 0:
-            rotate = torch.ones_like(ratio, dtype=torch.bool)
-        else:
-            rotate = ratio > self.outlier_threshold
-        pivot = torch.where(rotate, magnitude.argmax(dim=-1), torch.zeros((), dtype=torch.long, device=tiles.device))
+            return torch.ones(tiles.shape[:-1], dtype=torch.bool, device=tiles.device), magnitude.argmax(dim=-1)
+        # a1, a2 = topk(2): a2 is a1 again when the largest magnitude is tied, else the largest of the rest.
+        # (amax and compares instead of topk/argmax over every tile: several times faster on CPU.)
+        a1 = magnitude.amax(dim=-1, keepdim=True)
+        is_largest = magnitude == a1
+        a2 = torch.where(is_largest, -1.0, magnitude).amax(dim=-1)
+        a2 = torch.where(is_largest.sum(dim=-1) > 1, a1[..., 0], a2)
+        rotate = a1[..., 0] / (a2 + EPS) > self.outlier_threshold
+        pivot = torch.zeros(rotate.shape, dtype=torch.long, device=tiles.device)
+        if rotate.any():
+            pivot[rotate] = magnitude[rotate].argmax(dim=-1)  # the first one on ties
         return rotate, pivot
 
     def _encode_torch(self, x, buf, layout):
@@ -216,16 +224,24 @@ def _swap_index(pivot: torch.Tensor, tile_size: int) -> torch.Tensor:
 
 def rotate_tiles(tiles: torch.Tensor, rotate: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
     """Pivot swap then ``H / sqrt(G)`` on the tiles flagged in ``rotate``; others unchanged."""
+    if not rotate.any():
+        return tiles
     g = tiles.shape[-1]
-    swapped = tiles.gather(-1, _swap_index(pivot, g))
-    return torch.where(rotate[..., None], swapped @ common.hadamard_matrix(g, tiles.device), tiles)
+    picked = tiles[rotate]
+    out = tiles.clone()
+    out[rotate] = picked.gather(-1, _swap_index(pivot[rotate], g)) @ common.hadamard_matrix(g, tiles.device)
+    return out
 
 
 def unrotate_tiles(tiles: torch.Tensor, rotate: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
     """Inverse of ``rotate_tiles``: Hadamard again, then undo the swap."""
+    if not rotate.any():
+        return tiles
     g = tiles.shape[-1]
-    rotated_back = (tiles @ common.hadamard_matrix(g, tiles.device)).gather(-1, _swap_index(pivot, g))
-    return torch.where(rotate[..., None], rotated_back, tiles)
+    picked = tiles[rotate] @ common.hadamard_matrix(g, tiles.device)
+    out = tiles.clone()
+    out[rotate] = picked.gather(-1, _swap_index(pivot[rotate], g))
+    return out
 
 
 register_codec_id(TahCodec.codec_id, TahCodec.name)

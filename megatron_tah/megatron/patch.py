@@ -164,7 +164,9 @@ def _encode(state: _State, direction: str, x: torch.Tensor, peer: int) -> torch.
         # An activation send consumes the oldest queued ids (other codecs ignore them), so the
         # queue stays bounded whatever codec runs; aqsgd needs them.
         ids = _pop_sample_ids(required=stateful) if direction == "forward" else None
+        started = time.perf_counter()
         buf = codec.encode(x, sample_ids=ids) if stateful else codec.encode(x)
+        stats.record_codec_time(direction, encode_seconds=time.perf_counter() - started)
         rel_error = None
         interval = state.config.tah_error_sample_interval
         if interval and not stateful and state.sends[direction] % interval == 0:
@@ -211,8 +213,10 @@ class _Message:
             link = (self.peer, me) if self.is_recv else (me, self.peer)
             emulator.complete(link, self.buf.numel(), self.completed_at, receiver=self.is_recv)
         if self.is_recv:
+            started = time.perf_counter()
             with torch.no_grad():
                 self.codec.decode(self.buf, self.target.shape, self.target.dtype, out=self.target)
+            stats.record_codec_time(self.direction, decode_seconds=time.perf_counter() - started)
             if self.codec.name == "aqsgd" and self.direction == "forward" and not self.last_stage:
                 push_sample_ids(self.codec.last_sample_ids)
         self.buf = None  # the transfer is complete: drop the wire buffer
@@ -380,12 +384,20 @@ def install(config: TahConfig | None = None, **overrides) -> None:
     bandwidth = cfg.emulated_bandwidth_bps
     emulator = None if bandwidth is None else LinkEmulator(bandwidth, cfg.tah_emulate_latency_ms / 1e3)
     _STATE = _State(config=cfg, emulator=emulator, shims_applied=shims)
+    stats.set_buffer_source(buffer_nbytes)
     for name in TRANSPORTS:
         current = getattr(module, name)
         if not getattr(current, _MARKER, False):
             setattr(module, name, _replacement(name, current))
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 cfg.forward_codec().describe(), cfg.backward_codec().describe())
+
+
+def buffer_nbytes() -> int:
+    """Bytes held in per-sample buffers (AQ-SGD) by this rank's codecs; 0 when not installed."""
+    if _STATE is None:
+        return 0
+    return sum(c.buffer_nbytes() for c in _STATE.codecs.values() if hasattr(c, "buffer_nbytes"))
 
 
 def uninstall() -> None:
@@ -402,5 +414,6 @@ def uninstall() -> None:
 
             remove_cpu_shims()
     _STATE = None
+    stats.set_buffer_source(None)
     _OUTSTANDING.clear()
     clear_sample_ids()

@@ -5,15 +5,19 @@ default resets) this rank's totals since the last collect, i.e. one iteration wh
 training log collects every iteration::
 
     {"forward":  {"messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction",
-                  "rel_error_samples", "rotated_samples"},
+                  "rel_error_samples", "rotated_samples", "encode_seconds", "decode_seconds"},
      "backward": {...same keys...},
-     "links": {(src_global_rank, dst_global_rank): wire_bytes}}
+     "links": {(src_global_rank, dst_global_rank): wire_bytes},
+     "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now}
 
 ``raw_bytes`` is numel * element size of the tensors Megatron asked to send,
 ``ratio`` = raw / wire (None without messages). ``rel_error`` is the mean of the sampled
 ``||x - decode(encode(x))|| / ||x||`` and ``rotated_fraction`` the mean fraction of tiles
-rotated (TAH-Quant); both None when nothing was sampled. ``reduce_to_last_rank`` sums
-the totals over the pipeline group (a collective: every rank of the group calls it) and
+rotated (TAH-Quant); both None when nothing was sampled. ``encode_seconds`` /
+``decode_seconds`` are the wall time spent in the codec's ``encode`` / ``decode`` for
+this direction's messages (CUDA: without a synchronize, so the launch time). ``buffer_bytes``
+comes from the source set with ``set_buffer_source`` (the patch's codecs), 0 without one.
+``reduce_to_last_rank`` sums the totals over the pipeline group (a collective: every rank of the group calls it) and
 ``format_for_log`` renders a Megatron-style log fragment.
 """
 
@@ -27,7 +31,7 @@ DIRECTIONS = ("forward", "backward")
 _SHORT = {"forward": "fwd", "backward": "bwd"}
 # Per direction, in this order, in the reduction tensor.
 _SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
-         "rotated_sum", "rotated_samples")
+         "rotated_sum", "rotated_samples", "encode_seconds", "decode_seconds")
 
 _lock = threading.Lock()
 
@@ -38,6 +42,13 @@ def _empty_totals() -> dict:
 
 _totals = _empty_totals()
 _links: dict[tuple[int, int], int] = {}
+_buffer_source = None  # callable -> bytes held in per-sample codec buffers on this rank
+
+
+def set_buffer_source(source) -> None:
+    """Register a callable returning this rank's per-sample codec buffer bytes (None: unset)."""
+    global _buffer_source
+    _buffer_source = source
 
 
 def _this_rank() -> int:
@@ -65,6 +76,15 @@ def record_send(direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
         _links[key] = _links.get(key, 0) + int(wire_nbytes)
 
 
+def record_codec_time(direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
+    """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    with _lock:
+        _totals[direction]["encode_seconds"] += float(encode_seconds)
+        _totals[direction]["decode_seconds"] += float(decode_seconds)
+
+
 def _summarise(sums: dict) -> dict:
     raw, wire = int(sums["raw_bytes"]), int(sums["wire_bytes"])
     err_n, rot_n = int(sums["rel_error_samples"]), int(sums["rotated_samples"])
@@ -77,13 +97,15 @@ def _summarise(sums: dict) -> dict:
         "rotated_fraction": sums["rotated_sum"] / rot_n if rot_n else None,
         "rel_error_samples": err_n,
         "rotated_samples": rot_n,
+        "encode_seconds": float(sums["encode_seconds"]),
+        "decode_seconds": float(sums["decode_seconds"]),
     }
 
 
 def _to_sums(summary: dict) -> dict:
     """Inverse of ``_summarise`` (means back to sums) for reductions."""
-    sums = {k: float(summary[k]) for k in ("messages", "raw_bytes", "wire_bytes",
-                                           "rel_error_samples", "rotated_samples")}
+    sums = {k: float(summary[k]) for k in ("messages", "raw_bytes", "wire_bytes", "rel_error_samples",
+                                           "rotated_samples", "encode_seconds", "decode_seconds")}
     sums["rel_error_sum"] = (summary["rel_error"] or 0.0) * summary["rel_error_samples"]
     sums["rotated_sum"] = (summary["rotated_fraction"] or 0.0) * summary["rotated_samples"]
     return sums
@@ -95,6 +117,7 @@ def collect(reset: bool = True) -> dict:
     with _lock:
         result = {d: _summarise(_totals[d]) for d in DIRECTIONS}
         result["links"] = dict(_links)
+        result["buffer_bytes"] = int(_buffer_source()) if _buffer_source is not None else 0
         if reset:
             _totals, _links = _empty_totals(), {}
     return result
@@ -125,7 +148,7 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     me = dist.get_rank(group)
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
     index = {g: i for i, g in enumerate(ranks)}
-    scalars = [_to_sums(stats[d])[k] for d in DIRECTIONS for k in _SUMS]
+    scalars = [_to_sums(stats[d])[k] for d in DIRECTIONS for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
     links = torch.zeros(size * size, dtype=torch.float64)
     for (src, dst), nbytes in stats["links"].items():
         if src not in index or dst not in index:
@@ -141,13 +164,18 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     n = len(_SUMS)
     result = {d: _summarise(dict(zip(_SUMS, packed[i * n:(i + 1) * n].tolist())))
               for i, d in enumerate(DIRECTIONS)}
+    result["buffer_bytes"] = int(packed[len(scalars) - 1])
     matrix = packed[len(scalars):].reshape(size, size)
     result["links"] = {(ranks[s], ranks[t]): int(matrix[s, t]) for s, t in matrix.nonzero().tolist()}
     return result
 
 
 def format_for_log(stats: dict) -> str:
-    """Megatron-style fragment: `` tah fwd MB: 1.234 | tah fwd ratio: 3.62x | ... |`` (MB = 1e6 wire bytes)."""
+    """Megatron-style fragment: `` tah fwd MB: 1.234 | tah fwd ratio: 3.62x | ... |`` (MB = 1e6 wire bytes).
+
+    ``tah codec ms`` is encode + decode time summed over the ranks reduced (not a critical path);
+    ``tah buffer MB`` appears when a per-sample buffer (AQ-SGD) holds data.
+    """
     parts = []
     for d in DIRECTIONS:
         s = stats[d]
@@ -160,4 +188,10 @@ def format_for_log(stats: dict) -> str:
             parts.append(f"tah {short} rel err: {s['rel_error']:.1E}")
         if s["rotated_fraction"] is not None:
             parts.append(f"tah {short} rotated: {s['rotated_fraction']:.3f}")
+    codec_seconds = sum(stats[d].get("encode_seconds", 0.0) + stats[d].get("decode_seconds", 0.0)
+                        for d in DIRECTIONS if stats[d]["messages"])
+    if codec_seconds:
+        parts.append(f"tah codec ms: {codec_seconds * 1e3:.1f}")
+    if stats.get("buffer_bytes"):
+        parts.append(f"tah buffer MB: {stats['buffer_bytes'] / 1e6:.1f}")
     return "".join(f" {p} |" for p in parts)
