@@ -30,16 +30,16 @@ run_part() {
 }
 
 case "$PART" in
-  data|convergence|ablations|memory|throughput|report)
+  data|convergence|ablations|seeds|long|memory|throughput|report)
     run_part "$PART" "$@"
     ;;
   all)
-    for part in data convergence ablations memory throughput report; do
+    for part in data convergence ablations seeds long memory throughput report; do
       run_part "$part" "$@"
     done
     ;;
   *)
-    echo "usage: $0 [data|convergence|ablations|memory|throughput|report|all] [options]" >&2
+    echo "usage: $0 [data|convergence|ablations|seeds|long|memory|throughput|report|all] [options]" >&2
     exit 2
     ;;
 esac

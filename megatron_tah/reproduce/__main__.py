@@ -1,6 +1,6 @@
 """``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
 
-PART: data, throughput, convergence, ablations, memory, report. ``--size tiny`` is the CI
+PART: data, throughput, convergence, ablations, seeds, long, memory, report. ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
 """
@@ -15,7 +15,11 @@ from pathlib import Path
 from . import convergence
 from .runner import ReproduceError, execute_all, say
 
-PARTS = ("data", "throughput", "convergence", "ablations", "memory", "report")
+PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "memory", "report")
+TRAINING_PARTS = {"convergence": lambda root, size: convergence.pretrain_runs(root, size)
+                  + convergence.finetune_runs(root, size),
+                  "ablations": convergence.ablation_runs, "seeds": convergence.seed_runs,
+                  "long": convergence.long_runs}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,9 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("part", choices=PARTS)
     p.add_argument("--out", default="runs/reproduce", help="results root (default runs/reproduce)")
     p.add_argument("--size", choices=sorted(convergence.SIZES), default="full")
-    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (convergence, ablations)")
+    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (convergence, ablations, seeds, long)")
     p.add_argument("--force", action="store_true", help="rerun runs that already completed")
-    p.add_argument("--only", default=None, help="convergence/ablations: comma-separated run names to run")
+    p.add_argument("--only", default=None, help="training parts: comma-separated run names to run")
     p.add_argument("--docs", default=None, help="report: output directory (default docs/, or OUT/docs for tiny)")
     p.add_argument("--link", choices=("netns", "emulate"), default="netns",
                    help="throughput: real namespaced links (root) or the in-process emulation")
@@ -53,13 +57,10 @@ def main(argv=None) -> int:
         return 2
     root = Path(args.out)
     try:
-        if args.part in ("data", "convergence", "ablations", "memory"):
+        if args.part == "data" or args.part == "memory" or args.part in TRAINING_PARTS:
             convergence.prepare_data(root, args.size)
-        if args.part in ("convergence", "ablations"):
-            if args.part == "convergence":
-                runs = convergence.pretrain_runs(root, args.size) + convergence.finetune_runs(root, args.size)
-            else:
-                runs = convergence.ablation_runs(root, args.size)
+        if args.part in TRAINING_PARTS:
+            runs = TRAINING_PARTS[args.part](root, args.size)
             if args.only:
                 runs = _select(runs, args.only)
             execute_all(runs, root / "convergence", jobs=args.jobs, force=args.force)

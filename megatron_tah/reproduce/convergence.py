@@ -5,7 +5,12 @@ Pretraining: a GPT (``SIZES[size]``) on the Shakespeare corpus, one run per code
 pretraining checkpoint, on a small State of the Union subset for several epochs
 (so AQ-SGD's per-sample buffer is revisited; its warm-up is the first epoch).
 Ablations: TAH-Quant pretraining runs varying one knob of the default
-(tau = 2, 80/20 INT4/INT3, tile 64, token allocation).
+(tau = 2, 80/20 INT4/INT3, tile 64, token allocation, round to nearest).
+Seeds (part ``seeds``): the main pretraining and fine-tuning runs again with
+:data:`EXTRA_SEEDS` (initialization and data order), so a gap can be compared with the
+run-to-run spread. Long runs (part ``long``): :data:`LONG_CODECS` pretrained
+``long_iters`` iterations (about one epoch of the capped corpus), to see whether gaps
+close or grow with training.
 
 Every codec run uses the same backward codec as TAH-Quant (6-bit fixed point,
 tile 32) except ``none`` (uncompressed both ways) and ``fp8`` (fp8 both ways, as TACO),
@@ -14,10 +19,11 @@ so the forward codec is the only difference among the quantizing runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
-from .runner import Run, read_log, read_meta
+from .runner import ReproduceError, Run, read_log, read_meta
 
 # name -> (label, trainer flags)
 CODECS = {
@@ -26,14 +32,21 @@ CODECS = {
     "fixedpoint4": ("direct 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4"]),
     "fixedpoint3": ("direct 3-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "3"]),
     "fp8": ("fp8 (TACO) both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
-    "none_seed2": ("uncompressed (fp32), seed 1235 (run-to-run spread)",
-                   ["--tah-forward-codec", "none", "--tah-backward-codec", "none", "--seed", "1235"]),
     "tah_bwdnone": ("TAH-Quant fwd, uncompressed bwd (diagnostic)",
                     ["--tah-forward-codec", "tah", "--tah-backward-codec", "none"]),
     "aqsgd": ("AQ-SGD 4-bit deltas, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4"]),
 }
-PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone", "none_seed2")
+PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone")
 FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
+DEFAULT_SEED = 1234  # the trainer's --seed default
+EXTRA_SEEDS = (1235, 1236)
+SEED_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3")  # rerun with EXTRA_SEEDS, pretraining and fine-tuning
+LONG_CODECS = ("none", "tah", "fixedpoint3")
+
+
+def seed_name(name: str, seed: int) -> str:
+    """Run name of ``name`` with another seed (``tah`` -> ``tah_s1235``); the default seed keeps ``name``."""
+    return name if seed == DEFAULT_SEED else f"{name}_s{seed}"
 
 # ablation group -> [(run name, value shown, flags)]; the default TAH-Quant run is each group's reference.
 ABLATIONS = {
@@ -59,6 +72,10 @@ ABLATIONS = {
         ("tah", "token (default)", []),
         ("abl_alloc_tile", "tile", ["--tah-allocation", "tile"]),
     ],
+    "rounding": [
+        ("tah", "to nearest (default)", []),
+        ("abl_stochastic", "stochastic", ["--tah-stochastic-rounding"]),
+    ],
 }
 
 SIZES = {
@@ -66,12 +83,12 @@ SIZES = {
     "full": {"model": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
                        "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "8"],
              "pipeline": 4, "pretrain_iters": 200, "finetune_iters": 100, "eval_interval": 25, "eval_iters": 8,
-             "shakespeare_tokens": 800_000, "sotu_tokens": 32_768},
+             "long_iters": 800, "long_eval_interval": 50, "shakespeare_tokens": 800_000, "sotu_tokens": 32_768},
     # CI smoke size: seconds per run.
     "tiny": {"model": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
                        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
              "pipeline": 2, "pretrain_iters": 4, "finetune_iters": 4, "eval_interval": 2, "eval_iters": 1,
-             "shakespeare_tokens": 4_000, "sotu_tokens": 1_000},
+             "long_iters": 6, "long_eval_interval": 3, "shakespeare_tokens": 4_000, "sotu_tokens": 1_000},
 }
 PRETRAIN_LR = ["--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20", "--hidden-dropout", "0",
                "--attention-dropout", "0"]
@@ -109,39 +126,83 @@ def _flag(flags: list[str], name: str) -> str:
     return flags[flags.index(name) + 1]
 
 
-def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str, list[str]] | None = None) -> list[Run]:
-    """Pretraining runs per codec (plus ``extra``: name -> additional TAH-Quant flags, the ablations)."""
+def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str, list[str]] | None = None,
+                  seed: int = DEFAULT_SEED, long: bool = False) -> list[Run]:
+    """Pretraining runs per codec (plus ``extra``: name -> additional TAH-Quant flags, the ablations).
+
+    ``seed``: another initialization and data order (names get ``_s<seed>``); ``long``: the
+    ``long_iters`` runs (names ``long_<codec>``).
+    """
     cfg, prefixes = SIZES[size], data_prefixes(root, size)
-    common = [*cfg["model"], "--data-path", prefixes["shakespeare"], "--train-iters", str(cfg["pretrain_iters"]),
-              "--eval-interval", str(cfg["eval_interval"]), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR]
+    iters, interval = (cfg["long_iters"], cfg["long_eval_interval"]) if long else (cfg["pretrain_iters"],
+                                                                                    cfg["eval_interval"])
+    common = [*cfg["model"], "--data-path", prefixes["shakespeare"], "--train-iters", str(iters),
+              "--eval-interval", str(interval), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR,
+              *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
+    phase = "pretrain_long" if long else "pretrain"
     runs = []
     for name in codecs:
         label, flags = CODECS[name]
-        save = ["--save", str(Path(root) / "convergence" / "ckpt_none")] if name == "none" else []
-        runs.append(Run(name, [*common, *flags, *save], cfg["pipeline"], label=label,
-                        info={"phase": "pretrain", "codec": name}))
+        main = name == "none" and seed == DEFAULT_SEED and not long
+        save = ["--save", str(Path(root) / "convergence" / "ckpt_none")] if main else []
+        runs.append(Run(seed_name(f"long_{name}" if long else name, seed), [*common, *flags, *save],
+                        cfg["pipeline"], label=label, info={"phase": phase, "codec": name, "seed": seed}))
     for name, flags in (extra or {}).items():
         runs.append(Run(name, [*common, *CODECS["tah"][1], *flags], cfg["pipeline"], label=name,
                         info={"phase": "pretrain", "codec": "tah", "ablation": flags}))
     return runs
 
 
-def finetune_runs(root: Path, size: str, codecs=FINETUNE_CODECS) -> list[Run]:
-    """Fine-tuning runs from the ``none`` pretraining checkpoint; AQ-SGD warms up for one epoch."""
+def finetune_runs(root: Path, size: str, codecs=FINETUNE_CODECS, seed: int = DEFAULT_SEED) -> list[Run]:
+    """Fine-tuning runs from the ``none`` pretraining checkpoint; AQ-SGD warms up for one epoch.
+
+    ``seed`` changes the data order (and dropout); every run starts from the same checkpoint.
+    """
     cfg, prefixes = SIZES[size], data_prefixes(root, size)
     samples = train_samples(prefixes["sotu"], int(_flag(cfg["model"], "--seq-length")))
     common = [*cfg["model"], "--data-path", prefixes["sotu"], "--train-iters", str(cfg["finetune_iters"]),
               "--eval-interval", str(cfg["eval_interval"]), "--eval-iters", str(cfg["eval_iters"]), *FINETUNE_LR,
-              "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune"]
+              "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune",
+              *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
     epochs = cfg["finetune_iters"] * int(_flag(cfg["model"], "--global-batch-size")) / samples
     runs = []
     for name in codecs:
         label, flags = CODECS[name]
         if name == "aqsgd":
             flags = [*flags, "--tah-aqsgd-warmup-samples", str(samples)]
-        runs.append(Run(f"ft_{name}", [*common, *flags], cfg["pipeline"], label=label, after=("none",),
-                        info={"phase": "finetune", "codec": name, "train_samples": samples, "epochs": epochs}))
+        runs.append(Run(seed_name(f"ft_{name}", seed), [*common, *flags], cfg["pipeline"], label=label,
+                        after=("none",), info={"phase": "finetune", "codec": name, "seed": seed,
+                                               "train_samples": samples, "epochs": epochs}))
     return runs
+
+
+def seed_runs(root: Path, size: str) -> list[Run]:
+    """The main pretraining and fine-tuning runs of :data:`SEED_CODECS` with each of :data:`EXTRA_SEEDS`.
+
+    The fine-tuning runs start from the checkpoint the ``convergence`` part's ``none`` run saves.
+    """
+    checkpoint = Path(root) / "convergence" / "ckpt_none"
+    if not checkpoint.is_dir():
+        raise ReproduceError(f"part seeds: fine-tuning starts from {checkpoint}, written by the convergence "
+                             "part's `none` run; run `convergence` first")
+    runs = []
+    for seed in EXTRA_SEEDS:
+        runs += pretrain_runs(root, size, codecs=SEED_CODECS, seed=seed)
+    for seed in EXTRA_SEEDS:
+        runs += [dataclasses.replace(r, after=()) for r in finetune_runs(root, size, codecs=SEED_CODECS, seed=seed)]
+    return runs
+
+
+def finetune_runs_names(codecs=FINETUNE_CODECS) -> list[str]:
+    return [f"ft_{c}" for c in codecs]
+
+
+def seed_run_names() -> list[str]:
+    return [seed_name(prefix + c, seed) for prefix in ("", "ft_") for seed in EXTRA_SEEDS for c in SEED_CODECS]
+
+
+def long_runs(root: Path, size: str) -> list[Run]:
+    return pretrain_runs(root, size, codecs=LONG_CODECS, long=True)
 
 
 def ablation_runs(root: Path, size: str) -> list[Run]:
