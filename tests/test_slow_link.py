@@ -48,8 +48,15 @@ def test_cli_bad_input_is_one_line_exit_2(args):
 @needs_netns
 @pytest.mark.parametrize("rate, mbytes", [("100mbit", 4), ("1gbit", 32)])
 def test_tcp_throughput_matches_rate(rate, mbytes):
-    result = slow_link.measure(rate, nbytes=mbytes << 20)
-    assert 0.7 <= result["ratio"] <= 1.1, result
+    # The limit holds on every try; reaching 70% of it needs CPU time, which other jobs on a
+    # 2-core machine can take, so the best of three tries counts (contention only lowers it).
+    results = []
+    for _ in range(3):
+        results.append(slow_link.measure(rate, nbytes=mbytes << 20))
+        assert results[-1]["ratio"] <= 1.1, results[-1]
+        if results[-1]["ratio"] >= 0.7:
+            break
+    assert max(r["ratio"] for r in results) >= 0.7, results
     assert _owned_by(os.getpid()) == []
 
 

@@ -1,7 +1,8 @@
 """Memory: AQ-SGD's per-sample activation buffer vs TAH-Quant's (none), for the fine-tuning run.
 
-The trainer does not log codec state, so the buffer is measured by replaying the
-fine-tuning run's traffic through the codec itself: one ``AqSgdCodec`` link end
+Two measurements. The trainer logs ``buffer_bytes`` per iteration (what every stage's
+codecs hold, summed), read here from the fine-tuning runs' logs. And, independently, the
+buffer is measured by replaying the fine-tuning run's traffic through the codec itself: one ``AqSgdCodec`` link end
 (same bits, tile, warm-up) encodes every training sample once, in micro-batches of
 the run's ``[s, b, h]`` shape, and ``buffer_nbytes()`` is read (its size depends on
 the set of sample ids and the shape, not on the values). Every stage boundary has
@@ -18,8 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .convergence import SIZES, data_prefixes, train_samples
-from .runner import read_meta
+from .convergence import DEFAULT_SEED, EXTRA_SEEDS, SIZES, data_prefixes, seed_name, train_samples
+from .runner import ReproduceError, read_log, read_meta
 
 GPT2_XL = {"seq": 1024, "hidden": 1600, "bytes_per_value": 2}
 """The AQ-SGD paper's setting (fp16 buffer), for the extrapolation row."""
@@ -67,6 +68,10 @@ def run(root: Path, size: str = "full") -> dict:
     per_end = aqsgd_buffer_bytes(samples, seq, mb, hidden)
     conv = Path(root) / "convergence"
     rss = {name: (read_meta(conv, f"ft_{name}") or {}).get("max_rss_kb") for name in ("none", "tah", "aqsgd")}
+    # The first of the run's seeds whose log has the field (logs older than the field lack it).
+    logged = {name: next((v for seed in (DEFAULT_SEED, *EXTRA_SEEDS)
+                          if (v := _logged_buffer(conv / f"{seed_name('ft_' + name, seed)}.jsonl"))), None)
+              for name in ("none", "tah", "aqsgd")}
     xl_per_sample_rank = 2 * GPT2_XL["seq"] * GPT2_XL["hidden"] * GPT2_XL["bytes_per_value"]
     result = {
         "samples": samples, "seq": seq, "micro_batch": mb, "hidden": hidden, "pipeline": p,
@@ -74,10 +79,20 @@ def run(root: Path, size: str = "full") -> dict:
         "aqsgd_buffer_bytes_per_sample_per_end": per_end / samples,
         "aqsgd_buffer_bytes_run": per_end * 2 * (p - 1),
         "tah_buffer_bytes_run": 0, "tah_stateless": tah_is_stateless(seq, mb, hidden),
-        "max_rss_kb": rss,
+        "max_rss_kb": rss, "logged_buffer_bytes": logged,
         "gpt2_xl_bytes_per_sample_per_middle_rank": xl_per_sample_rank,
     }
     out = Path(root) / "memory"
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _logged_buffer(path: Path) -> dict | None:
+    """``{"final", "peak"}`` buffer bytes (all stages) from a trainer log; None if missing or not logged."""
+    try:
+        records = read_log(path)
+    except ReproduceError:
+        return None
+    values = [r["buffer_bytes"] for r in records if "buffer_bytes" in r]
+    return {"final": values[-1], "peak": max(values)} if values else None

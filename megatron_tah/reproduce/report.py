@@ -477,6 +477,7 @@ def _memory_section(root: Path) -> tuple[list[str], dict]:
         return lines + ["Not run yet (`scripts/reproduce.sh memory`).", ""], {}
     m = json.loads(path.read_text())
     rss = m["max_rss_kb"]
+    logged = m.get("logged_buffer_bytes") or {}
     lines += [f"For the fine-tuning run ({m['samples']} samples of [{m['seq']}, {m['hidden']}], PP {m['pipeline']}): "
               "AQ-SGD's buffer measured by replaying every training sample through one `AqSgdCodec` link end "
               "(`buffer_nbytes()`), times the 2 (p - 1) link ends of the pipeline; TAH-Quant keeps nothing per "
@@ -486,6 +487,10 @@ def _memory_section(root: Path) -> tuple[list[str], dict]:
               f"| buffer per sample per link end | {m['aqsgd_buffer_bytes_per_sample_per_end'] / 1024:.1f} KiB | 0 |",
               f"| buffer, whole run ({2 * (m['pipeline'] - 1)} link ends) | "
               f"{m['aqsgd_buffer_bytes_run'] / 2**20:.2f} MiB | 0 |",
+              *([f"| buffer at the end of the fine-tuning run, logged by the trainer (all stages) | "
+                 f"{logged['aqsgd']['final'] / 2**20:.2f} MiB | "
+                 f"{_f(None if not logged.get('tah') else logged['tah']['final'] / 2**20, '.2f')} MiB |"]
+                if logged.get("aqsgd") else []),
               f"| peak RSS of the largest stage process (fine-tuning run) | {_f(_mib(rss.get('aqsgd')), '.0f')} MiB | "
               f"{_f(_mib(rss.get('tah')), '.0f')} MiB |", "",
               f"Peak RSS of the uncompressed fine-tuning run: {_f(_mib(rss.get('none')), '.0f')} MiB. At the AQ-SGD "
