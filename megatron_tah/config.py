@@ -54,6 +54,9 @@ class TahConfig:
     tah_allocation: str = "token"
     """TAH-Quant bit allocation unit: token (paper v1) or tile (paper v2)."""
 
+    tah_low_bits_for: str = "low_entropy"
+    """TAH-Quant: which tokens (or tiles) get the low bit width: low_entropy (the paper) or high_entropy (diagnostic)."""
+
     tah_stochastic_rounding: bool = False
     """Round stochastically (unbiased) instead of to nearest in the quantizing codecs."""
 
@@ -91,6 +94,8 @@ class TahConfig:
         if self.tah_backward_codec == "aqsgd":
             raise ValueError("tah_backward_codec = 'aqsgd': AQ-SGD compresses activations only; "
                              "use fixedpoint, tah, fp8 or none for gradients")
+        if self.tah_low_bits_for not in ("low_entropy", "high_entropy"):
+            raise ValueError(f"tah_low_bits_for = {self.tah_low_bits_for!r}: choose low_entropy or high_entropy")
         if self.tah_allocation not in ("token", "tile"):
             raise ValueError(f"tah_allocation = {self.tah_allocation!r}: choose token or tile")
         if not 0.0 <= self.tah_high_ratio <= 1.0:
@@ -134,6 +139,7 @@ class TahConfig:
             return get_codec("tah", tile_size=self.tah_tile_size, high_bits=self.tah_high_bits,
                              low_bits=self.tah_low_bits, high_ratio=self.tah_high_ratio,
                              outlier_threshold=self.tah_outlier_threshold, allocation=self.tah_allocation,
+                             low_bits_for=self.tah_low_bits_for,
                              stochastic_rounding=self.tah_stochastic_rounding, **backend)
         if name == "fp8":
             return get_codec("fp8", group_size=self.tah_fp8_group_size, **backend)

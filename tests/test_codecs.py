@@ -86,6 +86,15 @@ def test_tah_token_allocation_gives_low_bits_to_low_entropy_tokens():
     buf = codec.encode(x)
     flags = common.unpack_flags(codec.layout(x.shape, x.dtype).view(buf, "flags"), 10)
     assert flags.nonzero().flatten().tolist() == peaked
+    # The diagnostic inversion gives the low bits to the two highest-entropy tokens instead.
+    inverted = get_codec("tah", high_ratio=0.8, tile_size=64, low_bits_for="high_entropy")
+    assert inverted.config_digest() != codec.config_digest()  # a receiver configured otherwise is refused
+    flags = common.unpack_flags(inverted.layout(x.shape, x.dtype).view(inverted.encode(x), "flags"), 10)
+    p = x.abs() / x.abs().sum(dim=-1, keepdim=True)
+    entropy = -(p * torch.log(p + 1e-8)).sum(dim=-1).flatten()
+    assert flags.nonzero().flatten().tolist() == sorted(entropy.topk(2).indices.tolist())
+    with pytest.raises(CodecError, match="low_bits_for"):
+        get_codec("tah", low_bits_for="middle")
 
 
 # ----- error bounds ------------------------------------------------------------------------

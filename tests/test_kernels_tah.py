@@ -28,6 +28,8 @@ CASES = [
     ((16, 2, 384), torch.bfloat16, {"tile_size": 128, "outlier_threshold": float("inf")}),
     ((12, 2, 160), torch.float16, {"allocation": "tile", "high_bits": 8, "low_bits": 6, "high_ratio": 0.5}),
     ((4, 2, 96), torch.float32, {"tile_size": 32, "high_ratio": 1.0}),
+    ((16, 2, 128), torch.float32, {"low_bits_for": "high_entropy"}),
+    ((6, 2, 128), torch.bfloat16, {"allocation": "tile", "tile_size": 16, "low_bits_for": "high_entropy"}),
 ]
 
 

@@ -9,7 +9,9 @@ repeating each token's last channel, see ``common.to_tiles``):
    tokens get ``low_bits``, the rest ``high_bits``. ``allocation="tile"`` (paper v2):
    the same rule over the tiles of each token, ``floor(n_tiles * (1 - high_ratio))`` low
    tiles per token. Ties go to the lower index (stable sort). The number of low-bit
-   units depends only on the shape, so the wire size does too.
+   units depends only on the shape, so the wire size does too. ``low_bits_for=
+   "high_entropy"`` inverts the rule (the highest-entropy units get ``low_bits``): a
+   diagnostic knob for the ablations, not the paper's method.
 2. **Outlier test, pivot swap, Hadamard.** A tile is rotated when
    ``|a1| / (|a2| + eps) > outlier_threshold`` (``a1``, ``a2``: its two largest
    magnitudes; ``0`` rotates every tile, ``inf`` none). Rotation swaps the
@@ -42,6 +44,7 @@ from .base import Codec, CodecError, register_codec_id
 
 EPS = 1e-8
 ALLOCATIONS = ("token", "tile")
+LOW_BITS_FOR = ("low_entropy", "high_entropy")
 
 
 class TahCodec(Codec):
@@ -50,7 +53,7 @@ class TahCodec(Codec):
 
     def __init__(self, tile_size: int = 64, high_bits: int = 4, low_bits: int = 3, high_ratio: float = 0.8,
                  outlier_threshold: float = 2.0, allocation: str = "token", stochastic_rounding: bool = False,
-                 seed: int = 0, backend: str = "auto"):
+                 seed: int = 0, backend: str = "auto", low_bits_for: str = "low_entropy"):
         super().__init__(backend)
         self.tile_size = common.check_tile_size(tile_size)
         self.high_bits = common.check_bits(high_bits, "high_bits")
@@ -66,6 +69,9 @@ class TahCodec(Codec):
         if allocation not in ALLOCATIONS:
             raise CodecError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         self.allocation = allocation
+        if low_bits_for not in LOW_BITS_FOR:
+            raise CodecError(f"low_bits_for must be one of {LOW_BITS_FOR}, got {low_bits_for!r}")
+        self.low_bits_for = low_bits_for
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
@@ -76,6 +82,7 @@ class TahCodec(Codec):
             "tile_size": self.tile_size, "high_bits": self.high_bits, "low_bits": self.low_bits,
             "high_ratio": self.high_ratio, "outlier_threshold": self.outlier_threshold,
             "allocation": self.allocation, "stochastic_rounding": self.stochastic_rounding,
+            "low_bits_for": self.low_bits_for,
         }
 
     @property
@@ -131,15 +138,19 @@ class TahCodec(Codec):
         if self.allocation == "token":
             p = magnitude.div_(magnitude.sum(dim=(1, 2), keepdim=True) + EPS)
             entropy = -(p * (p + EPS).log_()).sum(dim=(1, 2)).reshape(s, b)
-            order = torch.sort(entropy, dim=0, stable=True).indices[:n_low]
+            order = torch.sort(self.selection_key(entropy), dim=0, stable=True).indices[:n_low]
             low_token = torch.zeros(s, b, dtype=torch.bool, device=tiles.device)
             low_token.scatter_(0, order, True)
             return low_token.reshape(-1, 1).expand(-1, tiles.shape[1])
         p = magnitude / (magnitude.sum(dim=2, keepdim=True) + EPS)
         entropy = -(p * torch.log(p + EPS)).sum(dim=2)
-        order = torch.sort(entropy, dim=1, stable=True).indices[:, :n_low]
+        order = torch.sort(self.selection_key(entropy), dim=1, stable=True).indices[:, :n_low]
         low = torch.zeros(entropy.shape, dtype=torch.bool, device=tiles.device)
         return low.scatter_(1, order, True)
+
+    def selection_key(self, entropy: torch.Tensor) -> torch.Tensor:
+        """Ascending order of this key picks the low-bit units: entropy, or -entropy when inverted."""
+        return entropy if self.low_bits_for == "low_entropy" else -entropy
 
     def find_outliers(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotate flag, pivot index) per tile; the pivot is 0 for tiles left unrotated."""

@@ -203,11 +203,12 @@ def triton_tah_entropy(codec, x: torch.Tensor, rows_per_prog: int | None = None)
 
 
 def select_low_units(codec, entropy: torch.Tensor, shape) -> torch.Tensor:
-    """Bool per unit: the ``low_units_per_group`` lowest-entropy units of each group (stable: lower index first)."""
+    """Bool per unit: the ``low_units_per_group`` lowest-entropy units of each group (stable: lower index first;
+    the highest-entropy ones with ``low_bits_for="high_entropy"``)."""
     s, b, _ = shape
     n_low = codec.low_units_per_group(shape)
     groups = entropy.reshape(s, b).t() if codec.allocation == "token" else entropy.reshape(s * b, -1)
-    order = torch.sort(groups, dim=1, stable=True).indices[:, :n_low]
+    order = torch.sort(codec.selection_key(groups), dim=1, stable=True).indices[:, :n_low]
     low = torch.zeros(groups.shape, dtype=torch.bool, device=entropy.device).scatter_(1, order, True)
     return low.t().reshape(-1) if codec.allocation == "token" else low.reshape(-1)
 

@@ -32,6 +32,7 @@ _CHOICES = {
     "tah_forward_codec": tuple(CODECS),
     "tah_backward_codec": tuple(name for name in CODECS if name != "aqsgd"),
     "tah_allocation": ("token", "tile"),
+    "tah_low_bits_for": ("low_entropy", "high_entropy"),
     "tah_backend": tuple(BACKENDS),
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -71,6 +71,8 @@ ABLATIONS = {
     "bit allocation": [
         ("tah", "token (default)", []),
         ("abl_alloc_tile", "tile", ["--tah-allocation", "tile"]),
+        ("abl_low_high_entropy", "token, inverted: low bits to the highest-entropy 20% (diagnostic)",
+         ["--tah-low-bits-for", "high_entropy"]),
     ],
     "rounding": [
         ("tah", "to nearest (default)", []),
