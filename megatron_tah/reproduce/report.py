@@ -246,16 +246,21 @@ def _seed_spread(stats: dict) -> float | None:
     return (none["max"] - none["min"]) / none["mean"]
 
 
+def _paired(stats: dict, codec: str, ref: str) -> list[float]:
+    """Relative gaps of ``codec`` vs ``ref`` run with the same seed (same initialization and data order)."""
+    a, b = stats.get(codec, {}).get("losses", {}), stats.get(ref, {}).get("losses", {})
+    return [convergence.relative_gap(a[seed], b[seed]) for seed in a if seed in b]
+
+
 def _convergence_checks(phase: str, stats: dict, rows: dict, ref: str, checks: dict) -> None:
-    """The loss-gap and direct-3-bit checks, on seed means where two or more seeds ran, else on one run."""
+    """The loss-gap and direct-3-bit checks: on same-seed pairs averaged over seeds where two or more
+    seeds ran, else on the one run. "Measurably worse": by more than 0.5% with every seed."""
     tah_name, fp3_name = ("tah", "fixedpoint3") if ref == "none" else ("ft_tah", "ft_fixedpoint3")
-    spread = _seed_spread(stats)
-    threshold = max(TARGETS["direct3_worse"], spread or 0.0)
-    checks[f"_direct3_threshold_{phase}"] = threshold
-    multi = all(len(stats.get(c, {}).get("losses", {})) >= 2 for c in ("none", "tah"))
-    if multi:
-        gap = convergence.relative_gap(stats["tah"]["mean"], stats["none"]["mean"])
-        checks[f"_gap_source_{phase}"] = f"mean of {len(stats['tah']['losses'])} seeds"
+    gaps = _paired(stats, "tah", "none")
+    if len(gaps) >= 2:
+        gap = sum(gaps) / len(gaps)
+        checks[f"_gap_source_{phase}"] = (f"mean of {len(gaps)} seeds, each seed "
+                                          f"{_pct(min(gaps), '+.2f')} to {_pct(max(gaps), '+.2f')}")
     elif ref in rows and tah_name in rows:
         gap = convergence.relative_gap(rows[tah_name]["valid_loss"], rows[ref]["valid_loss"])
         checks[f"_gap_source_{phase}"] = "one seed"
@@ -263,17 +268,12 @@ def _convergence_checks(phase: str, stats: dict, rows: dict, ref: str, checks: d
         return
     checks[f"loss_gap_{phase}"] = abs(gap) <= TARGETS["loss_gap"]
     checks[f"_gap_{phase}"] = gap
-    if multi and len(stats.get("fixedpoint3", {}).get("losses", {})) >= 2:
-        fp3, tah = stats["fixedpoint3"], stats["tah"]
-        diff = convergence.relative_gap(fp3["mean"], tah["mean"])
-        every = all(fp3["losses"][sd] > tah["losses"][sd] for sd in fp3["losses"] if sd in tah["losses"])
-        checks[f"direct3_{phase}"] = diff > threshold and every
-        checks[f"_direct3_{phase}"] = diff
-        checks[f"_direct3_every_{phase}"] = every
-    elif fp3_name in rows and tah_name in rows:
-        diff = convergence.relative_gap(rows[fp3_name]["valid_loss"], rows[tah_name]["valid_loss"])
-        checks[f"direct3_{phase}"] = diff > threshold
-        checks[f"_direct3_{phase}"] = diff
+    diffs = _paired(stats, "fixedpoint3", "tah")
+    if len(diffs) < 2 and fp3_name in rows and tah_name in rows:
+        diffs = [convergence.relative_gap(rows[fp3_name]["valid_loss"], rows[tah_name]["valid_loss"])]
+    if diffs:
+        checks[f"direct3_{phase}"] = min(diffs) > TARGETS["direct3_worse"]
+        checks[f"_direct3_{phase}"] = (sum(diffs) / len(diffs), min(diffs), len(diffs))
 
 
 def _convergence_section(root: Path, docs: Path, size: str) -> tuple[list[str], dict]:
@@ -374,13 +374,13 @@ def _convergence_discussion(pre: dict, ft: dict, pre_seeds: dict, ft_seeds: dict
     text = (f"**Reading the pretraining numbers.** With seed {convergence.DEFAULT_SEED} TAH-Quant ends "
             f"{_pct(gap, '+.2f')} from uncompressed")
     if "_gap_pretraining" in checks and checks.get("_gap_source_pretraining", "one seed") != "one seed":
-        text += (f"; over seeds ({checks['_gap_source_pretraining']}) {_pct(checks['_gap_pretraining'], '+.2f')}")
+        text += (f"; over seeds {_pct(checks['_gap_pretraining'], '+.2f')} ({checks['_gap_source_pretraining']})")
     text += f" (target: within {100 * TARGETS['loss_gap']:.0f}%). "
     spread = _seed_spread(pre_seeds)
     if spread is not None:
         text += (f"The uncompressed runs' final losses differ by {_pct(spread, '.2f')} of their mean across "
-                 f"{len(pre_seeds['none']['losses'])} seeds (initialization and data order), the scale below which "
-                 "one run's difference is not resolved. ")
+                 f"{len(pre_seeds['none']['losses'])} seeds (initialization and data order); the comparisons are "
+                 "made between runs with the same seed, whose gaps vary much less (the same-seed gaps above). ")
     rotated = tah.get("rotated_fraction")
     if rotated is not None and rotated < 0.05:
         text += (f"Only {_pct(rotated, '.3f')} of its tiles met the outlier test (tau = 2) in this small, briefly "
@@ -433,22 +433,24 @@ def _ablation_section(root: Path) -> list[str]:
     lines = ["## 3. Ablations (TAH-Quant pretraining, one knob changed from the default)", ""]
     names = [n for g in convergence.ABLATIONS.values() for n, _, _ in g]
     rows = convergence.collect(out, dict.fromkeys(names))
+    none = convergence.collect(out, ["none"]).get("none")
     if "tah" not in rows or len(rows) < 2:
         return lines + ["Not run yet (`scripts/reproduce.sh ablations`).", ""]
     ref = rows["tah"]["valid_loss"]
     lines += ["Final validation loss of the pretraining run above; the paper's column is its loss at step 500 "
               "(GPT2-XL), for the direction of the effect, not the value.", "",
-              "| knob | value | final valid loss | vs default | wire MB/iter | fwd rel. error | rotated tiles | paper |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| knob | value | final valid loss | vs default | vs uncompressed | wire MB/iter | fwd rel. error | "
+              "rotated tiles | paper |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for group, entries in convergence.ABLATIONS.items():
         for name, value, _ in entries:
             row = rows.get(name)
             if row is None:
-                lines.append(f"| {group} | {value} | not run | | | | | |")
+                lines.append(f"| {group} | {value} | not run | | | | | | |")
                 continue
             paper = PAPER_ABLATIONS.get(name) if (name != "tah" or group == "outlier threshold tau") else None
             lines.append(f"| {group} | {value} | {row['valid_loss']:.4f} | "
                          f"{_pct(convergence.relative_gap(row['valid_loss'], ref), '+.2f')} | "
+                         f"{_pct(_gap({**rows, 'none': none}, name, 'none') if none else None, '+.2f')} | "
                          f"{row['wire_bytes_per_iter'] / 1e6:.3f} | {_f(row['fwd_rel_error'], '.3f')} | "
                          f"{_f(row['rotated_fraction'], '.3f')} | {_f(paper)} |")
     hidden = int(convergence._flag(convergence.SIZES["full"]["model"], "--hidden-size"))
@@ -460,10 +462,12 @@ def _ablation_section(root: Path) -> list[str]:
     for (a, b), reason in why.items():
         if a in rows and b in rows and rows[a]["valid_loss"] == rows[b]["valid_loss"]:
             lines += ["", f"`{a}` and `{b}` end at exactly the same loss, as expected: {reason}."]
-    spread = _seed_spread(_over_seeds(out, ""))
-    if spread is not None:
-        lines += ["", f"One run per setting: the seed-to-seed spread of the uncompressed runs ({_pct(spread, '.2f')} "
-                  "of their mean) is the scale below which these differences are not resolved."]
+    gaps = _paired(_over_seeds(out, ""), "tah", "none")
+    if len(gaps) >= 2:
+        lines += ["", f"One run per setting (seed {convergence.DEFAULT_SEED}), compared with runs of the same seed. "
+                  f"The default's gap to uncompressed varies by {_pct(max(gaps) - min(gaps), '.2f')} over "
+                  f"{len(gaps)} seeds ({', '.join(_pct(g, '+.2f') for g in gaps)}): differences between settings "
+                  "smaller than that are not resolved."]
     if any(n not in rows for n in names):
         lines += ["", "Rows marked *not run* did not fit this reproduction's time budget; "
                   "`bash scripts/reproduce.sh ablations` runs them (finished runs are skipped)."]
@@ -530,12 +534,12 @@ def _summary(checks: dict) -> list[str]:
                          f"{_pct(checks[f'_gap_{phase}'], '+.2f')} ({checks[f'_gap_source_{phase}']}) | "
                          f"{_ok(checks[f'loss_gap_{phase}'])} |")
         if f"_direct3_{phase}" in checks:
-            every = checks.get(f"_direct3_every_{phase}")
-            seeds_text = "" if every is None else (", worse with every seed" if every else ", not worse with every seed")
-            lines.append(f"| {phase}: direct 3-bit measurably worse than TAH-Quant (loss > TAH-Quant's by more "
-                         f"than {_pct(checks[f'_direct3_threshold_{phase}'])}: 0.5% or the uncompressed runs' seed "
-                         f"spread, whichever is larger{'' if every is None else ', and with every seed'}) | "
-                         f"{_pct(checks[f'_direct3_{phase}'], '+.2f')}{seeds_text} | {_ok(checks[f'direct3_{phase}'])} |")
+            mean, smallest, n = checks[f"_direct3_{phase}"]
+            result = (_pct(mean, '+.2f') if n == 1 else
+                      f"{_pct(mean, '+.2f')} (mean of {n} seeds; smallest {_pct(smallest, '+.2f')})")
+            lines.append(f"| {phase}: direct 3-bit measurably worse than TAH-Quant (final loss above TAH-Quant's "
+                         f"by more than {_pct(TARGETS['direct3_worse'])} with every seed) | {result} | "
+                         f"{_ok(checks[f'direct3_{phase}'])} |")
     if checks.get("memory_reported"):
         lines.append("| AQ-SGD's buffer memory reported | section 4 | **met** |")
     return lines + [""]
