@@ -80,6 +80,8 @@ def run(root: Path, size: str = "full") -> dict:
         "aqsgd_buffer_bytes_run": per_end * 2 * (p - 1),
         "tah_buffer_bytes_run": 0, "tah_stateless": tah_is_stateless(seq, mb, hidden),
         "max_rss_kb": rss, "logged_buffer_bytes": logged,
+        # Validation batches cross the same links (forward only), so their fixed samples are buffered too.
+        "valid_samples": cfg["eval_iters"] * _flag(model, "--global-batch-size"),
         "gpt2_xl_bytes_per_sample_per_middle_rank": xl_per_sample_rank,
     }
     out = Path(root) / "memory"
