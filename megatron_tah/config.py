@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from .codecs import CODECS, Codec, CodecError, get_codec
+from .codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from .units import parse_bandwidth
 
 def _field_docs(cls) -> dict[str, str]:
@@ -94,10 +95,10 @@ class TahConfig:
         if self.tah_backward_codec == "aqsgd":
             raise ValueError("tah_backward_codec = 'aqsgd': AQ-SGD compresses activations only; "
                              "use fixedpoint, tah, fp8 or none for gradients")
-        if self.tah_low_bits_for not in ("low_entropy", "high_entropy"):
-            raise ValueError(f"tah_low_bits_for = {self.tah_low_bits_for!r}: choose low_entropy or high_entropy")
-        if self.tah_allocation not in ("token", "tile"):
-            raise ValueError(f"tah_allocation = {self.tah_allocation!r}: choose token or tile")
+        if self.tah_low_bits_for not in LOW_BITS_FOR:
+            raise ValueError(f"tah_low_bits_for = {self.tah_low_bits_for!r}: choose {' or '.join(LOW_BITS_FOR)}")
+        if self.tah_allocation not in ALLOCATIONS:
+            raise ValueError(f"tah_allocation = {self.tah_allocation!r}: choose {' or '.join(ALLOCATIONS)}")
         if not 0.0 <= self.tah_high_ratio <= 1.0:
             raise ValueError(f"tah_high_ratio = {self.tah_high_ratio}: must lie in [0, 1]")
         if self.tah_outlier_threshold < 0:

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..codecs import CODECS
 from ..codecs.base import BACKENDS
+from ..codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from ..config import TahConfig
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
@@ -31,8 +32,8 @@ _MARKER = "_megatron_tah_wrapper"
 _CHOICES = {
     "tah_forward_codec": tuple(CODECS),
     "tah_backward_codec": tuple(name for name in CODECS if name != "aqsgd"),
-    "tah_allocation": ("token", "tile"),
-    "tah_low_bits_for": ("low_entropy", "high_entropy"),
+    "tah_allocation": ALLOCATIONS,
+    "tah_low_bits_for": LOW_BITS_FOR,
     "tah_backend": tuple(BACKENDS),
 }
 _TYPES = {"int": int, "float": float, "str": str}
