@@ -195,10 +195,6 @@ def seed_runs(root: Path, size: str) -> list[Run]:
     return runs
 
 
-def finetune_runs_names(codecs=FINETUNE_CODECS) -> list[str]:
-    return [f"ft_{c}" for c in codecs]
-
-
 def seed_run_names() -> list[str]:
     return [seed_name(prefix + c, seed) for prefix in ("", "ft_") for seed in EXTRA_SEEDS for c in SEED_CODECS]
 

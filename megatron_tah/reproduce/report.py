@@ -458,9 +458,10 @@ def _ablation_section(root: Path) -> list[str]:
     for (a, b), reason in why.items():
         if a in rows and b in rows and rows[a]["valid_loss"] == rows[b]["valid_loss"]:
             lines += ["", f"`{a}` and `{b}` end at exactly the same loss, as expected: {reason}."]
+    seeds = _over_seeds(out, "")
     lines += _ablation_reading({**rows, **({"none": none} if none else {})},
-                               convergence.collect(out, ["long_none", "long_tah"]), _over_seeds(out, ""))
-    gaps = _paired(_over_seeds(out, ""), "tah", "none")
+                               convergence.collect(out, ["long_none", "long_tah"]), seeds)
+    gaps = _paired(seeds, "tah", "none")
     if len(gaps) >= 2:
         lines += ["", f"One run per setting (seed {convergence.DEFAULT_SEED}), compared with runs of the same seed. "
                   f"The default's gap to uncompressed varies by {_pct(max(gaps) - min(gaps), '.2f')} over "
@@ -612,7 +613,7 @@ def _timing(root: Path) -> list[str]:
              "| part | runs | sum of run times | longest run |", "|---|---:|---:|---:|"]
     here = Path(root) / "convergence"
     parts = (
-        ("convergence", here, [*convergence.PRETRAIN_CODECS, *convergence.finetune_runs_names()]),
+        ("convergence", here, [*convergence.PRETRAIN_CODECS, *(f"ft_{c}" for c in convergence.FINETUNE_CODECS)]),
         ("ablations", here, [n for g in convergence.ABLATIONS.values() for n, _, _ in g if n != "tah"]),
         ("seeds", here, convergence.seed_run_names()),
         ("long", here, [f"long_{c}" for c in convergence.LONG_CODECS]),
