@@ -88,6 +88,9 @@ class TahConfig:
     tah_emulate_latency_ms: float = 0.0
     """Extra one-way latency per message in milliseconds, with --tah-emulate-bandwidth."""
 
+    tah_log_json: str | None = None
+    """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
+
     def __post_init__(self):
         for field in ("tah_forward_codec", "tah_backward_codec"):
             if getattr(self, field) not in CODECS:

@@ -82,6 +82,20 @@ class AqSgdCodec(Codec):
         """Bytes held in the per-sample buffer (``samples * s * h * buffer_dtype.itemsize``)."""
         return sum(t.numel() * t.element_size() for t in self.buffer.values())
 
+    needs_sample_ids = True
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict:
+        """The per-sample buffer and the sample count (the warm-up phase depends on it)."""
+        return {"buffer": dict(self.buffer), "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer = dict(state["buffer"])
+        self.samples_seen = int(state["samples_seen"])
+
     def reset(self) -> None:
         """Forget every sample and restart the count (both ends must do it together)."""
         self.buffer.clear()

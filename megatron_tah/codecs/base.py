@@ -140,6 +140,25 @@ class Codec:
     def __repr__(self) -> str:
         return f"<codec {self.describe()} backend={self.backend}>"
 
+    # ----- state kept between messages (saved with checkpoints) -------------------------
+    needs_sample_ids: bool = False
+    """Whether ``encode`` takes the micro-batch's sample ids (a per-sample buffer, as in AQ-SGD)."""
+
+    @property
+    def stateful(self) -> bool:
+        """Whether messages depend on earlier ones (AQ-SGD buffers, stochastic-rounding generators)."""
+        noise = getattr(self, "rounding_noise", None)
+        return bool(noise is not None and noise.enabled)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue this codec's message sequence exactly ({} when stateless)."""
+        noise = getattr(self, "rounding_noise", None)
+        return {"rounding_noise": noise.state_dict()} if self.stateful else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "rounding_noise" in state:
+            self.rounding_noise.load_state_dict(state["rounding_noise"])
+
     # ----- the public contract -------------------------------------------------------
     def wire_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """Exact length of ``encode(x)`` for any ``x`` of this shape and dtype."""

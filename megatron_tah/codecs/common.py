@@ -171,6 +171,16 @@ class RoundingNoise:
             self._generators[key] = torch.Generator(device=like.device).manual_seed(self.seed)
         return torch.rand(like.shape, generator=self._generators[key], device=like.device)
 
+    def state_dict(self) -> dict:
+        """Generator states per device (CPU tensors)."""
+        return {device: generator.get_state() for device, generator in self._generators.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for device, generator_state in state.items():
+            generator = torch.Generator(device=device)
+            generator.set_state(generator_state)
+            self._generators[device] = generator
+
 
 # ----- the asymmetric quantizer ----------------------------------------------------------
 def quantize_tiles(

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib
 import re
+import sys
 from typing import Any
 
 from ..codecs import CODECS
 from ..codecs.base import BACKENDS
 from ..codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from ..config import TahConfig
+from .patching import Patches, is_ours
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
-_MARKER = "_megatron_tah_wrapper"
 _CHOICES = {
     "tah_forward_codec": tuple(CODECS),
     "tah_backward_codec": tuple(name for name in CODECS if name != "aqsgd"),
@@ -114,26 +114,6 @@ def _megatron_arguments_module():
         ) from err
 
 
-def wrap_module_attribute(module, name: str, make_wrapper) -> None:
-    """Replace ``module.name`` by ``make_wrapper(original)``: marked, original in ``__wrapped__``, idempotent."""
-    original = getattr(module, name, None)
-    if original is None:
-        raise RuntimeError(f"{module.__name__}.{name} not found: this megatron-core version is not supported")
-    if getattr(original, _MARKER, False):
-        return
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARKER, True)
-    wrapper.__wrapped__ = original
-    setattr(module, name, wrapper)
-
-
-def unwrap_module_attribute(module, name: str) -> None:
-    """Put back the original of a ``wrap_module_attribute`` wrapper (no-op when not wrapped)."""
-    current = getattr(module, name, None)
-    if getattr(current, _MARKER, False):
-        setattr(module, name, current.__wrapped__)
-
-
 def _adding_tah_arguments(original):
     def add_megatron_arguments(parser):
         return add_tah_arguments(original(parser))
@@ -143,28 +123,33 @@ def _adding_tah_arguments(original):
 
 def _validating_tah_arguments(original):
     def validate_args(args, *rest, **kwargs):
-        result = original(args, *rest, **kwargs)
         if hasattr(args, dataclasses.fields(TahConfig)[0].name):
-            tah_config_from_args(args)
-        return result
+            try:  # before Megatron's own checks: nothing is built yet, and the message is one line
+                tah_config_from_args(args)
+            except ValueError as err:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+        return original(args, *rest, **kwargs)
 
     return validate_args
 
 
+_PATCHES = Patches()
+
+
 def install_arguments() -> None:
     """Make Megatron-LM's parser carry the ``--tah-*`` flags and validate them (idempotent)."""
+    if _PATCHES:
+        return
     module = _megatron_arguments_module()
-    wrap_module_attribute(module, "add_megatron_arguments", _adding_tah_arguments)
-    wrap_module_attribute(module, "validate_args", _validating_tah_arguments)
+    _PATCHES.wrap(module, "add_megatron_arguments", _adding_tah_arguments)
+    _PATCHES.wrap(module, "validate_args", _validating_tah_arguments)
 
 
 def uninstall_arguments() -> None:
     """Restore ``add_megatron_arguments`` and ``validate_args`` exactly (no-op when not installed)."""
-    module = _megatron_arguments_module()
-    unwrap_module_attribute(module, "add_megatron_arguments")
-    unwrap_module_attribute(module, "validate_args")
+    _PATCHES.restore()
 
 
 def arguments_installed() -> bool:
-    module = _megatron_arguments_module()
-    return getattr(module.add_megatron_arguments, _MARKER, False)
+    return is_ours(_megatron_arguments_module().add_megatron_arguments)

@@ -1,40 +1,88 @@
-"""Shims that let megatron-core's pipeline schedules run on CPU (tests, the embedded default).
+"""CPU support for megatron-core and ``megatron.training.pretrain`` (machines without CUDA).
 
-megatron-core assumes CUDA in four places that a CPU/gloo pipeline run reaches:
+Megatron-LM assumes a CUDA device. On a machine without one, every shim below turns a call
+that could only fail into its CPU equivalent; nothing else changes, and on a machine with
+CUDA none of them is applied. Line numbers are megatron-core 0.19.2's (the wheel); the
+same calls exist in 0.20 (Megatron-LM ``main``).
 
-1. ``tensor_parallel.random.CudaRNGStatesTracker.add`` / ``.fork`` read and write the
-   CUDA generator: replaced by versions that keep CPU generator states.
-2. ``pipeline_parallel.schedules`` makes its token counter with
-   ``torch.zeros(..., device="cuda")``: the module's ``torch`` is replaced by a proxy
-   whose tensor factories map a CUDA device to the CPU.
-3. ``pipeline_parallel.p2p_communication`` calls ``torch.cuda.current_device()`` and
-   ``torch.cuda.synchronize()``: the same proxy answers ``"cpu"`` and does nothing.
-4. ``utils.GlobalMemoryBuffer.get_tensor`` allocates on the current CUDA device:
-   replaced by a version that allocates on the CPU.
+1. **torch seen from Megatron's modules** (``SHIMMED_MODULES``): the module's global ``torch``
+   becomes :class:`CpuTorch`, where tensor factories given a CUDA device allocate on the CPU,
+   ``torch.cuda.current_device()`` is ``"cpu"``, ``device_count()`` is 1 (the CPU stands in for
+   the one device of this rank, so ``initialize.py:270``'s model-parallel groups and
+   ``initialize.py:447``'s model-parallel seeds are set up), and ``synchronize``, ``set_device``,
+   ``empty_cache``, streams and the CUDA RNG state are no-ops.
+2. **``.cuda()``** on tensors and modules (``language_module.py:307`` ``weight.data.cuda()``,
+   ``dist_utils.py:174`` ``model_module.cuda(...)``, upstream ``pretrain_gpt.py``'s batch
+   ``.cuda(non_blocking=True)``) returns the object itself: it already is on the CPU.
+3. **CUDA tensor type names**: ``optimizer.py:1009`` (``Float16OptimizerWithFloat16Params``),
+   ``distrib_optimizer.py:401`` and ``:758`` (``DistributedOptimizer``) and ``clip_grads.py:174``
+   accept only ``torch.cuda.*Tensor`` parameters; while those run, ``Tensor.type()`` of a CPU
+   tensor answers with the CUDA type name of the same dtype.
+4. **The model-parallel RNG tracker** (``random.py:285`` ``CudaRNGStatesTracker.add`` /
+   ``:311`` ``.fork``) keeps CPU generator states instead of CUDA ones.
+5. **``initialize.py:508`` ``_warmup_jit_function``** warms up CUDA fusion kernels: skipped.
+6. **``fused_softmax.py:233``** asks ``is_kernel_available`` whether to run the fused softmax,
+   which imports the CUDA extension ``scaled_masked_softmax_cuda`` (``:357``) for fp16/bf16:
+   answered ``False``, so the torch softmax runs.
+7. **Resume**: on GPUs, dropout draws from the CUDA generator, which the ``DataLoader`` never
+   touches; on the CPU dropout and ``DataLoader`` iterators (``training.py:4601``
+   ``build_train_valid_test_data_iterators``, which draws each iterator's base seed) share the
+   CPU generator, so building the iterators after a checkpoint restored the RNG state would shift
+   every later dropout mask. The CPU generator state is kept unchanged across that call, so a
+   resumed run continues bit for bit.
 
-``apply_cpu_shims()`` installs them only when ``torch.cuda.is_available()`` is False
-(returns whether they are active); ``remove_cpu_shims()`` restores the originals
-exactly. Both are idempotent. Nothing here runs at import time.
+``apply_cpu_shims()`` installs all of them when ``torch.cuda.is_available()`` is False (or with
+``force=True``, for tests) and returns whether they are active; ``remove_cpu_shims()`` restores
+every original object exactly. Both are idempotent; nothing happens at import time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-import operator
 import types
-from functools import reduce
 
 import torch
 
+from .patching import Patches, resolve
+
 logger = logging.getLogger(__name__)
 
-_MARKER = "_megatron_tah_cpu_shim"
-# (module or class, attribute name, original value), in the order they were applied.
-_APPLIED: list[tuple[object, str, object]] = []
+SHIMMED_MODULES = {
+    # module: the CUDA-only calls its ``torch`` proxy makes work (0.19.2 line numbers)
+    "megatron.training.initialize": "device_count/set_device :270-282, device='cuda' :509 (JIT warm-up)",
+    "megatron.training.training": "device='cuda' :1131/:1137 (start-time all-reduce), :2613, :4588 ...",
+    "megatron.training.checkpointing": "cuda get/set_rng_state :417/:2665, device='cuda' :375",
+    "megatron.training.models.dist_utils": "current_device :174, Stream/current_stream/stream :303-306",
+    "megatron.training.utils.common_utils": "device='cuda' :55, current_device :285",
+    "megatron.core.timers": "synchronize :152, current_device :303",
+    "megatron.core.utils": "device='cuda' :1332 (local l2 norm), current_device :715 (memory buffer)",
+    "megatron.core.rerun_state_machine": "cuda get/set_rng_state :979/:992, device='cuda' :264",
+    "megatron.core.optimizer.optimizer": "device='cuda' :315, current_device :1492",
+    "megatron.core.optimizer.clip_grads": "device='cuda' :96 and :180",
+    "megatron.core.optimizer.distrib_optimizer": "current_device :998",
+    "megatron.core.distributed.distributed_data_parallel": "current_device :297, synchronize :645",
+    "megatron.core.distributed.param_and_grad_buffer": "device='cuda' :1145, current_stream/stream :632/:686",
+    "megatron.core.transformer.module": "current_device :261",
+    "megatron.core.transformer.utils": "device='cuda' :39 (default causal mask)",
+    "megatron.core.models.gpt.gpt_model": "current_device :452",
+    "megatron.core.tensor_parallel.layers": "current_device :305",
+    "megatron.core.pipeline_parallel.schedules": "device='cuda' :749 (token counter)",
+    "megatron.core.pipeline_parallel.p2p_communication": "current_device :211, synchronize :263",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize :248",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "device=current_device :204/:252",
+}
+"""Megatron modules whose global ``torch`` is replaced by :class:`CpuTorch` (module -> lines covered)."""
 
-_CUDA_DEVICE_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+TYPE_CHECKED = (
+    ("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params", "__init__"),
+    ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer", "__init__"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+)
+"""Callables that accept only ``torch.cuda.*Tensor`` type names (run with CUDA type names)."""
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
+_TENSOR_TYPE = torch.Tensor.type
 
 
 def _is_cuda_device(device) -> bool:
@@ -45,8 +93,26 @@ def _is_cuda_device(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as seen by a shimmed module: current device is the CPU, synchronize is a no-op."""
+class _NoStream:
+    """A CUDA stream stand-in: the CPU runs everything in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+class CpuCuda(types.ModuleType):
+    """``torch.cuda`` as a shimmed module sees it (everything not defined here is torch.cuda's)."""
+
+    Stream = _NoStream
 
     def __init__(self):
         super().__init__("torch.cuda (megatron_tah cpu shim)")
@@ -59,17 +125,45 @@ class _CpuCuda(types.ModuleType):
         return "cpu"
 
     @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def set_device(device):
+        return None
+
+    @staticmethod
     def synchronize(device=None):
         return None
 
+    @staticmethod
+    def empty_cache():
+        return None
 
-class _CpuTorch(types.ModuleType):
-    """``torch`` as seen by a shimmed module: tensor factories put CUDA requests on the CPU."""
+    @staticmethod
+    def current_stream(device=None):
+        return _NoStream()
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def get_rng_state(device="cuda"):
+        return torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def set_rng_state(state, device="cuda"):
+        return None
+
+
+class CpuTorch(types.ModuleType):
+    """``torch`` as a shimmed module sees it: factories put CUDA requests on the CPU."""
 
     def __init__(self):
         super().__init__("torch (megatron_tah cpu shim)")
-        self.cuda = _CpuCuda()
-        for name in _CUDA_DEVICE_FACTORIES:
+        self.cuda = CpuCuda()
+        for name in _FACTORIES:
             setattr(self, name, self._cpu_factory(getattr(torch, name)))
 
     def __getattr__(self, name):
@@ -86,7 +180,54 @@ class _CpuTorch(types.ModuleType):
         return make
 
 
-# ----- replacements for class methods ----------------------------------------------------
+# ----- replacements ------------------------------------------------------------------------
+def _on_cpu_already(self, *args, **kwargs):
+    """``Tensor.cuda`` / ``Module.cuda`` without CUDA: the object is on the CPU already."""
+    return self
+
+
+def _type_name_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and self.device.type == "cpu":
+        return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _with_cuda_type_names(original):
+    def run(*args, **kwargs):
+        torch.Tensor.type = _type_name_as_cuda
+        try:
+            return original(*args, **kwargs)
+        finally:
+            del torch.Tensor.type  # torch.Tensor.type is inherited from the C base class
+
+    return run
+
+
+def _keeping_cpu_rng_state(original):
+    def run(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    return run
+
+
+def _skipped(original):
+    def run(*args, **kwargs):
+        return None
+
+    return run
+
+
+def _unavailable(original):
+    def run(*args, **kwargs):
+        return False
+
+    return run
+
+
 def _tracker_add(self, name, seed):
     """CudaRNGStatesTracker.add on CPU: the named state is a CPU generator state seeded with ``seed``."""
     self._is_initialized = True
@@ -112,67 +253,40 @@ def _tracker_fork(self, name="model-parallel-rng"):
         torch.set_rng_state(outer)
 
 
-def _buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-    """GlobalMemoryBuffer.get_tensor on CPU: a view of a reused CPU buffer."""
-    required = reduce(operator.mul, tensor_shape, 1)
-    key = (name, dtype)
-    if self.buffer.get(key) is None or self.buffer[key].numel() < required:
-        self.buffer[key] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
-    return self.buffer[key][0:required].view(*tensor_shape)
-
-
-def _import(module_name: str):
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as err:
-        raise RuntimeError(f"megatron_tah cpu shims need {module_name} (megatron-core): {err}") from err
-
-
-def _targets() -> list[tuple[object, str, object]]:
-    """(owner, attribute, replacement) for every shim; raises naming a missing symbol."""
-    random = _import("megatron.core.tensor_parallel.random")
-    schedules = _import("megatron.core.pipeline_parallel.schedules")
-    p2p = _import("megatron.core.pipeline_parallel.p2p_communication")
-    utils = _import("megatron.core.utils")
-    targets = [
-        (getattr(random, "CudaRNGStatesTracker", None), "add", _tracker_add),
-        (getattr(random, "CudaRNGStatesTracker", None), "fork", _tracker_fork),
-        (schedules, "torch", _CpuTorch()),
-        (p2p, "torch", _CpuTorch()),
-        (getattr(utils, "GlobalMemoryBuffer", None), "get_tensor", _buffer_get_tensor),
-    ]
-    for owner, attr, _ in targets:
-        if owner is None or not hasattr(owner, attr):
-            where = getattr(owner, "__name__", owner)
-            raise RuntimeError(f"megatron_tah cpu shims: megatron-core has no {where}.{attr}")
-    return targets
+# ----- apply / remove ----------------------------------------------------------------------
+_PATCHES = Patches()
 
 
 def cpu_shims_active() -> bool:
-    return bool(_APPLIED)
+    return bool(_PATCHES)
 
 
 def apply_cpu_shims(force: bool = False) -> bool:
     """Install the CPU shims when CUDA is absent (or ``force``); returns whether they are active."""
-    if _APPLIED:
+    if _PATCHES:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    for owner, attr, replacement in _targets():
-        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        try:
-            setattr(replacement, _MARKER, True)
-            setattr(replacement, "__wrapped__", original)
-        except AttributeError:
-            pass  # bound-less functions accept attributes; the proxies too
-        setattr(owner, attr, replacement)
-        _APPLIED.append((owner, attr, original))
+    try:
+        for module in SHIMMED_MODULES:
+            _PATCHES.replace(module, "torch", CpuTorch())
+        _PATCHES.replace(torch.Tensor, "cuda", _on_cpu_already)
+        _PATCHES.replace(torch.nn.Module, "cuda", _on_cpu_already)
+        for owner, attribute in TYPE_CHECKED:
+            _PATCHES.wrap(owner, attribute, _with_cuda_type_names)
+        tracker = resolve("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
+        _PATCHES.replace(tracker, "add", _tracker_add)
+        _PATCHES.replace(tracker, "fork", _tracker_fork)
+        _PATCHES.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped)
+        _PATCHES.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
+        _PATCHES.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
+    except Exception:
+        _PATCHES.restore()
+        raise
     logger.info("megatron_tah: CPU shims applied to megatron-core (no CUDA device)")
     return True
 
 
 def remove_cpu_shims() -> None:
     """Restore every shimmed attribute to the exact original object (no-op when not applied)."""
-    while _APPLIED:
-        owner, attr, original = _APPLIED.pop()
-        setattr(owner, attr, original)
+    _PATCHES.restore()

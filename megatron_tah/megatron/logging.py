@@ -1,69 +1,96 @@
-"""megatron_tah's statistics in Megatron-LM's training log, TensorBoard and wandb.
+"""megatron_tah's statistics in Megatron-LM's training log, TensorBoard, wandb and a JSON log.
 
-``install_logging()`` replaces ``megatron.training.training.training_log`` (``train()`` looks it up
-by name at call time) with a wrapper taking ``*args, **kwargs``. On iterations where Megatron
-prints its log line (``iteration % args.log_interval == 0`` or the first iteration) the wrapper,
-on every rank (the reduction is collective over the pipeline group):
+``install_logging()`` wraps three functions of ``megatron.training.training`` (``train()`` and
+``evaluate_and_print_results`` look them up by name at call time):
 
-1. takes this rank's counters since the last log line: ``stats.collect(reset=True)``;
-2. reduces them to the last rank: ``stats.reduce_to_last_rank(...)``;
-3. appends ``stats.format_for_log(...)`` to the iteration line Megatron prints (or prints it on
-   its own line if that line could not be found);
-4. writes the numbers as scalars ``tah/<direction>_<key>`` (e.g. ``tah/forward_ratio``) to the
-   TensorBoard and wandb writers, which Megatron creates only on the last rank.
+``training_log`` (called every iteration, on every rank). On iterations where Megatron prints its
+line (``iteration % log_interval == 0`` or the first), and on every iteration when
+``--tah-log-json`` is given, the wrapper -- on every rank, the reduction is collective over the
+pipeline group -- takes this rank's counters (``stats.collect``), sums them on the pipeline's
+last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
 
-Other iterations call the original unchanged. ``uninstall_logging()`` restores it exactly.
+1. appends one JSON record per iteration to ``--tah-log-json``::
+
+       {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "skipped", "ms", "tokens_per_s",
+        "fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes", "compression_ratio",
+        "codec_ms", "buffer_bytes", "tah": {...reduced statistics...}}
+
+   ``lm_loss`` is this iteration's loss (Megatron's printed value averages since the last reset),
+   ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
+   ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages;
+2. on printing iterations, appends ``stats.format_for_log`` of the counters since the previous
+   line to the iteration line Megatron prints, and writes them as ``tah/<direction>_<key>``
+   scalars to the TensorBoard and wandb writers.
+
+``evaluate`` / ``evaluate_and_print_results``: after each evaluation the last rank appends
+``{"iteration", "valid_loss", "valid_ppl"}`` (``test_loss``/``test_ppl`` for the test set).
+
+Records are appended: a run resumed from a checkpoint continues the same file.
+``uninstall_logging()`` restores the three functions exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+import json
 import math
-from typing import Any, Callable
+import os
+import time
+from typing import Any
 
-from .arguments import unwrap_module_attribute, wrap_module_attribute
+from . import stats
+from .patching import Patches, resolve
 
-DIRECTIONS = ("forward", "backward")
+TRAINING = "megatron.training.training"
+DIRECTIONS = stats.DIRECTIONS
 SCALAR_KEYS = ("messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction")
-# training_log(loss_dict, total_loss_dict, learning_rate, iteration, ..., is_first_iteration=...)
-_ITERATION_POSITION = 3
-_FIRST_ITERATION_POSITION = 12
+# training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+#              skipped_iter, grad_norm, ..., is_first_iteration=...)
+_POSITIONS = {"loss_dict": 0, "learning_rate": 2, "iteration": 3, "skipped_iter": 6, "grad_norm": 7,
+              "is_first_iteration": 12}
+# evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, ...)
+_EVAL_POSITIONS = {"prefix": 0, "iteration": 4}
+
+_PATCHES = Patches()
 
 
-def _training_module():
-    try:
-        return importlib.import_module("megatron.training.training")
-    except ImportError as err:
-        raise RuntimeError(
-            f"megatron_tah's log wrapper needs megatron.training.training (megatron-core >= 0.17): {err}"
-        ) from err
+class _LogState:
+    def __init__(self):
+        self.since_line = None  # reduced statistics since the last printed line
+        self.last_record_time = None
+        self.evaluations: list[dict] = []
 
 
-def _stats():
-    return importlib.import_module("megatron_tah.megatron.stats")
+_STATE = _LogState()
 
 
-def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+def _argument(args: tuple, kwargs: dict, name: str, positions: dict, default: Any = None) -> Any:
     if name in kwargs:
         return kwargs[name]
+    position = positions[name]
     return args[position] if len(args) > position else default
 
 
-def scalars(stats: dict) -> dict[str, float]:
+def _number(value) -> float | None:
+    if value is None:
+        return None
+    value = float(value.item() if hasattr(value, "item") else value)
+    return value if math.isfinite(value) else None
+
+
+def scalars(reduced: dict) -> dict[str, float]:
     """Flatten reduced statistics into ``{"tah/forward_ratio": 3.6, ...}``, skipping missing/NaN values."""
     out = {}
     for direction in DIRECTIONS:
         for key in SCALAR_KEYS:
-            value = stats.get(direction, {}).get(key)
+            value = reduced.get(direction, {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 out[f"tah/{direction}_{key}"] = float(value)
     return out
 
 
-def write_scalars(stats: dict, iteration: int, writer=None, wandb_writer=None) -> dict[str, float]:
+def write_scalars(reduced: dict, iteration: int, writer=None, wandb_writer=None) -> dict[str, float]:
     """Write the statistics to a TensorBoard ``SummaryWriter`` and/or a wandb run (either may be None)."""
-    values = scalars(stats)
+    values = scalars(reduced)
     if writer is not None:
         for name, value in values.items():
             writer.add_scalar(name, value, iteration)
@@ -72,64 +99,141 @@ def write_scalars(stats: dict, iteration: int, writer=None, wandb_writer=None) -
     return values
 
 
+def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, learning_rate, grad_norm,
+                     skipped: bool, seconds: float | None) -> dict:
+    """The JSON record of one training iteration (see the module docstring)."""
+    fwd, bwd = reduced["forward"], reduced["backward"]
+    raw, wire = fwd["raw_bytes"] + bwd["raw_bytes"], fwd["wire_bytes"] + bwd["wire_bytes"]
+    loss = loss_dict.get("lm loss") if loss_dict else None
+    tokens = margs.global_batch_size * margs.seq_length
+    return {
+        "iteration": int(iteration),
+        "consumed_samples": int(getattr(margs, "consumed_train_samples", 0)),
+        "lm_loss": _number(loss),
+        "lr": _number(learning_rate),
+        "grad_norm": _number(grad_norm),
+        "skipped": bool(skipped),
+        "ms": None if seconds is None else 1e3 * seconds,
+        "tokens_per_s": None if not seconds else tokens / seconds,
+        "fwd_raw_bytes": fwd["raw_bytes"], "fwd_wire_bytes": fwd["wire_bytes"],
+        "bwd_raw_bytes": bwd["raw_bytes"], "bwd_wire_bytes": bwd["wire_bytes"],
+        "compression_ratio": raw / wire if wire else None,
+        "codec_ms": 1e3 * sum(reduced[d]["encode_seconds"] + reduced[d]["decode_seconds"] for d in DIRECTIONS),
+        "buffer_bytes": int(reduced.get("buffer_bytes", 0)),
+        "tah": {d: reduced[d] for d in DIRECTIONS},
+    }
+
+
+def append_json(path: str, record: dict) -> None:
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def _is_iteration_line(message: Any) -> bool:
     return isinstance(message, str) and " iteration " in message and "consumed samples" in message
 
 
-@contextlib.contextmanager
-def _appending_to_iteration_line(module, fragment: str):
-    """Within the block, ``module.print_rank_last`` adds ``fragment`` to the first iteration line it prints.
+def _call_appending(original, args, kwargs, fragment: str, iteration: int):
+    """Run ``training_log`` with ``fragment`` added to the first iteration line it prints."""
+    patches = Patches()
+    appended = []
+    module = resolve(TRAINING)
+    printer = module.print_rank_last
 
-    Yields a one-element list that says whether the fragment was appended.
-    """
-    original: Callable | None = getattr(module, "print_rank_last", None)
-    appended = [False]
-    if original is None:
-        yield appended
-        return
-
-    def print_rank_last(message, *args, **kwargs):
-        if not appended[0] and _is_iteration_line(message):
-            appended[0] = True
+    def print_rank_last(message, *p_args, **p_kwargs):
+        if not appended and _is_iteration_line(message):
+            appended.append(True)
             message = message + fragment
-        return original(message, *args, **kwargs)
+        return printer(message, *p_args, **p_kwargs)
 
-    module.print_rank_last = print_rank_last
+    patches.replace(module, "print_rank_last", print_rank_last)
     try:
-        yield appended
+        result = original(*args, **kwargs)
     finally:
-        module.print_rank_last = original
+        patches.restore()
+    if not appended and fragment:
+        printer(f" iteration {iteration:8d} |{fragment}")
+    return result
 
 
 def _logging_training_log(original):
     def training_log(*args, **kwargs):
         from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
+        from megatron.training.utils import is_last_rank
 
         margs = get_args()
-        iteration = _argument(args, kwargs, _ITERATION_POSITION, "iteration")
-        first = bool(_argument(args, kwargs, _FIRST_ITERATION_POSITION, "is_first_iteration", False))
-        if iteration is None or not (iteration % margs.log_interval == 0 or first):
+        iteration = _argument(args, kwargs, "iteration", _POSITIONS)
+        first = bool(_argument(args, kwargs, "is_first_iteration", _POSITIONS, False))
+        printing = iteration is not None and (iteration % margs.log_interval == 0 or first)
+        json_path = getattr(margs, "tah_log_json", None)
+        if iteration is None or not (printing or json_path):
             return original(*args, **kwargs)
 
-        stats = _stats()
         reduced = stats.reduce_to_last_rank(stats.collect(reset=True))
-        fragment = stats.format_for_log(reduced)
-        write_scalars(reduced, iteration, get_tensorboard_writer(), get_wandb_writer())
-        module = _training_module()
-        with _appending_to_iteration_line(module, fragment) as appended:
-            result = original(*args, **kwargs)
-        if not appended[0] and fragment:
-            module.print_rank_last(f" iteration {iteration:8d} |{fragment}")
-        return result
+        _STATE.since_line = stats.merge(_STATE.since_line, reduced)
+        now = time.monotonic()
+        if json_path and is_last_rank():
+            seconds = None if _STATE.last_record_time is None else now - _STATE.last_record_time
+            record = iteration_record(
+                margs, iteration, reduced, _argument(args, kwargs, "loss_dict", _POSITIONS, {}),
+                _argument(args, kwargs, "learning_rate", _POSITIONS), _argument(args, kwargs, "grad_norm", _POSITIONS),
+                bool(_argument(args, kwargs, "skipped_iter", _POSITIONS, 0)), seconds)
+            append_json(json_path, record)
+        _STATE.last_record_time = now
+        if not printing:
+            return original(*args, **kwargs)
+        since_line, _STATE.since_line = _STATE.since_line, None
+        write_scalars(since_line, iteration, get_tensorboard_writer(), get_wandb_writer())
+        return _call_appending(original, args, kwargs, stats.format_for_log(since_line), iteration)
 
     return training_log
 
 
+def _recording_evaluate(original):
+    def evaluate(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if result:
+            _STATE.evaluations.append({k: _number(v) for k, v in (result[0] or {}).items()})
+        return result
+
+    return evaluate
+
+
+def _logging_evaluation(original):
+    def evaluate_and_print_results(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+        from megatron.training.utils import is_last_rank
+
+        _STATE.evaluations = []
+        result = original(*args, **kwargs)
+        json_path = getattr(get_args(), "tah_log_json", None)
+        if json_path and is_last_rank():
+            split = "test" if "test" in str(_argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")) else "valid"
+            iteration = _argument(args, kwargs, "iteration", _EVAL_POSITIONS)
+            for losses in _STATE.evaluations:
+                loss = losses.get("lm loss")
+                if loss is not None:
+                    append_json(json_path, {"iteration": int(iteration), f"{split}_loss": loss,
+                                            f"{split}_ppl": math.exp(min(20.0, loss))})
+        _STATE.evaluations = []
+        return result
+
+    return evaluate_and_print_results
+
+
 def install_logging() -> None:
-    """Wrap ``megatron.training.training.training_log`` (idempotent)."""
-    wrap_module_attribute(_training_module(), "training_log", _logging_training_log)
+    """Wrap ``training_log``, ``evaluate`` and ``evaluate_and_print_results`` (idempotent)."""
+    if _PATCHES:
+        return
+    _PATCHES.wrap(TRAINING, "training_log", _logging_training_log)
+    _PATCHES.wrap(TRAINING, "evaluate", _recording_evaluate)
+    _PATCHES.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation)
 
 
 def uninstall_logging() -> None:
-    """Restore the original ``training_log`` (no-op when not installed)."""
-    unwrap_module_attribute(_training_module(), "training_log")
+    """Restore the original functions (no-op when not installed) and forget pending counters."""
+    _PATCHES.restore()
+    _STATE.__init__()

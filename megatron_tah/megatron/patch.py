@@ -60,12 +60,16 @@ class _State:
     codecs: dict = dataclasses.field(default_factory=dict)  # (direction, role, peer) -> Codec
     checked_groups: set = dataclasses.field(default_factory=set)
     sends: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    restored: dict = dataclasses.field(default_factory=dict)  # codec states loaded before the codec exists
 
     def codec(self, direction: str, role: str, peer: int):
         key = (direction, role, int(peer))
         if key not in self.codecs:
             cfg = self.config
-            self.codecs[key] = cfg.forward_codec() if direction == "forward" else cfg.backward_codec()
+            codec = cfg.forward_codec() if direction == "forward" else cfg.backward_codec()
+            if key in self.restored:
+                codec.load_state_dict(self.restored.pop(key))
+            self.codecs[key] = codec
         return self.codecs[key]
 
 
@@ -142,7 +146,7 @@ def _check_group(state: _State, group, device: torch.device) -> None:
 
 
 def _check_schedule(state: _State, group, send_next, recv_prev) -> None:
-    if state.config.tah_forward_codec != "aqsgd":
+    if not state.config.forward_codec().needs_sample_ids:
         return
     from megatron.core import parallel_state
 
@@ -160,16 +164,16 @@ def _encode(state: _State, direction: str, x: torch.Tensor, peer: int) -> torch.
     codec = state.codec(direction, "send", peer)
     with torch.no_grad():
         x = x.detach()
-        stateful = codec.name == "aqsgd"
+        with_ids = codec.needs_sample_ids
         # An activation send consumes the oldest queued ids (other codecs ignore them), so the
         # queue stays bounded whatever codec runs; aqsgd needs them.
-        ids = _pop_sample_ids(required=stateful) if direction == "forward" else None
+        ids = _pop_sample_ids(required=with_ids) if direction == "forward" else None
         started = time.perf_counter()
-        buf = codec.encode(x, sample_ids=ids) if stateful else codec.encode(x)
+        buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
         stats.record_codec_time(direction, encode_seconds=time.perf_counter() - started)
         rel_error = None
         interval = state.config.tah_error_sample_interval
-        if interval and not stateful and state.sends[direction] % interval == 0:
+        if interval and not with_ids and state.sends[direction] % interval == 0:
             y = codec.decode(buf, x.shape, x.dtype).float()
             norm = x.float().norm()
             rel_error = float((x.float() - y).norm() / norm) if norm > 0 else 0.0
@@ -217,7 +221,7 @@ class _Message:
             with torch.no_grad():
                 self.codec.decode(self.buf, self.target.shape, self.target.dtype, out=self.target)
             stats.record_codec_time(self.direction, decode_seconds=time.perf_counter() - started)
-            if self.codec.name == "aqsgd" and self.direction == "forward" and not self.last_stage:
+            if self.codec.needs_sample_ids and self.direction == "forward" and not self.last_stage:
                 push_sample_ids(self.codec.last_sample_ids)
         self.buf = None  # the transfer is complete: drop the wire buffer
 
@@ -391,6 +395,40 @@ def install(config: TahConfig | None = None, **overrides) -> None:
             setattr(module, name, _replacement(name, current))
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 cfg.forward_codec().describe(), cfg.backward_codec().describe())
+
+
+def codec_states() -> dict:
+    """``{(direction, role, peer): codec.state_dict()}`` of this rank's codecs that hold state."""
+    if _STATE is None:
+        return {}
+    states = {key: codec.state_dict() for key, codec in _STATE.codecs.items()}
+    states.update(_STATE.restored)  # loaded for link ends that have not sent or received since
+    return {key: state for key, state in states.items() if state}
+
+
+def stateful() -> bool:
+    """Whether the installed codecs keep state between messages (AQ-SGD, stochastic rounding)."""
+    if _STATE is None:
+        return False
+    return any(codec.stateful for codec in (_STATE.config.forward_codec(), _STATE.config.backward_codec()))
+
+
+def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
+    """Give each link end's codec its saved state (now, or when the codec is created)."""
+    state = _state()
+    if saved_config is not None:
+        saved = TahConfig(**{k: v for k, v in saved_config.items() if k in {f.name for f in dataclasses.fields(TahConfig)}})
+        if _config_record(saved) != _config_record(state.config):
+            raise CodecMismatchError(
+                f"megatron_tah: the checkpoint's codec state was saved with other codecs "
+                f"({_config_record(saved)}) than this run's ({_config_record(state.config)}); "
+                "load it with the same --tah-* flags, or use --finetune to start the codecs afresh")
+    for key, codec_state in states.items():
+        key = (key[0], key[1], int(key[2]))
+        if key in state.codecs:
+            state.codecs[key].load_state_dict(codec_state)
+        else:
+            state.restored[key] = codec_state
 
 
 def buffer_nbytes() -> int:

@@ -1,16 +1,23 @@
-"""One call that plugs megatron_tah into an unchanged Megatron-LM training script.
+"""One call that plugs megatron_tah into Megatron-LM's training loop (``megatron.training``).
 
-``install_megatron_lm_plugin()`` (called by ``python -m megatron_tah.launch`` and by the patched
-``pretrain_gpt.py``) does, idempotently:
+``install_megatron_lm_plugin()`` -- called by ``python -m megatron_tah.pretrain_gpt``, by
+``python -m megatron_tah.launch`` and by a ``pretrain_gpt.py`` patched with ``patches/`` -- does,
+idempotently and before Megatron parses its arguments:
 
-- ``--tah-*`` flags on Megatron-LM's parser, validated with its arguments (``arguments.py``);
-- the statistics in the iteration log line and TensorBoard/wandb (``logging.py``);
-- wraps ``initialize_megatron`` (in ``megatron.training.training``, where ``pretrain()`` looks it up
-  by name, and where scripts import it from: ``megatron.training`` and ``megatron.training.initialize``)
-  so that right after it returns -- arguments parsed, distributed and model-parallel state up,
-  no model built yet -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the
-  pipeline transports;
-- without CUDA, megatron-core's CPU shims (``cpu_shims.apply_cpu_shims()``).
+- ``--tah-*`` flags on Megatron's parser, validated with its arguments (``arguments.py``): a bad
+  value ends the run with one ``error:`` line before anything is built;
+- the statistics in the iteration log line, TensorBoard/wandb and ``--tah-log-json`` (``logging.py``);
+- wraps ``initialize_megatron`` (in ``megatron.training.training``, where ``pretrain()`` looks it up,
+  and in ``megatron.training`` / ``megatron.training.initialize``, where scripts import it from) so
+  that right after it returns -- arguments parsed, distributed and model-parallel state up, no model
+  built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
+  transports; without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
+- saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
+  Megatron's checkpoints (``codec_state.py``);
+- the wheel's dataset helpers: megatron-core's wheel ships ``datasets/helpers_cpp`` compiled but
+  not the Makefile that ``initialize.py:_compile_dependencies`` runs ``make`` on (which then
+  exits the job); when the compiled module imports, ``compile_helpers`` is skipped;
+- without CUDA, the CPU shims (``cpu_shims.apply_cpu_shims()``).
 
 ``uninstall_megatron_lm_plugin()`` undoes all of it, including ``megatron_tah.install``.
 """
@@ -21,21 +28,21 @@ import importlib
 
 import torch
 
-from .arguments import (
-    install_arguments,
-    tah_config_from_args,
-    uninstall_arguments,
-    unwrap_module_attribute,
-    wrap_module_attribute,
-)
+from . import codec_state, cpu_shims
+from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .logging import install_logging, uninstall_logging
+from .patching import Patches
 
-# What this module itself turned on (so the inverse leaves others' installs alone).
-_state = {"installed": False, "cpu_shims": False, "transports": False}
+INITIALIZE_MODULES = ("megatron.training.training", "megatron.training.initialize", "megatron.training")
+
+_PATCHES = Patches()
+_state = {"cpu_shims": False, "transports": False}
 
 
 def _initializing_then_installing(original):
     def initialize_megatron(*args, **kwargs):
+        if not torch.cuda.is_available():
+            kwargs["allow_no_cuda"] = True  # Megatron's own switch for initialize.py:66's CUDA assert
         result = original(*args, **kwargs)
         from megatron.training.global_vars import get_args
         from megatron.training.utils import print_rank_0
@@ -45,37 +52,45 @@ def _initializing_then_installing(original):
         config = tah_config_from_args(get_args())
         megatron_tah.install(config)
         _state["transports"] = True
-        print_rank_0(f"> megatron_tah: pipeline activations via {config.tah_forward_codec}, "
-                     f"activation gradients via {config.tah_backward_codec}")
+        print_rank_0(f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
+                     f"activation gradients via {config.backward_codec().describe()}")
         return result
 
     return initialize_megatron
 
 
-_INITIALIZE_MODULES = ("megatron.training.training", "megatron.training.initialize", "megatron.training")
-
-
-def _initialize_modules():
+def _compiled_helpers_present() -> bool:
     try:
-        return [importlib.import_module(name) for name in _INITIALIZE_MODULES]
-    except ImportError as err:
-        raise RuntimeError(f"megatron_tah's plugin needs megatron.training (megatron-core >= 0.17): {err}") from err
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+        return True
+    except ImportError:
+        return False
 
 
-def _cpu_shims():
-    return importlib.import_module("megatron_tah.megatron.cpu_shims")
+def _skipping_compile(original):
+    def compile_helpers():
+        return None  # the wheel's compiled helpers_cpp is there (checked at install)
+
+    return compile_helpers
 
 
 def install_megatron_lm_plugin() -> None:
-    """Install flags, log wrapper, the post-initialization ``megatron_tah.install`` and (CPU only) shims."""
-    install_arguments()
-    install_logging()
-    for module in _initialize_modules():
-        wrap_module_attribute(module, "initialize_megatron", _initializing_then_installing)
-    shims = _cpu_shims()
-    if not torch.cuda.is_available() and not shims.cpu_shims_active():
-        _state["cpu_shims"] = shims.apply_cpu_shims()
-    _state["installed"] = True
+    """Install flags, logging, the post-initialization ``megatron_tah.install``, codec checkpoints, shims."""
+    if _PATCHES:
+        return
+    try:
+        install_arguments()
+        install_logging()
+        for module in INITIALIZE_MODULES:
+            _PATCHES.wrap(module, "initialize_megatron", _initializing_then_installing)
+        codec_state.install(_PATCHES)
+        if _compiled_helpers_present():
+            _PATCHES.wrap("megatron.core.datasets.utils", "compile_helpers", _skipping_compile)
+        if not torch.cuda.is_available() and not cpu_shims.cpu_shims_active():
+            _state["cpu_shims"] = cpu_shims.apply_cpu_shims()
+    except Exception:
+        uninstall_megatron_lm_plugin()
+        raise
 
 
 def uninstall_megatron_lm_plugin() -> None:
@@ -85,15 +100,13 @@ def uninstall_megatron_lm_plugin() -> None:
     if _state["transports"]:
         megatron_tah.uninstall()
         _state["transports"] = False
-    for module in _initialize_modules():
-        unwrap_module_attribute(module, "initialize_megatron")
+    _PATCHES.restore()
     uninstall_logging()
     uninstall_arguments()
     if _state["cpu_shims"]:
-        _cpu_shims().remove_cpu_shims()
+        cpu_shims.remove_cpu_shims()
         _state["cpu_shims"] = False
-    _state["installed"] = False
 
 
 def plugin_installed() -> bool:
-    return _state["installed"]
+    return bool(_PATCHES)

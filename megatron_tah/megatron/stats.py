@@ -123,6 +123,23 @@ def collect(reset: bool = True) -> dict:
     return result
 
 
+def merge(total: dict | None, more: dict) -> dict:
+    """Sum two results of ``collect`` / ``reduce_to_last_rank`` (``total`` may be None); ``buffer_bytes``
+    is the later one's (it is a level, not a count)."""
+    if total is None:
+        return more
+    result = {}
+    for d in DIRECTIONS:
+        a, b = _to_sums(total[d]), _to_sums(more[d])
+        result[d] = _summarise({k: a[k] + b[k] for k in _SUMS})
+    links = dict(total["links"])
+    for link, nbytes in more["links"].items():
+        links[link] = links.get(link, 0) + nbytes
+    result["links"] = links
+    result["buffer_bytes"] = more.get("buffer_bytes", 0)
+    return result
+
+
 def _default_group():
     try:
         from megatron.core import parallel_state

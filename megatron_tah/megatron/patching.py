@@ -1,0 +1,100 @@
+"""The one helper behind every attribute megatron_tah replaces (transports, flags, log, shims).
+
+A :class:`Patches` object belongs to one installer and records what it replaced, so that
+``restore()`` puts back exactly the original objects, newest first::
+
+    patches = Patches()
+    patches.wrap("megatron.training.training", "training_log", make_wrapper)   # wrapper(original)
+    patches.replace(torch.Tensor, "cuda", cpu_cuda)                             # plain replacement
+    patches.restore()
+
+Every replacement carries the marker attribute ``_megatron_tah`` and the original in
+``__wrapped__`` where it accepts attributes; ``wrap`` leaves an attribute that already carries the
+marker alone (installing twice is a no-op). A class attribute that was inherited (absent from the
+class's own ``__dict__``) is deleted again on restore, so the inherited one shows through.
+Owners named by a string are imported on first use; a missing module or attribute raises
+``RuntimeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable
+
+MARKER = "_megatron_tah"
+_INHERITED = object()  # the original lived on a base class: delete on restore
+
+
+def resolve(owner: Any) -> Any:
+    """A module given by name (imported), a ``"module:Class"`` string, or the object itself."""
+    if not isinstance(owner, str):
+        return owner
+    module_name, _, qualname = owner.partition(":")
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RuntimeError(f"megatron_tah needs {module_name} (megatron-core / megatron.training): {err}") from err
+    for part in filter(None, qualname.split(".")):
+        if not hasattr(target, part):
+            raise RuntimeError(f"megatron_tah: {module_name} has no {qualname}; this megatron-core is not supported")
+        target = getattr(target, part)
+    return target
+
+
+def is_ours(value: Any) -> bool:
+    return bool(getattr(value, MARKER, False))
+
+
+def _mark(value: Any, original: Any) -> None:
+    try:
+        setattr(value, MARKER, True)
+        value.__wrapped__ = original
+    except (AttributeError, TypeError):
+        pass  # e.g. a bound method; the Patches record is what restores it
+
+
+class Patches:
+    """Attributes replaced by one installer, restorable exactly and in reverse order."""
+
+    def __init__(self):
+        self._applied: list[tuple[Any, str, Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._applied)
+
+    def original(self, owner: Any, attribute: str) -> Any:
+        owner = resolve(owner)
+        if not hasattr(owner, attribute):
+            name = getattr(owner, "__name__", repr(owner))
+            raise RuntimeError(f"megatron_tah: {name}.{attribute} not found; this megatron-core is not supported")
+        return getattr(owner, attribute)
+
+    def replace(self, owner: Any, attribute: str, replacement: Any) -> None:
+        """Set ``owner.attribute = replacement`` and remember what was there."""
+        owner = resolve(owner)
+        current = self.original(owner, attribute)
+        if isinstance(owner, type) and attribute not in owner.__dict__:
+            saved = _INHERITED
+        else:
+            saved = owner.__dict__[attribute] if isinstance(owner, type) else current
+        _mark(replacement, current)
+        setattr(owner, attribute, replacement)
+        self._applied.append((owner, attribute, saved))
+
+    def wrap(self, owner: Any, attribute: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+        """Replace a function by ``make_wrapper(original)`` (``functools.wraps``-ed); no-op when ours."""
+        owner = resolve(owner)
+        original = self.original(owner, attribute)
+        if is_ours(original):
+            return
+        self.replace(owner, attribute, functools.wraps(original)(make_wrapper(original)))
+
+    def restore(self) -> None:
+        """Put every replaced attribute back (no-op when nothing is replaced)."""
+        while self._applied:
+            owner, attribute, saved = self._applied.pop()
+            if saved is _INHERITED:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, saved)
