@@ -5,8 +5,9 @@
 
 Installs the plugin (``megatron_tah.megatron.plugin.install_megatron_lm_plugin``: ``--tah-*``
 flags, statistics in the log line, compressed pipeline transports once arguments are parsed),
-then runs SCRIPT as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` and SCRIPT's directory first
-on ``sys.path`` (as ``python SCRIPT`` would; pretrain_gpt.py imports its sibling modules).
+then runs SCRIPT as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``. SCRIPT's directory goes first
+on ``sys.path`` before anything imports ``megatron`` (as ``python SCRIPT`` would): a Megatron-LM
+checkout's own ``megatron`` package is the one that runs, and pretrain_gpt.py finds its siblings.
 Exit status: the script's; 2 with a one-line message when SCRIPT is missing.
 """
 
@@ -30,12 +31,14 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2)
 
+    script = os.path.abspath(script)
+    # The checkout first, before anything imports ``megatron``: its own package is the one that runs
+    # (the installed megatron-core would otherwise win, and the checkout's sibling modules be missing).
+    sys.path.insert(0, os.path.dirname(script))
     from .megatron.plugin import install_megatron_lm_plugin
 
     install_megatron_lm_plugin()
-    script = os.path.abspath(script)
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(script))
     runpy.run_path(script, run_name="__main__")
 
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Apply megatron_tah's hook to a Megatron-LM checkout (branch core_r0.19.0).
+# Apply megatron_tah's hook to a Megatron-LM checkout (made for core_r0.19.0; applies to main too).
 #
 #   scripts/apply_patch.sh <Megatron-LM checkout> [patch file]
 #
-# Checks with `git apply --check` first and changes nothing unless the whole patch applies.
-# Exit status: 0 applied (or already applied), 1 the patch does not apply, 2 bad usage/checkout.
+# First checks that the checkout's megatron-core has the pipeline transports and training functions
+# the patch relies on (python -m megatron_tah.megatron.version), then `git apply --check`; changes
+# nothing unless both pass. Exit status: 0 applied (or already applied), 1 unsupported megatron-core
+# or the patch does not apply, 2 bad usage/checkout. PYTHON: the interpreter for the check.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,6 +36,18 @@ checkout="$(cd "$checkout" && pwd)"
 export GIT_CEILING_DIRECTORIES
 GIT_CEILING_DIRECTORIES="$(dirname "$checkout")"
 
+# Refuse, before touching anything, a megatron-core whose pipeline transports (or the training
+# functions the plugin wraps) differ from what the patch relies on; the message names its version.
+python_bin="${PYTHON:-}"
+if [[ -z "$python_bin" ]]; then
+    if [[ -x "$here/../.venv/bin/python" ]]; then python_bin="$here/../.venv/bin/python"; else python_bin=python3; fi
+fi
+if ! version="$(PYTHONPATH="$here/..${PYTHONPATH:+:$PYTHONPATH}" "$python_bin" -m megatron_tah.megatron.version "$checkout" 2>&1)"; then
+    echo "apply_patch: error: ${version#error: }" >&2
+    echo "  Nothing was changed." >&2
+    exit 1
+fi
+
 # What the checkout is, for the messages (a plain directory works too).
 revision="not a git checkout"
 if git -C "$checkout" rev-parse --git-dir >/dev/null 2>&1; then
@@ -57,5 +71,5 @@ if ! check_output="$(git -C "$checkout" apply --check "$patch_file" 2>&1)"; then
 fi
 
 git -C "$checkout" apply "$patch_file"
-echo "apply_patch: applied $(basename "$patch_file") to $checkout ($revision)"
+echo "apply_patch: applied $(basename "$patch_file") to $checkout ($revision, megatron-core $version)"
 git -C "$checkout" apply --numstat "$patch_file" | awk '{printf "  %s: +%s -%s\n", $3, $1, $2}'

@@ -14,8 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import megatron
 import pytest
 
+from megatron_tah.megatron import version as mversion
+
+INSTALLED = Path(megatron.__path__[0]).parent  # site-packages: megatron/core/... as in a checkout
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "apply_patch.sh"
 PATCH = REPO / "patches" / "megatron-lm-core_r0.19.0.patch"
@@ -43,11 +47,18 @@ def synthesized_pretrain_gpt() -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_checkout(root: Path, source: str, git: bool = True) -> Path:
+def make_checkout(root: Path, source: str, git: bool = True, version: str = "0.19.1") -> Path:
+    """pretrain_gpt.py, plus the three megatron-core files the version check reads (from the installed wheel)."""
     checkout = root / "Megatron-LM"
     checkout.mkdir(parents=True)
     text = (REAL_CHECKOUT / "pretrain_gpt.py").read_text() if source == "real" else synthesized_pretrain_gpt()
     (checkout / "pretrain_gpt.py").write_text(text)
+    major, minor, patch = version.split(".")
+    for path in (mversion.P2P_PATH, mversion.TRAINING_PATH, mversion.PACKAGE_INFO_PATH):
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        content = (INSTALLED / path).read_text() if path != mversion.PACKAGE_INFO_PATH else (
+            f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")
+        (checkout / path).write_text(content)
     if git:
         env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
                    GIT_COMMITTER_EMAIL="t@t")
@@ -118,6 +129,25 @@ def test_clear_failure_when_the_patch_does_not_apply(tmp_path):
     assert "patch does not apply" in result.stderr  # git apply --check's own words are shown
     assert "python -m megatron_tah.launch" in result.stderr
     assert path.read_text() == changed
+
+
+def test_unsupported_megatron_core_is_refused_before_anything_changes(tmp_path):
+    checkout = make_checkout(tmp_path, "synthetic", version="0.21.0")
+    p2p = checkout / mversion.P2P_PATH
+    p2p.write_text(p2p.read_text().replace("next_pipeline_rank: int,", "next_rank: int,"))
+    before = (checkout / "pretrain_gpt.py").read_text()
+    result = apply(str(checkout))
+    assert result.returncode == 1, result.stdout
+    assert "megatron-core 0.21.0" in result.stderr and "_batched_p2p_ops takes" in result.stderr
+    assert "Nothing was changed" in result.stderr and "Traceback" not in result.stderr
+    assert (checkout / "pretrain_gpt.py").read_text() == before
+
+
+def test_a_new_version_with_the_same_contract_is_accepted(tmp_path):
+    checkout = make_checkout(tmp_path, "synthetic", version="0.20.0")
+    result = apply(str(checkout))
+    assert result.returncode == 0, result.stderr
+    assert "megatron-core 0.20.0" in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [

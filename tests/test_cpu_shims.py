@@ -1,23 +1,38 @@
-"""CPU shims: applied only without CUDA, make the four CUDA-only calls work on CPU, revert exactly."""
+"""CPU shims: applied only without CUDA, make Megatron's CUDA-only calls work on CPU, revert exactly."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 
 import megatron_tah
 from megatron_tah.megatron import cpu_shims
+from megatron_tah.megatron.patching import resolve
 
 random = pytest.importorskip("megatron.core.tensor_parallel.random")
 from megatron.core import utils  # noqa: E402
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax  # noqa: E402
+from megatron.core.optimizer import optimizer as megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa: E402
+from megatron.training import initialize, training  # noqa: E402
 
 TRACKER = random.CudaRNGStatesTracker
 
 
-def _originals():
-    return {"add": TRACKER.__dict__["add"], "fork": TRACKER.__dict__["fork"], "schedules": schedules.torch,
-            "p2p": p2p_communication.torch, "get_tensor": utils.GlobalMemoryBuffer.__dict__["get_tensor"]}
+def _originals() -> dict:
+    """Every attribute a shim replaces, as it is now."""
+    found = {f"{m}.torch": importlib.import_module(m).torch for m in cpu_shims.SHIMMED_MODULES}
+    for owner, attribute in cpu_shims.TYPE_CHECKED:
+        found[f"{owner}.{attribute}"] = getattr(resolve(owner), attribute)
+    found.update({
+        "tracker.add": TRACKER.__dict__["add"], "tracker.fork": TRACKER.__dict__["fork"],
+        "Tensor.cuda own": "cuda" in torch.Tensor.__dict__, "Module.cuda": torch.nn.Module.__dict__["cuda"],
+        "warmup": initialize._warmup_jit_function, "iterators": training.build_train_valid_test_data_iterators,
+        "softmax": FusedScaleMaskSoftmax.__dict__["is_kernel_available"],
+    })
+    return found
 
 
 @pytest.fixture()
@@ -35,37 +50,75 @@ def test_not_applied_when_cuda_is_available(monkeypatch, originals):
     assert _originals() == originals
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
-def test_applied_without_cuda_idempotent_and_reverted_exactly(originals):
-    assert cpu_shims.apply_cpu_shims() is True
+def test_every_shim_names_the_upstream_lines_it_covers():
+    for module, lines in cpu_shims.SHIMMED_MODULES.items():
+        assert ":" in lines and importlib.import_module(module)  # "call :line" and the module exists
+    for owner, attribute in cpu_shims.TYPE_CHECKED:
+        name = owner.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        assert name in cpu_shims.__doc__ or attribute in cpu_shims.__doc__
+
+
+def test_applied_idempotent_and_reverted_exactly(originals):
+    assert cpu_shims.apply_cpu_shims(force=True) is True
     shimmed = _originals()
-    assert all(shimmed[k] is not originals[k] for k in originals)
-    assert cpu_shims.apply_cpu_shims() is True and _originals() == shimmed  # idempotent
+    changed = {k for k in originals if shimmed[k] is not originals[k] and shimmed[k] != originals[k]}
+    assert changed == set(originals), set(originals) - changed  # every one of them replaced
+    assert cpu_shims.apply_cpu_shims(force=True) is True and _originals() == shimmed  # idempotent
     cpu_shims.remove_cpu_shims()
-    assert all(_originals()[k] is originals[k] for k in originals)
+    restored = _originals()
+    assert all(restored[k] is originals[k] or restored[k] == originals[k] for k in originals)
+    assert "cuda" not in torch.Tensor.__dict__  # the inherited C method shows through again
     cpu_shims.remove_cpu_shims()  # no-op
-    assert all(_originals()[k] is originals[k] for k in originals)
 
 
-def test_shimmed_calls_run_on_cpu(monkeypatch, originals):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cpu_shims.apply_cpu_shims()
+def test_shimmed_calls_run_on_cpu(originals):
+    assert cpu_shims.apply_cpu_shims(force=True)
     counter = schedules.torch.zeros([], dtype=torch.int, device="cuda")
     assert counter.device.type == "cpu" and counter.item() == 0
     assert schedules.torch.zeros(2, device="cpu").device.type == "cpu"
     assert schedules.torch.Tensor is torch.Tensor  # everything else is torch itself
-    device = p2p_communication.torch.cuda.current_device()
-    assert torch.empty(3, device=device).device.type == "cpu"
+    assert torch.empty(3, device=p2p_communication.torch.cuda.current_device()).device.type == "cpu"
     assert p2p_communication.torch.cuda.synchronize() is None
+    assert initialize.torch.cuda.device_count() == 1
+    with training.torch.cuda.stream(training.torch.cuda.Stream()):
+        training.torch.cuda.current_stream().wait_stream(None)
+    t = torch.ones(2)
+    assert t.cuda() is t and t.cuda(non_blocking=True) is t
+    layer = torch.nn.Linear(2, 2)
+    assert layer.cuda(0) is layer
     buf = utils.GlobalMemoryBuffer()
-    t = buf.get_tensor((2, 3), torch.float32, "x")
-    assert t.shape == (2, 3) and t.device.type == "cpu"
-    assert buf.get_tensor((6,), torch.float32, "x").data_ptr() == t.data_ptr()  # reused
+    assert buf.get_tensor((2, 3), torch.float32, "x").device.type == "cpu"
+    assert initialize._warmup_jit_function(tp_size=1) is None
+    assert FusedScaleMaskSoftmax.is_kernel_available(None, None, 1, 1, 64, 64) is False
 
 
-def test_rng_tracker_forks_reproducible_cpu_streams(monkeypatch, originals):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cpu_shims.apply_cpu_shims()
+def test_cuda_type_names_only_inside_the_type_checking_callables(originals):
+    assert cpu_shims.apply_cpu_shims(force=True)
+    seen = []
+    wrapped = cpu_shims._with_cuda_type_names(lambda t: seen.append(t.type()))
+    wrapped(torch.zeros(1, dtype=torch.bfloat16))
+    assert seen == ["torch.cuda.BFloat16Tensor"]
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # outside: the real name
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64
+    # Megatron's fp32 gradient clipping runs on CPU gradients (clip_grads.py:174 asserts CUDA types).
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    megatron_optimizer.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(p.grad, torch.full((3,), 0.5), rtol=1e-5)
+
+
+def test_data_iterators_leave_the_cpu_generator_where_it_was(originals):
+    assert cpu_shims.apply_cpu_shims(force=True)
+    shimmed = cpu_shims._keeping_cpu_rng_state(lambda: torch.rand(5))
+    torch.manual_seed(7)
+    shimmed()
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_rng_tracker_forks_reproducible_cpu_streams(originals):
+    cpu_shims.apply_cpu_shims(force=True)
     tracker = TRACKER()
     tracker.add("model-parallel-rng", 123)
     torch.manual_seed(0)

@@ -366,10 +366,10 @@ def install(config: TahConfig | None = None, **overrides) -> None:
     Installing again with another config replaces the config (and resets per-link codec state).
     """
     from .cpu_shims import apply_cpu_shims, cpu_shims_active
-    from .version import check_version
+    from .version import check_installed
 
     global _STATE
-    check_version()
+    check_installed()
     cfg = config if config is not None else TahConfig()
     if overrides:
         known = {f.name for f in dataclasses.fields(TahConfig)}
