@@ -31,6 +31,7 @@ need no tokenizer files: ``--tokenizer-type NullTokenizer --vocab-size 50257`` (
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import numpy as np
@@ -88,7 +89,7 @@ def _dataset_config(args):
 def uses_fixed_epoch_samples(args) -> bool:
     from megatron_tah.megatron.arguments import tah_config_from_args
 
-    return bool(args.fixed_epoch_samples) or tah_config_from_args(args).forward_codec().needs_sample_ids
+    return bool(getattr(args, "fixed_epoch_samples", False)) or tah_config_from_args(args).forward_codec().needs_sample_ids
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -180,6 +181,26 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
+
+
+# ----- running it ------------------------------------------------------------------------------
+CPU_FLAGS = ("--transformer-impl", "local", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm")
+"""Megatron flags for a CPU run: local layers, gloo, and the two any run without Apex needs."""
+
+GPT2_DATA_FLAGS = ("--tokenizer-type", "NullTokenizer", "--vocab-size", "50257")
+"""Pre-tokenized GPT-2 ids (``python -m megatron_tah.data``) without tokenizer files."""
+
+
+def command(stages: int, flags: list[str], python: str = sys.executable) -> list[str]:
+    """This entry with one process per stage on this host (``torchrun --standalone``: a free port)."""
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
+            "-m", "megatron_tah.pretrain_gpt", *flags]
+
+
+def stage_command(flags: list[str], python: str = sys.executable) -> list[str]:
+    """One stage's process, for launchers that set RANK/WORLD_SIZE/MASTER_* themselves (slow_link)."""
+    return [python, "-m", "megatron_tah.pretrain_gpt", *flags]
 
 
 # ----- entry ---------------------------------------------------------------------------------

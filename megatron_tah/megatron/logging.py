@@ -23,7 +23,8 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
    scalars to the TensorBoard and wandb writers.
 
 ``evaluate`` / ``evaluate_and_print_results``: after each evaluation the last rank appends
-``{"iteration", "valid_loss", "valid_ppl"}`` (``test_loss``/``test_ppl`` for the test set).
+``{"iteration", "valid_loss", "valid_ppl", "valid_fwd_wire_bytes"}`` (``test_*`` for the test set);
+the evaluation's traffic counts in the next printed line, not in the next iteration's record.
 
 Records are appended: a run resumed from a checkpoint continues the same file.
 ``uninstall_logging()`` restores the three functions exactly.
@@ -132,6 +133,26 @@ def append_json(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def read_records(path: str) -> list[dict]:
+    """The training records of a ``--tah-log-json`` file, one per iteration, each evaluation's keys
+    (``valid_loss``, ``valid_ppl``...) merged into the record of the iteration it followed; a later
+    record of the same iteration (a resumed run) replaces the earlier one."""
+    training: dict[int, dict] = {}
+    evaluations: list[dict] = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                if "lm_loss" in record:
+                    training[record["iteration"]] = record
+                else:
+                    evaluations.append(record)
+    for evaluation in evaluations:
+        if evaluation["iteration"] in training:
+            training[evaluation["iteration"]].update(evaluation)
+    return [training[i] for i in sorted(training)]
+
+
 def _is_iteration_line(message: Any) -> bool:
     return isinstance(message, str) and " iteration " in message and "consumed samples" in message
 
@@ -209,6 +230,10 @@ def _logging_evaluation(original):
 
         _STATE.evaluations = []
         result = original(*args, **kwargs)
+        # The evaluation's traffic (forward only) is its own: it joins the next log line's totals,
+        # not the next iteration's record. Collective over the pipeline group, like training_log's.
+        reduced = stats.reduce_to_last_rank(stats.collect(reset=True))
+        _STATE.since_line = stats.merge(_STATE.since_line, reduced)
         json_path = getattr(get_args(), "tah_log_json", None)
         if json_path and is_last_rank():
             split = "test" if "test" in str(_argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")) else "valid"
@@ -217,7 +242,8 @@ def _logging_evaluation(original):
                 loss = losses.get("lm loss")
                 if loss is not None:
                     append_json(json_path, {"iteration": int(iteration), f"{split}_loss": loss,
-                                            f"{split}_ppl": math.exp(min(20.0, loss))})
+                                            f"{split}_ppl": math.exp(min(20.0, loss)),
+                                            f"{split}_fwd_wire_bytes": reduced["forward"]["wire_bytes"]})
         _STATE.evaluations = []
         return result
 

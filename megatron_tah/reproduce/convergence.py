@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .runner import ReproduceError, Run, read_log, read_meta
 
-# name -> (label, trainer flags)
+# name -> (label, --tah-* flags)
 CODECS = {
     "none": ("uncompressed (fp32)", ["--tah-forward-codec", "none", "--tah-backward-codec", "none"]),
     "tah": ("TAH-Quant (4/3-bit fwd, 6-bit bwd)", ["--tah-forward-codec", "tah"]),
@@ -38,7 +38,7 @@ CODECS = {
 }
 PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone")
 FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
-DEFAULT_SEED = 1234  # the trainer's --seed default
+DEFAULT_SEED = 1234  # Megatron's --seed default
 EXTRA_SEEDS = (1235, 1236)
 SEED_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3")  # rerun with EXTRA_SEEDS, pretraining and fine-tuning
 LONG_CODECS = ("none", "tah", "fixedpoint3")
@@ -95,6 +95,18 @@ SIZES = {
 PRETRAIN_LR = ["--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20", "--hidden-dropout", "0",
                "--attention-dropout", "0"]
 FINETUNE_LR = ["--lr", "5e-4", "--min-lr", "5e-5", "--lr-warmup-iters", "10"]
+OPTIM = ["--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--weight-decay", "0.01",
+         "--clip-grad", "1.0", "--untie-embeddings-and-output-weights"]
+"""AdamW as the papers' GPT runs use it; separate input and output embeddings (tied, Megatron
+all-reduces their gradient between the first and last stage every iteration, on the slow link)."""
+
+
+def data_flags(prefix: str) -> list[str]:
+    """Megatron's flags for a ``python -m megatron_tah.data`` prefix (its train and valid splits)."""
+    from ..pretrain_gpt import GPT2_DATA_FLAGS
+
+    return ["--train-data-path", f"{prefix}_train_text_document", "--valid-data-path",
+            f"{prefix}_valid_text_document", *GPT2_DATA_FLAGS]
 
 
 def data_prefixes(root: Path, size: str) -> dict[str, str]:
@@ -116,7 +128,8 @@ def prepare_data(root: Path, size: str) -> dict[str, str]:
 
 
 def train_samples(prefix: str, seq_length: int) -> int:
-    """Training samples of ``seq_length + 1`` tokens in ``prefix``'s train split (as the trainer cuts them)."""
+    """Samples of ``seq_length`` tokens (plus the next one) in ``prefix``'s train split: one epoch of
+    megatron-core's ``GPTDataset``, as ``--fixed-epoch-samples`` revisits it."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(f"{prefix}_train_text_document")
@@ -138,15 +151,16 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
     cfg, prefixes = SIZES[size], data_prefixes(root, size)
     iters, interval = (cfg["long_iters"], cfg["long_eval_interval"]) if long else (cfg["pretrain_iters"],
                                                                                     cfg["eval_interval"])
-    common = [*cfg["model"], "--data-path", prefixes["shakespeare"], "--train-iters", str(iters),
-              "--eval-interval", str(interval), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR,
+    common = [*cfg["model"], *data_flags(prefixes["shakespeare"]), "--train-iters", str(iters),
+              "--eval-interval", str(interval), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR, *OPTIM,
               *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
     phase = "pretrain_long" if long else "pretrain"
     runs = []
     for name in codecs:
         label, flags = CODECS[name]
         main = name == "none" and seed == DEFAULT_SEED and not long
-        save = ["--save", str(Path(root) / "convergence" / "ckpt_none")] if main else []
+        save = (["--save", str(Path(root) / "convergence" / "ckpt_none"), "--save-interval", str(iters)]
+                if main else [])
         runs.append(Run(seed_name(f"long_{name}" if long else name, seed), [*common, *flags, *save],
                         cfg["pipeline"], label=label, info={"phase": phase, "codec": name, "seed": seed}))
     for name, flags in (extra or {}).items():
@@ -162,9 +176,9 @@ def finetune_runs(root: Path, size: str, codecs=FINETUNE_CODECS, seed: int = DEF
     """
     cfg, prefixes = SIZES[size], data_prefixes(root, size)
     samples = train_samples(prefixes["sotu"], int(_flag(cfg["model"], "--seq-length")))
-    common = [*cfg["model"], "--data-path", prefixes["sotu"], "--train-iters", str(cfg["finetune_iters"]),
+    common = [*cfg["model"], *data_flags(prefixes["sotu"]), "--train-iters", str(cfg["finetune_iters"]),
               "--eval-interval", str(cfg["eval_interval"]), "--eval-iters", str(cfg["eval_iters"]), *FINETUNE_LR,
-              "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune",
+              *OPTIM, "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune", "--fixed-epoch-samples",
               *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
     epochs = cfg["finetune_iters"] * int(_flag(cfg["model"], "--global-batch-size")) / samples
     runs = []

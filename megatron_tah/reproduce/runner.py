@@ -1,11 +1,11 @@
-"""Launch trainer runs (``python -m megatron_tah.train``) and collect their JSON logs.
+"""Launch training runs (``python -m megatron_tah.pretrain_gpt``: Megatron-LM's loop) and collect their JSON logs.
 
 A :class:`Run` is one training run: its trainer flags, its pipeline size, and its link
-(``rate=None``: unthrottled, processes spawned by the trainer on loopback; otherwise
+(``rate=None``: unthrottled, one process per stage on loopback through ``torchrun``; otherwise
 one network namespace per stage behind ``tc`` links at ``rate``, through
 ``python -m megatron_tah.slow_link``). :func:`execute` writes, under ``out_dir``::
 
-    NAME.jsonl       the trainer's per-iteration records (``--log-json``)
+    NAME.jsonl       the plugin's per-iteration records (``--tah-log-json``)
     NAME.meta.json   {"name", "label", "command", "rate", "status", "seconds", "started",
                       "load_before", "load_after", "max_rss_kb", "iterations"}
     NAME.log         the run's stdout and stderr
@@ -39,7 +39,8 @@ class Run:
     name: str
     """File stem, unique within a part (``tah``, ``tput_tah_100mbit``...)."""
     flags: list[str]
-    """Trainer flags (model, data, codec, iterations...), without ``--log-json``."""
+    """Megatron and ``--tah-*`` flags (model, data, codec, iterations...), without the CPU flags,
+    the pipeline size and ``--tah-log-json`` (``command`` adds them)."""
     pipeline: int
     """Pipeline stages (``--pipeline-model-parallel-size``; one process each)."""
     rate: str | None = None
@@ -55,21 +56,26 @@ class Run:
         return int(self.flags[self.flags.index("--train-iters") + 1])
 
     def command(self, out_dir: Path, python: str = sys.executable) -> list[str]:
-        train = [python, "-m", "megatron_tah.train", *self.flags,
-                 "--pipeline-model-parallel-size", str(self.pipeline),
-                 "--log-json", str(out_dir / f"{self.name}.jsonl"), "--quiet"]
+        """``python -m megatron_tah.pretrain_gpt`` (Megatron's loop, CPU flags) for this run's stages."""
+        from ..pretrain_gpt import CPU_FLAGS, command, stage_command
+
+        flags = [*CPU_FLAGS, *self.flags, "--pipeline-model-parallel-size", str(self.pipeline),
+                 "--tah-log-json", str(out_dir / f"{self.name}.jsonl")]
         if self.rate is None:
-            return train
+            return command(self.pipeline, flags, python)
         return [python, "-m", "megatron_tah.slow_link", "--stages", str(self.pipeline), "--rate", self.rate,
-                "--", *train]
+                "--", *stage_command(flags, python)]
 
 
 def read_log(path: Path) -> list[dict]:
-    """The JSON records of a trainer log; ``ReproduceError`` when missing or empty."""
+    """The per-iteration records of a run's ``--tah-log-json`` file (evaluations merged into them,
+    see ``megatron_tah.megatron.logging.read_records``); ``ReproduceError`` when missing or empty."""
+    from ..megatron.logging import read_records
+
     path = Path(path)
     if not path.is_file():
         raise ReproduceError(f"log {path} not found (run the part that writes it first)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
     if not records:
         raise ReproduceError(f"log {path} holds no records")
     return records

@@ -85,8 +85,8 @@ SIZES = {
 }
 VOCAB = 1024
 COMMON = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
-          "--eval-interval", "0", "--eval-iters", "1", "--lr", "1e-4", "--lr-decay-style", "constant",
-          "--hidden-dropout", "0", "--attention-dropout", "0"]
+          "--split", "100,0,0", "--eval-iters", "0", "--lr", "1e-4", "--lr-decay-style", "constant",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--untie-embeddings-and-output-weights"]
 
 
 def synthetic_data(prefix: Path, tokens: int, seed: int = 0) -> str:

@@ -1,0 +1,196 @@
+"""Megatron-LM's own training loop (``megatron.training.pretrain``) on CPU/gloo with megatron_tah.
+
+Real end-to-end runs, tiny model: the project's entry (``python -m megatron_tah.pretrain_gpt``)
+and a Megatron-LM-style script in a checkout with its own ``megatron`` package under
+``python -m megatron_tah.launch``. Checked: Megatron's iteration line with the tah statistics,
+bytes on the wire per iteration equal the codecs' ``wire_nbytes``, a resumed run continues
+with bit-identical losses (codec state included), TensorBoard events carry the tah scalars, and
+a ``--tah-*`` mistake is one line before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import megatron
+import pytest
+import torch
+
+from megatron_tah import pretrain_gpt
+from megatron_tah.config import TahConfig
+from megatron_tah.megatron.logging import read_records
+
+pytestmark = pytest.mark.distributed
+REPO = Path(__file__).resolve().parents[1]
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--lr", "2e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "constant", "--log-interval", "1",
+         "--eval-interval", "4", "--eval-iters", "1", "--untie-embeddings-and-output-weights"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    from megatron_tah.data import prepare
+
+    prefix = tmp_path_factory.mktemp("data") / "shk"
+    prepare("shakespeare", prefix, max_docs=6, max_tokens=20_000)
+    return str(prefix)
+
+
+def flags(corpus: str, stages: int, log: Path, *extra: str, layers: int | None = None) -> list[str]:
+    model = list(MODEL)
+    if layers is not None:
+        model[1] = str(layers)
+    return [*pretrain_gpt.CPU_FLAGS, *pretrain_gpt.GPT2_DATA_FLAGS, *model,
+            "--train-data-path", f"{corpus}_train_text_document", "--valid-data-path", f"{corpus}_valid_text_document",
+            "--pipeline-model-parallel-size", str(stages), "--tah-log-json", str(log), *extra]
+
+
+def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
+    return result
+
+
+def iteration_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if " iteration " in line and "consumed samples" in line]
+
+
+def expected_bytes(config: TahConfig, stages: int, micro_batches: int, shape, dtype) -> tuple[int, int]:
+    """Forward and backward wire bytes of one iteration, summed over the stage boundaries."""
+    messages = micro_batches * (stages - 1)
+    return (messages * config.forward_codec().wire_nbytes(shape, dtype),
+            messages * config.backward_codec().wire_nbytes(shape, dtype))
+
+
+def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tmp_path):
+    common = ["--train-iters", "6", "--save-interval", "3", "--tah-stochastic-rounding",
+              "--tah-forward-codec", "tah", "--tah-backward-codec", "fixedpoint"]
+    full = tmp_path / "full.jsonl"
+    out = run(pretrain_gpt.command(2, flags(corpus, 2, full, *common, "--tensorboard-dir", str(tmp_path / "tb"))))
+    lines = iteration_lines(out.stdout)
+    assert len(lines) == 6 and all("tah fwd MB:" in line and "tah bwd ratio:" in line for line in lines), lines
+    records = read_records(full)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+    fwd, bwd = expected_bytes(TahConfig(tah_stochastic_rounding=True), 2, 4, (32, 2, 64), torch.float32)
+    assert {(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records} == {(fwd, bwd)}
+    assert all(r["fwd_raw_bytes"] == 4 * 32 * 2 * 64 * 4 for r in records)
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] and "valid_loss" in records[3]
+
+    # TensorBoard event files written by Megatron's writer carry the tah scalars.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"tah/forward_ratio", "tah/backward_wire_bytes"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("tah/forward_wire_bytes")] == [1, 2, 3, 4, 5, 6]
+
+    # Interrupted after iteration 3 and resumed: the same losses bit for bit (dropout, data order,
+    # optimizer and the stochastic-rounding generators all continue).
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ckpt = ["--save", str(tmp_path / "ckpt")]
+    run(pretrain_gpt.command(2, flags(corpus, 2, first, *common, *ckpt, "--exit-interval", "3")))
+    assert (tmp_path / "ckpt" / "iter_0000003" / "megatron_tah" / "rank_00000.pt").is_file()
+    run(pretrain_gpt.command(2, flags(corpus, 2, second, *common, *ckpt, "--load", str(tmp_path / "ckpt"))))
+    resumed = read_records(first) + read_records(second)
+    assert [r["iteration"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in records]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in records]
+
+
+def test_aqsgd_buffers_survive_a_resume(corpus, tmp_path):
+    common = ["--train-iters", "4", "--save-interval", "2", "--tah-forward-codec", "aqsgd",
+              "--eval-interval", "100"]
+    full = tmp_path / "full.jsonl"
+    run(pretrain_gpt.command(2, flags(corpus, 2, full, *common)))
+    records = read_records(full)
+    assert records[-1]["buffer_bytes"] > 0
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ckpt = ["--save", str(tmp_path / "ckpt")]
+    run(pretrain_gpt.command(2, flags(corpus, 2, first, *common, *ckpt, "--exit-interval", "2")))
+    run(pretrain_gpt.command(2, flags(corpus, 2, second, *common, *ckpt, "--load", str(tmp_path / "ckpt"))))
+    resumed = read_records(first) + read_records(second)
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in records]
+    assert [r["buffer_bytes"] for r in resumed] == [r["buffer_bytes"] for r in records]
+    assert [r["fwd_wire_bytes"] for r in resumed] == [r["fwd_wire_bytes"] for r in records]
+
+
+def checkout_with_its_own_megatron(root: Path) -> Path:
+    """A Megatron-LM-like checkout: a copy of the installed ``megatron`` package, and a pretrain_gpt.py
+    that knows nothing of megatron_tah's plugin (it only borrows the project's data and step functions)."""
+    checkout = root / "Megatron-LM"
+    shutil.copytree(Path(megatron.__path__[0]), checkout / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "pretrain_gpt.py").write_text(textwrap.dedent("""
+        import megatron.core
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain, print_rank_0
+        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+        from megatron_tah.pretrain_gpt import forward_step, train_valid_test_datasets_provider
+
+        if __name__ == "__main__":
+            args = parse_and_validate_args()
+            print_rank_0("MEGATRON_PACKAGE " + megatron.core.__file__)
+            config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+            pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    """))
+    return checkout
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_launcher_runs_a_checkouts_script_with_its_own_megatron(corpus, tmp_path, stages):
+    checkout = checkout_with_its_own_megatron(tmp_path)
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
+           "-m", "megatron_tah.launch", str(checkout / "pretrain_gpt.py"),
+           *flags(corpus, stages, log, "--train-iters", "3", "--eval-interval", "100", layers=stages)]
+    out = run(cmd, cwd=tmp_path)
+    package = out.stdout.split("MEGATRON_PACKAGE ", 1)[1].split()[0]
+    assert Path(package).resolve().is_relative_to(checkout.resolve())  # the checkout's megatron ran
+    assert len(iteration_lines(out.stdout)) == 3
+    assert all("tah fwd ratio:" in line for line in iteration_lines(out.stdout))
+    records = read_records(log)
+    fwd, bwd = expected_bytes(TahConfig(), stages, 4, (32, 2, 64), torch.float32)
+    assert [(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records] == [(fwd, bwd)] * 3
+
+
+def test_a_tah_flag_mistake_is_one_line_before_anything_is_built(corpus, tmp_path):
+    cmd = [sys.executable, "-m", "megatron_tah.pretrain_gpt",
+           *flags(corpus, 1, tmp_path / "x.jsonl", "--train-iters", "2", "--tah-forward-codec", "fixedpoint",
+                  "--tah-forward-bits", "12")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29591")
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--tah-forward-bits 12" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "building GPT model" not in result.stdout and "initializing torch distributed" not in result.stdout
+
+
+def test_scripts_run_the_entry_or_a_checkout_through_the_launcher(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable)
+    for pp in (2, 4, 8):
+        out = subprocess.run(["bash", "scripts/pretrain_gpt.sh", str(pp)], cwd=REPO, env=env,
+                             capture_output=True, text=True, check=True).stdout
+        assert "-m megatron_tah.pretrain_gpt" in out and f"--pipeline-model-parallel-size {pp}" in out
+        assert "--transformer-impl local --distributed-backend gloo" in out and "--tah-log-json" in out
+        assert f"--num-layers {max(pp, 4)}" in out and "--tensorboard-dir" in out
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    out = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "2"], cwd=REPO, capture_output=True, text=True,
+                         check=True, env=dict(env, MEGATRON_LM=str(tmp_path))).stdout
+    assert f"-m megatron_tah.launch {tmp_path}/pretrain_gpt.py" in out
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("20")
+    out = subprocess.run(["bash", "scripts/finetune_gpt.sh", "4"], cwd=REPO, capture_output=True, text=True,
+                         check=True, env=dict(env, LOAD=str(ckpt))).stdout
+    assert f"--load {ckpt} --finetune" in out and "sotu" in out
