@@ -143,10 +143,10 @@ def read_records(path: str) -> list[dict]:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                if "lm_loss" in record:
-                    training[record["iteration"]] = record
-                else:
+                if "lm_loss" not in record and ("valid_loss" in record or "test_loss" in record):
                     evaluations.append(record)
+                else:
+                    training[record["iteration"]] = record
     for evaluation in evaluations:
         if evaluation["iteration"] in training:
             training[evaluation["iteration"]].update(evaluation)

@@ -83,18 +83,19 @@ ABLATIONS = {
 SIZES = {
     # PP 4, one layer per stage; 8 sequences of 128 tokens per iteration (4 micro-batches of 2).
     "full": {"model": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-                       "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "8"],
+                       "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "8"],
              "pipeline": 4, "pretrain_iters": 200, "finetune_iters": 100, "eval_interval": 25, "eval_iters": 8,
-             "long_iters": 800, "long_eval_interval": 50, "shakespeare_tokens": 800_000, "sotu_tokens": 32_768},
+             "long_iters": 800, "long_eval_interval": 50, "shakespeare_tokens": 800_000, "sotu_tokens": 32_768,
+             "pretrain_warmup": 20, "finetune_warmup": 10},
     # CI smoke size: seconds per run.
     "tiny": {"model": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
-                       "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
+                       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
              "pipeline": 2, "pretrain_iters": 4, "finetune_iters": 4, "eval_interval": 2, "eval_iters": 1,
-             "long_iters": 6, "long_eval_interval": 3, "shakespeare_tokens": 4_000, "sotu_tokens": 1_000},
+             "long_iters": 6, "long_eval_interval": 3, "shakespeare_tokens": 4_000, "sotu_tokens": 1_000,
+             "pretrain_warmup": 1, "finetune_warmup": 1},
 }
-PRETRAIN_LR = ["--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20", "--hidden-dropout", "0",
-               "--attention-dropout", "0"]
-FINETUNE_LR = ["--lr", "5e-4", "--min-lr", "5e-5", "--lr-warmup-iters", "10"]
+PRETRAIN_LR = ["--lr", "2e-3", "--min-lr", "2e-4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+FINETUNE_LR = ["--lr", "5e-4", "--min-lr", "5e-5"]
 OPTIM = ["--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--weight-decay", "0.01",
          "--clip-grad", "1.0", "--untie-embeddings-and-output-weights"]
 """AdamW as the papers' GPT runs use it; separate input and output embeddings (tied, Megatron
@@ -153,6 +154,7 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
                                                                                     cfg["eval_interval"])
     common = [*cfg["model"], *data_flags(prefixes["shakespeare"]), "--train-iters", str(iters),
               "--eval-interval", str(interval), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR, *OPTIM,
+              "--lr-warmup-iters", str(cfg["pretrain_warmup"]),
               *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
     phase = "pretrain_long" if long else "pretrain"
     runs = []
@@ -178,7 +180,8 @@ def finetune_runs(root: Path, size: str, codecs=FINETUNE_CODECS, seed: int = DEF
     samples = train_samples(prefixes["sotu"], int(_flag(cfg["model"], "--seq-length")))
     common = [*cfg["model"], *data_flags(prefixes["sotu"]), "--train-iters", str(cfg["finetune_iters"]),
               "--eval-interval", str(cfg["eval_interval"]), "--eval-iters", str(cfg["eval_iters"]), *FINETUNE_LR,
-              *OPTIM, "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune", "--fixed-epoch-samples",
+              *OPTIM, "--lr-warmup-iters", str(cfg["finetune_warmup"]),
+              "--load", str(Path(root) / "convergence" / "ckpt_none"), "--finetune", "--fixed-epoch-samples",
               *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
     epochs = cfg["finetune_iters"] * int(_flag(cfg["model"], "--global-batch-size")) / samples
     runs = []
