@@ -2,18 +2,24 @@
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 
+# VENV= (empty, as the Docker image sets it) uses the python on PATH and its packages instead of a venv.
 VENV ?= .venv
-PY := $(VENV)/bin/python
+PY := $(if $(VENV),$(VENV)/bin/python,python3)
+STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 # python3.12 as found on PATH; falls back to a pyenv-installed 3.12 when the shim has no version selected.
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
 .PHONY: setup test test-fast demo reproduce bench clean
 
-setup: $(VENV)/.installed
+setup: $(STAMP)
+
+.system-python-checked: pyproject.toml
+	$(PY) -c "import torch, megatron.core, megatron_tah, pytest" || { echo "error: VENV is empty but the python on PATH lacks torch, megatron-core, megatron_tah or pytest"; exit 1; }
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
-	@test -n "$(PYTHON312)" || { echo "error: python3.12 not found (megatron-core >= 0.17 needs Python 3.12)"; exit 1; }
+	@test -n "$(PYTHON312)" || { echo "error: python3.12 not found (megatron-core >= 0.19 needs Python 3.12)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,plot]'
@@ -35,4 +41,4 @@ bench: setup
 	$(PY) scripts/bench_codecs.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache runs data
+	rm -rf $(VENV) build *.egg-info .pytest_cache runs data .system-python-checked
