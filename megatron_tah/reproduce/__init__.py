@@ -11,7 +11,7 @@ Parts (``python -m megatron_tah.reproduce PART``):
 * ``report`` -- regenerate ``docs/RESULTS.md`` and its PNG plots from the collected
   logs (:mod:`.report`); every number in it comes from a log file under ``runs/reproduce``.
 
-Each trainer run writes ``NAME.jsonl`` (the trainer's per-iteration records) and
+Each run (``python -m megatron_tah.pretrain_gpt``, Megatron-LM's loop) writes ``NAME.jsonl`` (the plugin's per-iteration records) and
 ``NAME.meta.json`` (command, status, wall time, load average, peak RSS) under
 ``runs/reproduce/PART/``; :mod:`.runner` skips runs that already completed.
 """

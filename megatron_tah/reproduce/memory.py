@@ -1,6 +1,6 @@
 """Memory: AQ-SGD's per-sample activation buffer vs TAH-Quant's (none), for the fine-tuning run.
 
-Two measurements. The trainer logs ``buffer_bytes`` per iteration (what every stage's
+Two measurements. The plugin logs ``buffer_bytes`` per iteration (what every stage's
 codecs hold, summed), read here from the fine-tuning runs' logs. And, independently, the
 buffer is measured by replaying the fine-tuning run's traffic through the codec itself: one ``AqSgdCodec`` link end
 (same bits, tile, warm-up) encodes every training sample once, in micro-batches of
@@ -91,7 +91,7 @@ def run(root: Path, size: str = "full") -> dict:
 
 
 def _logged_buffer(path: Path) -> dict | None:
-    """``{"final", "peak"}`` buffer bytes (all stages) from a trainer log; None if missing or not logged."""
+    """``{"final", "peak"}`` buffer bytes (all stages) from a run's log; None if missing or not logged."""
     try:
         records = read_log(path)
     except ReproduceError:

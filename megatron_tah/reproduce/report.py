@@ -1,6 +1,6 @@
 """Regenerate ``docs/RESULTS.md`` and its PNG plots from the logs under ``runs/reproduce``.
 
-Every measured number in the page is computed here from the trainer's JSON logs and the
+Every measured number in the page is computed here from the runs' JSON logs (the plugin's `--tah-log-json`) and the
 runner's meta files; the only constants are the papers' reported numbers (``PAPER_*``,
 from SPEC.md) and the targets the issue set (``TARGETS``). Sections whose runs are
 missing say so instead of showing numbers.
@@ -535,7 +535,7 @@ def _memory_section(root: Path) -> tuple[list[str], dict]:
               f"| buffer per sample per link end | {m['aqsgd_buffer_bytes_per_sample_per_end'] / 1024:.1f} KiB | 0 |",
               f"| buffer, whole run ({2 * (m['pipeline'] - 1)} link ends) | "
               f"{m['aqsgd_buffer_bytes_run'] / 2**20:.2f} MiB | 0 |",
-              *([f"| buffer at the end of the fine-tuning run, logged by the trainer (all stages) | "
+              *([f"| buffer at the end of the fine-tuning run, logged by the plugin (all stages) | "
                  f"{logged['aqsgd']['final'] / 2**20:.2f} MiB | "
                  f"{_f(None if not logged.get('tah') else logged['tah']['final'] / 2**20, '.2f')} MiB |"]
                 if logged.get("aqsgd") else []),
@@ -553,7 +553,7 @@ def _memory_section(root: Path) -> tuple[list[str], dict]:
                  f"{m['valid_samples']} validation samples" if held == expected else
                  f"{held:.1f} samples per link end, against {m['samples']} training plus {m['valid_samples']} "
                  "validation samples expected")
-        lines += [f"The trainer's count is {count} (the fixed validation batches cross the same links, forward "
+        lines += [f"The logged count is {count} (the fixed validation batches cross the same links, forward "
                   "only, and AQ-SGD buffers every sample id it sees); the replay above counts training samples "
                   "only.", ""]
     if rss.get("aqsgd") and rss.get("tah"):
@@ -606,7 +606,7 @@ def _timing(root: Path) -> list[str]:
              "```", "bash scripts/reproduce.sh all        # everything, then the report (or: make reproduce)",
              "bash scripts/reproduce.sh convergence  # or one part: throughput | convergence | ablations | seeds | "
              "long | memory | report",
-             "```", "", "Results go to `runs/reproduce/<part>/` (one `NAME.jsonl` trainer log, `NAME.meta.json` "
+             "```", "", "Results go to `runs/reproduce/<part>/` (one `NAME.jsonl` log from `--tah-log-json`, `NAME.meta.json` "
              "with the command, status, duration, load average and peak RSS, and `NAME.log` per run; the training "
              "parts share `runs/reproduce/convergence/`); finished runs are skipped on a rerun (`--force` reruns "
              "them). Measured time of each part on this machine:", "",

@@ -1,6 +1,6 @@
 """Launch training runs (``python -m megatron_tah.pretrain_gpt``: Megatron-LM's loop) and collect their JSON logs.
 
-A :class:`Run` is one training run: its trainer flags, its pipeline size, and its link
+A :class:`Run` is one training run: its Megatron flags, its pipeline size, and its link
 (``rate=None``: unthrottled, one process per stage on loopback through ``torchrun``; otherwise
 one network namespace per stage behind ``tc`` links at ``rate``, through
 ``python -m megatron_tah.slow_link``). :func:`execute` writes, under ``out_dir``::

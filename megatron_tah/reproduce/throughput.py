@@ -6,7 +6,7 @@ gradient messages backward. Each stage has one rate-limited egress (its ``eth0``
 hub port towards it limits its ingress the same way), so a middle stage pushes
 ``m * (A + G)`` bytes per iteration through its link, where ``A``/``G`` are the wire
 sizes of one forward/backward message; with ``p = 2`` the two stages send ``m*A`` and
-``m*G`` in parallel. The trainer logs ``fwd_wire_bytes = m (p-1) A`` summed over stages,
+``m*G`` in parallel. The plugin logs ``fwd_wire_bytes = m (p-1) A`` summed over stages,
 so the busiest link carries::
 
     critical_bytes = (fwd + bwd) / (p - 1)   if p > 2,    max(fwd, bwd)   if p == 2
@@ -41,7 +41,7 @@ MODEL_TEXT = (
     "forward and `m` gradient messages backward per iteration. Each stage has one rate-limited egress (its "
     "`eth0`; the hub port towards it limits its ingress the same way), so a middle stage pushes `m (A + G)` "
     "bytes per iteration through its link (`A`, `G`: wire bytes of one forward / backward message); with "
-    "`p = 2` the two stages send `m A` and `m G` at the same time. The trainer logs bytes summed over stages "
+    "`p = 2` the two stages send `m A` and `m G` at the same time. The plugin logs bytes summed over stages "
     "(`fwd = m (p-1) A`), so the busiest link carries `(fwd + bwd) / (p - 1)` bytes (`max(fwd, bwd)` for "
     "`p = 2`), which take `bytes * 8 / rate` seconds if the link never idles. It does idle: Megatron's "
     "1F1B issues blocking send/recv pairs, so a middle stage talks to one neighbour at a time, and the "
@@ -55,7 +55,7 @@ MODEL_TEXT = (
     "uncompressed fp32 run on an unthrottled loopback link. The speed-up bound of a codec is "
     "`(c + t_raw) / (c + t_wire)` with `t_raw` from the fp32 bytes and `t_wire` from the codec's bytes; it "
     "ignores the codec's own encode/decode time, which the measured run pays (column *codec ms*: encode + "
-    "decode time summed over the stages, from the trainer's log). The bytes-only bound (`k = 1`) is shown "
+    "decode time summed over the stages, from the plugin's log). The bytes-only bound (`k = 1`) is shown "
     "too; it is never higher than the bound used.")
 
 RATES = ("100mbit", "1gbit", "300mbit", "500mbit", "10gbit")
@@ -149,7 +149,7 @@ def regime_rate(c: float, raw_critical_bytes: float, factor: float = PAPER_REGIM
 
 
 def rate_text(bps: float) -> str:
-    """``"4.2mbit"``-style text the trainer and slow_link accept (kbit precision)."""
+    """``"4.2mbit"``-style text Megatron's --tah-* flags and slow_link accept (kbit precision)."""
     return f"{round(bps / 1e3)}kbit"
 
 
