@@ -3,7 +3,7 @@
 ``python -m megatron_tah.data --corpus shakespeare --output-prefix data/shakespeare`` writes
 ``data/shakespeare_train_text_document.{bin,idx}`` and ``..._valid_text_document.{bin,idx}``
 with megatron-core's ``IndexedDatasetBuilder``, so the same prefixes feed Megatron-LM's
-``--data-path`` / the project's trainer.
+``--data-path`` / ``--train-data-path`` of ``python -m megatron_tah.pretrain_gpt``.
 
 Documents: one per source text file (a play of Shakespeare, one State of the Union address),
 its text read exactly as stored (UTF-8), tokenized, and followed by one end-of-document token
