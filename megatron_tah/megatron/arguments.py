@@ -74,8 +74,9 @@ def add_tah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                 group.add_argument(flag, dest=field.name, action="store_true", help=help_text)
             continue
         kwargs = {"dest": field.name, "type": _field_type(field), "default": field.default, "help": help_text}
-        if field.name in _CHOICES:
-            kwargs["choices"] = _CHOICES[field.name]
+        choices = field.metadata.get("choices") or _CHOICES.get(field.name)
+        if choices:
+            kwargs["choices"] = choices
         elif field.default is not None:
             kwargs["help"] = f"{help_text} Default: {field.default}."
         group.add_argument(flag, **kwargs)
