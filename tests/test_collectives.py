@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from tiny_gpt import WireSpy
 
 pytestmark = pytest.mark.distributed
 
@@ -18,36 +19,6 @@ FP8_FACTOR = 2**-4 + 2**-10 * math.sqrt(128) / 448 + 1e-5  # the fp8 codec's rel
 def _inputs(rank: int, shape, dtype=torch.float32, scale=1.0):
     g = torch.Generator().manual_seed(100 + rank)
     return (torch.randn(shape, generator=g) * scale * (1 + rank)).to(dtype)
-
-
-class _WireSpy:
-    """Bytes this rank hands to all_to_all_single / all_gather for *other* ranks (what crosses the network)."""
-
-    def __init__(self):
-        self.nbytes = 0
-        self.calls = []
-
-    def __enter__(self):
-        dist = torch.distributed
-        self._a2a, self._ag = dist.all_to_all_single, dist.all_gather
-        spy = self
-
-        def all_to_all_single(output, input, *args, group=None, **kwargs):
-            size = dist.get_world_size(group)
-            spy.nbytes += input.numel() * input.element_size() * (size - 1) // size
-            spy.calls.append(("all_to_all_single", input.dtype))
-            return spy._a2a(output, input, *args, group=group, **kwargs)
-
-        def all_gather(tensor_list, tensor, group=None, async_op=False):
-            spy.nbytes += tensor.numel() * tensor.element_size() * (len(tensor_list) - 1)
-            spy.calls.append(("all_gather", tensor.dtype))
-            return spy._ag(tensor_list, tensor, group=group, async_op=async_op)
-
-        dist.all_to_all_single, dist.all_gather = all_to_all_single, all_gather
-        return self
-
-    def __exit__(self, *exc):
-        torch.distributed.all_to_all_single, torch.distributed.all_gather = self._a2a, self._ag
 
 
 def _norm(x):
@@ -69,12 +40,12 @@ def _body(rank, world_size):
     exact = torch.cat(xs)
     for name, codec in (("none", none), ("fp8", fp8)):
         result = torch.empty(n * shape[0], *shape[1:])
-        with _WireSpy() as spy:
+        with WireSpy() as spy:
             traffic = collectives.all_gather(codec, result, xs[rank], None)
         expected = (n - 1) * codec.wire_nbytes(shape, torch.float32)
         out[f"ag_{name}"] = {
             "result": result, "spied": spy.nbytes, "wire": traffic.wire_nbytes, "expected": expected,
-            "uint8_only": all(dtype == torch.uint8 for _, dtype in spy.calls),
+            "uint8_only": spy.uint8_only,
             "rel": [_norm(a - b) / _norm(b) for a, b in zip(result.chunk(n), xs)]}
     reference = torch.empty_like(exact)
     dist.all_gather_into_tensor(reference, xs[rank])
@@ -87,7 +58,7 @@ def _body(rank, world_size):
         exact = sum(c.double() for c in chunks)
         for name, codec in (("none", none), ("fp8", fp8), ("int8", int8)):
             result = torch.empty_like(chunks[0])
-            with _WireSpy() as spy:
+            with WireSpy() as spy:
                 traffic = collectives.reduce_scatter(codec, result, xs[rank], None)
             expected = (n - 1) * codec.wire_nbytes(chunks[0].shape, torch.float32)
             entry = {"spied": spy.nbytes, "wire": traffic.wire_nbytes, "expected": expected,
@@ -116,7 +87,7 @@ def _body(rank, world_size):
             exact = exact / n
         for name, codec in (("none", none), ("fp8", fp8), ("int8", int8)):
             tensor = xs[rank].clone()
-            with _WireSpy() as spy:
+            with WireSpy() as spy:
                 traffic = collectives.all_reduce(codec, tensor, None, op)
             padded = collectives._chunked(xs[rank], n)[0]
             expected = 2 * (n - 1) * codec.wire_nbytes(padded.shape, torch.float32)
