@@ -38,10 +38,10 @@ def _field_docs(cls) -> dict[str, str]:
 @dataclasses.dataclass
 class TahConfig:
     tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8 or aqsgd."""
+    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd or int8."""
 
     tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah or fp8."""
+    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8 or int8."""
 
     tah_tile_size: int = 64
     """Channels per tile for the forward codec (tah, fixedpoint, aqsgd): 16, 32, 64 or 128."""

@@ -127,3 +127,11 @@ def test_statistics_streams_and_log_fragment():
     with pytest.raises(ValueError, match="no statistics stream"):
         stats.record_collective("pp", "sideways", 1, 1)
     assert torch.distributed.is_available()
+
+
+def test_readme_flag_table_is_the_generated_one():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    table = arguments.flags_markdown()
+    assert table in readme, "README's flag table differs from TahConfig: paste megatron_tah.megatron.arguments.flags_markdown()"

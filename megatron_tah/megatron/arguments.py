@@ -55,6 +55,17 @@ def _field_type(field: dataclasses.Field) -> type:
     raise RuntimeError(f"TahConfig field {field.name}: cannot derive a flag type from annotation {annotation!r}")
 
 
+def flags_markdown() -> str:
+    """The README's flag table (``| flag | default | meaning |``), generated from ``TahConfig``."""
+    docs = TahConfig.field_docs()
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for field in dataclasses.fields(TahConfig):
+        default = field.default
+        shown = ("on" if default else "off") if isinstance(default, bool) else "off" if default is None else default
+        rows.append(f"| `{flag_name(field.name)}` | {shown} | {docs.get(field.name, '')} |")
+    return "\n".join(rows)
+
+
 def has_tah_arguments(parser: argparse.ArgumentParser) -> bool:
     return flag_name(dataclasses.fields(TahConfig)[0].name) in parser._option_string_actions
 
