@@ -36,7 +36,7 @@ import torch
 
 from ..codecs.base import SUPPORTED_DTYPES
 from . import stats
-from .tensor_parallel import direction
+from .places import direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 MIN_NUMEL = 4096  # smaller saved tensors (norm statistics, masks) are kept

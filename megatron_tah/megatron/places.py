@@ -43,6 +43,14 @@ PLACES = {
 }
 
 
+def direction() -> str:
+    """"backward" while autograd runs a backward pass on this thread (its graph task), else "forward"."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:  # a torch without it: backward functions run with gradients off
+        return "forward" if torch.is_grad_enabled() else "backward"
+    return "backward" if task() != -1 else "forward"
+
+
 class PlaceMismatchError(RuntimeError):
     """Ranks were given different settings for a place whose traffic they share."""
 

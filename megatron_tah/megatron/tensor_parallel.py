@@ -36,15 +36,11 @@ import torch
 from . import collectives
 from .collectives import Done
 from .patching import resolve
+from .places import direction
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
 LAYERS = "megatron.core.tensor_parallel.layers"
 LINEAR_FUNCTIONS = ("linear_with_grad_accumulation_and_async_allreduce", "linear_with_frozen_weight")
-
-
-def direction() -> str:
-    """"backward" while autograd runs a backward pass on this thread, else "forward"."""
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
 def _takes(tensor: torch.Tensor, group, op=None) -> bool:
