@@ -29,8 +29,9 @@ rotated (TAH-Quant); both None when nothing was sampled. ``encode_seconds`` /
 ``decode_seconds`` are the wall time spent in the codec's ``encode`` / ``decode`` for
 this direction's messages (CUDA: without a synchronize, so the launch time). ``buffer_bytes``
 comes from the source set with ``set_buffer_source`` (the patch's codecs), 0 without one.
-``reduce_to_last_rank`` sums the totals (and gathers ``saved_memory``) over the pipeline group (a collective: every rank of the group calls it) and
-``format_for_log`` renders a Megatron-style log fragment.
+``reduce_to_last_rank`` sums the totals (and gathers ``saved_memory``) over the pipeline group
+(a collective: every rank of the group calls it) and ``format_for_log`` renders a Megatron-style
+log fragment.
 """
 
 from __future__ import annotations
