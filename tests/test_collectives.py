@@ -158,8 +158,17 @@ def _check(results, n):
         assert r["compressible"] == [False, False, True]
 
 
-def test_collectives_two_ranks():
-    _check(run_distributed(_body, 2, timeout=300), 2)
+def _body_and_mismatch(rank, world_size):
+    return {"collectives": _body(rank, world_size), "mismatch": _mismatch(rank, world_size)}
+
+
+def test_collectives_two_ranks_and_ranks_that_disagree():
+    results = run_distributed(_body_and_mismatch, 2, timeout=300)
+    _check([r["collectives"] for r in results], 2)
+    for message in (r["mismatch"] for r in results):  # every rank raises, naming each rank's setting
+        assert "different settings for tp" in message, message
+        assert "rank 0: tp=fp8(group_size=128)" in message and "rank 1: tp=none" in message
+        assert "dp" not in message.split("(")[0] and "same --tah-* flags" in message
 
 
 def test_collectives_three_ranks_padding_and_sum_order():
@@ -177,10 +186,3 @@ def _mismatch(rank, world_size):
     except places.PlaceMismatchError as err:
         return str(err)
     return "no error"
-
-
-def test_ranks_with_different_settings_all_raise():
-    for message in run_distributed(_mismatch, 2, timeout=120):
-        assert "different settings for tp" in message, message
-        assert "rank 0: tp=fp8(group_size=128)" in message and "rank 1: tp=none" in message
-        assert "dp" not in message.split("(")[0] and "same --tah-* flags" in message

@@ -35,7 +35,7 @@ def _run(pp, distributed_optimizer, iterations, lr):
     return tiny_gpt.train(ddp, iterations, seed=seed, ddp_optimizer=optimizer)
 
 
-def _scenarios(rank, world_size, pp, settings, pipeline_codecs):
+def _scenarios(rank, world_size, pp, settings, pipeline_codecs, lossy_iterations=LOSSY_ITERATIONS):
     import megatron_tah
     from megatron_tah.codecs import get_codec
     from megatron_tah.config import TahConfig
@@ -62,17 +62,17 @@ def _scenarios(rank, world_size, pp, settings, pipeline_codecs):
         r["exact"] = tiny_gpt.same(base, off) and tiny_gpt.same(base, through_none)
         r["counted"], r["spy"] = counted, (spy.nbytes, spy.uint8_only)
 
-        base = _run(pp, distributed_optimizer, LOSSY_ITERATIONS, LR)
+        base = _run(pp, distributed_optimizer, lossy_iterations, LR)
         megatron_tah.install(TahConfig(tah_dp_codec="int8", tah_error_sample_interval=1,
                                        tah_forward_codec=pipeline_codecs[0], tah_backward_codec=pipeline_codecs[1]))
         stats.collect(reset=True)
-        lossy = _run(pp, distributed_optimizer, LOSSY_ITERATIONS, LR)
+        lossy = _run(pp, distributed_optimizer, lossy_iterations, LR)
         megatron_tah.uninstall()
         r["lossy"] = {"base": base[0], "int8": lossy[0], "stats": stats.collect(reset=True)["dp_backward"]}
     return tiny_gpt.plain(out)
 
 
-def _check(results, settings, pp):
+def _check(results, settings, pp, lossy_iterations=LOSSY_ITERATIONS):
     dp = len(results) // pp
     for rank, result in enumerate(results):
         for distributed_optimizer in settings:
@@ -85,7 +85,7 @@ def _check(results, settings, pp):
             spied, uint8_only = r["spy"]
             assert uint8_only and spied == r["counted"]["wire_bytes"] > 0, (where, spied, r["counted"])
             s = r["lossy"]["stats"]
-            assert s["messages"] == LOSSY_ITERATIONS and 3.8 < s["ratio"] < 3.95, (where, s)  # fp32 -> 8.25 bits
+            assert s["messages"] == lossy_iterations and 3.8 < s["ratio"] < 3.95, (where, s)  # fp32 -> 8.25 bits
             assert 0 < s["rel_error"] < 0.01, (where, s)  # int8 round trip of a gradient bucket
     for distributed_optimizer in settings:
         last_stages = [results[k][distributed_optimizer]["lossy"] for k in range(len(results))
@@ -95,9 +95,10 @@ def _check(results, settings, pp):
             base = [sum(x) / len(x) for x in lossy["base"]]
             int8 = [sum(x) / len(x) for x in lossy["int8"]]
             assert base[-1] < base[0] - 1.0 and int8[-1] < int8[0] - 1.0, (base, int8)
-            # The loss falls ~4.9 -> ~2.7 in 10 steps. In our runs 8-bit gradients with fp32 sums moved
-            # it by <= 0.011; with TAH-Quant activations and 6-bit gradients between the stages as well,
-            # by <= 0.046. 0.1 (2 % of the start) fails for a reduction that corrupts or drops gradients.
+            # The loss falls ~4.9 -> ~2.7 in 10 steps (~3.5 in 6). In our runs 8-bit gradients with fp32
+            # sums moved it by <= 0.011; with TAH-Quant activations and 6-bit gradients between the stages
+            # as well, by <= 0.046. 0.1 (2 % of the start) fails for a reduction that corrupts or drops
+            # gradients.
             assert max(abs(a - b) for a, b in zip(base, int8)) < 0.1, (base, int8)
 
 
@@ -110,6 +111,6 @@ def test_dp2_all_reduce_and_distributed_optimizer_exact_and_int8_close():
 def test_pp2_dp2_exact_and_int8_with_compressed_pipeline():
     # Every place at once on the lossy run: TAH-Quant activations, 6-bit gradients between the
     # stages, 8-bit data-parallel gradients.
-    settings = (False,)
-    results = run_distributed(_scenarios, 4, 2, settings, ("tah", "fixedpoint"), env=ENV, timeout=900)
-    _check(results, settings, 2)
+    settings, iterations = (False,), 6  # four processes on two cores: fewer steps
+    results = run_distributed(_scenarios, 4, 2, settings, ("tah", "fixedpoint"), iterations, env=ENV, timeout=900)
+    _check(results, settings, 2, iterations)
