@@ -2,8 +2,10 @@
 
 Each field's docstring is its flag's help text; ``add_tah_arguments`` turns
 ``tah_forward_codec`` into ``--tah-forward-codec`` (see ``megatron/arguments.py``),
-so a flag and its field never drift apart. ``__post_init__`` validates and
-raises ``ValueError`` naming the offending value.
+so a flag and its field never drift apart. A field whose valid values are a fixed list declares
+them once, as ``metadata={"choices": ...}``: the flag's argparse choices and the check in
+``__post_init__`` both come from there. ``__post_init__`` validates and raises ``ValueError``
+naming the offending value.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from typing import Any
 from .codecs import CODECS, Codec, CodecError, get_codec
 from .codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from .units import parse_bandwidth
+
+TP_CODECS = ("none", "fp8")
+DP_CODECS = ("none", "int8")
+ACTIVATION_MEMORY = ("none", "laaq")
 
 def _field_docs(cls) -> dict[str, str]:
     """Docstrings written under dataclass fields (as megatron-core does), read from the source."""
@@ -32,10 +38,10 @@ def _field_docs(cls) -> dict[str, str]:
 @dataclasses.dataclass
 class TahConfig:
     tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8 or aqsgd."""
+    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd or int8."""
 
     tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah or fp8."""
+    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8 or int8."""
 
     tah_tile_size: int = 64
     """Channels per tile for the forward codec (tah, fixedpoint, aqsgd): 16, 32, 64 or 128."""
@@ -71,7 +77,25 @@ class TahConfig:
     """Channels per tile of the backward codec."""
 
     tah_fp8_group_size: int = 128
-    """Group size of the fp8 codec (either direction)."""
+    """Group size of the fp8 codec (pipeline or tensor-parallel)."""
+
+    tah_int8_block_size: int = 128
+    """Elements per fp32 scale of the int8 codec (data-parallel gradients, or a pipeline direction): 32 to 1024."""
+
+    tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
+    """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
+
+    tah_dp_codec: str = dataclasses.field(default="none", metadata={"choices": DP_CODECS})
+    """Data-parallel gradient reduction (AGoQ QuanGrad): none (megatron-core's own) or int8 (all-to-all of 8-bit shards, fp32 sums, all-gather of 8-bit sums)."""
+
+    tah_activation_memory: str = dataclasses.field(default="none", metadata={"choices": ACTIVATION_MEMORY})
+    """Tensors transformer layers save for backward (AGoQ LAAQ): none (kept as they are) or laaq (blockwise low-bit, attention inputs kept)."""
+
+    tah_laaq_bits: str = "4,5,6,8"
+    """LAAQ bits per pipeline stage, first to last: stage i of p uses entry floor(i * n / p) of these n (each 2..8)."""
+
+    tah_laaq_block_size: int = 128
+    """LAAQ elements per scale/zero pair: 8, 16, 32, 64 or 128."""
 
     tah_aqsgd_warmup_samples: int = 0
     """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""
@@ -92,6 +116,10 @@ class TahConfig:
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            choices = field.metadata.get("choices")
+            if choices and getattr(self, field.name) not in choices:
+                raise ValueError(f"{field.name} = {getattr(self, field.name)!r}: choose one of {', '.join(choices)}")
         for field in ("tah_forward_codec", "tah_backward_codec"):
             if getattr(self, field) not in CODECS:
                 raise ValueError(f"{field} = {getattr(self, field)!r}: choose one of {', '.join(CODECS)}")
@@ -111,12 +139,19 @@ class TahConfig:
         if self.tah_emulate_latency_ms < 0:
             raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.
-        for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec)):
+        for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec),
+                            ("tp", self.tp_codec), ("dp", self.dp_codec)):
             try:
                 build()
             except CodecError as err:
                 name = getattr(self, f"tah_{role}_codec")
                 raise ValueError(f"tah_{role}_codec = {name!r}: {err}") from None
+        if any(not 2 <= b <= 8 for b in self.laaq_bits()):
+            raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: every entry must lie in [2, 8]")
+        try:
+            self.laaq_codec(0, 1)
+        except CodecError as err:
+            raise ValueError(f"tah_laaq_block_size = {self.tah_laaq_block_size}: {err}") from None
 
     @classmethod
     def from_args(cls, args: Any) -> "TahConfig":
@@ -150,6 +185,8 @@ class TahConfig:
         if name == "aqsgd":
             return get_codec("aqsgd", bits=bits, tile_size=tile_size,
                              warmup_samples=self.tah_aqsgd_warmup_samples, **backend)
+        if name == "int8":
+            return get_codec("int8", block_size=self.tah_int8_block_size, **backend)
         raise ValueError(f"unknown codec {name!r}")
 
     def forward_codec(self) -> Codec:
@@ -159,3 +196,31 @@ class TahConfig:
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients."""
         return self._codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size)
+
+    def tp_codec(self) -> Codec | None:
+        """The tensor-parallel collectives' codec (None: megatron-core's collectives are left alone)."""
+        return None if self.tah_tp_codec == "none" else self._codec(self.tah_tp_codec, 8, self.tah_fp8_group_size)
+
+    def dp_codec(self) -> Codec | None:
+        """The data-parallel gradient codec (None: megatron-core's reduction is left alone)."""
+        return None if self.tah_dp_codec == "none" else self._codec(self.tah_dp_codec, 8, self.tah_int8_block_size)
+
+    def laaq_bits(self) -> tuple[int, ...]:
+        """``tah_laaq_bits`` as integers (ValueError naming the flag when it does not parse)."""
+        try:
+            bits = tuple(int(part) for part in self.tah_laaq_bits.split(","))
+        except ValueError:
+            bits = ()
+        if not bits:
+            raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: give comma-separated integers, e.g. 4,5,6,8")
+        return bits
+
+    def laaq_stage_bits(self, stage: int, stages: int) -> int:
+        """Bits of stored activations on pipeline stage ``stage`` of ``stages`` (entry floor(stage * n / stages))."""
+        bits = self.laaq_bits()
+        return bits[stage * len(bits) // stages]
+
+    def laaq_codec(self, stage: int, stages: int) -> Codec:
+        """A new codec for the tensors saved on pipeline stage ``stage`` of ``stages`` (fixedpoint, one block per tile)."""
+        return get_codec("fixedpoint", bits=self.laaq_stage_bits(stage, stages), tile_size=self.tah_laaq_block_size,
+                         backend=self.tah_backend)

@@ -150,3 +150,16 @@ def test_install_applies_shims_on_cpu_and_uninstall_removes_only_its_own(origina
     megatron_tah.install(tah_forward_codec="none")
     megatron_tah.uninstall()
     assert cpu_shims.cpu_shims_active()
+
+
+def test_tensor_parallel_validates_and_mappings_allocate_on_cpu(monkeypatch, originals):
+    import megatron.training.arguments as training_arguments
+    from megatron.core.tensor_parallel import mappings
+
+    before = training_arguments.get_device_arch_version
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu_shims.apply_cpu_shims()
+    assert training_arguments.get_device_arch_version() == 10  # no CUDA_DEVICE_MAX_CONNECTIONS demand on CPU
+    assert mappings.torch.cuda.current_device() == "cpu"  # sequence-parallel gathers allocate on the CPU
+    cpu_shims.remove_cpu_shims()
+    assert training_arguments.get_device_arch_version is before and mappings.torch is torch

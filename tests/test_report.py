@@ -47,7 +47,7 @@ def test_main_prints_the_table(capsys):
     assert report.main(["--shape", "16", "1", "128", "--dtype", "fp32", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "shape [16, 1, 128] fp32" in out
-    for label in ("none", "fixedpoint 6b/32", "tah (default)", "fp8 G=128", "aqsgd 4b/64 revisit"):
+    for label in ("none", "fixedpoint 6b/32", "tah (default)", "fp8 G=128", "int8 B=128", "aqsgd 4b/64 revisit"):
         assert label in out
     header = next(line for line in out.splitlines() if line.startswith("codec"))
     assert header.split() == ["codec", "bits/elem", "vs", "bf16", "vs", "fp32", "rel.", "error", "encode", "ms",

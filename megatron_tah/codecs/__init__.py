@@ -19,6 +19,7 @@ CODECS = {
     "tah": "tah:TahCodec",
     "fp8": "fp8:Fp8Codec",
     "aqsgd": "aqsgd:AqSgdCodec",
+    "int8": "int8:Int8Codec",
 }
 
 

@@ -41,6 +41,7 @@ STATELESS_ROWS = [
     ("tah (default)", "tah", {}),
     ("tah tau=inf (no rotation)", "tah", {"outlier_threshold": float("inf")}),
     ("fp8 G=128", "fp8", {"group_size": 128}),
+    ("int8 B=128", "int8", {"block_size": 128}),
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
 

@@ -1,4 +1,5 @@
-"""The megatron-core patch layer: compressing p2p transports, CPU shims, statistics, link emulation.
+"""The megatron-core patch layer: compressing p2p transports, the tensor-parallel, data-parallel and
+activation-memory places (``places.py``), CPU shims, statistics, link emulation.
 
 Submodules import megatron-core lazily (only when a function that needs it runs).
 """

@@ -55,6 +55,17 @@ def _field_type(field: dataclasses.Field) -> type:
     raise RuntimeError(f"TahConfig field {field.name}: cannot derive a flag type from annotation {annotation!r}")
 
 
+def flags_markdown() -> str:
+    """The README's flag table (``| flag | default | meaning |``), generated from ``TahConfig``."""
+    docs = TahConfig.field_docs()
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for field in dataclasses.fields(TahConfig):
+        default = field.default
+        shown = ("on" if default else "off") if isinstance(default, bool) else "off" if default is None else default
+        rows.append(f"| `{flag_name(field.name)}` | {shown} | {docs.get(field.name, '')} |")
+    return "\n".join(rows)
+
+
 def has_tah_arguments(parser: argparse.ArgumentParser) -> bool:
     return flag_name(dataclasses.fields(TahConfig)[0].name) in parser._option_string_actions
 
@@ -74,8 +85,9 @@ def add_tah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                 group.add_argument(flag, dest=field.name, action="store_true", help=help_text)
             continue
         kwargs = {"dest": field.name, "type": _field_type(field), "default": field.default, "help": help_text}
-        if field.name in _CHOICES:
-            kwargs["choices"] = _CHOICES[field.name]
+        choices = field.metadata.get("choices") or _CHOICES.get(field.name)
+        if choices:
+            kwargs["choices"] = choices
         elif field.default is not None:
             kwargs["help"] = f"{help_text} Default: {field.default}."
         group.add_argument(flag, **kwargs)

@@ -30,6 +30,10 @@ same calls exist in 0.20 (Megatron-LM ``main``).
    CPU generator, so building the iterators after a checkpoint restored the RNG state would shift
    every later dropout mask. The CPU generator state is kept unchanged across that call, so a
    resumed run continues bit for bit.
+8. **``arguments.py:1414``** asks ``get_device_arch_version()`` (``torch.cuda.get_device_properties``)
+   whether to require ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor or context parallelism (a
+   CUDA kernel-ordering requirement, gone since Blackwell): on the CPU, which runs everything in
+   order, it answers 10, so ``--tensor-model-parallel-size`` > 1 validates.
 
 ``apply_cpu_shims()`` installs all of them when ``torch.cuda.is_available()`` is False (or with
 ``force=True``, for tests) and returns whether they are active; ``remove_cpu_shims()`` restores
@@ -66,7 +70,8 @@ SHIMMED_MODULES = {
     "megatron.core.transformer.module": "current_device :261",
     "megatron.core.transformer.utils": "device='cuda' :39 (default causal mask)",
     "megatron.core.models.gpt.gpt_model": "current_device :452",
-    "megatron.core.tensor_parallel.layers": "current_device :305",
+    "megatron.core.tensor_parallel.layers": "current_device :305, :647 (sequence-parallel input gradient)",
+    "megatron.core.tensor_parallel.mappings": "current_device :95/:145/:152/:185 (gather, reduce-scatter), :447",
     "megatron.core.pipeline_parallel.schedules": "device='cuda' :749 (token counter)",
     "megatron.core.pipeline_parallel.p2p_communication": "current_device :211, synchronize :263",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize :248",
@@ -228,6 +233,13 @@ def _unavailable(original):
     return run
 
 
+def _in_order_device(original):
+    def get_device_arch_version():
+        return 10  # no CUDA kernel-ordering requirement (see item 8)
+
+    return get_device_arch_version
+
+
 def _tracker_add(self, name, seed):
     """CudaRNGStatesTracker.add on CPU: the named state is a CPU generator state seeded with ``seed``."""
     self._is_initialized = True
@@ -280,6 +292,7 @@ def apply_cpu_shims(force: bool = False) -> bool:
         _PATCHES.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped)
         _PATCHES.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
         _PATCHES.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
+        _PATCHES.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device)
     except Exception:
         _PATCHES.restore()
         raise

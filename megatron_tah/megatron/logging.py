@@ -13,11 +13,13 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
 
        {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "skipped", "ms", "tokens_per_s",
         "fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes", "compression_ratio",
-        "codec_ms", "buffer_bytes", "tah": {...reduced statistics...}}
+        "codec_ms", "buffer_bytes", "tah": {stream: {...reduced statistics...}}, "saved_memory"}
 
    ``lm_loss`` is this iteration's loss (Megatron's printed value averages since the last reset),
    ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
-   ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages;
+   ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages
+   (``fwd_*``/``bwd_*`` and ``compression_ratio``: the pipeline's; ``tah`` has every stream of
+   ``stats.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it);
 2. on printing iterations, appends ``stats.format_for_log`` of the counters since the previous
    line to the iteration line Megatron prints, and writes them as ``tah/<direction>_<key>``
    scalars to the TensorBoard and wandb writers.
@@ -43,6 +45,7 @@ from .patching import Patches, resolve
 
 TRAINING = "megatron.training.training"
 DIRECTIONS = stats.DIRECTIONS
+STREAMS = tuple(stats.STREAMS)  # the pipeline's directions, then tensor- and data-parallel streams
 SCALAR_KEYS = ("messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction")
 # training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
 #              skipped_iter, grad_norm, ..., is_first_iteration=...)
@@ -81,7 +84,7 @@ def _number(value) -> float | None:
 def scalars(reduced: dict) -> dict[str, float]:
     """Flatten reduced statistics into ``{"tah/forward_ratio": 3.6, ...}``, skipping missing/NaN values."""
     out = {}
-    for direction in DIRECTIONS:
+    for direction in STREAMS:
         for key in SCALAR_KEYS:
             value = reduced.get(direction, {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -119,9 +122,10 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
         "fwd_raw_bytes": fwd["raw_bytes"], "fwd_wire_bytes": fwd["wire_bytes"],
         "bwd_raw_bytes": bwd["raw_bytes"], "bwd_wire_bytes": bwd["wire_bytes"],
         "compression_ratio": raw / wire if wire else None,
-        "codec_ms": 1e3 * sum(reduced[d]["encode_seconds"] + reduced[d]["decode_seconds"] for d in DIRECTIONS),
+        "codec_ms": 1e3 * sum(reduced[d]["encode_seconds"] + reduced[d]["decode_seconds"] for d in STREAMS),
         "buffer_bytes": int(reduced.get("buffer_bytes", 0)),
-        "tah": {d: reduced[d] for d in DIRECTIONS},
+        "tah": {d: reduced[d] for d in STREAMS},
+        "saved_memory": {str(rank): peaks for rank, peaks in reduced.get("saved_memory", {}).items()},
     }
 
 

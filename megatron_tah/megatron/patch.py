@@ -37,7 +37,7 @@ import time
 import torch
 
 from ..config import TahConfig
-from . import stats
+from . import places, stats
 from .emulate import LinkEmulator
 
 logger = logging.getLogger(__name__)
@@ -395,6 +395,7 @@ def install(config: TahConfig | None = None, **overrides) -> None:
             setattr(module, name, _replacement(name, current))
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 cfg.forward_codec().describe(), cfg.backward_codec().describe())
+    places.install(cfg)  # tensor-parallel, data-parallel, activation memory (each only when turned on)
 
 
 def codec_states() -> dict:
@@ -441,6 +442,7 @@ def buffer_nbytes() -> int:
 def uninstall() -> None:
     """Restore megatron-core's original transports (and remove CPU shims that install applied)."""
     global _STATE
+    places.uninstall()
     module = importlib.import_module(P2P_MODULE) if _STATE is not None else None
     if module is not None:
         for name in TRANSPORTS:

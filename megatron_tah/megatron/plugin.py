@@ -11,7 +11,8 @@ idempotently and before Megatron parses its arguments:
   and in ``megatron.training`` / ``megatron.training.initialize``, where scripts import it from) so
   that right after it returns -- arguments parsed, distributed and model-parallel state up, no model
   built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
-  transports; without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
+  transports and installs the tensor-parallel, data-parallel and activation-memory places that
+  the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
 - the wheel's dataset helpers: megatron-core's wheel ships ``datasets/helpers_cpp`` compiled but
@@ -28,7 +29,7 @@ import importlib
 
 import torch
 
-from . import codec_state, cpu_shims
+from . import codec_state, cpu_shims, places
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .logging import install_logging, uninstall_logging
 from .patching import Patches
@@ -54,6 +55,9 @@ def _initializing_then_installing(original):
         _state["transports"] = True
         print_rank_0(f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
                      f"activation gradients via {config.backward_codec().describe()}")
+        on = {place: value for place, value in places.settings(config).items() if value != "none"}
+        if on:
+            print_rank_0("> megatron_tah: " + ", ".join(f"{place} via {value}" for place, value in on.items()))
         return result
 
     return initialize_megatron

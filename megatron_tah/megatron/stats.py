@@ -1,14 +1,26 @@
-"""Per-rank pipeline traffic statistics: what the compressing transports sent, per direction.
+"""Per-rank traffic statistics: what the compressing transports and collectives sent, per stream.
 
-The transports call ``record_send`` once per message. ``collect()`` returns (and by
+A *stream* is one place and direction (``STREAMS``): the pipeline's activations (``"forward"``)
+and activation gradients (``"backward"``), the tensor-parallel collectives' forward and backward
+traffic (``"tp_forward"``, ``"tp_backward"``) and the data-parallel gradient reduction
+(``"dp_backward"``). The pipeline transports call ``record_send`` once per message, the
+compressed collectives ``record_collective`` once per collective. ``collect()`` returns (and by
 default resets) this rank's totals since the last collect, i.e. one iteration when the
 training log collects every iteration::
 
     {"forward":  {"messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction",
                   "rel_error_samples", "rotated_samples", "encode_seconds", "decode_seconds"},
-     "backward": {...same keys...},
+     "backward": {...same keys...},  "tp_forward": {...},  "tp_backward": {...},  "dp_backward": {...},
      "links": {(src_global_rank, dst_global_rank): wire_bytes},
-     "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now}
+     "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now,
+     "saved_memory": {global_rank: {"bits", "raw_bytes", "stored_bytes"}}}
+
+For a collective, ``messages`` counts collectives, ``wire_bytes`` is what this rank handed to
+the network for other ranks (codec buffers) and ``raw_bytes`` what the same exchange would
+carry uncompressed (the tensor's own dtype). ``saved_memory`` (from the source set with
+``set_memory_source``, LAAQ) is this rank's peak since the last collect of the bytes that
+transformer layers saved for backward, as stored and as they would have been stored
+(``raw_bytes``); it is empty when nothing measures it.
 
 ``raw_bytes`` is numel * element size of the tensors Megatron asked to send,
 ``ratio`` = raw / wire (None without messages). ``rel_error`` is the mean of the sampled
@@ -17,8 +29,9 @@ rotated (TAH-Quant); both None when nothing was sampled. ``encode_seconds`` /
 ``decode_seconds`` are the wall time spent in the codec's ``encode`` / ``decode`` for
 this direction's messages (CUDA: without a synchronize, so the launch time). ``buffer_bytes``
 comes from the source set with ``set_buffer_source`` (the patch's codecs), 0 without one.
-``reduce_to_last_rank`` sums the totals over the pipeline group (a collective: every rank of the group calls it) and
-``format_for_log`` renders a Megatron-style log fragment.
+``reduce_to_last_rank`` sums the totals (and gathers ``saved_memory``) over the pipeline group
+(a collective: every rank of the group calls it) and ``format_for_log`` renders a Megatron-style
+log fragment.
 """
 
 from __future__ import annotations
@@ -27,9 +40,18 @@ import threading
 
 import torch
 
-DIRECTIONS = ("forward", "backward")
-_SHORT = {"forward": "fwd", "backward": "bwd"}
-# Per direction, in this order, in the reduction tensor.
+DIRECTIONS = ("forward", "backward")  # the pipeline's streams
+# stream key -> (place, direction, label in the log line); the pipeline's keys are its directions.
+STREAMS = {
+    "forward": ("pp", "forward", "fwd"),
+    "backward": ("pp", "backward", "bwd"),
+    "tp_forward": ("tp", "forward", "tp fwd"),
+    "tp_backward": ("tp", "backward", "tp bwd"),
+    "dp_backward": ("dp", "backward", "dp grad"),
+}
+_SHORT = {key: label for key, (_, _, label) in STREAMS.items()}
+_MEMORY = ("bits", "raw_bytes", "stored_bytes")
+# Per stream, in this order, in the reduction tensor.
 _SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
          "rotated_sum", "rotated_samples", "encode_seconds", "decode_seconds")
 
@@ -37,12 +59,27 @@ _lock = threading.Lock()
 
 
 def _empty_totals() -> dict:
-    return {d: dict.fromkeys(_SUMS, 0.0) for d in DIRECTIONS}
+    return {d: dict.fromkeys(_SUMS, 0.0) for d in STREAMS}
 
 
 _totals = _empty_totals()
 _links: dict[tuple[int, int], int] = {}
 _buffer_source = None  # callable -> bytes held in per-sample codec buffers on this rank
+_memory_source = None  # callable(reset) -> {"bits", "raw_bytes", "stored_bytes"} peaks, or None
+
+
+def stream_key(place: str, direction: str) -> str:
+    """The ``STREAMS`` key of ``place`` ("pp", "tp", "dp") and ``direction`` ("forward", "backward")."""
+    for key, (p, d, _) in STREAMS.items():
+        if (p, d) == (place, direction):
+            return key
+    raise ValueError(f"no statistics stream for place {place!r}, direction {direction!r}")
+
+
+def set_memory_source(source) -> None:
+    """Register a callable ``source(reset)`` returning this rank's saved-tensor peaks (None: unset)."""
+    global _memory_source
+    _memory_source = source
 
 
 def set_buffer_source(source) -> None:
@@ -76,10 +113,27 @@ def record_send(direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
         _links[key] = _links.get(key, 0) + int(wire_nbytes)
 
 
+def record_collective(place: str, direction: str, raw_nbytes: int, wire_nbytes: int,
+                      rel_error: float | None = None, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
+    """Count one compressed collective of ``place`` ("tp", "dp") run in ``direction`` on this rank."""
+    key = stream_key(place, direction)
+    with _lock:
+        t = _totals[key]
+        t["messages"] += 1
+        t["raw_bytes"] += int(raw_nbytes)
+        t["wire_bytes"] += int(wire_nbytes)
+        if rel_error is not None:
+            t["rel_error_sum"] += float(rel_error)
+            t["rel_error_samples"] += 1
+        t["encode_seconds"] += float(encode_seconds)
+        t["decode_seconds"] += float(decode_seconds)
+
+
 def record_codec_time(direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
-    """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank."""
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank
+    (``direction``: a ``STREAMS`` key)."""
+    if direction not in STREAMS:
+        raise ValueError(f"direction must be one of {', '.join(STREAMS)}, got {direction!r}")
     with _lock:
         _totals[direction]["encode_seconds"] += float(encode_seconds)
         _totals[direction]["decode_seconds"] += float(decode_seconds)
@@ -115,9 +169,11 @@ def collect(reset: bool = True) -> dict:
     """This rank's statistics since the last reset (see the module docstring for the layout)."""
     global _totals, _links
     with _lock:
-        result = {d: _summarise(_totals[d]) for d in DIRECTIONS}
+        result = {d: _summarise(_totals[d]) for d in STREAMS}
         result["links"] = dict(_links)
         result["buffer_bytes"] = int(_buffer_source()) if _buffer_source is not None else 0
+        memory = _memory_source(reset) if _memory_source is not None else None
+        result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
         if reset:
             _totals, _links = _empty_totals(), {}
     return result
@@ -125,11 +181,11 @@ def collect(reset: bool = True) -> dict:
 
 def merge(total: dict | None, more: dict) -> dict:
     """Sum two results of ``collect`` / ``reduce_to_last_rank`` (``total`` may be None); ``buffer_bytes``
-    is the later one's (it is a level, not a count)."""
+    is the later one's (it is a level, not a count), ``saved_memory`` the larger peak per rank."""
     if total is None:
         return more
     result = {}
-    for d in DIRECTIONS:
+    for d in STREAMS:
         a, b = _to_sums(total[d]), _to_sums(more[d])
         result[d] = _summarise({k: a[k] + b[k] for k in _SUMS})
     links = dict(total["links"])
@@ -137,6 +193,11 @@ def merge(total: dict | None, more: dict) -> dict:
         links[link] = links.get(link, 0) + nbytes
     result["links"] = links
     result["buffer_bytes"] = more.get("buffer_bytes", 0)
+    memory = {rank: dict(peaks) for rank, peaks in total.get("saved_memory", {}).items()}
+    for rank, peaks in more.get("saved_memory", {}).items():
+        old = memory.get(rank)
+        memory[rank] = dict(peaks) if old is None or peaks["stored_bytes"] >= old["stored_bytes"] else old
+    result["saved_memory"] = memory
     return result
 
 
@@ -165,14 +226,19 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     me = dist.get_rank(group)
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
     index = {g: i for i, g in enumerate(ranks)}
-    scalars = [_to_sums(stats[d])[k] for d in DIRECTIONS for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
+    scalars = [_to_sums(stats[d])[k] for d in STREAMS for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
     links = torch.zeros(size * size, dtype=torch.float64)
     for (src, dst), nbytes in stats["links"].items():
         if src not in index or dst not in index:
             raise ValueError(f"link {src}->{dst} is not inside the reduction group (global ranks {ranks})")
         links[index[src] * size + index[dst]] += nbytes
+    memory = torch.zeros(size * len(_MEMORY), dtype=torch.float64)  # per rank: bits, raw, stored (0: none)
+    for rank, peaks in stats.get("saved_memory", {}).items():
+        if rank in index:
+            memory[index[rank] * len(_MEMORY):(index[rank] + 1) * len(_MEMORY)] = torch.tensor(
+                [float(peaks[k]) for k in _MEMORY], dtype=torch.float64)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links]).to(device)
+    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory]).to(device)
     last = ranks[-1]
     dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group)
     if me != size - 1:
@@ -180,10 +246,12 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     packed = packed.cpu()
     n = len(_SUMS)
     result = {d: _summarise(dict(zip(_SUMS, packed[i * n:(i + 1) * n].tolist())))
-              for i, d in enumerate(DIRECTIONS)}
+              for i, d in enumerate(STREAMS)}
     result["buffer_bytes"] = int(packed[len(scalars) - 1])
-    matrix = packed[len(scalars):].reshape(size, size)
+    matrix = packed[len(scalars):len(scalars) + size * size].reshape(size, size)
     result["links"] = {(ranks[s], ranks[t]): int(matrix[s, t]) for s, t in matrix.nonzero().tolist()}
+    peaks = packed[len(scalars) + size * size:].reshape(size, len(_MEMORY)).tolist()
+    result["saved_memory"] = {ranks[i]: dict(zip(_MEMORY, map(int, row))) for i, row in enumerate(peaks) if row[0]}
     return result
 
 
@@ -191,10 +259,11 @@ def format_for_log(stats: dict) -> str:
     """Megatron-style fragment: `` tah fwd MB: 1.234 | tah fwd ratio: 3.62x | ... |`` (MB = 1e6 wire bytes).
 
     ``tah codec ms`` is encode + decode time summed over the ranks reduced (not a critical path);
-    ``tah buffer MB`` appears when a per-sample buffer (AQ-SGD) holds data.
+    ``tah buffer MB`` appears when a per-sample buffer (AQ-SGD) holds data, ``tah saved MB`` (peak
+    bytes saved for backward, as stored / as they would have been, summed over stages) with LAAQ.
     """
     parts = []
-    for d in DIRECTIONS:
+    for d in STREAMS:
         s = stats[d]
         if not s["messages"]:
             continue
@@ -206,9 +275,14 @@ def format_for_log(stats: dict) -> str:
         if s["rotated_fraction"] is not None:
             parts.append(f"tah {short} rotated: {s['rotated_fraction']:.3f}")
     codec_seconds = sum(stats[d].get("encode_seconds", 0.0) + stats[d].get("decode_seconds", 0.0)
-                        for d in DIRECTIONS if stats[d]["messages"])
+                        for d in STREAMS if stats[d]["messages"])
     if codec_seconds:
         parts.append(f"tah codec ms: {codec_seconds * 1e3:.1f}")
     if stats.get("buffer_bytes"):
         parts.append(f"tah buffer MB: {stats['buffer_bytes'] / 1e6:.1f}")
+    memory = stats.get("saved_memory") or {}
+    if memory:
+        stored = sum(m["stored_bytes"] for m in memory.values()) / 1e6
+        raw = sum(m["raw_bytes"] for m in memory.values()) / 1e6
+        parts.append(f"tah saved MB: {stored:.1f}/{raw:.1f}")
     return "".join(f" {p} |" for p in parts)
