@@ -127,6 +127,14 @@ def launch(label: str, kernel, grid: tuple, args: tuple, kwargs: dict, elements:
     if _RECORDER is not None:
         _RECORDER.launches.append(Launch(label, kernel, tuple(grid), tuple(args), dict(kwargs), int(elements)))
         return
+    if is_interpreted(kernel):
+        import numpy as np
+
+        # Bad tiles (NaN, Inf) make NaN on the way; their results are masked, as on a GPU, where
+        # nothing warns. numpy would warn for every one.
+        with np.errstate(all="ignore"):
+            kernel[grid](*args, **kwargs)
+        return
     kernel[grid](*args, **kwargs)
 
 
@@ -179,11 +187,11 @@ class Blocking:
 
 
 def blocking(kernel, tile_size: int, per_lane: int | None = None, tiles: int | None = None,
-             num_warps: int = DEFAULT_WARPS) -> Blocking:
-    """The block shape for ``kernel``: ``per_lane`` channels per lane (default ``min(G, 64)``) and
+             num_warps: int = DEFAULT_WARPS, widest: int = 64) -> Blocking:
+    """The block shape for ``kernel``: ``per_lane`` channels per lane (default ``min(G, widest)``) and
     one tile per ``G / per_lane`` lanes, or ``tiles`` per program (a power of two) when given.
     Under the interpreter, where a program's cost is its count, ~64K elements per program."""
-    e = min(tile_size, 64) if per_lane is None else per_lane
+    e = min(tile_size, widest) if per_lane is None else per_lane
     if e < 8 or tile_size % e or e & (e - 1):
         raise ValueError(f"channels per lane must be a power of two in [8, {tile_size}], got {e}")
     if tiles is None:

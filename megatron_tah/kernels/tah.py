@@ -171,6 +171,12 @@ else:  # pragma: no cover - without triton
     tah_partials_kernel = tah_encode_kernel = tah_decode_kernel = None
 
 
+def _widest(tile_size: int) -> int:
+    """Channels per lane by default: a whole tile up to G=64; at G=128 a lane holding 64 channels would keep
+    two copies (the tile and its rotation) plus the butterflies' temporaries live: ~255 registers."""
+    return 64 if tile_size <= 64 else 32
+
+
 def _geometry(codec, shape, nbytes: int):
     s, b, h = shape
     tiles_per_token = geometry.num_tiles(h, codec.tile_size)
@@ -220,7 +226,7 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
     shape = tuple(x.shape)
     h, tiles_per_token, total, n_low, tiles_per_unit, index64 = _geometry(codec, shape, buf.numel())
     g = codec.tile_size
-    blk = blocking(tah_encode_kernel, g, per_lane, tiles_per_prog)
+    blk = blocking(tah_encode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     x_in, bf16_bits = as_kernel_input(x)
     tau = codec.outlier_threshold
     for bits, name, n_rank, table, label in _widths(codec, total, n_low, high_units, low_units):
@@ -251,7 +257,7 @@ def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layou
         out = torch.empty(shape, dtype=dtype, device=buf.device)
     h, tiles_per_token, total, n_low, tiles_per_unit, index64 = _geometry(codec, shape, buf.numel())
     g = codec.tile_size
-    blk = blocking(tah_decode_kernel, g, per_lane, tiles_per_prog)
+    blk = blocking(tah_decode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     out_view, out_kind = as_kernel_output(out)
     native_bf16, _ = native_conversions(tah_decode_kernel, buf.device)
     for bits, name, n_rank, table, label in _widths(codec, total, n_low, high_units, low_units):
