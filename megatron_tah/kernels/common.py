@@ -204,6 +204,20 @@ def blocking(kernel, tile_size: int, per_lane: int | None = None, tiles: int | N
     return Blocking(tile_size, e, tiles, num_warps)
 
 
+@functools.cache
+def block_flip() -> bool:
+    """Which arrangement of a block's pointers makes Triton give every lane ``E`` channels of one tile.
+
+    Triton's coalescing orders dims of equal contiguity by index, ascending up to 3.6 and descending
+    from 3.7 (checked by compiling both): the kernels build ``[H, BT, C, 8]`` pointers for the
+    latter, ``[C, BT, H, 8]`` (FLIP) for the former, and compute on ``[H, BT, C, 8]`` either way.
+    """
+    if not HAVE_TRITON:
+        return False
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
 def index_is_64bit(*counts: int) -> bool:
     """True when offsets up to ``max(counts)`` (elements or bytes) do not fit the kernels' int32 math."""
     return max(counts) >= INDEX32_LIMIT
@@ -264,6 +278,27 @@ if HAVE_TRITON:
         if INDEX64:
             pid = pid.to(tl.int64)
         return pid * BT + tl.arange(0, BT)
+
+    @triton.jit
+    def arrange_kernel(x, FLIP: tl.constexpr):
+        """Swap the first and third dims of a block (``[H, BT, C, 8]`` <-> ``[C, BT, H, 8]``, or the 3-D
+        ``[H, BT, C]`` of groups) when FLIP: the order loads and stores are laid out in (see ``block_flip``)."""
+        if FLIP:
+            if len(x.shape) == 4:
+                return tl.permute(x, [2, 1, 0, 3])
+            else:
+                return tl.permute(x, [2, 1, 0])
+        else:
+            return x
+
+    @triton.jit
+    def load_block_raw_kernel(ptr, mask, other, FLIP: tl.constexpr):
+        """``tl.load`` of a block, its pointers laid out so that Triton gives each lane a tile's channels."""
+        return arrange_kernel(tl.load(arrange_kernel(ptr, FLIP), mask=arrange_kernel(mask, FLIP), other=other), FLIP)
+
+    @triton.jit
+    def store_block_raw_kernel(ptr, value, mask, FLIP: tl.constexpr):
+        tl.store(arrange_kernel(ptr, FLIP), arrange_kernel(value, FLIP), mask=arrange_kernel(mask, FLIP))
 
     @triton.jit
     def bcast_kernel(v):
@@ -383,9 +418,15 @@ if HAVE_TRITON:
         return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def load_fp32_kernel(ptr, mask, BF16_BITS: tl.constexpr):
-        """Load fp32/fp16 values, or bf16 values stored behind an int16 pointer (``BF16_BITS``), as fp32."""
-        raw = tl.load(ptr, mask=mask, other=0)
+    def load_fp32_kernel(ptr, mask, BF16_BITS: tl.constexpr, FLIP: tl.constexpr = False):
+        """Load fp32/fp16 values, or bf16 values stored behind an int16 pointer (``BF16_BITS``), as fp32.
+
+        A block (4-D) is loaded in the FLIP arrangement; per-tile values (1-D) as they are.
+        """
+        if len(ptr.shape) == 4:
+            raw = load_block_raw_kernel(ptr, mask, 0, FLIP)
+        else:
+            raw = tl.load(ptr, mask=mask, other=0)
         if BF16_BITS:
             return bf16_from_bits_kernel(raw)
         else:
@@ -404,19 +445,20 @@ if HAVE_TRITON:
         return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
 
     @triton.jit
-    def store_values_kernel(ptr, v, mask, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr):
-        """Store fp32 ``v`` as the output dtype: OUT_KIND 0 fp32, 1 fp16 (clamped to its range), 2 bf16 bits (int16)."""
+    def store_values_kernel(ptr, v, mask, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr, FLIP: tl.constexpr):
+        """Store a block of fp32 ``v`` as the output dtype: OUT_KIND 0 fp32, 1 fp16 (clamped to its range),
+        2 bf16 bits (int16)."""
         if OUT_KIND == 2:
             if NATIVE_BF16:
-                tl.store(ptr, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+                value = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
             else:
-                tl.store(ptr, bf16_rne_bits_kernel(v), mask=mask)
+                value = bf16_rne_bits_kernel(v)
         elif OUT_KIND == 1:
             # where() keeps NaN (bad tiles), unlike a min/max clamp on the GPU.
-            v = tl.where(v > 65504.0, 65504.0, tl.where(v < -65504.0, -65504.0, v))
-            tl.store(ptr, v.to(tl.float16), mask=mask)
+            value = tl.where(v > 65504.0, 65504.0, tl.where(v < -65504.0, -65504.0, v)).to(tl.float16)
         else:
-            tl.store(ptr, v, mask=mask)
+            value = v
+        store_block_raw_kernel(ptr, value, mask, FLIP)
 
     # ----- rounding ------------------------------------------------------------------------------
     @triton.jit
@@ -516,28 +558,29 @@ if HAVE_TRITON:
             return (word & 0xFF).to(tl.uint8)
 
     @triton.jit
-    def store_groups_kernel(ptr, group, lo, hi, mask, UNIT: tl.constexpr, NUNITS: tl.constexpr):
+    def store_groups_kernel(ptr, group, lo, hi, mask, UNIT: tl.constexpr, NUNITS: tl.constexpr,
+                            FLIP: tl.constexpr):
         """Store each group's bytes (``lo``, ``hi`` words) at group index ``group`` as ``NUNITS`` pieces of
         ``UNIT`` bytes (``ptr`` points at ``UNIT``-byte integers). One store per piece and group."""
         base = ptr + group * NUNITS
-        tl.store(base, unit_value_kernel(lo, hi, 0, UNIT), mask=mask)
+        store_block_raw_kernel(base, unit_value_kernel(lo, hi, 0, UNIT), mask, FLIP)
         if NUNITS > 1:
-            tl.store(base + 1, unit_value_kernel(lo, hi, 1, UNIT), mask=mask)
+            store_block_raw_kernel(base + 1, unit_value_kernel(lo, hi, 1, UNIT), mask, FLIP)
         if NUNITS > 2:
-            tl.store(base + 2, unit_value_kernel(lo, hi, 2, UNIT), mask=mask)
+            store_block_raw_kernel(base + 2, unit_value_kernel(lo, hi, 2, UNIT), mask, FLIP)
         if NUNITS > 3:
-            tl.store(base + 3, unit_value_kernel(lo, hi, 3, UNIT), mask=mask)
+            store_block_raw_kernel(base + 3, unit_value_kernel(lo, hi, 3, UNIT), mask, FLIP)
         if NUNITS > 4:
-            tl.store(base + 4, unit_value_kernel(lo, hi, 4, UNIT), mask=mask)
+            store_block_raw_kernel(base + 4, unit_value_kernel(lo, hi, 4, UNIT), mask, FLIP)
         if NUNITS > 5:
-            tl.store(base + 5, unit_value_kernel(lo, hi, 5, UNIT), mask=mask)
+            store_block_raw_kernel(base + 5, unit_value_kernel(lo, hi, 5, UNIT), mask, FLIP)
         if NUNITS > 6:
-            tl.store(base + 6, unit_value_kernel(lo, hi, 6, UNIT), mask=mask)
+            store_block_raw_kernel(base + 6, unit_value_kernel(lo, hi, 6, UNIT), mask, FLIP)
 
     @triton.jit
-    def load_unit_kernel(ptr, mask, K: tl.constexpr, UNIT: tl.constexpr):
+    def load_unit_kernel(ptr, mask, K: tl.constexpr, UNIT: tl.constexpr, FLIP: tl.constexpr):
         """Piece ``K`` of every group, shifted to its place in the 64-bit group word: (low, high) parts."""
-        raw = tl.load(ptr + K, mask=mask, other=0)
+        raw = load_block_raw_kernel(ptr + K, mask, 0, FLIP)
         if UNIT == 4:
             word = raw.to(tl.uint32, bitcast=True)
         elif UNIT == 2:
@@ -550,32 +593,32 @@ if HAVE_TRITON:
             return word * 0, word << ((K * UNIT - 4) * 8)
 
     @triton.jit
-    def load_groups_kernel(ptr, group, mask, UNIT: tl.constexpr, NUNITS: tl.constexpr):
+    def load_groups_kernel(ptr, group, mask, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr):
         """Inverse of ``store_groups_kernel``: the (low, high) uint32 words of every group."""
         base = ptr + group * NUNITS
-        lo, hi = load_unit_kernel(base, mask, 0, UNIT)
+        lo, hi = load_unit_kernel(base, mask, 0, UNIT, FLIP)
         if NUNITS > 1:
-            a, b = load_unit_kernel(base, mask, 1, UNIT)
+            a, b = load_unit_kernel(base, mask, 1, UNIT, FLIP)
             lo = lo | a
             hi = hi | b
         if NUNITS > 2:
-            a, b = load_unit_kernel(base, mask, 2, UNIT)
+            a, b = load_unit_kernel(base, mask, 2, UNIT, FLIP)
             lo = lo | a
             hi = hi | b
         if NUNITS > 3:
-            a, b = load_unit_kernel(base, mask, 3, UNIT)
+            a, b = load_unit_kernel(base, mask, 3, UNIT, FLIP)
             lo = lo | a
             hi = hi | b
         if NUNITS > 4:
-            a, b = load_unit_kernel(base, mask, 4, UNIT)
+            a, b = load_unit_kernel(base, mask, 4, UNIT, FLIP)
             lo = lo | a
             hi = hi | b
         if NUNITS > 5:
-            a, b = load_unit_kernel(base, mask, 5, UNIT)
+            a, b = load_unit_kernel(base, mask, 5, UNIT, FLIP)
             lo = lo | a
             hi = hi | b
         if NUNITS > 6:
-            a, b = load_unit_kernel(base, mask, 6, UNIT)
+            a, b = load_unit_kernel(base, mask, 6, UNIT, FLIP)
             lo = lo | a
             hi = hi | b
         return lo, hi

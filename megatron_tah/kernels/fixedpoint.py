@@ -12,7 +12,7 @@ import torch
 
 from ..codecs import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, blocking, check_launch, index_is_64bit, launch,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
     native_conversions, section, store_units, tl, triton,
 )
 
@@ -26,7 +26,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G: tl.constexpr, H: tl.constexpr,
-                          C: tl.constexpr, EVEN: tl.constexpr, BF16_BITS: tl.constexpr):
+                          C: tl.constexpr, EVEN: tl.constexpr, BF16_BITS: tl.constexpr, FLIP: tl.constexpr):
         """fp32 ``[H, BT, C, 8]`` block of tiles ``t``, as ``common.to_tiles`` lays them out (bad values kept).
 
         EVEN (``h % G == 0``): tiles are contiguous, every load a whole unmasked-by-column vector. Otherwise
@@ -34,29 +34,31 @@ if HAVE_TRITON:
         """
         j = channels_kernel(H, C)
         if EVEN:
-            v = load_fp32_kernel(x_ptr + bcast_kernel(t * G) + j, bcast_kernel(tmask), BF16_BITS)
+            v = load_fp32_kernel(x_ptr + bcast_kernel(t * G) + j, bcast_kernel(tmask) & (j >= 0), BF16_BITS, FLIP)
         else:
             token = t // tiles_per_token
             col = bcast_kernel((t - token * tiles_per_token) * G) + j
             row = token * h
             valid = col < h
-            v = load_fp32_kernel(x_ptr + bcast_kernel(row) + col, bcast_kernel(tmask) & valid, BF16_BITS)
+            v = load_fp32_kernel(x_ptr + bcast_kernel(row) + col, bcast_kernel(tmask) & valid, BF16_BITS, FLIP)
             last = load_fp32_kernel(x_ptr + row + h - 1, tmask, BF16_BITS)
             v = tl.where(valid, v, bcast_kernel(last))
         return v
 
     @triton.jit
     def store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G: tl.constexpr, H: tl.constexpr,
-                           C: tl.constexpr, EVEN: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr):
+                           C: tl.constexpr, EVEN: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
+                           FLIP: tl.constexpr):
         """Write a decoded block to the output tensor, dropping padding (``common.from_tiles``)."""
         j = channels_kernel(H, C)
         if EVEN:
-            store_values_kernel(out_ptr + bcast_kernel(t * G) + j, v, bcast_kernel(tmask), OUT_KIND, NATIVE_BF16)
+            store_values_kernel(out_ptr + bcast_kernel(t * G) + j, v, bcast_kernel(tmask) & (j >= 0), OUT_KIND,
+                                NATIVE_BF16, FLIP)
         else:
             token = t // tiles_per_token
             col = bcast_kernel((t - token * tiles_per_token) * G) + j
             mask = bcast_kernel(tmask) & (col < h)
-            store_values_kernel(out_ptr + bcast_kernel(token * h) + col, v, mask, OUT_KIND, NATIVE_BF16)
+            store_values_kernel(out_ptr + bcast_kernel(token * h) + col, v, mask, OUT_KIND, NATIVE_BF16, FLIP)
 
     @triton.jit
     def group_index_kernel(t, G: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
@@ -70,11 +72,11 @@ if HAVE_TRITON:
         x_ptr, scale_ptr, zero_ptr, codes_ptr, n_tiles, h, tiles_per_token, seed,
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
-        MAX_BITS: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr,
+        MAX_BITS: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr,
     ):
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
-        v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS)
+        v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
         bad = tile_max_kernel(magnitude_bits_kernel(v)) > MAX_BITS
         levels: tl.constexpr = (1 << BITS) - 1
         scale, zero, inverse, flat = quant_params_kernel(tile_min_kernel(v), tile_max_kernel(v), levels, bad)
@@ -86,24 +88,25 @@ if HAVE_TRITON:
         tl.store(zero_ptr + t, tl.where(bad, 0x7FC0, bf16_bits_kernel(zero)).to(tl.int16), mask=tmask)
         lo, hi = pack_groups_kernel(q, BITS)
         store_groups_kernel(codes_ptr, group_index_kernel(t, G, H, C), lo, hi,
-                            tl.broadcast_to(tmask[None, :, None], lo.shape), UNIT, NUNITS)
+                            tl.broadcast_to(tmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
 
     @triton.jit
     def fixedpoint_decode_kernel(
         out_ptr, scale_ptr, zero_ptr, codes_ptr, n_tiles, h, tiles_per_token,
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
-        UNIT: tl.constexpr, NUNITS: tl.constexpr,
+        UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr,
     ):
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
         scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=tmask, other=0))
         zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=tmask, other=0))
         group = group_index_kernel(t, G, H, C)
-        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(tmask[None, :, None], group.shape), UNIT, NUNITS)
+        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(tmask[None, :, None], group.shape), UNIT, NUNITS,
+                                    FLIP)
         codes = unpack_groups_kernel(lo, hi, BITS)
         v = codes.to(tl.float32) * bcast_kernel(scale) + bcast_kernel(zero)  # exact product: FMA-safe
-        store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G, H, C, EVEN, OUT_KIND, NATIVE_BF16)
+        store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G, H, C, EVEN, OUT_KIND, NATIVE_BF16, FLIP)
 
 else:  # pragma: no cover - without triton
     fixedpoint_encode_kernel = fixedpoint_decode_kernel = None
@@ -140,7 +143,7 @@ def triton_fixedpoint_encode(
          n_tiles, h, tiles_per_token, 0 if seed is None else int(seed)),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index64, STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
-             UNIT=unit, NUNITS=nunits, num_warps=blk.num_warps,
+             UNIT=unit, NUNITS=nunits, FLIP=block_flip(), num_warps=blk.num_warps,
              enable_fp_fusion=False),
         blk.elements,
     )
@@ -165,7 +168,7 @@ def triton_fixedpoint_decode(
         (out_view, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2),
          section(buf, layout, "codes", unit), n_tiles, h, tiles_per_token),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
-             INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16, UNIT=unit, NUNITS=nunits,
+             INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16, UNIT=unit, NUNITS=nunits, FLIP=block_flip(),
              num_warps=blk.num_warps),
         blk.elements,
     )

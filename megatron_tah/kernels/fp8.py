@@ -14,14 +14,14 @@ import torch
 
 from ..codecs import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, blocking, check_launch, index_is_64bit, launch,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
     native_conversions, tl, triton,
 )
 
 if HAVE_TRITON:
     from .common import (
-        bcast_kernel, channels_kernel, fwht_kernel, load_fp32_kernel, magnitude_bits_kernel, store_values_kernel,
-        tile_ids_kernel, tile_max_kernel, tile_tree_sum_kernel,
+        bcast_kernel, channels_kernel, fwht_kernel, load_block_raw_kernel, load_fp32_kernel, magnitude_bits_kernel,
+        store_block_raw_kernel, store_values_kernel, tile_ids_kernel, tile_max_kernel, tile_tree_sum_kernel,
     )
 
     @triton.jit
@@ -75,12 +75,12 @@ if HAVE_TRITON:
         G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
         INDEX64: tl.constexpr, BF16_BITS: tl.constexpr, MAX_BITS: tl.constexpr, ENTRY: tl.constexpr,
         FMAX: tl.constexpr, RMS_FLOOR: tl.constexpr, PRE_MIN: tl.constexpr, PRE_MAX: tl.constexpr,
-        HW_FP8: tl.constexpr,
+        HW_FP8: tl.constexpr, FLIP: tl.constexpr,
     ):
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_groups
         offsets, valid = group_offsets_kernel(t, h, groups_per_token, G, H, C, EVEN)
-        x = load_fp32_kernel(x_ptr + offsets, bcast_kernel(tmask) & valid, BF16_BITS)  # zero padding
+        x = load_fp32_kernel(x_ptr + offsets, bcast_kernel(tmask) & valid, BF16_BITS, FLIP)  # zero padding
         peak_bits = tile_max_kernel(magnitude_bits_kernel(x))
         bad = peak_bits > MAX_BITS
         peak = peak_bits.to(tl.float32, bitcast=True)
@@ -101,20 +101,22 @@ if HAVE_TRITON:
         code = tl.where(bcast_kernel(bad), 0, code)
         tl.store(pre_ptr + t, tl.where(bad, 0x7FC00000, alpha.to(tl.int32, bitcast=True)), mask=tmask)
         tl.store(post_ptr + t, tl.where(bad, 0.0, post), mask=tmask)
-        tl.store(codes_ptr + bcast_kernel(t * G) + channels_kernel(H, C), code, mask=bcast_kernel(tmask))
+        j = channels_kernel(H, C)
+        store_block_raw_kernel(codes_ptr + bcast_kernel(t * G) + j, code, bcast_kernel(tmask) & (j >= 0), FLIP)
 
     @triton.jit
     def fp8_decode_kernel(
         out_ptr, pre_ptr, post_ptr, codes_ptr, n_groups, h, groups_per_token,
         G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
         INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr, ENTRY: tl.constexpr,
-        HW_FP8: tl.constexpr,
+        HW_FP8: tl.constexpr, FLIP: tl.constexpr,
     ):
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_groups
         alpha = tl.load(pre_ptr + t, mask=tmask, other=1.0)
         post = tl.load(post_ptr + t, mask=tmask, other=0.0)
-        raw = tl.load(codes_ptr + bcast_kernel(t * G) + channels_kernel(H, C), mask=bcast_kernel(tmask), other=0)
+        j = channels_kernel(H, C)
+        raw = load_block_raw_kernel(codes_ptr + bcast_kernel(t * G) + j, bcast_kernel(tmask) & (j >= 0), 0, FLIP)
         if HW_FP8:
             q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
@@ -122,7 +124,7 @@ if HAVE_TRITON:
         y = fwht_kernel(q * bcast_kernel(post), H, BT, C, ENTRY)
         x = y * bcast_kernel(tl.math.div_rn(1.0, alpha))
         offsets, valid = group_offsets_kernel(t, h, groups_per_token, G, H, C, EVEN)
-        store_values_kernel(out_ptr + offsets, x, bcast_kernel(tmask) & valid, OUT_KIND, NATIVE_BF16)
+        store_values_kernel(out_ptr + offsets, x, bcast_kernel(tmask) & valid, OUT_KIND, NATIVE_BF16, FLIP)
 
 else:  # pragma: no cover - without triton
     fp8_encode_kernel = fp8_decode_kernel = None
@@ -151,7 +153,7 @@ def triton_fp8_encode(x: torch.Tensor, buf: torch.Tensor, layout, group_size: in
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
              INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
              ENTRY=geometry.hadamard_entry(group_size), FMAX=geometry.FP8_MAX, RMS_FLOOR=geometry.RMS_EPS,
-             PRE_MIN=geometry.PRESCALE_MIN, PRE_MAX=geometry.PRESCALE_MAX, HW_FP8=hw_fp8,
+             PRE_MIN=geometry.PRESCALE_MIN, PRE_MAX=geometry.PRESCALE_MAX, HW_FP8=hw_fp8, FLIP=block_flip(),
              num_warps=blk.num_warps, enable_fp_fusion=False),
         blk.elements,
     )
@@ -175,7 +177,7 @@ def triton_fp8_decode(buf: torch.Tensor, shape, dtype: torch.dtype, layout, grou
          layout.view(buf, "codes"), n_groups, h, groups_per_token),
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
              INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16,
-             ENTRY=geometry.hadamard_entry(group_size), HW_FP8=hw_fp8, num_warps=blk.num_warps,
+             ENTRY=geometry.hadamard_entry(group_size), HW_FP8=hw_fp8, FLIP=block_flip(), num_warps=blk.num_warps,
              enable_fp_fusion=False),
         blk.elements,
     )

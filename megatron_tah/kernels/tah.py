@@ -26,7 +26,7 @@ import torch
 
 from ..codecs import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, blocking, check_launch, index_is_64bit, launch,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
     native_conversions, section, store_units, tl, triton,
 )
 
@@ -45,11 +45,12 @@ if HAVE_TRITON:
         G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
         INDEX64: tl.constexpr, BF16_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
         C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+        FLIP: tl.constexpr,
     ):
         """``TahCodec.tile_partials``: (S, L) of every tile into ``out[0, t]``, ``out[1, t]``."""
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
-        v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS)
+        v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
         bits = magnitude_bits_kernel(v)
         m = tl.where(bits > MAX_BITS, 0, bits).to(tl.float32, bitcast=True)  # bad values count as 0
         if not EVEN:  # padding channels too
@@ -76,12 +77,12 @@ if HAVE_TRITON:
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
         MAX_BITS: tl.constexpr, TAU: tl.constexpr, EPSILON: tl.constexpr, ALWAYS: tl.constexpr,
-        NEVER: tl.constexpr, ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr,
+        NEVER: tl.constexpr, ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr,
     ):
         r = tile_ids_kernel(BT, INDEX64)  # rank among this width's tiles = position in its section
         rmask = r < n_rank
         t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, INDEX64)
-        v = load_block_kernel(x_ptr, t, rmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS)
+        v = load_block_kernel(x_ptr, t, rmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
         j = channels_kernel(H, C)
         bits = magnitude_bits_kernel(v)
         top = tile_max_kernel(bits)
@@ -122,7 +123,7 @@ if HAVE_TRITON:
         tl.store(meta_ptr + t, ((rotate.to(tl.int32) << 7) | pivot).to(tl.uint8), mask=rmask)
         lo, hi = pack_groups_kernel(q, BITS)
         store_groups_kernel(codes_ptr, group_index_kernel(r, G, H, C), lo, hi,
-                            tl.broadcast_to(rmask[None, :, None], lo.shape), UNIT, NUNITS)
+                            tl.broadcast_to(rmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
 
     @triton.jit
     def tah_decode_kernel(
@@ -130,7 +131,7 @@ if HAVE_TRITON:
         n_rank, h, tiles_per_token, tiles_per_unit,
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
-        ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, ROTATES: tl.constexpr,
+        ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, ROTATES: tl.constexpr, FLIP: tl.constexpr,
     ):
         r = tile_ids_kernel(BT, INDEX64)
         rmask = r < n_rank
@@ -138,7 +139,8 @@ if HAVE_TRITON:
         scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=rmask, other=0))
         zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=rmask, other=0))
         group = group_index_kernel(r, G, H, C)
-        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(rmask[None, :, None], group.shape), UNIT, NUNITS)
+        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(rmask[None, :, None], group.shape), UNIT, NUNITS,
+                                    FLIP)
         codes = unpack_groups_kernel(lo, hi, BITS)
         v = tl.fma(codes.to(tl.float32), bcast_kernel(scale), bcast_kernel(zero))  # exact product
         j = channels_kernel(H, C)
@@ -157,7 +159,8 @@ if HAVE_TRITON:
             rotate = (meta >> 7) != 0
             pivot = meta & (G - 1)
             v = tl.where(bcast_kernel(rotate), fwht_kernel(v, H, BT, C, ENTRY), v)
-        store_values_kernel(out_ptr + bcast_kernel(start) + j, v, bcast_kernel(rmask) & valid, OUT_KIND, NATIVE_BF16)
+        store_values_kernel(out_ptr + bcast_kernel(start) + j, v, bcast_kernel(rmask) & valid, OUT_KIND, NATIVE_BF16,
+                            FLIP)
         if ROTATES:
             # Undo the pivot swap in the output: elements 0 and ``pivot`` of every rotated tile.
             tl.debug_barrier()
@@ -200,7 +203,7 @@ def triton_tah_partials(x: torch.Tensor, tile_size: int, per_lane: int | None = 
         (x_in, out, n_tiles, h, geometry.num_tiles(h, tile_size)),
         dict(G=tile_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index_is_64bit(n_tiles * tile_size), BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
-             C1=c1, C2=c2, C3=c3, C4=c4, C5=c5, num_warps=blk.num_warps, enable_fp_fusion=False),
+             C1=c1, C2=c2, C3=c3, C4=c4, C5=c5, FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
         blk.elements,
     )
     return out
@@ -242,7 +245,7 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
                  STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
                  TAU=tau if math.isfinite(tau) else 0.0, EPSILON=geometry.TAH_EPS, ALWAYS=tau == 0,
                  NEVER=tau == math.inf, ENTRY=geometry.hadamard_entry(g), UNIT=unit, NUNITS=nunits,
-                 num_warps=blk.num_warps, enable_fp_fusion=False),
+                 FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
             blk.elements,
         )
 
@@ -269,7 +272,7 @@ def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layou
              section(buf, layout, name, unit), table, n_rank, h, tiles_per_token, tiles_per_unit),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  OUT_KIND=out_kind, NATIVE_BF16=native_bf16, ENTRY=geometry.hadamard_entry(g), UNIT=unit,
-                 NUNITS=nunits, ROTATES=codec.outlier_threshold != math.inf, num_warps=blk.num_warps,
+                 NUNITS=nunits, ROTATES=codec.outlier_threshold != math.inf, FLIP=block_flip(), num_warps=blk.num_warps,
                  enable_fp_fusion=False),
             blk.elements,
         )
