@@ -10,7 +10,8 @@ encode/decode path (``.item()``, ``.tolist()``) fails the run.
 Per kernel variant it reports registers, spill bytes, local memory, shared memory and the SASS
 instructions of the main path (from the entry to the last ``EXIT``; the slow-path subroutines of
 IEEE division after it are not counted) per element the program handles. The kernels are loop-free,
-so that is what every element costs; a variant with a backward branch is flagged ``loop``. An H100
+so that is what every element costs; a variant with a backward branch is flagged ``loop``. The small
+per-unit steps between them (tah's bit allocation, the header check) have no per-element count. An H100
 issues about 29.6e12 thread-instructions per second, so ``bound`` = 29.6e12 / (instructions per
 element) * (bytes moved per element) is the most a kernel could move: a static bound, not a timing.
 
@@ -234,8 +235,9 @@ def compile_one(config: str, moved: float, launch, driver, capability: int, sass
     ops, result.loop = main_path(sass_instructions(cubin))
     threads = 32 * launch.kwargs.get("num_warps", 4)
     result.main_instructions = len(ops)
-    result.per_element = round(len(ops) * threads / launch.elements, 2)
-    result.bound_tbps = round(ISSUE_RATE / result.per_element * moved / 1e12, 2) if result.per_element else 0.0
+    if launch.elements:  # an elementwise kernel (the others: small per-unit steps, e.g. tah's bit allocation)
+        result.per_element = round(len(ops) * threads / launch.elements, 2)
+        result.bound_tbps = round(ISSUE_RATE / result.per_element * moved / 1e12, 2)
     result.top = dict(collections.Counter(ops).most_common(10))
     if sass_dir is not None:
         sass_dir.mkdir(parents=True, exist_ok=True)
@@ -254,10 +256,12 @@ def format_table(results: list[Result]) -> str:
         if not r.compiles:
             lines.append(f"{r.kernel:44} {r.target:6} FAILED: {r.error.splitlines()[0][:120]}")
             continue
-        notes = "loop" if r.loop else ""
+        notes = " ".join(n for n, on in (("loop", r.loop), ("per-unit step", not r.per_element)) if on)
+        per_element = f"{r.per_element:8.1f}" if r.per_element else f"{'-':>8}"
+        bound = f"{r.bound_tbps:10.2f}" if r.per_element else f"{'-':>10}"
         lines.append(f"{r.kernel:44} {r.target:6} {r.registers:4d} {r.spill_stores + r.spill_loads:8d} {r.local:5d} "
-                     f"{r.shared:6d} {r.main_instructions:6d} {r.per_element:8.1f} {r.bytes_per_element:5.2f} "
-                     f"{r.bound_tbps:10.2f}  {notes}")
+                     f"{r.shared:6d} {r.main_instructions:6d} {per_element} {r.bytes_per_element:5.2f} "
+                     f"{bound}  {notes}")
     return "\n".join(lines)
 
 

@@ -43,7 +43,8 @@ def test_every_default_kernel_compiles_for_both_targets(report):
         assert configs == {label for label, _, _ in kernel_report.DEFAULT_CONFIGS}
         kernels = {r["kernel"].split()[0] for r in results if r["target"] == target}
         assert kernels == {"tah_partials", "tah_encode", "tah_decode", "fixedpoint_encode", "fixedpoint_decode",
-                           "fp8_encode", "fp8_decode"}
+                           "fp8_encode", "fp8_decode", "tah_token_entropy", "tah_rank", "tah_token_tables",
+                           "tah_tile_tables", "header_check"}
 
 
 def test_no_spills_and_fewer_than_255_registers(report):
@@ -52,13 +53,15 @@ def test_no_spills_and_fewer_than_255_registers(report):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, where
         assert r["local"] == 0, where
         assert 0 < r["registers"] < 255, where
-        assert not r["loop"], where  # the per-element count below assumes straight-line kernels
+        if r["per_element"]:  # elementwise kernels: the per-element count below assumes straight-line code
+            assert not r["loop"], where
 
 
 def test_at_most_50_instructions_per_element_on_sm90(report):
-    for r in report["results"]:
-        if r["target"] == "sm_90":
-            assert 0 < r["per_element"] <= 50, (r["kernel"], r["per_element"])
+    elementwise = [r for r in report["results"] if r["target"] == "sm_90" and r["per_element"]]
+    assert len(elementwise) >= 20
+    for r in elementwise:
+        assert r["per_element"] <= 50, (r["kernel"], r["per_element"])
 
 
 def test_main_path_stops_before_the_slow_path_subroutines():

@@ -80,7 +80,7 @@ def test_edge_cases(kind, dtype):
 def test_many_programs_and_lanes_per_tile(allocation, per_lane, tiles):
     # Many programs with a ragged last one (the codec tests run one under the interpreter), a ragged last
     # tile per token, and tiles spread over 1 to 8 lanes (reductions and butterflies across lanes).
-    from megatron_tah.kernels.tah import triton_tah_decode, triton_tah_encode
+    from megatron_tah.kernels.tah import triton_tah_allocate, triton_tah_decode, triton_tah_encode, triton_tah_tables
 
     ref, fused = codecs(allocation=allocation, tile_size=64)
     x = activation_like((3, 2, 1100), dtype=torch.float32, seed=5, device=DEVICE)  # 18 tiles per token
@@ -89,21 +89,23 @@ def test_many_programs_and_lanes_per_tile(allocation, per_lane, tiles):
     layout = ref.layout(shape, x.dtype)
     got = want.clone()
     got[16:] = 0
-    low = fused._read_flags(want, shape, layout)
-    high_units, low_units = fused.unit_tables(low, shape)
-    got[slice(*_span(layout, "flags"))] = want[slice(*_span(layout, "flags"))]
     count = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    high_units, low_units = triton_tah_allocate(fused, x, got, layout, count)
+    # The device tables are the reference's (TahCodec.unit_tables) for the reference's flags.
+    low = ref._read_flags(want, shape, layout)
+    for table, expected in zip((high_units, low_units), ref.unit_tables(low, shape)):
+        torch.testing.assert_close(table, expected, rtol=0, atol=0)
     triton_tah_encode(fused, x, got, layout, high_units, low_units, count, per_lane=per_lane, tiles_per_prog=tiles)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert int(count) == round(ref.last_rotated_fraction * layout.view(want, "meta").numel())
-    y = triton_tah_decode(fused, want, shape, x.dtype, layout, high_units, low_units, per_lane=per_lane,
+    error = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    tables = triton_tah_tables(fused, want, shape, layout, error)
+    for table, expected in zip(tables, (high_units, low_units)):
+        torch.testing.assert_close(table, expected, rtol=0, atol=0)
+    y = triton_tah_decode(fused, want, shape, x.dtype, layout, *tables, error, per_lane=per_lane,
                           tiles_per_prog=tiles)
     assert_same_values(y, ref.decode(want, shape, x.dtype))
-
-
-def _span(layout, name):
-    start, size = layout.offsets[name]
-    return start, start + size
+    assert int(error) == 0
 
 
 def test_stochastic_rounding_is_the_references_and_seeded():

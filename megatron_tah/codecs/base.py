@@ -214,9 +214,9 @@ class Codec:
         check_dtype(x.dtype)
         layout = self.layout(shape, x.dtype)
         buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
-        buf[:HEADER_NBYTES].copy_(self._header(shape, x.dtype, x.device))
-        # Alignment padding is zeroed so identical inputs give identical bytes.
-        self._zero_padding(buf, layout)
+        # The header, and zeros in the alignment padding so identical inputs give identical bytes: one write.
+        index, values = self._fixed_bytes(shape, x.dtype, layout, x.device)
+        buf.index_put_((index,), values)
         if self._use_triton(x.device):
             self._encode_triton(x.contiguous(), buf, layout)
         else:
@@ -271,7 +271,13 @@ class Codec:
         elif self.checks == "deferred":
             self.raise_deferred_errors(buf.device)
             expected = self._header(shape, dtype, buf.device)
-            self.deferred_errors(buf.device).add((buf[:HEADER_NBYTES] != expected).any())
+            errors = self.deferred_errors(buf.device)
+            if self._use_triton(buf.device):
+                from ..kernels.common import check_header  # one launch instead of three
+
+                check_header(buf, expected, errors.count)
+            else:
+                errors.add((buf[:HEADER_NBYTES] != expected).any())
 
     def deferred_errors(self, device: torch.device) -> DeferredErrors:
         key = str(device)
@@ -308,6 +314,21 @@ class Codec:
             + shape_digest.to_bytes(4, "little")
             + bytes(4)
         )
+
+    def _fixed_bytes(self, shape, dtype, layout: WireLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, values) of the bytes fixed by shape and config: the header and the alignment padding."""
+        key = ("fixed", shape, dtype, str(device), layout.nbytes)
+        if key not in self._header_cache:
+            positions = list(range(HEADER_NBYTES))
+            cursor = HEADER_NBYTES
+            for start, size in sorted(layout.offsets.values()):
+                positions += range(cursor, start)
+                cursor = start + size
+            positions += range(cursor, layout.nbytes)
+            values = bytearray(self._header_bytes(shape, dtype)) + bytearray(len(positions) - HEADER_NBYTES)
+            self._header_cache[key] = (torch.tensor(positions, dtype=torch.int64).to(device),
+                                       torch.frombuffer(values, dtype=torch.uint8).to(device))
+        return self._header_cache[key]
 
     def _header(self, shape, dtype, device) -> torch.Tensor:
         key = (shape, dtype, str(device))

@@ -276,28 +276,22 @@ class TahCodec(Codec):
     def _encode_triton(self, x, buf, layout):
         from ..kernels import tah as kernels
 
-        shape = self._dims(tuple(x.shape))
-        units = self.tile_counts(shape)[2]
-        if self.low_units_per_group(shape) == 0:
-            low = torch.zeros(units, dtype=torch.bool, device=x.device)
-        else:
-            partials = kernels.triton_tah_partials(x, self.tile_size)
-            low = self.select_low_units(self.unit_entropy(partials, shape), shape)
-        layout.view(buf, "flags").copy_(common.pack_flags(low))
-        high_units, low_units = self.unit_tables(low, shape)
-        count = torch.zeros((), dtype=torch.int32, device=x.device)
+        count = torch.empty((), dtype=torch.int32, device=x.device)
+        high_units, low_units = kernels.triton_tah_allocate(self, x, buf, layout, count)
         kernels.triton_tah_encode(self, x, buf, layout, high_units, low_units, count,
                                   seed=self.rounding_noise.next_seed())
-        self._rotated = (count, self.tile_counts(shape)[0])
+        self._rotated = (count, self.tile_counts(tuple(x.shape))[0])
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels import tah as kernels
 
         shape = self._dims(tuple(shape))
-        low = self._read_flags(buf, shape, layout)
-        self._check_pivots(layout.view(buf, "meta"))
-        high_units, low_units = self.unit_tables(low, shape)
-        return kernels.triton_tah_decode(self, buf, shape, dtype, layout, high_units, low_units, out=out)
+        if self.checks == "full":  # raise now (a host sync); otherwise the kernels count corrupt flags and pivots
+            self._read_flags(buf, shape, layout)
+            self._check_pivots(layout.view(buf, "meta"))
+        error = self.deferred_errors(buf.device).count
+        high_units, low_units = kernels.triton_tah_tables(self, buf, shape, layout, error)
+        return kernels.triton_tah_decode(self, buf, shape, dtype, layout, high_units, low_units, error, out=out)
 
 
 def _swap_index(pivot: torch.Tensor, tile_size: int) -> torch.Tensor:

@@ -260,7 +260,19 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def check_header(buf: torch.Tensor, expected: torch.Tensor, errors: torch.Tensor) -> None:
+    """Add 1 to ``errors`` (int32, 0-d) when ``buf`` does not start with the 16 bytes ``expected``; no host sync."""
+    check_launch(header_check_kernel, "check_header", buf)
+    launch("header_check", header_check_kernel, (1,), (buf, expected, errors), dict(N=int(expected.numel())), 0)
+
+
 if HAVE_TRITON:
+
+    @triton.jit
+    def header_check_kernel(buf_ptr, expected_ptr, errors_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        differ = tl.load(buf_ptr + i) != tl.load(expected_ptr + i)
+        tl.atomic_add(errors_ptr, tl.max(differ.to(tl.int32), axis=0))
 
     # ----- block geometry ------------------------------------------------------------------------
     @triton.jit

@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..codecs import geometry
+from . import tah_alloc
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
     native_conversions, section, store_units, tl, triton,
@@ -38,6 +39,7 @@ if HAVE_TRITON:
         tile_max_kernel, tile_min_kernel, tile_tree_sum_kernel, unpack_groups_kernel,
     )
     from .fixedpoint import group_index_kernel, load_block_kernel
+    from .tah_alloc import entropy_kernel
 
     @triton.jit
     def tah_partials_kernel(
@@ -45,9 +47,10 @@ if HAVE_TRITON:
         G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
         INDEX64: tl.constexpr, BF16_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
         C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
-        FLIP: tl.constexpr,
+        FLIP: tl.constexpr, ENTROPY: tl.constexpr,
     ):
-        """``TahCodec.tile_partials``: (S, L) of every tile into ``out[0, t]``, ``out[1, t]``."""
+        """``TahCodec.tile_partials``: (S, L) of every tile into ``out[0, t]``, ``out[1, t]``; or, with
+        ENTROPY (tile allocation: a tile is its own unit), the tile's entropy into ``out[t]``."""
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
         v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
@@ -58,14 +61,23 @@ if HAVE_TRITON:
             col = bcast_kernel((t - token * tiles_per_token) * G) + channels_kernel(H, C)
             m = tl.where(col < h, m, 0.0)
         weighted = m * log2_approx_kernel(m, C1, C2, C3, C4, C5)
-        tl.store(out_ptr + t, tile_tree_sum_kernel(m, H, BT, C), mask=tmask)
-        tl.store(out_ptr + n_tiles + t, tile_tree_sum_kernel(weighted, H, BT, C), mask=tmask)
+        total = tile_tree_sum_kernel(m, H, BT, C)
+        weighted = tile_tree_sum_kernel(weighted, H, BT, C)
+        if ENTROPY:
+            tl.store(out_ptr + t, entropy_kernel(total, weighted, C1, C2, C3, C4, C5), mask=tmask)
+        else:
+            tl.store(out_ptr + t, total, mask=tmask)
+            tl.store(out_ptr + n_tiles + t, weighted, mask=tmask)
 
     @triton.jit
-    def tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, INDEX64: tl.constexpr):
-        """Tile index of the ``r``-th tile of one bit width (wire order): tile ``r % tpu`` of unit ``table[r // tpu]``."""
+    def tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64: tl.constexpr):
+        """Tile index of the ``r``-th tile of one bit width (wire order): tile ``r % tpu`` of unit ``table[r // tpu]``.
+
+        The unit is clamped to ``[0, n_units)``: tables built from corrupt flags stay inside the tensor.
+        """
         unit = r // tiles_per_unit
         u = tl.load(table_ptr + unit, mask=rmask, other=0)
+        u = tl.minimum(tl.maximum(u, 0), n_units - 1)
         if INDEX64:
             u = u.to(tl.int64)
         return u * tiles_per_unit + (r - unit * tiles_per_unit)
@@ -73,7 +85,7 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["seed"])
     def tah_encode_kernel(
         x_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr, count_ptr,
-        n_rank, h, tiles_per_token, tiles_per_unit, seed,
+        n_rank, h, tiles_per_token, tiles_per_unit, n_units, seed,
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
         MAX_BITS: tl.constexpr, TAU: tl.constexpr, EPSILON: tl.constexpr, ALWAYS: tl.constexpr,
@@ -81,7 +93,7 @@ if HAVE_TRITON:
     ):
         r = tile_ids_kernel(BT, INDEX64)  # rank among this width's tiles = position in its section
         rmask = r < n_rank
-        t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, INDEX64)
+        t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64)
         v = load_block_kernel(x_ptr, t, rmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
         j = channels_kernel(H, C)
         bits = magnitude_bits_kernel(v)
@@ -127,15 +139,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def tah_decode_kernel(
-        out_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr,
-        n_rank, h, tiles_per_token, tiles_per_unit,
+        out_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr, error_ptr,
+        n_rank, h, tiles_per_token, tiles_per_unit, n_units,
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
         ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, ROTATES: tl.constexpr, FLIP: tl.constexpr,
     ):
         r = tile_ids_kernel(BT, INDEX64)
         rmask = r < n_rank
-        t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, INDEX64)
+        t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64)
         scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=rmask, other=0))
         zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=rmask, other=0))
         group = group_index_kernel(r, G, H, C)
@@ -158,6 +170,7 @@ if HAVE_TRITON:
             meta = tl.load(meta_ptr + t, mask=rmask, other=0).to(tl.int32)
             rotate = (meta >> 7) != 0
             pivot = meta & (G - 1)
+            tl.atomic_add(error_ptr, tl.sum(((meta & 0x7F) >= G).to(tl.int32), axis=0))  # corrupt pivots
             v = tl.where(bcast_kernel(rotate), fwht_kernel(v, H, BT, C, ENTRY), v)
         store_values_kernel(out_ptr + bcast_kernel(start) + j, v, bcast_kernel(rmask) & valid, OUT_KIND, NATIVE_BF16,
                             FLIP)
@@ -185,28 +198,72 @@ def _geometry(codec, shape, nbytes: int):
     tiles_per_token = geometry.num_tiles(h, codec.tile_size)
     total, n_low, units = codec.tile_counts(shape)
     index64 = index_is_64bit(total * codec.tile_size, nbytes)
-    return h, tiles_per_token, total, n_low, total // units, index64
+    return h, tiles_per_token, total, n_low, total // units, units, index64
 
 
-def triton_tah_partials(x: torch.Tensor, tile_size: int, per_lane: int | None = None,
+def triton_tah_partials(x: torch.Tensor, tile_size: int, entropy: bool = False, per_lane: int | None = None,
                         tiles_per_prog: int | None = None) -> torch.Tensor:
-    """fp32 ``[2, T]``: ``S = sum |x|`` and ``L = sum |x| log2 |x|`` of every tile of contiguous ``[s, b, h]`` ``x``."""
+    """fp32 ``[2, T]``: ``S = sum |x|`` and ``L = sum |x| log2 |x|`` of every tile of contiguous ``[s, b, h]`` ``x``;
+    with ``entropy``, fp32 ``[T]``: each tile's entropy (``TahCodec.unit_entropy`` with tile allocation)."""
     check_launch(tah_partials_kernel, "triton_tah_partials", x)
     h = int(x.shape[-1])
     n_tiles = geometry.total_tiles(x.shape, tile_size)
-    out = torch.empty(2, n_tiles, dtype=torch.float32, device=x.device)
+    out = torch.empty((n_tiles,) if entropy else (2, n_tiles), dtype=torch.float32, device=x.device)
     blk = blocking(tah_partials_kernel, tile_size, per_lane, tiles_per_prog)
     x_in, bf16_bits = as_kernel_input(x)
     c1, c2, c3, c4, c5 = geometry.LOG2_POLY
     launch(
-        f"tah_partials G{tile_size}", tah_partials_kernel, (blk.programs(n_tiles),),
+        f"tah_partials G{tile_size}{' entropy' if entropy else ''}", tah_partials_kernel, (blk.programs(n_tiles),),
         (x_in, out, n_tiles, h, geometry.num_tiles(h, tile_size)),
         dict(G=tile_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index_is_64bit(n_tiles * tile_size), BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
-             C1=c1, C2=c2, C3=c3, C4=c4, C5=c5, FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
+             C1=c1, C2=c2, C3=c3, C4=c4, C5=c5, FLIP=block_flip(), ENTROPY=entropy, num_warps=blk.num_warps,
+             enable_fp_fusion=False),
         blk.elements,
     )
     return out
+
+
+def flag_words(buf: torch.Tensor, layout) -> torch.Tensor:
+    """The ``flags`` section and its zero padding as int32 words (sections start 8-byte aligned)."""
+    start, size = layout.offsets["flags"]
+    return buf[start: start + -(-size // 4) * 4].view(torch.int32)
+
+
+def triton_tah_allocate(codec, x: torch.Tensor, buf: torch.Tensor, layout, count: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit allocation of ``x`` on the device: writes the ``flags`` section, zeroes ``count`` (int32, 0-d)
+    and returns the int32 tables of high- and low-bit units in order (``TahCodec.unit_tables``)."""
+    shape = tuple(x.shape)
+    s, b, h = shape
+    g = codec.tile_size
+    tiles_per_token = geometry.num_tiles(h, g)
+    total, n_low_tiles, units = codec.tile_counts(shape)
+    n_low = codec.low_units_per_group(shape)
+    invert = codec.low_bits_for == "high_entropy"
+    flags = layout.view(buf, "flags")
+    if codec.allocation == "token":
+        if n_low:
+            entropy = tah_alloc.token_entropy(triton_tah_partials(x, g), s * b, tiles_per_token)
+            low = tah_alloc.rank_low(entropy, b, s, n_low, 1, b, invert)
+        else:
+            low = torch.zeros(units, dtype=torch.uint8, device=x.device)
+        return tah_alloc.unit_tables(low, flags, shape, g, "token", n_low * b, count=count)
+    if n_low:
+        entropy = triton_tah_partials(x, g, entropy=True)
+        low = tah_alloc.rank_low(entropy, s * b, tiles_per_token, n_low, tiles_per_token, 1, invert)
+    else:
+        low = torch.zeros(units, dtype=torch.uint8, device=x.device)
+    return tah_alloc.unit_tables(low, flag_words(buf, layout), shape, g, "tile", n_low_tiles, count=count)
+
+
+def triton_tah_tables(codec, buf: torch.Tensor, shape, layout, error: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit tables from a buffer's ``flags`` section; corrupt flags add to ``error`` (int32, 0-d)."""
+    total, n_low_tiles, units = codec.tile_counts(shape)
+    n_low = n_low_tiles if codec.allocation == "tile" else n_low_tiles // (total // units)
+    return tah_alloc.unit_tables(None, layout.view(buf, "flags"), shape, codec.tile_size, codec.allocation, n_low,
+                                 error=error)
 
 
 def _widths(codec, total: int, n_low: int, high_units, low_units):
@@ -221,13 +278,13 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
                       per_lane: int | None = None, tiles_per_prog: int | None = None) -> None:
     """Fill ``buf``'s scale/zero/meta/high/low sections from contiguous ``[s, b, h]`` ``x`` (a ``TahCodec``).
 
-    ``high_units``/``low_units``: int32 unit indices of each width in order (``TahCodec.unit_tables``);
+    ``high_units``/``low_units``: int32 unit indices of each width in order (``triton_tah_allocate``);
     ``count`` (int32, 0-d) receives the number of rotated tiles; ``seed`` (uint32) switches to stochastic
-    rounding. The ``flags`` section is the caller's.
+    rounding. The ``flags`` section is the allocation's.
     """
     check_launch(tah_encode_kernel, "triton_tah_encode", x, buf)
     shape = tuple(x.shape)
-    h, tiles_per_token, total, n_low, tiles_per_unit, index64 = _geometry(codec, shape, buf.numel())
+    h, tiles_per_token, total, n_low, tiles_per_unit, units, index64 = _geometry(codec, shape, buf.numel())
     g = codec.tile_size
     blk = blocking(tah_encode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     x_in, bf16_bits = as_kernel_input(x)
@@ -239,7 +296,7 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
             f"{' tau=inf' if tau == math.inf else ' tau=0' if tau == 0 else ''}",
             tah_encode_kernel, (blk.programs(n_rank),),
             (x_in, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
-             section(buf, layout, name, unit), table, count, n_rank, h, tiles_per_token, tiles_per_unit,
+             section(buf, layout, name, unit), table, count, n_rank, h, tiles_per_token, tiles_per_unit, units,
              0 if seed is None else int(seed)),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
@@ -251,14 +308,15 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
 
 
 def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layout, high_units: torch.Tensor,
-                      low_units: torch.Tensor, out: torch.Tensor | None = None, per_lane: int | None = None,
-                      tiles_per_prog: int | None = None) -> torch.Tensor:
-    """Decode a ``tah`` buffer into ``out`` (contiguous) or a new tensor; tables as for ``triton_tah_encode``."""
+                      low_units: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
+                      per_lane: int | None = None, tiles_per_prog: int | None = None) -> torch.Tensor:
+    """Decode a ``tah`` buffer into ``out`` (contiguous) or a new tensor; tables from ``triton_tah_tables``;
+    pivots outside the tile add to ``error`` (int32, 0-d)."""
     check_launch(tah_decode_kernel, "triton_tah_decode", buf)
     shape = tuple(shape)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=buf.device)
-    h, tiles_per_token, total, n_low, tiles_per_unit, index64 = _geometry(codec, shape, buf.numel())
+    h, tiles_per_token, total, n_low, tiles_per_unit, units, index64 = _geometry(codec, shape, buf.numel())
     g = codec.tile_size
     blk = blocking(tah_decode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     out_view, out_kind = as_kernel_output(out)
@@ -269,11 +327,11 @@ def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layou
             f"tah_decode G{g} {label} b{bits} {codec.allocation} ->{str(dtype).removeprefix('torch.')}",
             tah_decode_kernel, (blk.programs(n_rank),),
             (out_view, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
-             section(buf, layout, name, unit), table, n_rank, h, tiles_per_token, tiles_per_unit),
+             section(buf, layout, name, unit), table, error, n_rank, h, tiles_per_token, tiles_per_unit, units),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  OUT_KIND=out_kind, NATIVE_BF16=native_bf16, ENTRY=geometry.hadamard_entry(g), UNIT=unit,
-                 NUNITS=nunits, ROTATES=codec.outlier_threshold != math.inf, FLIP=block_flip(), num_warps=blk.num_warps,
-                 enable_fp_fusion=False),
+                 NUNITS=nunits, ROTATES=codec.outlier_threshold != math.inf, FLIP=block_flip(),
+                 num_warps=blk.num_warps, enable_fp_fusion=False),
             blk.elements,
         )
     return out
