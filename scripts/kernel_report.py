@@ -61,6 +61,15 @@ DEFAULT_CONFIGS = [
 ]
 
 
+# The codecs of docs/PERFORMANCE.md (scripts/performance_model.py).
+MODEL_CONFIGS = [
+    ("tah G64 4/3 token", "tah", {"tile_size": 64, "high_bits": 4, "low_bits": 3, "allocation": "token"}),
+    ("fixedpoint G32 6b", "fixedpoint", {"tile_size": 32, "bits": 6}),
+    ("fixedpoint G64 4b", "fixedpoint", {"tile_size": 64, "bits": 4}),
+    ("fp8 G128", "fp8", {"group_size": 128}),
+]
+
+
 def all_configs() -> list[tuple[str, str, dict]]:
     """Every kernel variant the launchers produce for bf16 pipeline tensors, give or take the dtype."""
     configs = []
@@ -268,7 +277,8 @@ def format_table(results: list[Result]) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="90,80", help="compute capabilities, comma separated (default 90,80)")
-    parser.add_argument("--configs", choices=["default", "all"], default="default")
+    parser.add_argument("--configs", choices=["default", "model", "all"], default="default",
+                        help="default: what the CI test checks; model: docs/PERFORMANCE.md's; all: every variant")
     parser.add_argument("--only", default="", help="keep configurations whose label contains this text")
     parser.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)), help="s,b,h of the bf16 tensor")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -286,7 +296,7 @@ def main(argv=None) -> int:
     import triton
     from triton.runtime.driver import driver as triton_driver
 
-    configs = DEFAULT_CONFIGS if args.configs == "default" else all_configs()
+    configs = {"default": DEFAULT_CONFIGS, "model": MODEL_CONFIGS}.get(args.configs) or all_configs()
     configs = [c for c in configs if args.only in c[0]]
     shape = tuple(int(d) for d in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
