@@ -38,9 +38,6 @@ import sys
 import tempfile
 import time
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real: must happen before triton is imported
-os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")  # a cached kernel prints no ptxas log
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -288,6 +285,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("kernel_report: triton was imported with TRITON_INTERPRET=1; run the script on its own")
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for real: before triton is imported
+    os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")  # a cached kernel prints no ptxas log
     args = parse_args(argv)
     ptxas = ptxas_path()
     if ptxas is None or not os.path.exists(ptxas):

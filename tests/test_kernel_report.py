@@ -16,7 +16,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # kernel_report imports without side effects (main() sets the env)
 
 
 @pytest.fixture(scope="module")

@@ -144,9 +144,12 @@ def test_corrupt_buffers_are_rejected_now_or_counted_on_the_device():
     for corrupt in (flags, pivots):
         deferred = get_codec("tah", backend="triton").defer_checks()
         deferred.decode(buf, x.shape, x.dtype)
+        deferred.raise_deferred_errors(wait=True)  # a good buffer: nothing counted
         y = deferred.decode(corrupt, x.shape, x.dtype)  # no sync, no error yet: values are garbage...
         assert y.shape == x.shape
-        with pytest.raises(WireFormatError, match="check"):  # ...and the next decode says so
+        with pytest.raises(WireFormatError, match="check"):  # ...and the count says so
+            deferred.raise_deferred_errors(wait=True)
+        with pytest.raises(WireFormatError, match="check"):  # as does every later decode
             deferred.decode(buf, x.shape, x.dtype)
 
 

@@ -130,11 +130,13 @@ class DeferredErrors:
     def add(self, bad: torch.Tensor) -> None:
         self.count.add_(bad.to(torch.int32))
 
-    def seen(self) -> int:
+    def seen(self, wait: bool = False) -> int:
+        """The count as far as the host knows it; ``wait=True`` reads it now (a sync: tests, or at log time)."""
         if self.device.type == "meta":  # shapes only (scripts/kernel_report.py): nothing to read
             return 0
-        if not self._cuda:
-            return int(self.count)
+        if not self._cuda or wait:
+            self._host_value = int(self.count)
+            return self._host_value
         if self._event is None or self._event.query():
             if self._event is not None:
                 self._host_value = int(self._host)
@@ -292,12 +294,16 @@ class Codec:
             self.deferred_errors(bad.device).add(bad)
         return self.checks != "full"
 
-    def raise_deferred_errors(self, device: torch.device | None = None) -> None:
-        """Raise ``WireFormatError`` when an earlier deferred check found a bad buffer (no sync: see ``DeferredErrors``)."""
+    def raise_deferred_errors(self, device: torch.device | None = None, wait: bool = False) -> None:
+        """Raise ``WireFormatError`` when an earlier deferred check found a bad buffer.
+
+        Without ``wait`` there is no sync, so on a GPU the latest decodes may not be counted yet (see
+        ``DeferredErrors``); ``wait=True`` reads the device's count now (for the log line, or a test).
+        """
         for key, errors in self._deferred.items():
             if device is not None and key != str(device):
                 continue
-            count = errors.seen()
+            count = errors.seen(wait)
             if count:
                 raise WireFormatError(
                     f"{self.name}: {count} check(s) failed on buffers decoded earlier on {key} (a header that does "
