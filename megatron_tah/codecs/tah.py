@@ -83,7 +83,7 @@ class TahCodec(Codec):
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
-        self._rotated: tuple[torch.Tensor, int] | None = None  # (rotated tiles, all tiles) of the last encode
+        self._rotated: tuple[torch.Tensor, int] | None = None  # (rotated tiles: counts to sum, all tiles)
 
     def config(self) -> dict:
         return {
@@ -98,8 +98,8 @@ class TahCodec(Codec):
         """Fraction of tiles the last ``encode`` rotated, as a 0-d fp32 tensor on its device (no sync)."""
         if self._rotated is None:
             return None
-        count, total = self._rotated
-        return count.float() / max(total, 1)
+        counts, total = self._rotated
+        return counts.sum(dtype=torch.float32) / max(total, 1)
 
     @property
     def last_rotated_fraction(self) -> float | None:
@@ -276,11 +276,10 @@ class TahCodec(Codec):
     def _encode_triton(self, x, buf, layout):
         from ..kernels import tah as kernels
 
-        count = torch.empty((), dtype=torch.int32, device=x.device)
-        high_units, low_units = kernels.triton_tah_allocate(self, x, buf, layout, count)
-        kernels.triton_tah_encode(self, x, buf, layout, high_units, low_units, count,
-                                  seed=self.rounding_noise.next_seed())
-        self._rotated = (count, self.tile_counts(tuple(x.shape))[0])
+        high_units, low_units = kernels.triton_tah_allocate(self, x, buf, layout)
+        rotated = kernels.triton_tah_encode(self, x, buf, layout, high_units, low_units,
+                                            seed=self.rounding_noise.next_seed())
+        self._rotated = (rotated, self.tile_counts(tuple(x.shape))[0])
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels import tah as kernels

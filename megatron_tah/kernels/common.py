@@ -271,8 +271,8 @@ if HAVE_TRITON:
     @triton.jit
     def header_check_kernel(buf_ptr, expected_ptr, errors_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
-        differ = tl.load(buf_ptr + i) != tl.load(expected_ptr + i)
-        tl.atomic_add(errors_ptr, tl.max(differ.to(tl.int32), axis=0))
+        differ = tl.max((tl.load(buf_ptr + i) != tl.load(expected_ptr + i)).to(tl.int32), axis=0)
+        tl.atomic_add(errors_ptr, differ, mask=differ > 0)
 
     # ----- block geometry ------------------------------------------------------------------------
     @triton.jit

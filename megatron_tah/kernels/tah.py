@@ -84,8 +84,8 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["seed"])
     def tah_encode_kernel(
-        x_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr, count_ptr,
-        n_rank, h, tiles_per_token, tiles_per_unit, n_units, seed,
+        x_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr, rotated_ptr,
+        n_rank, h, tiles_per_token, tiles_per_unit, n_units, first_slot, seed,
         G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
         EVEN: tl.constexpr, INDEX64: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
         MAX_BITS: tl.constexpr, TAU: tl.constexpr, EPSILON: tl.constexpr, ALWAYS: tl.constexpr,
@@ -123,7 +123,8 @@ if HAVE_TRITON:
             at_pivot = load_fp32_kernel(x_ptr + start + pivot, rotate, BF16_BITS)
             swapped = tl.where(j == 0, bcast_kernel(at_pivot), tl.where(j == bcast_kernel(pivot), bcast_kernel(first), v))
             v = tl.where(bcast_kernel(rotate), fwht_kernel(swapped, H, BT, C, ENTRY), v)
-            tl.atomic_add(count_ptr, tl.sum(rotate.to(tl.int32), axis=0))
+        # Rotated tiles of this program in its own slot (summed when the statistic is read: no atomics).
+        tl.store(rotated_ptr + first_slot + tl.program_id(0), tl.sum(rotate.to(tl.int32), axis=0))
         levels: tl.constexpr = (1 << BITS) - 1
         scale, zero, inverse, flat = quant_params_kernel(tile_min_kernel(v), tile_max_kernel(v), levels, bad)
         noise = v
@@ -170,7 +171,8 @@ if HAVE_TRITON:
             meta = tl.load(meta_ptr + t, mask=rmask, other=0).to(tl.int32)
             rotate = (meta >> 7) != 0
             pivot = meta & (G - 1)
-            tl.atomic_add(error_ptr, tl.sum(((meta & 0x7F) >= G).to(tl.int32), axis=0))  # corrupt pivots
+            corrupt = tl.sum(((meta & 0x7F) >= G).to(tl.int32), axis=0)  # pivots outside the tile
+            tl.atomic_add(error_ptr, corrupt, mask=corrupt > 0)
             v = tl.where(bcast_kernel(rotate), fwht_kernel(v, H, BT, C, ENTRY), v)
         store_values_kernel(out_ptr + bcast_kernel(start) + j, v, bcast_kernel(rmask) & valid, OUT_KIND, NATIVE_BF16,
                             FLIP)
@@ -230,10 +232,9 @@ def flag_words(buf: torch.Tensor, layout) -> torch.Tensor:
     return buf[start: start + -(-size // 4) * 4].view(torch.int32)
 
 
-def triton_tah_allocate(codec, x: torch.Tensor, buf: torch.Tensor, layout, count: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bit allocation of ``x`` on the device: writes the ``flags`` section, zeroes ``count`` (int32, 0-d)
-    and returns the int32 tables of high- and low-bit units in order (``TahCodec.unit_tables``)."""
+def triton_tah_allocate(codec, x: torch.Tensor, buf: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit allocation of ``x`` on the device: writes the ``flags`` section and returns the int32 tables
+    of high- and low-bit units in order (``TahCodec.unit_tables``)."""
     shape = tuple(x.shape)
     s, b, h = shape
     g = codec.tile_size
@@ -248,13 +249,13 @@ def triton_tah_allocate(codec, x: torch.Tensor, buf: torch.Tensor, layout, count
             low = tah_alloc.rank_low(entropy, b, s, n_low, 1, b, invert)
         else:
             low = torch.zeros(units, dtype=torch.uint8, device=x.device)
-        return tah_alloc.unit_tables(low, flags, shape, g, "token", n_low * b, count=count)
+        return tah_alloc.unit_tables(low, flags, shape, g, "token", n_low * b)
     if n_low:
         entropy = triton_tah_partials(x, g, entropy=True)
         low = tah_alloc.rank_low(entropy, s * b, tiles_per_token, n_low, tiles_per_token, 1, invert)
     else:
         low = torch.zeros(units, dtype=torch.uint8, device=x.device)
-    return tah_alloc.unit_tables(low, flag_words(buf, layout), shape, g, "tile", n_low_tiles, count=count)
+    return tah_alloc.unit_tables(low, flag_words(buf, layout), shape, g, "tile", n_low_tiles)
 
 
 def triton_tah_tables(codec, buf: torch.Tensor, shape, layout, error: torch.Tensor
@@ -274,13 +275,13 @@ def _widths(codec, total: int, n_low: int, high_units, low_units):
 
 
 def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_units: torch.Tensor,
-                      low_units: torch.Tensor, count: torch.Tensor, seed: int | None = None,
-                      per_lane: int | None = None, tiles_per_prog: int | None = None) -> None:
+                      low_units: torch.Tensor, seed: int | None = None, per_lane: int | None = None,
+                      tiles_per_prog: int | None = None) -> torch.Tensor:
     """Fill ``buf``'s scale/zero/meta/high/low sections from contiguous ``[s, b, h]`` ``x`` (a ``TahCodec``).
 
     ``high_units``/``low_units``: int32 unit indices of each width in order (``triton_tah_allocate``);
-    ``count`` (int32, 0-d) receives the number of rotated tiles; ``seed`` (uint32) switches to stochastic
-    rounding. The ``flags`` section is the allocation's.
+    ``seed`` (uint32) switches to stochastic rounding. The ``flags`` section is the allocation's. Returns
+    int32 counts of rotated tiles, one per program (their sum is the number of rotated tiles).
     """
     check_launch(tah_encode_kernel, "triton_tah_encode", x, buf)
     shape = tuple(x.shape)
@@ -289,15 +290,18 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
     blk = blocking(tah_encode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     x_in, bf16_bits = as_kernel_input(x)
     tau = codec.outlier_threshold
-    for bits, name, n_rank, table, label in _widths(codec, total, n_low, high_units, low_units):
+    widths = _widths(codec, total, n_low, high_units, low_units)
+    rotated = torch.empty(sum(blk.programs(w[2]) for w in widths), dtype=torch.int32, device=x.device)
+    first_slot = 0
+    for bits, name, n_rank, table, label in widths:
         unit, nunits = store_units(bits)
         launch(
             f"tah_encode G{g} {label} b{bits} {codec.allocation}{' SR' if seed is not None else ''}"
             f"{' tau=inf' if tau == math.inf else ' tau=0' if tau == 0 else ''}",
             tah_encode_kernel, (blk.programs(n_rank),),
             (x_in, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
-             section(buf, layout, name, unit), table, count, n_rank, h, tiles_per_token, tiles_per_unit, units,
-             0 if seed is None else int(seed)),
+             section(buf, layout, name, unit), table, rotated, n_rank, h, tiles_per_token, tiles_per_unit, units,
+             first_slot, 0 if seed is None else int(seed)),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
                  TAU=tau if math.isfinite(tau) else 0.0, EPSILON=geometry.TAH_EPS, ALWAYS=tau == 0,
@@ -305,6 +309,8 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
                  FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
             blk.elements,
         )
+        first_slot += blk.programs(n_rank)
+    return rotated
 
 
 def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layout, high_units: torch.Tensor,

@@ -116,13 +116,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def tah_token_tables_kernel(
-        low_ptr, flags_ptr, high_ptr, lowtab_ptr, count_ptr, error_ptr, n_units, n_low,
+        low_ptr, flags_ptr, high_ptr, lowtab_ptr, error_ptr, n_units, n_low,
         DECODE: tl.constexpr, CH: tl.constexpr,
     ):
         """One program: the unit tables from a running count over all units (``TahCodec.unit_tables``).
 
-        Encoding: flags from ``low_ptr`` (uint8 per unit), writes the packed ``flags`` section and zeroes
-        ``count``. Decoding: flags from the section's bits; a total other than ``n_low`` adds 1 to ``error``.
+        Encoding: flags from ``low_ptr`` (uint8 per unit), writes the packed ``flags`` section. Decoding:
+        flags from the section's bits; a total other than ``n_low`` adds 1 to ``error``.
         """
         n_high = n_units - n_low
         seen = tl.zeros([], dtype=tl.int32)
@@ -144,9 +144,7 @@ if HAVE_TRITON:
             tl.store(high_ptr + high_before, unit, mask=ok_high)
             seen += tl.sum(low, axis=0)
         if DECODE:
-            tl.atomic_add(error_ptr, (seen != n_low).to(tl.int32))
-        else:
-            tl.store(count_ptr, 0)
+            tl.atomic_add(error_ptr, 1, mask=seen != n_low)
 
     @triton.jit
     def tah_tile_tables_kernel(
@@ -173,7 +171,7 @@ if HAVE_TRITON:
         tl.store(lowtab_ptr + token * n_low + low_before, tile, mask=ok & (low != 0) & (low_before < n_low))
         tl.store(high_ptr + token * n_high + high_before, tile, mask=ok & (low == 0) & (high_before < n_high))
         if DECODE:
-            tl.atomic_add(error_ptr, (tl.sum(low, axis=0) != n_low).to(tl.int32))
+            tl.atomic_add(error_ptr, 1, mask=tl.sum(low, axis=0) != n_low)
 
 else:  # pragma: no cover - without triton
     tah_token_entropy_kernel = tah_rank_kernel = tah_token_tables_kernel = tah_tile_tables_kernel = None
@@ -208,10 +206,10 @@ def rank_low(entropy: torch.Tensor, groups: int, members: int, n_low: int, group
 
 
 def unit_tables(low: torch.Tensor | None, flags: torch.Tensor, shape, tile_size: int, allocation: str, n_low: int,
-                count: torch.Tensor | None = None, error: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                error: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(high units, low units) int32 tables. Encoding (``low`` given): also writes the ``flags`` section
-    (uint8 view) and zeroes ``count``. Decoding (``low`` None): reads the flags, counts corrupt ones in ``error``."""
+    (token allocation: its uint8 view; tile: int32 words over it and its padding). Decoding (``low`` None):
+    reads the flags, counts corrupt ones in ``error``."""
     s, b, h = shape
     tiles_per_token = geometry.num_tiles(h, tile_size)
     decode = low is None
@@ -222,8 +220,8 @@ def unit_tables(low: torch.Tensor | None, flags: torch.Tensor, shape, tile_size:
         high_table = torch.empty(units - n_low, dtype=torch.int32, device=device)
         low_table = torch.empty(n_low, dtype=torch.int32, device=device)
         launch("tah_token_tables" + (" decode" if decode else ""), tah_token_tables_kernel, (1,),
-               (dummy if decode else low, flags, high_table, low_table, dummy if count is None else count,
-                dummy if error is None else error, units, n_low),
+               (dummy if decode else low, flags, high_table, low_table, dummy if error is None else error,
+                units, n_low),
                dict(DECODE=decode, CH=1024, num_warps=4), 0)
         return high_table, low_table
     per_token = n_low // (s * b)
@@ -234,8 +232,6 @@ def unit_tables(low: torch.Tensor | None, flags: torch.Tensor, shape, tile_size:
     if not decode:  # the bits are or-ed into int32 words over the section and its zero padding
         words = flags.view(torch.int32)
         words.zero_()
-        if count is not None:
-            count.zero_()
     launch("tah_tile_tables" + (" decode" if decode else ""), tah_tile_tables_kernel, (s * b,),
            (dummy if decode else low, words, high_table, low_table, dummy if error is None else error, s * b,
             tiles_per_token, per_token),
