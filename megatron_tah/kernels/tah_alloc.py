@@ -87,7 +87,7 @@ if HAVE_TRITON:
     @triton.jit
     def tah_rank_kernel(
         key_ptr, low_ptr, n_members, n_low, group_stride, member_stride,
-        INVERT: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+        INVERT: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, CHUNKS: tl.constexpr,
     ):
         """Low flag of members ``RB`` of group ``program_id(0)``: position in the stable ascending order < n_low."""
         group = tl.program_id(0)
@@ -97,8 +97,8 @@ if HAVE_TRITON:
         if INVERT:
             key = -key
         before = tl.zeros([RB], dtype=tl.int32)
-        for start in range(0, n_members, CB):
-            other = start + tl.arange(0, CB)
+        for chunk in range(CHUNKS):  # (a constexpr trip count: Triton 3.6's interpreter loops to no runtime bound)
+            other = chunk * CB + tl.arange(0, CB)
             other_ok = other < n_members
             theirs = tl.load(key_ptr + group * group_stride + other * member_stride, mask=other_ok, other=0.0)
             if INVERT:
@@ -117,7 +117,7 @@ if HAVE_TRITON:
     @triton.jit
     def tah_token_tables_kernel(
         low_ptr, flags_ptr, high_ptr, lowtab_ptr, error_ptr, n_units, n_low,
-        DECODE: tl.constexpr, CH: tl.constexpr,
+        DECODE: tl.constexpr, CH: tl.constexpr, CHUNKS: tl.constexpr,
     ):
         """One program: the unit tables from a running count over all units (``TahCodec.unit_tables``).
 
@@ -126,7 +126,8 @@ if HAVE_TRITON:
         """
         n_high = n_units - n_low
         seen = tl.zeros([], dtype=tl.int32)
-        for start in range(0, n_units, CH):
+        for chunk in range(CHUNKS):
+            start = chunk * CH
             unit = start + tl.arange(0, CH)
             ok = unit < n_units
             if DECODE:
@@ -201,7 +202,7 @@ def rank_low(entropy: torch.Tensor, groups: int, members: int, n_low: int, group
     mine, theirs = 32, 128  # a 32 x 128 comparison block: 32 values a thread with 4 warps
     launch("tah_rank", tah_rank_kernel, (groups, geometry.cdiv(members, mine)),
            (entropy, low, members, n_low, group_stride, member_stride),
-           dict(INVERT=invert, RB=mine, CB=theirs, num_warps=4), 0)
+           dict(INVERT=invert, RB=mine, CB=theirs, CHUNKS=geometry.cdiv(members, theirs), num_warps=4), 0)
     return low
 
 
@@ -222,7 +223,7 @@ def unit_tables(low: torch.Tensor | None, flags: torch.Tensor, shape, tile_size:
         launch("tah_token_tables" + (" decode" if decode else ""), tah_token_tables_kernel, (1,),
                (dummy if decode else low, flags, high_table, low_table, dummy if error is None else error,
                 units, n_low),
-               dict(DECODE=decode, CH=1024, num_warps=4), 0)
+               dict(DECODE=decode, CH=1024, CHUNKS=geometry.cdiv(units, 1024), num_warps=4), 0)
         return high_table, low_table
     per_token = n_low // (s * b)
     units = s * b * tiles_per_token
