@@ -163,13 +163,17 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     """
     g = x.shape[-1]
     lead = x.shape[:-1]
-    stride = 1
+    source = x.reshape(-1, g)
+    buffers = [torch.empty_like(source), torch.empty_like(source)]
+    stride, step = 1, 0
     while stride < g:
-        pairs = x.reshape(*lead, g // (2 * stride), 2, stride)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, g)
-        stride *= 2
-    return x * geometry.hadamard_entry(g)
+        pairs = source.view(-1, g // (2 * stride), 2, stride)
+        target = buffers[step % 2]
+        out = target.view(-1, g // (2 * stride), 2, stride)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        source, stride, step = target, stride * 2, step + 1
+    return (source * geometry.hadamard_entry(g)).reshape(*lead, g)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -184,14 +188,13 @@ def log2_approx(x: torch.Tensor) -> torch.Tensor:
 
     Separate fp32 multiplies and adds, so every device computes the same bits. ``x = 0`` gives -127.
     """
-    bits = x.view(torch.int32)
-    exponent = ((bits >> 23) - 127).float()
-    t = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32) - 1.0
+    bits = x.contiguous().view(torch.int32)
+    t = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32).sub_(1.0)
     c = geometry.LOG2_POLY
-    p = torch.full_like(t, c[-1])
+    p = t * c[-1]  # (in place from here on: the same fp32 operations, fewer allocations)
     for coefficient in reversed(c[:-1]):
-        p = p * t + coefficient
-    return exponent + p * t
+        p.add_(coefficient).mul_(t)
+    return p.add_(((bits >> 23) - 127).float())
 
 
 # ----- bf16 metadata -------------------------------------------------------------------
@@ -295,7 +298,7 @@ def quantize_tiles(
     scale = scale.masked_fill(bad_tile, 0.0)
     flat = ~(scale >= FLAT_SCALE)
     inverse = div_rn(1.0, scale.masked_fill(flat, 1.0))
-    scaled = (tiles - zero[..., None]) * inverse[..., None]
+    scaled = (tiles - zero[..., None]).mul_(inverse[..., None])
     scaled = scaled.add_(noise).floor_() if noise is not None else scaled.round_()
     codes = torch.minimum(scaled.clamp_min_(0), levels[..., None])
     codes.masked_fill_(flat[..., None], 0.0)

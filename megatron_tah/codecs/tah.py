@@ -201,15 +201,20 @@ class TahCodec(Codec):
             return never, never.long()
         bits = tiles.abs().view(torch.int32)  # magnitudes ordered as their bits
         a1 = bits.amax(dim=-1, keepdim=True)
-        index = torch.arange(tiles.shape[-1], device=tiles.device)
-        pivot = torch.where(bits == a1, index, tiles.shape[-1]).amin(dim=-1)  # the first maximum
+        is_max = bits == a1
         if self.outlier_threshold == 0:
             rotate = ~bad
         else:
-            a2 = torch.where(index == pivot[..., None], 0, bits).amax(dim=-1)  # a1 again on a tie
+            # a2: the largest magnitude after the first maximum, i.e. a1 again on a tie. (amax and compares over
+            # every tile, argmax only over the rotated ones: several times faster on CPU than argmax everywhere.)
+            a2 = torch.where(is_max, 0, bits).amax(dim=-1)
+            a2 = torch.where(is_max.sum(dim=-1) > 1, a1[..., 0], a2)
             a1f, a2f = a1[..., 0].view(torch.float32), a2.view(torch.float32)
             rotate = ~bad & (a1f > (a2f + EPS) * self.outlier_threshold)
-        return rotate, torch.where(rotate, pivot, 0)
+        pivot = torch.zeros(rotate.shape, dtype=torch.long, device=tiles.device)
+        if rotate.any():
+            pivot[rotate] = is_max[rotate].to(torch.uint8).argmax(dim=-1)  # the first maximum
+        return rotate, pivot
 
     def _encode_torch(self, x, buf, layout):
         shape = self._dims(tuple(x.shape))
