@@ -138,8 +138,8 @@ class DeferredErrors:
             self._host_value = int(self.count)
             return self._host_value
         if self._event is None or self._event.query():
-            if self._event is not None:
-                self._host_value = int(self._host)
+            if self._event is not None:  # the count only grows: an older copy never lowers it
+                self._host_value = max(self._host_value, int(self._host))
             self._host.copy_(self.count, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
