@@ -1,19 +1,20 @@
 #!/usr/bin/env python
-"""Time every codec's encode and decode (fused Triton path and torch reference) beside a plain copy.
+"""Time every codec's encode and decode (fused Triton path and torch reference) beside a device copy.
 
-For each shape (bf16 ``[s, b, h]`` pipeline tensors by default) and codec, runs
-encode then decode of the same message, many times over a pool of distinct inputs
-(larger than the GPU's L2 cache, so the cache is not what is measured), after a
-warm-up, and reports the median of each: microseconds, effective GB/s (bytes read +
-bytes written: input + wire for encode, wire + output for decode) and that
-bandwidth as a % of a device-to-device copy of the input. The table is printed and
-written as JSON with the device name, date and versions.
+For each shape (bf16 ``[s, b, h]`` pipeline tensors by default) and codec, runs encode then
+decode of the same message many times over a pool of distinct inputs (larger than twice the
+GPU's L2 cache, so the cache is not what is measured), after a warm-up, and reports the median
+of each: microseconds, effective GB/s (bytes read + bytes written: input + wire for encode,
+wire + output for decode), that bandwidth as a % of a device-to-device copy of the input, and
+the speed-up over the codec's own torch reference. Decodes run as the pipeline runs them: into a
+preallocated output, with the header checked on the device (``Codec.defer_checks``). The table
+is printed, and written as JSON (device name, date, versions) and Markdown.
 
-    python scripts/bench_codecs.py                       # CUDA, the default shapes
+    python scripts/bench_codecs.py                       # CUDA, the default shapes -> docs/benchmarks/<gpu>.json
     python scripts/bench_codecs.py --device cpu --quick  # smoke test: tiny shapes, wall-clock timer
 
-On CUDA the timer is CUDA events; on CPU ``time.perf_counter`` (the Triton path runs
-there only under TRITON_INTERPRET=1, and its timings then mean nothing).
+On CUDA the timer is CUDA events; on CPU ``time.perf_counter`` (the Triton path runs there
+only under TRITON_INTERPRET=1, and its timings then mean nothing). No megatron-core needed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import math
 import pathlib
 import platform
+import re
 import statistics
 import sys
 import time
@@ -35,7 +37,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from megatron_tah.codecs import CodecError, get_codec  # noqa: E402
 from megatron_tah.codecs.samples import activation_like  # noqa: E402
 
-SHAPES = [(4096, 1, 4096), (2048, 8, 8192), (1024, 1, 1600)]  # the last: GPT2-XL, micro-batch 1
+# The issue's large message, the demo's (make demo: seq 64, micro-batch 4, hidden 128), GPT2-XL (seq 1024, mb 1).
+SHAPES = [(2048, 8, 8192), (64, 4, 128), (1024, 1, 1600)]
 QUICK_SHAPES = [(64, 1, 256), (32, 2, 320)]
 # label -> (codec name, config); aqsgd is timed with a sender and a receiver object in step.
 CODECS = {
@@ -44,6 +47,7 @@ CODECS = {
     "fixedpoint-b4-g64": ("fixedpoint", {"bits": 4, "tile_size": 64}),
     "tah": ("tah", {}),
     "tah-tile": ("tah", {"allocation": "tile"}),
+    "tah-g128": ("tah", {"tile_size": 128}),
     "fp8": ("fp8", {"group_size": 128}),
     "aqsgd": ("aqsgd", {"bits": 4, "tile_size": 64}),
 }
@@ -94,11 +98,12 @@ def time_copy(pool, timer, warmup, iters) -> float:
 
 
 def make_pair(name, config, backend):
-    """(encode(x) -> buf, decode(buf, shape, dtype) -> tensor) for one codec and backend."""
+    """(encode(x) -> buf, decode(buf, out) -> out) for one codec and backend, as the pipeline calls them."""
     sender = get_codec(name, backend=backend, **config)
+    receiver = get_codec(name, backend=backend, **config) if name == "aqsgd" else sender
+    receiver.defer_checks()
     if name != "aqsgd":
-        return sender.encode, sender.decode
-    receiver = get_codec(name, backend=backend, **config)
+        return sender.encode, lambda buf, out: receiver.decode(buf, out.shape, out.dtype, out=out)
     ids = {}
 
     def encode(x):
@@ -107,22 +112,22 @@ def make_pair(name, config, backend):
             ids[key] = torch.arange(x.shape[1], device=x.device)
         return sender.encode(x, sample_ids=ids[key])
 
-    return encode, receiver.decode
+    return encode, lambda buf, out: receiver.decode(buf, out.shape, out.dtype, out=out)
 
 
 def time_codec(name, config, backend, pool, timer, warmup, iters) -> tuple[float, float, int]:
     """Median encode and decode microseconds, and the wire size in bytes."""
     encode, decode = make_pair(name, config, backend)
-    shape, dtype = tuple(pool[0].shape), pool[0].dtype
+    out = torch.empty_like(pool[0])
     for i in range(warmup):
-        decode(encode(pool[i % len(pool)]), shape, dtype)
+        decode(encode(pool[i % len(pool)]), out)
     timer.sync()
     marks = []
     for i in range(iters):
         start = timer.mark()
         buf = encode(pool[i % len(pool)])
         mid = timer.mark()
-        decode(buf, shape, dtype)
+        decode(buf, out)
         marks.append((start, mid, timer.mark()))
     timer.sync()
     enc = statistics.median(timer.elapsed_us(a, b) for a, b, _ in marks)
@@ -138,6 +143,10 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def triton_available_on(device: torch.device) -> bool:
@@ -166,15 +175,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS))
     parser.add_argument("--backends", nargs="+", choices=["triton", "torch"], default=["triton", "torch"])
     parser.add_argument("--warmup", type=int, help="untimed runs per measurement (default 10; quick: 2)")
-    parser.add_argument("--iters", type=int, help="timed runs per measurement (default 50; quick: 5)")
+    parser.add_argument("--iters", type=int, help="timed runs per Triton/copy measurement (default 50; quick: 5)")
+    parser.add_argument("--ref-iters", type=int, default=5, help="timed runs per torch-reference measurement")
     parser.add_argument("--max-pool", type=int, default=64, help="most distinct inputs per shape")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_codecs.json"),
-                        help="JSON report (device name, date, versions, one row per measurement)")
+    parser.add_argument("--out", type=pathlib.Path,
+                        help="JSON report (default docs/benchmarks/<gpu>.json on CUDA, runs/bench_codecs.json on CPU)")
+    parser.add_argument("--markdown", type=pathlib.Path, help="Markdown table (default: the JSON path with .md)")
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     args.iters = args.iters if args.iters is not None else (5 if args.quick else 50)
-    if args.warmup < 0 or args.iters < 1:
-        parser.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+    if args.warmup < 0 or args.iters < 1 or args.ref_iters < 1:
+        parser.error(f"--warmup must be >= 0 and --iters, --ref-iters >= 1, got {args.warmup}, {args.iters}, "
+                     f"{args.ref_iters}")
     args.shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     return args
 
@@ -199,22 +211,29 @@ def run(args) -> dict:
         copy_us = time_copy(pool, timer, args.warmup, args.iters)
         copy_gbps = gbps(2 * in_bytes, copy_us)
         rows.append(dict(shape=list(shape), codec="copy", backend="torch", op="copy", us=copy_us,
-                         gbps=copy_gbps, pct_copy=100.0, wire_bytes=in_bytes, bits_per_element=8.0 * in_bytes
-                         / pool[0].numel()))
+                         gbps=copy_gbps, pct_copy=100.0, speedup_vs_torch=None, wire_bytes=in_bytes,
+                         bits_per_element=8.0 * in_bytes / pool[0].numel()))
         for label in args.codecs:
             name, config = CODECS[label]
+            measured = {}
             for backend in backends:
+                iters = args.iters if backend == "triton" else args.ref_iters
+                warmup = args.warmup if backend == "triton" else min(args.warmup, 2)
                 try:
-                    enc_us, dec_us, wire = time_codec(name, config, backend, pool, timer, args.warmup, args.iters)
+                    measured[backend] = time_codec(name, config, backend, pool, timer, warmup, iters)
                 except CodecError as err:
                     if "no Triton path" not in str(err):
                         raise
                     continue  # e.g. none: a copy, nothing to fuse
+            for backend, (enc_us, dec_us, wire) in measured.items():
                 for op, us in (("encode", enc_us), ("decode", dec_us)):
                     rate = gbps(in_bytes + wire, us)
+                    ref = measured.get("torch")
+                    ref_us = None if ref is None else ref[0 if op == "encode" else 1]
                     rows.append(dict(shape=list(shape), codec=label, backend=backend, op=op, us=us, gbps=rate,
-                                     pct_copy=100.0 * rate / copy_gbps, wire_bytes=wire,
-                                     bits_per_element=8.0 * wire / pool[0].numel()))
+                                     pct_copy=100.0 * rate / copy_gbps,
+                                     speedup_vs_torch=None if ref_us is None else ref_us / us,
+                                     wire_bytes=wire, bits_per_element=8.0 * wire / pool[0].numel()))
         del pool
     return {
         "device": device_name(device),
@@ -225,6 +244,7 @@ def run(args) -> dict:
         "dtype": args.dtype,
         "warmup": args.warmup,
         "iters": args.iters,
+        "ref_iters": args.ref_iters,
         "statistic": "median",
         "results": rows,
     }
@@ -241,23 +261,63 @@ def versions() -> dict:
     return info
 
 
+def _speedup(value) -> str:
+    return "-" if value is None else f"{value:.1f}x"
+
+
 def format_table(report: dict) -> str:
-    header = f"{'shape':>16} {'codec':>18} {'backend':>7} {'op':>6} {'us':>10} {'GB/s':>8} {'% copy':>7} {'bits/el':>7}"
-    lines = [f"{report['device']} ({report['timer']}, median of {report['iters']}, {report['dtype']})", header]
+    header = (f"{'shape':>16} {'codec':>18} {'backend':>7} {'op':>6} {'us':>10} {'GB/s':>8} {'% copy':>7} "
+              f"{'x torch':>8} {'bits/el':>7}")
+    lines = [f"{report['device']} ({report['timer']}, median, {report['dtype']})", header]
     for row in report["results"]:
         shape = "x".join(str(d) for d in row["shape"])
         lines.append(f"{shape:>16} {row['codec']:>18} {row['backend']:>7} {row['op']:>6} {row['us']:>10.1f} "
-                     f"{row['gbps']:>8.1f} {row['pct_copy']:>7.1f} {row['bits_per_element']:>7.2f}")
+                     f"{row['gbps']:>8.1f} {row['pct_copy']:>7.1f} {_speedup(row['speedup_vs_torch']):>8} "
+                     f"{row['bits_per_element']:>7.2f}")
     return "\n".join(lines)
+
+
+def format_markdown(report: dict) -> str:
+    """One row per shape and codec (Triton path): encode and decode GB/s, % of a device copy, x the torch reference."""
+    lines = [f"# Codec throughput on {report['device']}", "",
+             f"{report['date']}; torch {report['versions']['torch']}, Triton {report['versions']['triton']}, "
+             f"CUDA {report['versions']['cuda']}; {report['dtype']} inputs; {report['timer']}, median of "
+             f"{report['iters']} (torch reference: {report['ref_iters']}). GB/s = (input + wire bytes) / time; "
+             "% copy = that rate over a device-to-device copy's (2 x input bytes / time).", "",
+             "| shape | codec | bits/el | encode us | encode GB/s | % copy | x torch | decode us | decode GB/s | "
+             "% copy | x torch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = {}
+    for row in report["results"]:
+        if row["backend"] == "triton" or row["codec"] == "copy":
+            rows.setdefault((tuple(row["shape"]), row["codec"]), {})[row["op"]] = row
+    for (shape, codec), ops in rows.items():
+        name = "x".join(map(str, shape))
+        if codec == "copy":
+            c = ops["copy"]
+            lines.append(f"| {name} | device copy | {c['bits_per_element']:.2f} | {c['us']:.1f} | {c['gbps']:.0f} | "
+                         "100 | - | | | | |")
+            continue
+        e, d = ops["encode"], ops["decode"]
+        lines.append(f"| {name} | {codec} | {e['bits_per_element']:.2f} | {e['us']:.1f} | {e['gbps']:.0f} | "
+                     f"{e['pct_copy']:.0f} | {_speedup(e['speedup_vs_torch'])} | {d['us']:.1f} | {d['gbps']:.0f} | "
+                     f"{d['pct_copy']:.0f} | {_speedup(d['speedup_vs_torch'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = run(args)
     print(format_table(report))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out = args.out
+    if out is None:
+        out = (pathlib.Path("docs/benchmarks") / f"{slug(report['device'])}.json" if report["device_type"] == "cuda"
+               else pathlib.Path("runs/bench_codecs.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    markdown = args.markdown or out.with_suffix(".md")
+    markdown.write_text(format_markdown(report))
+    print(f"wrote {out} and {markdown}")
     return 0
 
 

@@ -389,3 +389,64 @@ def test_fixedpoint_round_trip_property(shape, bits, dtype, seed):
     # The output dtype's own rounding adds at most half an ulp of the value.
     ulp = common.to_tiles(x, 8)[0].abs().reshape(-1, 8) * (2**-8 if dtype == torch.bfloat16 else 2**-11)
     assert (err <= step[:, None] / 2 * (1 + 1e-5) + ulp + 1e-6).all()
+
+
+# ----- checks once per link, and statistics without host syncs -----------------------------------
+@pytest.mark.parametrize("key", ["tah", "fixedpoint", "fp8"])
+def test_deferred_checks_count_foreign_headers_and_raise_later(key):
+    x = torch.randn(8, 2, 128)
+    codec = make(key)
+    buf = codec.encode(x)
+    other = get_codec("fixedpoint", bits=8, tile_size=64).encode(x)[:16]  # someone else's header
+    forged = torch.cat([other, buf[16:]])
+    deferred = make(key).defer_checks()
+    assert deferred.checks == "deferred"
+    deferred.decode(buf, x.shape, x.dtype)
+    deferred.decode(forged, x.shape, x.dtype)  # no error yet: a mismatch is only counted
+    with pytest.raises(WireFormatError, match="1 check"):
+        deferred.raise_deferred_errors(wait=True)
+    with pytest.raises(WireFormatError, match="check"):
+        deferred.decode(buf, x.shape, x.dtype)
+    unchecked = make(key).defer_checks("off")
+    unchecked.decode(forged, x.shape, x.dtype)
+    unchecked.raise_deferred_errors(wait=True)  # "off" counts nothing
+    with pytest.raises(WireFormatError, match="bytes"):  # the length is always checked
+        unchecked.decode(buf[:-8], x.shape, x.dtype)
+    with pytest.raises(CodecError, match="checks"):
+        make(key).defer_checks("sometimes")
+
+
+@pytest.mark.parametrize("key", ["tah", "fixedpoint", "fp8"])
+def test_decode_writes_into_a_contiguous_out(key):
+    x = torch.randn(6, 2, 96)
+    codec = make(key)
+    buf = codec.encode(x)
+    out = torch.full_like(x, 7.0)
+    pointer = out.data_ptr()
+    assert codec.decode(buf, x.shape, x.dtype, out=out) is out and out.data_ptr() == pointer
+    assert torch.equal(out, codec.decode(buf, x.shape, x.dtype))
+    strided = torch.empty(6, 2, 192)[..., ::2]  # not contiguous: decoded, then copied in
+    assert codec.decode(buf, x.shape, x.dtype, out=strided) is strided
+    assert torch.equal(strided, out)
+
+
+def test_timing_helpers_keep_values_pending():
+    from megatron_tah.codecs import timing
+
+    assert timing.add(1.0, 2.0) == 3.0 and timing.add(1.0, None) == 1.0
+    pending = timing.add(timing.add(0.5, torch.tensor(0.25)), torch.tensor(1.0))
+    assert isinstance(pending, timing.Pending) and timing.to_float(pending) == 1.75
+    watch = timing.Stopwatch("cpu")
+    assert 0 <= watch.stop() < 5
+    x = torch.tensor([3.0, 4.0])
+    assert timing.relative_error(x, torch.zeros(2)).item() == 1.0
+    assert timing.relative_error(torch.zeros(2), x).item() == 0.0
+    assert timing.relative_error(x, x * 1.1).item() == pytest.approx(0.1)
+
+
+def test_rotated_fraction_stays_a_tensor_until_read():
+    codec = get_codec("tah", outlier_threshold=0.0, tile_size=32)
+    assert codec.last_rotated is None and codec.last_rotated_fraction is None
+    codec.encode(torch.randn(4, 2, 64))
+    assert isinstance(codec.last_rotated, torch.Tensor) and codec.last_rotated.dim() == 0
+    assert codec.last_rotated_fraction == 1.0

@@ -1,10 +1,9 @@
-"""Fused fp8 kernels vs the torch reference.
+"""Fused fp8 kernels vs the torch reference: identical bytes and identical decodes, both ways.
 
 The E4M3 cast is exact (checked against torch's own float8_e4m3fn on every code and on
-ties); the mean, hypot and Hadamard sum in another order than torch, so scales may
-differ by ulps: the criterion (issue 6) is same wire size, scales within 1e-6, codes
-identical on >= 99.9% of elements, decoded values within one quantization step of the
-reference, and cross-decoding both ways. Runs on CPU tensors under TRITON_INTERPRET=1.
+ties); the pre-scale's tree sum, the butterfly Hadamard and every division are the
+reference's operations in its order, so scales and codes are byte-identical (atol=0).
+Runs on CPU tensors under TRITON_INTERPRET=1, or compiled on CUDA (``scripts/gpu_check.sh``).
 """
 
 import pytest
@@ -65,30 +64,20 @@ def test_e4m3_cast_matches_torch():
     torch.testing.assert_close(value, want.float(), rtol=0, atol=0)
 
 
-def check_against_reference(ref, fused, x, exact_codes=True):
+def assert_same_values(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
+
+
+def check_against_reference(ref, fused, x):
     shape, dtype = tuple(x.shape), x.dtype
     want = ref.encode(x)
     got = fused.encode(x)
     assert got.numel() == want.numel() == fused.wire_nbytes(shape, dtype)
-    layout = ref.layout(shape, dtype)
-    for section in ("prescale", "postscale"):
-        torch.testing.assert_close(layout.view(got, section, torch.float32), layout.view(want, section, torch.float32),
-                                   rtol=1e-6, atol=0, equal_nan=True)
-    if exact_codes:
-        same_codes = (layout.view(got, "codes") == layout.view(want, "codes")).float().mean().item()
-        assert same_codes >= 0.999
-    # One step of the group's coarsest E4M3 level (32 at 448), in input units.
-    alpha = layout.view(want, "prescale", torch.float32)
-    post = layout.view(want, "postscale", torch.float32)
-    step = (32 * post / alpha).nan_to_num(0.0).repeat_interleave(ref.group_size)
-    h = shape[-1]
-    step = step.reshape(-1, ref.group_size * (-(-h // ref.group_size)))[:, :h].reshape(shape)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     reference = ref.decode(want, shape, dtype)
-    for decoded in (fused.decode(want, shape, dtype), ref.decode(got, shape, dtype), fused.decode(got, shape, dtype)):
-        assert torch.equal(decoded.isnan(), reference.isnan())
-        diff = (decoded.float() - reference.float()).nan_to_num(0.0).abs()
-        bound = step + reference.float().abs().nan_to_num(0.0) * torch.finfo(dtype).eps
-        assert (diff <= bound).float().mean().item() >= 0.999
+    assert_same_values(fused.decode(want, shape, dtype), reference)
     return got
 
 
@@ -106,28 +95,25 @@ def test_kernel_matches_reference(shape, dtype, group_size):
 @pytest.mark.parametrize("kind", EDGE_CASES)
 def test_edge_cases(kind, dtype):
     ref, fused = codecs(32)
-    # A constant group rotates to one large value and rounding residues whose tiny codes depend on the
-    # summation order, so only the decoded values are compared there.
-    check_against_reference(ref, fused, edge_case_tensor(kind, dtype=dtype).to(DEVICE), exact_codes=kind != "constant")
+    check_against_reference(ref, fused, edge_case_tensor(kind, dtype=dtype).to(DEVICE))
 
 
-def test_many_programs():
-    # Many programs with a ragged last one (the codec tests run one under the interpreter).
+@pytest.mark.parametrize("per_lane,groups", [(16, 8), (32, 4), (8, 2)])
+def test_many_programs_and_lanes_per_group(per_lane, groups):
+    # Many programs with a ragged last one (the codec tests run one under the interpreter), and groups
+    # spread over 2 to 8 lanes (tree sums and butterflies across lanes).
     from megatron_tah.kernels.fp8 import triton_fp8_decode, triton_fp8_encode
 
-    ref, _ = codecs(16)
-    x = activation_like((5, 3, 40), dtype=torch.float16, seed=1, device=DEVICE)  # 45 groups
+    ref, _ = codecs(64)
+    x = activation_like((5, 3, 200), dtype=torch.float16, seed=1, device=DEVICE)  # 60 groups
     want = ref.encode(x)
     layout = ref.layout(x.shape, x.dtype)
     got = want.clone()
     got[16:] = 0
-    triton_fp8_encode(x, got, layout, 16, groups_per_prog=16)
-    torch.testing.assert_close(layout.view(got, "codes"), layout.view(want, "codes"), rtol=0, atol=0)
-    for section in ("prescale", "postscale"):
-        torch.testing.assert_close(layout.view(got, section, torch.float32), layout.view(want, section, torch.float32),
-                                   rtol=1e-6, atol=0)
-    y = triton_fp8_decode(want, x.shape, x.dtype, layout, 16, groups_per_prog=16)
-    torch.testing.assert_close(y, ref.decode(want, x.shape, x.dtype), rtol=0, atol=0)
+    triton_fp8_encode(x, got, layout, 64, per_lane=per_lane, groups_per_prog=groups)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    y = triton_fp8_decode(want, x.shape, x.dtype, layout, 64, per_lane=per_lane, groups_per_prog=groups)
+    assert_same_values(y, ref.decode(want, x.shape, x.dtype))
 
 
 def test_decode_into_out():

@@ -21,6 +21,14 @@ Sections follow in the order the codec lists them, each starting on an
 8-byte boundary (so bf16/fp32 sections can be viewed in place). Decoding
 checks the length and every header field and raises :class:`WireFormatError`
 naming what differs, instead of returning garbage.
+
+Checks, per codec object (``Codec.checks``): ``"full"`` (the default) reads the header
+on the host and raises at once; on a GPU that is one device-to-host copy, a sync, per
+decode. ``"deferred"`` (``Codec.defer_checks()``, for a link whose configurations a
+handshake has already compared) compares the header with the expected bytes on the
+device and counts mismatches and corrupt payloads there; a later ``decode`` (or
+``raise_deferred_errors()``) raises once the count has reached the host, without ever
+waiting for it. ``"off"`` checks only the buffer's length.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import Sequence
 
 import torch
 
+from .geometry import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
+
 MAGIC = b"MT"
 WIRE_VERSION = 1
 HEADER_NBYTES = 16
@@ -39,11 +49,7 @@ SECTION_ALIGN = 8
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
-
-# Finite inputs up to this magnitude round-trip. A tile holding NaN, +-Inf or a
-# larger magnitude decodes to all-NaN (the other tiles are unaffected): the
-# quantizers' arithmetic (ranges, Hadamard sums) stays inside fp32 below it.
-MAX_ABS_VALUE = 1e36
+CHECKS = ("full", "deferred", "off")
 
 
 class CodecError(ValueError):
@@ -104,6 +110,42 @@ def crc32_of(text: str) -> int:
     return zlib.crc32(text.encode()) & 0xFFFFFFFF
 
 
+class DeferredErrors:
+    """A count of wire-format errors kept on the device, read back without ever waiting for it.
+
+    ``add(bad)`` adds a 0-d count (a device tensor) without a sync. ``seen()`` returns the count as
+    of the last copy that has reached the host: on CUDA it starts an asynchronous copy into pinned
+    memory and returns the value of the previous completed one (so an error surfaces one or two
+    decodes later); on the CPU the count is read directly.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.count = torch.zeros((), dtype=torch.int32, device=device)
+        self._cuda = device.type == "cuda"
+        self._host = torch.zeros((), dtype=torch.int32, pin_memory=self._cuda)
+        self._event = None
+        self._host_value = 0
+
+    def add(self, bad: torch.Tensor) -> None:
+        self.count.add_(bad.to(torch.int32))
+
+    def seen(self, wait: bool = False) -> int:
+        """The count as far as the host knows it; ``wait=True`` reads it now (a sync: tests, or at log time)."""
+        if self.device.type == "meta":  # shapes only (scripts/kernel_report.py): nothing to read
+            return 0
+        if not self._cuda or wait:
+            self._host_value = int(self.count)
+            return self._host_value
+        if self._event is None or self._event.query():
+            if self._event is not None:  # the count only grows: an older copy never lowers it
+                self._host_value = max(self._host_value, int(self._host))
+            self._host.copy_(self.count, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self._host_value
+
+
 class Codec:
     """Base class: header, layout, validation and backend choice.
 
@@ -112,17 +154,22 @@ class Codec:
     layout), ``_encode_torch`` and ``_decode_torch`` (the pure-torch
     reference). A fused path implements ``_encode_triton`` / ``_decode_triton``
     with the same wire format; ``backend`` picks one (``"auto"``: Triton for
-    CUDA tensors when it is available, torch otherwise).
+    CUDA tensors when it is available, torch otherwise). A codec whose
+    ``_decode_*`` methods take an ``out=`` tensor to write into sets
+    ``decodes_into_out = True``.
     """
 
     name: str = "?"
     codec_id: int = 255
+    decodes_into_out: bool = False
 
     def __init__(self, backend: str = "auto"):
         if backend not in BACKENDS:
             raise CodecError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
+        self.checks = "full"
         self._header_cache: dict[tuple, torch.Tensor] = {}
+        self._deferred: dict[str, DeferredErrors] = {}
 
     # ----- configuration -------------------------------------------------------------
     def config(self) -> dict:
@@ -159,6 +206,17 @@ class Codec:
         if "rounding_noise" in state:
             self.rounding_noise.load_state_dict(state["rounding_noise"])
 
+    def defer_checks(self, mode: str = "deferred") -> "Codec":
+        """Choose how ``decode`` checks buffers (see the module docstring); returns the codec.
+
+        Call it once the link's configurations were compared (the pipeline handshake does):
+        ``"deferred"`` then checks on the device with no host sync per message.
+        """
+        if mode not in CHECKS:
+            raise CodecError(f"checks must be one of {CHECKS}, got {mode!r}")
+        self.checks = mode
+        return self
+
     # ----- the public contract -------------------------------------------------------
     def wire_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """Exact length of ``encode(x)`` for any ``x`` of this shape and dtype."""
@@ -177,9 +235,9 @@ class Codec:
         check_dtype(x.dtype)
         layout = self.layout(shape, x.dtype)
         buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
-        buf[:HEADER_NBYTES].copy_(self._header(shape, x.dtype, x.device))
-        # Alignment padding is zeroed so identical inputs give identical bytes.
-        self._zero_padding(buf, layout)
+        # The header, and zeros in the alignment padding so identical inputs give identical bytes: one write.
+        index, values = self._fixed_bytes(shape, x.dtype, layout, x.device)
+        buf.index_put_((index,), values)
         if self._use_triton(x.device):
             self._encode_triton(x.contiguous(), buf, layout)
         else:
@@ -193,11 +251,12 @@ class Codec:
         dtype: torch.dtype,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Decode ``buf`` into a tensor of ``shape``/``dtype`` on buf's device (or into ``out``)."""
+        """Decode ``buf`` into a tensor of ``shape``/``dtype`` on buf's device, or into ``out`` (written in place)."""
         shape = check_shape(shape)
         check_dtype(dtype)
         layout = self.layout(shape, dtype)
-        self.check_buffer(buf, shape, dtype, layout)
+        self._check(buf, shape, dtype, layout)
+        target = None
         if out is not None:
             if tuple(out.shape) != shape or out.dtype != dtype:
                 raise CodecError(
@@ -205,15 +264,70 @@ class Codec:
                 )
             if out.device != buf.device:
                 raise CodecError(f"out is on {out.device}, the buffer on {buf.device}")
-        if self._use_triton(buf.device):
-            values = self._decode_triton(buf, shape, dtype, layout)
-        else:
-            values = self._decode_torch(buf, shape, dtype, layout)
-        if out is None:
-            return values
+            if self.decodes_into_out and out.is_contiguous():
+                target = out.detach()
+        extra = {"out": target} if self.decodes_into_out else {}
         with torch.no_grad():
-            out.copy_(values)
+            if self._use_triton(buf.device):
+                values = self._decode_triton(buf, shape, dtype, layout, **extra)
+            else:
+                values = self._decode_torch(buf, shape, dtype, layout, **extra)
+            if out is None:
+                return values
+            if target is None:
+                out.copy_(values)
         return out
+
+    # ----- checks ----------------------------------------------------------------------
+    def _check(self, buf, shape, dtype, layout: WireLayout) -> None:
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise WireFormatError("a wire buffer is a 1-D torch.uint8 tensor")
+        if buf.numel() != layout.nbytes:
+            raise WireFormatError(
+                f"{self.name}: buffer has {buf.numel()} bytes, {layout.nbytes} expected for "
+                f"{shape} {dtype_name(dtype)} with {self.describe()}"
+            )
+        if self.checks == "full":
+            self.check_buffer(buf, shape, dtype, layout)
+        elif self.checks == "deferred":
+            self.raise_deferred_errors(buf.device)
+            expected = self._header(shape, dtype, buf.device)
+            errors = self.deferred_errors(buf.device)
+            if self._use_triton(buf.device):
+                from ..kernels.common import check_header  # one launch instead of three
+
+                check_header(buf, expected, errors.count)
+            else:
+                errors.add((buf[:HEADER_NBYTES] != expected).any())
+
+    def deferred_errors(self, device: torch.device) -> DeferredErrors:
+        key = str(device)
+        if key not in self._deferred:
+            self._deferred[key] = DeferredErrors(device)
+        return self._deferred[key]
+
+    def device_check(self, bad: torch.Tensor) -> bool:
+        """Record a 0-d device count of corrupt items found by a decode; False when checks are ``"full"``
+        (then the caller raises itself, on the host)."""
+        if self.checks == "deferred":
+            self.deferred_errors(bad.device).add(bad)
+        return self.checks != "full"
+
+    def raise_deferred_errors(self, device: torch.device | None = None, wait: bool = False) -> None:
+        """Raise ``WireFormatError`` when an earlier deferred check found a bad buffer.
+
+        Without ``wait`` there is no sync, so on a GPU the latest decodes may not be counted yet (see
+        ``DeferredErrors``); ``wait=True`` reads the device's count now (for the log line, or a test).
+        """
+        for key, errors in self._deferred.items():
+            if device is not None and key != str(device):
+                continue
+            count = errors.seen(wait)
+            if count:
+                raise WireFormatError(
+                    f"{self.name}: {count} check(s) failed on buffers decoded earlier on {key} (a header that does "
+                    f"not match {self.describe()}, or a corrupt payload); the values decoded from them are garbage"
+                )
 
     # ----- header ----------------------------------------------------------------------
     def _header_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
@@ -225,6 +339,21 @@ class Codec:
             + shape_digest.to_bytes(4, "little")
             + bytes(4)
         )
+
+    def _fixed_bytes(self, shape, dtype, layout: WireLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, values) of the bytes fixed by shape and config: the header and the alignment padding."""
+        key = ("fixed", shape, dtype, str(device), layout.nbytes)
+        if key not in self._header_cache:
+            positions = list(range(HEADER_NBYTES))
+            cursor = HEADER_NBYTES
+            for start, size in sorted(layout.offsets.values()):
+                positions += range(cursor, start)
+                cursor = start + size
+            positions += range(cursor, layout.nbytes)
+            values = bytearray(self._header_bytes(shape, dtype)) + bytearray(len(positions) - HEADER_NBYTES)
+            self._header_cache[key] = (torch.tensor(positions, dtype=torch.int64).to(device),
+                                       torch.frombuffer(values, dtype=torch.uint8).to(device))
+        return self._header_cache[key]
 
     def _header(self, shape, dtype, device) -> torch.Tensor:
         key = (shape, dtype, str(device))

@@ -1,8 +1,12 @@
 """Pure-torch building blocks shared by the reference codecs.
 
-Everything here is the readable reference the Triton kernels must match:
-tiling with zero padding, bit packing, the Sylvester Hadamard matrix,
-directed rounding to bf16, and the asymmetric per-tile quantizer.
+Everything here is the readable reference the Triton kernels must match byte for byte:
+tiling, bit packing, the Walsh-Hadamard transform in butterfly order, pairwise tree sums,
+directed rounding to bf16, the counter-based rounding noise and the asymmetric per-tile
+quantizer. Each function spells out its fp32 operations in the order the kernels perform
+them (no fused multiply-adds, sums in a fixed tree order, reciprocal multiplies where a
+kernel would otherwise divide per element), so the torch and Triton paths write the same
+bytes on every device.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ import math
 
 import torch
 
-from .base import MAX_ABS_VALUE, CodecError
+from . import geometry
+from .base import CodecError
+from .geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
 
-TILE_SIZES = (8, 16, 32, 64, 128)
+TILE_SIZES = geometry.TILE_SIZES
+FLAT_SCALE = 2.0**-126  # a scale below the smallest normal fp32 quantizes its tile to zero codes
 
 
 def check_tile_size(tile_size: int) -> int:
@@ -29,8 +36,12 @@ def check_bits(bits: int, name: str = "bits", low: int = 2, high: int = 8) -> in
 
 
 # ----- tiles ---------------------------------------------------------------------------
-def num_tiles(h: int, tile_size: int) -> int:
-    return -(-h // tile_size)
+def bad_mask(values: torch.Tensor) -> torch.Tensor:
+    """True where fp32 ``values`` hold NaN, +-Inf or a magnitude above ``MAX_ABS_VALUE``.
+
+    Compared on the bits of ``|x|`` (NaN and Inf have the largest), as the kernels do.
+    """
+    return (values.abs().view(torch.int32) > geometry.MAX_ABS_BITS)
 
 
 def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +49,9 @@ def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tenso
 
     When ``h % G != 0`` the last tile is padded by repeating the token's last channel,
     which leaves every tile's range (and a constant tile) unchanged. A tile is *bad* when it holds
-    NaN, +-Inf or a magnitude above ``MAX_ABS_VALUE``; its values are replaced by 0
-    here so they cannot disturb anything computed from other tiles, and codecs
-    decode it as all-NaN.
+    NaN, +-Inf or a magnitude above ``MAX_ABS_VALUE``; its bad values are replaced by 0 here
+    (bad tiles are encoded as a fixed pattern, see ``quantize_tiles``; the 0s keep them out of
+    anything computed from other tiles, such as a token's entropy).
     """
     h = x.shape[-1]
     tokens = x.reshape(-1, h).float()
@@ -48,11 +59,10 @@ def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tenso
     if pad:
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
     tiles = tokens.reshape(tokens.shape[0], -1, tile_size)
-    # NaN compares false, so "not <= MAX_ABS_VALUE" catches NaN, +-Inf and huge values;
-    # amax propagates NaN, so one reduction finds the bad tiles.
-    bad_tile = ~(tiles.abs().amax(dim=-1) <= MAX_ABS_VALUE)
+    bad = bad_mask(tiles)
+    bad_tile = bad.any(dim=-1)
     if bad_tile.any():
-        tiles = tiles.masked_fill(~(tiles.abs() <= MAX_ABS_VALUE), 0.0)
+        tiles = tiles.masked_fill(bad, 0.0)
     return tiles, bad_tile
 
 
@@ -97,10 +107,6 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((words >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)[:count]
 
 
-def packed_nbytes(count: int, bits: int) -> int:
-    return count * bits // 8
-
-
 def pack_flags(flags: torch.Tensor) -> torch.Tensor:
     """Pack a bool vector into bytes, bit ``i % 8`` of byte ``i // 8`` (padded with 0)."""
     flat = flags.reshape(-1).to(torch.uint8)
@@ -114,11 +120,24 @@ def unpack_flags(packed: torch.Tensor, count: int) -> torch.Tensor:
     return unpack_bits(packed, 1, count).bool()
 
 
-def flags_nbytes(count: int) -> int:
-    return -(-count // 8)
+# ----- correctly rounded fp32 arithmetic ---------------------------------------------------
+def div_rn(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """fp32 ``a / b`` correctly rounded (``tl.math.div_rn``), on every device.
+
+    Computed in fp64 and rounded once to fp32, which is exact for division; torch's own
+    ``scalar / tensor`` multiplies by a rounded reciprocal, off by an ulp now and then.
+    """
+    a = a.double() if isinstance(a, torch.Tensor) else a
+    b = b.double() if isinstance(b, torch.Tensor) else b
+    return (a / b).float()
 
 
-# ----- Hadamard ------------------------------------------------------------------------
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``sqrt(x)`` correctly rounded (``tl.math.sqrt_rn``); torch's fp32 sqrt on CPU is not always."""
+    return x.double().sqrt().float()
+
+
+# ----- Hadamard and tree sums ------------------------------------------------------------
 _HADAMARD_CACHE: dict[tuple, torch.Tensor] = {}
 
 
@@ -133,6 +152,49 @@ def hadamard_matrix(size: int, device: torch.device | str = "cpu") -> torch.Tens
             raise CodecError(f"Hadamard size must be a power of two, got {size}")
         _HADAMARD_CACHE[key] = (h / math.sqrt(size)).to(device)
     return _HADAMARD_CACHE[key]
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x @ hadamard_matrix(G)`` for fp32 ``[..., G]``, computed exactly as the kernels compute it.
+
+    Butterflies of stride 1, 2, 4, ..., G/2 in that order, each turning the pair ``(a, b)``
+    (``a`` at the lower index) into ``(a + b, a - b)``; then one multiply by the fp32 value
+    of ``1/sqrt(G)`` (``geometry.hadamard_entry``). Its own inverse up to rounding.
+    """
+    g = x.shape[-1]
+    lead = x.shape[:-1]
+    source = x.reshape(-1, g)
+    buffers = [torch.empty_like(source), torch.empty_like(source)]
+    stride, step = 1, 0
+    while stride < g:
+        pairs = source.view(-1, g // (2 * stride), 2, stride)
+        target = buffers[step % 2]
+        out = target.view(-1, g // (2 * stride), 2, stride)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        source, stride, step = target, stride * 2, step + 1
+    return (source * geometry.hadamard_entry(g)).reshape(*lead, g)
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) in the kernels' order: adjacent pairs, then pairs of pairs."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def log2_approx(x: torch.Tensor) -> torch.Tensor:
+    """log2 of fp32 ``x >= 0`` to within 3.1e-5: exponent from the bits plus ``geometry.LOG2_POLY`` of the mantissa.
+
+    Separate fp32 multiplies and adds, so every device computes the same bits. ``x = 0`` gives -127.
+    """
+    bits = x.contiguous().view(torch.int32)
+    t = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32).sub_(1.0)
+    c = geometry.LOG2_POLY
+    p = t * c[-1]  # (in place from here on: the same fp32 operations, fewer allocations)
+    for coefficient in reversed(c[:-1]):
+        p.add_(coefficient).mul_(t)
+    return p.add_(((bits >> 23) - 127).float())
 
 
 # ----- bf16 metadata -------------------------------------------------------------------
@@ -150,26 +212,57 @@ def round_bf16(x: torch.Tensor, direction: int) -> torch.Tensor:
     return rounded.view(torch.float32)
 
 
-# ----- stochastic rounding -------------------------------------------------------------
-class RoundingNoise:
-    """Uniform [0, 1) noise for stochastic rounding, or None when rounding to nearest.
+def bf16_bits(values: torch.Tensor, nan: torch.Tensor | None = None) -> torch.Tensor:
+    """int16 bits of bf16-representable fp32 ``values``; ``BF16_NAN_BITS`` where ``nan`` is set."""
+    bits = (values.contiguous().view(torch.int32) >> 16).to(torch.int16)
+    if nan is not None:
+        bits = torch.where(nan, torch.tensor(geometry.BF16_NAN_BITS, dtype=torch.int16, device=bits.device), bits)
+    return bits
 
-    One generator per device, seeded with ``seed`` on first use, so a codec's sequence
-    of encodes is reproducible run to run.
+
+# ----- stochastic rounding -------------------------------------------------------------
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2^32`` for int64 ``x`` in [0, 2^32), in halves so no int64 product overflows."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` of the uint32 values held in int64 ``x`` (see ``geometry``)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, geometry.HASH_MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, geometry.HASH_MUL2)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seed: int, count: int, device) -> torch.Tensor:
+    """Uniform [0, 1) fp32 noise for elements ``0 .. count-1`` of one encode call seeded with ``seed`` (uint32)."""
+    index = torch.arange(count, device=device, dtype=torch.int64)
+    x = (_mul32(index, geometry.HASH_STEP) + seed) & 0xFFFFFFFF
+    return (hash32(x) >> 8).float() * 2.0**-24
+
+
+class RoundingNoise:
+    """Per-call seeds for stochastic rounding, or None when rounding to nearest.
+
+    Call ``k`` of a codec gets the seed ``lowbias32(seed * 2^16 + k)``, and element ``i`` of that call
+    the noise ``hash_uniform(call_seed)[i]``: the torch reference and the kernels draw the same
+    numbers, and a codec's sequence of encodes is reproducible run to run.
     """
 
     def __init__(self, enabled: bool, seed: int):
         self.enabled = bool(enabled)
         self.seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self.calls = 0
 
-    def __call__(self, like: torch.Tensor) -> torch.Tensor | None:
+    def next_seed(self) -> int | None:
         if not self.enabled:
             return None
-        key = str(like.device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=like.device).manual_seed(self.seed)
-        return torch.rand(like.shape, generator=self._generators[key], device=like.device)
+        start = torch.tensor([((self.seed << 16) + self.calls) & 0xFFFFFFFF], dtype=torch.int64)
+        self.calls += 1
+        return int(hash32(start)[0])
 
     def state_dict(self) -> dict:
         """Generator states per device (CPU tensors)."""
@@ -191,35 +284,41 @@ def quantize_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per-tile quantization of fp32 ``[..., G]`` tiles.
 
-    ``levels`` is ``2**bits - 1`` (an int, or a tensor broadcastable to ``tiles[..., :1]``).
-    Returns ``codes`` (uint8), ``scale`` and ``zero`` (bf16, shape ``tiles.shape[:-1]``).
+    ``levels`` is ``2**bits - 1`` (an int, or a tensor broadcastable to ``tiles[..., 0]``).
+    Returns ``codes`` (uint8) and the int16 bits of the bf16 ``scale`` and ``zero`` (shape
+    ``tiles.shape[:-1]``).
 
     ``zero`` is ``min`` rounded down to bf16 and ``scale`` is ``(max - zero) / levels``
-    rounded up to bf16, so the grid ``zero + q*scale, q = 0..levels`` covers
-    ``[min, max]`` and every decoded element is within ``scale / 2`` of its input
-    (round to nearest). A constant tile representable in bf16 gets ``scale = 0``
-    and decodes exactly. ``noise`` (uniform in [0, 1), tiles' shape) switches to
-    stochastic rounding. Bad tiles get ``zero = NaN`` and decode to NaN.
+    rounded up to bf16 (both with ``-0`` turned into ``+0``), so the grid ``zero + q*scale,
+    q = 0..levels`` covers ``[min, max]``. Codes are ``round((x - zero) * (1 / scale))``, ties
+    to even (or ``floor(... + noise)`` with ``noise`` uniform in [0, 1), stochastic rounding),
+    clamped to ``[0, levels]``: every decoded element is within ``scale / 2`` of its input, up to
+    the reciprocal's rounding (about ``levels * 2^-23`` of a step). A tile whose scale is below
+    the smallest normal fp32 (a constant tile, for instance) gets all-zero codes and decodes to
+    ``zero``; a bf16-representable constant decodes exactly. A bad tile is written as scale 0,
+    zero NaN (``BF16_NAN_BITS``) and all-zero codes, and decodes to NaN.
     """
     lo = tiles.amin(dim=-1)  # (two reductions are several times faster than aminmax on CPU)
     hi = tiles.amax(dim=-1)
     if not isinstance(levels, torch.Tensor):
         levels = torch.full_like(lo, float(levels))
     levels = levels.reshape(lo.shape).float()
-    zero = round_bf16(lo, -1)
-    # (hi - zero) / levels, split so the subtraction cannot overflow fp32.
-    scale = round_bf16(hi / levels - zero / levels, +1)
-    flat = ~(scale > 0)
-    safe_scale = scale.masked_fill(flat, 1.0)
-    scaled = (tiles - zero[..., None]).div_(safe_scale[..., None])
+    zero = round_bf16(lo, -1) + 0.0
+    scale = round_bf16(div_rn(hi - zero, levels), +1) + 0.0
+    scale = scale.masked_fill(bad_tile, 0.0)
+    flat = ~(scale >= FLAT_SCALE)
+    inverse = div_rn(1.0, scale.masked_fill(flat, 1.0))
+    scaled = (tiles - zero[..., None]).mul_(inverse[..., None])
     scaled = scaled.add_(noise).floor_() if noise is not None else scaled.round_()
     codes = torch.minimum(scaled.clamp_min_(0), levels[..., None])
-    if flat.any():
-        codes.masked_fill_(flat[..., None], 0.0)
-    zero = torch.where(bad_tile, torch.full_like(zero, float("nan")), zero)
-    return codes.to(torch.uint8), scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+    codes.masked_fill_(flat[..., None], 0.0)
+    return codes.to(torch.uint8), bf16_bits(scale), bf16_bits(zero, nan=bad_tile)
 
 
 def dequantize_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``codes * scale + zero`` in fp32, per tile (scale and zero have codes' shape minus the last dim)."""
+    """``codes * scale + zero`` in fp32, per tile (bf16 scale and zero have codes' shape minus the last dim).
+
+    The product of a code (< 2^8) and a bf16 scale is exact in fp32, so this is the same
+    number whether an implementation fuses the multiply and the add or not.
+    """
     return codes.float() * scale.float()[..., None] + zero.float()[..., None]

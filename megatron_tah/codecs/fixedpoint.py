@@ -12,17 +12,16 @@ header | ``scale``: bf16[T] | ``zero``: bf16[T] | ``codes``: T*tile_size codes o
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import common
+from . import common, geometry
 from .base import Codec, register_codec_id
 
 
 class FixedPointCodec(Codec):
     name = "fixedpoint"
     codec_id = 1
+    decodes_into_out = True
 
     def __init__(self, bits: int = 6, tile_size: int = 32, stochastic_rounding: bool = False,
                  seed: int = 0, backend: str = "auto"):
@@ -37,41 +36,38 @@ class FixedPointCodec(Codec):
         return {"bits": self.bits, "tile_size": self.tile_size, "stochastic_rounding": self.stochastic_rounding}
 
     def num_tiles(self, shape) -> int:
-        return math.prod(shape[:-1]) * common.num_tiles(shape[-1], self.tile_size)
+        return geometry.total_tiles(shape, self.tile_size)
 
     def _sections(self, shape, dtype):
-        tiles = self.num_tiles(shape)
-        return [
-            ("scale", 2 * tiles),
-            ("zero", 2 * tiles),
-            ("codes", common.packed_nbytes(tiles * self.tile_size, self.bits)),
-        ]
+        return geometry.fixedpoint_sections(shape, self.bits, self.tile_size)
 
     def _encode_torch(self, x, buf, layout):
         tiles, bad = common.to_tiles(x, self.tile_size)
-        codes, scale, zero = common.quantize_tiles(tiles, 2**self.bits - 1, bad, self.rounding_noise(tiles))
-        layout.view(buf, "scale", torch.bfloat16).copy_(scale.reshape(-1))
-        layout.view(buf, "zero", torch.bfloat16).copy_(zero.reshape(-1))
+        seed = self.rounding_noise.next_seed()
+        noise = None if seed is None else common.hash_uniform(seed, tiles.numel(), tiles.device).reshape(tiles.shape)
+        codes, scale, zero = common.quantize_tiles(tiles, 2**self.bits - 1, bad, noise)
+        layout.view(buf, "scale", torch.int16).copy_(scale.reshape(-1))
+        layout.view(buf, "zero", torch.int16).copy_(zero.reshape(-1))
         layout.view(buf, "codes").copy_(common.pack_bits(codes, self.bits))
 
-    def _decode_torch(self, buf, shape, dtype, layout):
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
         tiles = self.num_tiles(shape)
         scale = layout.view(buf, "scale", torch.bfloat16)
         zero = layout.view(buf, "zero", torch.bfloat16)
         codes = common.unpack_bits(layout.view(buf, "codes"), self.bits, tiles * self.tile_size)
-        values = common.dequantize_tiles(codes.reshape(tiles, self.tile_size), scale, zero)
-        return common.from_tiles(values, shape, dtype)
+        values = common.from_tiles(common.dequantize_tiles(codes.reshape(tiles, self.tile_size), scale, zero),
+                                   shape, dtype)
+        return values if out is None else out.copy_(values)
 
     def _encode_triton(self, x, buf, layout):
-        from ..kernels.common import philox_seed
         from ..kernels.fixedpoint import triton_fixedpoint_encode
 
-        triton_fixedpoint_encode(x, buf, layout, self.bits, self.tile_size, seed=philox_seed(self.rounding_noise))
+        triton_fixedpoint_encode(x, buf, layout, self.bits, self.tile_size, seed=self.rounding_noise.next_seed())
 
-    def _decode_triton(self, buf, shape, dtype, layout):
+    def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels.fixedpoint import triton_fixedpoint_decode
 
-        return triton_fixedpoint_decode(buf, shape, dtype, layout, self.bits, self.tile_size)
+        return triton_fixedpoint_decode(buf, shape, dtype, layout, self.bits, self.tile_size, out=out)
 
 
 register_codec_id(FixedPointCodec.codec_id, FixedPointCodec.name)

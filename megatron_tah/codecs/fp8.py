@@ -6,19 +6,22 @@ into the Hadamard, so the last group keeps its precision; ``G`` a power of two, 
 
 1. **Pre-scale** ``alpha = 448 / sqrt(mean(x^2) + 1e-6)``, clamped to ``[1e-3, 1e3]``.
    Computed without overflow or underflow as ``448 / hypot(rms, 1e-3)`` with
-   ``rms = peak * sqrt(mean((x / peak)^2))``, ``peak = max|x|`` (``rms = 0`` for a zero group).
-2. **Hadamard** on every group (no outlier test): ``y = (alpha * x) @ H_G / sqrt(G)``.
-3. **Post-scale** ``s = max|y| / 448`` (a zero group stores ``s = 0`` and divides by 1).
-4. **E4M3** codes ``q = e4m3(clamp(y / s, -448, 448))`` (round to nearest even, saturated).
+   ``rms = peak * sqrt(mean((x * (1/peak))^2))``, ``peak = max|x|`` (``rms = 0`` for a zero group).
+2. **Hadamard** on every group (no outlier test): ``y = fwht(alpha * x)`` (``common.fwht``:
+   ``(alpha * x) @ H_G / sqrt(G)`` by butterflies).
+3. **Post-scale** ``s = max|y| / 448`` (a group with ``s`` below the smallest normal fp32 multiplies by 1).
+4. **E4M3** codes ``q = e4m3(clamp(y * (1/s), -448, 448))`` (round to nearest even, saturated).
 
-Decode: ``x = (q * s) @ H_G / sqrt(G) / alpha`` (the normalised Hadamard is its own inverse).
+Decode: ``x = fwht(q * s) * (1/alpha)`` (the normalised Hadamard is its own inverse).
+Every step is spelled out in fp32 in a fixed order (sums as ``common.tree_sum``), so the
+torch reference and the kernels write the same bytes.
 
 Error: the Hadamard is orthonormal and E4M3 rounds within ``2^-4`` relative (normals) or
 ``2^-10`` absolute (subnormals, in units of ``s``), so per group
 ``||x - decode(x)|| <= (2^-4 + 2^-10 * sqrt(G) / 448) * ||x||`` before the cast to the
 output dtype. Finite inputs up to ``MAX_ABS_VALUE`` never overflow (alpha >= 1e-3 keeps
 ``|y| <= sqrt(G) * 1e33``). A group holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` stores
-``alpha = NaN`` and decodes to all-NaN; other groups are unaffected.
+``alpha = NaN`` (``s = 0``, zero codes) and decodes to all-NaN; other groups are unaffected.
 
 Wire (T = tokens * ceil(h / G) groups, token-major):
 header | ``prescale``: fp32[T] (alpha) | ``postscale``: fp32[T] (s) | ``codes``: E4M3 bytes[T*G].
@@ -27,51 +30,61 @@ At G=128: 8 + 64/128 = 8.5 bits per element (plus the 16-byte header).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import common
+from . import common, geometry
 from .base import Codec, register_codec_id
+from .geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-PRESCALE_MIN = 1e-3
-PRESCALE_MAX = 1e3
-RMS_EPS = 1e-3  # sqrt of the 1e-6 added to mean(x^2)
+
+def hypot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sqrt(a^2 + b^2)`` for ``a, b >= 0`` without overflow: ``big * sqrt(1 + (small / big)^2)``."""
+    big = torch.maximum(a, b)
+    small = torch.minimum(a, b)
+    ratio = common.div_rn(small, torch.where(big > 0, big, torch.ones_like(big)))
+    return big * common.sqrt_rn(1.0 + ratio * ratio)
 
 
 def prescale_reference(groups: torch.Tensor) -> torch.Tensor:
-    """``alpha`` per group of fp32 ``[T, G]`` finite values: ``448 / sqrt(mean(x^2) + 1e-6)`` clamped."""
+    """``alpha`` per group of fp32 ``[T, G]`` finite values: ``448 / sqrt(mean(x^2) + 1e-6)`` clamped.
+
+    ``mean(x^2)`` is ``peak^2 * mean((x * (1 / peak))^2)`` with the sum as ``common.tree_sum``.
+    """
     peak = groups.abs().amax(dim=-1)
     safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
-    rms = safe_peak * (groups / safe_peak[:, None]).square().mean(dim=-1).sqrt()
-    alpha = FP8_MAX / torch.hypot(rms, torch.full_like(rms, RMS_EPS))
+    r = groups * common.div_rn(1.0, safe_peak)[:, None]
+    rms = safe_peak * common.sqrt_rn(common.tree_sum(r * r) * (1.0 / groups.shape[-1]))
+    alpha = common.div_rn(FP8_MAX, hypot_reference(rms, torch.full_like(rms, RMS_EPS)))
     return alpha.clamp(PRESCALE_MIN, PRESCALE_MAX)
 
 
 def fp8_encode_reference(groups: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[T, G]`` groups (bad ones zeroed) -> ``alpha`` fp32[T], ``s`` fp32[T], E4M3 codes uint8 ``[T, G]``."""
-    hadamard = common.hadamard_matrix(groups.shape[-1], groups.device)
+    """fp32 ``[T, G]`` groups (bad values zeroed) -> ``alpha`` fp32[T], ``s`` fp32[T], E4M3 codes uint8 ``[T, G]``.
+
+    A bad group is written as alpha NaN, s 0 and zero codes.
+    """
     alpha = prescale_reference(groups)
-    rotated = (groups * alpha[:, None]) @ hadamard
-    post = rotated.abs().amax(dim=-1) / FP8_MAX
-    safe_post = torch.where(post > 0, post, torch.ones_like(post))
-    scaled = (rotated / safe_post[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    rotated = common.fwht(groups * alpha[:, None])
+    post = common.div_rn(rotated.abs().amax(dim=-1), FP8_MAX)
+    inverse = common.div_rn(1.0, torch.where(post >= common.FLAT_SCALE, post, torch.ones_like(post)))
+    scaled = (rotated * inverse[:, None]).clamp(-FP8_MAX, FP8_MAX)
     codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
     alpha = torch.where(bad, torch.full_like(alpha, float("nan")), alpha)
+    post = post.masked_fill(bad, 0.0)
+    codes = codes.masked_fill(bad[:, None], 0)
     return alpha, post, codes
 
 
 def fp8_decode_reference(alpha: torch.Tensor, post: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``fp8_encode_reference``: fp32 ``[T, G]``."""
-    hadamard = common.hadamard_matrix(codes.shape[-1], codes.device)
+    """Inverse of ``fp8_encode_reference``: fp32 ``[T, G]`` (``fwht(q * s) * (1 / alpha)``)."""
     rotated = codes.view(torch.float8_e4m3fn).float() * post[:, None]
-    return (rotated @ hadamard) / alpha[:, None]
+    return common.fwht(rotated) * common.div_rn(1.0, alpha)[:, None]
 
 
 class Fp8Codec(Codec):
     name = "fp8"
     codec_id = 3
+    decodes_into_out = True
 
     def __init__(self, group_size: int = 128, backend: str = "auto"):
         super().__init__(backend)
@@ -81,15 +94,10 @@ class Fp8Codec(Codec):
         return {"group_size": self.group_size}
 
     def num_groups(self, shape) -> int:
-        return math.prod(shape[:-1]) * common.num_tiles(shape[-1], self.group_size)
+        return geometry.total_tiles(shape, self.group_size)
 
     def _sections(self, shape, dtype):
-        groups = self.num_groups(shape)
-        return [
-            ("prescale", 4 * groups),
-            ("postscale", 4 * groups),
-            ("codes", groups * self.group_size),
-        ]
+        return geometry.fp8_sections(shape, self.group_size)
 
     def _encode_torch(self, x, buf, layout):
         tiles, bad = common.to_tiles(x, self.group_size)
@@ -97,15 +105,17 @@ class Fp8Codec(Codec):
         if tail:
             tiles[:, -1, tail:] = 0.0
         alpha, post, codes = fp8_encode_reference(tiles.reshape(-1, self.group_size), bad.reshape(-1))
-        layout.view(buf, "prescale", torch.float32).copy_(alpha)
+        alpha_bits = alpha.view(torch.int32).masked_fill(bad.reshape(-1), geometry.FP32_NAN_BITS)
+        layout.view(buf, "prescale", torch.int32).copy_(alpha_bits)
         layout.view(buf, "postscale", torch.float32).copy_(post)
         layout.view(buf, "codes").copy_(codes.reshape(-1))
 
-    def _decode_torch(self, buf, shape, dtype, layout):
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
         alpha = layout.view(buf, "prescale", torch.float32)
         post = layout.view(buf, "postscale", torch.float32)
         codes = layout.view(buf, "codes").reshape(-1, self.group_size)
-        return common.from_tiles(fp8_decode_reference(alpha, post, codes), shape, dtype)
+        values = common.from_tiles(fp8_decode_reference(alpha, post, codes), shape, dtype)
+        return values if out is None else out.copy_(values)
 
     # ----- fused Triton path (megatron_tah/kernels/fp8.py) --------------------------
     def _encode_triton(self, x, buf, layout):
@@ -113,11 +123,10 @@ class Fp8Codec(Codec):
 
         triton_fp8_encode(x, buf, layout, self.group_size)
 
-    def _decode_triton(self, buf, shape, dtype, layout):
+    def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels.fp8 import triton_fp8_decode
 
-        return triton_fp8_decode(buf, shape, dtype, layout, self.group_size)
+        return triton_fp8_decode(buf, shape, dtype, layout, self.group_size, out=out)
 
 
 register_codec_id(Fp8Codec.codec_id, Fp8Codec.name)
-# REFERENCE COMPLETE

@@ -3,27 +3,34 @@
 Encode, for an ``[s, b, h]`` tensor (``h`` padded to whole tiles of ``G`` channels by
 repeating each token's last channel, see ``common.to_tiles``):
 
-1. **Bit allocation at a fixed ratio.** ``allocation="token"`` (paper v1): each token's
-   entropy ``H = -sum p log(p + eps)``, ``p = |x| / (sum |x| + eps)`` over its channels;
-   in every sample (column ``b``) the ``floor(s * (1 - high_ratio))`` lowest-entropy
-   tokens get ``low_bits``, the rest ``high_bits``. ``allocation="tile"`` (paper v2):
-   the same rule over the tiles of each token, ``floor(n_tiles * (1 - high_ratio))`` low
-   tiles per token. Ties go to the lower index (stable sort). The number of low-bit
-   units depends only on the shape, so the wire size does too. ``low_bits_for=
-   "high_entropy"`` inverts the rule (the highest-entropy units get ``low_bits``): a
-   diagnostic knob for the ablations, not the paper's method.
+1. **Bit allocation at a fixed ratio.** Every allocation unit (a token with
+   ``allocation="token"``, paper v1; a tile with ``"tile"``, paper v2) gets the entropy of its
+   normalised magnitudes ``p = |x| / sum|x|`` (real channels only; NaN, Inf and huge values
+   count as 0), in bits: ``H = -sum p log2 p = log2(S) - L / S`` with ``S = sum |x|`` and
+   ``L = sum |x| log2 |x|`` (``H = 0`` when ``S = 0``). **decision:** this form (the SPEC's
+   ``-sum p log(p + eps)`` without the ``eps``, which moves ``H`` by less than 1e-7) is what lets a
+   kernel sum ``S`` and ``L`` per tile in the same pass as everything else; ``log2`` is
+   ``common.log2_approx`` (within 3.1e-5) and the sums are pairwise trees over each tile, then over
+   a token's tiles (zero-padded to a power of two), so every device ranks the units identically.
+   In every sample (column ``b``) the ``floor(s * (1 - high_ratio))`` lowest-entropy tokens get
+   ``low_bits``, the rest ``high_bits`` (``"tile"``: the same rule over the tiles of each token,
+   ``floor(n_tiles * (1 - high_ratio))`` per token). Ties go to the lower index (stable sort).
+   The number of low-bit units depends only on the shape, so the wire size does too.
+   ``low_bits_for="high_entropy"`` inverts the rule (the highest-entropy units get
+   ``low_bits``): a diagnostic knob for the ablations, not the paper's method.
 2. **Outlier test, pivot swap, Hadamard.** A tile is rotated when
-   ``|a1| / (|a2| + eps) > outlier_threshold`` (``a1``, ``a2``: its two largest
-   magnitudes; ``0`` rotates every tile, ``inf`` none). Rotation swaps the
-   largest-magnitude element (first one on ties) into position 0, then multiplies by
-   ``H_G / sqrt(G)``; row 0 of ``H_G`` is all ones, so the outlier becomes a constant
-   offset that the zero-point absorbs. Decode rotates again (the matrix is its own
-   inverse) and swaps back.
+   ``|a1| > outlier_threshold * (|a2| + eps)`` (``a1``, ``a2``: its two largest magnitudes,
+   ``a2 = a1`` on a tie; the SPEC's ``|a1| / (|a2| + eps) > tau`` without the division; ``0``
+   rotates every tile, ``inf`` none; a bad tile never). Rotation swaps the largest-magnitude
+   element (first one on ties) into position 0, then applies ``common.fwht``: ``H_G / sqrt(G)``
+   by butterflies; row 0 of ``H_G`` is all ones, so the outlier becomes a constant offset that
+   the zero-point absorbs. Decode rotates again (the matrix is its own inverse) and swaps back.
 3. **Asymmetric per-tile quantization** (``common.quantize_tiles``): bf16 scale and
    zero, round to nearest (or stochastic), within ``scale / 2`` per element in the
    rotated domain; a rotated tile's L2 error is at most ``sqrt(G) * scale / 2``.
 
 Tiles holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` decode to all-NaN; others are untouched.
+The torch reference below and the Triton kernels (``kernels/tah.py``) write the same bytes.
 
 Wire (T tiles in token order ``(s, b)``, then tile order):
 header | ``flags``: 1 bit per allocation unit (token or tile), set = low bits |
@@ -39,17 +46,18 @@ import math
 
 import torch
 
-from . import common
+from . import common, geometry
 from .base import Codec, CodecError, register_codec_id
 
-EPS = 1e-8
-ALLOCATIONS = ("token", "tile")
-LOW_BITS_FOR = ("low_entropy", "high_entropy")
+EPS = geometry.TAH_EPS
+ALLOCATIONS = geometry.TAH_ALLOCATIONS
+LOW_BITS_FOR = geometry.TAH_LOW_BITS_FOR
 
 
 class TahCodec(Codec):
     name = "tah"
     codec_id = 2
+    decodes_into_out = True
 
     def __init__(self, tile_size: int = 64, high_bits: int = 4, low_bits: int = 3, high_ratio: float = 0.8,
                  outlier_threshold: float = 2.0, allocation: str = "token", stochastic_rounding: bool = False,
@@ -75,7 +83,7 @@ class TahCodec(Codec):
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
-        self._last_rotated: torch.Tensor | None = None
+        self._rotated: tuple[torch.Tensor, int] | None = None  # (rotated tiles: counts to sum, all tiles)
 
     def config(self) -> dict:
         return {
@@ -86,144 +94,208 @@ class TahCodec(Codec):
         }
 
     @property
+    def last_rotated(self) -> torch.Tensor | None:
+        """Fraction of tiles the last ``encode`` rotated, as a 0-d fp32 tensor on its device (no sync)."""
+        if self._rotated is None:
+            return None
+        counts, total = self._rotated
+        return counts.sum(dtype=torch.float32) / max(total, 1)
+
+    @property
     def last_rotated_fraction(self) -> float | None:
-        """Fraction of tiles the last ``encode`` rotated (None before the first encode)."""
-        return None if self._last_rotated is None else float(self._last_rotated)
+        """``last_rotated`` as a Python float (None before the first encode); reading it waits for the device."""
+        rotated = self.last_rotated
+        return None if rotated is None else float(rotated)
 
     # ----- shape-only quantities (shared with the Triton path) --------------------------
     @staticmethod
     def _dims(shape) -> tuple[int, int, int]:
         if len(shape) != 3:
             raise CodecError(f"tah takes [s, b, h] tensors, got shape {tuple(shape)}")
-        return shape
+        return tuple(int(d) for d in shape)
 
     def low_units_per_group(self, shape) -> int:
         """Low-bit units per selection group: tokens per sample, or tiles per token."""
         s, _, h = self._dims(shape)
-        units = s if self.allocation == "token" else common.num_tiles(h, self.tile_size)
-        return int(math.floor(units * (1.0 - self.high_ratio) + 1e-9))
+        return geometry.tah_low_units_per_group(s, geometry.num_tiles(h, self.tile_size), self.high_ratio,
+                                                self.allocation)
 
     def tile_counts(self, shape) -> tuple[int, int, int]:
         """(all tiles, low-bit tiles, allocation units) for ``shape``."""
-        s, b, h = self._dims(shape)
-        n_tiles = common.num_tiles(h, self.tile_size)
-        total = s * b * n_tiles
-        if self.allocation == "token":
-            return total, self.low_units_per_group(shape) * b * n_tiles, s * b
-        return total, self.low_units_per_group(shape) * s * b, total
+        return geometry.tah_tile_counts(self._dims(shape), self.tile_size, self.high_ratio, self.allocation)
 
     def _sections(self, shape, dtype):
-        total, low, units = self.tile_counts(shape)
-        g = self.tile_size
-        return [
-            ("flags", common.flags_nbytes(units)),
-            ("scale", 2 * total),
-            ("zero", 2 * total),
-            ("meta", total),
-            ("high", common.packed_nbytes((total - low) * g, self.high_bits)),
-            ("low", common.packed_nbytes(low * g, self.low_bits)),
-        ]
+        return geometry.tah_sections(self._dims(shape), self.tile_size, self.high_bits, self.low_bits,
+                                     self.high_ratio, self.allocation)
+
+    def levels(self, low: bool) -> int:
+        return 2 ** (self.low_bits if low else self.high_bits) - 1
+
+    # ----- bit allocation (shared by both paths) -------------------------------------------
+    def unit_entropy(self, partials: torch.Tensor, shape) -> torch.Tensor:
+        """Entropy in bits per allocation unit from per-tile partial sums ``[2, tokens * n_tiles]`` (S, L)."""
+        s, b, h = shape
+        n_tiles = geometry.num_tiles(h, self.tile_size)
+        if self.allocation == "token":
+            per_token = partials.reshape(2, s * b, n_tiles)
+            pad = (1 << max(0, (n_tiles - 1).bit_length())) - n_tiles
+            if pad:
+                per_token = torch.nn.functional.pad(per_token, (0, pad))
+            partials = common.tree_sum(per_token)
+        total, weighted = partials[0], partials[1]
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        entropy = common.log2_approx(safe) - common.div_rn(weighted, safe)
+        return torch.where(total > 0, entropy, torch.zeros_like(entropy))
+
+    def select_low_units(self, entropy: torch.Tensor, shape) -> torch.Tensor:
+        """Bool per unit: the ``low_units_per_group`` lowest-entropy units of each group (stable: lower index
+        first; the highest-entropy ones with ``low_bits_for="high_entropy"``)."""
+        s, b, _ = shape
+        n_low = self.low_units_per_group(shape)
+        key = entropy if self.low_bits_for == "low_entropy" else -entropy
+        groups = key.reshape(s, b).t() if self.allocation == "token" else key.reshape(s * b, -1)
+        low = torch.zeros(groups.shape, dtype=torch.bool, device=entropy.device)
+        if n_low:
+            order = torch.sort(groups, dim=1, stable=True).indices[:, :n_low]
+            low.scatter_(1, order, True)
+        return low.t().reshape(-1) if self.allocation == "token" else low.reshape(-1)
+
+    def unit_tables(self, low: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 unit indices of the high-bit units and of the low-bit units, each in order.
+
+        Sort-free (two running counts and one scatter); with corrupt flags the tables are garbage
+        but every index stays in range.
+        """
+        total, n_low_tiles, units = self.tile_counts(shape)
+        n_low = n_low_tiles // (total // units)
+        low_i = low.to(torch.int32)
+        position = torch.where(low, torch.cumsum(low_i, 0, dtype=torch.int32) - 1 + (units - n_low),
+                               torch.cumsum(1 - low_i, 0, dtype=torch.int32) - 1)
+        table = torch.empty(units, dtype=torch.int32, device=low.device)
+        table.scatter_(0, position.clamp_(0, units - 1).long(),
+                       torch.arange(units, dtype=torch.int32, device=low.device))
+        return table[: units - n_low], table[units - n_low:]
 
     # ----- reference encode ---------------------------------------------------------
-    def allocate_low_bits(self, tiles: torch.Tensor, shape) -> torch.Tensor:
-        """Bool ``[tokens, n_tiles]``: which tiles get ``low_bits`` (fixed count per group)."""
-        s, b, h = shape
-        n_low = self.low_units_per_group(shape)
-        # Entropy over the real channels only: padding channels count as zero.
+    def tile_partials(self, tiles: torch.Tensor, h: int) -> torch.Tensor:
+        """Per tile: ``S = sum |x|`` and ``L = sum |x| log2 |x|`` (``[2, T]``), as the kernels compute them."""
         magnitude = tiles.abs()
         if h % self.tile_size:
             magnitude = magnitude.reshape(tiles.shape[0], -1)
-            magnitude[:, h:] = 0
+            magnitude[:, h:] = 0  # padding channels count as zero
             magnitude = magnitude.reshape(tiles.shape)
-        if self.allocation == "token":
-            p = magnitude.div_(magnitude.sum(dim=(1, 2), keepdim=True) + EPS)
-            entropy = -(p * (p + EPS).log_()).sum(dim=(1, 2)).reshape(s, b)
-            order = torch.sort(self.selection_key(entropy), dim=0, stable=True).indices[:n_low]
-            low_token = torch.zeros(s, b, dtype=torch.bool, device=tiles.device)
-            low_token.scatter_(0, order, True)
-            return low_token.reshape(-1, 1).expand(-1, tiles.shape[1])
-        p = magnitude / (magnitude.sum(dim=2, keepdim=True) + EPS)
-        entropy = -(p * torch.log(p + EPS)).sum(dim=2)
-        order = torch.sort(self.selection_key(entropy), dim=1, stable=True).indices[:, :n_low]
-        low = torch.zeros(entropy.shape, dtype=torch.bool, device=tiles.device)
-        return low.scatter_(1, order, True)
+        weighted = magnitude * common.log2_approx(magnitude)
+        return torch.stack([common.tree_sum(magnitude), common.tree_sum(weighted)]).reshape(2, -1)
 
-    def selection_key(self, entropy: torch.Tensor) -> torch.Tensor:
-        """Ascending order of this key picks the low-bit units: entropy, or -entropy when inverted."""
-        return entropy if self.low_bits_for == "low_entropy" else -entropy
+    def allocate_low_bits(self, tiles: torch.Tensor, shape) -> torch.Tensor:
+        """Bool ``[tokens, n_tiles]``: which tiles get ``low_bits`` (fixed count per group)."""
+        low = self.select_low_units(self.unit_entropy(self.tile_partials(tiles, shape[2]), shape), shape)
+        return low.reshape(-1, 1).expand(-1, tiles.shape[1]) if self.allocation == "token" else low.reshape(tiles.shape[:2])
 
-    def find_outliers(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rotate flag, pivot index) per tile; the pivot is 0 for tiles left unrotated."""
+    def find_outliers(self, tiles: torch.Tensor, bad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotate flag, pivot index) per tile; the pivot is 0 for tiles left unrotated. Bad tiles never rotate."""
+        shape = tiles.shape[:-1]
+        bad = torch.zeros(shape, dtype=torch.bool, device=tiles.device) if bad is None else bad
         if self.outlier_threshold == math.inf:
-            never = torch.zeros(tiles.shape[:-1], dtype=torch.bool, device=tiles.device)
+            never = torch.zeros(shape, dtype=torch.bool, device=tiles.device)
             return never, never.long()
-        magnitude = tiles.abs()
+        bits = tiles.abs().view(torch.int32)  # magnitudes ordered as their bits
+        a1 = bits.amax(dim=-1, keepdim=True)
+        is_max = bits == a1
         if self.outlier_threshold == 0:
-            return torch.ones(tiles.shape[:-1], dtype=torch.bool, device=tiles.device), magnitude.argmax(dim=-1)
-        # a1, a2 = topk(2): a2 is a1 again when the largest magnitude is tied, else the largest of the rest.
-        # (amax and compares instead of topk/argmax over every tile: several times faster on CPU.)
-        a1 = magnitude.amax(dim=-1, keepdim=True)
-        is_largest = magnitude == a1
-        a2 = torch.where(is_largest, -1.0, magnitude).amax(dim=-1)
-        a2 = torch.where(is_largest.sum(dim=-1) > 1, a1[..., 0], a2)
-        rotate = a1[..., 0] / (a2 + EPS) > self.outlier_threshold
+            rotate = ~bad
+        else:
+            # a2: the largest magnitude after the first maximum, i.e. a1 again on a tie. (amax and compares over
+            # every tile, argmax only over the rotated ones: several times faster on CPU than argmax everywhere.)
+            a2 = torch.where(is_max, 0, bits).amax(dim=-1)
+            a2 = torch.where(is_max.sum(dim=-1) > 1, a1[..., 0], a2)
+            a1f, a2f = a1[..., 0].view(torch.float32), a2.view(torch.float32)
+            rotate = ~bad & (a1f > (a2f + EPS) * self.outlier_threshold)
         pivot = torch.zeros(rotate.shape, dtype=torch.long, device=tiles.device)
         if rotate.any():
-            pivot[rotate] = magnitude[rotate].argmax(dim=-1)  # the first one on ties
+            pivot[rotate] = is_max[rotate].to(torch.uint8).argmax(dim=-1)  # the first maximum
         return rotate, pivot
 
     def _encode_torch(self, x, buf, layout):
         shape = self._dims(tuple(x.shape))
         tiles, bad = common.to_tiles(x, self.tile_size)
         low = self.allocate_low_bits(tiles, shape)
-        rotate, pivot = self.find_outliers(tiles)
+        rotate, pivot = self.find_outliers(tiles, bad)
         rotated = rotate_tiles(tiles, rotate, pivot)
-        levels = torch.where(low, 2**self.low_bits - 1, 2**self.high_bits - 1)
-        codes, scale, zero = common.quantize_tiles(rotated, levels, bad, self.rounding_noise(rotated))
-        self._last_rotated = rotate.float().mean()
+        levels = torch.where(low, self.levels(True), self.levels(False))
+        seed = self.rounding_noise.next_seed()
+        noise = None if seed is None else common.hash_uniform(seed, rotated.numel(), x.device).reshape(rotated.shape)
+        codes, scale, zero = common.quantize_tiles(rotated, levels, bad, noise)
+        self._rotated = (rotate.sum(), rotate.numel())
 
         flags = low[:, 0] if self.allocation == "token" else low
         layout.view(buf, "flags").copy_(common.pack_flags(flags))
-        layout.view(buf, "scale", torch.bfloat16).copy_(scale.reshape(-1))
-        layout.view(buf, "zero", torch.bfloat16).copy_(zero.reshape(-1))
+        layout.view(buf, "scale", torch.int16).copy_(scale.reshape(-1))
+        layout.view(buf, "zero", torch.int16).copy_(zero.reshape(-1))
         layout.view(buf, "meta").copy_((rotate.to(torch.uint8) << 7 | pivot.to(torch.uint8)).reshape(-1))
         layout.view(buf, "high").copy_(common.pack_bits(codes[~low], self.high_bits))
         layout.view(buf, "low").copy_(common.pack_bits(codes[low], self.low_bits))
 
+    # ----- decode: checks shared by both paths ----------------------------------------
+    def _read_flags(self, buf, shape, layout) -> torch.Tensor:
+        """Bool low flag per unit; a count other than the shape's is a corrupt buffer (raised now when
+        checks are ``"full"``, counted on the device when ``"deferred"``)."""
+        total, n_low, units = self.tile_counts(shape)
+        low = common.unpack_flags(layout.view(buf, "flags"), units)
+        flagged = low.sum() * (total // units)
+        if not self.device_check(flagged != n_low) and int(flagged) != n_low:
+            raise CodecError(f"corrupt tah buffer: {int(flagged)} low-bit tiles flagged, {n_low} expected")
+        return low
+
+    def _check_pivots(self, meta: torch.Tensor) -> None:
+        bad_pivot = (meta & 0x7F) >= self.tile_size
+        if not self.device_check(bad_pivot.any()) and bool(bad_pivot.any()):
+            raise CodecError(f"corrupt tah buffer: pivot index {int((meta & 0x7F).max())} outside a tile of "
+                             f"{self.tile_size}")
+
     # ----- reference decode ---------------------------------------------------------
-    def _decode_torch(self, buf, shape, dtype, layout):
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
         s, b, h = self._dims(shape)
         g = self.tile_size
-        n_tiles = common.num_tiles(h, g)
+        n_tiles = geometry.num_tiles(h, g)
         total, n_low, units = self.tile_counts(shape)
-        flags = common.unpack_flags(layout.view(buf, "flags"), units)
+        flags = self._read_flags(buf, shape, layout)
         low = flags.reshape(-1, 1).expand(-1, n_tiles) if self.allocation == "token" else flags.reshape(-1, n_tiles)
-        if int(low.sum()) != n_low:
-            raise CodecError(f"corrupt tah buffer: {int(low.sum())} low-bit tiles flagged, {n_low} expected")
-        codes = torch.empty(s * b, n_tiles, g, dtype=torch.uint8, device=buf.device)
-        codes[~low] = common.unpack_bits(layout.view(buf, "high"), self.high_bits, (total - n_low) * g).reshape(-1, g)
-        codes[low] = common.unpack_bits(layout.view(buf, "low"), self.low_bits, n_low * g).reshape(-1, g)
+        codes = torch.zeros(s * b, n_tiles, g, dtype=torch.uint8, device=buf.device)
+        high_codes = common.unpack_bits(layout.view(buf, "high"), self.high_bits, (total - n_low) * g)
+        low_codes = common.unpack_bits(layout.view(buf, "low"), self.low_bits, n_low * g)
+        if int(low.sum()) == n_low:  # (a corrupt count was raised or counted by _read_flags)
+            codes[~low] = high_codes.reshape(-1, g)
+            codes[low] = low_codes.reshape(-1, g)
         scale = layout.view(buf, "scale", torch.bfloat16).reshape(s * b, n_tiles)
         zero = layout.view(buf, "zero", torch.bfloat16).reshape(s * b, n_tiles)
         meta = layout.view(buf, "meta").reshape(s * b, n_tiles)
+        self._check_pivots(meta)
         rotate = (meta >> 7).bool()
-        pivot = (meta & 0x7F).long()
-        if int(pivot.max()) >= g:
-            raise CodecError(f"corrupt tah buffer: pivot index {int(pivot.max())} outside a tile of {g}")
+        pivot = (meta & (g - 1)).long()
         values = common.dequantize_tiles(codes, scale, zero)
-        return common.from_tiles(unrotate_tiles(values, rotate, pivot), shape, dtype)
+        values = common.from_tiles(unrotate_tiles(values, rotate, pivot), shape, dtype)
+        return values if out is None else out.copy_(values)
 
     # ----- fused Triton path (megatron_tah/kernels/tah.py) --------------------------
     def _encode_triton(self, x, buf, layout):
-        from ..kernels.common import philox_seed
-        from ..kernels.tah import triton_tah_encode
+        from ..kernels import tah as kernels
 
-        self._last_rotated = triton_tah_encode(self, x, buf, layout, seed=philox_seed(self.rounding_noise))
+        high_units, low_units = kernels.triton_tah_allocate(self, x, buf, layout)
+        rotated = kernels.triton_tah_encode(self, x, buf, layout, high_units, low_units,
+                                            seed=self.rounding_noise.next_seed())
+        self._rotated = (rotated, self.tile_counts(tuple(x.shape))[0])
 
-    def _decode_triton(self, buf, shape, dtype, layout):
-        from ..kernels.tah import triton_tah_decode
+    def _decode_triton(self, buf, shape, dtype, layout, out=None):
+        from ..kernels import tah as kernels
 
-        return triton_tah_decode(self, buf, shape, dtype, layout)
+        shape = self._dims(tuple(shape))
+        if self.checks == "full":  # raise now (a host sync); otherwise the kernels count corrupt flags and pivots
+            self._read_flags(buf, shape, layout)
+            self._check_pivots(layout.view(buf, "meta"))
+        error = self.deferred_errors(buf.device).count
+        high_units, low_units = kernels.triton_tah_tables(self, buf, shape, layout, error)
+        return kernels.triton_tah_decode(self, buf, shape, dtype, layout, high_units, low_units, error, out=out)
 
 
 def _swap_index(pivot: torch.Tensor, tile_size: int) -> torch.Tensor:
@@ -234,26 +306,23 @@ def _swap_index(pivot: torch.Tensor, tile_size: int) -> torch.Tensor:
 
 
 def rotate_tiles(tiles: torch.Tensor, rotate: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
-    """Pivot swap then ``H / sqrt(G)`` on the tiles flagged in ``rotate``; others unchanged."""
+    """Pivot swap then ``common.fwht`` on the tiles flagged in ``rotate``; others unchanged."""
     if not rotate.any():
         return tiles
     g = tiles.shape[-1]
-    picked = tiles[rotate]
     out = tiles.clone()
-    out[rotate] = picked.gather(-1, _swap_index(pivot[rotate], g)) @ common.hadamard_matrix(g, tiles.device)
+    out[rotate] = common.fwht(tiles[rotate].gather(-1, _swap_index(pivot[rotate], g)))
     return out
 
 
 def unrotate_tiles(tiles: torch.Tensor, rotate: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``rotate_tiles``: Hadamard again, then undo the swap."""
+    """Inverse of ``rotate_tiles``: ``common.fwht`` again, then undo the swap."""
     if not rotate.any():
         return tiles
     g = tiles.shape[-1]
-    picked = tiles[rotate] @ common.hadamard_matrix(g, tiles.device)
     out = tiles.clone()
-    out[rotate] = picked.gather(-1, _swap_index(pivot[rotate], g))
+    out[rotate] = common.fwht(tiles[rotate]).gather(-1, _swap_index(pivot[rotate], g))
     return out
 
 
 register_codec_id(TahCodec.codec_id, TahCodec.name)
-# REFERENCE COMPLETE

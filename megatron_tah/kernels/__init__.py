@@ -1,10 +1,13 @@
 """Fused Triton kernels behind the codecs' ``backend="triton"`` path.
 
-One module per codec (``fixedpoint``, ``tah``, ``fp8``), each exposing
-``triton_<codec>_encode`` / ``triton_<codec>_decode`` launchers that fill or
-read the same wire sections as the codec's torch reference (``codecs/``).
-Shared ``@triton.jit`` helpers (bf16 directed rounding, round half to even,
-the asymmetric tile quantizer, bit packing) live in ``common``.
+One module per codec (``fixedpoint``, ``tah`` with its bit allocation in ``tah_alloc``, ``fp8``),
+each exposing ``triton_<codec>_encode`` / ``triton_<codec>_decode`` launchers that fill or read
+the same wire sections, byte for byte, as the codec's torch reference (``codecs/``). Shared
+``@triton.jit`` helpers (the tile blocks, butterfly Hadamard, tree sums, directed rounding, the
+quantizer, bit packing) and the launch/recording machinery live in ``common``.
+
+Dependencies point one way: the kernels import only ``codecs.geometry`` (shapes and constants);
+the codecs import the kernels when they take the Triton path.
 
 Every module imports without Triton; its launchers then raise
 ``RuntimeError("... needs triton")``. Kernels run on CUDA tensors, or on CPU

@@ -1,104 +1,175 @@
 """Fused ``fixedpoint`` encode/decode: one pass over the input, one over the wire buffer.
 
-Each program takes ``BT`` whole tiles, computes min/max, the bf16 zero and
-scale, the codes, and packs them straight into the buffer's ``codes``
-section (wire format: ``codecs/fixedpoint.py``). Round to nearest gives the
-reference's bytes exactly. Stochastic rounding draws its uniform noise
-in-kernel (Philox, seeded per call by the caller), so its bytes differ from the
-torch reference's but follow the same distribution and decode the same way.
+Each program takes ``BT`` whole tiles as a ``[H, BT, C, 8]`` block (``common``), finds
+min and max, the bf16 zero and scale, the codes, and packs them straight into the
+buffer's ``codes`` section (wire format: ``codecs/fixedpoint.py``). Bytes are the torch
+reference's, round to nearest or stochastic (the same counter-based noise).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs.base import MAX_ABS_VALUE, WireLayout
+from ..codecs import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, bf16_nan_bits, cdiv, check_launch, num_warps_for,
-    tile_geometry, tiles_per_program, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
+    native_conversions, section, store_units, tl, triton,
 )
 
 if HAVE_TRITON:
     from .common import (
-        bf16_from_bits_kernel, dequantize_kernel, load_tiles_kernel, load_unpack_kernel, pack_store_kernel,
-        quantize_kernel, rounding_noise_kernel, store_scale_zero_kernel, store_tiles_kernel,
+        bcast_kernel, bf16_bits_kernel, bf16_from_bits_kernel, channels_kernel, hash_uniform_kernel,
+        load_fp32_kernel, load_groups_kernel, magnitude_bits_kernel, pack_groups_kernel, quant_params_kernel,
+        quantize_codes_kernel, store_groups_kernel, store_values_kernel, tile_ids_kernel, tile_max_kernel,
+        tile_min_kernel, unpack_groups_kernel,
     )
 
     @triton.jit
+    def load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G: tl.constexpr, H: tl.constexpr,
+                          C: tl.constexpr, EVEN: tl.constexpr, BF16_BITS: tl.constexpr, FLIP: tl.constexpr):
+        """fp32 ``[H, BT, C, 8]`` block of tiles ``t``, as ``common.to_tiles`` lays them out (bad values kept).
+
+        EVEN (``h % G == 0``): tiles are contiguous, every load a whole unmasked-by-column vector. Otherwise
+        the ragged last tile of a token repeats the token's last channel.
+        """
+        j = channels_kernel(H, C)
+        if EVEN:
+            v = load_fp32_kernel(x_ptr + bcast_kernel(t * G) + j, bcast_kernel(tmask) & (j >= 0), BF16_BITS, FLIP)
+        else:
+            token = t // tiles_per_token
+            col = bcast_kernel((t - token * tiles_per_token) * G) + j
+            row = token * h
+            valid = col < h
+            v = load_fp32_kernel(x_ptr + bcast_kernel(row) + col, bcast_kernel(tmask) & valid, BF16_BITS, FLIP)
+            last = load_fp32_kernel(x_ptr + row + h - 1, tmask, BF16_BITS)
+            v = tl.where(valid, v, bcast_kernel(last))
+        return v
+
+    @triton.jit
+    def store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G: tl.constexpr, H: tl.constexpr,
+                           C: tl.constexpr, EVEN: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
+                           FLIP: tl.constexpr):
+        """Write a decoded block to the output tensor, dropping padding (``common.from_tiles``)."""
+        j = channels_kernel(H, C)
+        if EVEN:
+            store_values_kernel(out_ptr + bcast_kernel(t * G) + j, v, bcast_kernel(tmask) & (j >= 0), OUT_KIND,
+                                NATIVE_BF16, FLIP)
+        else:
+            token = t // tiles_per_token
+            col = bcast_kernel((t - token * tiles_per_token) * G) + j
+            mask = bcast_kernel(tmask) & (col < h)
+            store_values_kernel(out_ptr + bcast_kernel(token * h) + col, v, mask, OUT_KIND, NATIVE_BF16, FLIP)
+
+    @triton.jit
+    def group_index_kernel(t, G: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
+        """Index of every group of 8 codes of a block, counted from tile 0 (``[H, BT, C]``)."""
+        h = tl.arange(0, H)[:, None, None]
+        c = tl.arange(0, C)[None, None, :]
+        return t[None, :, None] * (G // 8) + c * H + h
+
+    @triton.jit(do_not_specialize=["seed"])
     def fixedpoint_encode_kernel(
-        x_ptr, scale_ptr, zero_ptr, codes_ptr, n_tiles, h, tiles_per_token, seed, nan_bits,
-        G: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, STOCHASTIC: tl.constexpr,
-        MAX_ABS: tl.constexpr, BF16_BITS: tl.constexpr,
+        x_ptr, scale_ptr, zero_ptr, codes_ptr, n_tiles, h, tiles_per_token, seed,
+        G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
+        EVEN: tl.constexpr, INDEX64: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
+        MAX_BITS: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
-        v, bad = load_tiles_kernel(x_ptr, t, tmask, h, tiles_per_token, G, MAX_ABS, BF16_BITS)
+        v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
+        bad = tile_max_kernel(magnitude_bits_kernel(v)) > MAX_BITS
+        levels: tl.constexpr = (1 << BITS) - 1
+        scale, zero, inverse, flat = quant_params_kernel(tile_min_kernel(v), tile_max_kernel(v), levels, bad)
         noise = v
         if STOCHASTIC:
-            noise = rounding_noise_kernel(seed, t, G)
-        levels = tl.zeros([BT], dtype=tl.float32) + ((1 << BITS) - 1)
-        q, scale, zero = quantize_kernel(v, levels, noise, STOCHASTIC)
-        store_scale_zero_kernel(scale_ptr, zero_ptr, t, tmask, scale, zero, bad, nan_bits)
-        bits = tl.zeros([BT], dtype=tl.int64) + BITS
-        pack_store_kernel(codes_ptr, t * (G * BITS // 8), q, bits, tmask, G // 8)
+            noise = hash_uniform_kernel(bcast_kernel(t * G) + channels_kernel(H, C), seed)
+        q = quantize_codes_kernel(v, zero, inverse, flat, levels, noise, STOCHASTIC)
+        tl.store(scale_ptr + t, bf16_bits_kernel(scale).to(tl.int16), mask=tmask)
+        tl.store(zero_ptr + t, tl.where(bad, 0x7FC0, bf16_bits_kernel(zero)).to(tl.int16), mask=tmask)
+        lo, hi = pack_groups_kernel(q, BITS)
+        store_groups_kernel(codes_ptr, group_index_kernel(t, G, H, C), lo, hi,
+                            tl.broadcast_to(tmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
 
     @triton.jit
     def fixedpoint_decode_kernel(
         out_ptr, scale_ptr, zero_ptr, codes_ptr, n_tiles, h, tiles_per_token,
-        G: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, OUT_KIND: tl.constexpr,
+        G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
+        EVEN: tl.constexpr, INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
+        UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
         scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=tmask, other=0))
         zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=tmask, other=0))
-        bits = tl.zeros([BT], dtype=tl.int64) + BITS
-        codes = load_unpack_kernel(codes_ptr, t * (G * BITS // 8), bits, tmask, G // 8)
-        values = dequantize_kernel(codes, scale, zero)
-        store_tiles_kernel(out_ptr, values, t, tmask, h, tiles_per_token, G, OUT_KIND)
+        group = group_index_kernel(t, G, H, C)
+        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(tmask[None, :, None], group.shape), UNIT, NUNITS,
+                                    FLIP)
+        codes = unpack_groups_kernel(lo, hi, BITS)
+        v = codes.to(tl.float32) * bcast_kernel(scale) + bcast_kernel(zero)  # exact product: FMA-safe
+        store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G, H, C, EVEN, OUT_KIND, NATIVE_BF16, FLIP)
 
 else:  # pragma: no cover - without triton
     fixedpoint_encode_kernel = fixedpoint_decode_kernel = None
 
 
+def _common_args(shape, tile_size: int, nbytes: int):
+    h = int(shape[-1])
+    tiles_per_token = geometry.num_tiles(h, tile_size)
+    n_tiles = geometry.total_tiles(shape, tile_size)
+    index64 = index_is_64bit(n_tiles * tile_size, nbytes)
+    return h, tiles_per_token, n_tiles, index64
+
+
 def triton_fixedpoint_encode(
-    x: torch.Tensor, buf: torch.Tensor, layout: WireLayout, bits: int, tile_size: int,
-    seed: int | None = None, tiles_per_prog: int | None = None,
+    x: torch.Tensor, buf: torch.Tensor, layout, bits: int, tile_size: int,
+    seed: int | None = None, per_lane: int | None = None, tiles_per_prog: int | None = None,
 ) -> None:
     """Fill ``buf``'s ``scale``/``zero``/``codes`` sections from contiguous ``x``.
 
-    ``seed`` (an int) switches to stochastic rounding with in-kernel Philox noise;
-    ``None`` rounds to nearest (bytes identical to the torch reference).
+    ``seed`` (a uint32, from ``common.RoundingNoise``) switches to stochastic rounding; the
+    bytes are the reference's either way. ``per_lane``/``tiles_per_prog`` override the blocking.
     """
     check_launch(fixedpoint_encode_kernel, "triton_fixedpoint_encode", x, buf)
     if not x.is_contiguous():
         raise ValueError("triton_fixedpoint_encode needs a contiguous input")
-    h, tiles_per_token, n_tiles = tile_geometry(x.shape, tile_size)
-    bt = tiles_per_program(tile_size, fixedpoint_encode_kernel, tiles_per_prog)
+    h, tiles_per_token, n_tiles, index64 = _common_args(x.shape, tile_size, buf.numel())
+    blk = blocking(fixedpoint_encode_kernel, tile_size, per_lane, tiles_per_prog)
+    unit, nunits = store_units(bits)
     x_in, bf16_bits = as_kernel_input(x)
-    fixedpoint_encode_kernel[(cdiv(n_tiles, bt),)](
-        x_in, layout.view(buf, "scale", torch.int16), layout.view(buf, "zero", torch.int16),
-        layout.view(buf, "codes"),
-        n_tiles, h, tiles_per_token, 0 if seed is None else int(seed), bf16_nan_bits(x.device),
-        G=tile_size, BITS=bits, BT=bt, STOCHASTIC=seed is not None, MAX_ABS=MAX_ABS_VALUE, BF16_BITS=bf16_bits,
-        num_warps=num_warps_for(bt * tile_size),
+    launch(
+        f"fixedpoint_encode G{tile_size} b{bits}{' SR' if seed is not None else ''}",
+        fixedpoint_encode_kernel, (blk.programs(n_tiles),),
+        (x_in, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), section(buf, layout, "codes", unit),
+         n_tiles, h, tiles_per_token, 0 if seed is None else int(seed)),
+        dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
+             INDEX64=index64, STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+             UNIT=unit, NUNITS=nunits, FLIP=block_flip(), num_warps=blk.num_warps,
+             enable_fp_fusion=False),
+        blk.elements,
     )
 
 
 def triton_fixedpoint_decode(
-    buf: torch.Tensor, shape, dtype: torch.dtype, layout: WireLayout, bits: int, tile_size: int,
-    tiles_per_prog: int | None = None,
+    buf: torch.Tensor, shape, dtype: torch.dtype, layout, bits: int, tile_size: int,
+    out: torch.Tensor | None = None, per_lane: int | None = None, tiles_per_prog: int | None = None,
 ) -> torch.Tensor:
-    """Decode a ``fixedpoint`` buffer into a new tensor of ``shape``/``dtype`` on buf's device."""
+    """Decode a ``fixedpoint`` buffer into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
     check_launch(fixedpoint_decode_kernel, "triton_fixedpoint_decode", buf)
-    h, tiles_per_token, n_tiles = tile_geometry(shape, tile_size)
-    out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
-    bt = tiles_per_program(tile_size, fixedpoint_decode_kernel, tiles_per_prog)
+    if out is None:
+        out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
+    h, tiles_per_token, n_tiles, index64 = _common_args(shape, tile_size, buf.numel())
+    blk = blocking(fixedpoint_decode_kernel, tile_size, per_lane, tiles_per_prog)
+    unit, nunits = store_units(bits)
     out_view, out_kind = as_kernel_output(out)
-    fixedpoint_decode_kernel[(cdiv(n_tiles, bt),)](
-        out_view, layout.view(buf, "scale", torch.int16), layout.view(buf, "zero", torch.int16),
-        layout.view(buf, "codes"),
-        n_tiles, h, tiles_per_token,
-        G=tile_size, BITS=bits, BT=bt, OUT_KIND=out_kind,
-        num_warps=num_warps_for(bt * tile_size),
+    native_bf16, _ = native_conversions(fixedpoint_decode_kernel, buf.device)
+    launch(
+        f"fixedpoint_decode G{tile_size} b{bits} ->{str(dtype).removeprefix('torch.')}",
+        fixedpoint_decode_kernel, (blk.programs(n_tiles),),
+        (out_view, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2),
+         section(buf, layout, "codes", unit), n_tiles, h, tiles_per_token),
+        dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
+             INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16, UNIT=unit, NUNITS=nunits, FLIP=block_flip(),
+             num_warps=blk.num_warps),
+        blk.elements,
     )
     return out

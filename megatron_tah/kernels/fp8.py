@@ -1,30 +1,27 @@
 """Fused ``fp8`` (TACO-style E4M3) encode/decode; wire format in ``codecs/fp8.py``.
 
-One program handles ``BT`` groups: pre-scale, Hadamard (``tl.dot``), post-scale and
-the E4M3 cast in registers, then one write of codes and two fp32 scales per group.
-The E4M3 conversion is done on the fp32 bits (round to nearest even; inputs are
-already clamped to +-448), so it is the same on every GPU (no native fp8 type
-needed) and in the interpreter. The mean, hypot and Hadamard sum in another
-order than torch, so scales may differ from the reference by ulps and a code
-by one E4M3 step.
+One program handles ``BT`` groups as a ``[H, BT, C, 8]`` block (``common``): pre-scale (a
+pairwise tree sum of squares), the butterfly Hadamard, post-scale and the E4M3 cast in
+registers, then one write of codes and two fp32 scales per group. Every step is the torch
+reference's fp32 operation in the reference's order, so the bytes are the same. The E4M3
+conversion is the hardware's on sm_89 and later (round to nearest even after the clamp to
++-448, like torch's cast) and a bit-exact software version elsewhere and in the interpreter.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs.base import MAX_ABS_VALUE, WireLayout
-from ..codecs.fp8 import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS
+from ..codecs import geometry
 from .common import (
-    DOT_PRECISION, HAVE_TRITON, as_kernel_input, as_kernel_output, cdiv, check_launch, hadamard_entry,
-    num_warps_for, tile_geometry, tiles_per_program, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
+    native_conversions, tl, triton,
 )
-
-FP32_NAN_BITS = 0x7FC00000  # what torch writes for float("nan") in an fp32 tensor
 
 if HAVE_TRITON:
     from .common import (
-        hadamard_kernel, load_tiles_kernel, rint_kernel, store_tiles_kernel, tile_columns_kernel,
+        bcast_kernel, channels_kernel, fwht_kernel, load_block_raw_kernel, load_fp32_kernel, magnitude_bits_kernel,
+        store_block_raw_kernel, store_values_kernel, tile_ids_kernel, tile_max_kernel, tile_tree_sum_kernel,
     )
 
     @triton.jit
@@ -33,7 +30,7 @@ if HAVE_TRITON:
         sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
         a = tl.abs(v)
         # Subnormals (and zero): multiples of 2^-9; q = 8 is 2^-6, the smallest normal, same byte.
-        sub = rint_kernel(a * 512.0).to(tl.int32)
+        sub = ((a * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000)
         bits = a.to(tl.int32, bitcast=True)
         normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) >> 20) - ((127 - 7) << 3)
         code = tl.where(a < 0.015625, sub, normal)
@@ -51,96 +48,137 @@ if HAVE_TRITON:
 
     @triton.jit
     def hypot_kernel(a, b):
-        """``sqrt(a^2 + b^2)`` for ``a, b >= 0`` without overflow."""
+        """``codecs.fp8.hypot_reference``: ``sqrt(a^2 + b^2)`` for ``a, b >= 0`` without overflow."""
         big = tl.maximum(a, b)
         small = tl.minimum(a, b)
         ratio = tl.math.div_rn(small, tl.where(big > 0, big, 1.0))
         return big * tl.math.sqrt_rn(1.0 + ratio * ratio)
 
     @triton.jit
+    def group_offsets_kernel(t, h, groups_per_token, G: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                             EVEN: tl.constexpr):
+        """Element offsets of the groups' channels in the ``[..., h]`` tensor and their validity (padding)."""
+        j = channels_kernel(H, C)
+        if EVEN:
+            offsets = bcast_kernel(t * G) + j
+            valid = j >= 0
+        else:
+            token = t // groups_per_token
+            col = bcast_kernel((t - token * groups_per_token) * G) + j
+            offsets = bcast_kernel(token * h) + col
+            valid = col < h
+        return offsets, valid
+
+    @triton.jit
     def fp8_encode_kernel(
         x_ptr, pre_ptr, post_ptr, codes_ptr, n_groups, h, groups_per_token,
-        G: tl.constexpr, BT: tl.constexpr, BF16_BITS: tl.constexpr, MAX_ABS: tl.constexpr,
-        ENTRY: tl.constexpr, PRECISION: tl.constexpr, FMAX: tl.constexpr, RMS_FLOOR: tl.constexpr,
-        PRE_MIN: tl.constexpr, PRE_MAX: tl.constexpr, NAN_BITS: tl.constexpr,
+        G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
+        INDEX64: tl.constexpr, BF16_BITS: tl.constexpr, MAX_BITS: tl.constexpr, ENTRY: tl.constexpr,
+        FMAX: tl.constexpr, RMS_FLOOR: tl.constexpr, PRE_MIN: tl.constexpr, PRE_MAX: tl.constexpr,
+        HW_FP8: tl.constexpr, FLIP: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_groups
-        v, bad = load_tiles_kernel(x_ptr, t, tmask, h, groups_per_token, G, MAX_ABS, BF16_BITS)
-        _, col = tile_columns_kernel(t, groups_per_token, G)
-        x = tl.reshape(tl.where(col < h, v, 0.0), [BT, G])  # zero padding (not the repeated channel)
-        # Pre-scale: 448 / hypot(rms, 1e-3), rms = peak * sqrt(mean((x / peak)^2)), clamped.
-        peak = tl.max(tl.abs(x), axis=1)
+        offsets, valid = group_offsets_kernel(t, h, groups_per_token, G, H, C, EVEN)
+        x = load_fp32_kernel(x_ptr + offsets, bcast_kernel(tmask) & valid, BF16_BITS, FLIP)  # zero padding
+        peak_bits = tile_max_kernel(magnitude_bits_kernel(x))
+        bad = peak_bits > MAX_BITS
+        peak = peak_bits.to(tl.float32, bitcast=True)
         safe_peak = tl.where(peak > 0, peak, 1.0)
-        r = tl.math.div_rn(x, safe_peak[:, None])
-        rms = safe_peak * tl.math.sqrt_rn(tl.math.div_rn(tl.sum(r * r, axis=1), G * 1.0))
-        alpha = tl.math.div_rn(FMAX, hypot_kernel(rms, RMS_FLOOR))
+        r = x * bcast_kernel(tl.math.div_rn(1.0, safe_peak))
+        rms = safe_peak * tl.math.sqrt_rn(tile_tree_sum_kernel(r * r, H, BT, C) * (1.0 / G))
+        alpha = tl.math.div_rn(tl.full(rms.shape, FMAX, tl.float32), hypot_kernel(rms, RMS_FLOOR))
         alpha = tl.minimum(tl.maximum(alpha, PRE_MIN), PRE_MAX)
-        y = hadamard_kernel(x * alpha[:, None], G, ENTRY, PRECISION)
-        post = tl.math.div_rn(tl.max(tl.abs(y), axis=1), FMAX)
-        safe_post = tl.where(post > 0, post, 1.0)
-        scaled = tl.math.div_rn(y, safe_post[:, None])
+        y = fwht_kernel(x * bcast_kernel(alpha), H, BT, C, ENTRY)
+        post = tl.math.div_rn(tile_max_kernel(magnitude_bits_kernel(y)).to(tl.float32, bitcast=True), FMAX)
+        inverse = tl.math.div_rn(1.0, tl.where(post >= 1.1754943508222875e-38, post, 1.0))
+        scaled = y * bcast_kernel(inverse)
         scaled = tl.minimum(tl.maximum(scaled, -FMAX), FMAX)
-        alpha_bits = tl.where(bad, NAN_BITS, alpha.to(tl.int32, bitcast=True))
-        tl.store(pre_ptr + t, alpha_bits, mask=tmask)
-        tl.store(post_ptr + t, post, mask=tmask)
-        j = tl.arange(0, G)
-        tl.store(codes_ptr + t[:, None] * G + j[None, :], e4m3_bits_kernel(scaled).to(tl.uint8),
-                 mask=tmask[:, None])
+        if HW_FP8:
+            code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = e4m3_bits_kernel(scaled).to(tl.uint8)
+        code = tl.where(bcast_kernel(bad), 0, code)
+        tl.store(pre_ptr + t, tl.where(bad, 0x7FC00000, alpha.to(tl.int32, bitcast=True)), mask=tmask)
+        tl.store(post_ptr + t, tl.where(bad, 0.0, post), mask=tmask)
+        j = channels_kernel(H, C)
+        store_block_raw_kernel(codes_ptr + bcast_kernel(t * G) + j, code, bcast_kernel(tmask) & (j >= 0), FLIP)
 
     @triton.jit
     def fp8_decode_kernel(
         out_ptr, pre_ptr, post_ptr, codes_ptr, n_groups, h, groups_per_token,
-        G: tl.constexpr, BT: tl.constexpr, OUT_KIND: tl.constexpr, ENTRY: tl.constexpr, PRECISION: tl.constexpr,
+        G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
+        INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr, ENTRY: tl.constexpr,
+        HW_FP8: tl.constexpr, FLIP: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_groups
         alpha = tl.load(pre_ptr + t, mask=tmask, other=1.0)
         post = tl.load(post_ptr + t, mask=tmask, other=0.0)
-        j = tl.arange(0, G)
-        code = tl.load(codes_ptr + t[:, None] * G + j[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-        y = hadamard_kernel(e4m3_value_kernel(code) * post[:, None], G, ENTRY, PRECISION)
-        x = tl.math.div_rn(y, alpha[:, None])
-        store_tiles_kernel(out_ptr, tl.reshape(x, [BT, G // 8, 8]), t, tmask, h, groups_per_token, G, OUT_KIND)
+        j = channels_kernel(H, C)
+        raw = load_block_raw_kernel(codes_ptr + bcast_kernel(t * G) + j, bcast_kernel(tmask) & (j >= 0), 0, FLIP)
+        if HW_FP8:
+            q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            q = e4m3_value_kernel(raw.to(tl.int32))
+        y = fwht_kernel(q * bcast_kernel(post), H, BT, C, ENTRY)
+        x = y * bcast_kernel(tl.math.div_rn(1.0, alpha))
+        offsets, valid = group_offsets_kernel(t, h, groups_per_token, G, H, C, EVEN)
+        store_values_kernel(out_ptr + offsets, x, bcast_kernel(tmask) & valid, OUT_KIND, NATIVE_BF16, FLIP)
 
 else:  # pragma: no cover - without triton
     fp8_encode_kernel = fp8_decode_kernel = None
 
 
-def _block(group_size: int, kernel, groups_per_prog: int | None) -> int:
-    return max(16, tiles_per_program(group_size, kernel, groups_per_prog))  # tl.dot needs >= 16 rows
+def _common_args(shape, group_size: int, nbytes: int):
+    h = int(shape[-1])
+    n_groups = geometry.total_tiles(shape, group_size)
+    return h, geometry.num_tiles(h, group_size), n_groups, index_is_64bit(n_groups * group_size, nbytes)
 
 
-def triton_fp8_encode(x: torch.Tensor, buf: torch.Tensor, layout: WireLayout, group_size: int,
-                      groups_per_prog: int | None = None) -> None:
+def triton_fp8_encode(x: torch.Tensor, buf: torch.Tensor, layout, group_size: int,
+                      per_lane: int | None = None, groups_per_prog: int | None = None) -> None:
     """Fill ``buf``'s ``prescale``/``postscale``/``codes`` sections from contiguous ``x``."""
     check_launch(fp8_encode_kernel, "triton_fp8_encode", x, buf)
     if not x.is_contiguous():
         raise ValueError("triton_fp8_encode needs a contiguous input")
-    h, groups_per_token, n_groups = tile_geometry(x.shape, group_size)
-    bt = _block(group_size, fp8_encode_kernel, groups_per_prog)
+    h, groups_per_token, n_groups, index64 = _common_args(x.shape, group_size, buf.numel())
+    blk = blocking(fp8_encode_kernel, group_size, per_lane, groups_per_prog)
     x_in, bf16_bits = as_kernel_input(x)
-    fp8_encode_kernel[(cdiv(n_groups, bt),)](
-        x_in, layout.view(buf, "prescale", torch.int32), layout.view(buf, "postscale", torch.float32),
-        layout.view(buf, "codes"), n_groups, h, groups_per_token,
-        G=group_size, BT=bt, BF16_BITS=bf16_bits, MAX_ABS=MAX_ABS_VALUE, ENTRY=hadamard_entry(group_size),
-        PRECISION=DOT_PRECISION, FMAX=FP8_MAX, RMS_FLOOR=RMS_EPS, PRE_MIN=PRESCALE_MIN, PRE_MAX=PRESCALE_MAX,
-        NAN_BITS=FP32_NAN_BITS, num_warps=num_warps_for(bt * group_size),
+    _, hw_fp8 = native_conversions(fp8_encode_kernel, x.device)
+    launch(
+        f"fp8_encode G{group_size}", fp8_encode_kernel, (blk.programs(n_groups),),
+        (x_in, layout.view(buf, "prescale", torch.int32), layout.view(buf, "postscale", torch.float32),
+         layout.view(buf, "codes"), n_groups, h, groups_per_token),
+        dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
+             INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+             ENTRY=geometry.hadamard_entry(group_size), FMAX=geometry.FP8_MAX, RMS_FLOOR=geometry.RMS_EPS,
+             PRE_MIN=geometry.PRESCALE_MIN, PRE_MAX=geometry.PRESCALE_MAX, HW_FP8=hw_fp8, FLIP=block_flip(),
+             num_warps=blk.num_warps, enable_fp_fusion=False),
+        blk.elements,
     )
 
 
-def triton_fp8_decode(buf: torch.Tensor, shape, dtype: torch.dtype, layout: WireLayout, group_size: int,
+def triton_fp8_decode(buf: torch.Tensor, shape, dtype: torch.dtype, layout, group_size: int,
+                      out: torch.Tensor | None = None, per_lane: int | None = None,
                       groups_per_prog: int | None = None) -> torch.Tensor:
-    """Decode an ``fp8`` buffer into a new tensor of ``shape``/``dtype`` on buf's device."""
+    """Decode an ``fp8`` buffer into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
     check_launch(fp8_decode_kernel, "triton_fp8_decode", buf)
-    h, groups_per_token, n_groups = tile_geometry(shape, group_size)
-    out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
+    if out is None:
+        out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
+    h, groups_per_token, n_groups, index64 = _common_args(shape, group_size, buf.numel())
+    blk = blocking(fp8_decode_kernel, group_size, per_lane, groups_per_prog)
     out_view, out_kind = as_kernel_output(out)
-    bt = _block(group_size, fp8_decode_kernel, groups_per_prog)
-    fp8_decode_kernel[(cdiv(n_groups, bt),)](
-        out_view, layout.view(buf, "prescale", torch.float32), layout.view(buf, "postscale", torch.float32),
-        layout.view(buf, "codes"), n_groups, h, groups_per_token,
-        G=group_size, BT=bt, OUT_KIND=out_kind, ENTRY=hadamard_entry(group_size), PRECISION=DOT_PRECISION,
-        num_warps=num_warps_for(bt * group_size),
+    native_bf16, hw_fp8 = native_conversions(fp8_decode_kernel, buf.device)
+    launch(
+        f"fp8_decode G{group_size} ->{str(dtype).removeprefix('torch.')}", fp8_decode_kernel,
+        (blk.programs(n_groups),),
+        (out_view, layout.view(buf, "prescale", torch.float32), layout.view(buf, "postscale", torch.float32),
+         layout.view(buf, "codes"), n_groups, h, groups_per_token),
+        dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
+             INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16,
+             ENTRY=geometry.hadamard_entry(group_size), HW_FP8=hw_fp8, FLIP=block_flip(), num_warps=blk.num_warps,
+             enable_fp_fusion=False),
+        blk.elements,
     )
     return out

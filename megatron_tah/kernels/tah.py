@@ -1,285 +1,343 @@
-"""Fused ``tah`` (TAH-Quant) encode/decode; wire format in ``codecs/tah.py``.
+"""Fused ``tah`` (TAH-Quant) kernels; wire format and algorithm in ``codecs/tah.py``.
 
-Encode is two kernels with a small torch step between them:
+Encode (``TahCodec._encode_triton`` runs the steps):
 
-1. ``tah_entropy_kernel``: entropy of every allocation unit (token, or tile): two
-   passes over each unit (sum of magnitudes, then entropy; the second mostly from
-   cache), fp32 ``[units]`` scratch. Skipped when no unit gets the low bit width.
-2. torch: per-group stable sort of the entropies (the fixed-ratio selection of
-   low-bit units), the ``flags`` section, and an exclusive prefix count of low
-   units (int32 ``[units]``) that tells every tile where its codes go.
-3. ``tah_encode_kernel``: per tile, outlier test, pivot swap, Hadamard (``tl.dot``
-   with the ``+-1/sqrt(G)`` matrix built in registers), asymmetric quantization
-   and bit packing straight into the ``high`` or ``low`` section.
+1. ``tah_partials_kernel``: per tile, ``S = sum |x|`` and ``L = sum |x| log2 |x|`` (pairwise
+   trees, ``common.log2_approx``): the input's first read. Skipped when no unit gets the low width.
+2. torch, on the device (shared with the reference, no host sync): each unit's entropy from the
+   partials, the fixed-ratio selection, the ``flags`` section, and the tables of high- and
+   low-bit units in order.
+3. ``tah_encode_kernel``, once per bit width over that width's tiles in wire order: outlier test,
+   pivot swap (the two swapped values reloaded from L1), butterfly Hadamard, quantization and
+   packing straight into the ``high`` or ``low`` section, plus scale, zero and meta. The
+   input's second read; the codes are written once, contiguously.
 
-Decode reads the flags back the same way and runs ``tah_decode_kernel``
-(unpack, dequantize, Hadamard, swap back). Quantization and packing are the
-reference's exact fp32 operations; the entropy and the Hadamard sum in another
-order than torch, so rotated tiles may differ from the reference by an ulp before
-quantization (a code may then move by one step).
+Decode reads the flags, builds the same tables and runs ``tah_decode_kernel`` once per width
+(unpack, dequantize, butterfly Hadamard, write); a rotated tile's two swapped elements are then
+exchanged in the output (after a barrier, from L1/L2). Every fp32 operation is the torch
+reference's, in its order: the bytes are identical.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..codecs import common as ref_common
-from ..codecs.base import MAX_ABS_VALUE, CodecError, WireLayout
-from ..codecs.tah import EPS
+from ..codecs import geometry
+from . import tah_alloc
 from .common import (
-    DOT_PRECISION, HAVE_TRITON, as_kernel_input, as_kernel_output, bf16_nan_bits, cdiv, check_launch,
-    hadamard_entry, num_warps_for, tiles_per_program, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
+    native_conversions, section, store_units, tl, triton,
 )
 
 if HAVE_TRITON:
     from .common import (
-        bf16_from_bits_kernel, dequantize_kernel, hadamard_kernel, load_as_fp32_kernel, load_tiles_kernel,
-        load_unpack_kernel, pack_store_kernel, quantize_kernel, rounding_noise_kernel, store_scale_zero_kernel,
-        store_tiles_kernel,
+        bcast_kernel, bf16_bits_kernel, bf16_from_bits_kernel, channels_kernel, fwht_kernel, hash_uniform_kernel,
+        load_fp32_kernel, load_groups_kernel, log2_approx_kernel, magnitude_bits_kernel, pack_groups_kernel,
+        quant_params_kernel, quantize_codes_kernel, store_groups_kernel, store_values_kernel, tile_ids_kernel,
+        tile_max_kernel, tile_min_kernel, tile_tree_sum_kernel, unpack_groups_kernel,
     )
+    from .fixedpoint import group_index_kernel, load_block_kernel
+    from .tah_alloc import entropy_kernel
 
     @triton.jit
-    def swap_kernel(x, pivot, G: tl.constexpr):
-        """Swap element 0 and element ``pivot[BT]`` of every row of ``x [BT, G]`` (exact, an involution).
-
-        An element is picked by summing it with ``-0.0`` fillers: exact for every value, -0.0 and NaN
-        included (a max-reduction would drop NaN on the GPU).
-        """
-        j = tl.arange(0, G)[None, :]
-        first = tl.sum(tl.where(j == 0, x, -0.0), axis=1)
-        at_pivot = tl.sum(tl.where(j == pivot[:, None], x, -0.0), axis=1)
-        return tl.where(j == 0, at_pivot[:, None], tl.where(j == pivot[:, None], first[:, None], x))
-
-    @triton.jit
-    def magnitudes_kernel(x_ptr, base, cols, rmask, limit, BF16_BITS: tl.constexpr, MAX_ABS: tl.constexpr):
-        """``|x|`` at ``base[R] + cols[1, C]`` for columns below ``limit[R]``; 0 elsewhere and for bad elements."""
-        mask = rmask[:, None] & (cols < limit[:, None])
-        v = load_as_fp32_kernel(x_ptr + base[:, None] + cols, mask, BF16_BITS)
-        m = tl.abs(v)
-        return tl.where((m > MAX_ABS) | (v != v), 0.0, m)
-
-    @triton.jit
-    def tah_entropy_kernel(
-        x_ptr, ent_ptr, n_rows, h, rows_per_token, row_len,
-        TR: tl.constexpr, CH: tl.constexpr, STEPS: tl.constexpr, BF16_BITS: tl.constexpr, MAX_ABS: tl.constexpr,
-        EPSILON: tl.constexpr,
+    def tah_partials_kernel(
+        x_ptr, out_ptr, n_tiles, h, tiles_per_token,
+        G: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr,
+        INDEX64: tl.constexpr, BF16_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+        C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
+        FLIP: tl.constexpr, ENTROPY: tl.constexpr,
     ):
-        """Entropy of ``TR`` rows (tokens, or tiles of ``row_len`` channels) per program, ``CH`` channels a step.
-
-        ``STEPS = ceil(row_len / CH)`` is a compile-time constant (Triton 3.6's interpreter cannot loop to
-        a runtime bound).
-        """
-        r = tl.program_id(0).to(tl.int64) * TR + tl.arange(0, TR)
-        rmask = r < n_rows
-        token = r // rows_per_token
-        start = (r % rows_per_token) * row_len
-        limit = tl.minimum(h - start, row_len)
-        base = token * h + start
-        c = tl.arange(0, CH)[None, :]
-        total = tl.zeros([TR], dtype=tl.float32)
-        for step in range(STEPS):
-            m = magnitudes_kernel(x_ptr, base, step * CH + c, rmask, limit, BF16_BITS, MAX_ABS)
-            total += tl.sum(m, axis=1)
-        denom = total + EPSILON
-        ent = tl.zeros([TR], dtype=tl.float32)
-        for step in range(STEPS):
-            m = magnitudes_kernel(x_ptr, base, step * CH + c, rmask, limit, BF16_BITS, MAX_ABS)
-            p = tl.math.div_rn(m, denom[:, None])
-            ent += tl.sum(p * tl.log(p + EPSILON), axis=1)
-        tl.store(ent_ptr + r, -ent, mask=rmask)
-
-    @triton.jit
-    def tile_ranks_kernel(t, tmask, low_ptr, before_ptr, tiles_per_unit):
-        """Per tile: low flag, and its index among the high-bit and among the low-bit tiles."""
-        unit = t // tiles_per_unit
-        sub = t % tiles_per_unit
-        low = tl.load(low_ptr + unit, mask=tmask, other=0) != 0
-        before = tl.load(before_ptr + unit, mask=tmask, other=0).to(tl.int64)
-        low_rank = before * tiles_per_unit + sub
-        high_rank = (unit - before) * tiles_per_unit + sub
-        return low, low_rank, high_rank
-
-    @triton.jit
-    def tah_encode_kernel(
-        x_ptr, buf_ptr, scale_ptr, zero_ptr, meta_ptr, low_ptr, before_ptr,
-        n_tiles, h, tiles_per_token, tiles_per_unit, high_start, low_start, tau, seed, nan_bits,
-        G: tl.constexpr, HIGH_BITS: tl.constexpr, LOW_BITS: tl.constexpr, BT: tl.constexpr,
-        ALWAYS_ROTATE: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
-        MAX_ABS: tl.constexpr, EPSILON: tl.constexpr, ENTRY: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        """``TahCodec.tile_partials``: (S, L) of every tile into ``out[0, t]``, ``out[1, t]``; or, with
+        ENTROPY (tile allocation: a tile is its own unit), the tile's entropy into ``out[t]``."""
+        t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
-        v, bad = load_tiles_kernel(x_ptr, t, tmask, h, tiles_per_token, G, MAX_ABS, BF16_BITS)
-        x = tl.reshape(v, [BT, G])
-        # Outlier test: |a1| / (|a2| + eps), a2 the largest magnitude after removing the first maximum.
-        j = tl.arange(0, G)[None, :]
-        mag = tl.abs(x)
-        a1 = tl.max(mag, axis=1)
-        pivot = tl.min(tl.where(mag == a1[:, None], j, G), axis=1)
-        a2 = tl.max(tl.where(j == pivot[:, None], -1.0, mag), axis=1)
-        if ALWAYS_ROTATE:
-            rotate = a1 == a1
+        v = load_block_kernel(x_ptr, t, tmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
+        bits = magnitude_bits_kernel(v)
+        m = tl.where(bits > MAX_BITS, 0, bits).to(tl.float32, bitcast=True)  # bad values count as 0
+        if not EVEN:  # padding channels too
+            token = t // tiles_per_token
+            col = bcast_kernel((t - token * tiles_per_token) * G) + channels_kernel(H, C)
+            m = tl.where(col < h, m, 0.0)
+        weighted = m * log2_approx_kernel(m, C1, C2, C3, C4, C5)
+        total = tile_tree_sum_kernel(m, H, BT, C)
+        weighted = tile_tree_sum_kernel(weighted, H, BT, C)
+        if ENTROPY:
+            tl.store(out_ptr + t, entropy_kernel(total, weighted, C1, C2, C3, C4, C5), mask=tmask)
         else:
-            rotate = tl.math.div_rn(a1, a2 + EPSILON) > tau
-        pivot = tl.where(rotate, pivot, 0)
-        rotated = hadamard_kernel(swap_kernel(x, pivot, G), G, ENTRY, PRECISION)
-        x = tl.where(rotate[:, None], rotated, x)
-        v = tl.reshape(x, [BT, G // 8, 8])
+            tl.store(out_ptr + t, total, mask=tmask)
+            tl.store(out_ptr + n_tiles + t, weighted, mask=tmask)
 
-        low, low_rank, high_rank = tile_ranks_kernel(t, tmask, low_ptr, before_ptr, tiles_per_unit)
-        levels = tl.where(low, (1 << LOW_BITS) - 1, (1 << HIGH_BITS) - 1).to(tl.float32)
+    @triton.jit
+    def tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64: tl.constexpr):
+        """Tile index of the ``r``-th tile of one bit width (wire order): tile ``r % tpu`` of unit ``table[r // tpu]``.
+
+        The unit is clamped to ``[0, n_units)``: tables built from corrupt flags stay inside the tensor.
+        """
+        unit = r // tiles_per_unit
+        u = tl.load(table_ptr + unit, mask=rmask, other=0)
+        u = tl.minimum(tl.maximum(u, 0), n_units - 1)
+        if INDEX64:
+            u = u.to(tl.int64)
+        return u * tiles_per_unit + (r - unit * tiles_per_unit)
+
+    @triton.jit(do_not_specialize=["seed"])
+    def tah_encode_kernel(
+        x_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr, rotated_ptr,
+        n_rank, h, tiles_per_token, tiles_per_unit, n_units, first_slot, seed,
+        G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
+        EVEN: tl.constexpr, INDEX64: tl.constexpr, STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr,
+        MAX_BITS: tl.constexpr, TAU: tl.constexpr, EPSILON: tl.constexpr, ALWAYS: tl.constexpr,
+        NEVER: tl.constexpr, ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr,
+    ):
+        r = tile_ids_kernel(BT, INDEX64)  # rank among this width's tiles = position in its section
+        rmask = r < n_rank
+        t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64)
+        v = load_block_kernel(x_ptr, t, rmask, h, tiles_per_token, G, H, C, EVEN, BF16_BITS, FLIP)
+        j = channels_kernel(H, C)
+        bits = magnitude_bits_kernel(v)
+        top = tile_max_kernel(bits)
+        bad = top > MAX_BITS
+        if NEVER:
+            rotate = bad & False
+            pivot = top * 0
+        else:
+            pivot = tile_min_kernel(tl.where(bits == bcast_kernel(top), j, G))  # the first maximum
+            if ALWAYS:
+                rotate = ~bad
+            else:
+                second = tile_max_kernel(tl.where(j == bcast_kernel(pivot), 0, bits))  # top again on a tie
+                a1 = top.to(tl.float32, bitcast=True)
+                a2 = second.to(tl.float32, bitcast=True)
+                rotate = (~bad) & (a1 > (a2 + EPSILON) * TAU)
+            rotate = rotate & rmask
+            pivot = tl.where(rotate, pivot, 0)
+            # Swap element 0 and the pivot: both reloaded (from L1) at their place in the input.
+            if EVEN:
+                start = t * G
+            else:
+                token = t // tiles_per_token
+                start = token * h + (t - token * tiles_per_token) * G
+            first = load_fp32_kernel(x_ptr + start, rotate, BF16_BITS)
+            at_pivot = load_fp32_kernel(x_ptr + start + pivot, rotate, BF16_BITS)
+            swapped = tl.where(j == 0, bcast_kernel(at_pivot), tl.where(j == bcast_kernel(pivot), bcast_kernel(first), v))
+            v = tl.where(bcast_kernel(rotate), fwht_kernel(swapped, H, BT, C, ENTRY), v)
+        # Rotated tiles of this program in its own slot (summed when the statistic is read: no atomics).
+        tl.store(rotated_ptr + first_slot + tl.program_id(0), tl.sum(rotate.to(tl.int32), axis=0))
+        levels: tl.constexpr = (1 << BITS) - 1
+        scale, zero, inverse, flat = quant_params_kernel(tile_min_kernel(v), tile_max_kernel(v), levels, bad)
         noise = v
         if STOCHASTIC:
-            noise = rounding_noise_kernel(seed, t, G)
-        q, scale, zero = quantize_kernel(v, levels, noise, STOCHASTIC)
-        store_scale_zero_kernel(scale_ptr, zero_ptr, t, tmask, scale, zero, bad, nan_bits)
-        meta = (rotate.to(tl.int32) << 7) | pivot.to(tl.int32)
-        tl.store(meta_ptr + t, meta.to(tl.uint8), mask=tmask)
-        bits = tl.where(low, LOW_BITS, HIGH_BITS)
-        byte_off = tl.where(low, low_start + low_rank * (G * LOW_BITS // 8),
-                            high_start + high_rank * (G * HIGH_BITS // 8))
-        pack_store_kernel(buf_ptr, byte_off, q, bits, tmask, G // 8)
+            noise = hash_uniform_kernel(bcast_kernel(t * G) + j, seed)
+        q = quantize_codes_kernel(v, zero, inverse, flat, levels, noise, STOCHASTIC)
+        tl.store(scale_ptr + t, bf16_bits_kernel(scale).to(tl.int16), mask=rmask)
+        tl.store(zero_ptr + t, tl.where(bad, 0x7FC0, bf16_bits_kernel(zero)).to(tl.int16), mask=rmask)
+        tl.store(meta_ptr + t, ((rotate.to(tl.int32) << 7) | pivot).to(tl.uint8), mask=rmask)
+        lo, hi = pack_groups_kernel(q, BITS)
+        store_groups_kernel(codes_ptr, group_index_kernel(r, G, H, C), lo, hi,
+                            tl.broadcast_to(rmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
 
     @triton.jit
     def tah_decode_kernel(
-        out_ptr, buf_ptr, scale_ptr, zero_ptr, meta_ptr, low_ptr, before_ptr,
-        n_tiles, h, tiles_per_token, tiles_per_unit, high_start, low_start,
-        G: tl.constexpr, HIGH_BITS: tl.constexpr, LOW_BITS: tl.constexpr, BT: tl.constexpr,
-        OUT_KIND: tl.constexpr, ENTRY: tl.constexpr, PRECISION: tl.constexpr,
+        out_ptr, scale_ptr, zero_ptr, meta_ptr, codes_ptr, table_ptr, error_ptr,
+        n_rank, h, tiles_per_token, tiles_per_unit, n_units,
+        G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
+        EVEN: tl.constexpr, INDEX64: tl.constexpr, OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr,
+        ENTRY: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, ROTATES: tl.constexpr, FLIP: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-        tmask = t < n_tiles
-        low, low_rank, high_rank = tile_ranks_kernel(t, tmask, low_ptr, before_ptr, tiles_per_unit)
-        bits = tl.where(low, LOW_BITS, HIGH_BITS)
-        byte_off = tl.where(low, low_start + low_rank * (G * LOW_BITS // 8),
-                            high_start + high_rank * (G * HIGH_BITS // 8))
-        codes = load_unpack_kernel(buf_ptr, byte_off, bits, tmask, G // 8)
-        scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=tmask, other=0))
-        zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=tmask, other=0))
-        meta = tl.load(meta_ptr + t, mask=tmask, other=0).to(tl.int32)
-        rotate = (meta >> 7) != 0
-        pivot = meta & (G - 1)
-        x = tl.reshape(dequantize_kernel(codes, scale, zero), [BT, G])
-        back = swap_kernel(hadamard_kernel(x, G, ENTRY, PRECISION), pivot, G)
-        x = tl.where(rotate[:, None], back, x)
-        store_tiles_kernel(out_ptr, tl.reshape(x, [BT, G // 8, 8]), t, tmask, h, tiles_per_token, G, OUT_KIND)
+        r = tile_ids_kernel(BT, INDEX64)
+        rmask = r < n_rank
+        t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64)
+        scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=rmask, other=0))
+        zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=rmask, other=0))
+        group = group_index_kernel(r, G, H, C)
+        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(rmask[None, :, None], group.shape), UNIT, NUNITS,
+                                    FLIP)
+        codes = unpack_groups_kernel(lo, hi, BITS)
+        v = tl.fma(codes.to(tl.float32), bcast_kernel(scale), bcast_kernel(zero))  # exact product
+        j = channels_kernel(H, C)
+        if EVEN:
+            start = t * G
+            valid = j >= 0
+            limit = t * 0 + G
+        else:
+            token = t // tiles_per_token
+            col0 = (t - token * tiles_per_token) * G
+            start = token * h + col0
+            valid = bcast_kernel(col0) + j < h
+            limit = h - col0
+        if ROTATES:
+            meta = tl.load(meta_ptr + t, mask=rmask, other=0).to(tl.int32)
+            rotate = (meta >> 7) != 0
+            pivot = meta & (G - 1)
+            corrupt = tl.sum(((meta & 0x7F) >= G).to(tl.int32), axis=0)  # pivots outside the tile
+            tl.atomic_add(error_ptr, corrupt, mask=corrupt > 0)
+            v = tl.where(bcast_kernel(rotate), fwht_kernel(v, H, BT, C, ENTRY), v)
+        store_values_kernel(out_ptr + bcast_kernel(start) + j, v, bcast_kernel(rmask) & valid, OUT_KIND, NATIVE_BF16,
+                            FLIP)
+        if ROTATES:
+            # Undo the pivot swap in the output: elements 0 and ``pivot`` of every rotated tile.
+            tl.debug_barrier()
+            swap = rmask & rotate & (pivot > 0) & (pivot < limit)
+            first = tl.load(out_ptr + start, mask=swap)
+            at_pivot = tl.load(out_ptr + start + pivot, mask=swap)
+            tl.store(out_ptr + start, at_pivot, mask=swap)
+            tl.store(out_ptr + start + pivot, first, mask=swap)
 
 else:  # pragma: no cover - without triton
-    tah_entropy_kernel = tah_encode_kernel = tah_decode_kernel = None
+    tah_partials_kernel = tah_encode_kernel = tah_decode_kernel = None
 
 
-def _unit_geometry(codec, shape) -> tuple[int, int, int, int]:
-    """(tiles per token, all tiles, allocation units, tiles per unit)."""
-    s, b, h = codec._dims(tuple(shape))
-    tiles_per_token = ref_common.num_tiles(h, codec.tile_size)
-    total, _, units = codec.tile_counts(shape)
-    return tiles_per_token, total, units, tiles_per_token if codec.allocation == "token" else 1
+def _widest(tile_size: int) -> int:
+    """Channels per lane by default: a whole tile up to G=64; at G=128 a lane holding 64 channels would keep
+    two copies (the tile and its rotation) plus the butterflies' temporaries live: ~255 registers."""
+    return 64 if tile_size <= 64 else 32
 
 
-def _tile_block(codec, kernel, tiles_per_prog):
-    # tl.dot needs at least 16 rows.
-    return max(16, tiles_per_program(codec.tile_size, kernel, tiles_per_prog))
+def _geometry(codec, shape, nbytes: int):
+    s, b, h = shape
+    tiles_per_token = geometry.num_tiles(h, codec.tile_size)
+    total, n_low, units = codec.tile_counts(shape)
+    index64 = index_is_64bit(total * codec.tile_size, nbytes)
+    return h, tiles_per_token, total, n_low, total // units, units, index64
 
 
-def triton_tah_entropy(codec, x: torch.Tensor, rows_per_prog: int | None = None) -> torch.Tensor:
-    """fp32 entropy per allocation unit of ``x`` (``[s*b]`` tokens or ``[s*b*n_tiles]`` tiles)."""
-    check_launch(tah_entropy_kernel, "triton_tah_entropy", x)
-    s, b, h = x.shape
-    tiles_per_token, total, units, _ = _unit_geometry(codec, x.shape)
-    if codec.allocation == "token":
-        rows_per_token, row_len = 1, h
-    else:
-        rows_per_token, row_len = tiles_per_token, codec.tile_size
-    chunk = min(triton.next_power_of_2(row_len), 1024)
-    rows = tiles_per_program(chunk, tah_entropy_kernel, rows_per_prog)  # rows of one chunk, like tiles
-    ent = torch.empty(units, dtype=torch.float32, device=x.device)
+def triton_tah_partials(x: torch.Tensor, tile_size: int, entropy: bool = False, per_lane: int | None = None,
+                        tiles_per_prog: int | None = None) -> torch.Tensor:
+    """fp32 ``[2, T]``: ``S = sum |x|`` and ``L = sum |x| log2 |x|`` of every tile of contiguous ``[s, b, h]`` ``x``;
+    with ``entropy``, fp32 ``[T]``: each tile's entropy (``TahCodec.unit_entropy`` with tile allocation)."""
+    check_launch(tah_partials_kernel, "triton_tah_partials", x)
+    h = int(x.shape[-1])
+    n_tiles = geometry.total_tiles(x.shape, tile_size)
+    out = torch.empty((n_tiles,) if entropy else (2, n_tiles), dtype=torch.float32, device=x.device)
+    blk = blocking(tah_partials_kernel, tile_size, per_lane, tiles_per_prog)
     x_in, bf16_bits = as_kernel_input(x)
-    tah_entropy_kernel[(cdiv(units, rows),)](
-        x_in, ent, units, h, rows_per_token, row_len,
-        TR=rows, CH=chunk, STEPS=cdiv(row_len, chunk), BF16_BITS=bf16_bits, MAX_ABS=MAX_ABS_VALUE, EPSILON=EPS,
-        num_warps=num_warps_for(rows * chunk),
+    c1, c2, c3, c4, c5 = geometry.LOG2_POLY
+    launch(
+        f"tah_partials G{tile_size}{' entropy' if entropy else ''}", tah_partials_kernel, (blk.programs(n_tiles),),
+        (x_in, out, n_tiles, h, geometry.num_tiles(h, tile_size)),
+        dict(G=tile_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
+             INDEX64=index_is_64bit(n_tiles * tile_size), BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+             C1=c1, C2=c2, C3=c3, C4=c4, C5=c5, FLIP=block_flip(), ENTROPY=entropy, num_warps=blk.num_warps,
+             enable_fp_fusion=False),
+        blk.elements,
     )
-    return ent
+    return out
 
 
-def select_low_units(codec, entropy: torch.Tensor, shape) -> torch.Tensor:
-    """Bool per unit: the ``low_units_per_group`` lowest-entropy units of each group (stable: lower index first;
-    the highest-entropy ones with ``low_bits_for="high_entropy"``)."""
-    s, b, _ = shape
+def flag_words(buf: torch.Tensor, layout) -> torch.Tensor:
+    """The ``flags`` section and its zero padding as int32 words (sections start 8-byte aligned)."""
+    start, size = layout.offsets["flags"]
+    return buf[start: start + -(-size // 4) * 4].view(torch.int32)
+
+
+def triton_tah_allocate(codec, x: torch.Tensor, buf: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit allocation of ``x`` on the device: writes the ``flags`` section and returns the int32 tables
+    of high- and low-bit units in order (``TahCodec.unit_tables``)."""
+    shape = tuple(x.shape)
+    s, b, h = shape
+    g = codec.tile_size
+    tiles_per_token = geometry.num_tiles(h, g)
+    total, n_low_tiles, units = codec.tile_counts(shape)
     n_low = codec.low_units_per_group(shape)
-    groups = entropy.reshape(s, b).t() if codec.allocation == "token" else entropy.reshape(s * b, -1)
-    order = torch.sort(codec.selection_key(groups), dim=1, stable=True).indices[:, :n_low]
-    low = torch.zeros(groups.shape, dtype=torch.bool, device=entropy.device).scatter_(1, order, True)
-    return low.t().reshape(-1) if codec.allocation == "token" else low.reshape(-1)
+    invert = codec.low_bits_for == "high_entropy"
+    flags = layout.view(buf, "flags")
+    if codec.allocation == "token":
+        if n_low:
+            entropy = tah_alloc.token_entropy(triton_tah_partials(x, g), s * b, tiles_per_token)
+            low = tah_alloc.rank_low(entropy, b, s, n_low, 1, b, invert)
+        else:
+            low = torch.zeros(units, dtype=torch.uint8, device=x.device)
+        return tah_alloc.unit_tables(low, flags, shape, g, "token", n_low * b)
+    if n_low:
+        entropy = triton_tah_partials(x, g, entropy=True)
+        low = tah_alloc.rank_low(entropy, s * b, tiles_per_token, n_low, tiles_per_token, 1, invert)
+    else:
+        low = torch.zeros(units, dtype=torch.uint8, device=x.device)
+    return tah_alloc.unit_tables(low, flag_words(buf, layout), shape, g, "tile", n_low_tiles)
 
 
-def _low_counts(low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(low flag as uint8, number of low units before each unit as int32)."""
-    low_u8 = low.to(torch.uint8)
-    before = torch.cumsum(low_u8, 0, dtype=torch.int32) - low_u8
-    return low_u8, before
+def triton_tah_tables(codec, buf: torch.Tensor, shape, layout, error: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit tables from a buffer's ``flags`` section; corrupt flags add to ``error`` (int32, 0-d)."""
+    total, n_low_tiles, units = codec.tile_counts(shape)
+    n_low = n_low_tiles if codec.allocation == "tile" else n_low_tiles // (total // units)
+    return tah_alloc.unit_tables(None, layout.view(buf, "flags"), shape, codec.tile_size, codec.allocation, n_low,
+                                 error=error)
 
 
-def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout: WireLayout, seed: int | None = None,
-                      tiles_per_prog: int | None = None, rows_per_prog: int | None = None) -> torch.Tensor:
-    """Fill ``buf``'s sections from contiguous ``[s, b, h]`` ``x`` for ``codec`` (a ``TahCodec``).
+def _widths(codec, total: int, n_low: int, high_units, low_units):
+    """(bits, section, tiles, table, label) for each bit width that has tiles."""
+    widths = [(codec.high_bits, "high", total - n_low, high_units, "high"),
+              (codec.low_bits, "low", n_low, low_units, "low")]
+    return [w for w in widths if w[2] > 0]
 
-    Returns the rotated fraction as a 0-d fp32 tensor (no host sync). ``seed`` (an int)
-    switches to stochastic rounding with in-kernel Philox noise. ``tiles_per_prog`` and
-    ``rows_per_prog`` override the block sizes of the encode and entropy kernels.
+
+def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_units: torch.Tensor,
+                      low_units: torch.Tensor, seed: int | None = None, per_lane: int | None = None,
+                      tiles_per_prog: int | None = None) -> torch.Tensor:
+    """Fill ``buf``'s scale/zero/meta/high/low sections from contiguous ``[s, b, h]`` ``x`` (a ``TahCodec``).
+
+    ``high_units``/``low_units``: int32 unit indices of each width in order (``triton_tah_allocate``);
+    ``seed`` (uint32) switches to stochastic rounding. The ``flags`` section is the allocation's. Returns
+    int32 counts of rotated tiles, one per program (their sum is the number of rotated tiles).
     """
     check_launch(tah_encode_kernel, "triton_tah_encode", x, buf)
-    shape = codec._dims(tuple(x.shape))
-    h = shape[2]
-    tiles_per_token, total, units, tiles_per_unit = _unit_geometry(codec, shape)
-    if codec.low_units_per_group(shape) == 0:
-        low = torch.zeros(units, dtype=torch.bool, device=x.device)
-    else:
-        low = select_low_units(codec, triton_tah_entropy(codec, x, rows_per_prog), shape)
-    layout.view(buf, "flags").copy_(ref_common.pack_flags(low))
-    low_u8, before = _low_counts(low)
-    bt = _tile_block(codec, tah_encode_kernel, tiles_per_prog)
+    shape = tuple(x.shape)
+    h, tiles_per_token, total, n_low, tiles_per_unit, units, index64 = _geometry(codec, shape, buf.numel())
+    g = codec.tile_size
+    blk = blocking(tah_encode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     x_in, bf16_bits = as_kernel_input(x)
-    meta = layout.view(buf, "meta")
-    tah_encode_kernel[(cdiv(total, bt),)](
-        x_in, buf, layout.view(buf, "scale", torch.int16), layout.view(buf, "zero", torch.int16), meta,
-        low_u8, before, total, h, tiles_per_token, tiles_per_unit,
-        layout.offsets["high"][0], layout.offsets["low"][0], codec.outlier_threshold,
-        0 if seed is None else int(seed), bf16_nan_bits(x.device),
-        G=codec.tile_size, HIGH_BITS=codec.high_bits, LOW_BITS=codec.low_bits, BT=bt,
-        ALWAYS_ROTATE=codec.outlier_threshold == 0, STOCHASTIC=seed is not None, BF16_BITS=bf16_bits,
-        MAX_ABS=MAX_ABS_VALUE, EPSILON=EPS, ENTRY=hadamard_entry(codec.tile_size), PRECISION=DOT_PRECISION,
-        num_warps=num_warps_for(bt * codec.tile_size),
-    )
-    return (meta >> 7).float().mean()
+    tau = codec.outlier_threshold
+    widths = _widths(codec, total, n_low, high_units, low_units)
+    rotated = torch.empty(sum(blk.programs(w[2]) for w in widths), dtype=torch.int32, device=x.device)
+    first_slot = 0
+    for bits, name, n_rank, table, label in widths:
+        unit, nunits = store_units(bits)
+        launch(
+            f"tah_encode G{g} {label} b{bits} {codec.allocation}{' SR' if seed is not None else ''}"
+            f"{' tau=inf' if tau == math.inf else ' tau=0' if tau == 0 else ''}",
+            tah_encode_kernel, (blk.programs(n_rank),),
+            (x_in, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
+             section(buf, layout, name, unit), table, rotated, n_rank, h, tiles_per_token, tiles_per_unit, units,
+             first_slot, 0 if seed is None else int(seed)),
+            dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
+                 STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+                 TAU=tau if math.isfinite(tau) else 0.0, EPSILON=geometry.TAH_EPS, ALWAYS=tau == 0,
+                 NEVER=tau == math.inf, ENTRY=geometry.hadamard_entry(g), UNIT=unit, NUNITS=nunits,
+                 FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
+            blk.elements,
+        )
+        first_slot += blk.programs(n_rank)
+    return rotated
 
 
-def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layout: WireLayout,
-                      tiles_per_prog: int | None = None) -> torch.Tensor:
-    """Decode a ``tah`` buffer into a new tensor; ``CodecError`` on corrupt flags or pivots, as the reference."""
+def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layout, high_units: torch.Tensor,
+                      low_units: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
+                      per_lane: int | None = None, tiles_per_prog: int | None = None) -> torch.Tensor:
+    """Decode a ``tah`` buffer into ``out`` (contiguous) or a new tensor; tables from ``triton_tah_tables``;
+    pivots outside the tile add to ``error`` (int32, 0-d)."""
     check_launch(tah_decode_kernel, "triton_tah_decode", buf)
-    shape = codec._dims(tuple(shape))
-    h = shape[2]
-    tiles_per_token, total, units, tiles_per_unit = _unit_geometry(codec, shape)
-    _, n_low, _ = codec.tile_counts(shape)
-    low = ref_common.unpack_flags(layout.view(buf, "flags"), units)
-    meta = layout.view(buf, "meta")
-    # One host sync for both checks; they keep a corrupt buffer from reading outside its sections.
-    low_tiles, max_pivot = torch.stack([low.sum() * tiles_per_unit, (meta & 0x7F).max().long()]).tolist()
-    if low_tiles != n_low:
-        raise CodecError(f"corrupt tah buffer: {low_tiles} low-bit tiles flagged, {n_low} expected")
-    if max_pivot >= codec.tile_size:
-        raise CodecError(f"corrupt tah buffer: pivot index {max_pivot} outside a tile of {codec.tile_size}")
-    low_u8, before = _low_counts(low)
-    out = torch.empty(shape, dtype=dtype, device=buf.device)
+    shape = tuple(shape)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=buf.device)
+    h, tiles_per_token, total, n_low, tiles_per_unit, units, index64 = _geometry(codec, shape, buf.numel())
+    g = codec.tile_size
+    blk = blocking(tah_decode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     out_view, out_kind = as_kernel_output(out)
-    bt = _tile_block(codec, tah_decode_kernel, tiles_per_prog)
-    tah_decode_kernel[(cdiv(total, bt),)](
-        out_view, buf, layout.view(buf, "scale", torch.int16), layout.view(buf, "zero", torch.int16), meta,
-        low_u8, before, total, h, tiles_per_token, tiles_per_unit,
-        layout.offsets["high"][0], layout.offsets["low"][0],
-        G=codec.tile_size, HIGH_BITS=codec.high_bits, LOW_BITS=codec.low_bits, BT=bt,
-        OUT_KIND=out_kind, ENTRY=hadamard_entry(codec.tile_size), PRECISION=DOT_PRECISION,
-        num_warps=num_warps_for(bt * codec.tile_size),
-    )
+    native_bf16, _ = native_conversions(tah_decode_kernel, buf.device)
+    for bits, name, n_rank, table, label in _widths(codec, total, n_low, high_units, low_units):
+        unit, nunits = store_units(bits)
+        launch(
+            f"tah_decode G{g} {label} b{bits} {codec.allocation} ->{str(dtype).removeprefix('torch.')}",
+            tah_decode_kernel, (blk.programs(n_rank),),
+            (out_view, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
+             section(buf, layout, name, unit), table, error, n_rank, h, tiles_per_token, tiles_per_unit, units),
+            dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
+                 OUT_KIND=out_kind, NATIVE_BF16=native_bf16, ENTRY=geometry.hadamard_entry(g), UNIT=unit,
+                 NUNITS=nunits, ROTATES=codec.outlier_threshold != math.inf, FLIP=block_flip(),
+                 num_warps=blk.num_warps, enable_fp_fusion=False),
+            blk.elements,
+        )
     return out

@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from ..codecs import timing
 from ..codecs.base import SUPPORTED_DTYPES, Codec, CodecError
 
 CHUNK_ALIGN = 1024  # a 1-D chunk's length is a multiple of this (whole codec groups of up to 1024)
@@ -48,7 +49,7 @@ CHUNK_ALIGN = 1024  # a 1-D chunk's length is a multiple of this (whole codec gr
 class Traffic:
     raw_nbytes: int = 0
     wire_nbytes: int = 0
-    encode_seconds: float = 0.0
+    encode_seconds: float = 0.0  # or a pending sum of CUDA-event intervals (codecs.timing)
     decode_seconds: float = 0.0
 
 
@@ -81,16 +82,16 @@ def _group_size_rank(group) -> tuple[int, int]:
 
 
 def _encode(codec: Codec, x: torch.Tensor, traffic: Traffic) -> torch.Tensor:
-    started = time.perf_counter()
+    clock = timing.Stopwatch(x.device)
     buf = codec.encode(x)
-    traffic.encode_seconds += time.perf_counter() - started
+    traffic.encode_seconds = timing.add(traffic.encode_seconds, clock.stop())
     return buf
 
 
 def _decode(codec: Codec, buf: torch.Tensor, shape, dtype, traffic: Traffic, out=None) -> torch.Tensor:
-    started = time.perf_counter()
+    clock = timing.Stopwatch(buf.device)
     result = codec.decode(buf, shape, dtype, out=out)
-    traffic.decode_seconds += time.perf_counter() - started
+    traffic.decode_seconds = timing.add(traffic.decode_seconds, clock.stop())
     return result
 
 

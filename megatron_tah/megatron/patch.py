@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from ..codecs import timing
 from ..config import TahConfig
 from . import places, stats
 from .emulate import LinkEmulator
@@ -69,7 +70,8 @@ class _State:
             codec = cfg.forward_codec() if direction == "forward" else cfg.backward_codec()
             if key in self.restored:
                 codec.load_state_dict(self.restored.pop(key))
-            self.codecs[key] = codec
+            # Only used after _check_group compared the link's configs: headers are checked on the device.
+            self.codecs[key] = codec.defer_checks()
         return self.codecs[key]
 
 
@@ -168,18 +170,16 @@ def _encode(state: _State, direction: str, x: torch.Tensor, peer: int) -> torch.
         # An activation send consumes the oldest queued ids (other codecs ignore them), so the
         # queue stays bounded whatever codec runs; aqsgd needs them.
         ids = _pop_sample_ids(required=with_ids) if direction == "forward" else None
-        started = time.perf_counter()
+        clock = timing.Stopwatch(x.device)
         buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
-        stats.record_codec_time(direction, encode_seconds=time.perf_counter() - started)
+        stats.record_codec_time(direction, encode_seconds=clock.stop())
         rel_error = None
         interval = state.config.tah_error_sample_interval
         if interval and not with_ids and state.sends[direction] % interval == 0:
-            y = codec.decode(buf, x.shape, x.dtype).float()
-            norm = x.float().norm()
-            rel_error = float((x.float() - y).norm() / norm) if norm > 0 else 0.0
+            rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
     state.sends[direction] += 1
     stats.record_send(direction, x.numel() * x.element_size(), buf.numel(), peer,
-                      rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated_fraction", None))
+                      rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated", None))
     return buf
 
 
@@ -217,10 +217,10 @@ class _Message:
             link = (self.peer, me) if self.is_recv else (me, self.peer)
             emulator.complete(link, self.buf.numel(), self.completed_at, receiver=self.is_recv)
         if self.is_recv:
-            started = time.perf_counter()
+            clock = timing.Stopwatch(self.buf.device)
             with torch.no_grad():
                 self.codec.decode(self.buf, self.target.shape, self.target.dtype, out=self.target)
-            stats.record_codec_time(self.direction, decode_seconds=time.perf_counter() - started)
+            stats.record_codec_time(self.direction, decode_seconds=clock.stop())
             if self.codec.needs_sample_ids and self.direction == "forward" and not self.last_stage:
                 push_sample_ids(self.codec.last_sample_ids)
         self.buf = None  # the transfer is complete: drop the wire buffer

@@ -26,8 +26,9 @@ transformer layers saved for backward, as stored and as they would have been sto
 ``ratio`` = raw / wire (None without messages). ``rel_error`` is the mean of the sampled
 ``||x - decode(encode(x))|| / ||x||`` and ``rotated_fraction`` the mean fraction of tiles
 rotated (TAH-Quant); both None when nothing was sampled. ``encode_seconds`` /
-``decode_seconds`` are the wall time spent in the codec's ``encode`` / ``decode`` for
-this direction's messages (CUDA: without a synchronize, so the launch time). ``buffer_bytes``
+``decode_seconds`` are the time spent in the codec's ``encode`` / ``decode`` for this
+direction's messages (CUDA: between CUDA events around the call, the kernels' time).
+Values recorded as device tensors or CUDA-event intervals stay pending until ``collect``. ``buffer_bytes``
 comes from the source set with ``set_buffer_source`` (the patch's codecs), 0 without one.
 ``reduce_to_last_rank`` sums the totals (and gathers ``saved_memory``) over the pipeline group
 (a collective: every rank of the group calls it) and ``format_for_log`` renders a Megatron-style
@@ -39,6 +40,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from ..codecs import timing
 
 DIRECTIONS = ("forward", "backward")  # the pipeline's streams
 # stream key -> (place, direction, label in the log line); the pipeline's keys are its directions.
@@ -103,11 +106,11 @@ def record_send(direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
         t["messages"] += 1
         t["raw_bytes"] += int(raw_nbytes)
         t["wire_bytes"] += int(wire_nbytes)
-        if rel_error is not None:
-            t["rel_error_sum"] += float(rel_error)
+        if rel_error is not None:  # floats or 0-d device tensors: summed without a sync (codecs.timing)
+            t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
             t["rel_error_samples"] += 1
         if rotated_fraction is not None:
-            t["rotated_sum"] += float(rotated_fraction)
+            t["rotated_sum"] = timing.add(t["rotated_sum"], rotated_fraction)
             t["rotated_samples"] += 1
         key = (_this_rank(), int(peer))
         _links[key] = _links.get(key, 0) + int(wire_nbytes)
@@ -123,10 +126,10 @@ def record_collective(place: str, direction: str, raw_nbytes: int, wire_nbytes: 
         t["raw_bytes"] += int(raw_nbytes)
         t["wire_bytes"] += int(wire_nbytes)
         if rel_error is not None:
-            t["rel_error_sum"] += float(rel_error)
+            t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
             t["rel_error_samples"] += 1
-        t["encode_seconds"] += float(encode_seconds)
-        t["decode_seconds"] += float(decode_seconds)
+        t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
+        t["decode_seconds"] = timing.add(t["decode_seconds"], decode_seconds)
 
 
 def record_codec_time(direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
@@ -134,12 +137,13 @@ def record_codec_time(direction: str, encode_seconds: float = 0.0, decode_second
     (``direction``: a ``STREAMS`` key)."""
     if direction not in STREAMS:
         raise ValueError(f"direction must be one of {', '.join(STREAMS)}, got {direction!r}")
-    with _lock:
-        _totals[direction]["encode_seconds"] += float(encode_seconds)
-        _totals[direction]["decode_seconds"] += float(decode_seconds)
+    with _lock:  # seconds as floats, or pending CUDA-event intervals (codecs.timing.Stopwatch)
+        _totals[direction]["encode_seconds"] = timing.add(_totals[direction]["encode_seconds"], encode_seconds)
+        _totals[direction]["decode_seconds"] = timing.add(_totals[direction]["decode_seconds"], decode_seconds)
 
 
 def _summarise(sums: dict) -> dict:
+    sums = {key: timing.to_float(value) for key, value in sums.items()}  # the one wait for the device
     raw, wire = int(sums["raw_bytes"]), int(sums["wire_bytes"])
     err_n, rot_n = int(sums["rel_error_samples"]), int(sums["rotated_samples"])
     return {

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU: the kernel tests compiled for real (no interpreter), the codec
+# benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, and
+# the static kernel report for comparison.
+# Needs torch, triton, pytest and hypothesis; not megatron-core.
+#
+#   scripts/gpu_check.sh            # all four steps
+#   scripts/gpu_check.sh tests      # or: bench, profile, report
+#   PY=python3 OUT_DIR=/tmp/out scripts/gpu_check.sh bench
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT_DIR=${OUT_DIR:-docs/benchmarks}
+STEP=${1:-all}
+unset TRITON_INTERPRET  # compiled kernels, not the interpreter
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+"$PY" - <<'EOF'
+import torch, triton
+if not torch.cuda.is_available():
+    raise SystemExit("gpu_check: no CUDA device here")
+print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+EOF
+GPU=$("$PY" -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')
+mkdir -p "$OUT_DIR"
+
+if [[ $STEP == all || $STEP == tests ]]; then
+    # Byte-exactness against the torch references, compiled for this GPU.
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fixedpoint.py tests/test_kernels_fp8.py \
+        tests/test_kernels_tah.py
+fi
+
+if [[ $STEP == all || $STEP == bench ]]; then
+    # [2048, 8, 8192] bf16 (the issue's shape), the demo's [64, 4, 128], GPT2-XL's [1024, 1, 1600].
+    "$PY" scripts/bench_codecs.py --shapes 2048x8x8192 64x4x128 1024x1x1600 \
+        --out "$OUT_DIR/$GPU.json" --markdown "$OUT_DIR/$GPU.md"
+fi
+
+if [[ $STEP == all || $STEP == profile ]]; then
+    # Kernel time vs host time per call, and CUDA-graph replay, at the large and the demo's shape.
+    for shape in 2048x8x8192 64x4x128; do
+        "$PY" scripts/profile_codecs.py --shape $shape --json "$OUT_DIR/$GPU-profile-$shape.json"
+    done
+fi
+
+if [[ $STEP == all || $STEP == report ]]; then
+    # The static numbers beside the measured ones (same Triton as the benchmark).
+    "$PY" scripts/kernel_report.py --targets 90,80 --json "$OUT_DIR/$GPU-kernel-report.json"
+fi
