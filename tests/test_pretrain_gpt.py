@@ -55,7 +55,10 @@ def flags(corpus: str, stages: int, log: Path, *extra: str, layers: int | None =
 def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
+    if result.returncode != 0:  # the first error lines of the ranks, then the tails
+        errors = [line for line in result.stderr.splitlines() if "Error" in line or "error:" in line]
+        raise AssertionError("\n".join([f"exit {result.returncode}: {' '.join(cmd[-12:])}", *errors[:20],
+                                        result.stdout[-2000:], result.stderr[-3000:]]))
     return result
 
 

@@ -265,14 +265,14 @@ class RoundingNoise:
         return int(hash32(start)[0])
 
     def state_dict(self) -> dict:
-        """Generator states per device (CPU tensors)."""
-        return {device: generator.get_state() for device, generator in self._generators.items()}
+        """The call counter: a resumed codec continues the same sequence of seeds."""
+        return {"seed": self.seed, "calls": self.calls}
 
     def load_state_dict(self, state: dict) -> None:
-        for device, generator_state in state.items():
-            generator = torch.Generator(device=device)
-            generator.set_state(generator_state)
-            self._generators[device] = generator
+        if state.get("seed") != self.seed:
+            raise ValueError(f"rounding-noise state was saved with seed {state.get('seed')}, this codec uses "
+                             f"{self.seed}: resuming would draw different noise")
+        self.calls = int(state["calls"])
 
 
 # ----- the asymmetric quantizer ----------------------------------------------------------
