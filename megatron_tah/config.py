@@ -38,10 +38,10 @@ def _field_docs(cls) -> dict[str, str]:
 @dataclasses.dataclass
 class TahConfig:
     tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd or int8."""
+    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4 or nvfp4."""
 
     tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8 or int8."""
+    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4 or nvfp4."""
 
     tah_tile_size: int = 64
     """Channels per tile for the forward codec (tah, fixedpoint, aqsgd): 16, 32, 64 or 128."""
@@ -81,6 +81,9 @@ class TahConfig:
 
     tah_int8_block_size: int = 128
     """Elements per fp32 scale of the int8 codec (data-parallel gradients, or a pipeline direction): 32 to 1024."""
+
+    tah_fp4_hadamard: bool = False
+    """mxfp4 / nvfp4: rotate every block (32 / 16 values) by a random-sign Walsh-Hadamard transform before quantizing (reference-only codecs, no Triton kernel)."""
 
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
@@ -187,6 +190,8 @@ class TahConfig:
                              warmup_samples=self.tah_aqsgd_warmup_samples, **backend)
         if name == "int8":
             return get_codec("int8", block_size=self.tah_int8_block_size, **backend)
+        if name in ("mxfp4", "nvfp4"):
+            return get_codec(name, hadamard=self.tah_fp4_hadamard, **backend)
         raise ValueError(f"unknown codec {name!r}")
 
     def forward_codec(self) -> Codec:

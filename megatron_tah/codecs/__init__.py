@@ -20,6 +20,8 @@ CODECS = {
     "fp8": "fp8:Fp8Codec",
     "aqsgd": "aqsgd:AqSgdCodec",
     "int8": "int8:Int8Codec",
+    "mxfp4": "mxfp4:MxFp4Codec",
+    "nvfp4": "nvfp4:NvFp4Codec",
 }
 
 

@@ -197,6 +197,60 @@ def log2_approx(x: torch.Tensor) -> torch.Tensor:
     return p.add_(((bits >> 23) - 127).float())
 
 
+# ----- E2M1 (fp4) and the random-sign Hadamard ------------------------------------------------------
+def e2m1_round(scaled: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scaled`` rounded to the E2M1 grid ``+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}``: nearest, ties to even, saturated.
+
+    The grid's step is 0.5 below 2, 1 in [2, 4) and 2 from 4 up, so ``round(|x| / step) * step`` (ties to
+    even) is round-to-nearest-even on the grid (a tie between two values goes to the one with an even
+    mantissa bit); anything beyond 6 becomes 6. Returns fp32 grid values (``-0`` turned into ``+0``).
+    """
+    magnitude = scaled.abs()
+    step = torch.where(magnitude < 2.0, 0.5, torch.where(magnitude < 4.0, 1.0, 2.0))
+    rounded = ((magnitude / step).round_() * step).clamp_max_(geometry.E2M1_MAX)
+    return torch.where(scaled < 0, -rounded, rounded) + 0.0
+
+
+_E2M1_GRID: dict[str, torch.Tensor] = {}
+
+
+def e2m1_grid(device) -> torch.Tensor:
+    """The 16 values of the E2M1 codes ``sign << 3 | magnitude index`` (fp32; code 8 is ``-0``)."""
+    key = str(device)
+    if key not in _E2M1_GRID:
+        half = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        _E2M1_GRID[key] = torch.cat([half, -half]).to(device)
+    return _E2M1_GRID[key]
+
+
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) of fp32 values already on the E2M1 grid (``e2m1_round``'s output)."""
+    grid = e2m1_grid(values.device)[:8]
+    index = torch.searchsorted(grid, values.abs().contiguous())
+    return (index | ((values < 0).to(index.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit E2M1 codes."""
+    return e2m1_grid(codes.device)[codes.long()]
+
+
+def random_signs(seed: int, size: int, device) -> torch.Tensor:
+    """``size`` fp32 signs (+-1) drawn from ``hash_uniform(seed)``: the same pattern on every device."""
+    return torch.where(hash_uniform(seed, size, device) < 0.5, -1.0, 1.0)
+
+
+def signed_fwht(blocks: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    """``fwht(blocks * signs)`` over the last dim (a randomized Hadamard); ``signs=None``: the identity."""
+    return blocks if signs is None else fwht(blocks * signs)
+
+
+def signed_fwht_inverse(blocks: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    """Inverse of ``signed_fwht`` (the normalised Hadamard is its own inverse): ``fwht(blocks) * signs``
+    (``-0`` turned into ``+0``, so a zero block decodes to the same bits with or without the transform)."""
+    return blocks if signs is None else fwht(blocks) * signs + 0.0
+
+
 # ----- bf16 metadata -------------------------------------------------------------------
 def round_bf16(x: torch.Tensor, direction: int) -> torch.Tensor:
     """Round fp32 ``x`` to a bf16-representable value, down (-1) or up (+1); returns fp32.

@@ -36,6 +36,16 @@ PRESCALE_MIN = 1e-3
 PRESCALE_MAX = 1e3
 RMS_EPS = 1e-3  # sqrt of the 1e-6 added to mean(x^2)
 
+# ----- fp4 (mxfp4, nvfp4) ------------------------------------------------------------------------
+E2M1_MAX = 6.0  # largest E2M1 magnitude; the grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6
+E2M1_EMAX = 2  # exponent of E2M1's largest binade (4..6): the OCP MX scale is 2^(floor(log2 amax) - 2)
+MXFP4_BLOCK = 32  # values per shared E8M0 scale (OCP MX v1.0)
+NVFP4_BLOCK = 16  # values per E4M3 scale (NVFP4)
+E8M0_BIAS = 127  # an E8M0 byte e is the scale 2^(e - 127); 255 is NaN (a bad block)
+E8M0_NAN = 0xFF
+E4M3_NAN = 0x7F  # the NaN every nvfp4 encoder writes as a bad block's scale
+NVFP4_GLOBAL_DIVISOR = E2M1_MAX * FP8_MAX  # per-tensor decode scale = global amax / (6 * 448)
+
 # ----- stochastic rounding: a counter-based hash, identical in torch and Triton -----------------
 # u(seed, i) = (lowbias32(i * HASH_STEP + seed) >> 8) * 2^-24, i the element's index in tile order
 # (mod 2^32). lowbias32: x ^= x >> 16; x *= HASH_MUL1; x ^= x >> 15; x *= HASH_MUL2; x ^= x >> 16.
@@ -144,3 +154,14 @@ def tah_sections(shape: Sequence[int], tile_size: int, high_bits: int, low_bits:
         ("high", packed_nbytes((total - low) * tile_size, high_bits)),
         ("low", packed_nbytes(low * tile_size, low_bits)),
     ]
+
+
+# ----- fp4 ------------------------------------------------------------------------------------------
+def mxfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
+    blocks = total_tiles(shape, MXFP4_BLOCK)
+    return [("scale", blocks), ("codes", packed_nbytes(blocks * MXFP4_BLOCK, 4))]
+
+
+def nvfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
+    blocks = total_tiles(shape, NVFP4_BLOCK)
+    return [("global_scale", 4), ("scale", blocks), ("codes", packed_nbytes(blocks * NVFP4_BLOCK, 4))]

@@ -42,6 +42,10 @@ STATELESS_ROWS = [
     ("tah tau=inf (no rotation)", "tah", {"outlier_threshold": float("inf")}),
     ("fp8 G=128", "fp8", {"group_size": 128}),
     ("int8 B=128", "int8", {"block_size": 128}),
+    ("mxfp4", "mxfp4", {}),
+    ("mxfp4 + hadamard", "mxfp4", {"hadamard": True}),
+    ("nvfp4", "nvfp4", {}),
+    ("nvfp4 + hadamard", "nvfp4", {"hadamard": True}),
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
 
