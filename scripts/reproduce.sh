@@ -7,7 +7,7 @@
 # committed results (training runs two at a time; docs/RESULTS.md, "How to reproduce", lists them):
 #   data         tokenize Shakespeare (pretraining) and a State of the Union subset (fine-tuning)   ~1 min
 #   convergence  pretraining per codec (6 runs) + fine-tuning per codec (6 runs), 2 at a time      ~25 min
-#   ablations    TAH-Quant tau / INT4-INT3 mix / tile size / allocation / rounding (12 runs)       ~35 min
+#   ablations    TAH-Quant tau / mix / tile / allocation / rounding; MXFP4, NVFP4 (15 runs)       ~45 min
 #   seeds        pretraining + fine-tuning of none, tah, direct 4/3-bit with 2 more seeds (16 runs) ~35 min
 #   long         pretraining of none, tah, direct 3-bit for 800 iterations (3 runs)               ~30 min
 #   memory       AQ-SGD buffer bytes vs TAH-Quant (reads the fine-tuning runs)                      ~1 min

@@ -5,7 +5,8 @@ Pretraining: a GPT (``SIZES[size]``) on the Shakespeare corpus, one run per code
 pretraining checkpoint, on a small State of the Union subset for several epochs
 (so AQ-SGD's per-sample buffer is revisited; its warm-up is the first epoch).
 Ablations: TAH-Quant pretraining runs varying one knob of the default
-(tau = 2, 80/20 INT4/INT3, tile 64, token allocation, round to nearest).
+(tau = 2, 80/20 INT4/INT3, tile 64, token allocation, round to nearest), and other
+4-bit forward formats in its place (MXFP4, NVFP4).
 Seeds (part ``seeds``): the main pretraining and fine-tuning runs again with
 :data:`EXTRA_SEEDS` (initialization and data order), so a gap can be compared with the
 run-to-run spread. Long runs (part ``long``): :data:`LONG_CODECS` pretrained
@@ -77,6 +78,14 @@ ABLATIONS = {
     "rounding": [
         ("tah", "to nearest (default)", []),
         ("abl_stochastic", "stochastic", ["--tah-stochastic-rounding"]),
+    ],
+    # Issue 12's candidates: standard 4-bit float formats in TAH-Quant's place (same 6-bit backward codec).
+    "forward 4-bit float format": [
+        ("tah", "TAH-Quant (default)", []),
+        ("cand_mxfp4", "MXFP4: E2M1, E8M0 scale per 32 (4.25 bits)", ["--tah-forward-codec", "mxfp4"]),
+        ("cand_mxfp4_had", "MXFP4 + seeded sign-flip Hadamard per block",
+         ["--tah-forward-codec", "mxfp4", "--tah-fp4-hadamard"]),
+        ("cand_nvfp4", "NVFP4: E2M1, E4M3 scale per 16 + fp32 per tensor (4.5 bits)", ["--tah-forward-codec", "nvfp4"]),
     ],
 }
 

@@ -644,6 +644,20 @@ def _machine(t: dict) -> list[str]:
             f"average {m['load_start']:.2f} at their start and {_f(m['load_end'])} at their end.", ""]
 
 
+PLACES_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "RESULTS_TACO_AGOQ.md"
+
+
+def _places_section(path: Path = PLACES_RESULTS) -> list[str]:
+    """The TACO / AGoQ measurements (``scripts/measure_places.py``, written up in ``path``), headings one level down."""
+    lines = ["## 5. Tensor-parallel, data-parallel and activation-memory compression (TACO, AGoQ)", ""]
+    if not path.is_file():
+        return lines + ["Not measured yet (`python scripts/measure_places.py`).", ""]
+    body = path.read_text().splitlines()
+    body = body[1:] if body and body[0].startswith("# ") else body  # its title is this section's heading
+    lines += [f"From `docs/{path.name}` (not generated from `runs/reproduce`; its commands are listed there)."]
+    return lines + [("#" + line) if line.startswith("## ") else line for line in body] + [""]
+
+
 def write(root: Path, docs: Path, size: str = "full") -> Path:
     """Write ``docs/RESULTS.md`` (+ PNGs) from ``root``'s logs; returns the markdown path."""
     root, docs = Path(root), Path(docs)
@@ -659,6 +673,7 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
             f"(size `{size}`); do not edit by hand. Papers: TAH-Quant (arXiv 2506.01352), AQ-SGD (arXiv 2206.01299); "
             "their numbers are quoted from SPEC.md.", ""]
     text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root) + mem_lines
+    text += _places_section()
     text += _timing(root)
     path = docs / "RESULTS.md"
     path.write_text("\n".join(text))
