@@ -279,7 +279,7 @@ class Codec:
         return out
 
     # ----- checks ----------------------------------------------------------------------
-    def _check(self, buf, shape, dtype, layout: WireLayout) -> None:
+    def _check_length(self, buf, shape, dtype, layout: WireLayout) -> None:
         if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
             raise WireFormatError("a wire buffer is a 1-D torch.uint8 tensor")
         if buf.numel() != layout.nbytes:
@@ -287,6 +287,9 @@ class Codec:
                 f"{self.name}: buffer has {buf.numel()} bytes, {layout.nbytes} expected for "
                 f"{shape} {dtype_name(dtype)} with {self.describe()}"
             )
+
+    def _check(self, buf, shape, dtype, layout: WireLayout) -> None:
+        self._check_length(buf, shape, dtype, layout)
         if self.checks == "full":
             self.check_buffer(buf, shape, dtype, layout)
         elif self.checks == "deferred":
@@ -365,13 +368,7 @@ class Codec:
     def check_buffer(self, buf, shape, dtype, layout: WireLayout | None = None) -> None:
         """Raise WireFormatError unless ``buf`` was made by a codec configured like this one for shape/dtype."""
         layout = layout or self.layout(shape, dtype)
-        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
-            raise WireFormatError("a wire buffer is a 1-D torch.uint8 tensor")
-        if buf.numel() != layout.nbytes:
-            raise WireFormatError(
-                f"{self.name}: buffer has {buf.numel()} bytes, {layout.nbytes} expected for "
-                f"{shape} {dtype_name(dtype)} with {self.describe()}"
-            )
+        self._check_length(buf, shape, dtype, layout)
         got = bytes(buf[:HEADER_NBYTES].cpu().tolist())
         want = self._header_bytes(shape, dtype)
         if got[:2] != MAGIC:
