@@ -56,10 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-prefix", default="data/shakespeare", help="tokenized corpus prefix (made if missing)")
     p.add_argument("--max-docs", type=int, default=None, help="tokenize only the first N plays (quick runs)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens per split (quick runs)")
-    p.add_argument("--rate", default="3mbit", help="link rate (default 3mbit)")
+    p.add_argument("--rate", default="1mbit", help="link rate (default 1mbit)")
     p.add_argument("--link", choices=("auto", "netns", "emulate"), default="auto",
                    help="auto: network namespaces when root with ip/tc, else in-process emulation")
-    p.add_argument("--train-iters", type=int, default=100)
+    p.add_argument("--train-iters", type=int, default=80)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--first-stage-layers", type=int, default=3, help="layers on stage 0 (the rest on stage 1)")
     p.add_argument("--hidden-size", type=int, default=128)

@@ -1,7 +1,7 @@
 """``make demo`` scaled down: both runs (Megatron's loop) learn, the table, PNG and summary exist, and
 TAH-Quant sends at most 40% of the bytes of the uncompressed bf16 pipeline (forward and backward together).
 
-The full-size demo (100 iterations of a 4-layer, hidden-128 GPT on Shakespeare, bf16) is `make demo`;
+The full-size demo (80 iterations of a 4-layer, hidden-128 GPT on Shakespeare, bf16) is `make demo`;
 here: 2 layers (1 + 1), hidden 64, 12 iterations on the first plays, in-process link emulation.
 """
 
