@@ -180,7 +180,9 @@ def test_report_checks_targets_on_seed_means(tmp_path):
     # same-seed gaps +1.50%, -0.50%, +0.50%: mean +0.50%
     assert "| +0.50% (mean of 3 seeds, each seed -0.50% to +1.50%) | **met** |" in md
     assert "| uncompressed (fp32) | 3 | 4.0000 | 3.9800 - 4.0200 |" in md
-    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 3 | 4.0200 | 4.0000 - 4.0600 | +0.50% | +1.50%, -0.50%, +0.50% |" in md
+    # 95% t-interval: 0.50% +- 4.303 x 1.00% / sqrt(3)
+    assert ("| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 3 | 4.0200 | 4.0000 - 4.0600 | +0.50% | -1.98% to +2.98% | "
+            "+1.50%, -0.50%, +0.50% |") in md
     # direct 3-bit vs TAH-Quant per seed: +3.45%, +2.50%, +3.75%
     assert "| +3.23% (mean of 3 seeds; smallest +2.50%) | **met** |" in md
     # One seed where direct 3-bit beats TAH-Quant: not "measurably worse" whatever the mean says.
@@ -202,7 +204,9 @@ def test_seed_and_long_runs(tmp_path):
     (tmp_path / "convergence" / "ckpt_none").mkdir(parents=True)
     runs = {r.name: r for r in convergence.seed_runs(tmp_path, "tiny")}
     assert sorted(runs) == sorted(convergence.seed_run_names())
-    assert len(runs) == 2 * len(convergence.EXTRA_SEEDS) * len(convergence.SEED_CODECS)
+    assert len(runs) == len(convergence.EXTRA_SEEDS) * (2 * len(convergence.SEED_CODECS)
+                                                      + len(convergence.SEED_PRETRAIN_ONLY))
+    assert not any(name.startswith("ft_" + c) for name in runs for c in convergence.SEED_PRETRAIN_ONLY)
     tah = runs["tah_s1235"].flags
     assert tah[tah.index("--seed") + 1] == "1235" and "--save" not in runs["none_s1235"].flags
     assert runs["ft_tah_s1236"].after == () and "--finetune" in runs["ft_tah_s1236"].flags

@@ -206,7 +206,7 @@ def _over_seeds(out: Path, prefix: str) -> dict[str, dict]:
     """``{codec: {"losses": {seed: final valid loss}, "mean", "min", "max"}}`` for :data:`SEED_CODECS` runs that exist."""
     result = {}
     seeds = (convergence.DEFAULT_SEED, *convergence.EXTRA_SEEDS)
-    for codec in convergence.SEED_CODECS:
+    for codec in convergence.SEED_CODECS + (() if prefix else convergence.SEED_PRETRAIN_ONLY):
         rows = convergence.collect(out, _seed_names(prefix + codec))
         losses = {seed: rows[n]["valid_loss"] for seed, n in zip(seeds, _seed_names(prefix + codec)) if n in rows}
         if losses:
@@ -218,14 +218,29 @@ def _over_seeds(out: Path, prefix: str) -> dict[str, dict]:
 
 def _seed_table(stats: dict) -> list[str]:
     base = stats.get("none")
-    lines = ["| run | seeds | final valid loss, mean | min - max | mean of same-seed gaps | same-seed gaps |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| run | seeds | final valid loss, mean | min - max | mean of same-seed gaps | 95% interval | "
+             "same-seed gaps |", "|---|---:|---:|---:|---:|---|---|"]
     for codec, st in stats.items():
         gaps = _paired(stats, codec, "none") if codec != "none" else []
+        interval = _interval95(gaps)
         lines.append(f"| {convergence.CODECS[codec][0]} | {len(st['losses'])} | {st['mean']:.4f} | "
                      f"{st['min']:.4f} - {st['max']:.4f} | {_pct(sum(gaps) / len(gaps) if gaps else None, '+.2f')} | "
+                     f"{(_pct(interval[0], '+.2f') + ' to ' + _pct(interval[1], '+.2f')) if interval else 'n/a'} | "
                      f"{', '.join(_pct(x, '+.2f') for x in gaps) or 'n/a'} |")
-    return lines + [""]
+    return lines + ["", "95% interval: of the mean same-seed gap, Student's t with n - 1 degrees of freedom (n seeds).", ""]
+
+
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _interval95(values: list[float]) -> tuple[float, float] | None:
+    """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2 or more than 10)."""
+    n = len(values)
+    if n - 1 not in _T975:
+        return None
+    mean = sum(values) / n
+    half = _T975[n - 1] * (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 / n ** 0.5
+    return mean - half, mean + half
 
 
 def _seed_spread(stats: dict) -> float | None:
