@@ -22,6 +22,20 @@ TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 
+# --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/RESULTS.md section 4).
+PRESETS = {
+    "none": {},
+    # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec: the flags' defaults.
+    "paper": {"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint", "tah_tile_size": 64,
+              "tah_high_bits": 4, "tah_low_bits": 3, "tah_high_ratio": 0.8, "tah_outlier_threshold": 2.0,
+              "tah_allocation": "token", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
+    # Random-sign Hadamard INT4 both ways, one bf16 scale per 64 values (4.25 bits each way), gradients
+    # rounded stochastically: the parity study's candidate (torch reference only, no Triton kernel yet).
+    "hadint4": {"tah_forward_codec": "hadint", "tah_forward_bits": 4, "tah_tile_size": 64,
+                "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                "tah_backward_stochastic_rounding": True},
+}
+
 def _field_docs(cls) -> dict[str, str]:
     """Docstrings written under dataclass fields (as megatron-core does), read from the source."""
     import inspect
@@ -37,14 +51,17 @@ def _field_docs(cls) -> dict[str, str]:
 
 @dataclasses.dataclass
 class TahConfig:
+    tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
+    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, the defaults) or hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients; reference-only). A flag set to neither its default nor the preset's value is an error."""
+
     tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4 or nvfp4."""
+    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4, nvfp4 or hadint."""
 
     tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4 or nvfp4."""
+    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4, nvfp4 or hadint."""
 
     tah_tile_size: int = 64
-    """Channels per tile for the forward codec (tah, fixedpoint, aqsgd): 16, 32, 64 or 128."""
+    """Channels per tile for the forward codec (tah, fixedpoint, aqsgd, hadint): 16, 32, 64 or 128."""
 
     tah_high_bits: int = 4
     """TAH-Quant: bits for the high-entropy share of tokens (or tiles)."""
@@ -65,13 +82,16 @@ class TahConfig:
     """TAH-Quant: which tokens (or tiles) get the low bit width: low_entropy (the paper) or high_entropy (diagnostic)."""
 
     tah_stochastic_rounding: bool = False
-    """Round stochastically (unbiased) instead of to nearest in the quantizing codecs."""
+    """Round stochastically (unbiased) instead of to nearest in the quantizing codecs (both directions)."""
+
+    tah_backward_stochastic_rounding: bool = False
+    """Round stochastically in the backward codec only (fixedpoint or hadint): unbiased activation gradients."""
 
     tah_forward_bits: int = 4
-    """Bits of the forward codec when it is fixedpoint or aqsgd."""
+    """Bits of the forward codec when it is fixedpoint, aqsgd or hadint."""
 
     tah_backward_bits: int = 6
-    """Bits of the backward fixedpoint codec."""
+    """Bits of the backward codec when it is fixedpoint or hadint."""
 
     tah_backward_tile_size: int = 32
     """Channels per tile of the backward codec."""
@@ -100,6 +120,9 @@ class TahConfig:
     tah_laaq_block_size: int = 128
     """LAAQ elements per scale/zero pair: 8, 16, 32, 64 or 128."""
 
+    tah_warmup_iters: int = 0
+    """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with aqsgd (see --tah-aqsgd-warmup-samples)."""
+
     tah_aqsgd_warmup_samples: int = 0
     """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""
 
@@ -119,6 +142,7 @@ class TahConfig:
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
     def __post_init__(self):
+        self._apply_preset()
         for field in dataclasses.fields(self):
             choices = field.metadata.get("choices")
             if choices and getattr(self, field.name) not in choices:
@@ -129,6 +153,9 @@ class TahConfig:
         if self.tah_backward_codec == "aqsgd":
             raise ValueError("tah_backward_codec = 'aqsgd': AQ-SGD compresses activations only; "
                              "use fixedpoint, tah, fp8 or none for gradients")
+        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in ("fixedpoint", "hadint"):
+            raise ValueError(f"tah_backward_stochastic_rounding needs tah_backward_codec fixedpoint or hadint, "
+                             f"got {self.tah_backward_codec!r}")
         if self.tah_low_bits_for not in LOW_BITS_FOR:
             raise ValueError(f"tah_low_bits_for = {self.tah_low_bits_for!r}: choose {' or '.join(LOW_BITS_FOR)}")
         if self.tah_allocation not in ALLOCATIONS:
@@ -137,6 +164,11 @@ class TahConfig:
             raise ValueError(f"tah_high_ratio = {self.tah_high_ratio}: must lie in [0, 1]")
         if self.tah_outlier_threshold < 0:
             raise ValueError(f"tah_outlier_threshold = {self.tah_outlier_threshold}: must be >= 0 (or inf)")
+        if self.tah_warmup_iters < 0:
+            raise ValueError(f"tah_warmup_iters = {self.tah_warmup_iters}: must be >= 0")
+        if self.tah_warmup_iters and self.tah_forward_codec == "aqsgd":
+            raise ValueError("tah_warmup_iters with tah_forward_codec = 'aqsgd': AQ-SGD warms up per sample "
+                             "(tah_aqsgd_warmup_samples)")
         if self.tah_emulate_bandwidth is not None:
             parse_bandwidth(self.tah_emulate_bandwidth)
         if self.tah_emulate_latency_ms < 0:
@@ -156,6 +188,20 @@ class TahConfig:
         except CodecError as err:
             raise ValueError(f"tah_laaq_block_size = {self.tah_laaq_block_size}: {err}") from None
 
+    def _apply_preset(self) -> None:
+        """Set the preset's fields; a field already set to something else than its default and the preset's
+        value is a conflict (``ValueError`` naming both)."""
+        preset = PRESETS.get(self.tah_preset)
+        if preset is None:
+            return  # (reported with the other choices below)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in preset.items():
+            current = getattr(self, name)
+            if current != defaults[name] and current != value:
+                raise ValueError(f"{name} = {current!r} conflicts with tah_preset = {self.tah_preset!r}, "
+                                 f"which sets {value!r}; drop one of them")
+            setattr(self, name, value)
+
     @classmethod
     def from_args(cls, args: Any) -> "TahConfig":
         """Pick the ``tah_*`` attributes of an argparse namespace (missing ones keep their defaults)."""
@@ -170,13 +216,14 @@ class TahConfig:
     def emulated_bandwidth_bps(self) -> float | None:
         return None if self.tah_emulate_bandwidth is None else parse_bandwidth(self.tah_emulate_bandwidth)
 
-    def _codec(self, name: str, bits: int, tile_size: int) -> Codec:
+    def _codec(self, name: str, bits: int, tile_size: int, stochastic_rounding: bool = False) -> Codec:
         backend = {"backend": self.tah_backend}
+        stochastic_rounding = stochastic_rounding or self.tah_stochastic_rounding
         if name == "none":
             return get_codec("none", **backend)
         if name == "fixedpoint":
             return get_codec("fixedpoint", bits=bits, tile_size=tile_size,
-                             stochastic_rounding=self.tah_stochastic_rounding, **backend)
+                             stochastic_rounding=stochastic_rounding, **backend)
         if name == "tah":
             return get_codec("tah", tile_size=self.tah_tile_size, high_bits=self.tah_high_bits,
                              low_bits=self.tah_low_bits, high_ratio=self.tah_high_ratio,
@@ -190,6 +237,9 @@ class TahConfig:
                              warmup_samples=self.tah_aqsgd_warmup_samples, **backend)
         if name == "int8":
             return get_codec("int8", block_size=self.tah_int8_block_size, **backend)
+        if name == "hadint":
+            return get_codec("hadint", bits=bits, tile_size=tile_size, stochastic_rounding=stochastic_rounding,
+                             **backend)
         if name in ("mxfp4", "nvfp4"):
             return get_codec(name, hadamard=self.tah_fp4_hadamard, **backend)
         raise ValueError(f"unknown codec {name!r}")
@@ -200,7 +250,8 @@ class TahConfig:
 
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients."""
-        return self._codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size)
+        return self._codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size,
+                           stochastic_rounding=self.tah_backward_stochastic_rounding)
 
     def tp_codec(self) -> Codec | None:
         """The tensor-parallel collectives' codec (None: megatron-core's collectives are left alone)."""

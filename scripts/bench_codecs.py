@@ -49,6 +49,8 @@ CODECS = {
     "tah-tile": ("tah", {"allocation": "tile"}),
     "tah-g128": ("tah", {"tile_size": 128}),
     "fp8": ("fp8", {"group_size": 128}),
+    "hadint-b4-g64": ("hadint", {"bits": 4, "tile_size": 64}),
+    "hadint-b4-g64-sr": ("hadint", {"bits": 4, "tile_size": 64, "stochastic_rounding": True}),
     "aqsgd": ("aqsgd", {"bits": 4, "tile_size": 64}),
 }
 DEFAULT_L2_BYTES = 50 << 20

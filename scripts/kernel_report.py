@@ -55,6 +55,8 @@ DEFAULT_CONFIGS = [
     ("fixedpoint G128 4b", "fixedpoint", {"tile_size": 128, "bits": 4}),
     ("fixedpoint G128 6b", "fixedpoint", {"tile_size": 128, "bits": 6}),
     ("fp8 G128", "fp8", {"group_size": 128}),
+    ("hadint G64 4b", "hadint", {"tile_size": 64, "bits": 4}),
+    ("hadint G64 4b SR", "hadint", {"tile_size": 64, "bits": 4, "stochastic_rounding": True}),
 ]
 
 
@@ -76,6 +78,10 @@ def all_configs() -> list[tuple[str, str, dict]]:
                 configs.append((f"fixedpoint G{g} {bits}b{' SR' if sr else ''}", "fixedpoint",
                                 {"tile_size": g, "bits": bits, "stochastic_rounding": sr}))
         configs.append((f"fp8 G{g}", "fp8", {"group_size": g}))
+        for bits in range(3, 9):
+            for sr in (False, True):
+                configs.append((f"hadint G{g} {bits}b{' SR' if sr else ''}", "hadint",
+                                {"tile_size": g, "bits": bits, "stochastic_rounding": sr}))
         for hb, lb in ((4, 3), (8, 6), (5, 2)):
             for alloc in ("token", "tile"):
                 for sr in (False, True):

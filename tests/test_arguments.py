@@ -9,6 +9,7 @@ import re
 
 import megatron.training.arguments as megatron_arguments
 import pytest
+import torch
 
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments as tah_arguments
@@ -111,6 +112,27 @@ def test_inconsistent_tah_values_fail_validation_with_one_line_naming_the_flag(m
     args = parse(monkeypatch, gpt_argv(2, "--tah-backward-codec", "none", "--tah-high-ratio", "1.5"))
     with pytest.raises(ValueError, match=r"--tah-high-ratio = 1.5: must lie in \[0, 1\]"):
         tah_arguments.tah_config_from_args(args)
+
+
+def test_presets_set_their_fields_and_refuse_a_conflicting_flag(monkeypatch, installed):
+    from megatron_tah.config import PRESETS
+
+    # "paper" is TAH-Quant as SPEC.md specifies it: exactly the flags' defaults.
+    assert dataclasses.replace(TahConfig(tah_preset="paper"), tah_preset="none") == TahConfig()
+    args = parse(monkeypatch, gpt_argv(2, "--tah-preset", "hadint4", "--tah-log-json", "x.jsonl"))
+    config = tah_arguments.tah_config_from_args(args)
+    for name, value in PRESETS["hadint4"].items():
+        assert getattr(config, name) == value, name
+    assert config.tah_log_json == "x.jsonl"
+    forward, backward = config.forward_codec(), config.backward_codec()
+    assert forward.wire_nbytes((128, 2, 256), torch.bfloat16) * 8 / (128 * 2 * 256) < 4.3
+    assert backward.stochastic_rounding and not forward.stochastic_rounding
+    # The same value as the preset's is fine; another one is a conflict naming both flags.
+    same = parse(monkeypatch, gpt_argv(2, "--tah-preset", "hadint4", "--tah-forward-codec", "hadint"))
+    assert tah_arguments.tah_config_from_args(same) == config.__class__(**{**vars(config), "tah_log_json": None})
+    clash = parse(monkeypatch, gpt_argv(2, "--tah-preset", "hadint4", "--tah-backward-bits", "5"))
+    with pytest.raises(ValueError, match="--tah-backward-bits = 5 conflicts with --tah-preset = 'hadint4'"):
+        tah_arguments.tah_config_from_args(clash)
 
 
 def test_install_is_idempotent_and_uninstall_exact(monkeypatch):

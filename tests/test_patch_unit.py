@@ -171,3 +171,32 @@ def test_install_builds_an_emulator_from_the_config(_clean):
     assert emu.bandwidth_bps == 1e8 and emu.latency_s == pytest.approx(0.005)
     megatron_tah.install(tah_emulate_bandwidth=None)
     assert patch._STATE.emulator is None
+
+
+def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypatch, _clean):
+    """--tah-warmup-iters: every link end uses the `none` codec while Megatron's args.curr_iteration is
+    below it, then the configured codecs (whose state the warm-up leaves untouched)."""
+    import types
+
+    from megatron.training import global_vars
+
+    megatron_tah.install(tah_warmup_iters=2, tah_backend="torch")
+    state = patch._state()
+    with pytest.raises(RuntimeError, match="needs its training loop"):
+        state.codec("forward", "send", 1)
+    args = types.SimpleNamespace()  # before Megatron's loop sets curr_iteration: iteration 0
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    for iteration, want in ((None, "none"), (0, "none"), (1, "none"), (2, "tah"), (7, "tah")):
+        if iteration is not None:
+            args.curr_iteration = iteration
+        assert state.codec("forward", "send", 1).name == want
+        assert state.codec("backward", "recv", 1).name == ("none" if want == "none" else "fixedpoint")
+    # Stages configured with different warm-ups disagree in the handshake record, in both directions.
+    plain, warm = patch._config_record(megatron_tah.TahConfig()), patch._config_record(
+        megatron_tah.TahConfig(tah_warmup_iters=2))
+    assert all(plain[d][0] != warm[d][0] and warm[d][1].endswith("first 2 iterations uncompressed")
+               for d in ("forward", "backward"))
+    with pytest.raises(ValueError, match="aqsgd"):
+        megatron_tah.TahConfig(tah_forward_codec="aqsgd", tah_warmup_iters=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        megatron_tah.TahConfig(tah_warmup_iters=-1)

@@ -108,6 +108,18 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in records]
 
 
+def test_warmup_iterations_go_uncompressed_then_the_codecs_take_over(corpus, tmp_path):
+    log = tmp_path / "warm.jsonl"
+    run(pretrain_gpt.command(2, flags(corpus, 2, log, "--train-iters", "3", "--tah-warmup-iters", "2",
+                                      "--eval-interval", "100")))
+    records = read_records(log)
+    plain = expected_bytes(TahConfig(tah_forward_codec="none", tah_backward_codec="none"), 2, 4, (32, 2, 64),
+                           torch.float32)
+    compressed = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
+    assert [(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records] == [plain, plain, compressed]
+    assert records[2]["tah"]["forward"]["ratio"] > 6
+
+
 def test_aqsgd_buffers_survive_a_resume(corpus, tmp_path):
     common = ["--train-iters", "4", "--save-interval", "2", "--tah-forward-codec", "aqsgd",
               "--eval-interval", "100"]

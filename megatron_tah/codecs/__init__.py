@@ -22,6 +22,7 @@ CODECS = {
     "int8": "int8:Int8Codec",
     "mxfp4": "mxfp4:MxFp4Codec",
     "nvfp4": "nvfp4:NvFp4Codec",
+    "hadint": "hadint:HadIntCodec",
 }
 
 

@@ -165,3 +165,9 @@ def mxfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
 def nvfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
     blocks = total_tiles(shape, NVFP4_BLOCK)
     return [("global_scale", 4), ("scale", blocks), ("codes", packed_nbytes(blocks * NVFP4_BLOCK, 4))]
+
+
+# ----- hadint -------------------------------------------------------------------------------------
+def hadint_sections(shape: Sequence[int], bits: int, tile_size: int) -> list[tuple[str, int]]:
+    tiles = total_tiles(shape, tile_size)
+    return [("scale", 2 * tiles), ("codes", packed_nbytes(tiles * tile_size, bits))]

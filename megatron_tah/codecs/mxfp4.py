@@ -71,8 +71,8 @@ def mxfp4_decode_reference(scale: torch.Tensor, codes: torch.Tensor) -> torch.Te
     return common.e2m1_values(codes) * factor[:, None]
 
 
-class Fp4Codec(Codec):
-    """What mxfp4 and nvfp4 share: blocks along the last dim, zero padding, the optional random Hadamard."""
+class RotatedBlockCodec(Codec):
+    """What mxfp4, nvfp4 and hadint share: blocks along the last dim, zero padding, the optional random Hadamard."""
 
     block_size: int = BLOCK_SIZE
 
@@ -115,7 +115,7 @@ class Fp4Codec(Codec):
         return common.from_tiles(common.signed_fwht_inverse(blocks, self.signs(blocks.device)), shape, dtype)
 
 
-class MxFp4Codec(Fp4Codec):
+class MxFp4Codec(RotatedBlockCodec):
     name = "mxfp4"
     codec_id = 6
     block_size = BLOCK_SIZE

@@ -39,7 +39,7 @@ import torch
 
 from . import common, geometry
 from .base import register_codec_id
-from .mxfp4 import Fp4Codec
+from .mxfp4 import RotatedBlockCodec
 
 BLOCK_SIZE = geometry.NVFP4_BLOCK
 
@@ -74,7 +74,7 @@ def nvfp4_decode_reference(global_scale: torch.Tensor, scale: torch.Tensor, code
     return common.e2m1_values(codes) * block_decode_scale(scale, global_scale)[:, None]
 
 
-class NvFp4Codec(Fp4Codec):
+class NvFp4Codec(RotatedBlockCodec):
     name = "nvfp4"
     codec_id = 7
     block_size = BLOCK_SIZE

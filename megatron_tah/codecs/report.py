@@ -46,6 +46,8 @@ STATELESS_ROWS = [
     ("mxfp4 + hadamard", "mxfp4", {"hadamard": True}),
     ("nvfp4", "nvfp4", {}),
     ("nvfp4 + hadamard", "nvfp4", {"hadamard": True}),
+    ("hadint 4b/64", "hadint", {"bits": 4, "tile_size": 64}),
+    ("hadint 4b/64 stochastic", "hadint", {"bits": 4, "tile_size": 64, "stochastic_rounding": True}),
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
 

@@ -13,7 +13,8 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
 
        {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "skipped", "ms", "tokens_per_s",
         "fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes", "compression_ratio",
-        "codec_ms", "buffer_bytes", "tah": {stream: {...reduced statistics...}}, "saved_memory"}
+        "codec_ms", "buffer_bytes", "tah": {stream: {...reduced statistics...}},
+        "link_rel_error": {"src->dst": mean sampled round-trip error of that pipeline link}, "saved_memory"}
 
    ``lm_loss`` is this iteration's loss (Megatron's printed value averages since the last reset),
    ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
@@ -125,6 +126,7 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
         "codec_ms": 1e3 * sum(reduced[d]["encode_seconds"] + reduced[d]["decode_seconds"] for d in STREAMS),
         "buffer_bytes": int(reduced.get("buffer_bytes", 0)),
         "tah": {d: reduced[d] for d in STREAMS},
+        "link_rel_error": stats.link_rel_errors(reduced),
         "saved_memory": {str(rank): peaks for rank, peaks in reduced.get("saved_memory", {}).items()},
     }
 

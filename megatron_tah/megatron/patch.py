@@ -36,7 +36,8 @@ import time
 
 import torch
 
-from ..codecs import timing
+from ..codecs import get_codec, timing
+from ..codecs.base import crc32_of
 from ..config import TahConfig
 from . import places, stats
 from .emulate import LinkEmulator
@@ -64,6 +65,8 @@ class _State:
     restored: dict = dataclasses.field(default_factory=dict)  # codec states loaded before the codec exists
 
     def codec(self, direction: str, role: str, peer: int):
+        if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
+            return _WARMUP_CODEC
         key = (direction, role, int(peer))
         if key not in self.codecs:
             cfg = self.config
@@ -76,6 +79,20 @@ class _State:
 
 
 _STATE: _State | None = None
+_WARMUP_CODEC = get_codec("none").defer_checks()  # every link during --tah-warmup-iters
+
+
+def _training_iteration() -> int:
+    """Megatron's ``args.curr_iteration`` (set by ``train`` before each step and kept during evaluation;
+    0 before the loop starts); the same on every stage, so both ends of a link switch together."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:
+        raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
+                           "its training loop (megatron.training's global args are not set)") from None
+    return int(getattr(args, "curr_iteration", 0) or 0)
 _SAMPLE_IDS: collections.deque = collections.deque()
 
 
@@ -109,7 +126,11 @@ def _pop_sample_ids(required: bool) -> torch.Tensor | None:
 # ----- configuration check (the handshake) -------------------------------------------------
 def _config_record(cfg: TahConfig) -> dict:
     fwd, bwd = cfg.forward_codec(), cfg.backward_codec()
-    return {"forward": [fwd.config_digest(), fwd.describe()], "backward": [bwd.config_digest(), bwd.describe()]}
+    warmup = cfg.tah_warmup_iters
+    suffix = f", first {warmup} iterations uncompressed" if warmup else ""
+    # The warm-up changes what is sent: it is part of both directions' record (digest and text).
+    return {d: [crc32_of(f"{c.config_digest()}/warmup={warmup}") if warmup else c.config_digest(),
+                c.describe() + suffix] for d, c in (("forward", fwd), ("backward", bwd))}
 
 
 def _check_group(state: _State, group, device: torch.device) -> None:
@@ -175,7 +196,7 @@ def _encode(state: _State, direction: str, x: torch.Tensor, peer: int) -> torch.
         stats.record_codec_time(direction, encode_seconds=clock.stop())
         rel_error = None
         interval = state.config.tah_error_sample_interval
-        if interval and not with_ids and state.sends[direction] % interval == 0:
+        if interval and not with_ids and codec is not _WARMUP_CODEC and state.sends[direction] % interval == 0:
             rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
     state.sends[direction] += 1
     stats.record_send(direction, x.numel() * x.element_size(), buf.numel(), peer,

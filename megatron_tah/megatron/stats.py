@@ -12,6 +12,7 @@ training log collects every iteration::
                   "rel_error_samples", "rotated_samples", "encode_seconds", "decode_seconds"},
      "backward": {...same keys...},  "tp_forward": {...},  "tp_backward": {...},  "dp_backward": {...},
      "links": {(src_global_rank, dst_global_rank): wire_bytes},
+     "link_errors": {(src_global_rank, dst_global_rank): (rel_error_sum, rel_error_samples)},
      "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now,
      "saved_memory": {global_rank: {"bits", "raw_bytes", "stored_bytes"}}}
 
@@ -25,7 +26,8 @@ transformer layers saved for backward, as stored and as they would have been sto
 ``raw_bytes`` is numel * element size of the tensors Megatron asked to send,
 ``ratio`` = raw / wire (None without messages). ``rel_error`` is the mean of the sampled
 ``||x - decode(encode(x))|| / ||x||`` and ``rotated_fraction`` the mean fraction of tiles
-rotated (TAH-Quant); both None when nothing was sampled. ``encode_seconds`` /
+rotated (TAH-Quant); both None when nothing was sampled. ``link_errors`` keeps the sampled errors
+per pipeline link (a stage boundary and its direction), for the error per boundary (``link_rel_errors``). ``encode_seconds`` /
 ``decode_seconds`` are the time spent in the codec's ``encode`` / ``decode`` for this
 direction's messages (CUDA: between CUDA events around the call, the kernels' time).
 Values recorded as device tensors or CUDA-event intervals stay pending until ``collect``. ``buffer_bytes``
@@ -67,6 +69,7 @@ def _empty_totals() -> dict:
 
 _totals = _empty_totals()
 _links: dict[tuple[int, int], int] = {}
+_link_errors: dict[tuple[int, int], tuple] = {}  # (src, dst) -> (sum of sampled rel. errors, samples)
 _buffer_source = None  # callable -> bytes held in per-sample codec buffers on this rank
 _memory_source = None  # callable(reset) -> {"bits", "raw_bytes", "stored_bytes"} peaks, or None
 
@@ -114,6 +117,9 @@ def record_send(direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
             t["rotated_samples"] += 1
         key = (_this_rank(), int(peer))
         _links[key] = _links.get(key, 0) + int(wire_nbytes)
+        if rel_error is not None:
+            total, samples = _link_errors.get(key, (0.0, 0))
+            _link_errors[key] = (timing.add(total, rel_error), samples + 1)
 
 
 def record_collective(place: str, direction: str, raw_nbytes: int, wire_nbytes: int,
@@ -171,15 +177,16 @@ def _to_sums(summary: dict) -> dict:
 
 def collect(reset: bool = True) -> dict:
     """This rank's statistics since the last reset (see the module docstring for the layout)."""
-    global _totals, _links
+    global _totals, _links, _link_errors
     with _lock:
         result = {d: _summarise(_totals[d]) for d in STREAMS}
         result["links"] = dict(_links)
+        result["link_errors"] = {k: (timing.to_float(v), n) for k, (v, n) in _link_errors.items()}
         result["buffer_bytes"] = int(_buffer_source()) if _buffer_source is not None else 0
         memory = _memory_source(reset) if _memory_source is not None else None
         result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
         if reset:
-            _totals, _links = _empty_totals(), {}
+            _totals, _links, _link_errors = _empty_totals(), {}, {}
     return result
 
 
@@ -196,6 +203,11 @@ def merge(total: dict | None, more: dict) -> dict:
     for link, nbytes in more["links"].items():
         links[link] = links.get(link, 0) + nbytes
     result["links"] = links
+    errors = dict(total.get("link_errors", {}))
+    for link, (value, samples) in more.get("link_errors", {}).items():
+        old_value, old_samples = errors.get(link, (0.0, 0))
+        errors[link] = (old_value + value, old_samples + samples)
+    result["link_errors"] = errors
     result["buffer_bytes"] = more.get("buffer_bytes", 0)
     memory = {rank: dict(peaks) for rank, peaks in total.get("saved_memory", {}).items()}
     for rank, peaks in more.get("saved_memory", {}).items():
@@ -231,11 +243,15 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
     index = {g: i for i, g in enumerate(ranks)}
     scalars = [_to_sums(stats[d])[k] for d in STREAMS for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
-    links = torch.zeros(size * size, dtype=torch.float64)
+    links = torch.zeros(3, size * size, dtype=torch.float64)  # wire bytes, error sums, error samples
     for (src, dst), nbytes in stats["links"].items():
         if src not in index or dst not in index:
             raise ValueError(f"link {src}->{dst} is not inside the reduction group (global ranks {ranks})")
-        links[index[src] * size + index[dst]] += nbytes
+        links[0, index[src] * size + index[dst]] += nbytes
+    for (src, dst), (value, samples) in stats.get("link_errors", {}).items():
+        if src in index and dst in index:
+            links[1:, index[src] * size + index[dst]] += torch.tensor([value, samples], dtype=torch.float64)
+    links = links.reshape(-1)
     memory = torch.zeros(size * len(_MEMORY), dtype=torch.float64)  # per rank: bits, raw, stored (0: none)
     for rank, peaks in stats.get("saved_memory", {}).items():
         if rank in index:
@@ -252,11 +268,20 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     result = {d: _summarise(dict(zip(_SUMS, packed[i * n:(i + 1) * n].tolist())))
               for i, d in enumerate(STREAMS)}
     result["buffer_bytes"] = int(packed[len(scalars) - 1])
-    matrix = packed[len(scalars):len(scalars) + size * size].reshape(size, size)
+    matrix, error_sums, samples = packed[len(scalars):len(scalars) + 3 * size * size].reshape(3, size, size)
     result["links"] = {(ranks[s], ranks[t]): int(matrix[s, t]) for s, t in matrix.nonzero().tolist()}
-    peaks = packed[len(scalars) + size * size:].reshape(size, len(_MEMORY)).tolist()
+    result["link_errors"] = {(ranks[s], ranks[t]): (float(error_sums[s, t]), int(samples[s, t]))
+                             for s, t in samples.nonzero().tolist()}
+    peaks = packed[len(scalars) + 3 * size * size:].reshape(size, len(_MEMORY)).tolist()
     result["saved_memory"] = {ranks[i]: dict(zip(_MEMORY, map(int, row))) for i, row in enumerate(peaks) if row[0]}
     return result
+
+
+def link_rel_errors(stats: dict) -> dict[str, float]:
+    """Mean sampled round-trip error per pipeline link, ``{"src->dst": error}`` (global ranks; links
+    without a sample are left out)."""
+    return {f"{src}->{dst}": value / samples
+            for (src, dst), (value, samples) in sorted(stats.get("link_errors", {}).items()) if samples}
 
 
 def format_for_log(stats: dict) -> str:

@@ -1,6 +1,6 @@
 """``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
 
-PART: data, throughput, convergence, ablations, seeds, long, memory, report. ``--size tiny`` is the CI
+PART: data, throughput, convergence, ablations, seeds, long, parity, memory, report. ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
 """
@@ -12,14 +12,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from . import convergence
+from . import convergence, parity
 from .runner import ReproduceError, execute_all, say
 
-PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "memory", "report")
+PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "memory", "report")
 TRAINING_PARTS = {"convergence": lambda root, size: convergence.pretrain_runs(root, size)
                   + convergence.finetune_runs(root, size),
                   "ablations": convergence.ablation_runs, "seeds": convergence.seed_runs,
-                  "long": convergence.long_runs}
+                  "long": convergence.long_runs, "parity": parity.parity_runs}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("part", choices=PARTS)
     p.add_argument("--out", default="runs/reproduce", help="results root (default runs/reproduce)")
     p.add_argument("--size", choices=sorted(convergence.SIZES), default="full")
-    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (convergence, ablations, seeds, long)")
+    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (convergence, ablations, seeds, long, parity)")
     p.add_argument("--force", action="store_true", help="rerun runs that already completed")
     p.add_argument("--only", default=None, help="training parts: comma-separated run names to run")
     p.add_argument("--docs", default=None, help="report: output directory (default docs/, or OUT/docs for tiny)")

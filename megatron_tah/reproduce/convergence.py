@@ -37,6 +37,19 @@ CODECS = {
                     ["--tah-forward-codec", "tah", "--tah-backward-codec", "none"]),
     "aqsgd": ("AQ-SGD 4-bit deltas, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4"]),
     "mxfp4": ("MXFP4 fwd (4.25 bits), 6-bit bwd", ["--tah-forward-codec", "mxfp4"]),
+    # Issue 12's parity study (part `parity`, module parity.py).
+    "bwd6_only": ("uncompressed fwd, 6-bit bwd (diagnostic)", ["--tah-forward-codec", "none"]),
+    "hadint4": ("Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd", ["--tah-forward-codec", "hadint"]),
+    "hadint4_bwd4sr": ("Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each)",
+                       ["--tah-forward-codec", "hadint", "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
+                        "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"]),
+    "tah_bwd4sr": ("TAH-Quant fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits)",
+                   ["--tah-forward-codec", "tah", "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
+                    "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"]),
+    "tah_bwd6sr": ("TAH-Quant fwd, 6-bit bwd with stochastic rounding (diagnostic)",
+                   ["--tah-forward-codec", "tah", "--tah-backward-stochastic-rounding"]),
+    "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",
+                     ["--tah-forward-codec", "tah", "--tah-warmup-iters", "20"]),
 }
 PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone", "mxfp4")
 FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
@@ -154,16 +167,22 @@ def _flag(flags: list[str], name: str) -> str:
 
 
 def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str, list[str]] | None = None,
-                  seed: int = DEFAULT_SEED, long: bool = False) -> list[Run]:
+                  seed: int = DEFAULT_SEED, long: bool = False, hidden: int | None = None) -> list[Run]:
     """Pretraining runs per codec (plus ``extra``: name -> additional TAH-Quant flags, the ablations).
 
     ``seed``: another initialization and data order (names get ``_s<seed>``); ``long``: the
-    ``long_iters`` runs (names ``long_<codec>``).
+    ``long_iters`` runs (names ``long_<codec>``); ``hidden``: another hidden size (names get
+    ``w<hidden>_``; the size's own hidden size changes nothing).
     """
     cfg, prefixes = SIZES[size], data_prefixes(root, size)
+    model = list(cfg["model"])
+    width = int(_flag(model, "--hidden-size"))
+    prefix = "" if hidden in (None, width) else f"w{hidden}_"
+    if prefix:
+        model[model.index("--hidden-size") + 1] = str(hidden)
     iters, interval = (cfg["long_iters"], cfg["long_eval_interval"]) if long else (cfg["pretrain_iters"],
                                                                                     cfg["eval_interval"])
-    common = [*cfg["model"], *data_flags(prefixes["shakespeare"]), "--train-iters", str(iters),
+    common = [*model, *data_flags(prefixes["shakespeare"]), "--train-iters", str(iters),
               "--eval-interval", str(interval), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR, *OPTIM,
               "--lr-warmup-iters", str(cfg["pretrain_warmup"]),
               *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
@@ -171,11 +190,12 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
     runs = []
     for name in codecs:
         label, flags = CODECS[name]
-        main = name == "none" and seed == DEFAULT_SEED and not long
+        main = name == "none" and seed == DEFAULT_SEED and not long and not prefix
         save = (["--save", str(Path(root) / "convergence" / "ckpt_none"), "--save-interval", str(iters)]
                 if main else [])
-        runs.append(Run(seed_name(f"long_{name}" if long else name, seed), [*common, *flags, *save],
-                        cfg["pipeline"], label=label, info={"phase": phase, "codec": name, "seed": seed}))
+        runs.append(Run(prefix + seed_name(f"long_{name}" if long else name, seed), [*common, *flags, *save],
+                        cfg["pipeline"], label=label, info={"phase": phase, "codec": name, "seed": seed,
+                                                            "hidden": hidden or width}))
     for name, flags in (extra or {}).items():
         runs.append(Run(name, [*common, *CODECS["tah"][1], *flags], cfg["pipeline"], label=name,
                         info={"phase": "pretrain", "codec": "tah", "ablation": flags}))
@@ -271,6 +291,19 @@ def collect(out_dir: Path, names) -> dict[str, dict]:
         records = read_log(path)
         rows[name] = {**summarize(records), "records": records, "meta": meta}
     return rows
+
+
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def interval95(values: list[float]) -> tuple[float, float] | None:
+    """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2 or more than 10)."""
+    n = len(values)
+    if n - 1 not in _T975:
+        return None
+    mean = sum(values) / n
+    half = _T975[n - 1] * (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 / n ** 0.5
+    return mean - half, mean + half
 
 
 def relative_gap(value: float, reference: float) -> float:

@@ -1,0 +1,259 @@
+"""Issue 12's convergence-parity study (part ``parity``): candidate codecs x paired seeds x two widths.
+
+Protocol: the convergence part's pretraining (4 layers, PP 4, 200 iterations, AdamW, cosine
+schedule; ``convergence.pretrain_runs``) at hidden sizes :data:`WIDTHS`, every codec of
+:data:`CANDIDATES` with every seed of :data:`SEEDS` (same seed = same initialization and data
+order as the uncompressed run it is compared with). At the size's own width the runs *are* the
+convergence and seeds parts' runs (same names and flags), so they are not run twice; other widths
+are named ``w<hidden>_<run>``. Run order: seed by seed, so a part stopped early still has paired
+seeds.
+
+Measured per run: the *late validation loss*, the mean of the validation losses of the evaluations
+in the last quarter of training (at the full size iterations 150, 175 and 200, where the final
+evaluation's value replaces the periodic one as ``read_records`` merges them: 3 x 8 batches;
+successive evaluations see different validation batches, the same ones in every run of a seed),
+next to the final evaluation's loss alone; bits per value on
+the wire for each direction (metadata and headers included; values are fp32 in these CPU runs);
+the sampled round-trip error of each pipeline link (``link_rel_error``: stage boundary and
+direction), over the first and the second half of training; TAH-Quant's rotated-tile fraction.
+Gaps are same-seed relative gaps to ``none``; intervals are Student-t 95% intervals of their mean.
+
+Goal (issue 12): forward <= 4.5 bits with a mean gap <= 0.5% whose interval excludes 1%, at both
+widths; backward <= 5 bits adding <= 0.1%.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from . import convergence
+from .runner import Run
+
+WIDTHS = (128, 256)
+SEEDS = (1234, 1235, 1236)
+# In the order they are run within a seed (the most informative comparisons first).
+CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "tah_bwdnone", "tah_bwd6sr", "hadint4", "tah_warmup20",
+              "bwd6_only")
+WIDE_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr")  # at widths other than the size's own
+GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
+GOAL_BWD_BITS, GOAL_BWD_ADDED = 5.0, 0.001
+LATE_FRACTION = 0.25  # the last quarter of training
+
+
+def candidates_at(size: str, hidden: int) -> tuple[str, ...]:
+    """:data:`CANDIDATES` at the size's own width (shared with the other parts), else :data:`WIDE_CANDIDATES`."""
+    own = int(convergence._flag(convergence.SIZES[size]["model"], "--hidden-size"))
+    return CANDIDATES if hidden == own else WIDE_CANDIDATES
+
+
+def parity_runs(root: Path, size: str, widths=WIDTHS, seeds=SEEDS) -> list[Run]:
+    """Every (seed, width, candidate) run, seed by seed (36 at the full size: about 3 hours, 2 at a time)."""
+    return [run for seed in seeds for hidden in widths
+            for run in convergence.pretrain_runs(root, size, codecs=candidates_at(size, hidden), seed=seed,
+                                                 hidden=hidden)]
+
+
+def run_name(size: str, codec: str, seed: int, hidden: int) -> str:
+    width = int(convergence._flag(convergence.SIZES[size]["model"], "--hidden-size"))
+    return ("" if hidden == width else f"w{hidden}_") + convergence.seed_name(codec, seed)
+
+
+# ----------------------------------------------------------------------------- analysis
+def late_valid_loss(records: list[dict], fraction: float = LATE_FRACTION) -> float:
+    """Mean validation loss of the evaluations at or after ``(1 - fraction)`` of the last iteration."""
+    last = records[-1]["iteration"]
+    values = [r["valid_loss"] for r in records if "valid_loss" in r and r["iteration"] >= (1 - fraction) * last]
+    if not values:
+        raise ValueError("no validation record in the last part of training")
+    return sum(values) / len(values)
+
+
+def _bits(records: list[dict], direction: str) -> float | None:
+    """Wire bits per fp32 value sent in ``direction`` ("fwd"/"bwd"), averaged over the run."""
+    raw = sum(r[f"{direction}_raw_bytes"] for r in records)
+    wire = sum(r[f"{direction}_wire_bytes"] for r in records)
+    return 32.0 * wire / raw if raw else None
+
+
+def link_errors(records: list[dict]) -> dict[str, tuple[float | None, float | None]]:
+    """``{"src->dst": (mean error over the first half, over the second half)}`` from ``link_rel_error``."""
+    last = records[-1]["iteration"]
+    halves: dict[str, tuple[list, list]] = {}
+    for r in records:
+        for link, value in (r.get("link_rel_error") or {}).items():
+            halves.setdefault(link, ([], []))[r["iteration"] > last / 2].append(value)
+    mean = convergence._mean
+    return {link: (mean(a), mean(b)) for link, (a, b) in sorted(halves.items(), key=lambda kv: _link_key(kv[0]))}
+
+
+def _link_key(link: str) -> tuple[int, int]:
+    src, dst = link.split("->")
+    return int(src), int(dst)
+
+
+def _rotated(records: list[dict], first: bool) -> float | None:
+    last = records[-1]["iteration"]
+    chosen = [r for r in records if (r["iteration"] <= last / 4) == first and (first or r["iteration"] > 3 * last / 4)]
+    return convergence._mean([((r.get("tah") or {}).get("forward") or {}).get("rotated_fraction") for r in chosen])
+
+
+def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS, candidates=CANDIDATES) -> dict:
+    """``{hidden: {codec: {seed: row}}}`` for the runs that completed; a row has ``late``, ``final``,
+    ``fwd_bits``, ``bwd_bits``, ``links`` and ``rotated`` (first quarter, last quarter)."""
+    result: dict = {}
+    for hidden in widths:
+        for codec in candidates:
+            names = {seed: run_name(size, codec, seed, hidden) for seed in seeds}
+            rows = convergence.collect(out, names.values())
+            for seed, name in names.items():
+                if name not in rows:
+                    continue
+                records = rows[name]["records"]
+                result.setdefault(hidden, {}).setdefault(codec, {})[seed] = {
+                    "late": late_valid_loss(records), "final": rows[name]["valid_loss"],
+                    "fwd_bits": _bits(records, "fwd"), "bwd_bits": _bits(records, "bwd"),
+                    "links": link_errors(records), "rotated": (_rotated(records, True), _rotated(records, False))}
+    return result
+
+
+def gaps(table: dict, hidden: int, codec: str, ref: str = "none", key: str = "late") -> list[float]:
+    """Same-seed relative gaps of ``codec`` to ``ref`` at ``hidden`` (seeds where both ran)."""
+    a, b = table.get(hidden, {}).get(codec, {}), table.get(hidden, {}).get(ref, {})
+    return [convergence.relative_gap(a[s][key], b[s][key]) for s in a if s in b]
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def _pct(x, spec="+.2f") -> str:
+    return "n/a" if x is None else f"{100 * x:{spec}}%"
+
+
+def _interval_text(values: list[float]) -> str:
+    interval = convergence.interval95(values)
+    return "n/a" if interval is None else f"{_pct(interval[0])} to {_pct(interval[1])}"
+
+
+def verdicts(table: dict) -> dict[str, str]:
+    """Per candidate (diagnostic runs left out): the forward goal's verdict over every width (``met``,
+    ``not met``, or ``unresolved``)."""
+    out = {}
+    for codec in CANDIDATES:
+        if codec == "none" or "(diagnostic)" in convergence.CODECS[codec][0]:
+            continue
+        per_width = []
+        for hidden in WIDTHS:
+            values = gaps(table, hidden, codec)
+            interval = convergence.interval95(values)
+            rows = table.get(hidden, {}).get(codec, {})
+            if interval is None or not rows:
+                per_width.append("unresolved")
+                continue
+            bits = _mean([r["fwd_bits"] for r in rows.values()])
+            ok = bits <= GOAL_FWD_BITS and _mean(values) <= GOAL_FWD_GAP and interval[1] < GOAL_FWD_UPPER
+            worse = interval[0] > GOAL_FWD_GAP or bits > GOAL_FWD_BITS
+            per_width.append("met" if ok else "not met" if worse else "unresolved")
+        out[codec] = ("met" if all(v == "met" for v in per_width) else
+                      "not met" if "not met" in per_width else "unresolved")
+    return out
+
+
+def section(out: Path, size: str) -> list[str]:
+    """The parity study's section of RESULTS.md (``## 4.`` level headings one down)."""
+    table = collect(out, size)
+    lines = ["## 4. Convergence parity study (issue 12)", ""]
+    if not any(len(t.get("none", {})) for t in table.values()):
+        return lines + ["Not run yet (`bash scripts/reproduce.sh parity`).", ""]
+    lines += [f"Part `parity` (`megatron_tah/reproduce/parity.py`): pretraining as in section 2 (4 layers, PP 4, "
+              f"200 iterations) at hidden {' and '.join(map(str, WIDTHS))}, seeds {', '.join(map(str, SEEDS))}. "
+              "Gap: same-seed relative gap of the *late validation loss* (mean of the evaluations in the last "
+              "quarter of training, 3 x 8 batches) to the uncompressed run; the final evaluation alone is shown "
+              "too. Bits: wire bits per value (metadata and headers included), per direction. 95% interval: "
+              "Student's t over seeds. Goal: forward <= 4.5 bits with mean gap <= 0.5% and the interval below "
+              "1%, at both widths; backward <= 5 bits adding <= 0.1%.", ""]
+    verdict = verdicts(table)
+    for hidden in WIDTHS:
+        rows = table.get(hidden, {})
+        if not rows:
+            continue
+        lines += [f"### Hidden {hidden}", "",
+                  "| run | fwd bits | bwd bits | seeds | late-loss gap, mean | 95% interval | same-seed gaps | "
+                  "final-eval gap, mean | fwd error per boundary (1st half / 2nd half) | bwd error per boundary |",
+                  "|---|---:|---:|---:|---:|---|---|---:|---|---|"]
+        for codec in CANDIDATES:
+            runs = rows.get(codec)
+            if not runs:
+                continue
+            values = gaps(table, hidden, codec) if codec != "none" else []
+            finals = gaps(table, hidden, codec, key="final") if codec != "none" else []
+            fwd_err, bwd_err = _boundary_errors(runs)
+            lines.append(
+                f"| {convergence.CODECS[codec][0]} | {_mean([r['fwd_bits'] for r in runs.values()]):.2f} | "
+                f"{_mean([r['bwd_bits'] for r in runs.values()]):.2f} | {len(runs)} | {_pct(_mean(values))} | "
+                f"{_interval_text(values)} | {', '.join(_pct(v) for v in values) or 'n/a'} | {_pct(_mean(finals))} | "
+                f"{fwd_err} | {bwd_err} |")
+        lines.append("")
+        rotated = rows.get("tah", {})
+        if rotated:
+            first = _mean([r["rotated"][0] for r in rotated.values() if r["rotated"][0] is not None])
+            last = _mean([r["rotated"][1] for r in rotated.values() if r["rotated"][1] is not None])
+            lines += [f"TAH-Quant's outlier test at hidden {hidden}: "
+                      f"{_frac(first)} of tiles rotated in the first quarter of training, "
+                      f"{_frac(last)} in the last quarter (mean over seeds).", ""]
+    lines += ["### Verdict against the goal", "", "| candidate | forward goal, both widths |", "|---|---|"]
+    lines += [f"| {convergence.CODECS[c][0]} | {v} |" for c, v in verdict.items() if _ran(table, c)]
+    lines += ["", "*met*: at every width the bits and the mean gap are within the goal and the interval's upper end "
+              "is below 1%; *not met*: at some width the bits exceed it or the interval lies above 0.5%; "
+              "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal).", ""]
+    return lines + _backward_reading(table)
+
+
+def _frac(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.3f}%"
+
+
+def _ran(table: dict, codec: str) -> bool:
+    return any(codec in rows for rows in table.values())
+
+
+def _boundary_errors(runs: dict) -> tuple[str, str]:
+    """``"0->1: 0.071/0.068, ..."`` per direction (forward links go up the ranks), mean over seeds."""
+    merged: dict[str, list] = {}
+    for row in runs.values():
+        for link, halves in row["links"].items():
+            merged.setdefault(link, []).append(halves)
+    fwd, bwd = [], []
+    for link, values in sorted(merged.items(), key=lambda kv: _link_key(kv[0])):
+        first = _mean([v[0] for v in values if v[0] is not None])
+        second = _mean([v[1] for v in values if v[1] is not None])
+        text = f"{link}: {_num(first)}/{_num(second)}"
+        src, dst = _link_key(link)
+        (fwd if dst > src else bwd).append(text)
+    return ", ".join(fwd) or "n/a", ", ".join(bwd) or "n/a"
+
+
+def _num(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+def _backward_reading(table: dict) -> list[str]:
+    """What the backward codec adds: same-seed gap differences between runs that differ only in it."""
+    pairs = [("tah", "tah_bwdnone", "6-bit fixed point (7 bits) vs uncompressed, TAH-Quant forward"),
+             ("tah_bwd4sr", "tah_bwdnone", "Hadamard INT4 with stochastic rounding (4.25 bits) vs uncompressed, "
+              "TAH-Quant forward"),
+             ("tah_bwd4sr", "tah", "Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed point, "
+              "TAH-Quant forward"),
+             ("hadint4_bwd4sr", "hadint4", "Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed "
+              "point, Hadamard INT4 forward")]
+    lines = ["### What the backward codec adds", "",
+             "| comparison | width | seeds | added gap, mean | 95% interval |", "|---|---:|---:|---:|---|"]
+    for codec, ref, label in pairs:
+        for hidden in WIDTHS:
+            values = gaps(table, hidden, codec, ref)
+            if values:
+                lines.append(f"| {label} | {hidden} | {len(values)} | {_pct(_mean(values))} | "
+                             f"{_interval_text(values)} |")
+    return lines + ["", "Backward-only compression (uncompressed forward, 6-bit backward) is the row "
+                    f"'{convergence.CODECS['bwd6_only'][0]}' of the tables above.", ""]

@@ -1,0 +1,121 @@
+"""The parity study (part ``parity``): which runs, and what the report computes from their logs."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_tah.reproduce import convergence, parity, report
+
+
+def _flag(flags, name):
+    return flags[flags.index(name) + 1]
+
+
+def test_runs_cover_widths_seeds_candidates_seed_by_seed(tmp_path):
+    runs = parity.parity_runs(tmp_path, "tiny")  # tiny's own width is 64: every width gets WIDE_CANDIDATES
+    assert len(runs) == len(parity.WIDTHS) * len(parity.SEEDS) * len(parity.WIDE_CANDIDATES)
+    assert len({r.name for r in runs}) == len(runs)
+    seeds = [r.info["seed"] for r in runs]
+    assert seeds == sorted(seeds)  # a part stopped early still has complete seeds
+    for r in runs:
+        assert _flag(r.flags, "--hidden-size") == str(r.info["hidden"]) and r.name.startswith(f"w{r.info['hidden']}_")
+        assert "--save" not in r.flags and _flag(r.flags, "--train-iters") == str(
+            convergence.SIZES["tiny"]["pretrain_iters"])
+        assert ("--seed" in r.flags) == (r.info["seed"] != convergence.DEFAULT_SEED)
+    by_name = {r.name: r for r in runs}
+    sr = by_name["w256_tah_bwd4sr_s1235"].flags
+    assert _flag(sr, "--tah-backward-codec") == "hadint" and "--tah-backward-stochastic-rounding" in sr
+
+
+def test_runs_at_the_size_width_are_the_convergence_and_seed_runs(tmp_path):
+    """At hidden 128 (the full size's own width) the study reuses the convergence/seeds parts' runs:
+    same names and the same flags, so they are never run twice."""
+    runs = {r.name: r for r in parity.parity_runs(tmp_path, "full")}
+    assert len(runs) == len(parity.SEEDS) * (len(parity.CANDIDATES) + len(parity.WIDE_CANDIDATES))
+    assert "tah_warmup20_s1236" in runs and "w256_tah_warmup20_s1236" not in runs
+    assert _flag(runs["tah_warmup20"].flags, "--tah-warmup-iters") == "20"
+    for seed in parity.SEEDS:
+        own = {r.name: r for r in convergence.pretrain_runs(tmp_path, "full", codecs=("none", "tah"), seed=seed)}
+        for name, run in own.items():
+            assert runs[name].flags == run.flags
+    assert "--save" in runs["none"].flags and "--save" not in runs["w256_none"].flags
+    assert _flag(runs["w256_tah_s1236"].flags, "--hidden-size") == "256"
+
+
+def _records(late: float, fwd_wire=425, bwd_wire=425, errors=None, iters=8):
+    """The lines of a ``--tah-log-json`` file: an evaluation every 2 iterations (9.0 before the last
+    quarter, ``late`` in it), then the final evaluation (``0.99 * late``), which ``read_records`` keeps
+    in place of the periodic one of the same iteration."""
+    recs = []
+    for i in range(1, iters + 1):
+        rec = {"iteration": i, "lm_loss": 5.0, "ms": 10.0, "fwd_raw_bytes": 3200, "fwd_wire_bytes": fwd_wire,
+               "bwd_raw_bytes": 3200, "bwd_wire_bytes": bwd_wire,
+               "tah": {"forward": {"rel_error": 0.1, "rotated_fraction": 0.5 if i <= iters / 4 else 0.0}},
+               "link_rel_error": (errors or {}).get(i, {})}
+        recs.append(rec)
+        if i % 2 == 0:
+            valid = 9.0 if i < 0.75 * iters else late
+            recs.append({"iteration": i, "valid_loss": valid, "valid_ppl": math.exp(valid)})
+    recs.append({"iteration": iters, "valid_loss": 0.99 * late, "valid_ppl": math.exp(0.99 * late)})
+    return recs
+
+
+def _write(folder: Path, name: str, records):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / f"{name}.meta.json").write_text(json.dumps({"name": name, "status": 0, "seconds": 60.0}))
+
+
+def test_late_loss_bits_and_errors_per_boundary(tmp_path):
+    from megatron_tah.megatron.logging import read_records  # evaluations merged as the runner reads them
+
+    _write(tmp_path, "run", _records(4.0, errors={1: {"0->1": 0.2, "1->0": 0.05}, 3: {"0->1": 0.4}, 7: {"0->1": 0.1}}))
+    records = read_records(tmp_path / "run.jsonl")
+    assert parity.late_valid_loss(records) == pytest.approx((4.0 + 3.96) / 2)  # iteration 6, and 8's final one
+    assert parity._bits(records, "fwd") == pytest.approx(4.25)
+    assert parity.link_errors(records) == {"0->1": (pytest.approx(0.3), pytest.approx(0.1)), "1->0": (0.05, None)}
+    assert parity._rotated(records, True) == 0.5 and parity._rotated(records, False) == 0.0
+
+
+def _study(root: Path, losses: dict):
+    """``losses[(hidden, codec)]``: late losses per seed of :data:`parity.SEEDS`."""
+    for (hidden, codec), values in losses.items():
+        for seed, late in zip(parity.SEEDS, values):
+            wire = 425 if codec != "none" else 3200
+            _write(root / "convergence", parity.run_name("full", codec, seed, hidden),
+                   _records(late, fwd_wire=wire, bwd_wire=wire if codec != "tah" else 700,
+                            errors={2: {"0->1": 0.07, "1->0": 0.03}}))
+
+
+def test_gaps_intervals_and_verdicts(tmp_path):
+    base = [4.00, 4.10, 3.90]
+    _study(tmp_path, {(128, "none"): base, (256, "none"): base,
+                      # +0.1% everywhere: met at both widths
+                      (128, "hadint4"): [b * 1.001 for b in base], (256, "hadint4"): [b * 1.001 for b in base],
+                      # +3% at 256: not met; at 128 spread -1%..+2%: unresolved
+                      (128, "tah"): [base[0] * 0.99, base[1] * 1.02, base[2] * 1.005],
+                      (256, "tah"): [b * 1.03 for b in base],
+                      # one width only: unresolved
+                      (128, "tah_bwd4sr"): [b * 1.001 for b in base]})
+    table = parity.collect(tmp_path / "convergence", "full")
+    assert parity.gaps(table, 256, "tah") == [pytest.approx(0.03)] * 3
+    assert parity.verdicts(table) == {"tah": "not met", "hadint4": "met", "tah_bwd4sr": "unresolved",
+                                      "tah_warmup20": "unresolved",
+                                      "hadint4_bwd4sr": "unresolved"}  # diagnostic runs get no verdict
+    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 4.25 | 4.25 | 3 | +0.10% | +0.10% to +0.10% |" in md
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 7.00 | 3 | +3.00% |" in md
+    assert "0->1: 0.070/n/a | 1->0: 0.030/n/a |" in md
+    assert "50.000% of tiles rotated in the first quarter of training, 0.000% in the last quarter" in md
+    assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | met |" in md
+    assert "| TAH-Quant fwd, uncompressed bwd (diagnostic) |" not in md.split("### Verdict")[1]
+    # The added-gap table: TAH-Quant + stochastic 4-bit backward vs TAH-Quant at 128.
+    assert ("| Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed point, TAH-Quant forward | 128 | 3 | "
+            in md)
+
+
+def test_report_has_the_section_or_says_how_to_run_it(tmp_path):
+    md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
+    assert "## 4. Convergence parity study (issue 12)" in md and "Not run yet (`bash scripts/reproduce.sh parity`)" in md
