@@ -289,10 +289,11 @@ class Codec:
             )
 
     def _check(self, buf, shape, dtype, layout: WireLayout) -> None:
-        self._check_length(buf, shape, dtype, layout)
         if self.checks == "full":
-            self.check_buffer(buf, shape, dtype, layout)
-        elif self.checks == "deferred":
+            self.check_buffer(buf, shape, dtype, layout)  # (the length first)
+            return
+        self._check_length(buf, shape, dtype, layout)
+        if self.checks == "deferred":
             self.raise_deferred_errors(buf.device)
             expected = self._header(shape, dtype, buf.device)
             errors = self.deferred_errors(buf.device)
