@@ -108,6 +108,14 @@ def test_gaps_intervals_and_verdicts(tmp_path):
     assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 4.25 | 4.25 | 3 | +0.10% | +0.10% to +0.10% |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 7.00 | 3 | +3.00% |" in md
     assert "0->1: 0.070/n/a | 1->0: 0.030/n/a |" in md
+    # Every run has the same error, so no correlation can be computed.
+    assert parity.error_gap_correlation(table, 256) == (None, 6) and "Pearson" not in md
+    rows = table[256]["tah"]
+    for seed, error in zip(parity.SEEDS, (0.1, 0.2, 0.3)):
+        rows[seed]["links"] = {"0->1": (error, None)}
+    rows[parity.SEEDS[0]]["late"] *= 0.99  # gaps now +1.97%, +3%, +3% against errors 0.1, 0.2, 0.3
+    r, n = parity.error_gap_correlation(table, 256)
+    assert n == 6 and 0 < r < 1
     assert "50.000% of tiles rotated in the first quarter of training, 0.000% in the last quarter" in md
     assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | met |" in md
     assert "| TAH-Quant fwd, uncompressed bwd (diagnostic) |" not in md.split("### Verdict")[1]

@@ -195,6 +195,10 @@ def section(out: Path, size: str) -> list[str]:
                 f"{_interval_text(values)} | {', '.join(_pct(v) for v in values) or 'n/a'} | {_pct(_mean(finals))} | "
                 f"{fwd_err} | {bwd_err} |")
         lines.append("")
+        r, n = error_gap_correlation(table, hidden)
+        if r is not None:
+            lines += [f"Forward round-trip error (mean over the forward links and the run) vs late-loss gap over the "
+                      f"{n} compressed runs at hidden {hidden} with both: Pearson r = {r:+.2f}.", ""]
         rotated = rows.get("tah", {})
         if rotated:
             first = _mean([r["rotated"][0] for r in rotated.values() if r["rotated"][0] is not None])
@@ -208,6 +212,31 @@ def section(out: Path, size: str) -> list[str]:
               "is below 1%; *not met*: at some width the bits exceed it or the interval lies above 0.5%; "
               "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal).", ""]
     return lines + _backward_reading(table)
+
+
+def _forward_error(row: dict) -> float | None:
+    values = [v for link, halves in row["links"].items() for v in halves
+              if v is not None and _link_key(link)[1] > _link_key(link)[0]]
+    return _mean(values)
+
+
+def error_gap_correlation(table: dict, hidden: int) -> tuple[float | None, int]:
+    """Pearson r between a run's forward error and its same-seed late-loss gap, over the compressed
+    runs at ``hidden`` that logged per-link errors (None with fewer than 3)."""
+    pairs = []
+    for codec, runs in table.get(hidden, {}).items():
+        base = table[hidden].get("none", {})
+        for seed, row in runs.items():
+            error = _forward_error(row)
+            if codec != "none" and seed in base and error:
+                pairs.append((error, convergence.relative_gap(row["late"], base[seed]["late"])))
+    if len(pairs) < 3:
+        return None, len(pairs)
+    xs, ys = zip(*pairs)
+    mx, my = _mean(xs), _mean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return (sxy / math.sqrt(sxx * syy) if sxx and syy else None), len(pairs)
 
 
 def _frac(x) -> str:
