@@ -148,10 +148,13 @@ def verdicts(table: dict) -> dict[str, str]:
             values = gaps(table, hidden, codec)
             interval = convergence.interval95(values)
             rows = table.get(hidden, {}).get(codec, {})
-            if interval is None or not rows:
+            bits = _mean([r["fwd_bits"] for r in rows.values()]) if rows else None
+            if bits is not None and bits > GOAL_FWD_BITS:
+                per_width.append("not met")
+                continue
+            if interval is None:
                 per_width.append("unresolved")
                 continue
-            bits = _mean([r["fwd_bits"] for r in rows.values()])
             ok = bits <= GOAL_FWD_BITS and _mean(values) <= GOAL_FWD_GAP and interval[1] < GOAL_FWD_UPPER
             worse = interval[0] > GOAL_FWD_GAP or bits > GOAL_FWD_BITS
             per_width.append("met" if ok else "not met" if worse else "unresolved")
