@@ -45,7 +45,7 @@ def test_every_default_kernel_compiles_for_both_targets(report):
         kernels = {r["kernel"].split()[0] for r in results if r["target"] == target}
         assert kernels == {"tah_partials", "tah_encode", "tah_decode", "fixedpoint_encode", "fixedpoint_decode",
                            "fp8_encode", "fp8_decode", "tah_token_entropy", "tah_rank", "tah_token_tables",
-                           "tah_tile_tables", "header_check"}
+                           "tah_tile_tables", "header_check", "hadint_encode", "hadint_decode"}
 
 
 def test_no_spills_and_fewer_than_255_registers(report):

@@ -234,4 +234,4 @@ def test_tiny_convergence_runs_end_to_end(tmp_path):
     assert mem["tah_stateless"] and mem["tah_buffer_bytes_run"] == 0
     md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
     assert "### Pretraining (Shakespeare)" in md and "TAH-Quant (4/3-bit fwd, 6-bit bwd)" in md
-    assert "## 4. Memory" in md and "Not run yet (`scripts/reproduce.sh memory`)" not in md
+    assert "## 5. Memory" in md and "Not run yet (`scripts/reproduce.sh memory`)" not in md
