@@ -166,6 +166,11 @@ def _flag(flags: list[str], name: str) -> str:
     return flags[flags.index(name) + 1]
 
 
+def size_width(size: str) -> int:
+    """The hidden size of ``SIZES[size]``'s model."""
+    return int(_flag(SIZES[size]["model"], "--hidden-size"))
+
+
 def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str, list[str]] | None = None,
                   seed: int = DEFAULT_SEED, long: bool = False, hidden: int | None = None) -> list[Run]:
     """Pretraining runs per codec (plus ``extra``: name -> additional TAH-Quant flags, the ablations).
@@ -176,7 +181,7 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
     """
     cfg, prefixes = SIZES[size], data_prefixes(root, size)
     model = list(cfg["model"])
-    width = int(_flag(model, "--hidden-size"))
+    width = size_width(size)
     prefix = "" if hidden in (None, width) else f"w{hidden}_"
     if prefix:
         model[model.index("--hidden-size") + 1] = str(hidden)

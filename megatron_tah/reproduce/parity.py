@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 
 from . import convergence
+from .convergence import _mean  # (None-tolerant mean)
 from .runner import Run
 
 WIDTHS = (128, 256)
@@ -42,8 +43,7 @@ LATE_FRACTION = 0.25  # the last quarter of training
 
 def candidates_at(size: str, hidden: int) -> tuple[str, ...]:
     """:data:`CANDIDATES` at the size's own width (shared with the other parts), else :data:`WIDE_CANDIDATES`."""
-    own = int(convergence._flag(convergence.SIZES[size]["model"], "--hidden-size"))
-    return CANDIDATES if hidden == own else WIDE_CANDIDATES
+    return CANDIDATES if hidden == convergence.size_width(size) else WIDE_CANDIDATES
 
 
 def parity_runs(root: Path, size: str, widths=WIDTHS, seeds=SEEDS) -> list[Run]:
@@ -55,8 +55,7 @@ def parity_runs(root: Path, size: str, widths=WIDTHS, seeds=SEEDS) -> list[Run]:
 
 
 def run_name(size: str, codec: str, seed: int, hidden: int) -> str:
-    width = int(convergence._flag(convergence.SIZES[size]["model"], "--hidden-size"))
-    return ("" if hidden == width else f"w{hidden}_") + convergence.seed_name(codec, seed)
+    return ("" if hidden == convergence.size_width(size) else f"w{hidden}_") + convergence.seed_name(codec, seed)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -83,8 +82,7 @@ def link_errors(records: list[dict]) -> dict[str, tuple[float | None, float | No
     for r in records:
         for link, value in (r.get("link_rel_error") or {}).items():
             halves.setdefault(link, ([], []))[r["iteration"] > last / 2].append(value)
-    mean = convergence._mean
-    return {link: (mean(a), mean(b)) for link, (a, b) in sorted(halves.items(), key=lambda kv: _link_key(kv[0]))}
+    return {link: (_mean(a), _mean(b)) for link, (a, b) in sorted(halves.items(), key=lambda kv: _link_key(kv[0]))}
 
 
 def _link_key(link: str) -> tuple[int, int]:
@@ -95,7 +93,7 @@ def _link_key(link: str) -> tuple[int, int]:
 def _rotated(records: list[dict], first: bool) -> float | None:
     last = records[-1]["iteration"]
     chosen = [r for r in records if (r["iteration"] <= last / 4) == first and (first or r["iteration"] > 3 * last / 4)]
-    return convergence._mean([((r.get("tah") or {}).get("forward") or {}).get("rotated_fraction") for r in chosen])
+    return _mean([((r.get("tah") or {}).get("forward") or {}).get("rotated_fraction") for r in chosen])
 
 
 def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS, candidates=CANDIDATES) -> dict:
@@ -121,10 +119,6 @@ def gaps(table: dict, hidden: int, codec: str, ref: str = "none", key: str = "la
     """Same-seed relative gaps of ``codec`` to ``ref`` at ``hidden`` (seeds where both ran)."""
     a, b = table.get(hidden, {}).get(codec, {}), table.get(hidden, {}).get(ref, {})
     return [convergence.relative_gap(a[s][key], b[s][key]) for s in a if s in b]
-
-
-def _mean(values):
-    return sum(values) / len(values) if values else None
 
 
 def _pct(x, spec="+.2f") -> str:
