@@ -44,6 +44,24 @@ def test_runs_at_the_size_width_are_the_convergence_and_seed_runs(tmp_path):
     assert _flag(runs["w256_tah_s1236"].flags, "--hidden-size") == "256"
 
 
+def test_parity_seeds_part_adds_seeds_for_the_headline_candidates(tmp_path):
+    """Part ``parity-seeds``: the headline candidates at every width with seeds the parity part does not
+    run, seed by seed, with the same flags as the parity part's run of the same codec and width."""
+    runs = parity.more_seed_runs(tmp_path, "full")
+    assert len(runs) == len(parity.MORE_SEEDS) * len(parity.WIDTHS) * len(parity.HEADLINE)
+    assert not set(parity.MORE_SEEDS) & set(parity.SEEDS) and set(parity.HEADLINE) <= set(parity.WIDE_CANDIDATES)
+    seeds = [r.info["seed"] for r in runs]
+    assert seeds == sorted(seeds)
+    names = {r.name for r in runs}
+    assert "hadint4_bwd4sr_s1237" in names and "w256_tah_s1239" in names
+    assert not names & {r.name for r in parity.parity_runs(tmp_path, "full")}
+    base = {r.name: r.flags for r in parity.parity_runs(tmp_path, "full")}
+    for r in runs:
+        assert _flag(r.flags, "--seed") == str(r.info["seed"])
+        twin = base[parity.run_name("full", r.info["codec"], parity.SEEDS[1], r.info["hidden"])]
+        assert [f for f in r.flags if f != str(r.info["seed"])] == [f for f in twin if f != str(parity.SEEDS[1])]
+
+
 def _records(late: float, fwd_wire=425, bwd_wire=425, errors=None, iters=8):
     """The lines of a ``--tah-log-json`` file: an evaluation every 2 iterations (9.0 before the last
     quarter, ``late`` in it), then the final evaluation (``0.99 * late``), which ``read_records`` keeps

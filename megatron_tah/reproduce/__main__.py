@@ -1,6 +1,6 @@
 """``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
 
-PART: data, throughput, convergence, ablations, seeds, long, parity, memory, report. ``--size tiny`` is the CI
+PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, memory, report. ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
 """
@@ -15,11 +15,12 @@ from pathlib import Path
 from . import convergence, parity
 from .runner import ReproduceError, execute_all, say
 
-PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "memory", "report")
+PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "memory", "report")
 TRAINING_PARTS = {"convergence": lambda root, size: convergence.pretrain_runs(root, size)
                   + convergence.finetune_runs(root, size),
                   "ablations": convergence.ablation_runs, "seeds": convergence.seed_runs,
-                  "long": convergence.long_runs, "parity": parity.parity_runs}
+                  "long": convergence.long_runs, "parity": parity.parity_runs,
+                  "parity-seeds": parity.more_seed_runs}
 
 
 def _parser() -> argparse.ArgumentParser:

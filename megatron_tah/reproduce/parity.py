@@ -33,6 +33,9 @@ from .runner import Run
 
 WIDTHS = (128, 256)
 SEEDS = (1234, 1235, 1236)
+# Part ``parity-seeds``: the headline candidates again with more seeds, to narrow their intervals.
+MORE_SEEDS = (1237, 1238, 1239)
+HEADLINE = ("none", "tah", "hadint4_bwd4sr")
 # In the order they are run within a seed (the most informative comparisons first).
 CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "tah_bwdnone", "tah_bwd6sr", "hadint4", "tah_warmup20",
               "bwd6_only")
@@ -52,6 +55,13 @@ def parity_runs(root: Path, size: str, widths=WIDTHS, seeds=SEEDS) -> list[Run]:
     return [run for seed in seeds for hidden in widths
             for run in convergence.pretrain_runs(root, size, codecs=candidates_at(size, hidden), seed=seed,
                                                  hidden=hidden)]
+
+
+def more_seed_runs(root: Path, size: str, widths=WIDTHS, seeds=MORE_SEEDS) -> list[Run]:
+    """Part ``parity-seeds``: :data:`HEADLINE` at every width with each of :data:`MORE_SEEDS`, seed by
+    seed (18 runs at the full size: about 1.6 hours, 2 at a time)."""
+    return [run for seed in seeds for hidden in widths
+            for run in convergence.pretrain_runs(root, size, codecs=HEADLINE, seed=seed, hidden=hidden)]
 
 
 def run_name(size: str, codec: str, seed: int, hidden: int) -> str:
@@ -96,7 +106,7 @@ def _rotated(records: list[dict], first: bool) -> float | None:
     return _mean([((r.get("tah") or {}).get("forward") or {}).get("rotated_fraction") for r in chosen])
 
 
-def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS, candidates=CANDIDATES) -> dict:
+def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS + MORE_SEEDS, candidates=CANDIDATES) -> dict:
     """``{hidden: {codec: {seed: row}}}`` for the runs that completed; a row has ``late``, ``final``,
     ``fwd_bits``, ``bwd_bits``, ``links`` and ``rotated`` (first quarter, last quarter)."""
     result: dict = {}
@@ -164,7 +174,9 @@ def section(out: Path, size: str) -> list[str]:
     if not any(len(t.get("none", {})) for t in table.values()):
         return lines + ["Not run yet (`bash scripts/reproduce.sh parity`).", ""]
     lines += [f"Part `parity` (`megatron_tah/reproduce/parity.py`): pretraining as in section 2 (4 layers, PP 4, "
-              f"200 iterations) at hidden {' and '.join(map(str, WIDTHS))}, seeds {', '.join(map(str, SEEDS))}. "
+              f"200 iterations) at hidden {' and '.join(map(str, WIDTHS))}, seeds {', '.join(map(str, SEEDS))}; "
+              f"part `parity-seeds` adds seeds {', '.join(map(str, MORE_SEEDS))} for "
+              f"{', '.join(convergence.CODECS[c][0] for c in HEADLINE)} (the seeds column counts what ran). "
               "Gap: same-seed relative gap of the *late validation loss* (mean of the evaluations in the last "
               "quarter of training, 3 x 8 batches) to the uncompressed run; the final evaluation alone is shown "
               "too. Bits: wire bits per value (metadata and headers included), per direction. 95% interval: "

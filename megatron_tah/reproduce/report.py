@@ -608,7 +608,7 @@ def _timing(root: Path, size: str) -> list[str]:
     lines = ["## How to reproduce, and how long it took here", "",
              "```", "bash scripts/reproduce.sh all        # everything, then the report (or: make reproduce)",
              "bash scripts/reproduce.sh convergence  # or one part: throughput | convergence | ablations | seeds | "
-             "long | parity | memory | report",
+             "long | parity | parity-seeds | memory | report",
              "```", "", "Results go to `runs/reproduce/<part>/` (one `NAME.jsonl` log from `--tah-log-json`, `NAME.meta.json` "
              "with the command, status, duration, load average and peak RSS, and `NAME.log` per run; the training "
              "parts share `runs/reproduce/convergence/`); finished runs are skipped on a rerun (`--force` reruns "
@@ -621,6 +621,7 @@ def _timing(root: Path, size: str) -> list[str]:
         ("seeds", here, convergence.seed_run_names()),
         ("long", here, [f"long_{c}" for c in convergence.LONG_CODECS]),
         ("parity", here, [r.name for r in parity.parity_runs(root, size)]),
+        ("parity-seeds", here, [r.name for r in parity.more_seed_runs(root, size)]),
         ("throughput", Path(root) / "throughput",
          sorted(p.name.removesuffix(".meta.json") for p in (Path(root) / "throughput").glob("*.meta.json"))),
     )
