@@ -80,6 +80,10 @@ class HadIntCodec(RotatedBlockCodec):
         return {**super().config(), "bits": self.bits, "tile_size": self.tile_size,
                 "stochastic_rounding": self.stochastic_rounding}
 
+    @property
+    def code_bits(self) -> int:
+        return self.bits
+
     def _sections(self, shape, dtype):
         return geometry.hadint_sections(shape, self.bits, self.tile_size)
 
@@ -89,13 +93,11 @@ class HadIntCodec(RotatedBlockCodec):
         noise = None if seed is None else common.hash_uniform(seed, blocks.numel(), blocks.device).reshape(blocks.shape)
         scale, codes = hadint_encode_reference(blocks, bad, self.bits, noise)
         layout.view(buf, "scale", torch.int16).copy_(scale)
-        layout.view(buf, "codes").copy_(common.pack_bits(codes, self.bits))
+        self._store_codes(buf, layout, codes)
 
     def _decode_torch(self, buf, shape, dtype, layout, out=None):
-        blocks = self.num_blocks(shape)
         scale = layout.view(buf, "scale", torch.bfloat16)
-        codes = common.unpack_bits(layout.view(buf, "codes"), self.bits, blocks * self.block_size)
-        values = hadint_decode_reference(scale, codes.reshape(blocks, self.block_size), self.bits)
+        values = hadint_decode_reference(scale, self._load_codes(buf, layout, shape), self.bits)
         values = self._from_blocks(values, shape, dtype)
         return values if out is None else out.copy_(values)
 

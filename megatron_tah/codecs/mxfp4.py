@@ -93,6 +93,20 @@ class RotatedBlockCodec(Codec):
     def num_blocks(self, shape) -> int:
         return geometry.total_tiles(shape, self.block_size)
 
+    @property
+    def code_bits(self) -> int:
+        """Bits per code in the ``codes`` section (4: E2M1; hadint: its ``bits``)."""
+        return 4
+
+    def _store_codes(self, buf, layout, codes: torch.Tensor) -> None:
+        layout.view(buf, "codes").copy_(common.pack_bits(codes, self.code_bits))
+
+    def _load_codes(self, buf, layout, shape) -> torch.Tensor:
+        """The ``codes`` section unpacked to ``[blocks, block_size]``."""
+        blocks = self.num_blocks(shape)
+        codes = common.unpack_bits(layout.view(buf, "codes"), self.code_bits, blocks * self.block_size)
+        return codes.reshape(blocks, self.block_size)
+
     def signs(self, device) -> torch.Tensor | None:
         """The Hadamard's sign flips (fp32 [block_size]), or None without ``hadamard``."""
         if not self.hadamard:
@@ -127,13 +141,11 @@ class MxFp4Codec(RotatedBlockCodec):
         blocks, bad = self._to_blocks(x)
         scale, codes = mxfp4_encode_reference(blocks, bad)
         layout.view(buf, "scale").copy_(scale)
-        layout.view(buf, "codes").copy_(common.pack_bits(codes, 4))
+        self._store_codes(buf, layout, codes)
 
     def _decode_torch(self, buf, shape, dtype, layout):
-        blocks = self.num_blocks(shape)
-        scale = layout.view(buf, "scale")
-        codes = common.unpack_bits(layout.view(buf, "codes"), 4, blocks * self.block_size)
-        return self._from_blocks(mxfp4_decode_reference(scale, codes.reshape(blocks, self.block_size)), shape, dtype)
+        values = mxfp4_decode_reference(layout.view(buf, "scale"), self._load_codes(buf, layout, shape))
+        return self._from_blocks(values, shape, dtype)
 
 
 register_codec_id(MxFp4Codec.codec_id, MxFp4Codec.name)

@@ -87,14 +87,11 @@ class NvFp4Codec(RotatedBlockCodec):
         global_scale, scale, codes = nvfp4_encode_reference(blocks, bad)
         layout.view(buf, "global_scale", torch.float32).copy_(global_scale)
         layout.view(buf, "scale").copy_(scale)
-        layout.view(buf, "codes").copy_(common.pack_bits(codes, 4))
+        self._store_codes(buf, layout, codes)
 
     def _decode_torch(self, buf, shape, dtype, layout):
-        blocks = self.num_blocks(shape)
         global_scale = layout.view(buf, "global_scale", torch.float32)
-        scale = layout.view(buf, "scale")
-        codes = common.unpack_bits(layout.view(buf, "codes"), 4, blocks * self.block_size)
-        values = nvfp4_decode_reference(global_scale, scale, codes.reshape(blocks, self.block_size))
+        values = nvfp4_decode_reference(global_scale, layout.view(buf, "scale"), self._load_codes(buf, layout, shape))
         return self._from_blocks(values, shape, dtype)
 
 

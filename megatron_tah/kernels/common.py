@@ -645,3 +645,33 @@ if HAVE_TRITON:
         from_hi = tl.where(shift >= 32, hi4 >> ((shift - 32) & 31), hi4 << ((32 - shift) & 31))
         word = tl.where(shift < 32, from_lo, 0) | tl.where(shift + BITS > 32, from_hi, 0)
         return (word & ((1 << BITS) - 1)).to(tl.int32)
+
+    # ----- the codes section of the tile codecs (fixedpoint, tah, hadint) -----------------------------
+    @triton.jit
+    def group_index_kernel(t, G: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
+        """Index of every group of 8 codes of a block, counted from tile 0 (``[H, BT, C]``)."""
+        h = tl.arange(0, H)[:, None, None]
+        c = tl.arange(0, C)[None, None, :]
+        return t[None, :, None] * (G // 8) + c * H + h
+
+    @triton.jit
+    def store_codes_kernel(codes_ptr, q, t, tmask, G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr,
+                           C: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr):
+        """Pack the ``BITS``-bit codes ``q`` (``[H, BT, C, 8]``) of tiles ``t`` into the ``codes`` section."""
+        lo, hi = pack_groups_kernel(q, BITS)
+        store_groups_kernel(codes_ptr, group_index_kernel(t, G, H, C), lo, hi,
+                            tl.broadcast_to(tmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
+
+    @triton.jit
+    def load_codes_kernel(codes_ptr, t, tmask, G: tl.constexpr, BITS: tl.constexpr, H: tl.constexpr,
+                          C: tl.constexpr, UNIT: tl.constexpr, NUNITS: tl.constexpr, FLIP: tl.constexpr):
+        """Inverse of ``store_codes_kernel``: the int32 codes ``[H, BT, C, 8]`` of tiles ``t``."""
+        group = group_index_kernel(t, G, H, C)
+        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(tmask[None, :, None], group.shape), UNIT, NUNITS,
+                                    FLIP)
+        return unpack_groups_kernel(lo, hi, BITS)
+
+    @triton.jit
+    def load_bf16_kernel(ptr, t, tmask):
+        """The bf16 metadata (stored as int16 bits) of tiles ``t``, as fp32; 0 for masked tiles."""
+        return bf16_from_bits_kernel(tl.load(ptr + t, mask=tmask, other=0))

@@ -18,10 +18,9 @@ from .common import (
 
 if HAVE_TRITON:
     from .common import (
-        bcast_kernel, bf16_bits_kernel, bf16_from_bits_kernel, channels_kernel, hash_uniform_kernel,
-        load_fp32_kernel, load_groups_kernel, magnitude_bits_kernel, pack_groups_kernel, quant_params_kernel,
-        quantize_codes_kernel, store_groups_kernel, store_values_kernel, tile_ids_kernel, tile_max_kernel,
-        tile_min_kernel, unpack_groups_kernel,
+        bcast_kernel, bf16_bits_kernel, channels_kernel, hash_uniform_kernel, load_bf16_kernel, load_codes_kernel,
+        load_fp32_kernel, magnitude_bits_kernel, quant_params_kernel, quantize_codes_kernel, store_codes_kernel,
+        store_values_kernel, tile_ids_kernel, tile_max_kernel, tile_min_kernel,
     )
 
     @triton.jit
@@ -60,13 +59,6 @@ if HAVE_TRITON:
             mask = bcast_kernel(tmask) & (col < h)
             store_values_kernel(out_ptr + bcast_kernel(token * h) + col, v, mask, OUT_KIND, NATIVE_BF16, FLIP)
 
-    @triton.jit
-    def group_index_kernel(t, G: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
-        """Index of every group of 8 codes of a block, counted from tile 0 (``[H, BT, C]``)."""
-        h = tl.arange(0, H)[:, None, None]
-        c = tl.arange(0, C)[None, None, :]
-        return t[None, :, None] * (G // 8) + c * H + h
-
     @triton.jit(do_not_specialize=["seed"])
     def fixedpoint_encode_kernel(
         x_ptr, scale_ptr, zero_ptr, codes_ptr, n_tiles, h, tiles_per_token, seed,
@@ -86,9 +78,7 @@ if HAVE_TRITON:
         q = quantize_codes_kernel(v, zero, inverse, flat, levels, noise, STOCHASTIC)
         tl.store(scale_ptr + t, bf16_bits_kernel(scale).to(tl.int16), mask=tmask)
         tl.store(zero_ptr + t, tl.where(bad, 0x7FC0, bf16_bits_kernel(zero)).to(tl.int16), mask=tmask)
-        lo, hi = pack_groups_kernel(q, BITS)
-        store_groups_kernel(codes_ptr, group_index_kernel(t, G, H, C), lo, hi,
-                            tl.broadcast_to(tmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
+        store_codes_kernel(codes_ptr, q, t, tmask, G, BITS, H, C, UNIT, NUNITS, FLIP)
 
     @triton.jit
     def fixedpoint_decode_kernel(
@@ -99,12 +89,9 @@ if HAVE_TRITON:
     ):
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
-        scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=tmask, other=0))
-        zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=tmask, other=0))
-        group = group_index_kernel(t, G, H, C)
-        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(tmask[None, :, None], group.shape), UNIT, NUNITS,
-                                    FLIP)
-        codes = unpack_groups_kernel(lo, hi, BITS)
+        scale = load_bf16_kernel(scale_ptr, t, tmask)
+        zero = load_bf16_kernel(zero_ptr, t, tmask)
+        codes = load_codes_kernel(codes_ptr, t, tmask, G, BITS, H, C, UNIT, NUNITS, FLIP)
         v = codes.to(tl.float32) * bcast_kernel(scale) + bcast_kernel(zero)  # exact product: FMA-safe
         store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G, H, C, EVEN, OUT_KIND, NATIVE_BF16, FLIP)
 

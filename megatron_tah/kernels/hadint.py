@@ -21,11 +21,11 @@ from .fixedpoint import _common_args
 
 if HAVE_TRITON:
     from .common import (
-        bcast_kernel, bf16_bits_kernel, bf16_from_bits_kernel, channels_kernel, fwht_kernel, hash_uniform_kernel,
-        load_fp32_kernel, load_groups_kernel, magnitude_bits_kernel, pack_groups_kernel, rint_int_kernel,
-        round_bf16_kernel, store_groups_kernel, tile_ids_kernel, tile_max_kernel, unpack_groups_kernel,
+        bcast_kernel, bf16_bits_kernel, channels_kernel, fwht_kernel, hash_uniform_kernel, load_bf16_kernel,
+        load_codes_kernel, load_fp32_kernel, magnitude_bits_kernel, rint_int_kernel, round_bf16_kernel,
+        store_codes_kernel, tile_ids_kernel, tile_max_kernel,
     )
-    from .fixedpoint import group_index_kernel, store_block_kernel
+    from .fixedpoint import store_block_kernel
 
     @triton.jit
     def load_zero_padded_kernel(x_ptr, t, tmask, h, tiles_per_token, G: tl.constexpr, H: tl.constexpr,
@@ -70,9 +70,7 @@ if HAVE_TRITON:
         q = tl.minimum(tl.maximum(q, -limit), limit)
         q = tl.where(bcast_kernel(flat), 0, q) + limit
         tl.store(scale_ptr + t, tl.where(bad, 0x7FC0, bf16_bits_kernel(scale)).to(tl.int16), mask=tmask)
-        lo, hi = pack_groups_kernel(q, BITS)
-        store_groups_kernel(codes_ptr, group_index_kernel(t, G, H, C), lo, hi,
-                            tl.broadcast_to(tmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
+        store_codes_kernel(codes_ptr, q, t, tmask, G, BITS, H, C, UNIT, NUNITS, FLIP)
 
     @triton.jit
     def hadint_decode_kernel(
@@ -84,12 +82,10 @@ if HAVE_TRITON:
     ):
         t = tile_ids_kernel(BT, INDEX64)
         tmask = t < n_tiles
-        scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=tmask, other=0))
-        group = group_index_kernel(t, G, H, C)
-        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(tmask[None, :, None], group.shape), UNIT, NUNITS,
-                                    FLIP)
+        scale = load_bf16_kernel(scale_ptr, t, tmask)
         limit: tl.constexpr = (1 << (BITS - 1)) - 1
-        v = (unpack_groups_kernel(lo, hi, BITS) - limit).to(tl.float32) * bcast_kernel(scale)
+        codes = load_codes_kernel(codes_ptr, t, tmask, G, BITS, H, C, UNIT, NUNITS, FLIP)
+        v = (codes - limit).to(tl.float32) * bcast_kernel(scale)
         if HADAMARD:
             v = fwht_kernel(v, H, BT, C, ENTRY) * tl.load(signs_ptr + channels_kernel(H, C)) + 0.0
         store_block_kernel(out_ptr, v, t, tmask, h, tiles_per_token, G, H, C, EVEN, OUT_KIND, NATIVE_BF16, FLIP)

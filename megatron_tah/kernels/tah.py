@@ -33,12 +33,12 @@ from .common import (
 
 if HAVE_TRITON:
     from .common import (
-        bcast_kernel, bf16_bits_kernel, bf16_from_bits_kernel, channels_kernel, fwht_kernel, hash_uniform_kernel,
-        load_fp32_kernel, load_groups_kernel, log2_approx_kernel, magnitude_bits_kernel, pack_groups_kernel,
-        quant_params_kernel, quantize_codes_kernel, store_groups_kernel, store_values_kernel, tile_ids_kernel,
-        tile_max_kernel, tile_min_kernel, tile_tree_sum_kernel, unpack_groups_kernel,
+        bcast_kernel, bf16_bits_kernel, channels_kernel, fwht_kernel, hash_uniform_kernel, load_bf16_kernel,
+        load_codes_kernel, load_fp32_kernel, log2_approx_kernel, magnitude_bits_kernel, quant_params_kernel,
+        quantize_codes_kernel, store_codes_kernel, store_values_kernel, tile_ids_kernel, tile_max_kernel,
+        tile_min_kernel, tile_tree_sum_kernel,
     )
-    from .fixedpoint import group_index_kernel, load_block_kernel
+    from .fixedpoint import load_block_kernel
     from .tah_alloc import entropy_kernel
 
     @triton.jit
@@ -134,9 +134,7 @@ if HAVE_TRITON:
         tl.store(scale_ptr + t, bf16_bits_kernel(scale).to(tl.int16), mask=rmask)
         tl.store(zero_ptr + t, tl.where(bad, 0x7FC0, bf16_bits_kernel(zero)).to(tl.int16), mask=rmask)
         tl.store(meta_ptr + t, ((rotate.to(tl.int32) << 7) | pivot).to(tl.uint8), mask=rmask)
-        lo, hi = pack_groups_kernel(q, BITS)
-        store_groups_kernel(codes_ptr, group_index_kernel(r, G, H, C), lo, hi,
-                            tl.broadcast_to(rmask[None, :, None], lo.shape), UNIT, NUNITS, FLIP)
+        store_codes_kernel(codes_ptr, q, r, rmask, G, BITS, H, C, UNIT, NUNITS, FLIP)
 
     @triton.jit
     def tah_decode_kernel(
@@ -149,12 +147,9 @@ if HAVE_TRITON:
         r = tile_ids_kernel(BT, INDEX64)
         rmask = r < n_rank
         t = tile_index_kernel(r, rmask, table_ptr, tiles_per_unit, n_units, INDEX64)
-        scale = bf16_from_bits_kernel(tl.load(scale_ptr + t, mask=rmask, other=0))
-        zero = bf16_from_bits_kernel(tl.load(zero_ptr + t, mask=rmask, other=0))
-        group = group_index_kernel(r, G, H, C)
-        lo, hi = load_groups_kernel(codes_ptr, group, tl.broadcast_to(rmask[None, :, None], group.shape), UNIT, NUNITS,
-                                    FLIP)
-        codes = unpack_groups_kernel(lo, hi, BITS)
+        scale = load_bf16_kernel(scale_ptr, t, rmask)
+        zero = load_bf16_kernel(zero_ptr, t, rmask)
+        codes = load_codes_kernel(codes_ptr, r, rmask, G, BITS, H, C, UNIT, NUNITS, FLIP)
         v = tl.fma(codes.to(tl.float32), bcast_kernel(scale), bcast_kernel(zero))  # exact product
         j = channels_kernel(H, C)
         if EVEN:
