@@ -125,7 +125,7 @@ def test_gaps_intervals_and_verdicts(tmp_path):
                                       "tah_warmup20": "not met",
                                       "hadint4_bwd4sr": "unresolved"}  # diagnostic runs get no verdict
     md = "\n".join(parity.section(tmp_path / "convergence", "full"))
-    assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 4.25 | 4.25 | 3 | +0.10% | +0.10% to +0.10% |" in md
+    assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 4.25 | 4.25 | 3 | +0.10% | +0.10% to +0.10% | 2 |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 7.00 | 3 | +3.00% |" in md
     assert "0->1: 0.070/n/a | 1->0: 0.030/n/a |" in md
     # Every run has the same error, so no correlation can be computed.
@@ -147,3 +147,44 @@ def test_gaps_intervals_and_verdicts(tmp_path):
 def test_report_has_the_section_or_says_how_to_run_it(tmp_path):
     md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
     assert "## 4. Convergence parity study (issue 12)" in md and "Not run yet (`bash scripts/reproduce.sh parity`)" in md
+
+
+def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
+    """A run of the parity-seeds part counts as one more paired seed in the same table and plot."""
+    base = [4.00, 4.10, 3.90]
+    _study(tmp_path, {(256, "none"): base, (256, "tah"): [base[0] * 1.01, base[1] * 1.02, base[2] * 1.03]})
+    extra = parity.MORE_SEEDS[0]
+    _write(tmp_path / "convergence", parity.run_name("full", "none", extra, 256), _records(4.0))
+    _write(tmp_path / "convergence", parity.run_name("full", "tah", extra, 256), _records(4.0 * 1.04))
+    table = parity.collect(tmp_path / "convergence", "full")
+    assert sorted(parity.gaps(table, 256, "tah")) == [pytest.approx(g) for g in (0.01, 0.02, 0.03, 0.04)]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    md = "\n".join(parity.section(tmp_path / "convergence", "full", docs))
+    assert "| 4 | +2.50% |" in md
+    assert "![same-seed gaps per candidate and width](parity_gaps.png)" in md
+    assert (docs / "parity_gaps.png").read_bytes()[:4] == b"\x89PNG"
+    # Without two seeds of a compressed candidate there is nothing to plot.
+    single = tmp_path / "single"
+    _write(single / "convergence", parity.run_name("full", "none", extra, 256), _records(4.0))
+    _write(single / "convergence", parity.run_name("full", "tah", extra, 256), _records(4.1))
+    assert "parity_gaps.png" not in "\n".join(parity.section(single / "convergence", "full", docs))
+
+
+def test_t_quantiles_intervals_and_seeds_needed():
+    # Tabulated points, and the expansion beyond the table against known quantiles (31, 60, 120, 1000 df).
+    assert convergence.t975(1) == 12.706 and convergence.t975(30) == 2.042
+    for df, exact in ((31, 2.0395), (60, 2.0003), (120, 1.9799), (1000, 1.9623)):
+        assert convergence.t975(df) == pytest.approx(exact, abs=1e-3)
+    with pytest.raises(ValueError):
+        convergence.t975(0)
+    assert convergence.interval95([0.01]) is None
+    lo, hi = convergence.interval95([0.01, 0.03])  # mean 0.02, sd 0.01414: half width 12.706 * 0.01
+    assert (lo, hi) == (pytest.approx(0.02 - 0.12706), pytest.approx(0.02 + 0.12706))
+    values = [0.01 * (i % 3) for i in range(12)]  # 12 values: beyond the old 10-value table
+    assert convergence.interval95(values) is not None
+    # Spread 0.01 (sd of 0, 0.01, 0.02): n with t(n-1) * 0.01 / sqrt(n) <= 0.005 is 18 (t(17) = 2.110).
+    n = convergence.seeds_needed([0.0, 0.01, 0.02], 0.005)
+    assert n == 18 and convergence.t975(n - 2) * 0.01 / (n - 1) ** 0.5 > 0.005
+    assert convergence.seeds_needed([0.01], 0.005) is None and convergence.seeds_needed([0.01, 0.01], 0.005) == 2
+    assert convergence.seeds_needed([0.0, 1.0], 1e-6) == 1000

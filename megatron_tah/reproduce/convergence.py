@@ -298,17 +298,50 @@ def collect(out_dir: Path, names) -> dict[str, dict]:
     return rows
 
 
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# Student's t, two-sided 95% (upper 97.5% point), by degrees of freedom; beyond 30 the Cornish-Fisher
+# expansion around the normal quantile (within 1e-3 of the exact value there).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+         29: 2.045, 30: 2.042}
+_Z975 = 1.959964
+
+
+def t975(df: int) -> float:
+    """Upper 97.5% point of Student's t with ``df`` >= 1 degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"t975: df {df} < 1")
+    if df in _T975:
+        return _T975[df]
+    z = _Z975
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def _std(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
 def interval95(values: list[float]) -> tuple[float, float] | None:
-    """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2 or more than 10)."""
+    """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2)."""
     n = len(values)
-    if n - 1 not in _T975:
+    if n < 2:
         return None
     mean = sum(values) / n
-    half = _T975[n - 1] * (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 / n ** 0.5
+    half = t975(n - 1) * _std(values) / n ** 0.5
     return mean - half, mean + half
+
+
+def seeds_needed(values: list[float], half_width: float, most: int = 1000) -> int | None:
+    """Fewest paired seeds whose 95% interval would be ``half_width`` wide on each side if the seeds'
+    spread stayed that of ``values`` (None with fewer than 2 values; ``most`` caps the answer)."""
+    if len(values) < 2:
+        return None
+    spread = _std(values)
+    n = 2
+    while n < most and t975(n - 1) * spread / n ** 0.5 > half_width:
+        n += 1
+    return n
 
 
 def relative_gap(value: float, reference: float) -> float:

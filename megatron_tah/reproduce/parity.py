@@ -41,6 +41,7 @@ CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "tah_bwdnone", "tah
               "bwd6_only")
 WIDE_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr")  # at widths other than the size's own
 GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
+RESOLUTION = GOAL_FWD_UPPER - GOAL_FWD_GAP  # interval half-width at which a mean at the goal has its upper end at 1%
 LATE_FRACTION = 0.25  # the last quarter of training
 
 
@@ -167,8 +168,9 @@ def verdicts(table: dict) -> dict[str, str]:
     return out
 
 
-def section(out: Path, size: str) -> list[str]:
-    """The parity study's section of RESULTS.md (``## 4.`` level headings one down)."""
+def section(out: Path, size: str, docs: Path | None = None) -> list[str]:
+    """The parity study's section of RESULTS.md (``## 4.`` level headings one down); with ``docs``, its
+    plot ``parity_gaps.png`` goes there."""
     table = collect(out, size)
     lines = ["## 4. Convergence parity study (issue 12)", ""]
     if not any(len(t.get("none", {})) for t in table.values()):
@@ -180,7 +182,10 @@ def section(out: Path, size: str) -> list[str]:
               "Gap: same-seed relative gap of the *late validation loss* (mean of the evaluations in the last "
               "quarter of training, 3 x 8 batches) to the uncompressed run; the final evaluation alone is shown "
               "too. Bits: wire bits per value (metadata and headers included), per direction. 95% interval: "
-              "Student's t over seeds. Error per boundary: the sampled relative round-trip error of each pipeline "
+              "Student's t over seeds. "
+              f"Seeds for +/-{100 * RESOLUTION:g} points: how many paired seeds would make the interval that "
+              "narrow (so that a mean gap at the 0.5% goal has its upper end at 1%) if the seeds kept the spread "
+              "measured here. Error per boundary: the sampled relative round-trip error of each pipeline "
               "link (stage ranks, forward links going up), over the first and the second half of training, mean "
               "over seeds; n/a for runs made before the logs carried it (the convergence and seeds parts' runs). "
               "Goal: forward <= 4.5 bits with mean gap <= 0.5% and the interval below 1%, at both widths; "
@@ -191,9 +196,10 @@ def section(out: Path, size: str) -> list[str]:
         if not rows:
             continue
         lines += [f"### Hidden {hidden}", "",
-                  "| run | fwd bits | bwd bits | seeds | late-loss gap, mean | 95% interval | same-seed gaps | "
+                  "| run | fwd bits | bwd bits | seeds | late-loss gap, mean | 95% interval | "
+                  f"seeds for +/-{100 * RESOLUTION:g} points | same-seed gaps | "
                   "final-eval gap, mean | fwd error per boundary (1st half / 2nd half) | bwd error per boundary |",
-                  "|---|---:|---:|---:|---:|---|---|---:|---|---|"]
+                  "|---|---:|---:|---:|---:|---|---:|---|---:|---|---|"]
         for codec in CANDIDATES:
             runs = rows.get(codec)
             if not runs:
@@ -204,7 +210,8 @@ def section(out: Path, size: str) -> list[str]:
             lines.append(
                 f"| {convergence.CODECS[codec][0]} | {_mean([r['fwd_bits'] for r in runs.values()]):.2f} | "
                 f"{_mean([r['bwd_bits'] for r in runs.values()]):.2f} | {len(runs)} | {_pct(_mean(values))} | "
-                f"{_interval_text(values)} | {', '.join(_pct(v) for v in values) or 'n/a'} | {_pct(_mean(finals))} | "
+                f"{_interval_text(values)} | {_needed(values)} | {', '.join(_pct(v) for v in values) or 'n/a'} | "
+                f"{_pct(_mean(finals))} | "
                 f"{fwd_err} | {bwd_err} |")
         lines.append("")
         r, n = error_gap_correlation(table, hidden)
@@ -218,12 +225,33 @@ def section(out: Path, size: str) -> list[str]:
             lines += [f"TAH-Quant's outlier test at hidden {hidden}: "
                       f"{_frac(first)} of tiles rotated in the first quarter of training, "
                       f"{_frac(last)} in the last quarter (mean over seeds).", ""]
+    if docs is not None:
+        lines += _plot(table, Path(docs))
     lines += ["### Verdict against the goal", "", "| candidate | forward goal, both widths |", "|---|---|"]
     lines += [f"| {convergence.CODECS[c][0]} | {v} |" for c, v in verdict.items() if _ran(table, c)]
     lines += ["", "*met*: at every width the bits and the mean gap are within the goal and the interval's upper end "
               "is below 1%; *not met*: at some width the bits exceed it or the interval lies above 0.5%; "
               "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal).", ""]
     return lines + _backward_reading(table)
+
+
+def _plot(table: dict, docs: Path) -> list[str]:
+    """The per-seed gaps of every compressed candidate with two or more seeds, per width."""
+    from . import plots
+
+    points = {}
+    for hidden in WIDTHS:
+        rows = []
+        for codec in (c for c in CANDIDATES if c != "none"):
+            values = gaps(table, hidden, codec)
+            if len(values) >= 2:
+                rows.append((convergence.CODECS[codec][0], values, convergence.interval95(values)))
+        if rows:
+            points[hidden] = rows
+    if not points:
+        return []
+    png = plots.parity_gaps(points, docs / "parity_gaps.png", GOAL_FWD_GAP, GOAL_FWD_UPPER)
+    return [f"![same-seed gaps per candidate and width]({png.name})", ""]
 
 
 def _forward_error(row: dict) -> float | None:
@@ -249,6 +277,11 @@ def error_gap_correlation(table: dict, hidden: int) -> tuple[float | None, int]:
     sxy = sum((x - mx) * (y - my) for x, y in pairs)
     sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
     return (sxy / math.sqrt(sxx * syy) if sxx and syy else None), len(pairs)
+
+
+def _needed(values: list[float]) -> str:
+    n = convergence.seeds_needed(values, RESOLUTION)
+    return "n/a" if n is None else ">= 1000" if n >= 1000 else str(n)
 
 
 def _frac(x) -> str:

@@ -92,3 +92,33 @@ def throughput(table: dict, path: Path, labels: dict[str, str]) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def parity_gaps(points: dict[int, list[tuple[str, list[float], tuple[float, float] | None]]], path: Path,
+                goal: float, limit: float) -> Path:
+    """One panel per width, one row per candidate: every same-seed gap (dots), their mean and 95% interval
+    (black), against zero, the goal and the limit (fractions). ``points[hidden]``: ``(label, gaps, interval)``."""
+    plt = _pyplot()
+    widths = sorted(points)
+    labels = list(dict.fromkeys(label for rows in points.values() for label, _, _ in rows))
+    fig, axes = plt.subplots(1, len(widths), figsize=(11, 1.4 + 0.45 * len(labels)), sharey=True, squeeze=False)
+    for ax, hidden in zip(axes[0], widths):
+        for label, gaps, interval in points[hidden]:
+            y = labels.index(label)
+            ax.plot([100 * g for g in gaps], [y + 0.12] * len(gaps), "o", ms=4, color="tab:blue", alpha=0.6)
+            if interval is not None:
+                ax.plot([100 * interval[0], 100 * interval[1]], [y - 0.12] * 2, color="black", lw=1.5)
+            ax.plot([100 * sum(gaps) / len(gaps)], [y - 0.12], "D", ms=5, color="black")
+        ax.axvline(0.0, color="black", lw=0.6)
+        ax.axvline(100 * goal, color="tab:green", ls="--", lw=0.8, label=f"goal: mean <= {100 * goal:g}%")
+        ax.axvline(100 * limit, color="tab:red", ls=":", lw=0.8, label=f"goal: interval below {100 * limit:g}%")
+        ax.set_xlabel("late validation loss gap to uncompressed, same seed (%)", fontsize=8)
+        ax.set_title(f"hidden {hidden}: seeds (blue), mean and 95% interval (black)", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    axes[0][0].set_yticks(range(len(labels)), [label.replace(", ", ",\n", 1) for label in labels], fontsize=7)
+    axes[0][0].set_ylim(len(labels) - 0.5, -0.5)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
