@@ -123,6 +123,9 @@ class TahConfig:
     tah_warmup_iters: int = 0
     """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with aqsgd (see --tah-aqsgd-warmup-samples)."""
 
+    tah_eval_uncompressed: bool = False
+    """Send the pipeline traffic of Megatron's evaluations (validation and test, forward only) uncompressed, so their loss is the trained model's and not the model's through the codec (the bytes count in the statistics). Training traffic is unchanged. Needs Megatron's training loop (its evaluate()); not with aqsgd."""
+
     tah_aqsgd_warmup_samples: int = 0
     """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""
 
@@ -169,6 +172,9 @@ class TahConfig:
         if self.tah_warmup_iters and self.tah_forward_codec == "aqsgd":
             raise ValueError("tah_warmup_iters with tah_forward_codec = 'aqsgd': AQ-SGD warms up per sample "
                              "(tah_aqsgd_warmup_samples)")
+        if self.tah_eval_uncompressed and self.tah_forward_codec == "aqsgd":
+            raise ValueError("tah_eval_uncompressed with tah_forward_codec = 'aqsgd': AQ-SGD's per-sample buffers "
+                             "follow every message of a sample; evaluate through the codec")
         if self.tah_emulate_bandwidth is not None:
             parse_bandwidth(self.tah_emulate_bandwidth)
         if self.tah_emulate_latency_ms < 0:

@@ -11,7 +11,7 @@
 #   seeds        pretraining + fine-tuning of none, tah, direct 4/3-bit with 2 more seeds (16 runs) ~35 min
 #   long         pretraining of none, tah, direct 3-bit for 800 iterations (3 runs)               ~30 min
 #   parity       issue 12's study: candidate codecs x seeds 1234-1236 at hidden 128 (reuses the
-#                convergence/seeds runs) and 256 (39 runs, 32 new; 7-15 min each, 2 at a time)  ~3.5 h
+#                convergence/seeds runs) and 256 (45 runs, 38 new; 7-15 min each, 2 at a time)  ~3.8 h
 #   parity-seeds none, TAH-Quant and the hadint4 preset with seeds 1237-1239 at both widths      ~1.6 h
 #                (18 runs; narrows the parity study's intervals)
 #   memory       AQ-SGD buffer bytes vs TAH-Quant (reads the fine-tuning runs)                      ~1 min
@@ -19,7 +19,7 @@
 #                at a time, real network namespaces: needs root and iproute2; first waits up to
 #                15 min for a 1-minute load average < 3)
 #   report       docs/RESULTS.md and docs/*.png from runs/reproduce/                              ~1 min
-#   all          everything above, in that order (seeds needs convergence's checkpoint)           ~7.7 h
+#   all          everything above, in that order (seeds needs convergence's checkpoint)           ~8 h
 # Split into parts to stay under an hour each (parity: --only NAMES runs a subset). Results:
 # runs/reproduce/<part>/; finished runs are skipped when a part is rerun (--force reruns them). Options go to python -m megatron_tah.reproduce
 # (--jobs N, --max-load L, --max-wait S, --link emulate, --only NAMES, --docs DIR).

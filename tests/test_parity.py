@@ -188,3 +188,41 @@ def test_t_quantiles_intervals_and_seeds_needed():
     assert n == 18 and convergence.t975(n - 2) * 0.01 / (n - 1) ** 0.5 > 0.005
     assert convergence.seeds_needed([0.01], 0.005) is None and convergence.seeds_needed([0.01, 0.01], 0.005) == 2
     assert convergence.seeds_needed([0.0, 1.0], 1e-6) == 1000
+
+
+def test_late_training_loss_and_where_the_spread_comes_from(tmp_path):
+    records = [{"iteration": i, "lm_loss": float(i)} for i in range(1, 9)] + [{"iteration": 8, "valid_loss": 1.0}]
+    assert parity.late_train_loss(records) == pytest.approx((7 + 8) / 2)  # iterations after 6 of 8
+    with pytest.raises(ValueError):
+        parity.late_train_loss([{"iteration": 8, "valid_loss": 1.0}])
+    # Training gaps 2x the validation gaps, seed by seed: r = +1, and twice the spread.
+    table = {256: {"none": {}, "tah": {}}}
+    for seed, gap in zip(parity.SEEDS, (0.01, 0.02, 0.04)):
+        table[256]["none"][seed] = {"late": 4.0, "late_train": 5.0}
+        table[256]["tah"][seed] = {"late": 4.0 * (1 + gap), "late_train": 5.0 * (1 + 2 * gap)}
+    r, n, train_sd, valid_sd = parity.train_valid_spread(table, 256)
+    assert n == 3 and r == pytest.approx(1.0) and train_sd == pytest.approx(2 * valid_sd)
+    assert valid_sd == pytest.approx(convergence.std([0.01, 0.02, 0.04]))
+    assert parity.train_valid_spread(table, 128) == (None, 0, None, None)
+
+
+def test_evaluation_share_of_the_gap(tmp_path):
+    """tah_evalraw is tah's training evaluated uncompressed: the table splits the gap between the two."""
+    base = [4.00, 4.10, 3.90]
+    _study(tmp_path, {(128, "none"): base, (128, "tah"): [b * 1.03 for b in base],
+                      (128, "tah_evalraw"): [b * 1.01 for b in base]})
+    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    assert ("| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 128 | 3 | +3.00% | +1.00% | +2.00% | +2.00% to +2.00% | "
+            "identical |") in md
+    assert "| Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each) | 128 |" not in md
+    assert "tah_evalraw" not in parity.verdicts(parity.collect(tmp_path / "convergence", "full"))  # a diagnostic
+    # A training that is not the same run's is flagged.
+    name = parity.run_name("full", "tah_evalraw", parity.SEEDS[0], 128)
+    path = tmp_path / "convergence" / f"{name}.jsonl"
+    path.write_text(path.read_text().replace('"lm_loss": 5.0', '"lm_loss": 5.5', 1))
+    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    assert "| +2.00% to +2.00% | differ |" in md
+    # Without the diagnostic runs there is no such table.
+    other = tmp_path / "other"
+    _study(other, {(128, "none"): base, (128, "tah"): base})
+    assert "What evaluating through the codec adds" not in "\n".join(parity.section(other / "convergence", "full"))

@@ -200,3 +200,48 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
         megatron_tah.TahConfig(tah_forward_codec="aqsgd", tah_warmup_iters=1)
     with pytest.raises(ValueError, match=">= 0"):
         megatron_tah.TahConfig(tah_warmup_iters=-1)
+
+
+def test_evaluation_sends_uncompressed_only_with_the_flag(_clean):
+    """--tah-eval-uncompressed: inside ``patch.evaluation()`` (the plugin enters it around Megatron's
+    evaluate on every stage) each link end uses `none`; outside it, and without the flag, the codecs."""
+    with patch.evaluation():  # not installed: nothing to switch
+        pass
+    megatron_tah.install(tah_backend="torch")
+    state = patch._state()
+    with patch.evaluation():
+        assert state.evaluating and state.codec("forward", "send", 1).name == "tah"
+    megatron_tah.install(tah_eval_uncompressed=True, tah_backend="torch")
+    state = patch._state()
+    assert state.codec("forward", "send", 1).name == "tah"
+    with pytest.raises(KeyError):
+        with patch.evaluation():
+            assert state.codec("forward", "recv", 1).name == "none" == state.codec("backward", "send", 0).name
+            with patch.evaluation():
+                pass
+            assert state.evaluating
+            raise KeyError("an evaluation that fails")
+    assert not state.evaluating and state.codec("forward", "recv", 1).name == "tah"
+    plain, raw = (patch._config_record(megatron_tah.TahConfig(tah_eval_uncompressed=flag)) for flag in (False, True))
+    assert all(plain[d][0] != raw[d][0] and raw[d][1].endswith("evaluations uncompressed") for d in plain)
+    both = patch._config_record(megatron_tah.TahConfig(tah_eval_uncompressed=True, tah_warmup_iters=2))
+    assert both["forward"][0] not in (raw["forward"][0], plain["forward"][0])
+    with pytest.raises(ValueError, match="aqsgd"):
+        megatron_tah.TahConfig(tah_forward_codec="aqsgd", tah_eval_uncompressed=True)
+
+
+def test_the_plugin_marks_megatrons_evaluate(_clean):
+    from megatron.training import training
+
+    from megatron_tah.megatron import plugin
+
+    original = training.evaluate
+    seen = []
+    try:
+        training.evaluate = lambda *a, **k: seen.append(patch._state().evaluating) or ({"lm loss": 1.0},)
+        plugin.install_megatron_lm_plugin()
+        megatron_tah.install(tah_eval_uncompressed=True, tah_backend="torch")
+        assert training.evaluate() == ({"lm loss": 1.0},) and seen == [True] and not patch._state().evaluating
+    finally:
+        plugin.uninstall_megatron_lm_plugin()
+        training.evaluate = original

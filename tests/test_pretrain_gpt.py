@@ -120,6 +120,29 @@ def test_warmup_iterations_go_uncompressed_then_the_codecs_take_over(corpus, tmp
     assert records[2]["tah"]["forward"]["ratio"] > 6
 
 
+def test_eval_uncompressed_changes_the_evaluations_traffic_and_loss_only(corpus, tmp_path):
+    """--tah-eval-uncompressed: the evaluations send raw activations (both stages switch inside Megatron's
+    evaluate), training sends through the codec with the same losses as without the flag (rounding to
+    nearest: with stochastic rounding, evaluations through the codec draw noise that training then lacks)."""
+    common = ["--train-iters", "4", "--eval-interval", "2"]
+    logs = {mode: tmp_path / f"{mode}.jsonl" for mode in ("codec", "raw")}
+    run(pretrain_gpt.command(2, flags(corpus, 2, logs["codec"], *common)))
+    run(pretrain_gpt.command(2, flags(corpus, 2, logs["raw"], *common, "--tah-eval-uncompressed")))
+    records = {mode: read_records(path) for mode, path in logs.items()}
+    train = {mode: [r for r in rs if "lm_loss" in r] for mode, rs in records.items()}
+    evals = {mode: [r for r in rs if "valid_loss" in r] for mode, rs in records.items()}
+    assert [r["lm_loss"] for r in train["raw"]] == [r["lm_loss"] for r in train["codec"]] and len(train["raw"]) == 4
+    compressed = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
+    assert all((r["fwd_wire_bytes"], r["bwd_wire_bytes"]) == compressed for r in train["raw"])
+    plain = expected_bytes(TahConfig(tah_forward_codec="none"), 2, 4, (32, 2, 64), torch.float32)[0]
+    assert [r["iteration"] for r in evals["raw"]] == [2, 4] == [r["iteration"] for r in evals["codec"]]
+    assert all(r["valid_fwd_wire_bytes"] == plain for r in evals["raw"])
+    assert all(r["valid_fwd_wire_bytes"] == compressed[0] for r in evals["codec"])
+    # Same weights, evaluated on the same batches with and without the codec: close, not equal.
+    for raw, coded in zip(evals["raw"], evals["codec"]):
+        assert raw["valid_loss"] != coded["valid_loss"] and abs(raw["valid_loss"] - coded["valid_loss"]) < 0.05
+
+
 def test_aqsgd_buffers_survive_a_resume(corpus, tmp_path):
     common = ["--train-iters", "4", "--save-interval", "2", "--tah-forward-codec", "aqsgd",
               "--eval-interval", "100"]

@@ -220,8 +220,13 @@ def _logging_training_log(original):
 
 
 def _recording_evaluate(original):
+    """Megatron's ``evaluate``, run inside ``patch.evaluation()`` (every stage evaluates together, so
+    ``--tah-eval-uncompressed`` switches both ends of each link), its losses recorded for the JSON log."""
+    from .patch import evaluation
+
     def evaluate(*args, **kwargs):
-        result = original(*args, **kwargs)
+        with evaluation():
+            result = original(*args, **kwargs)
         if result:
             _STATE.evaluations.append({k: _number(v) for k, v in (result[0] or {}).items()})
         return result

@@ -28,6 +28,7 @@ groups, same posting order -- but each message is a codec's uint8 buffer:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -64,9 +65,13 @@ class _State:
     sends: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     restored: dict = dataclasses.field(default_factory=dict)  # codec states loaded before the codec exists
 
+    evaluating: bool = False  # inside Megatron's evaluate() (``evaluation()``)
+
     def codec(self, direction: str, role: str, peer: int):
         if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
-            return _WARMUP_CODEC
+            return _UNCOMPRESSED
+        if self.evaluating and self.config.tah_eval_uncompressed:
+            return _UNCOMPRESSED
         key = (direction, role, int(peer))
         if key not in self.codecs:
             cfg = self.config
@@ -79,7 +84,7 @@ class _State:
 
 
 _STATE: _State | None = None
-_WARMUP_CODEC = get_codec("none").defer_checks()  # every link during --tah-warmup-iters
+_UNCOMPRESSED = get_codec("none").defer_checks()  # --tah-warmup-iters, and evaluations with --tah-eval-uncompressed
 
 
 def _training_iteration() -> int:
@@ -126,11 +131,13 @@ def _pop_sample_ids(required: bool) -> torch.Tensor | None:
 # ----- configuration check (the handshake) -------------------------------------------------
 def _config_record(cfg: TahConfig) -> dict:
     fwd, bwd = cfg.forward_codec(), cfg.backward_codec()
-    warmup = cfg.tah_warmup_iters
-    suffix = f", first {warmup} iterations uncompressed" if warmup else ""
-    # The warm-up changes what is sent: it is part of both directions' record (digest and text).
-    return {d: [crc32_of(f"{c.config_digest()}/warmup={warmup}") if warmup else c.config_digest(),
-                c.describe() + suffix] for d, c in (("forward", fwd), ("backward", bwd))}
+    warmup, raw_eval = cfg.tah_warmup_iters, cfg.tah_eval_uncompressed
+    # The warm-up and uncompressed evaluations change what is sent: part of both directions' record.
+    modes = "".join([f"/warmup={warmup}" if warmup else "", "/eval=none" if raw_eval else ""])
+    suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
+                      ", evaluations uncompressed" if raw_eval else ""])
+    return {d: [crc32_of(f"{c.config_digest()}{modes}") if modes else c.config_digest(), c.describe() + suffix]
+            for d, c in (("forward", fwd), ("backward", bwd))}
 
 
 def _check_group(state: _State, group, device: torch.device) -> None:
@@ -196,7 +203,7 @@ def _encode(state: _State, direction: str, x: torch.Tensor, peer: int) -> torch.
         stats.record_codec_time(direction, encode_seconds=clock.stop())
         rel_error = None
         interval = state.config.tah_error_sample_interval
-        if interval and not with_ids and codec is not _WARMUP_CODEC and state.sends[direction] % interval == 0:
+        if interval and not with_ids and codec is not _UNCOMPRESSED and state.sends[direction] % interval == 0:
             rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
     state.sends[direction] += 1
     stats.record_send(direction, x.numel() * x.element_size(), buf.numel(), peer,
@@ -294,6 +301,22 @@ def _messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_
             ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next))
     return {name: _Message(state, direction, peer, send, recv, last_stage=last)
             for name, direction, peer, send, recv in plan if send is not None or recv is not None}
+
+
+@contextlib.contextmanager
+def evaluation():
+    """Megatron's evaluation runs inside this (entered on every stage together: the plugin wraps
+    ``megatron.training.training.evaluate``); with ``--tah-eval-uncompressed`` its links send
+    uncompressed. A no-op when megatron_tah is not installed."""
+    state = _STATE
+    if state is None:
+        yield
+        return
+    before, state.evaluating = state.evaluating, True
+    try:
+        yield
+    finally:
+        state.evaluating = before
 
 
 def _state() -> _State:

@@ -50,6 +50,12 @@ CODECS = {
                    ["--tah-forward-codec", "tah", "--tah-backward-stochastic-rounding"]),
     "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",
                      ["--tah-forward-codec", "tah", "--tah-warmup-iters", "20"]),
+    "tah_evalraw": ("TAH-Quant, evaluations uncompressed (diagnostic)",
+                    ["--tah-forward-codec", "tah", "--tah-eval-uncompressed"]),
+    "hadint4_bwd4sr_evalraw": ("Hadamard INT4 both ways, evaluations uncompressed (diagnostic)",
+                               ["--tah-forward-codec", "hadint", "--tah-backward-codec", "hadint",
+                                "--tah-backward-bits", "4", "--tah-backward-tile-size", "64",
+                                "--tah-backward-stochastic-rounding", "--tah-eval-uncompressed"]),
 }
 PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone", "mxfp4")
 FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
@@ -317,7 +323,8 @@ def t975(df: int) -> float:
     return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
 
 
-def _std(values: list[float]) -> float:
+def std(values: list[float]) -> float:
+    """Sample standard deviation (``n - 1``) of two or more values."""
     mean = sum(values) / len(values)
     return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
@@ -328,7 +335,7 @@ def interval95(values: list[float]) -> tuple[float, float] | None:
     if n < 2:
         return None
     mean = sum(values) / n
-    half = t975(n - 1) * _std(values) / n ** 0.5
+    half = t975(n - 1) * std(values) / n ** 0.5
     return mean - half, mean + half
 
 
@@ -337,7 +344,7 @@ def seeds_needed(values: list[float], half_width: float, most: int = 1000) -> in
     spread stayed that of ``values`` (None with fewer than 2 values; ``most`` caps the answer)."""
     if len(values) < 2:
         return None
-    spread = _std(values)
+    spread = std(values)
     n = 2
     while n < most and t975(n - 1) * spread / n ** 0.5 > half_width:
         n += 1

@@ -38,7 +38,10 @@ MORE_SEEDS = (1237, 1238, 1239)
 HEADLINE = ("none", "tah", "hadint4_bwd4sr")
 # In the order they are run within a seed (the most informative comparisons first).
 CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "tah_bwdnone", "tah_bwd6sr", "hadint4", "tah_warmup20",
-              "bwd6_only")
+              "bwd6_only", "tah_evalraw", "hadint4_bwd4sr_evalraw")
+# Same training as the first, evaluated without the codec (--tah-eval-uncompressed; rounding to nearest
+# forward, so the training is the same run's): the gap's share that is evaluation through the codec.
+EVAL_PAIRS = (("tah", "tah_evalraw"), ("hadint4_bwd4sr", "hadint4_bwd4sr_evalraw"))
 WIDE_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr")  # at widths other than the size's own
 GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
 RESOLUTION = GOAL_FWD_UPPER - GOAL_FWD_GAP  # interval half-width at which a mean at the goal has its upper end at 1%
@@ -51,8 +54,8 @@ def candidates_at(size: str, hidden: int) -> tuple[str, ...]:
 
 
 def parity_runs(root: Path, size: str, widths=WIDTHS, seeds=SEEDS) -> list[Run]:
-    """Every (seed, width, candidate) run, seed by seed (39 at the full size, 7 of them shared with the
-    convergence and seeds parts: about 3.5 hours, 2 at a time)."""
+    """Every (seed, width, candidate) run, seed by seed (45 at the full size, 7 of them shared with the
+    convergence and seeds parts: about 3.8 hours, 2 at a time)."""
     return [run for seed in seeds for hidden in widths
             for run in convergence.pretrain_runs(root, size, codecs=candidates_at(size, hidden), seed=seed,
                                                  hidden=hidden)]
@@ -76,6 +79,15 @@ def late_valid_loss(records: list[dict], fraction: float = LATE_FRACTION) -> flo
     values = [r["valid_loss"] for r in records if "valid_loss" in r and r["iteration"] >= (1 - fraction) * last]
     if not values:
         raise ValueError("no validation record in the last part of training")
+    return sum(values) / len(values)
+
+
+def late_train_loss(records: list[dict], fraction: float = LATE_FRACTION) -> float:
+    """Mean training loss of the iterations after ``(1 - fraction)`` of the last one (every batch of them)."""
+    last = records[-1]["iteration"]
+    values = [r["lm_loss"] for r in records if "lm_loss" in r and r["iteration"] > (1 - fraction) * last]
+    if not values:
+        raise ValueError("no training record in the last part of training")
     return sum(values) / len(values)
 
 
@@ -120,7 +132,9 @@ def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS + MORE_SEEDS, candi
                     continue
                 records = rows[name]["records"]
                 result.setdefault(hidden, {}).setdefault(codec, {})[seed] = {
-                    "late": late_valid_loss(records), "final": rows[name]["valid_loss"],
+                    "late": late_valid_loss(records), "late_train": late_train_loss(records),
+                    "train": [r["lm_loss"] for r in records if "lm_loss" in r],
+                    "final": rows[name]["valid_loss"],
                     "fwd_bits": _bits(records, "fwd"), "bwd_bits": _bits(records, "bwd"),
                     "links": link_errors(records), "rotated": (_rotated(records, True), _rotated(records, False))}
     return result
@@ -218,6 +232,12 @@ def section(out: Path, size: str, docs: Path | None = None) -> list[str]:
         if r is not None:
             lines += [f"Forward round-trip error (mean over the forward links and the run) vs late-loss gap over the "
                       f"{n} compressed runs at hidden {hidden} with both: Pearson r = {r:+.2f}.", ""]
+        r, n, train_sd, valid_sd = train_valid_spread(table, hidden)
+        if r is not None and train_sd is not None:
+            lines += [f"Late *training*-loss gap (mean training loss of the last quarter's iterations, every batch of "
+                      f"them) vs late validation-loss gap over the {n} compressed runs at hidden {hidden}: Pearson "
+                      f"r = {r:+.2f}; seed-to-seed standard deviation of the gap, mean over the candidates with 2 or "
+                      f"more seeds: {100 * train_sd:.2f} points (training) vs {100 * valid_sd:.2f} (validation).", ""]
         rotated = rows.get("tah", {})
         if rotated:
             first = _mean([r["rotated"][0] for r in rotated.values() if r["rotated"][0] is not None])
@@ -232,7 +252,7 @@ def section(out: Path, size: str, docs: Path | None = None) -> list[str]:
     lines += ["", "*met*: at every width the bits and the mean gap are within the goal and the interval's upper end "
               "is below 1%; *not met*: at some width the bits exceed it or the interval lies above 0.5%; "
               "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal).", ""]
-    return lines + _backward_reading(table)
+    return lines + _backward_reading(table) + _evaluation_reading(table)
 
 
 def _plot(table: dict, docs: Path) -> list[str]:
@@ -270,13 +290,34 @@ def error_gap_correlation(table: dict, hidden: int) -> tuple[float | None, int]:
             error = _forward_error(row)
             if codec != "none" and seed in base and error:
                 pairs.append((error, convergence.relative_gap(row["late"], base[seed]["late"])))
+    return _pearson(pairs), len(pairs)
+
+
+def _pearson(pairs: list[tuple[float, float]]) -> float | None:
+    """Pearson r of ``(x, y)`` pairs (None with fewer than 3 or no spread)."""
     if len(pairs) < 3:
-        return None, len(pairs)
+        return None
     xs, ys = zip(*pairs)
     mx, my = _mean(xs), _mean(ys)
     sxy = sum((x - mx) * (y - my) for x, y in pairs)
     sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    return (sxy / math.sqrt(sxx * syy) if sxx and syy else None), len(pairs)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else None
+
+
+def train_valid_spread(table: dict, hidden: int) -> tuple[float | None, int, float | None, float | None]:
+    """Whether the seeds' spread comes from the evaluation: Pearson r between each compressed run's late
+    training-loss gap and its late validation-loss gap, their number, and the seed-to-seed standard
+    deviation of each kind of gap (mean over the candidates with 2 or more seeds)."""
+    pairs, train_sd, valid_sd = [], [], []
+    for codec in table.get(hidden, {}):
+        if codec == "none":
+            continue
+        valid, train = gaps(table, hidden, codec), gaps(table, hidden, codec, key="late_train")
+        pairs += list(zip(train, valid))
+        if len(valid) >= 2:
+            valid_sd.append(convergence.std(valid))
+            train_sd.append(convergence.std(train))
+    return _pearson(pairs), len(pairs), _mean(train_sd), _mean(valid_sd)
 
 
 def _needed(values: list[float]) -> str:
@@ -334,3 +375,29 @@ def _backward_reading(table: dict) -> list[str]:
         lines += ["Backward-only compression (uncompressed forward, 6-bit backward) is the row "
                   f"'{convergence.CODECS['bwd6_only'][0]}' of the tables above.", ""]
     return lines
+
+
+def _evaluation_reading(table: dict) -> list[str]:
+    """The gap split into evaluation through the codec and training with it (:data:`EVAL_PAIRS`)."""
+    lines = ["### What evaluating through the codec adds", "",
+             "The same training evaluated uncompressed (`--tah-eval-uncompressed`): its gap is what training "
+             "through the codec cost the model; the difference to the gap evaluated through the codec is what "
+             "the codec adds to the reported validation loss.", "",
+             "| runs | width | seeds | gap, evaluated through the codec | gap, evaluated uncompressed | "
+             "added by the evaluation, mean | 95% interval | training losses |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    rows = 0
+    for codec, raw in EVAL_PAIRS:
+        for hidden in WIDTHS:
+            runs = table.get(hidden, {})
+            seeds = [s for s in runs.get(raw, {}) if s in runs.get(codec, {}) and s in runs.get("none", {})]
+            if not seeds:
+                continue
+            through = [convergence.relative_gap(runs[codec][s]["late"], runs["none"][s]["late"]) for s in seeds]
+            clean = [convergence.relative_gap(runs[raw][s]["late"], runs["none"][s]["late"]) for s in seeds]
+            added = [a - b for a, b in zip(through, clean)]
+            same = all(runs[codec][s]["train"] == runs[raw][s]["train"] for s in seeds)
+            rows += 1
+            lines.append(f"| {convergence.CODECS[codec][0]} | {hidden} | {len(seeds)} | {_pct(_mean(through))} | "
+                         f"{_pct(_mean(clean))} | {_pct(_mean(added))} | {_interval_text(added)} | "
+                         f"{'identical' if same else 'differ'} |")
+    return lines + [""] if rows else []
