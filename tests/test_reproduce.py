@@ -235,3 +235,18 @@ def test_tiny_convergence_runs_end_to_end(tmp_path):
     md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
     assert "### Pretraining (Shakespeare)" in md and "TAH-Quant (4/3-bit fwd, 6-bit bwd)" in md
     assert "## 5. Memory" in md and "Not run yet (`scripts/reproduce.sh memory`)" not in md
+
+
+def test_reproduce_sh_knows_every_part():
+    """scripts/reproduce.sh dispatches, documents and (for `all`) runs every part of the module."""
+    import re
+
+    from megatron_tah.reproduce.__main__ import PARTS
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "reproduce.sh").read_text()
+    case = re.search(r"^  ([a-z|-]+)\)$", script, re.M).group(1).split("|")
+    loop = re.search(r"for part in ([a-z -]+); do", script).group(1).split()
+    usage = re.search(r"usage: \$0 \[([a-z|-]+)\]", script).group(1).split("|")
+    assert sorted(case) == sorted(PARTS) and sorted(usage) == sorted([*PARTS, "all"]) and set(loop) == set(PARTS)
+    assert loop[-1] == "report" and loop.index("seeds") > loop.index("convergence")  # seeds needs its checkpoint
+    assert all(re.search(rf"^#   {part} ", script, re.M) for part in [*PARTS, "all"])  # in the header's list
