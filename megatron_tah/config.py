@@ -124,7 +124,7 @@ class TahConfig:
     """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with aqsgd (see --tah-aqsgd-warmup-samples)."""
 
     tah_eval_uncompressed: bool = False
-    """Send the pipeline traffic of Megatron's evaluations (validation and test, forward only) uncompressed, so their loss is the trained model's and not the model's through the codec (the bytes count in the statistics). Training traffic is unchanged. Needs Megatron's training loop (its evaluate()); not with aqsgd."""
+    """Send the pipeline traffic of Megatron's evaluations (validation and test, forward only) uncompressed, so their loss is the trained model's and not the model's through the codec (the bytes count in the statistics). Training traffic is unchanged. Megatron's evaluate() switches every stage (a loop of one's own enters megatron_tah.megatron.patch.evaluation()); not with aqsgd."""
 
     tah_aqsgd_warmup_samples: int = 0
     """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""

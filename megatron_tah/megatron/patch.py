@@ -305,9 +305,9 @@ def _messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_
 
 @contextlib.contextmanager
 def evaluation():
-    """Megatron's evaluation runs inside this (entered on every stage together: the plugin wraps
-    ``megatron.training.training.evaluate``); with ``--tah-eval-uncompressed`` its links send
-    uncompressed. A no-op when megatron_tah is not installed."""
+    """Megatron's evaluation runs inside this (entered on every stage together by logging's wrapper of
+    ``megatron.training.training.evaluate``; a loop of one's own enters it around its evaluation);
+    with ``--tah-eval-uncompressed`` its links send uncompressed. A no-op when not installed."""
     state = _STATE
     if state is None:
         yield
