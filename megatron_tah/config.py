@@ -21,6 +21,7 @@ from .units import parse_bandwidth
 TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
+EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 
 # --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/RESULTS.md section 4).
 PRESETS = {
@@ -123,8 +124,8 @@ class TahConfig:
     tah_warmup_iters: int = 0
     """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with aqsgd (see --tah-aqsgd-warmup-samples)."""
 
-    tah_eval_uncompressed: bool = False
-    """Send the pipeline traffic of Megatron's evaluations (validation and test, forward only) uncompressed, so their loss is the trained model's and not the model's through the codec (the bytes count in the statistics). Training traffic is unchanged. Megatron's evaluate() switches every stage (a loop of one's own enters megatron_tah.megatron.patch.evaluation()); not with aqsgd."""
+    tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": EVAL_TRAFFIC})
+    """Pipeline traffic of Megatron's evaluations (forward only): codec (through the codecs, like training), uncompressed (the loss is the trained model's own, not the model's through the codec), or both (through the codecs, then the same batches again uncompressed: Megatron's log shows the first, --tah-log-json records both as valid_loss and valid_loss_uncompressed). Training is unchanged. Entered by Megatron's evaluate() (a loop of one's own uses megatron_tah.megatron.patch.evaluation()); codec only with aqsgd."""
 
     tah_aqsgd_warmup_samples: int = 0
     """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""
@@ -172,9 +173,9 @@ class TahConfig:
         if self.tah_warmup_iters and self.tah_forward_codec == "aqsgd":
             raise ValueError("tah_warmup_iters with tah_forward_codec = 'aqsgd': AQ-SGD warms up per sample "
                              "(tah_aqsgd_warmup_samples)")
-        if self.tah_eval_uncompressed and self.tah_forward_codec == "aqsgd":
-            raise ValueError("tah_eval_uncompressed with tah_forward_codec = 'aqsgd': AQ-SGD's per-sample buffers "
-                             "follow every message of a sample; evaluate through the codec")
+        if self.tah_eval_traffic != "codec" and self.tah_forward_codec == "aqsgd":
+            raise ValueError(f"tah_eval_traffic = {self.tah_eval_traffic!r} with tah_forward_codec = 'aqsgd': "
+                             "AQ-SGD's per-sample buffers follow every message of a sample; evaluate through the codec")
         if self.tah_emulate_bandwidth is not None:
             parse_bandwidth(self.tah_emulate_bandwidth)
         if self.tah_emulate_latency_ms < 0:

@@ -202,46 +202,71 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
         megatron_tah.TahConfig(tah_warmup_iters=-1)
 
 
-def test_evaluation_sends_uncompressed_only_with_the_flag(_clean):
-    """--tah-eval-uncompressed: inside ``patch.evaluation()`` (the plugin enters it around Megatron's
-    evaluate on every stage) each link end uses `none`; outside it, and without the flag, the codecs."""
-    with patch.evaluation():  # not installed: nothing to switch
+def test_evaluation_sends_uncompressed_only_when_asked(_clean):
+    """Inside ``patch.evaluation(uncompressed=True)`` every link end uses `none`; outside it, or with
+    uncompressed=False, the codecs; a failing evaluation restores the previous setting."""
+    with patch.evaluation(uncompressed=True):  # not installed: nothing to switch
         pass
     megatron_tah.install(tah_backend="torch")
     state = patch._state()
-    with patch.evaluation():
-        assert state.evaluating and state.codec("forward", "send", 1).name == "tah"
-    megatron_tah.install(tah_eval_uncompressed=True, tah_backend="torch")
-    state = patch._state()
-    assert state.codec("forward", "send", 1).name == "tah"
+    with patch.evaluation(uncompressed=False):
+        assert state.codec("forward", "send", 1).name == "tah"
     with pytest.raises(KeyError):
-        with patch.evaluation():
+        with patch.evaluation(uncompressed=True):
             assert state.codec("forward", "recv", 1).name == "none" == state.codec("backward", "send", 0).name
-            with patch.evaluation():
-                pass
-            assert state.evaluating
+            with patch.evaluation(uncompressed=False):
+                assert state.codec("forward", "recv", 1).name == "tah"
+            assert state.eval_uncompressed
             raise KeyError("an evaluation that fails")
-    assert not state.evaluating and state.codec("forward", "recv", 1).name == "tah"
-    plain, raw = (patch._config_record(megatron_tah.TahConfig(tah_eval_uncompressed=flag)) for flag in (False, True))
-    assert all(plain[d][0] != raw[d][0] and raw[d][1].endswith("evaluations uncompressed") for d in plain)
-    both = patch._config_record(megatron_tah.TahConfig(tah_eval_uncompressed=True, tah_warmup_iters=2))
-    assert both["forward"][0] not in (raw["forward"][0], plain["forward"][0])
-    with pytest.raises(ValueError, match="aqsgd"):
-        megatron_tah.TahConfig(tah_forward_codec="aqsgd", tah_eval_uncompressed=True)
+    assert not state.eval_uncompressed and state.codec("forward", "recv", 1).name == "tah"
+    records = {mode: patch._config_record(megatron_tah.TahConfig(tah_eval_traffic=mode))
+               for mode in ("codec", "uncompressed", "both")}
+    assert len({r["forward"][0] for r in records.values()}) == 3  # stages set differently are refused
+    assert records["codec"] == patch._config_record(megatron_tah.TahConfig())
+    assert records["uncompressed"]["backward"][1].endswith("evaluations uncompressed")
+    for mode in ("uncompressed", "both"):
+        with pytest.raises(ValueError, match="aqsgd"):
+            megatron_tah.TahConfig(tah_forward_codec="aqsgd", tah_eval_traffic=mode)
+    with pytest.raises(ValueError, match="choose one of codec, uncompressed, both"):
+        megatron_tah.TahConfig(tah_eval_traffic="raw")
 
 
-def test_the_plugin_marks_megatrons_evaluate(_clean):
-    from megatron.training import training
+@pytest.mark.parametrize("traffic", ["codec", "uncompressed", "both"])
+def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
+    """The wrapper of Megatron's evaluate: which passes run, on which batches, with which traffic."""
+    import types
 
+    from megatron.training import global_vars, training
+
+    from megatron_tah.megatron import logging as tah_logging
     from megatron_tah.megatron import plugin
 
     original = training.evaluate
-    seen = []
+    passes = []
+
+    def fake_evaluate(step, data_iterator, model, *rest, **kwargs):
+        batches = [next(data_iterator) for _ in range(3)]
+        global_vars.get_args().consumed_valid_samples += 3
+        passes.append((patch._state().eval_uncompressed, batches))
+        return ({"lm loss": 1.0 + len(passes)}, None, False)
+
     try:
-        training.evaluate = lambda *a, **k: seen.append(patch._state().evaluating) or ({"lm loss": 1.0},)
+        training.evaluate = fake_evaluate
         plugin.install_megatron_lm_plugin()
-        megatron_tah.install(tah_eval_uncompressed=True, tah_backend="torch")
-        assert training.evaluate() == ({"lm loss": 1.0},) and seen == [True] and not patch._state().evaluating
+        megatron_tah.install(tah_eval_traffic=traffic, tah_backend="torch")
+        args = types.SimpleNamespace(consumed_valid_samples=0)
+        old_args, global_vars._GLOBAL_ARGS = global_vars._GLOBAL_ARGS, args
+        try:
+            data = iter(range(100))
+            result = training.evaluate(None, data, None)
+        finally:
+            global_vars._GLOBAL_ARGS = old_args
+        assert result[0] == {"lm loss": 2.0} and args.consumed_valid_samples == 3 and next(data) == 3
+        want = {"codec": [False], "uncompressed": [True], "both": [False, True]}[traffic]
+        assert [raw for raw, _ in passes] == want and all(b == [0, 1, 2] for _, b in passes)
+        recorded = tah_logging._STATE.evaluations[-1]
+        assert recorded == ({"lm loss": 2.0, "lm loss uncompressed": 3.0} if traffic == "both" else {"lm loss": 2.0})
+        assert not patch._state().eval_uncompressed
     finally:
         plugin.uninstall_megatron_lm_plugin()
         training.evaluate = original

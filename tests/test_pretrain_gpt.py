@@ -120,27 +120,27 @@ def test_warmup_iterations_go_uncompressed_then_the_codecs_take_over(corpus, tmp
     assert records[2]["tah"]["forward"]["ratio"] > 6
 
 
-def test_eval_uncompressed_changes_the_evaluations_traffic_and_loss_only(corpus, tmp_path):
-    """--tah-eval-uncompressed: the evaluations send raw activations (both stages switch inside Megatron's
-    evaluate), training sends through the codec with the same losses as without the flag (rounding to
-    nearest: with stochastic rounding, evaluations through the codec draw noise that training then lacks)."""
+def test_eval_traffic_both_evaluates_the_same_batches_through_the_codec_and_uncompressed(corpus, tmp_path):
+    """--tah-eval-traffic both: each evaluation runs through the codec (the loss Megatron reports, equal
+    to a run's without the flag) and again on the same batches uncompressed (valid_loss_uncompressed);
+    training traffic and losses are unchanged."""
     common = ["--train-iters", "4", "--eval-interval", "2"]
-    logs = {mode: tmp_path / f"{mode}.jsonl" for mode in ("codec", "raw")}
+    logs = {mode: tmp_path / f"{mode}.jsonl" for mode in ("codec", "both")}
     run(pretrain_gpt.command(2, flags(corpus, 2, logs["codec"], *common)))
-    run(pretrain_gpt.command(2, flags(corpus, 2, logs["raw"], *common, "--tah-eval-uncompressed")))
+    out = run(pretrain_gpt.command(2, flags(corpus, 2, logs["both"], *common, "--tah-eval-traffic", "both")))
+    assert "evaluations through the codec and uncompressed" not in out.stderr  # (stages agree: no mismatch)
     records = {mode: read_records(path) for mode, path in logs.items()}
-    train = {mode: [r for r in rs if "lm_loss" in r] for mode, rs in records.items()}
-    evals = {mode: [r for r in rs if "valid_loss" in r] for mode, rs in records.items()}
-    assert [r["lm_loss"] for r in train["raw"]] == [r["lm_loss"] for r in train["codec"]] and len(train["raw"]) == 4
+    assert [r["lm_loss"] for r in records["both"]] == [r["lm_loss"] for r in records["codec"]]
     compressed = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
-    assert all((r["fwd_wire_bytes"], r["bwd_wire_bytes"]) == compressed for r in train["raw"])
+    assert all((r["fwd_wire_bytes"], r["bwd_wire_bytes"]) == compressed for r in records["both"])
+    evals = {mode: [r for r in rs if "valid_loss" in r] for mode, rs in records.items()}
+    assert [r["iteration"] for r in evals["both"]] == [2, 4] == [r["iteration"] for r in evals["codec"]]
     plain = expected_bytes(TahConfig(tah_forward_codec="none"), 2, 4, (32, 2, 64), torch.float32)[0]
-    assert [r["iteration"] for r in evals["raw"]] == [2, 4] == [r["iteration"] for r in evals["codec"]]
-    assert all(r["valid_fwd_wire_bytes"] == plain for r in evals["raw"])
-    assert all(r["valid_fwd_wire_bytes"] == compressed[0] for r in evals["codec"])
-    # Same weights, evaluated on the same batches with and without the codec: close, not equal.
-    for raw, coded in zip(evals["raw"], evals["codec"]):
-        assert raw["valid_loss"] != coded["valid_loss"] and abs(raw["valid_loss"] - coded["valid_loss"]) < 0.05
+    for both, codec in zip(evals["both"], evals["codec"]):
+        assert both["valid_loss"] == codec["valid_loss"] and "valid_loss_uncompressed" not in codec
+        assert both["valid_loss_uncompressed"] != both["valid_loss"]
+        assert abs(both["valid_loss_uncompressed"] - both["valid_loss"]) < 0.05  # same weights and batches
+        assert both["valid_fwd_wire_bytes"] == compressed[0] + plain and codec["valid_fwd_wire_bytes"] == compressed[0]
 
 
 def test_aqsgd_buffers_survive_a_resume(corpus, tmp_path):

@@ -26,8 +26,10 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
    scalars to the TensorBoard and wandb writers.
 
 ``evaluate`` / ``evaluate_and_print_results``: after each evaluation the last rank appends
-``{"iteration", "valid_loss", "valid_ppl", "valid_fwd_wire_bytes"}`` (``test_*`` for the test set);
-the evaluation's traffic counts in the next printed line, not in the next iteration's record.
+``{"iteration", "valid_loss", "valid_ppl", "valid_fwd_wire_bytes"}`` (``test_*`` for the test set),
+plus ``valid_loss_uncompressed`` with ``--tah-eval-traffic both`` (``evaluate`` then runs twice, on the
+same batches; the bytes of both passes count); the evaluation's traffic counts in the next printed
+line, not in the next iteration's record.
 
 Records are appended: a run resumed from a checkpoint continues the same file.
 ``uninstall_logging()`` restores the three functions exactly.
@@ -35,6 +37,7 @@ Records are appended: a run resumed from a checkpoint continues the same file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -54,6 +57,7 @@ _POSITIONS = {"loss_dict": 0, "learning_rate": 2, "iteration": 3, "skipped_iter"
               "is_first_iteration": 12}
 # evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, ...)
 _EVAL_POSITIONS = {"prefix": 0, "iteration": 4}
+_EVALUATE_POSITIONS = {"data_iterator": 1}  # evaluate(forward_step_func, data_iterator, model, ...)
 
 _PATCHES = Patches()
 
@@ -73,6 +77,13 @@ def _argument(args: tuple, kwargs: dict, name: str, positions: dict, default: An
         return kwargs[name]
     position = positions[name]
     return args[position] if len(args) > position else default
+
+
+def _replace_argument(args: tuple, kwargs: dict, name: str, positions: dict, value: Any) -> tuple[tuple, dict]:
+    if name in kwargs or len(args) <= positions[name]:
+        return args, {**kwargs, name: value}
+    position = positions[name]
+    return (*args[:position], value, *args[position + 1:]), kwargs
 
 
 def _number(value) -> float | None:
@@ -219,16 +230,55 @@ def _logging_training_log(original):
     return training_log
 
 
+def _two_iterators(data_iterator):
+    """Two iterators yielding what ``data_iterator`` yields (a list of them for virtual pipeline stages;
+    None, a stage that reads no data, stays None)."""
+    if data_iterator is None:
+        return None, None
+    if isinstance(data_iterator, list):
+        pairs = [_two_iterators(it) for it in data_iterator]
+        return [a for a, _ in pairs], [b for _, b in pairs]
+    return itertools.tee(_items(data_iterator))
+
+
+def _items(iterator):
+    """What ``next(iterator)`` returns, as a generator (Megatron's RerunDataIterator has no ``__iter__``)."""
+    while True:
+        try:
+            yield next(iterator)
+        except StopIteration:
+            return
+
+
 def _recording_evaluate(original):
-    """Megatron's ``evaluate``, run inside ``patch.evaluation()`` (every stage evaluates together, so
-    ``--tah-eval-uncompressed`` switches both ends of each link), its losses recorded for the JSON log."""
-    from .patch import evaluation
+    """Megatron's ``evaluate`` run per ``--tah-eval-traffic`` inside ``patch.evaluation`` (every stage
+    evaluates together, so both ends of each link switch), its losses recorded for the JSON log. With
+    ``both``, a second pass over the same batches, uncompressed, adds ``"<name> uncompressed"`` losses
+    (the batches count once in ``consumed_valid_samples``)."""
+    from . import patch
 
     def evaluate(*args, **kwargs):
-        with evaluation():
+        from megatron.training.global_vars import get_args
+
+        config = patch.current_config()
+        traffic = config.tah_eval_traffic if config is not None else "codec"
+        again = None
+        if traffic == "both":
+            first, second = _two_iterators(_argument(args, kwargs, "data_iterator", _EVALUATE_POSITIONS))
+            args, kwargs = _replace_argument(args, kwargs, "data_iterator", _EVALUATE_POSITIONS, first)
+            again = _replace_argument(args, kwargs, "data_iterator", _EVALUATE_POSITIONS, second)
+        with patch.evaluation(uncompressed=traffic == "uncompressed"):
             result = original(*args, **kwargs)
+        losses = {k: _number(v) for k, v in ((result or [None])[0] or {}).items()}
+        if again is not None:
+            margs = get_args()
+            consumed = margs.consumed_valid_samples
+            with patch.evaluation(uncompressed=True):
+                raw = original(*again[0], **again[1])
+            margs.consumed_valid_samples = consumed
+            losses.update({f"{k} uncompressed": _number(v) for k, v in ((raw or [None])[0] or {}).items()})
         if result:
-            _STATE.evaluations.append({k: _number(v) for k, v in (result[0] or {}).items()})
+            _STATE.evaluations.append(losses)
         return result
 
     return evaluate
@@ -252,9 +302,12 @@ def _logging_evaluation(original):
             for losses in _STATE.evaluations:
                 loss = losses.get("lm loss")
                 if loss is not None:
-                    append_json(json_path, {"iteration": int(iteration), f"{split}_loss": loss,
-                                            f"{split}_ppl": math.exp(min(20.0, loss)),
-                                            f"{split}_fwd_wire_bytes": reduced["forward"]["wire_bytes"]})
+                    record = {"iteration": int(iteration), f"{split}_loss": loss,
+                              f"{split}_ppl": math.exp(min(20.0, loss)),
+                              f"{split}_fwd_wire_bytes": reduced["forward"]["wire_bytes"]}
+                    if losses.get("lm loss uncompressed") is not None:  # --tah-eval-traffic both
+                        record[f"{split}_loss_uncompressed"] = losses["lm loss uncompressed"]
+                    append_json(json_path, record)
         _STATE.evaluations = []
         return result
 

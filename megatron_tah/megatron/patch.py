@@ -65,12 +65,12 @@ class _State:
     sends: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     restored: dict = dataclasses.field(default_factory=dict)  # codec states loaded before the codec exists
 
-    evaluating: bool = False  # inside Megatron's evaluate() (``evaluation()``)
+    eval_uncompressed: bool = False  # inside ``evaluation(uncompressed=True)``
 
     def codec(self, direction: str, role: str, peer: int):
         if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
             return _UNCOMPRESSED
-        if self.evaluating and self.config.tah_eval_uncompressed:
+        if self.eval_uncompressed:
             return _UNCOMPRESSED
         key = (direction, role, int(peer))
         if key not in self.codecs:
@@ -84,7 +84,7 @@ class _State:
 
 
 _STATE: _State | None = None
-_UNCOMPRESSED = get_codec("none").defer_checks()  # --tah-warmup-iters, and evaluations with --tah-eval-uncompressed
+_UNCOMPRESSED = get_codec("none").defer_checks()  # --tah-warmup-iters, and uncompressed evaluations
 
 
 def _training_iteration() -> int:
@@ -131,11 +131,12 @@ def _pop_sample_ids(required: bool) -> torch.Tensor | None:
 # ----- configuration check (the handshake) -------------------------------------------------
 def _config_record(cfg: TahConfig) -> dict:
     fwd, bwd = cfg.forward_codec(), cfg.backward_codec()
-    warmup, raw_eval = cfg.tah_warmup_iters, cfg.tah_eval_uncompressed
-    # The warm-up and uncompressed evaluations change what is sent: part of both directions' record.
-    modes = "".join([f"/warmup={warmup}" if warmup else "", "/eval=none" if raw_eval else ""])
+    warmup, evals = cfg.tah_warmup_iters, cfg.tah_eval_traffic
+    # The warm-up and the evaluations' traffic change what is sent: part of both directions' record.
+    modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
-                      ", evaluations uncompressed" if raw_eval else ""])
+                      {"codec": "", "uncompressed": ", evaluations uncompressed",
+                       "both": ", evaluations through the codec and uncompressed"}[evals]])
     return {d: [crc32_of(f"{c.config_digest()}{modes}") if modes else c.config_digest(), c.describe() + suffix]
             for d, c in (("forward", fwd), ("backward", bwd))}
 
@@ -304,19 +305,19 @@ def _messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_
 
 
 @contextlib.contextmanager
-def evaluation():
-    """Megatron's evaluation runs inside this (entered on every stage together by logging's wrapper of
-    ``megatron.training.training.evaluate``; a loop of one's own enters it around its evaluation);
-    with ``--tah-eval-uncompressed`` its links send uncompressed. A no-op when not installed."""
+def evaluation(uncompressed: bool):
+    """An evaluation (forward only) runs inside this, entered on every stage together (by logging's
+    wrapper of Megatron's ``evaluate``, per ``--tah-eval-traffic``; a loop of one's own enters it around
+    its evaluation): with ``uncompressed`` every link sends raw. A no-op when not installed."""
     state = _STATE
     if state is None:
         yield
         return
-    before, state.evaluating = state.evaluating, True
+    before, state.eval_uncompressed = state.eval_uncompressed, bool(uncompressed)
     try:
         yield
     finally:
-        state.evaluating = before
+        state.eval_uncompressed = before
 
 
 def _state() -> _State:

@@ -50,12 +50,12 @@ CODECS = {
                    ["--tah-forward-codec", "tah", "--tah-backward-stochastic-rounding"]),
     "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",
                      ["--tah-forward-codec", "tah", "--tah-warmup-iters", "20"]),
-    "tah_evalraw": ("TAH-Quant, evaluations uncompressed (diagnostic)",
-                    ["--tah-forward-codec", "tah", "--tah-eval-uncompressed"]),
-    "hadint4_bwd4sr_evalraw": ("Hadamard INT4 both ways, evaluations uncompressed (diagnostic)",
-                               ["--tah-forward-codec", "hadint", "--tah-backward-codec", "hadint",
-                                "--tah-backward-bits", "4", "--tah-backward-tile-size", "64",
-                                "--tah-backward-stochastic-rounding", "--tah-eval-uncompressed"]),
+    "tah_evalboth": ("TAH-Quant, evaluated through the codec and uncompressed (diagnostic)",
+                     ["--tah-forward-codec", "tah", "--tah-eval-traffic", "both"]),
+    "hadint4_bwd4sr_evalboth": ("Hadamard INT4 both ways, evaluated through the codec and uncompressed (diagnostic)",
+                                ["--tah-forward-codec", "hadint", "--tah-backward-codec", "hadint",
+                                 "--tah-backward-bits", "4", "--tah-backward-tile-size", "64",
+                                 "--tah-backward-stochastic-rounding", "--tah-eval-traffic", "both"]),
 }
 PRETRAIN_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "fp8", "tah_bwdnone", "mxfp4")
 FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
