@@ -225,7 +225,15 @@ def test_evaluation_share_of_the_gap(tmp_path):
                                                                        "uncompressed (diagnostic) | 128 | 3 |"))
     # Late losses are means with the final evaluation (0.99 x): the 1, 2, 3 points become x / 0.995 of it.
     assert "| +3.00% | +0.99% | +2.01% | -0.49% to +4.51% | +1.01%, +2.01%, +3.02% |" in row
+    # Next to tah's own runs of the same seeds: the same configuration trained twice.
+    _study(tmp_path, {(128, "tah"): [b * 1.02 for b in base]})
+    path = tmp_path / "convergence" / f"{parity.run_name('full', 'tah', parity.SEEDS[1], 128)}.jsonl"
+    path.write_text(path.read_text().replace('"iteration": 3, "lm_loss": 5.0', '"iteration": 3, "lm_loss": 5.01'))
+    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 128 | 1234 | +2.00% | +3.00% | +1.00% | identical |" in md
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 128 | 1235 | +2.00% | +3.00% | +1.00% | differ from iteration 3 |" in md
     # Runs without the uncompressed evaluation get no such table.
     other = tmp_path / "other"
     _study(other, {(128, "none"): base, (128, "tah"): base})
-    assert "What evaluating through the codec adds" not in "\n".join(parity.section(other / "convergence", "full"))
+    md = "\n".join(parity.section(other / "convergence", "full"))
+    assert "What evaluating through the codec adds" not in md and "trained twice" not in md

@@ -40,7 +40,7 @@ HEADLINE = ("none", "tah", "hadint4_bwd4sr")
 CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "tah_bwdnone", "tah_bwd6sr", "hadint4", "tah_warmup20",
               "bwd6_only", "tah_evalboth", "hadint4_bwd4sr_evalboth")
 # Runs evaluated twice on the same batches (--tah-eval-traffic both): through the codec and uncompressed.
-EVAL_BOTH = ("tah_evalboth", "hadint4_bwd4sr_evalboth")
+EVAL_BOTH = {"tah_evalboth": "tah", "hadint4_bwd4sr_evalboth": "hadint4_bwd4sr"}  # -> the same training's codec
 WIDE_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr")  # at widths other than the size's own
 GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
 RESOLUTION = GOAL_FWD_UPPER - GOAL_FWD_GAP  # interval half-width at which a mean at the goal has its upper end at 1%
@@ -132,6 +132,7 @@ def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS + MORE_SEEDS, candi
                 records = rows[name]["records"]
                 result.setdefault(hidden, {}).setdefault(codec, {})[seed] = {
                     "late": late_valid_loss(records), "late_train": late_train_loss(records),
+                    "train": [r["lm_loss"] for r in records if "lm_loss" in r],
                     "late_uncompressed": (late_valid_loss(records, key="valid_loss_uncompressed")
                                           if any("valid_loss_uncompressed" in r for r in records) else None),
                     "final": rows[name]["valid_loss"],
@@ -402,4 +403,34 @@ def _evaluation_reading(table: dict) -> list[str]:
             lines.append(f"| {convergence.CODECS[codec][0]} | {hidden} | {len(seeds)} | {_pct(_mean(through))} | "
                          f"{_pct(_mean(clean))} | {_pct(_mean(added))} | {_interval_text(added)} | "
                          f"{', '.join(_pct(v) for v in added)} |")
+    if not rows:
+        return []
+    return lines + [""] + _replicates(table)
+
+
+def _replicates(table: dict) -> list[str]:
+    """Each EVAL_BOTH run next to its codec's run of the same seed: the same configuration trained
+    again, bit-identical or not (runs made by different commits of the project can differ in the last
+    bits of a float from the first iterations on)."""
+    lines = ["### The same configuration trained twice", "",
+             "Each run above evaluated both ways is its codec's configuration trained again with the same seed "
+             "(the flag only adds the uncompressed evaluation). Where the project's code changed between the "
+             "two runs the training losses can differ in the last bits from an early iteration on; the "
+             "difference in the gap is then how far two such trajectories drift apart.", "",
+             "| configuration | width | seed | gap, parity run | gap, run evaluated both ways | difference | "
+             "training losses |", "|---|---:|---:|---:|---:|---:|---|"]
+    rows = 0
+    for codec, twin in EVAL_BOTH.items():
+        for hidden in WIDTHS:
+            runs = table.get(hidden, {})
+            for seed in sorted(runs.get(codec, {})):
+                if seed not in runs.get(twin, {}) or seed not in runs.get("none", {}):
+                    continue
+                a, b, ref = runs[twin][seed], runs[codec][seed], runs["none"][seed]["late"]
+                gap_a, gap_b = convergence.relative_gap(a["late"], ref), convergence.relative_gap(b["late"], ref)
+                first = next((i + 1 for i, (x, y) in enumerate(zip(a["train"], b["train"])) if x != y), None)
+                rows += 1
+                lines.append(f"| {convergence.CODECS[twin][0]} | {hidden} | {seed} | {_pct(gap_a)} | {_pct(gap_b)} | "
+                             f"{_pct(gap_b - gap_a)} | "
+                             f"{'identical' if first is None else f'differ from iteration {first}'} |")
     return lines + [""] if rows else []
