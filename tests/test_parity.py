@@ -137,7 +137,9 @@ def test_gaps_intervals_and_verdicts(tmp_path):
     r, n = parity.error_gap_correlation(table, 256)
     assert n == 6 and 0 < r < 1
     assert "50.000% of tiles rotated in the first quarter of training, 0.000% in the last quarter" in md
-    assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | met |" in md
+    assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | met | met | met |" in md
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | unresolved | not met | not met |" in md
+    assert [parity.width_verdict(table, h, "tah_bwd4sr") for h in parity.WIDTHS] == ["met", "unresolved"]
     assert "| TAH-Quant fwd, uncompressed bwd (diagnostic) |" not in md.split("### Verdict")[1]
     # The added-gap table: TAH-Quant + stochastic 4-bit backward vs TAH-Quant at 128.
     assert ("| Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed point, TAH-Quant forward | 128 | 3 | "
