@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,7 @@ def test_late_training_loss_and_where_the_spread_comes_from(tmp_path):
         table[256]["tah"][seed] = {"late": 4.0 * (1 + gap), "late_train": 5.0 * (1 + 2 * gap)}
     r, n, train_sd, valid_sd = parity.train_valid_spread(table, 256)
     assert n == 3 and r == pytest.approx(1.0) and train_sd == pytest.approx(2 * valid_sd)
-    assert valid_sd == pytest.approx(convergence.std([0.01, 0.02, 0.04]))
+    assert valid_sd == pytest.approx(statistics.stdev([0.01, 0.02, 0.04]))
     assert parity.train_valid_spread(table, 128) == (None, 0, None, None)
 
 

@@ -14,7 +14,7 @@ idempotently and before Megatron parses its arguments:
   transports and installs the tensor-parallel, data-parallel and activation-memory places that
   the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
 - runs Megatron's ``evaluate`` inside ``patch.evaluation()`` (logging's wrapper of it), so
-  ``--tah-eval-uncompressed`` can send the evaluations' traffic uncompressed;
+  ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
 - the wheel's dataset helpers: megatron-core's wheel ships ``datasets/helpers_cpp`` compiled but

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from pathlib import Path
 
 from .runner import ReproduceError, Run, read_log, read_meta
@@ -323,19 +324,13 @@ def t975(df: int) -> float:
     return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
 
 
-def std(values: list[float]) -> float:
-    """Sample standard deviation (``n - 1``) of two or more values."""
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-
-
 def interval95(values: list[float]) -> tuple[float, float] | None:
     """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2)."""
     n = len(values)
     if n < 2:
         return None
     mean = sum(values) / n
-    half = t975(n - 1) * std(values) / n ** 0.5
+    half = t975(n - 1) * statistics.stdev(values) / n ** 0.5
     return mean - half, mean + half
 
 
@@ -344,7 +339,7 @@ def seeds_needed(values: list[float], half_width: float, most: int = 1000) -> in
     spread stayed that of ``values`` (None with fewer than 2 values; ``most`` caps the answer)."""
     if len(values) < 2:
         return None
-    spread = std(values)
+    spread = statistics.stdev(values)
     n = 2
     while n < most and t975(n - 1) * spread / n ** 0.5 > half_width:
         n += 1

@@ -25,6 +25,7 @@ widths; backward <= 5 bits adding <= 0.1%.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from . import convergence
@@ -302,11 +303,10 @@ def _pearson(pairs: list[tuple[float, float]]) -> float | None:
     """Pearson r of ``(x, y)`` pairs (None with fewer than 3 or no spread)."""
     if len(pairs) < 3:
         return None
-    xs, ys = zip(*pairs)
-    mx, my = _mean(xs), _mean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in pairs)
-    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    return sxy / math.sqrt(sxx * syy) if sxx and syy else None
+    try:
+        return statistics.correlation(*zip(*pairs))
+    except statistics.StatisticsError:  # a constant input
+        return None
 
 
 def train_valid_spread(table: dict, hidden: int) -> tuple[float | None, int, float | None, float | None]:
@@ -320,8 +320,8 @@ def train_valid_spread(table: dict, hidden: int) -> tuple[float | None, int, flo
         valid, train = gaps(table, hidden, codec), gaps(table, hidden, codec, key="late_train")
         pairs += list(zip(train, valid))
         if len(valid) >= 2:
-            valid_sd.append(convergence.std(valid))
-            train_sd.append(convergence.std(train))
+            valid_sd.append(statistics.stdev(valid))
+            train_sd.append(statistics.stdev(train))
     return _pearson(pairs), len(pairs), _mean(train_sd), _mean(valid_sd)
 
 
