@@ -270,3 +270,26 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
     finally:
         plugin.uninstall_megatron_lm_plugin()
         training.evaluate = original
+
+
+def test_two_iterators_replay_what_megatron_hands_evaluate():
+    """--tah-eval-traffic both: the second pass sees the first pass's batches, whatever the stage holds:
+    no iterator (a middle stage), one with only ``__next__`` (Megatron's RerunDataIterator), a list of
+    them (virtual pipeline stages)."""
+    from megatron_tah.megatron.logging import _two_iterators
+
+    class NextOnly:
+        def __init__(self, n):
+            self.i, self.n = 0, n
+
+        def __next__(self):
+            if self.i == self.n:
+                raise StopIteration
+            self.i += 1
+            return self.i
+
+    assert _two_iterators(None) == (None, None)
+    first, second = _two_iterators(NextOnly(3))
+    assert [next(first), next(first)] == [1, 2] and list(second) == [1, 2, 3] and list(first) == [3]
+    firsts, seconds = _two_iterators([NextOnly(2), None])
+    assert seconds[1] is None and list(firsts[0]) == [1, 2] == list(seconds[0])
