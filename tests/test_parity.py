@@ -81,17 +81,24 @@ def _records(late: float, fwd_wire=425, bwd_wire=425, errors=None, iters=8):
     return recs
 
 
-def _write(folder: Path, name: str, records):
+def _write(folder: Path, codec: str, seed: int, hidden: int, records, size="full"):
+    """A completed run's log and meta file, as the runner writes them for the study's run of ``codec``,
+    ``seed`` and ``hidden``; returns its name."""
     folder.mkdir(parents=True, exist_ok=True)
+    name = parity.run_name(size, codec, seed, hidden)
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (folder / f"{name}.meta.json").write_text(json.dumps({"name": name, "status": 0, "seconds": 60.0}))
+    info = {"phase": "pretrain", "codec": codec, "seed": seed, "hidden": hidden}
+    (folder / f"{name}.meta.json").write_text(json.dumps({"name": name, "status": 0, "seconds": 60.0, "info": info,
+                                                          "started": "2026-11-23T20:00:00Z"}))
+    return name
 
 
 def test_late_loss_bits_and_errors_per_boundary(tmp_path):
     from megatron_tah.megatron.logging import read_records  # evaluations merged as the runner reads them
 
-    _write(tmp_path, "run", _records(4.0, errors={1: {"0->1": 0.2, "1->0": 0.05}, 3: {"0->1": 0.4}, 7: {"0->1": 0.1}}))
-    records = read_records(tmp_path / "run.jsonl")
+    name = _write(tmp_path, "tah", 1234, 128,
+                  _records(4.0, errors={1: {"0->1": 0.2, "1->0": 0.05}, 3: {"0->1": 0.4}, 7: {"0->1": 0.1}}))
+    records = read_records(tmp_path / f"{name}.jsonl")
     assert parity.late_valid_loss(records) == pytest.approx((4.0 + 3.96) / 2)  # iteration 6, and 8's final one
     assert parity._bits(records, "fwd") == pytest.approx(4.25)
     assert parity.link_errors(records) == {"0->1": (pytest.approx(0.3), pytest.approx(0.1)), "1->0": (0.05, None)}
@@ -103,7 +110,7 @@ def _study(root: Path, losses: dict):
     for (hidden, codec), values in losses.items():
         for seed, late in zip(parity.SEEDS, values):
             wire = {"none": 3200, "tah_warmup20": 800}.get(codec, 425)
-            _write(root / "convergence", parity.run_name("full", codec, seed, hidden),
+            _write(root / "convergence", codec, seed, hidden,
                    _records(late, fwd_wire=wire, bwd_wire=wire if codec != "tah" else 700,
                             errors={2: {"0->1": 0.07, "1->0": 0.03}}))
 
@@ -157,8 +164,8 @@ def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
     base = [4.00, 4.10, 3.90]
     _study(tmp_path, {(256, "none"): base, (256, "tah"): [base[0] * 1.01, base[1] * 1.02, base[2] * 1.03]})
     extra = parity.MORE_SEEDS[0]
-    _write(tmp_path / "convergence", parity.run_name("full", "none", extra, 256), _records(4.0))
-    _write(tmp_path / "convergence", parity.run_name("full", "tah", extra, 256), _records(4.0 * 1.04))
+    _write(tmp_path / "convergence", "none", extra, 256, _records(4.0))
+    _write(tmp_path / "convergence", "tah", extra, 256, _records(4.0 * 1.04))
     table = parity.collect(tmp_path / "convergence", "full")
     assert sorted(parity.gaps(table, 256, "tah")) == [pytest.approx(g) for g in (0.01, 0.02, 0.03, 0.04)]
     docs = tmp_path / "docs"
@@ -169,8 +176,8 @@ def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
     assert (docs / "parity_gaps.png").read_bytes()[:4] == b"\x89PNG"
     # Without two seeds of a compressed candidate there is nothing to plot.
     single = tmp_path / "single"
-    _write(single / "convergence", parity.run_name("full", "none", extra, 256), _records(4.0))
-    _write(single / "convergence", parity.run_name("full", "tah", extra, 256), _records(4.1))
+    _write(single / "convergence", "none", extra, 256, _records(4.0))
+    _write(single / "convergence", "tah", extra, 256, _records(4.1))
     assert "parity_gaps.png" not in "\n".join(parity.section(single / "convergence", "full", docs))
 
 
@@ -240,3 +247,81 @@ def test_evaluation_share_of_the_gap(tmp_path):
     _study(other, {(128, "none"): base, (128, "tah"): base})
     md = "\n".join(parity.section(other / "convergence", "full"))
     assert "What evaluating through the codec adds" not in md and "trained twice" not in md
+
+
+def test_seeds_outside_the_parts_own_enter_the_table(tmp_path):
+    """Runs of any seed (``parity-seeds --seeds 1240``) count; ablations and other phases do not."""
+    folder = tmp_path / "convergence"
+    for seed, gap in ((1240, 0.01), (1251, 0.03)):
+        _write(folder, "none", seed, 128, _records(4.0))
+        _write(folder, "hadint4_bwd4sr", seed, 128, _records(4.0 * (1 + gap)))
+    name = _write(folder, "tah", 1240, 128, _records(5.0))
+    meta = json.loads((folder / f"{name}.meta.json").read_text())
+    meta["info"]["phase"] = "finetune"  # same name pattern, another phase: not the study's
+    (folder / f"{name}.meta.json").write_text(json.dumps(meta))
+    table = parity.collect(folder, "full")
+    assert sorted(parity.gaps(table, 128, "hadint4_bwd4sr")) == [pytest.approx(0.01), pytest.approx(0.03)]
+    assert "tah" not in table[128]
+    md = "\n".join(parity.section(folder, "full"))
+    assert "hidden 128: seeds 1240, 1251 (2)" in md
+
+
+def test_the_committed_record_keeps_runs_whose_logs_are_gone(tmp_path):
+    """update_record keeps one entry per study run; a table from the record alone equals the table from the
+    logs; a log present again wins over its entry; a record of another version is refused."""
+    base = [4.00, 4.10, 3.90]
+    _study(tmp_path, {(128, "none"): base, (128, "hadint4_bwd4sr"): [b * 1.02 for b in base],
+                      (256, "none"): base, (256, "tah"): [b * 1.01 for b in base]})
+    folder, record = tmp_path / "convergence", tmp_path / "docs" / parity.RECORD_NAME
+    from_logs = parity.collect(folder, "full")
+    recorded = parity.update_record(folder, "full", record)
+    assert len(recorded) == 12 and record.read_text().count("\n") == 12 + 2  # one line per run
+    assert parity.load_record(record) == recorded
+    elsewhere = tmp_path / "fresh_machine"  # no logs at all: the same study from the record
+    assert parity.collect(elsewhere, "full", recorded=parity.load_record(record)) == from_logs
+    # New seeds run on the fresh machine add to the record; the old entries stay.
+    _write(elsewhere, "none", 1240, 128, _records(4.0))
+    _write(elsewhere, "hadint4_bwd4sr", 1240, 128, _records(4.0 * 1.05))
+    merged = parity.update_record(elsewhere, "full", record)
+    assert len(merged) == 14
+    table = parity.collect(elsewhere, "full", recorded=merged)
+    assert sorted(parity.gaps(table, 128, "hadint4_bwd4sr")) == [pytest.approx(0.02)] * 3 + [pytest.approx(0.05)]
+    # A log here replaces the recorded run of the same name.
+    _write(elsewhere, "hadint4_bwd4sr", 1234, 128, _records(4.0 * 1.10))
+    table = parity.collect(elsewhere, "full", recorded=parity.load_record(record))
+    assert parity.gaps(table, 128, "hadint4_bwd4sr")[0] == pytest.approx(0.10)
+    record.write_text(record.read_text().replace('"version": 1', '"version": 99'))
+    with pytest.raises(ValueError, match="record version 99"):
+        parity.load_record(record)
+    assert parity.load_record(tmp_path / "absent.json") == {}
+
+
+def test_parity_report_writes_the_page_from_the_record(tmp_path):
+    from megatron_tah.reproduce.__main__ import main
+
+    base = [4.00, 4.10, 3.90]
+    _study(tmp_path, {(128, "none"): base, (128, "hadint4_bwd4sr"): [b * 1.002 for b in base]})
+    docs = tmp_path / "docs"
+    assert main(["parity-report", "--out", str(tmp_path), "--docs", str(docs)]) == 0
+    page = (docs / parity.PAGE_NAME).read_text()
+    assert page.startswith("# Convergence parity study (issue 12)") and "\n## Hidden 128\n" in page
+    assert "| 3 | +0.20% |" in page and (docs / "parity_gaps.png").is_file()
+    # On another machine (no logs), the page is the same, from the committed record.
+    (docs / "parity_gaps.png").unlink()
+    assert main(["parity-report", "--out", str(tmp_path / "elsewhere"), "--docs", str(docs)]) == 0
+    assert (docs / parity.PAGE_NAME).read_text() == page
+
+
+def test_seeds_and_widths_flags(tmp_path, monkeypatch):
+    from megatron_tah.reproduce import __main__ as cli
+
+    chosen = []
+    monkeypatch.setattr(cli.convergence, "prepare_data", lambda root, size: None)
+    monkeypatch.setattr(cli, "execute_all", lambda runs, out, **kw: chosen.extend(runs))
+    assert cli.main(["parity-seeds", "--out", str(tmp_path), "--seeds", "1240,1241", "--widths", "128"]) == 0
+    assert [r.name for r in chosen] == [f"{c}_s{s}" for s in (1240, 1241) for c in parity.HEADLINE]
+    chosen.clear()
+    assert cli.main(["parity", "--out", str(tmp_path), "--seeds", "1240", "--only", "w256_tah_s1240"]) == 0
+    assert [(r.name, r.info["hidden"], r.info["seed"]) for r in chosen] == [("w256_tah_s1240", 256, 1240)]
+    assert cli.main(["convergence", "--out", str(tmp_path), "--seeds", "1240"]) == 2  # not a parity part
+    assert cli.main(["parity-seeds", "--out", str(tmp_path), "--seeds", "12a"]) == 2

@@ -1,6 +1,7 @@
 """``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
 
-PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, memory, report. ``--size tiny`` is the CI
+PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, memory, report, parity-report
+(issue 12's study alone, from the committed run record ``docs/parity_runs.json`` and the logs here). ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
 """
@@ -15,7 +16,8 @@ from pathlib import Path
 from . import convergence, parity
 from .runner import ReproduceError, execute_all, say
 
-PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "memory", "report")
+PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "memory", "report",
+         "parity-report")
 TRAINING_PARTS = {"convergence": lambda root, size: convergence.pretrain_runs(root, size)
                   + convergence.finetune_runs(root, size),
                   "ablations": convergence.ablation_runs, "seeds": convergence.seed_runs,
@@ -31,7 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="training runs at a time (convergence, ablations, seeds, long, parity)")
     p.add_argument("--force", action="store_true", help="rerun runs that already completed")
     p.add_argument("--only", default=None, help="training parts: comma-separated run names to run")
-    p.add_argument("--docs", default=None, help="report: output directory (default docs/, or OUT/docs for tiny)")
+    p.add_argument("--seeds", default=None,
+                   help="parity, parity-seeds: comma-separated seeds to run instead of the part's own")
+    p.add_argument("--widths", default=None,
+                   help="parity, parity-seeds: comma-separated hidden sizes to run instead of "
+                        f"{','.join(map(str, parity.WIDTHS))}")
+    p.add_argument("--docs", default=None, help="report, parity-report: output directory (default docs/, or OUT/docs for tiny)")
     p.add_argument("--link", choices=("netns", "emulate"), default="netns",
                    help="throughput: real namespaced links (root) or the in-process emulation")
     p.add_argument("--max-load", type=float, default=3.0,
@@ -51,6 +58,25 @@ def _select(runs, only: str):
     return [dataclasses.replace(known[n], after=()) for n in wanted]
 
 
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} {text}: expected comma-separated integers") from None
+    if not values:
+        raise ValueError(f"{flag} {text}: empty")
+    return values
+
+
+def _parity_choice(args) -> dict:
+    """``--seeds`` / ``--widths`` as keyword arguments of the parity parts' run lists (refused elsewhere)."""
+    chosen = {name: _ints(getattr(args, name), f"--{name}") for name in ("seeds", "widths")
+              if getattr(args, name) is not None}
+    if chosen and args.part not in ("parity", "parity-seeds"):
+        raise ValueError(f"--{next(iter(chosen))} applies to the parts parity and parity-seeds, not {args.part}")
+    return chosen
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.jobs < 1:
@@ -61,7 +87,7 @@ def main(argv=None) -> int:
         if args.part == "data" or args.part == "memory" or args.part in TRAINING_PARTS:
             convergence.prepare_data(root, args.size)
         if args.part in TRAINING_PARTS:
-            runs = TRAINING_PARTS[args.part](root, args.size)
+            runs = TRAINING_PARTS[args.part](root, args.size, **_parity_choice(args))
             if args.only:
                 runs = _select(runs, args.only)
             execute_all(runs, root / "convergence", jobs=args.jobs, force=args.force)
@@ -74,11 +100,12 @@ def main(argv=None) -> int:
 
             throughput.run(root, args.size, link=args.link, max_load=args.max_load, max_wait=args.max_wait,
                            force=args.force)
-        elif args.part == "report":
+        elif args.part in ("report", "parity-report"):
             from . import report
 
             docs = Path(args.docs) if args.docs else (Path("docs") if args.size == "full" else root / "docs")
-            path = report.write(root, docs, args.size)
+            path = (report.write(root, docs, args.size) if args.part == "report"
+                    else parity.write_page(root / "convergence", docs, args.size))
             say(f"wrote {path}")
     except ReproduceError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -24,13 +24,14 @@ widths; backward <= 5 bits adding <= 0.1%.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
 
 from . import convergence
 from .convergence import _mean  # (None-tolerant mean)
-from .runner import Run
+from .runner import Run, read_log, read_meta
 
 WIDTHS = (128, 256)
 SEEDS = (1234, 1235, 1236)
@@ -119,27 +120,91 @@ def _rotated(records: list[dict], first: bool) -> float | None:
     return _mean([((r.get("tah") or {}).get("forward") or {}).get("rotated_fraction") for r in chosen])
 
 
-def collect(out: Path, size: str, widths=WIDTHS, seeds=SEEDS + MORE_SEEDS, candidates=CANDIDATES) -> dict:
-    """``{hidden: {codec: {seed: row}}}`` for the runs that completed; a row has ``late``, ``final``,
-    ``fwd_bits``, ``bwd_bits``, ``links`` and ``rotated`` (first quarter, last quarter)."""
+def run_row(records: list[dict]) -> dict:
+    """What the study keeps of one run's log: ``late``, ``late_train``, ``train`` (every training loss),
+    ``late_uncompressed``, ``final``, ``fwd_bits``, ``bwd_bits``, ``links`` and ``rotated`` (first
+    quarter, last quarter)."""
+    valid = [r for r in records if "valid_loss" in r]
+    if not valid:
+        raise ValueError("log has no validation records")
+    return {"late": late_valid_loss(records), "late_train": late_train_loss(records),
+            "train": [r["lm_loss"] for r in records if "lm_loss" in r],
+            "late_uncompressed": (late_valid_loss(records, key="valid_loss_uncompressed")
+                                  if any("valid_loss_uncompressed" in r for r in records) else None),
+            "final": valid[-1]["valid_loss"],
+            "fwd_bits": _bits(records, "fwd"), "bwd_bits": _bits(records, "bwd"),
+            "links": link_errors(records), "rotated": (_rotated(records, True), _rotated(records, False))}
+
+
+def _logged_runs(out: Path, size: str, widths, candidates) -> dict[str, tuple[str, int, int]]:
+    """``{name: (codec, seed, hidden)}`` of the completed runs under ``out`` that belong to the study
+    (any seed: the meta file's ``info`` says which; ablations and fine-tuning runs are left out)."""
+    found = {}
+    for path in sorted(Path(out).glob("*.meta.json")):
+        meta = read_meta(out, path.name.removesuffix(".meta.json"))
+        info = (meta or {}).get("info") or {}
+        codec, seed, hidden = info.get("codec"), info.get("seed"), info.get("hidden")
+        if (meta.get("status") == 0 and info.get("phase") == "pretrain" and codec in candidates
+                and hidden in widths and isinstance(seed, int)
+                and meta["name"] == run_name(size, codec, seed, hidden)
+                and (Path(out) / f"{meta['name']}.jsonl").is_file()):
+            found[meta["name"]] = (codec, seed, hidden)
+    return found
+
+
+def collect(out: Path, size: str, widths=WIDTHS, candidates=CANDIDATES, recorded: dict | None = None) -> dict:
+    """``{hidden: {codec: {seed: row}}}`` (rows as :func:`run_row`) for the study's completed runs under
+    ``out``, whatever their seed, plus the ``recorded`` runs (:func:`load_record`) whose logs are not
+    there: a log present here wins over its record."""
     result: dict = {}
-    for hidden in widths:
-        for codec in candidates:
-            names = {seed: run_name(size, codec, seed, hidden) for seed in seeds}
-            rows = convergence.collect(out, names.values())
-            for seed, name in names.items():
-                if name not in rows:
-                    continue
-                records = rows[name]["records"]
-                result.setdefault(hidden, {}).setdefault(codec, {})[seed] = {
-                    "late": late_valid_loss(records), "late_train": late_train_loss(records),
-                    "train": [r["lm_loss"] for r in records if "lm_loss" in r],
-                    "late_uncompressed": (late_valid_loss(records, key="valid_loss_uncompressed")
-                                          if any("valid_loss_uncompressed" in r for r in records) else None),
-                    "final": rows[name]["valid_loss"],
-                    "fwd_bits": _bits(records, "fwd"), "bwd_bits": _bits(records, "bwd"),
-                    "links": link_errors(records), "rotated": (_rotated(records, True), _rotated(records, False))}
+    for name, entry in (recorded or {}).items():
+        if entry["codec"] in candidates and entry["hidden"] in widths:
+            result.setdefault(entry["hidden"], {}).setdefault(entry["codec"], {})[entry["seed"]] = entry["row"]
+    for name, (codec, seed, hidden) in _logged_runs(out, size, widths, candidates).items():
+        row = run_row(read_log(Path(out) / f"{name}.jsonl"))
+        result.setdefault(hidden, {}).setdefault(codec, {})[seed] = row
     return result
+
+
+# ----------------------------------------------------------------------------- the committed record
+RECORD_NAME = "parity_runs.json"
+"""The study's runs, one entry each (what :func:`run_row` keeps of its log, a few KB), committed next to
+the docs: logs stay on the machine that ran them, so the seeds of different machines and sessions
+add up only through this file."""
+RECORD_VERSION = 1
+
+
+def load_record(path: Path) -> dict:
+    """``{name: {"codec", "seed", "hidden", "started", "seconds", "row"}}`` from ``path`` ({} when
+    absent); a file of another format version is an error, not an empty study."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("version") != RECORD_VERSION:
+        raise ValueError(f"{path}: record version {data.get('version')!r}, this code reads {RECORD_VERSION}")
+    runs = data["runs"]
+    for entry in runs.values():
+        row = entry["row"]
+        row["links"] = {link: tuple(halves) for link, halves in row["links"].items()}
+        row["rotated"] = tuple(row["rotated"])
+    return runs
+
+
+def update_record(out: Path, size: str, path: Path) -> dict:
+    """Add (or refresh) the entry of every study run whose log is under ``out`` to the record at
+    ``path``; entries of runs whose logs are elsewhere stay. Returns the updated record."""
+    runs = load_record(path)
+    for name, (codec, seed, hidden) in _logged_runs(out, size, WIDTHS, CANDIDATES).items():
+        meta = read_meta(out, name)
+        runs[name] = {"codec": codec, "seed": seed, "hidden": hidden, "started": meta.get("started"),
+                      "seconds": meta.get("seconds"), "row": run_row(read_log(Path(out) / f"{name}.jsonl"))}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(runs.items(), key=lambda kv: (kv[1]["hidden"], kv[1]["seed"], kv[1]["codec"]))
+    lines = [f"{json.dumps(name)}: {json.dumps(entry, sort_keys=True)}" for name, entry in ordered]
+    path.write_text(f'{{"version": {RECORD_VERSION}, "runs": {{\n' + ",\n".join(lines) + "\n}}\n")
+    return runs
 
 
 def gaps(table: dict, hidden: int, codec: str, ref: str = "none", key: str = "late") -> list[float]:
@@ -185,17 +250,34 @@ def verdicts(table: dict) -> dict[str, str]:
     return out
 
 
-def section(out: Path, size: str, docs: Path | None = None) -> list[str]:
-    """The parity study's section of RESULTS.md (``## 4.`` level headings one down); with ``docs``, its
-    plot ``parity_gaps.png`` goes there."""
-    table = collect(out, size)
-    lines = ["## 4. Convergence parity study (issue 12)", ""]
+def _seed_text(table: dict) -> str:
+    """``"hidden 128: seeds 1234-1236, 1240 (4); ..."``: the seeds that ran, per width."""
+    parts = []
+    for hidden in sorted(table):
+        seeds = sorted({s for runs in table[hidden].values() for s in runs})
+        spans, start = [], None
+        for i, seed in enumerate(seeds):
+            start = seed if start is None else start
+            if i + 1 == len(seeds) or seeds[i + 1] != seed + 1:
+                spans.append(str(seed) if seed == start else f"{start}-{seed}")
+                start = None
+        parts.append(f"hidden {hidden}: seeds {', '.join(spans)} ({len(seeds)})")
+    return "; ".join(parts)
+
+
+def section(out: Path, size: str, docs: Path | None = None, recorded: dict | None = None,
+            title: str = "## 4. Convergence parity study (issue 12)") -> list[str]:
+    """The parity study's section of RESULTS.md (``title``, headings one level down) from the runs under
+    ``out`` and the ``recorded`` ones; with ``docs``, its plot ``parity_gaps.png`` goes there."""
+    table = collect(out, size, recorded=recorded)
+    lines = [title, ""]
     if not any(len(t.get("none", {})) for t in table.values()):
         return lines + ["Not run yet (`bash scripts/reproduce.sh parity`).", ""]
-    lines += [f"Part `parity` (`megatron_tah/reproduce/parity.py`): pretraining as in section 2 (4 layers, PP 4, "
+    lines += [f"Part `parity` (`megatron_tah/reproduce/parity.py`): pretraining as in RESULTS.md section 2 (4 layers, PP 4, "
               f"200 iterations) at hidden {' and '.join(map(str, WIDTHS))}, seeds {', '.join(map(str, SEEDS))}; "
-              f"part `parity-seeds` adds seeds {', '.join(map(str, MORE_SEEDS))} for "
-              f"{', '.join(convergence.CODECS[c][0] for c in HEADLINE)} (the seeds column counts what ran). "
+              f"part `parity-seeds` adds seeds ({', '.join(map(str, MORE_SEEDS))} unless `--seeds` says others) "
+              f"for {', '.join(convergence.CODECS[c][0] for c in HEADLINE)}. Runs in this table: "
+              f"{_seed_text(table)}; the seeds column counts a candidate's. "
               "Gap: same-seed relative gap of the *late validation loss* (mean of the evaluations in the last "
               "quarter of training, 3 x 8 batches) to the uncompressed run; the final evaluation alone is shown "
               "too. Bits: wire bits per value (metadata and headers included), per direction. 95% interval: "
@@ -438,3 +520,22 @@ def _replicates(table: dict) -> list[str]:
                              f"{_pct(gap_b - gap_a)} | "
                              f"{'identical' if first is None else f'differ from iteration {first}'} |")
     return lines + [""] if rows else []
+
+
+PAGE_NAME = "PARITY.md"
+
+
+def write_page(out: Path, docs: Path, size: str = "full") -> Path:
+    """Refresh ``docs/parity_runs.json`` from the logs under ``out`` and write ``docs/PARITY.md`` (and its
+    plot) from the record: the study alone, which needs no other part's logs."""
+    docs = Path(docs)
+    recorded = update_record(out, size, docs / RECORD_NAME)
+    body = section(out, size, docs, recorded=recorded, title="# Convergence parity study (issue 12)")
+    intro = ["", f"Generated by `python -m megatron_tah.reproduce parity-report` from `{RECORD_NAME}` (one entry per "
+             "run, committed, so that seeds run on different machines add up) and the logs under "
+             "`runs/reproduce/convergence/`; do not edit by hand. The same tables are section 4 of RESULTS.md "
+             "when `python -m megatron_tah.reproduce report` regenerates it."]
+    body = body[:1] + intro + [line[1:] if line.startswith("### ") else line for line in body[1:]]
+    path = docs / PAGE_NAME
+    path.write_text("\n".join(body))
+    return path

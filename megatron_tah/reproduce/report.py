@@ -678,7 +678,8 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
             f"(size `{size}`); do not edit by hand. Papers: TAH-Quant (arXiv 2506.01352), AQ-SGD (arXiv 2206.01299); "
             "their numbers are quoted from SPEC.md.", ""]
     text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root)
-    text += parity.section(root / "convergence", size, docs) + mem_lines
+    recorded = parity.update_record(root / "convergence", size, docs / parity.RECORD_NAME)
+    text += parity.section(root / "convergence", size, docs, recorded=recorded) + mem_lines
     text += _places_section()
     text += _timing(root, size)
     path = docs / "RESULTS.md"
