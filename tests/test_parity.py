@@ -89,7 +89,8 @@ def _write(folder: Path, codec: str, seed: int, hidden: int, records, size="full
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     info = {"phase": "pretrain", "codec": codec, "seed": seed, "hidden": hidden}
     (folder / f"{name}.meta.json").write_text(json.dumps({"name": name, "status": 0, "seconds": 60.0, "info": info,
-                                                          "started": "2026-11-23T20:00:00Z"}))
+                                                          "started": "2026-11-23T20:00:00Z",
+                                                          "host": {"cpu": "test CPU", "cores": 2}}))
     return name
 
 
@@ -277,6 +278,7 @@ def test_the_committed_record_keeps_runs_whose_logs_are_gone(tmp_path):
     recorded = parity.update_record(folder, "full", record)
     assert len(recorded) == 12 and record.read_text().count("\n") == 12 + 2  # one line per run
     assert parity.load_record(record) == recorded
+    assert {e["host"]["cpu"] for e in recorded.values()} == {"test CPU"}  # which machine ran each seed
     elsewhere = tmp_path / "fresh_machine"  # no logs at all: the same study from the record
     assert parity.collect(elsewhere, "full", recorded=parity.load_record(record)) == from_logs
     # New seeds run on the fresh machine add to the record; the old entries stay.

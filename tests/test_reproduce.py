@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import sys
 from pathlib import Path
@@ -95,6 +96,12 @@ def _fake(name, n=3, **kw):
 def test_execute_records_meta_and_skips_completed_runs(tmp_path):
     meta = runner.execute(_fake("a"), tmp_path)
     assert meta["status"] == 0 and meta["iterations"] == 3 and meta["max_rss_kb"] > 0
+    import torch
+    from importlib import metadata
+
+    host = meta["host"]  # where the numbers come from: runs on other CPUs differ in the last bits
+    assert host["torch"] == torch.__version__ and host["megatron_core"] == metadata.version("megatron-core")
+    assert host["cores"] == os.cpu_count() and host["cpu"]
     assert runner.is_complete(_fake("a"), tmp_path)
     assert not runner.is_complete(_fake("a", n=5), tmp_path)  # asks for more iterations than logged
     with open(tmp_path / "a.jsonl", "a") as f:  # a completed run is not rerun...

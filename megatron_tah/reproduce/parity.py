@@ -175,7 +175,7 @@ RECORD_VERSION = 1
 
 
 def load_record(path: Path) -> dict:
-    """``{name: {"codec", "seed", "hidden", "started", "seconds", "row"}}`` from ``path`` ({} when
+    """``{name: {"codec", "seed", "hidden", "started", "seconds", "host", "row"}}`` from ``path`` ({} when
     absent); a file of another format version is an error, not an empty study."""
     path = Path(path)
     if not path.is_file():
@@ -198,7 +198,8 @@ def update_record(out: Path, size: str, path: Path) -> dict:
     for name, (codec, seed, hidden) in _logged_runs(out, size, WIDTHS, CANDIDATES).items():
         meta = read_meta(out, name)
         runs[name] = {"codec": codec, "seed": seed, "hidden": hidden, "started": meta.get("started"),
-                      "seconds": meta.get("seconds"), "row": run_row(read_log(Path(out) / f"{name}.jsonl"))}
+                      "seconds": meta.get("seconds"), "host": meta.get("host"),
+                      "row": run_row(read_log(Path(out) / f"{name}.jsonl"))}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     ordered = sorted(runs.items(), key=lambda kv: (kv[1]["hidden"], kv[1]["seed"], kv[1]["codec"]))

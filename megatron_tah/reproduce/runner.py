@@ -6,7 +6,7 @@ one network namespace per stage behind ``tc`` links at ``rate``, through
 ``python -m megatron_tah.slow_link``). :func:`execute` writes, under ``out_dir``::
 
     NAME.jsonl       the plugin's per-iteration records (``--tah-log-json``)
-    NAME.meta.json   {"name", "label", "command", "rate", "status", "seconds", "started",
+    NAME.meta.json   {"name", "label", "command", "rate", "status", "seconds", "started", "host",
                       "load_before", "load_after", "max_rss_kb", "iterations"}
     NAME.log         the run's stdout and stderr
 
@@ -97,6 +97,28 @@ def is_complete(run: Run, out_dir: Path) -> bool:
     return records[-1]["iteration"] >= run.iterations()
 
 
+def host_info() -> dict:
+    """The machine and the software a run's numbers come from: CPU model, cores, memory, kernel, Python,
+    torch and megatron-core versions (runs on different CPUs can differ in the last bits of a float)."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gb, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "megatron_core": metadata.version("megatron-core")}
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -119,7 +141,7 @@ def execute(run: Run, out_dir: Path, force: bool = False, python: str = sys.exec
     log_json.unlink(missing_ok=True)
     cmd = run.command(out_dir, python)
     meta = {"name": run.name, "label": run.label, "command": cmd, "rate": run.rate, "pipeline": run.pipeline,
-            "info": run.info, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "info": run.info, "host": host_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_before": load_average()}
     say(f"start {out_dir.name}/{run.name}" + (f" over {run.rate} links" if run.rate else ""))
     start = time.perf_counter()

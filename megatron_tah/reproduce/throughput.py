@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from ..units import parse_bandwidth
-from .runner import Run, execute_all, load_average, read_log, read_meta, say, steady
+from .runner import Run, execute_all, host_info, load_average, read_log, read_meta, say, steady
 
 MODEL_TEXT = (
     "In 1F1B with `p` stages and `m` micro-batches, every stage boundary carries `m` activation messages "
@@ -235,23 +235,8 @@ def run(root: Path, size: str = "full", link: str = "netns", max_load: float = 3
 
 
 def machine_info(load_start: float, load_end: float | None) -> dict:
-    import os
-    import platform
-
-    import torch
-
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gb, 1), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "load_start": load_start, "load_end": load_end, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {**host_info(), "load_start": load_start, "load_end": load_end,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 # ----------------------------------------------------------------------------- analysis
