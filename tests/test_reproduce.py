@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import math
+import os
 import sys
 from pathlib import Path
 
