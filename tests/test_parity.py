@@ -148,7 +148,7 @@ def test_gaps_intervals_and_verdicts(tmp_path):
     assert "50.000% of tiles rotated in the first quarter of training, 0.000% in the last quarter" in md
     assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | met | met | met |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | unresolved | not met | not met |" in md
-    assert [parity.width_verdict(table, h, "tah_bwd4sr") for h in parity.WIDTHS] == ["met", "unresolved"]
+    assert [parity.width_verdict(table, h, "tah_bwd4sr") for h in parity.WIDTHS] == ["met", "not run"]
     assert "| TAH-Quant fwd, uncompressed bwd (diagnostic) |" not in md.split("### Verdict")[1]
     # The added-gap table: TAH-Quant + stochastic 4-bit backward vs TAH-Quant at 128.
     assert ("| Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed point, TAH-Quant forward | 128 | 3 | "
@@ -265,6 +265,8 @@ def test_seeds_outside_the_parts_own_enter_the_table(tmp_path):
     assert "tah" not in table[128]
     md = "\n".join(parity.section(folder, "full"))
     assert "hidden 128: seeds 1240, 1251 (2)" in md
+    assert "| Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each) | unresolved | not run |" in md
+    assert "What the backward codec adds" not in md  # no pair of runs differing in it alone
 
 
 def test_the_committed_record_keeps_runs_whose_logs_are_gone(tmp_path):

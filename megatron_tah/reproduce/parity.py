@@ -224,7 +224,10 @@ def _interval_text(values: list[float]) -> str:
 
 
 def width_verdict(table: dict, hidden: int, codec: str) -> str:
-    """The forward goal's verdict for ``codec`` at ``hidden``: ``met``, ``not met`` or ``unresolved``."""
+    """The forward goal's verdict for ``codec`` at ``hidden``: ``met``, ``not met``, ``unresolved`` or
+    ``not run`` (no run of ``codec`` at that width)."""
+    if not table.get(hidden, {}).get(codec):
+        return "not run"
     values = gaps(table, hidden, codec)
     interval = convergence.interval95(values)
     rows = table.get(hidden, {}).get(codec, {})
@@ -340,7 +343,8 @@ def section(out: Path, size: str, docs: Path | None = None, recorded: dict | Non
               + f" | {v} |" for c, v in verdict.items() if _ran(table, c)]
     lines += ["", "*met*: at every width the bits and the mean gap are within the goal and the interval's upper end "
               "is below 1%; *not met*: at some width the bits exceed it or the interval lies above 0.5%; "
-              "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal).", ""]
+              "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal, or no run at "
+              "some width).", ""]
     return lines + _backward_reading(table) + _evaluation_reading(table)
 
 
@@ -450,15 +454,12 @@ def _backward_reading(table: dict) -> list[str]:
               "TAH-Quant forward"),
              ("hadint4_bwd4sr", "hadint4", "Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed "
               "point, Hadamard INT4 forward")]
+    rows = [f"| {label} | {hidden} | {len(values)} | {_pct(_mean(values))} | {_interval_text(values)} |"
+            for codec, ref, label in pairs for hidden in WIDTHS if (values := gaps(table, hidden, codec, ref))]
     lines = ["### What the backward codec adds", "",
-             "| comparison | width | seeds | added gap, mean | 95% interval |", "|---|---:|---:|---:|---|"]
-    for codec, ref, label in pairs:
-        for hidden in WIDTHS:
-            values = gaps(table, hidden, codec, ref)
-            if values:
-                lines.append(f"| {label} | {hidden} | {len(values)} | {_pct(_mean(values))} | "
-                             f"{_interval_text(values)} |")
-    lines.append("")
+             "| comparison | width | seeds | added gap, mean | 95% interval |", "|---|---:|---:|---:|---|", *rows, ""]
+    if not rows:
+        lines = []
     if _ran(table, "bwd6_only"):
         lines += ["Backward-only compression (uncompressed forward, 6-bit backward) is the row "
                   f"'{convergence.CODECS['bwd6_only'][0]}' of the tables above.", ""]
