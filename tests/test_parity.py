@@ -309,9 +309,10 @@ def test_parity_report_writes_the_page_from_the_record(tmp_path):
     assert main(["parity-report", "--out", str(tmp_path), "--docs", str(docs)]) == 0
     page = (docs / parity.PAGE_NAME).read_text()
     assert page.startswith("# Convergence parity study (issue 12)") and "\n## Hidden 128\n" in page
-    assert "| 3 | +0.20% |" in page and (docs / "parity_gaps.png").is_file()
+    assert "| 3 | +0.20% |" in page and (docs / parity.PAGE_PLOT).is_file()
+    assert not (docs / "parity_gaps.png").exists()  # RESULTS.md's plot is left alone
     # On another machine (no logs), the page is the same, from the committed record.
-    (docs / "parity_gaps.png").unlink()
+    (docs / parity.PAGE_PLOT).unlink()
     assert main(["parity-report", "--out", str(tmp_path / "elsewhere"), "--docs", str(docs)]) == 0
     assert (docs / parity.PAGE_NAME).read_text() == page
 
