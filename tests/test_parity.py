@@ -310,6 +310,7 @@ def test_parity_report_writes_the_page_from_the_record(tmp_path):
     page = (docs / parity.PAGE_NAME).read_text()
     assert page.startswith("# Convergence parity study (issue 12)") and "\n## Hidden 128\n" in page
     assert "| 3 | +0.20% |" in page and (docs / parity.PAGE_PLOT).is_file()
+    assert "test CPU, 2 cores, torch ?, megatron-core ?: 6 runs." in page
     assert not (docs / "parity_gaps.png").exists()  # RESULTS.md's plot is left alone
     # On another machine (no logs), the page is the same, from the committed record.
     (docs / parity.PAGE_PLOT).unlink()

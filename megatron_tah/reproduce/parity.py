@@ -538,6 +538,16 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
              "run, committed, so that seeds run on different machines add up) and the logs under "
              "`runs/reproduce/convergence/`; do not edit by hand. The same tables are section 4 of RESULTS.md "
              "when `python -m megatron_tah.reproduce report` regenerates it."]
+    hosts: dict[str, int] = {}
+    for entry in recorded.values():
+        host = entry.get("host") or {}
+        key = (f"{host.get('cpu', 'unknown CPU')}, {host.get('cores', '?')} cores, torch {host.get('torch', '?')}, "
+               f"megatron-core {host.get('megatron_core', '?')}") if host else "host not recorded"
+        hosts[key] = hosts.get(key, 0) + 1
+    if hosts:
+        intro += ["", "Where the recorded runs ran (the parts run a seed's runs together, on one machine; the same "
+                  "run on another CPU or software version differs in the last bits and drifts apart): "
+                  + "; ".join(f"{key}: {n} runs" for key, n in hosts.items()) + "."]
     body = body[:1] + intro + [line[1:] if line.startswith("### ") else line for line in body[1:]]
     path = docs / PAGE_NAME
     path.write_text("\n".join(body))
