@@ -20,6 +20,13 @@ Gaps are same-seed relative gaps to ``none``; intervals are Student-t 95% interv
 
 Goal (issue 12): forward <= 4.5 bits with a mean gap <= 0.5% whose interval excludes 1%, at both
 widths; backward <= 5 bits adding <= 0.1%.
+
+Resolving 0.5% takes more paired seeds than one machine-session runs, and logs stay on the machine
+that wrote them, so every run's summary (:func:`run_row`, a few KB) goes into the committed record
+``docs/parity_runs.json`` (:func:`update_record`, one line per run, with the host it ran on); the
+tables read the record plus whatever logs are present (``python -m megatron_tah.reproduce
+parity-report`` writes ``docs/PARITY.md`` from them). ``parity-seeds --seeds S,S --widths W`` runs
+further seeds.
 """
 
 from __future__ import annotations
