@@ -150,6 +150,9 @@ def test_gaps_intervals_and_verdicts(tmp_path):
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | unresolved | not met | not met |" in md
     assert [parity.width_verdict(table, h, "tah_bwd4sr") for h in parity.WIDTHS] == ["met", "not run"]
     assert "| TAH-Quant fwd, uncompressed bwd (diagnostic) |" not in md.split("### Verdict")[1]
+    # Against the default: hadint4 (4.25 + 4.25 bits) vs tah (4.25 + 7 bits), losses 1.001 / 1.03 at 256.
+    assert ("| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 256 | 3 | 8.50 | 1.32x | -2.82% | "
+            "-2.82% to -2.82% |") in md.split("### Against the default")[1]
     # The added-gap table: TAH-Quant + stochastic 4-bit backward vs TAH-Quant at 128.
     assert ("| Hadamard INT4 with stochastic rounding (4.25 bits) vs 6-bit fixed point, TAH-Quant forward | 128 | 3 | "
             in md)
