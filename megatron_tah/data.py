@@ -12,6 +12,14 @@ permutation of the (sorted) files puts ``max(1, round(valid_fraction * n))`` doc
 ``valid`` and the rest in ``train``. Token ids are ``uint16`` (megatron-core's choice for a
 vocabulary under 65500).
 
+Compact vocabulary (``--vocab-limit K``): the ``K - 2`` most frequent ids of the *train* split
+keep their place by rank (ids ``0 .. K-3``, ties broken by GPT-2 id), every other id becomes
+``<unk>`` (``K - 2``) and the end-of-document token ``K - 1`` (megatron-core's ``NullTokenizer``
+default end-of-document id for ``--vocab-size K``). ``PREFIX_vocab.json`` records the GPT-2 id of
+each compact id, so text can be read back. A small model then spends its parameters and compute
+on the transformer body, whose activations the pipeline sends, rather than on a 50257-row
+embedding and output layer.
+
 Tokenizer: the wheel's ``GPT2BPETokenizer`` goes through HuggingFace ``transformers``, which
 this project does not install, so :class:`Gpt2Bpe` is a small implementation of the original
 GPT-2 byte-level BPE (OpenAI's ``encoder.py``: byte-to-unicode map, the pre-tokenizer regex,
@@ -212,14 +220,10 @@ def _split(files: list[Path], valid_fraction: float, seed: int) -> tuple[list[Pa
     return [f for i, f in enumerate(files) if i not in valid], [files[i] for i in valid]
 
 
-def _write(tokenizer: Gpt2Bpe, files: list[Path], prefix: str, max_tokens: int | None) -> dict:
-    """Tokenize ``files`` (one document each, EOD appended) into ``prefix.{bin,idx}``."""
-    import numpy
-    import torch
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
-    tokens = documents = 0
+def _tokenize(tokenizer: Gpt2Bpe, files: list[Path], max_tokens: int | None) -> list[list[int]]:
+    """GPT-2 ids of ``files`` (one document each, EOD appended), at most ``max_tokens`` in all."""
+    documents: list[list[int]] = []
+    tokens = 0
     for path in files:
         ids: list[int] = []
         for _, piece_ids in tokenizer.iter_pieces(path.read_text(encoding="utf-8")):
@@ -229,11 +233,43 @@ def _write(tokenizer: Gpt2Bpe, files: list[Path], prefix: str, max_tokens: int |
         if not ids:
             break
         ids.append(tokenizer.eod)
+        documents.append(ids)
+        tokens += len(ids)
+    return documents
+
+
+def compact_vocabulary(train: list[list[int]], eod: int, vocab_limit: int) -> list[int]:
+    """GPT-2 id of each compact id ``0 .. vocab_limit-3``: the most frequent ids of ``train`` (EOD excluded),
+    ties broken by id. Compact id ``vocab_limit - 2`` is ``<unk>``, ``vocab_limit - 1`` the EOD."""
+    if vocab_limit < 3:
+        raise DataError(f"vocab_limit = {vocab_limit}: must be >= 3 (kept ids, <unk> and end-of-document)")
+    counts: dict[int, int] = {}
+    for document in train:
+        for i in document:
+            if i != eod:
+                counts[i] = counts.get(i, 0) + 1
+    return sorted(counts, key=lambda i: (-counts[i], i))[: vocab_limit - 2]
+
+
+def _remap(documents: list[list[int]], kept: list[int], eod: int, vocab_limit: int) -> list[list[int]]:
+    new_id = {old: new for new, old in enumerate(kept)}
+    new_id[eod] = vocab_limit - 1
+    unk = vocab_limit - 2
+    return [[new_id.get(i, unk) for i in document] for document in documents]
+
+
+def _write(documents: list[list[int]], prefix: str, vocab_size: int) -> dict:
+    """``documents`` (token ids) into megatron-core's ``prefix.{bin,idx}``, one document each."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(vocab_size))
+    for ids in documents:
         builder.add_item(torch.from_numpy(numpy.asarray(ids, dtype=numpy.int64)))
         builder.end_document()
-        tokens, documents = tokens + len(ids), documents + 1
     builder.finalize(f"{prefix}.idx")
-    return {"prefix": prefix, "documents": documents, "tokens": tokens}
+    return {"prefix": prefix, "documents": len(documents), "tokens": sum(map(len, documents))}
 
 
 def read_documents(prefix: str | Path) -> list[list[int]]:
@@ -248,26 +284,42 @@ def read_documents(prefix: str | Path) -> list[list[int]]:
 
 
 def prepare(corpus: str, output_prefix: str | Path, valid_fraction: float = 0.05, vocab_file=None,
-            merge_file=None, max_docs: int | None = None, max_tokens: int | None = None, seed: int = 1234) -> dict:
+            merge_file=None, max_docs: int | None = None, max_tokens: int | None = None, seed: int = 1234,
+            vocab_limit: int | None = None) -> dict:
     """Write ``{output_prefix}_{train,valid}_text_document.{bin,idx}``.
 
     ``max_docs`` keeps the first N files (sorted by name) before the split; ``max_tokens`` caps the
-    tokens (EOD included) written per split, cutting a document at a pre-token boundary. Returns
-    ``{"train": {...}, "valid": {...}, "seconds": float}`` where each split holds ``prefix``
-    (pass to ``IndexedDataset``), ``documents``, ``tokens`` and ``files`` (source paths).
+    tokens (EOD included) written per split, cutting a document at a pre-token boundary;
+    ``vocab_limit`` writes compact ids (module docstring) and ``{output_prefix}_vocab.json``. Returns
+    ``{"train": {...}, "valid": {...}, "vocab_size": int, "seconds": float}`` where each split holds
+    ``prefix`` (pass to ``IndexedDataset``), ``documents``, ``tokens``, ``files`` (source paths) and
+    ``unk_fraction`` (share of its tokens that became ``<unk>``; 0 without ``vocab_limit``).
     """
     for name, value in (("max_docs", max_docs), ("max_tokens", max_tokens)):
         if value is not None and value < 1:
             raise DataError(f"{name} = {value}: must be >= 1")
+    if vocab_limit is not None and vocab_limit < 3:
+        raise DataError(f"vocab_limit = {vocab_limit}: must be >= 3 (kept ids, <unk> and end-of-document)")
     tokenizer = load_tokenizer(vocab_file, merge_file)
     files = corpus_files(corpus)[:max_docs]
-    train, valid = _split(files, valid_fraction, seed)
+    split_files = dict(zip(("train", "valid"), _split(files, valid_fraction, seed)))
     output_prefix = Path(output_prefix)
     output_prefix.parent.mkdir(parents=True, exist_ok=True)
-    start, result = time.perf_counter(), {}
-    for split, split_files in (("train", train), ("valid", valid)):
-        result[split] = _write(tokenizer, split_files, f"{output_prefix}_{split}_text_document", max_tokens)
-        result[split]["files"] = [str(f) for f in split_files]
+    start = time.perf_counter()
+    documents = {split: _tokenize(tokenizer, paths, max_tokens) for split, paths in split_files.items()}
+    vocab_size = tokenizer.vocab_size
+    if vocab_limit is not None:
+        kept = compact_vocabulary(documents["train"], tokenizer.eod, vocab_limit)
+        documents = {split: _remap(docs, kept, tokenizer.eod, vocab_limit) for split, docs in documents.items()}
+        vocab_size = vocab_limit
+        Path(f"{output_prefix}_vocab.json").write_text(json.dumps(
+            {"vocab_size": vocab_limit, "unk": vocab_limit - 2, "eod": vocab_limit - 1, "gpt2_ids": kept}) + "\n")
+    result: dict = {"vocab_size": vocab_size}
+    for split, docs in documents.items():
+        result[split] = _write(docs, f"{output_prefix}_{split}_text_document", vocab_size)
+        unk = sum(i == vocab_size - 2 for d in docs for i in d) if vocab_limit is not None else 0
+        result[split].update(files=[str(f) for f in split_files[split]],
+                             unk_fraction=unk / max(1, result[split]["tokens"]))
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -282,16 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-docs", type=int, help="use only the first N documents (sorted by file name)")
     parser.add_argument("--max-tokens", type=int, help="cap on tokens written per split")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the train/valid document split")
+    parser.add_argument("--vocab-limit", type=int, help="compact vocabulary of K ids (train with --vocab-size K)")
     args = parser.parse_args(argv)
     try:
         result = prepare(args.corpus, args.output_prefix, args.valid_fraction, args.vocab_file, args.merge_file,
-                         args.max_docs, args.max_tokens, args.seed)
+                         args.max_docs, args.max_tokens, args.seed, args.vocab_limit)
     except (DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for split in ("train", "valid"):
         info = result[split]
-        print(f"{split}: {info['documents']} documents, {info['tokens']} tokens -> {info['prefix']}.{{bin,idx}}")
+        print(f"{split}: {info['documents']} documents, {info['tokens']} tokens "
+              f"({100 * info['unk_fraction']:.2f}% <unk>) -> {info['prefix']}.{{bin,idx}}")
+    print(f"vocabulary: {result['vocab_size']} ids (train with --vocab-size {result['vocab_size']})")
     print(f"tokenized in {result['seconds']:.1f} s")
     return 0
 

@@ -15,6 +15,9 @@
 #   parity-seeds none, TAH-Quant and the hadint4 preset with seeds 1237-1239 at both widths      ~1.6 h
 #                (18 runs; narrows the parity study's intervals; --seeds 1240,1241 --widths 128 and
 #                --only NAMES pick other seeds, widths and runs)
+#   parity-compact the low-noise protocol (4096-id vocabulary, 16 sequences x 300 iterations):     ~1.5 h
+#                none, TAH-Quant, hadint4 preset, 8-bit control x seeds 1234-1237 x hidden 128/256
+#                (32 runs, 4-7 min each, 2 at a time; --seeds / --widths as for parity-seeds)
 #   memory       AQ-SGD buffer bytes vs TAH-Quant (reads the fine-tuning runs)                      ~1 min
 #   throughput   tokens/s per codec at 100M/1G/300M/500M/10Gbit + the paper regime (40 runs, one   ~20 min
 #                at a time, real network namespaces: needs root and iproute2; first waits up to
@@ -22,7 +25,7 @@
 #   report       docs/RESULTS.md and docs/*.png from runs/reproduce/                              ~1 min
 #   parity-report docs/PARITY.md: the parity study alone, from docs/parity_runs.json (the committed  ~1 min
 #                record of every parity run, refreshed from the logs here; seeds add up across machines)
-#   all          everything above, in that order (seeds needs convergence's checkpoint)           ~8 h
+#   all          everything above, in that order (seeds needs convergence's checkpoint)          ~10 h
 # Split into parts to stay under an hour each (parity: --only NAMES runs a subset). Results:
 # runs/reproduce/<part>/; finished runs are skipped when a part is rerun (--force reruns them). Options go to python -m megatron_tah.reproduce
 # (--jobs N, --max-load L, --max-wait S, --link emulate, --only NAMES, --seeds S,S --widths W,W, --docs DIR).
@@ -39,16 +42,16 @@ run_part() {
 }
 
 case "$PART" in
-  data|convergence|ablations|seeds|long|parity|parity-seeds|memory|throughput|report|parity-report)
+  data|convergence|ablations|seeds|long|parity|parity-seeds|parity-compact|memory|throughput|report|parity-report)
     run_part "$PART" "$@"
     ;;
   all)
-    for part in data convergence ablations seeds long parity parity-seeds memory throughput parity-report report; do
+    for part in data convergence ablations seeds long parity parity-seeds parity-compact memory throughput parity-report report; do
       run_part "$part" "$@"
     done
     ;;
   *)
-    echo "usage: $0 [data|convergence|ablations|seeds|long|parity|parity-seeds|memory|throughput|report|parity-report|all] [options]" >&2
+    echo "usage: $0 [data|convergence|ablations|seeds|long|parity|parity-seeds|parity-compact|memory|throughput|report|parity-report|all] [options]" >&2
     exit 2
     ;;
 esac

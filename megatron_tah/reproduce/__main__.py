@@ -1,6 +1,7 @@
 """``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
 
-PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, memory, report, parity-report
+PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, parity-compact, memory, report,
+parity-report
 (issue 12's study alone, from the committed run record ``docs/parity_runs.json`` and the logs here). ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
@@ -16,13 +17,14 @@ from pathlib import Path
 from . import convergence, parity
 from .runner import ReproduceError, execute_all, say
 
-PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "memory", "report",
-         "parity-report")
+PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "parity-compact",
+         "memory", "report", "parity-report")
 TRAINING_PARTS = {"convergence": lambda root, size: convergence.pretrain_runs(root, size)
                   + convergence.finetune_runs(root, size),
                   "ablations": convergence.ablation_runs, "seeds": convergence.seed_runs,
                   "long": convergence.long_runs, "parity": parity.parity_runs,
-                  "parity-seeds": parity.more_seed_runs}
+                  "parity-seeds": parity.more_seed_runs, "parity-compact": parity.compact_runs}
+SEEDED_PARTS = ("parity", "parity-seeds", "parity-compact")  # the parts that take --seeds / --widths
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rerun runs that already completed")
     p.add_argument("--only", default=None, help="training parts: comma-separated run names to run")
     p.add_argument("--seeds", default=None,
-                   help="parity, parity-seeds: comma-separated seeds to run instead of the part's own")
+                   help="parity, parity-seeds, parity-compact: comma-separated seeds to run instead of the part's own")
     p.add_argument("--widths", default=None,
-                   help="parity, parity-seeds: comma-separated hidden sizes to run instead of "
+                   help="parity, parity-seeds, parity-compact: comma-separated hidden sizes to run instead of "
                         f"{','.join(map(str, parity.WIDTHS))}")
     p.add_argument("--docs", default=None, help="report, parity-report: output directory (default docs/, or OUT/docs for tiny)")
     p.add_argument("--link", choices=("netns", "emulate"), default="netns",
@@ -72,8 +74,8 @@ def _parity_choice(args) -> dict:
     """``--seeds`` / ``--widths`` as keyword arguments of the parity parts' run lists (refused elsewhere)."""
     chosen = {name: _ints(getattr(args, name), f"--{name}") for name in ("seeds", "widths")
               if getattr(args, name) is not None}
-    if chosen and args.part not in ("parity", "parity-seeds"):
-        raise ValueError(f"--{next(iter(chosen))} applies to the parts parity and parity-seeds, not {args.part}")
+    if chosen and args.part not in SEEDED_PARTS:
+        raise ValueError(f"--{next(iter(chosen))} applies to the parts {', '.join(SEEDED_PARTS)}, not {args.part}")
     return chosen
 
 
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     try:
         if args.part == "data" or args.part == "memory" or args.part in TRAINING_PARTS:
             convergence.prepare_data(root, args.size)
+        if args.part == "parity-compact":
+            convergence.prepare_data(root, args.size, protocol=parity.COMPACT)
         if args.part in TRAINING_PARTS:
             runs = TRAINING_PARTS[args.part](root, args.size, **_parity_choice(args))
             if args.only:

@@ -49,6 +49,20 @@ CODECS = {
                     "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"]),
     "tah_bwd6sr": ("TAH-Quant fwd, 6-bit bwd with stochastic rounding (diagnostic)",
                    ["--tah-forward-codec", "tah", "--tah-backward-stochastic-rounding"]),
+    "hadint4_bwdnone": ("Hadamard INT4 fwd (4.25 bits), uncompressed bwd (diagnostic)",
+                        ["--tah-forward-codec", "hadint", "--tah-backward-codec", "none"]),
+    "hadint5_bwdnone": ("Hadamard INT5 fwd (5.25 bits), uncompressed bwd (diagnostic)",
+                        ["--tah-forward-codec", "hadint", "--tah-forward-bits", "5", "--tah-backward-codec", "none"]),
+    "hadint6_bwdnone": ("Hadamard INT6 fwd (6.25 bits), uncompressed bwd (diagnostic)",
+                        ["--tah-forward-codec", "hadint", "--tah-forward-bits", "6", "--tah-backward-codec", "none"]),
+    "bwd4_only": ("uncompressed fwd, Hadamard INT4 bwd (4.25 bits) (diagnostic)",
+                  ["--tah-forward-codec", "none", "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
+                   "--tah-backward-tile-size", "64"]),
+    "bwd4sr_only": ("uncompressed fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits) (diagnostic)",
+                    ["--tah-forward-codec", "none", "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
+                     "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"]),
+    "int8_both": ("8-bit blockwise both ways, noise-floor control (diagnostic)",
+                  ["--tah-forward-codec", "int8", "--tah-backward-codec", "int8"]),
     "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",
                      ["--tah-forward-codec", "tah", "--tah-warmup-iters", "20"]),
     "tah_evalboth": ("TAH-Quant, evaluated through the codec and uncompressed (diagnostic)",
@@ -125,6 +139,21 @@ SIZES = {
              "long_iters": 6, "long_eval_interval": 3, "shakespeare_tokens": 4_000, "sotu_tokens": 1_000,
              "pretrain_warmup": 1, "finetune_warmup": 1},
 }
+PROTOCOLS = {
+    # Pretraining as in RESULTS.md sections 2-4: GPT-2's 50257 ids, 8 sequences per iteration.
+    "gpt2": {},
+    # Issue 12's low-noise protocol: a compact vocabulary (``data.py --vocab-limit``), so that the
+    # model's compute and parameters sit in the transformer body rather than in a 50257-row embedding
+    # and output layer; twice the batch at half the learning rate; 300 iterations; larger evaluations.
+    "compact": {"full": {"vocab_limit": 4096, "flags": {"--global-batch-size": "16", "--micro-batch-size": "4",
+                                                        "--train-iters": "300", "--lr": "1e-3", "--min-lr": "1e-4",
+                                                        "--lr-warmup-iters": "30", "--eval-interval": "50",
+                                                        "--eval-iters": "16"}},
+                "tiny": {"vocab_limit": 256, "flags": {}}},
+}
+"""Pretraining protocols: name -> {size: {"vocab_limit": K (data prefix ``..._v<K>``, ``--vocab-size K``),
+"flags": Megatron flags replacing the ``gpt2`` protocol's values}}. Runs of a protocol other than
+``gpt2`` are named ``<protocol>_<run>``."""
 PRETRAIN_LR = ["--lr", "2e-3", "--min-lr", "2e-4", "--hidden-dropout", "0", "--attention-dropout", "0"]
 FINETUNE_LR = ["--lr", "5e-4", "--min-lr", "5e-5"]
 OPTIM = ["--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--weight-decay", "0.01",
@@ -141,22 +170,43 @@ def data_flags(prefix: str) -> list[str]:
             f"{prefix}_valid_text_document", *GPT2_DATA_FLAGS]
 
 
-def data_prefixes(root: Path, size: str) -> dict[str, str]:
-    return {"shakespeare": str(Path(root) / "data" / f"shakespeare_{size}"),
-            "sotu": str(Path(root) / "data" / f"sotu_{size}")}
+def _vocab_limit(size: str, protocol: str) -> int | None:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[protocol].get(size, {}).get("vocab_limit")
 
 
-def prepare_data(root: Path, size: str) -> dict[str, str]:
-    """Tokenize both corpora (capped per ``SIZES[size]``) unless present; returns the prefixes."""
+def data_prefixes(root: Path, size: str, protocol: str = "gpt2") -> dict[str, str]:
+    limit = _vocab_limit(size, protocol)
+    suffix = f"_v{limit}" if limit else ""
+    return {"shakespeare": str(Path(root) / "data" / f"shakespeare_{size}{suffix}"),
+            "sotu": str(Path(root) / "data" / f"sotu_{size}{suffix}")}
+
+
+def prepare_data(root: Path, size: str, protocol: str = "gpt2") -> dict[str, str]:
+    """Tokenize both corpora (capped per ``SIZES[size]``, with the protocol's vocabulary) unless present;
+    returns the prefixes."""
     from ..data import prepare
 
-    prefixes = data_prefixes(root, size)
+    prefixes = data_prefixes(root, size, protocol)
     caps = {"shakespeare": SIZES[size]["shakespeare_tokens"], "sotu": SIZES[size]["sotu_tokens"]}
     for corpus, prefix in prefixes.items():
         if not all(Path(f"{prefix}_{s}_text_document.{e}").is_file() for s in ("train", "valid")
                    for e in ("bin", "idx")):
-            prepare(corpus, prefix, max_tokens=caps[corpus])
+            prepare(corpus, prefix, max_tokens=caps[corpus], vocab_limit=_vocab_limit(size, protocol))
     return prefixes
+
+
+def protocol_flags(flags: list[str], size: str, protocol: str) -> list[str]:
+    """``flags`` with the protocol's values (``--vocab-size`` included) in place of the ``gpt2`` protocol's."""
+    limit = _vocab_limit(size, protocol)
+    changes = {**({"--vocab-size": str(limit)} if limit else {}), **PROTOCOLS[protocol].get(size, {}).get("flags", {})}
+    flags = list(flags)
+    for name, value in changes.items():
+        if name not in flags:
+            raise ValueError(f"protocol {protocol!r} replaces {name}, which the run does not set")
+        flags[flags.index(name) + 1] = value
+    return flags
 
 
 def train_samples(prefix: str, seq_length: int) -> int:
@@ -179,17 +229,19 @@ def size_width(size: str) -> int:
 
 
 def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str, list[str]] | None = None,
-                  seed: int = DEFAULT_SEED, long: bool = False, hidden: int | None = None) -> list[Run]:
+                  seed: int = DEFAULT_SEED, long: bool = False, hidden: int | None = None,
+                  protocol: str = "gpt2") -> list[Run]:
     """Pretraining runs per codec (plus ``extra``: name -> additional TAH-Quant flags, the ablations).
 
     ``seed``: another initialization and data order (names get ``_s<seed>``); ``long``: the
     ``long_iters`` runs (names ``long_<codec>``); ``hidden``: another hidden size (names get
-    ``w<hidden>_``; the size's own hidden size changes nothing).
+    ``w<hidden>_``; the size's own hidden size changes nothing); ``protocol``: one of
+    :data:`PROTOCOLS` (names get ``<protocol>_`` unless ``gpt2``; no checkpoint is saved).
     """
-    cfg, prefixes = SIZES[size], data_prefixes(root, size)
+    cfg, prefixes = SIZES[size], data_prefixes(root, size, protocol)
     model = list(cfg["model"])
     width = size_width(size)
-    prefix = "" if hidden in (None, width) else f"w{hidden}_"
+    prefix = ("" if protocol == "gpt2" else f"{protocol}_") + ("" if hidden in (None, width) else f"w{hidden}_")
     if prefix:
         model[model.index("--hidden-size") + 1] = str(hidden)
     iters, interval = (cfg["long_iters"], cfg["long_eval_interval"]) if long else (cfg["pretrain_iters"],
@@ -198,6 +250,7 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
               "--eval-interval", str(interval), "--eval-iters", str(cfg["eval_iters"]), *PRETRAIN_LR, *OPTIM,
               "--lr-warmup-iters", str(cfg["pretrain_warmup"]),
               *([] if seed == DEFAULT_SEED else ["--seed", str(seed)])]
+    common = protocol_flags(common, size, protocol)
     phase = "pretrain_long" if long else "pretrain"
     runs = []
     for name in codecs:
@@ -206,8 +259,9 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
         save = (["--save", str(Path(root) / "convergence" / "ckpt_none"), "--save-interval", str(iters)]
                 if main else [])
         runs.append(Run(prefix + seed_name(f"long_{name}" if long else name, seed), [*common, *flags, *save],
-                        cfg["pipeline"], label=label, info={"phase": phase, "codec": name, "seed": seed,
-                                                            "hidden": hidden or width}))
+                        cfg["pipeline"], label=label,
+                        info={"phase": phase, "codec": name, "seed": seed, "hidden": hidden or width,
+                              **({} if protocol == "gpt2" else {"protocol": protocol})}))
     for name, flags in (extra or {}).items():
         runs.append(Run(name, [*common, *CODECS["tah"][1], *flags], cfg["pipeline"], label=name,
                         info={"phase": "pretrain", "codec": "tah", "ablation": flags}))

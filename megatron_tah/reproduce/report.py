@@ -608,7 +608,7 @@ def _timing(root: Path, size: str) -> list[str]:
     lines = ["## How to reproduce, and how long it took here", "",
              "```", "bash scripts/reproduce.sh all        # everything, then the report (or: make reproduce)",
              "bash scripts/reproduce.sh convergence  # or one part: throughput | convergence | ablations | seeds | "
-             "long | parity | parity-seeds | memory | report",
+             "long | parity | parity-seeds | parity-compact | memory | report",
              "```", "", "Results go to `runs/reproduce/<part>/` (one `NAME.jsonl` log from `--tah-log-json`, `NAME.meta.json` "
              "with the command, status, duration, load average and peak RSS, and `NAME.log` per run; the training "
              "parts share `runs/reproduce/convergence/`); finished runs are skipped on a rerun (`--force` reruns "
@@ -622,6 +622,7 @@ def _timing(root: Path, size: str) -> list[str]:
         ("long", here, [f"long_{c}" for c in convergence.LONG_CODECS]),
         ("parity", here, [r.name for r in parity.parity_runs(root, size)]),
         ("parity-seeds", here, [r.name for r in parity.more_seed_runs(root, size)]),
+        ("parity-compact", here, [r.name for r in parity.compact_runs(root, size)]),
         ("throughput", Path(root) / "throughput",
          sorted(p.name.removesuffix(".meta.json") for p in (Path(root) / "throughput").glob("*.meta.json"))),
     )
@@ -679,7 +680,10 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
             "their numbers are quoted from SPEC.md.", ""]
     text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root)
     recorded = parity.update_record(root / "convergence", size, docs / parity.RECORD_NAME)
-    text += parity.section(None, size, docs, recorded=recorded) + mem_lines  # the record holds the logs' runs
+    text += parity.section(None, size, docs, recorded=recorded)  # the record holds the logs' runs
+    text += parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT,
+                           title="### 4b. The low-noise protocol (compact vocabulary): part parity-compact",
+                           plot="parity_compact_gaps.png") + mem_lines
     text += _places_section()
     text += _timing(root, size)
     path = docs / "RESULTS.md"
