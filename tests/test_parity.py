@@ -372,7 +372,7 @@ def test_compact_protocol_runs(tmp_path):
         differ = {twin[i - 1] for i, (a, b) in enumerate(zip(twin, r.flags)) if a != b}
         assert differ <= {*changed, "--train-data-path", "--valid-data-path"}
     names = {r.name for r in runs}
-    assert {"compact_none", "compact_w256_int8_both_s1237"} <= names
+    assert {"compact_none", "compact_w256_int8_both_s1236"} <= names
     assert _flag(next(r for r in runs if r.name == "compact_int8_both").flags, "--tah-backward-codec") == "int8"
     with pytest.raises(ValueError, match="unknown protocol 'nope'"):
         convergence.pretrain_runs(tmp_path, "full", protocol="nope")
@@ -419,7 +419,22 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert bits.index("| Hadamard INT4 fwd (4.25 bits), uncompressed bwd (diagnostic) | 128 | 4.25 | 1 | +0.90% | n/a | 0.043 |") < \
         bits.index("| Hadamard INT5 fwd (5.25 bits), uncompressed bwd (diagnostic) | 128 | 5.25 | 1 | +0.40% | n/a | 0.052 |")
     assert "gap against its bits" not in old
+    assert "fitted through 0" not in bits  # two points: no fit is shown
     assert (docs / "parity_compact_gaps.png").is_file() and (docs / parity.PAGE_PLOT).is_file()
+
+
+def test_gap_per_error_fit():
+    # gap = 0.1 x error exactly: slope 0.1, r = 1; a 0.5% gap needs error 0.05: log2(1/0.05) = 4.3 bits.
+    slope, r = parity.gap_per_error([(0.1, 0.01), (0.05, 0.005), (0.025, 0.0025)])
+    assert slope == pytest.approx(0.1) and r == pytest.approx(1.0)
+    assert parity.gap_per_error([(0.1, 0.01)]) is None and parity.gap_per_error([(0.1, 0.01), (0.05, 0.004)])[1] is None
+    table = {128: {"none": {1: {"late": 4.0, "fwd_bits": 32.0, "bwd_bits": 32.0, "links": {}}}}}
+    for codec, bits, error in (("hadint4_bwdnone", 4.25, 0.1), ("hadint5_bwdnone", 5.25, 0.05),
+                               ("hadint6_bwdnone", 6.25, 0.025)):
+        table[128][codec] = {1: {"late": 4.0 * (1 + 0.1 * error), "fwd_bits": bits, "bwd_bits": 32.0,
+                                 "links": {"0->1": (error, error), "1->0": (None, None)}}}
+    text = "\n".join(parity._bits_reading(table))
+    assert "gap = 0.100 x error, Pearson r = +1.00" in text and "error of 0.050" in text and "at least 4.3 bits" in text
 
 
 def test_backward_verdict():
