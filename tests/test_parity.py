@@ -419,22 +419,29 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert bits.index("| Hadamard INT4 fwd (4.25 bits), uncompressed bwd (diagnostic) | 128 | 4.25 | 1 | +0.90% | n/a | 0.043 |") < \
         bits.index("| Hadamard INT5 fwd (5.25 bits), uncompressed bwd (diagnostic) | 128 | 5.25 | 1 | +0.40% | n/a | 0.052 |")
     assert "gap against its bits" not in old
-    assert "fitted through 0" not in bits  # two points: no fit is shown
+    assert "reaches 0.5%" not in bits  # 0.4% and 0.9%: the goal is not between them
     assert (docs / "parity_compact_gaps.png").is_file() and (docs / parity.PAGE_PLOT).is_file()
 
 
-def test_gap_per_error_fit():
-    # gap = 0.1 x error exactly: slope 0.1, r = 1; a 0.5% gap needs error 0.05: log2(1/0.05) = 4.3 bits.
-    slope, r = parity.gap_per_error([(0.1, 0.01), (0.05, 0.005), (0.025, 0.0025)])
-    assert slope == pytest.approx(0.1) and r == pytest.approx(1.0)
-    assert parity.gap_per_error([(0.1, 0.01)]) is None and parity.gap_per_error([(0.1, 0.01), (0.05, 0.004)])[1] is None
+def test_error_for_gap_interpolates_between_the_runs_around_the_goal():
+    # Gaps 2% at error 0.1 (4 bits) and 0.25% at 0.025 (6 bits): log-log, 0.5% lies 1/3 of the way from 0.025 up
+    # (ln 2 / ln 8): error 0.025 * 4^(1/3) = 0.0397, bits 6 - 2/3.
+    points = [(0.1, 0.02, 4.0), (0.025, 0.0025, 6.0), (0.05, 0.004, 5.0)]
+    error, bits = parity.error_for_gap([(0.1, 0.02, 4.0), (0.025, 0.0025, 6.0)], 0.005)
+    assert error == pytest.approx(0.025 * 4 ** (1 / 3)) and bits == pytest.approx(6 - 2 / 3)
+    error, bits = parity.error_for_gap(points, 0.005)  # now between 0.05 (0.4%) and 0.1 (2%)
+    t = math.log(0.005 / 0.004) / math.log(0.02 / 0.004)
+    assert error == pytest.approx(0.05 * 2 ** t) and bits == pytest.approx(5 - t)
+    assert parity.error_for_gap([(0.02, -0.001, 7.0), (0.04, 0.009, 6.0)], 0.005) == (
+        pytest.approx(0.032), pytest.approx(6.4))  # a gap <= 0: linear
+    assert parity.error_for_gap([(0.1, 0.02, 4.0), (0.05, 0.01, 5.0)], 0.005) is None  # not bracketed
     table = {128: {"none": {1: {"late": 4.0, "fwd_bits": 32.0, "bwd_bits": 32.0, "links": {}}}}}
-    for codec, bits, error in (("hadint4_bwdnone", 4.25, 0.1), ("hadint5_bwdnone", 5.25, 0.05),
-                               ("hadint6_bwdnone", 6.25, 0.025)):
-        table[128][codec] = {1: {"late": 4.0 * (1 + 0.1 * error), "fwd_bits": bits, "bwd_bits": 32.0,
+    for (error, gap, bits), codec in zip(points, ("hadint4_bwdnone", "hadint6_bwdnone", "hadint5_bwdnone")):
+        table[128][codec] = {1: {"late": 4.0 * (1 + gap), "fwd_bits": bits, "bwd_bits": 32.0,
                                  "links": {"0->1": (error, error), "1->0": (None, None)}}}
     text = "\n".join(parity._bits_reading(table))
-    assert "gap = 0.100 x error, Pearson r = +1.00" in text and "error of 0.050" in text and "at least 4.3 bits" in text
+    expected = 0.05 * 2 ** t
+    assert f"forward error of about {expected:.3f}" in text and f"at least {math.log2(1 / expected):.1f} bits" in text
 
 
 def test_backward_verdict():

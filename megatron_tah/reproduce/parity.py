@@ -422,7 +422,8 @@ def section(out: Path | None, size: str, docs: Path | None = None, recorded: dic
               "is below 1%; *not met*: at some width the bits exceed it or the interval lies above 0.5%; "
               "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal, or no run at "
               "some width).", ""]
-    return (lines + _default_reading(table) + _backward_reading(table) + _bits_reading(table)
+    error_png = None if docs is None else Path(docs) / plot.replace(".png", "_vs_error.png")
+    return (lines + _default_reading(table) + _backward_reading(table) + _bits_reading(table, error_png)
             + _evaluation_reading(table))
 
 
@@ -596,9 +597,10 @@ def backward_verdict(bits: float | None, added: list[float]) -> str:
     return "not met" if interval[0] > GOAL_BWD_ADDED else "unresolved"
 
 
-def _bits_reading(table: dict) -> list[str]:
-    """The forward gap against the forward's bits: the runs whose backward is uncompressed, fewest bits first."""
-    rows, fits = [], []
+def _bits_reading(table: dict, png: Path | None = None) -> list[str]:
+    """The forward gap against the forward's bits: the runs whose backward is uncompressed, fewest bits first;
+    with ``png``, a plot of the gap against the forward error there."""
+    rows, notes, plotted, crossings = [], [], {}, {}
     for hidden in WIDTHS:
         runs = table.get(hidden, {})
         chosen = [(statistics.fmean(r["fwd_bits"] for r in runs[c].values()), c) for c in SHOWN
@@ -611,35 +613,48 @@ def _bits_reading(table: dict) -> list[str]:
             rows.append(f"| {convergence.CODECS[codec][0]} | {hidden} | {bits:.2f} | {len(values)} | "
                         f"{_pct(_mean(values))} | {_interval_text(values)} | {_num(error)} |")
             if error and values:
-                points.append((error, _mean(values)))
-        fit = gap_per_error(points)
-        if fit is not None and fit[1] is not None:
-            slope, r = fit
-            needed = GOAL_FWD_GAP / slope if slope > 0 else None
-            fits.append(f"At hidden {hidden}, the forward-only gap against the forward error, fitted through 0 "
-                        f"(least squares over {len(points)} runs): gap = {slope:.3f} x error, Pearson r = "
-                        f"{r:+.2f}. " + (
-                            f"A {100 * GOAL_FWD_GAP:g}% gap would then need an error of {needed:.3f}; a codec that "
-                            "codes the rotated (close to Gaussian) values independently needs at least "
-                            f"{math.log2(1 / needed):.1f} bits per value for that error (Shannon's bound for a "
-                            "memoryless Gaussian source: relative error 2^-R at R bits), before any metadata."
-                            if needed else ""))
+                points.append((error, _mean(values), bits))
+        crossing = error_for_gap(points, GOAL_FWD_GAP)
+        if points:
+            plotted[hidden] = [(f"{bits:.2f} bits", error, gap) for error, gap, bits in points]
+        if crossing is not None:
+            error, bits = crossings[hidden] = crossing
+            notes.append(f"At hidden {hidden} the forward-only gap reaches {_pct(GOAL_FWD_GAP, 'g')} at a forward error "
+                         f"of about {error:.3f} (interpolated between the two runs around it, log gap against log "
+                         f"error), at about {bits:.1f} bits per value with their codecs. A codec that codes the rotated "
+                         "(close to Gaussian) values independently cannot get below a relative error of 2^-R at R bits "
+                         "per value (Shannon's bound for a memoryless Gaussian source), so it needs at least "
+                         f"{math.log2(1 / error):.1f} bits per value, before any metadata, for that error.")
     if len(rows) < 2:
         return []
+    picture = []
+    if png is not None and any(len(p) >= 2 for p in plotted.values()):
+        from . import plots
+
+        png = plots.gap_against_error(plotted, {h: e for h, (e, _) in crossings.items()}, png, GOAL_FWD_GAP)
+        picture = [f"![forward gap against forward error]({png.name})", ""]
     return ["### The forward's gap against its bits", "",
             "Runs whose backward is uncompressed, so that the gap is the forward codec's alone, fewest forward bits "
             "first (forward error: mean relative round-trip error over the forward links and the run).", "",
             "| run | width | fwd bits | seeds | late-loss gap, mean | 95% interval | fwd error |",
-            "|---|---:|---:|---:|---:|---|---:|", *rows, "", *(line for fit in fits for line in (fit, ""))]
+            "|---|---:|---:|---:|---:|---|---:|", *rows, "", *(line for note in notes for line in (note, "")), *picture]
 
 
-def gap_per_error(points: list[tuple[float, float]]) -> tuple[float, float | None] | None:
-    """Slope of the least-squares line through the origin of ``(error, gap)`` points, and their Pearson r
-    (None with fewer than 3 points); None with fewer than 2 points."""
-    if len(points) < 2:
-        return None
-    slope = sum(e * g for e, g in points) / sum(e * e for e, _ in points)
-    return slope, _pearson(points)
+def error_for_gap(points: list[tuple[float, float, float]], goal: float) -> tuple[float, float] | None:
+    """``(error, bits)`` at which the gap crosses ``goal``, from ``(error, gap, bits)`` points: between the two
+    points of adjacent errors whose gaps lie on either side of it, log gap interpolated linearly in log error
+    (linearly where a gap is <= 0), bits linearly in the same fraction. None when no pair brackets the goal."""
+    ordered = sorted(points)
+    for (e_low, g_low, b_low), (e_high, g_high, b_high) in zip(ordered, ordered[1:]):
+        if g_low <= goal <= g_high and g_low != g_high:
+            if g_low > 0:
+                t = math.log(goal / g_low) / math.log(g_high / g_low)
+                error = math.exp(math.log(e_low) + t * math.log(e_high / e_low))
+            else:
+                t = (goal - g_low) / (g_high - g_low)
+                error = e_low + t * (e_high - e_low)
+            return error, b_low + t * (b_high - b_low)
+    return None
 
 
 def _evaluation_reading(table: dict) -> list[str]:

@@ -122,3 +122,33 @@ def parity_gaps(points: dict[int, list[tuple[str, list[float], tuple[float, floa
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def gap_against_error(points: dict[int, list[tuple[str, float, float]]], crossings: dict[int, float], path: Path,
+                      goal: float) -> Path:
+    """Forward-only gap (%) against the forward round-trip error, one colour per width: each run (labelled),
+    joined in order of error, the goal, and where the gap crosses it (``crossings[hidden]``: an error).
+    ``points[hidden]``: ``(label, error, gap)``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (hidden, rows), color in zip(sorted(points.items()), ("tab:blue", "tab:orange", "tab:green")):
+        rows = sorted(rows, key=lambda row: row[1])
+        ax.plot([e for _, e, _ in rows], [100 * g for _, _, g in rows], "o-", lw=0.8, color=color,
+                label=f"hidden {hidden}")
+        for label, error, gap in rows:
+            ax.annotate(label, (error, 100 * gap), fontsize=7, xytext=(4, -3), textcoords="offset points")
+        if hidden in crossings:
+            ax.axvline(crossings[hidden], color=color, ls="--", lw=0.8,
+                       label=f"hidden {hidden}: {100 * goal:g}% at error {crossings[hidden]:.3f}")
+    ax.axhline(100 * goal, color="tab:green", ls=":", lw=0.8, label=f"goal: {100 * goal:g}%")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+    ax.set_xlabel("forward relative round-trip error (mean over the forward links)", fontsize=8)
+    ax.set_ylabel("late validation loss gap, same seed (%)", fontsize=8)
+    ax.set_title("forward codec alone (uncompressed backward)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
