@@ -17,7 +17,7 @@
 #                --only NAMES pick other seeds, widths and runs)
 #   parity-compact the low-noise protocol (4096-id vocabulary, 16 sequences x 300 iterations):     ~2 h
 #                none, TAH-Quant, hadint4 preset, 8-bit control x seeds 1234-1236 x hidden 128/256,
-#                plus 7 forward/backward diagnostics with seed 1234 at hidden 128 (31 runs, 5-8 min
+#                plus 9 forward/backward diagnostics with seed 1234 at hidden 128 (33 runs, 5-8 min
 #                each, 2 at a time; --seeds / --widths as for parity-seeds)
 #   memory       AQ-SGD buffer bytes vs TAH-Quant (reads the fine-tuning runs)                      ~1 min
 #   throughput   tokens/s per codec at 100M/1G/300M/500M/10Gbit + the paper regime (40 runs, one   ~20 min

@@ -57,7 +57,7 @@ COMPACT_CANDIDATES = ("none", "tah", "hadint4_bwd4sr", "int8_both")
 COMPACT_SEEDS = (1234, 1235, 1236)
 # With the first seed at the size's own width: which direction costs what, and the forward gap against bits.
 COMPACT_DIAGNOSTICS = ("tah_bwdnone", "bwd6_only", "hadint4_bwdnone", "hadint5_bwdnone", "hadint6_bwdnone",
-                       "bwd4_only", "bwd4sr_only")
+                       "bwd4_only", "bwd4sr_only", "bwd4t16_only", "bwd5_only")
 SHOWN = tuple(dict.fromkeys(CANDIDATES + COMPACT_CANDIDATES + COMPACT_DIAGNOSTICS))  # the tables' rows, in this order
 GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
 GOAL_BWD_BITS, GOAL_BWD_ADDED, GOAL_BWD_UPPER = 5.0, 0.001, 0.002  # upper end: twice the goal, as forward
@@ -88,7 +88,7 @@ def more_seed_runs(root: Path, size: str, widths=WIDTHS, seeds=MORE_SEEDS) -> li
 def compact_runs(root: Path, size: str, widths=WIDTHS, seeds=COMPACT_SEEDS) -> list[Run]:
     """Part ``parity-compact``: :data:`COMPACT_CANDIDATES` at every width with every seed under the
     ``compact`` protocol, seed by seed, and :data:`COMPACT_DIAGNOSTICS` with the first seed at the size's
-    own width (31 runs at the full size: about 2 hours, 2 at a time)."""
+    own width (33 runs at the full size: about 2 hours, 2 at a time)."""
     width = convergence.size_width(size)
     return [run for i, seed in enumerate(seeds) for hidden in widths
             for run in convergence.pretrain_runs(
@@ -566,7 +566,9 @@ def _backward_reading(table: dict) -> list[str]:
              ("bwd6_only", "none", "6-bit fixed point (7 bits) vs uncompressed, uncompressed forward"),
              ("bwd4_only", "none", "Hadamard INT4 (4.25 bits) vs uncompressed, uncompressed forward"),
              ("bwd4sr_only", "none", "Hadamard INT4 with stochastic rounding (4.25 bits) vs uncompressed, "
-              "uncompressed forward")]
+              "uncompressed forward"),
+             ("bwd4t16_only", "none", "Hadamard INT4, tile 16 (5 bits) vs uncompressed, uncompressed forward"),
+             ("bwd5_only", "none", "Hadamard INT5 (5.25 bits) vs uncompressed, uncompressed forward")]
     rows = []
     for codec, ref, label in pairs:
         for hidden in WIDTHS:
