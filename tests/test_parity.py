@@ -346,15 +346,18 @@ def test_compact_protocol_runs(tmp_path):
     """Part ``parity-compact``: the candidates and the control at both widths, seed by seed, with the compact
     protocol's values in place of the gpt2 protocol's and every other flag the same."""
     runs = parity.compact_runs(tmp_path, "full")
-    assert len(runs) == (len(parity.COMPACT_SEEDS) * len(parity.WIDTHS) * len(parity.COMPACT_CANDIDATES)
-                         + len(parity.COMPACT_DIAGNOSTICS))
+    assert len(runs) == (len(parity.COMPACT_SEEDS) * (len(parity.WIDTHS) * len(parity.COMPACT_CANDIDATES)
+                                                      + len(parity.COMPACT_BACKWARD)) + len(parity.COMPACT_DIAGNOSTICS))
     assert [r.info["seed"] for r in runs] == sorted(r.info["seed"] for r in runs)
     diagnostics = [r for r in runs if r.info["codec"] in parity.COMPACT_DIAGNOSTICS]
     assert {(r.info["seed"], r.info["hidden"]) for r in diagnostics} == {(parity.COMPACT_SEEDS[0], 128)}
-    assert all(parity._diagnostic(c) for c in parity.COMPACT_DIAGNOSTICS + ("int8_both",))
+    backward = {(r.info["seed"], r.info["hidden"]) for r in runs if r.info["codec"] in parity.COMPACT_BACKWARD}
+    assert backward == {(seed, 128) for seed in parity.COMPACT_SEEDS}
+    assert all(parity._diagnostic(c) for c in parity.COMPACT_DIAGNOSTICS + parity.COMPACT_BACKWARD + ("int8_both",))
     twins = {(r.info["codec"], r.info["seed"], r.info["hidden"]): r for seed in parity.COMPACT_SEEDS
              for hidden in parity.WIDTHS for r in convergence.pretrain_runs(
-                 tmp_path, "full", codecs=parity.COMPACT_CANDIDATES + parity.COMPACT_DIAGNOSTICS, seed=seed,
+                 tmp_path, "full", codecs=parity.COMPACT_CANDIDATES + parity.COMPACT_DIAGNOSTICS
+                 + parity.COMPACT_BACKWARD, seed=seed,
                  hidden=hidden)}
     changed = {"--vocab-size": "4096", "--global-batch-size": "16", "--micro-batch-size": "4", "--train-iters": "300",
                "--lr": "1e-3", "--min-lr": "1e-4", "--lr-warmup-iters": "30", "--eval-interval": "50",
@@ -451,4 +454,6 @@ def test_backward_verdict():
     assert parity.backward_verdict(7.0, [0.0, 0.0, 0.0]) == "not met"
     assert parity.backward_verdict(4.25, [0.003, 0.004, 0.0035]) == "not met"
     assert parity.backward_verdict(4.25, [0.0005]) == "unresolved"
+    assert parity.backward_verdict(5.002, [0.0005, 0.0006, 0.0004]) == "met"  # 5.00 as shown: the header's 0.002
+    assert parity.backward_verdict(5.01, [0.0005, 0.0006, 0.0004]) == "not met"
     assert parity.backward_verdict(4.25, [-0.002, 0.004, 0.001]) == "unresolved"
