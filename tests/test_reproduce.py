@@ -244,6 +244,28 @@ def test_tiny_convergence_runs_end_to_end(tmp_path):
     assert "## 5. Memory" in md and "Not run yet (`scripts/reproduce.sh memory`)" not in md
 
 
+@pytest.mark.distributed
+def test_tiny_compact_protocol_end_to_end(tmp_path):
+    """Part parity-compact at the tiny size: compact-vocabulary data, runs trained through Megatron's loop with
+    that vocabulary, and the study's table built from their logs (an 8-bit codec lands next to uncompressed)."""
+    from megatron_tah.data import read_documents
+    from megatron_tah.reproduce import parity
+    from megatron_tah.reproduce.__main__ import main
+
+    assert main(["parity-compact", "--size", "tiny", "--out", str(tmp_path), "--seeds", "1234", "--widths", "64",
+                 "--only", "compact_none,compact_int8_both"]) == 0
+    limit = convergence.PROTOCOLS["compact"]["tiny"]["vocab_limit"]
+    prefix = convergence.data_prefixes(tmp_path, "tiny", "compact")["shakespeare"]
+    ids = [i for d in read_documents(prefix + "_train_text_document") for i in d]
+    assert max(ids) == limit - 1 and limit - 2 in ids  # end-of-document and <unk> ids of the compact vocabulary
+    meta = runner.read_meta(tmp_path / "convergence", "compact_int8_both")
+    assert meta["status"] == 0 and meta["command"][meta["command"].index("--vocab-size") + 1] == str(limit)
+    table = parity.collect(tmp_path / "convergence", "tiny", widths=(64,), protocol="compact")
+    assert set(table[64]) == {"none", "int8_both"} and parity.collect(tmp_path / "convergence", "tiny", widths=(64,)) == {}
+    (gap,) = parity.gaps(table, 64, "int8_both")
+    assert abs(gap) < 0.01 and table[64]["int8_both"][1234]["fwd_bits"] < 32
+
+
 def test_reproduce_sh_knows_every_part():
     """scripts/reproduce.sh dispatches, documents and (for `all`) runs every part of the module."""
     import re
