@@ -377,6 +377,8 @@ def test_compact_protocol_runs(tmp_path):
     names = {r.name for r in runs}
     assert {"compact_none", "compact_w256_int8_both_s1236"} <= names
     assert _flag(next(r for r in runs if r.name == "compact_int8_both").flags, "--tah-backward-codec") == "int8"
+    default_width = convergence.pretrain_runs(tmp_path, "full", codecs=("tah",), protocol="compact")[0]
+    assert default_width.name == "compact_tah" and _flag(default_width.flags, "--hidden-size") == "128"
     with pytest.raises(ValueError, match="unknown protocol 'nope'"):
         convergence.pretrain_runs(tmp_path, "full", protocol="nope")
     with pytest.raises(ValueError, match="replaces --global-batch-size, which the run does not set"):

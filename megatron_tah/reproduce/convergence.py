@@ -247,8 +247,9 @@ def pretrain_runs(root: Path, size: str, codecs=PRETRAIN_CODECS, extra: dict[str
     cfg, prefixes = SIZES[size], data_prefixes(root, size, protocol)
     model = list(cfg["model"])
     width = size_width(size)
-    prefix = ("" if protocol == "gpt2" else f"{protocol}_") + ("" if hidden in (None, width) else f"w{hidden}_")
-    if prefix:
+    other_width = hidden not in (None, width)
+    prefix = ("" if protocol == "gpt2" else f"{protocol}_") + (f"w{hidden}_" if other_width else "")
+    if other_width:
         model[model.index("--hidden-size") + 1] = str(hidden)
     iters, interval = (cfg["long_iters"], cfg["long_eval_interval"]) if long else (cfg["pretrain_iters"],
                                                                                     cfg["eval_interval"])
