@@ -238,11 +238,15 @@ def _tokenize(tokenizer: Gpt2Bpe, files: list[Path], max_tokens: int | None) -> 
     return documents
 
 
+def _check_vocab_limit(vocab_limit: int) -> None:
+    if vocab_limit < 3:
+        raise DataError(f"vocab_limit = {vocab_limit}: must be >= 3 (kept ids, <unk> and end-of-document)")
+
+
 def compact_vocabulary(train: list[list[int]], eod: int, vocab_limit: int) -> list[int]:
     """GPT-2 id of each compact id ``0 .. vocab_limit-3``: the most frequent ids of ``train`` (EOD excluded),
     ties broken by id. Compact id ``vocab_limit - 2`` is ``<unk>``, ``vocab_limit - 1`` the EOD."""
-    if vocab_limit < 3:
-        raise DataError(f"vocab_limit = {vocab_limit}: must be >= 3 (kept ids, <unk> and end-of-document)")
+    _check_vocab_limit(vocab_limit)
     counts: dict[int, int] = {}
     for document in train:
         for i in document:
@@ -298,8 +302,8 @@ def prepare(corpus: str, output_prefix: str | Path, valid_fraction: float = 0.05
     for name, value in (("max_docs", max_docs), ("max_tokens", max_tokens)):
         if value is not None and value < 1:
             raise DataError(f"{name} = {value}: must be >= 1")
-    if vocab_limit is not None and vocab_limit < 3:
-        raise DataError(f"vocab_limit = {vocab_limit}: must be >= 3 (kept ids, <unk> and end-of-document)")
+    if vocab_limit is not None:
+        _check_vocab_limit(vocab_limit)  # before the (slow) tokenization
     tokenizer = load_tokenizer(vocab_file, merge_file)
     files = corpus_files(corpus)[:max_docs]
     split_files = dict(zip(("train", "valid"), _split(files, valid_fraction, seed)))

@@ -321,10 +321,7 @@ def _protocol_text(size: str, protocol: str) -> str:
                 f"seeds ({', '.join(map(str, MORE_SEEDS))} unless `--seeds` says others) for "
                 f"{', '.join(convergence.CODECS[c][0] for c in HEADLINE)}. ")
     spec = convergence.PROTOCOLS[protocol].get(size, {})
-    flags = [*convergence.SIZES[size]["model"], "--train-iters", str(cfg["pretrain_iters"]), *convergence.PRETRAIN_LR,
-             "--lr-warmup-iters", str(cfg["pretrain_warmup"]), "--eval-interval", str(cfg["eval_interval"]),
-             "--eval-iters", str(cfg["eval_iters"]), "--vocab-size", "50257"]
-    flags = convergence.protocol_flags(flags, size, protocol)
+    flags = convergence.pretrain_runs(Path("."), size, codecs=("none",), protocol=protocol)[0].flags  # as run
     get = lambda name: flags[flags.index(name) + 1]  # noqa: E731
     return (f"Part `parity-{protocol}` (`megatron_tah/reproduce/parity.py`, protocol `{protocol}` of "
             "`convergence.PROTOCOLS`): the same GPT (4 layers, PP "

@@ -682,7 +682,7 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
     recorded = parity.update_record(root / "convergence", size, docs / parity.RECORD_NAME)
     text += parity.section(None, size, docs, recorded=recorded)  # the record holds the logs' runs
     text += parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT,
-                           title="### 4b. The low-noise protocol (compact vocabulary): part parity-compact",
+                           title="## 4b. The low-noise protocol (compact vocabulary): part parity-compact",
                            plot="parity_compact_gaps.png") + mem_lines
     text += _places_section()
     text += _timing(root, size)
