@@ -35,6 +35,12 @@ PRESETS = {
     "hadint4": {"tah_forward_codec": "hadint", "tah_forward_bits": 4, "tah_tile_size": 64,
                 "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                 "tah_backward_stochastic_rounding": True},
+    # The message's 16 principal directions apart (8-bit basis, 6-bit coefficients) and the residual as
+    # Hadamard INT3 (4.38 bits at hidden 128, 512 rows; fewer at larger sizes), gradients as in hadint4.
+    "lowrank": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
+                "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6,
+                "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                "tah_backward_stochastic_rounding": True},
 }
 
 def _field_docs(cls) -> dict[str, str]:
@@ -53,16 +59,16 @@ def _field_docs(cls) -> dict[str, str]:
 @dataclasses.dataclass
 class TahConfig:
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
-    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, the defaults) or hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper). A flag set to neither its default nor the preset's value is an error."""
+    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, the defaults) hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper) or lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4). A flag set to neither its default nor the preset's value is an error."""
 
     tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4, nvfp4 or hadint."""
+    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4, nvfp4, hadint or lowrank."""
 
     tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4, nvfp4 or hadint."""
+    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4, nvfp4, hadint or lowrank."""
 
     tah_tile_size: int = 64
-    """Channels per tile for the forward codec (tah, fixedpoint, aqsgd, hadint): 16, 32, 64 or 128."""
+    """Channels per tile for the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual): 16, 32, 64 or 128."""
 
     tah_high_bits: int = 4
     """TAH-Quant: bits for the high-entropy share of tokens (or tiles)."""
@@ -89,10 +95,16 @@ class TahConfig:
     """Round stochastically in the backward codec only (fixedpoint or hadint): unbiased activation gradients."""
 
     tah_forward_bits: int = 4
-    """Bits of the forward codec when it is fixedpoint, aqsgd or hadint."""
+    """Bits of the forward codec when it is fixedpoint, aqsgd or hadint (lowrank: of its residual)."""
 
     tah_backward_bits: int = 6
-    """Bits of the backward codec when it is fixedpoint or hadint."""
+    """Bits of the backward codec when it is fixedpoint or hadint (lowrank: of its residual)."""
+
+    tah_lowrank_rank: int = 16
+    """lowrank codec: principal directions of each message sent apart from the residual (at most the hidden size)."""
+
+    tah_lowrank_coef_bits: int = 6
+    """lowrank codec: bits of the per-token coefficients of those directions (3 to 8)."""
 
     tah_backward_tile_size: int = 32
     """Channels per tile of the backward codec."""
@@ -247,6 +259,11 @@ class TahConfig:
         if name == "hadint":
             return get_codec("hadint", bits=bits, tile_size=tile_size, stochastic_rounding=stochastic_rounding,
                              **backend)
+        if name == "lowrank":
+            if stochastic_rounding:
+                raise CodecError("lowrank rounds to nearest; stochastic rounding is for fixedpoint and hadint")
+            return get_codec("lowrank", bits=bits, tile_size=tile_size, rank=self.tah_lowrank_rank,
+                             coef_bits=self.tah_lowrank_coef_bits, **backend)
         if name in ("mxfp4", "nvfp4"):
             return get_codec(name, hadamard=self.tah_fp4_hadamard, **backend)
         raise ValueError(f"unknown codec {name!r}")

@@ -23,6 +23,7 @@ CODECS = {
     "mxfp4": "mxfp4:MxFp4Codec",
     "nvfp4": "nvfp4:NvFp4Codec",
     "hadint": "hadint:HadIntCodec",
+    "lowrank": "lowrank:LowRankCodec",
 }
 
 

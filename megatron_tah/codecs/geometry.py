@@ -171,3 +171,18 @@ def nvfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
 def hadint_sections(shape: Sequence[int], bits: int, tile_size: int) -> list[tuple[str, int]]:
     tiles = total_tiles(shape, tile_size)
     return [("scale", 2 * tiles), ("codes", packed_nbytes(tiles * tile_size, bits))]
+
+
+# ----- lowrank ------------------------------------------------------------------------------------
+def lowrank_rank(h: int, rank: int) -> int:
+    """Directions the lowrank codec sends for a last dim of ``h``: ``min(rank, h)``."""
+    return min(int(rank), int(h))
+
+
+def lowrank_sections(shape: Sequence[int], bits: int, tile_size: int, rank: int,
+                     coef_bits: int) -> list[tuple[str, int]]:
+    h, rows = int(shape[-1]), num_tokens(shape)
+    k = lowrank_rank(h, rank)
+    coefs = cdiv(rows * k, 8) * 8  # packed in groups of 8 codes, the last group padded with zero codes
+    return [("basis_scale", 2 * k), ("basis", k * h), ("coef_scale", 2 * rows),
+            ("coef", packed_nbytes(coefs, coef_bits))] + hadint_sections(shape, bits, tile_size)

@@ -1,0 +1,155 @@
+"""``lowrank``: the message's top-``rank`` principal directions sent apart, the rest as ``hadint``.
+
+Issue 12's forward candidate beyond scalar quantizers. The hidden states a pipeline stage sends
+are far from isotropic: in the parity study's hidden-128 model a handful of directions of the
+hidden dimension (not aligned with channels, so neither per-channel scales nor a Hadamard on
+64-channel tiles sees them) carry ~97% of the energy after the first tens of iterations. A codec
+that quantizes every rotated value with the same step spends its bits on that energy; this one
+sends the few big directions apart and quantizes what is left, so the same bits give a several
+times smaller error (docs/PARITY.md has the measured gaps).
+
+Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(rank, h)``):
+
+1. A row holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` is *bad*: it takes no part in steps 2-3 and
+   gets no low-rank part (its residual is the row itself, step 4).
+2. Basis: ``k`` orthonormal directions spanning (approximately) the top-``k`` right singular
+   subspace of the good rows, by ``SUBSPACE_ITERATIONS`` block power iterations from a fixed
+   seeded Gaussian start (only the sender computes it; any basis decodes correctly, a worse one
+   only leaves more to the residual). Sent as 8-bit codes ``q + 127`` with one bf16 scale per
+   direction (``max |v| / 127`` rounded up): ``V``, the decoded basis, ``[k, h]``.
+3. Coefficients ``C = X V^T`` ``[rows, k]``: symmetric ``coef_bits``-bit integers with one bf16
+   scale per row, exactly as ``hadint`` codes a tile (``hadint_encode_reference`` without the
+   transform); ``C'`` their decoded values (0 for bad rows).
+4. Residual ``R = X - C' V`` (``X`` itself for bad rows), coded by ``hadint`` (``bits``,
+   ``tile_size``, its random-sign Hadamard): the quantization error of steps 2-3 lands in ``R``,
+   so only the residual's own rounding reaches the receiver.
+
+Decode: ``x = C' V + hadint_decode(R)`` in fp32, cast to the output dtype. Error: that of
+``hadint`` on ``R`` (``||R|| <= ||X||`` up to the coefficients' rounding), so a tile's error bound is
+hadint's for the residual tile; zeros decode exactly; a tile with a bad value decodes to NaN and
+its row's other tiles keep hadint's accuracy on the raw row (the codecs' common rule).
+
+Wire (``rows`` = numel / h, ``T`` = rows * ceil(h / tile_size) residual tiles):
+header | ``basis_scale``: bf16[k] | ``basis``: uint8[k*h] | ``coef_scale``: bf16[rows] |
+``coef``: rows*k codes of ``coef_bits`` bits (``common.pack_bits``, code = q + 2^(coef_bits-1) - 1; zero
+codes pad to a multiple of 8) |
+``scale``, ``codes``: hadint's sections for ``R``. Bits per element:
+``bits + 16/tile_size + (16k + 8kh) / (rows*h) + (16 + k*coef_bits) / h``, e.g. 4.375 for
+bits 3, rank 16, coef_bits 6 at h 128 and 512 rows.
+
+Cost: the basis takes ``2 * SUBSPACE_ITERATIONS + 1`` products of ``[rows, h]`` by ``[h, k + 8]``
+and a QR of ``[h, k + 8]`` per iteration (torch on either device); the residual runs hadint's
+Triton kernels on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import common, geometry
+from .base import Codec, CodecError, register_codec_id
+from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_reference
+
+SUBSPACE_ITERATIONS = 3
+OVERSAMPLING = 8  # extra start vectors of the power iteration (then the best k are kept)
+BASIS_BITS = 8
+START_SEED = 0x5EED
+
+
+@functools.lru_cache(maxsize=16)
+def _start(h: int, width: int, device: str) -> torch.Tensor:
+    """The power iteration's fixed orthonormal start ``[h, width]`` (seeded Gaussian, QR), made once per device."""
+    start = torch.randn(h, width, generator=torch.Generator().manual_seed(START_SEED))
+    return torch.linalg.qr(start)[0].to(device)
+
+
+def principal_directions(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Orthonormal fp32 ``[k, h]`` spanning about the top-``k`` right singular subspace of fp32 ``x [rows, h]``."""
+    h = x.shape[1]
+    q = _start(h, min(k + OVERSAMPLING, h), str(x.device))
+    top = x.abs().amax()
+    if not top > 0:  # all zeros: any basis; the coefficients are zeros
+        return q[:, :k].T.contiguous()
+    x = x / top  # Gram entries stay within rows: no overflow for any finite input
+    for _ in range(SUBSPACE_ITERATIONS):
+        q = torch.linalg.qr(x.T @ (x @ q))[0]
+    projected = x @ q
+    _, vectors = torch.linalg.eigh(projected.T @ projected)  # ascending: the last k are the top ones
+    return (q @ vectors[:, -k:].flip(-1)).T.contiguous()
+
+
+class LowRankCodec(Codec):
+    name = "lowrank"
+    codec_id = 9
+
+    def __init__(self, bits: int = 3, tile_size: int = 64, rank: int = 16, coef_bits: int = 6,
+                 hadamard_seed: int = 0, backend: str = "auto"):
+        super().__init__(backend)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 256:
+            raise CodecError(f"rank must be an integer in [1, 256], got {rank!r}")
+        self.rank = rank
+        self.coef_bits = common.check_bits(coef_bits, name="coef_bits", low=3)
+        self.residual = HadIntCodec(bits=bits, tile_size=tile_size, hadamard_seed=hadamard_seed, backend=backend)
+        self.bits, self.tile_size, self.hadamard_seed = self.residual.bits, self.residual.tile_size, hadamard_seed
+
+    def config(self) -> dict:
+        return {"bits": self.bits, "tile_size": self.tile_size, "rank": self.rank, "coef_bits": self.coef_bits,
+                "hadamard_seed": self.hadamard_seed}
+
+    def _sections(self, shape, dtype):
+        return geometry.lowrank_sections(shape, self.bits, self.tile_size, self.rank, self.coef_bits)
+
+    # ----- the low-rank part ----------------------------------------------------------------
+    def _low_rank(self, x: torch.Tensor, buf, layout) -> torch.Tensor:
+        """Write basis and coefficients of ``x`` [rows, h] fp32; return the decoded low-rank part (0 on bad rows)."""
+        good = ((x.abs() <= geometry.MAX_ABS_VALUE).all(dim=1))  # False for NaN too
+        x = torch.where(good[:, None], x, 0.0)
+        k = geometry.lowrank_rank(x.shape[1], self.rank)
+        basis = principal_directions(x, k)
+        no_bad = torch.zeros(k, dtype=torch.bool, device=x.device)
+        scale, codes = hadint_encode_reference(basis, no_bad, BASIS_BITS)
+        layout.view(buf, "basis_scale", torch.int16).copy_(scale)
+        layout.view(buf, "basis").copy_(codes.reshape(-1))
+        basis = hadint_decode_reference(scale.view(torch.bfloat16), codes, BASIS_BITS)
+        no_bad = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        scale, codes = hadint_encode_reference(x @ basis.T, no_bad, self.coef_bits)
+        layout.view(buf, "coef_scale", torch.int16).copy_(scale)
+        padded = codes.new_zeros(layout.offsets["coef"][1] * 8 // self.coef_bits)
+        padded[: codes.numel()] = codes.reshape(-1)
+        layout.view(buf, "coef").copy_(common.pack_bits(padded, self.coef_bits))
+        return hadint_decode_reference(scale.view(torch.bfloat16), codes, self.coef_bits) @ basis
+
+    def _read_low_rank(self, buf, layout, rows: int, h: int) -> torch.Tensor:
+        k = geometry.lowrank_rank(h, self.rank)
+        basis = hadint_decode_reference(layout.view(buf, "basis_scale", torch.bfloat16),
+                                        layout.view(buf, "basis").reshape(k, h), BASIS_BITS)
+        codes = common.unpack_bits(layout.view(buf, "coef"), self.coef_bits, rows * k).reshape(rows, k)
+        return hadint_decode_reference(layout.view(buf, "coef_scale", torch.bfloat16), codes, self.coef_bits) @ basis
+
+    # ----- encode / decode: the residual through hadint's torch or Triton path -----------------------
+    def _residual(self, x: torch.Tensor, buf, layout) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        residual = rows - self._low_rank(rows, buf, layout)  # NaN/Inf stay in bad rows (low-rank part 0)
+        return residual.reshape(x.shape)
+
+    def _encode_torch(self, x, buf, layout):
+        self.residual._encode_torch(self._residual(x, buf, layout), buf, layout)
+
+    def _encode_triton(self, x, buf, layout):
+        self.residual._encode_triton(self._residual(x, buf, layout), buf, layout)
+
+    def _decode(self, residual: torch.Tensor, buf, shape, dtype, layout) -> torch.Tensor:
+        h = shape[-1]
+        values = residual.reshape(-1, h) + self._read_low_rank(buf, layout, residual.numel() // h, h)
+        return common.from_tiles(values, shape, dtype)  # (clamped to fp16's range)
+
+    def _decode_torch(self, buf, shape, dtype, layout):
+        return self._decode(self.residual._decode_torch(buf, shape, torch.float32, layout), buf, shape, dtype, layout)
+
+    def _decode_triton(self, buf, shape, dtype, layout):
+        return self._decode(self.residual._decode_triton(buf, shape, torch.float32, layout), buf, shape, dtype, layout)
+
+
+register_codec_id(LowRankCodec.codec_id, LowRankCodec.name)

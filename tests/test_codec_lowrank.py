@@ -1,0 +1,233 @@
+"""lowrank: wire size and its formula, the residual coded exactly as hadint codes it, the gain on a
+low-rank input, bad input, config mismatches, and its place in registry, flags, preset and report.
+The residual's Triton path is hadint's kernels (compared with the reference here and in test_kernels_hadint.py)."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec, report
+from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
+from megatron_tah.codecs.lowrank import principal_directions
+from megatron_tah.config import TahConfig
+from megatron_tah.kernels import common as kcommon
+from megatron_tah.megatron import arguments
+
+SHAPES = [(8, 2, 64), (7, 3, 100), (1, 1, 8), (33, 1, 130), (5, 17), (300,)]
+OPTIONS = [{}, {"rank": 4, "coef_bits": 8}, {"bits": 4, "tile_size": 32, "rank": 1, "coef_bits": 3}]
+
+
+def make(**options):
+    return get_codec("lowrank", backend="torch", **options)
+
+
+def round_trip(codec, x):
+    return codec.decode(codec.encode(x), x.shape, x.dtype)
+
+
+def rel_error(x, y):
+    x, y = x.double(), y.double()
+    return ((y - x).norm() / x.norm()).item()
+
+
+def low_rank_input(rows=256, h=128, rank=4, noise=0.01, seed=0):
+    """Activations whose energy sits in ``rank`` directions not aligned with channels, plus white noise."""
+    gen = torch.Generator().manual_seed(seed)
+    directions = torch.linalg.qr(torch.randn(h, rank, generator=gen))[0].T
+    weights = torch.randn(rows, rank, generator=gen) * torch.linspace(8, 2, rank)
+    return weights @ directions + noise * torch.randn(rows, h, generator=gen)
+
+
+# ----- wire size -------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", OPTIONS, ids=["default", "r4c8", "4b32r1c3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_wire_size_is_wire_nbytes_and_the_layout_formula(options, dtype, shape):
+    codec = make(**options)
+    x = torch.randn(shape).to(dtype)
+    buf = codec.encode(x)
+    h, rows = shape[-1], math.prod(shape[:-1])
+    k, tile = min(codec.rank, h), codec.tile_size
+    tiles = rows * -(-h // tile)
+    sizes = [2 * k, k * h, 2 * rows, -(-rows * k // 8) * codec.coef_bits, 2 * tiles, tiles * tile * codec.bits // 8]
+    end = HEADER_NBYTES
+    for size in sizes:
+        end = align_up(end) + size
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    assert buf.numel() == codec.wire_nbytes(shape, dtype) == align_up(end)
+    y = codec.decode(buf, shape, dtype)
+    assert y.shape == x.shape and y.dtype == dtype
+
+
+def test_bits_per_element_of_the_preset_at_the_study_shape_and_at_scale():
+    codec = get_codec("lowrank", bits=3, rank=16, coef_bits=6)
+    assert codec.wire_nbytes((128, 4, 128), torch.float32) * 8 / (128 * 4 * 128) == pytest.approx(4.38, abs=0.005)
+    # bits + 16/64 + (16k + 8kh)/(rows h) + (16 + 6k)/h at GPT-2 XL's width, 4096 tokens
+    big = (1024, 4, 1600)
+    want = 3 + 16 / 64 + (16 * 16 + 8 * 16 * 1600) / (4096 * 1600) + (16 + 6 * 16) / 1600
+    assert codec.wire_nbytes(big, torch.bfloat16) * 8 / math.prod(big) == pytest.approx(want, abs=1e-3)
+
+
+# ----- what is sent ------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(16, 4, 128), (7, 3, 100), (300,)])
+def test_residual_sections_are_hadint_of_x_minus_the_decoded_low_rank_part(shape):
+    codec = make()
+    x = torch.randn(shape) + 3 * torch.randn(shape[-1])  # a common direction on top of noise
+    buf = codec.encode(x)
+    layout = codec.layout(x.shape, x.dtype)
+    h = shape[-1]
+    low = codec._read_low_rank(buf, layout, x.numel() // h, h).reshape(shape)
+    hadint = get_codec("hadint", bits=codec.bits, tile_size=codec.tile_size, backend="torch")
+    ref = hadint.encode(x.float() - low)
+    ref_layout = hadint.layout(x.shape, torch.float32)
+    for name in ("scale", "codes"):
+        assert torch.equal(layout.view(buf, name), ref_layout.view(ref, name))
+    decoded = codec.decode(buf, x.shape, torch.float32)
+    assert torch.equal(decoded, low + hadint.decode(ref, x.shape, torch.float32))
+
+
+def test_principal_directions_are_orthonormal_and_find_a_planted_subspace():
+    x = low_rank_input(rank=4, noise=0.0)
+    basis = principal_directions(x, 6)
+    assert basis.shape == (6, 128)
+    assert torch.allclose(basis @ basis.T, torch.eye(6), atol=1e-5)
+    assert rel_error(x, (x @ basis[:4].T) @ basis[:4]) < 1e-5  # the top 4 span the planted directions
+    zeros = principal_directions(torch.zeros(5, 32), 3)  # any orthonormal basis
+    assert torch.allclose(zeros @ zeros.T, torch.eye(3), atol=1e-6)
+
+
+def test_a_low_rank_message_costs_far_less_error_than_hadint_at_more_bits():
+    x = low_rank_input(rank=4, noise=0.01)
+    lowrank = make(rank=8)
+    hadint4 = get_codec("hadint", bits=4, backend="torch")
+    assert lowrank.wire_nbytes(x.shape, x.dtype) < hadint4.wire_nbytes(x.shape, x.dtype) * 1.1
+    err_lowrank, err_hadint = rel_error(x, round_trip(lowrank, x)), rel_error(x, round_trip(hadint4, x))
+    assert err_hadint > 0.08 and err_lowrank < err_hadint / 5
+    # An isotropic message gains nothing, and loses nothing beyond hadint's error at the residual's bits.
+    iso = torch.randn(256, 128)
+    hadint3 = get_codec("hadint", bits=3, backend="torch")
+    assert rel_error(iso, round_trip(lowrank, iso)) < 1.05 * rel_error(iso, round_trip(hadint3, iso)) < 0.3
+
+
+def test_more_residual_bits_or_rank_less_error():
+    x = low_rank_input(rank=12, noise=0.05)
+    errors = [rel_error(x, round_trip(make(**o), x)) for o in ({"rank": 4}, {"rank": 16}, {"rank": 16, "bits": 5})]
+    assert errors[0] > errors[1] > errors[2]
+
+
+# ----- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", EDGE_CASES)
+def test_edge_cases_round_trip_without_nan(dtype, kind):
+    x = edge_case_tensor(kind, dtype=dtype)
+    y = round_trip(make(), x)
+    assert torch.isfinite(y).all()
+    if kind == "zeros":
+        assert torch.equal(y, x) and not torch.signbit(y).any()
+    else:
+        assert rel_error(x, y) < 0.2
+
+
+def test_huge_magnitudes_up_to_max_abs_value_and_fp16_limits():
+    x = torch.randn(64, 128)
+    x = x / x.abs().max() * MAX_ABS_VALUE
+    y = round_trip(make(), x)
+    assert torch.isfinite(y).all() and rel_error(x, y) < 0.25
+    x16 = torch.full((4, 64), 65504.0, dtype=torch.float16)
+    x16[:, ::2] = -65504.0
+    assert torch.isfinite(round_trip(make(), x16)).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e37])
+def test_a_bad_value_poisons_only_its_tile_and_its_row_keeps_hadints_accuracy(bad):
+    codec = make()
+    x = low_rank_input(rows=64, h=256, rank=4, noise=0.05).reshape(8, 8, 256)
+    x[1, 0, 70] = bad
+    y = round_trip(codec, x)
+    assert torch.isnan(y[1, 0, 64:128]).all()
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[1, 0, 64:128] = False
+    assert torch.isfinite(y[mask]).all()
+    others = torch.ones(8, 8, dtype=torch.bool)
+    others[1, 0] = False
+    assert rel_error(x[others], y[others]) < 0.05  # the basis comes from the good rows
+    row = mask[1, 0]
+    hadint3 = get_codec("hadint", bits=3, backend="torch")
+    clean_row = x[1, 0].clone()
+    clean_row[64:128] = 0
+    assert rel_error(clean_row[row], y[1, 0][row]) <= 1.5 * rel_error(
+        clean_row[row], round_trip(hadint3, clean_row)[row])
+
+
+def test_identical_input_gives_identical_bytes():
+    x = low_rank_input().to(torch.bfloat16)
+    assert torch.equal(make().encode(x), make().encode(x.clone()))
+
+
+# ----- configuration and the wire header ----------------------------------------------------------
+def test_differently_configured_receiver_raises():
+    x = torch.randn(16, 2, 128)
+    sender = make()
+    for other in (make(hadamard_seed=1),):
+        assert other.wire_nbytes(x.shape, x.dtype) == sender.wire_nbytes(x.shape, x.dtype)
+        with pytest.raises(WireFormatError, match="another config"):
+            other.decode(sender.encode(x), x.shape, x.dtype)
+    for other in (make(rank=8), make(coef_bits=5), make(bits=4)):
+        with pytest.raises(WireFormatError, match="bytes"):
+            other.decode(sender.encode(x), x.shape, x.dtype)
+    buf = sender.encode(x)
+    buf[3] = get_codec("hadint").codec_id
+    with pytest.raises(WireFormatError, match="'hadint'"):
+        sender.decode(buf, x.shape, x.dtype)
+
+
+def test_bad_options_raise():
+    for options, match in (({"rank": 0}, "rank"), ({"rank": 257}, "rank"), ({"rank": "4"}, "rank"),
+                           ({"rank": True}, "rank"), ({"coef_bits": 2}, "coef_bits"), ({"coef_bits": 9}, "coef_bits"),
+                           ({"bits": 2}, "bits"), ({"tile_size": 48}, "tile_size"),
+                           ({"stochastic_rounding": True}, "unexpected keyword")):
+        with pytest.raises(CodecError, match=match):
+            get_codec("lowrank", **options)
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        make().encode(torch.zeros(4, 64, dtype=torch.float64))
+
+
+# ----- the residual's Triton path -----------------------------------------------------------------
+@pytest.mark.triton
+@pytest.mark.skipif(kcommon.kernel_device() is None, reason=kcommon.why_no_kernels())
+@pytest.mark.parametrize("shape,options", [((16, 2, 128), {}), ((5, 3, 100), {"bits": 4, "tile_size": 32, "rank": 3})])
+def test_triton_path_writes_the_reference_bytes_on_the_same_device(shape, options):
+    device = kcommon.kernel_device()
+    x = low_rank_input(rows=math.prod(shape[:-1]), h=shape[-1], rank=4, noise=0.05).reshape(shape).to(device)
+    x[0, 0, 5] = float("nan")
+    ref = get_codec("lowrank", backend="torch", **options)
+    tri = get_codec("lowrank", backend="triton", **options)
+    assert tri.has_triton_path()
+    buf = tri.encode(x)
+    assert torch.equal(buf, ref.encode(x))  # atol = 0 (the low-rank part is the same torch code on the device)
+    a, b = tri.decode(buf, shape, x.dtype), ref.decode(buf, shape, x.dtype)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+# ----- registry, flags, preset, report ------------------------------------------------------------
+def test_registered_in_codecs_flags_preset_and_report():
+    assert "lowrank" in CODECS
+    parser = arguments.add_tah_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3",
+                              "--tah-lowrank-rank", "8", "--tah-lowrank-coef-bits", "5"])
+    assert arguments.tah_config_from_args(args).forward_codec().describe() == \
+        "lowrank(bits=3, tile_size=64, rank=8, coef_bits=5, hadamard_seed=0)"
+    preset = TahConfig(tah_preset="lowrank")
+    assert preset.forward_codec().describe() == "lowrank(bits=3, tile_size=64, rank=16, coef_bits=6, hadamard_seed=0)"
+    assert preset.backward_codec().describe() == \
+        "hadint(hadamard=True, hadamard_seed=0, bits=4, tile_size=64, stochastic_rounding=True)"
+    with pytest.raises(ValueError, match="tah_lowrank_rank = 8 conflicts with tah_preset = 'lowrank'"):
+        TahConfig(tah_preset="lowrank", tah_lowrank_rank=8)
+    with pytest.raises(ValueError, match="tah_forward_codec = 'lowrank'.*stochastic"):
+        TahConfig(tah_forward_codec="lowrank", tah_stochastic_rounding=True)
+    with pytest.raises(ValueError, match="tah_forward_codec = 'lowrank'.*rank"):
+        TahConfig(tah_forward_codec="lowrank", tah_lowrank_rank=0)
+    assert [name for _, name, _ in report.STATELESS_ROWS].count("lowrank") == 1
