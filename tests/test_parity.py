@@ -398,7 +398,8 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
             _write(folder, "tah", seed, 128, _records(4.0 * (1 + gap)), protocol=protocol)
         _write(folder, "int8_both", seed, 128, _records(4.0 * (1 + control)), protocol="compact")
     # Forward-only diagnostics (uncompressed backward: 32 bits), first seed only: the gap against the bits.
-    for codec, wire, gap in (("hadint5_bwdnone", 525, 0.004), ("hadint4_bwdnone", 425, 0.009)):
+    for codec, wire, gap in (("hadint5_bwdnone", 525, 0.004), ("hadint4_bwdnone", 425, 0.009),
+                             ("lowrank_bwdnone", 438, 0.002)):
         _write(folder, codec, parity.SEEDS[0], 128, _records(4.0 * (1 + gap), fwd_wire=wire, bwd_wire=3200,
                                                              errors={2: {"0->1": wire / 1e4, "1->0": 0.0}}),
                protocol="compact")
@@ -413,7 +414,7 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert parity.verdicts(compact) == {"tah": "not met"}  # the control is a diagnostic: no verdict
     docs = tmp_path / "docs"
     recorded = parity.update_record(folder, "full", docs / parity.RECORD_NAME)
-    assert len(recorded) == 17 and {e.get("protocol") for e in recorded.values()} == {None, "compact"}
+    assert len(recorded) == 18 and {e.get("protocol") for e in recorded.values()} == {None, "compact"}
     assert parity.collect(None, "full", recorded=parity.load_record(docs / parity.RECORD_NAME),
                           protocol="compact") == compact
     page = parity.write_page(folder, docs).read_text()
@@ -426,8 +427,22 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert bits.index("| Hadamard INT4 fwd (4.25 bits), uncompressed bwd (diagnostic) | 128 | 4.25 | 1 | +0.90% | n/a | 0.043 |") < \
         bits.index("| Hadamard INT5 fwd (5.25 bits), uncompressed bwd (diagnostic) | 128 | 5.25 | 1 | +0.40% | n/a | 0.052 |")
     assert "gap against its bits" not in old
-    assert "reaches 0.5%" not in bits  # 0.4% and 0.9%: the goal is not between them
+    assert "reaches 0.5%" not in bits  # 0.4% and 0.9% (lowrank's 0.2% is not a scalar codec's): not between them
+    assert "the lowrank codec's forward (4.38 bits) has an error of 0.044 and a gap of +0.20%" in bits
     assert (docs / "parity_compact_gaps.png").is_file() and (docs / parity.PAGE_PLOT).is_file()
+    # parity-report rewrites RESULTS.md's parity sections (4, 4b) from the record and leaves the others.
+    results = docs / "RESULTS.md"
+    results.write_text("# R\n\n## 3. Ablations\nkept 3\n## 4. Convergence parity\nstale\n## 5. Memory\nkept 5\n")
+    assert report.refresh_parity_sections(docs) == results
+    text = results.read_text()
+    assert "stale" not in text and "kept 3" in text and text.endswith("## 5. Memory\nkept 5\n")
+    assert text.index("## 3.") < text.index("## 4. Convergence parity study") < text.index("## 4b. The low-noise") \
+        < text.index("## 5. Memory")
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.20% |" in text.split("## 4b.")[1]
+    results.write_text("# R\n\n## 5. Memory\n")
+    with pytest.raises(ValueError, match="no '## 4.' section"):
+        report.refresh_parity_sections(docs)
+    assert report.refresh_parity_sections(tmp_path) is None  # no RESULTS.md there
 
 
 def test_error_for_gap_interpolates_between_the_runs_around_the_goal():

@@ -664,6 +664,38 @@ def _places_section(path: Path = PLACES_RESULTS) -> list[str]:
     return lines + [("#" + line) if line.startswith("## ") else line for line in body] + [""]
 
 
+PARITY_FIRST, PARITY_NEXT = "## 4. ", "## 5. "  # RESULTS.md's parity sections lie between these headings
+
+
+def _parity_sections(size: str, docs: Path, recorded: dict) -> list[str]:
+    """Sections 4 and 4b (the two parity protocols), from the record alone (it holds the logs' runs)."""
+    return (parity.section(None, size, docs, recorded=recorded)
+            + parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT,
+                             title="## 4b. The low-noise protocol (compact vocabulary): part parity-compact",
+                             plot="parity_compact_gaps.png"))
+
+
+def refresh_parity_sections(docs: Path, size: str = "full", recorded: dict | None = None) -> Path | None:
+    """Rewrite the parity sections of an existing ``docs/RESULTS.md`` from the record (``parity-report``: the
+    other sections need every part's logs, these only the committed record). None when there is no
+    RESULTS.md; ``ValueError`` when it lacks the headings around them."""
+    docs = Path(docs)
+    path = docs / "RESULTS.md"
+    if not path.exists():
+        return None
+    lines = path.read_text().split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith(PARITY_FIRST)]
+    ends = [i for i, line in enumerate(lines) if line.startswith(PARITY_NEXT)]
+    if not starts or not ends or ends[0] < starts[0]:
+        raise ValueError(f"{path}: no '{PARITY_FIRST.strip()}' section followed by '{PARITY_NEXT.strip()}'; "
+                         "regenerate it whole with `python -m megatron_tah.reproduce report`")
+    if recorded is None:
+        recorded = parity.load_record(docs / parity.RECORD_NAME)
+    lines[starts[0]:ends[0]] = _parity_sections(size, docs, recorded)
+    path.write_text("\n".join(lines))
+    return path
+
+
 def write(root: Path, docs: Path, size: str = "full") -> Path:
     """Write ``docs/RESULTS.md`` (+ PNGs) from ``root``'s logs; returns the markdown path."""
     root, docs = Path(root), Path(docs)
@@ -680,10 +712,7 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
             "their numbers are quoted from SPEC.md.", ""]
     text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root)
     recorded = parity.update_record(root / "convergence", size, docs / parity.RECORD_NAME)
-    text += parity.section(None, size, docs, recorded=recorded)  # the record holds the logs' runs
-    text += parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT,
-                           title="## 4b. The low-noise protocol (compact vocabulary): part parity-compact",
-                           plot="parity_compact_gaps.png") + mem_lines
+    text += _parity_sections(size, docs, recorded) + mem_lines
     text += _places_section()
     text += _timing(root, size)
     path = docs / "RESULTS.md"
