@@ -1,12 +1,12 @@
 """``lowrank``: the message's top-``rank`` principal directions sent apart, the rest as ``hadint``.
 
 Issue 12's forward candidate beyond scalar quantizers. The hidden states a pipeline stage sends
-are far from isotropic: in the parity study's hidden-128 model a handful of directions of the
-hidden dimension (not aligned with channels, so neither per-channel scales nor a Hadamard on
-64-channel tiles sees them) carry ~97% of the energy after the first tens of iterations. A codec
-that quantizes every rotated value with the same step spends its bits on that energy; this one
-sends the few big directions apart and quantizes what is left, so the same bits give a several
-times smaller error (docs/PARITY.md has the measured gaps).
+are far from isotropic: once training is under way a handful of directions of the hidden dimension
+carry most of their energy, and those directions are not aligned with channels, so neither
+per-channel scales nor a Hadamard on 64-channel tiles sees them. A codec that quantizes every
+rotated value with the same step spends its bits on that energy; this one sends the few big
+directions apart, once per message, and quantizes what is left (docs/PARITY.md: the round-trip
+errors and loss gaps this buys in pretraining).
 
 Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(rank, h)``):
 
@@ -37,9 +37,10 @@ codes pad to a multiple of 8) |
 ``bits + 16/tile_size + (16k + 8kh) / (rows*h) + (16 + k*coef_bits) / h``, e.g. 4.375 for
 bits 3, rank 16, coef_bits 6 at h 128 and 512 rows.
 
-Cost: the basis takes ``2 * SUBSPACE_ITERATIONS + 1`` products of ``[rows, h]`` by ``[h, k + 8]``
-and a QR of ``[h, k + 8]`` per iteration (torch on either device); the residual runs hadint's
-Triton kernels on CUDA.
+Cost: the basis takes ``2 * SUBSPACE_ITERATIONS + 1`` products of ``[rows, h]`` by ``[h, k + 8]``,
+a QR of ``[h, k + 8]`` per iteration and one symmetric eigendecomposition of ``[k + 8, k + 8]`` (torch
+on either device; on CUDA torch's eigh checks its result on the host: one sync per encode, not yet
+timed on a GPU); the residual runs hadint's Triton kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -69,10 +70,9 @@ def principal_directions(x: torch.Tensor, k: int) -> torch.Tensor:
     """Orthonormal fp32 ``[k, h]`` spanning about the top-``k`` right singular subspace of fp32 ``x [rows, h]``."""
     h = x.shape[1]
     q = _start(h, min(k + OVERSAMPLING, h), str(x.device))
-    top = x.abs().amax()
-    if not top > 0:  # all zeros: any basis; the coefficients are zeros
-        return q[:, :k].T.contiguous()
-    x = x / top  # Gram entries stay within rows: no overflow for any finite input
+    # Scaled so that Gram entries stay within rows (no overflow for any finite input); all zeros stay zeros
+    # (any basis then: the coefficients are zeros). No host sync: nothing here branches on a value.
+    x = x / x.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
     for _ in range(SUBSPACE_ITERATIONS):
         q = torch.linalg.qr(x.T @ (x @ q))[0]
     projected = x @ q
