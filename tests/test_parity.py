@@ -476,3 +476,17 @@ def test_backward_verdict():
     assert parity.backward_verdict(5.002, [0.0005, 0.0006, 0.0004]) == "met"  # 5.00 as shown: the header's 0.002
     assert parity.backward_verdict(5.01, [0.0005, 0.0006, 0.0004]) == "not met"
     assert parity.backward_verdict(4.25, [-0.002, 0.004, 0.001]) == "unresolved"
+
+
+def test_every_study_codec_is_a_valid_megatron_tah_command_line():
+    """Each run's --tah-* flags parse and validate as megatron_tah's own (a preset plus a conflicting flag,
+    or a stochastic-rounding flag on a codec without it, would fail every run of the codec at start)."""
+    import argparse
+
+    from megatron_tah.megatron import arguments
+
+    for codec, (label, flags) in convergence.CODECS.items():
+        args = arguments.add_tah_arguments(argparse.ArgumentParser()).parse_args(flags)
+        config = arguments.tah_config_from_args(args)
+        if "lowrank" in codec:
+            assert config.forward_codec().name == "lowrank" and f"{config.tah_lowrank_rank} principal" in label
