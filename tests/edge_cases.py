@@ -23,3 +23,14 @@ def edge_case_tensor(kind: str, shape=(6, 2, 96), dtype=torch.float32, seed=0) -
 
 
 EDGE_CASES = ["gaussian", "zeros", "constant", "huge", "tiny", "one_outlier"]
+
+
+def round_trip(codec, x: torch.Tensor) -> torch.Tensor:
+    """``decode(encode(x))`` with x's shape and dtype."""
+    return codec.decode(codec.encode(x), x.shape, x.dtype)
+
+
+def rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``||y - x|| / ||x||`` in float64 (tiny inputs must not underflow the norms)."""
+    x, y = x.double(), y.double()
+    return ((y - x).norm() / x.norm()).item()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error, round_trip
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, common, get_codec, report
 from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
 from megatron_tah.config import TahConfig
@@ -22,15 +22,6 @@ SHAPES = [(8, 2, 64), (7, 3, 100), (1, 1, 8), (33, 1, 130), (5, 17), (300,)]
 
 def make(name, hadamard=False, **options):
     return get_codec(name, hadamard=hadamard, backend="torch", **options)
-
-
-def round_trip(codec, x):
-    return codec.decode(codec.encode(x), x.shape, x.dtype)
-
-
-def rel_error(x, y):
-    x, y = x.double(), y.double()
-    return ((y - x).norm() / x.norm()).item()
 
 
 def blocks_of(x, block):

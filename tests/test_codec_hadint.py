@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error, round_trip
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, common, get_codec, report
 from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
 from megatron_tah.config import TahConfig
@@ -21,15 +21,6 @@ OPTION_IDS = ["4b64", "3b64", "5b128", "8b16", "no-hadamard", "stochastic"]
 
 def make(**options):
     return get_codec("hadint", backend="torch", **options)
-
-
-def round_trip(codec, x):
-    return codec.decode(codec.encode(x), x.shape, x.dtype)
-
-
-def rel_error(x, y):
-    x, y = x.double(), y.double()
-    return ((y - x).norm() / x.norm()).item()
 
 
 def tiles_of(x, tile):

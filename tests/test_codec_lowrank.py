@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error, round_trip
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec, report
 from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
 from megatron_tah.codecs.lowrank import principal_directions
@@ -22,15 +22,6 @@ OPTIONS = [{}, {"rank": 4, "coef_bits": 8}, {"bits": 4, "tile_size": 32, "rank":
 
 def make(**options):
     return get_codec("lowrank", backend="torch", **options)
-
-
-def round_trip(codec, x):
-    return codec.decode(codec.encode(x), x.shape, x.dtype)
-
-
-def rel_error(x, y):
-    x, y = x.double(), y.double()
-    return ((y - x).norm() / x.norm()).item()
 
 
 def low_rank_input(rows=256, h=128, rank=4, noise=0.01, seed=0):

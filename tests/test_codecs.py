@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
 from megatron_tah.codecs import common
 from megatron_tah.codecs.samples import activation_like
@@ -34,11 +34,6 @@ def tile_error_norms(x, y, tile_size):
     diff = (x.float() - y.float()).reshape(-1, x.shape[-1])
     diff = torch.nn.functional.pad(diff, (0, -x.shape[-1] % tile_size))
     return diff.reshape(-1, tile_size).norm(dim=-1)
-
-
-def rel_error(x, y):
-    x, y = x.double(), y.double()  # float64: tiny inputs must not underflow the norms
-    return ((y - x).norm() / x.norm()).item()
 
 
 # ----- wire size ---------------------------------------------------------------------------
