@@ -51,6 +51,7 @@ CODECS = {
     "fp8": ("fp8", {"group_size": 128}),
     "hadint-b4-g64": ("hadint", {"bits": 4, "tile_size": 64}),
     "hadint-b4-g64-sr": ("hadint", {"bits": 4, "tile_size": 64, "stochastic_rounding": True}),
+    "lowrank-r16-c6-b3": ("lowrank", {"bits": 3, "tile_size": 64, "rank": 16, "coef_bits": 6}),
     "aqsgd": ("aqsgd", {"bits": 4, "tile_size": 64}),
 }
 DEFAULT_L2_BYTES = 50 << 20

@@ -47,14 +47,14 @@ CODECS = {
     "tah_bwd4sr": ("TAH-Quant fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits)",
                    ["--tah-forward-codec", "tah", "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
                     "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"]),
-    "lowrank": ("16 principal directions + Hadamard INT3 residual fwd (4.38 bits), Hadamard INT4 bwd with "
+    "lowrank": ("lowrank: 16 principal directions + Hadamard INT3 residual fwd, Hadamard INT4 bwd with "
                 "stochastic rounding (4.25 bits): --tah-preset lowrank", ["--tah-preset", "lowrank"]),
-    "lowrank_r8": ("8 principal directions + Hadamard INT3 residual fwd (3.88 bits), Hadamard INT4 bwd with "
+    "lowrank_r8": ("lowrank rank 8: 8 principal directions + Hadamard INT3 residual fwd, Hadamard INT4 bwd with "
                    "stochastic rounding (4.25 bits)",
                    ["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3", "--tah-lowrank-rank", "8",
                     "--tah-backward-codec", "hadint", "--tah-backward-bits", "4", "--tah-backward-tile-size", "64",
                     "--tah-backward-stochastic-rounding"]),
-    "lowrank_bwdnone": ("16 principal directions + Hadamard INT3 residual fwd (4.38 bits), uncompressed bwd "
+    "lowrank_bwdnone": ("lowrank: 16 principal directions + Hadamard INT3 residual fwd, uncompressed bwd "
                         "(diagnostic)", ["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3",
                                          "--tah-backward-codec", "none"]),
     "tah_bwd6sr": ("TAH-Quant fwd, 6-bit bwd with stochastic rounding (diagnostic)",
