@@ -430,19 +430,20 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert "reaches 0.5%" not in bits  # 0.4% and 0.9% (lowrank's 0.2% is not a scalar codec's): not between them
     assert "the lowrank codec's forward (4.38 bits) has an error of 0.044 and a gap of +0.20%" in bits
     assert (docs / "parity_compact_gaps.png").is_file() and (docs / parity.PAGE_PLOT).is_file()
-    # parity-report rewrites RESULTS.md's parity sections (4, 4b) from the record and leaves the others.
+    # parity-report writes RESULTS.md's section 4b (the low-noise protocol) from the record, before section 5,
+    # and leaves the others, section 4 included (the full report writes that one from its machine's logs).
     results = docs / "RESULTS.md"
-    results.write_text("# R\n\n## 3. Ablations\nkept 3\n## 4. Convergence parity\nstale\n## 5. Memory\nkept 5\n")
-    assert report.refresh_parity_sections(docs) == results
-    text = results.read_text()
-    assert "stale" not in text and "kept 3" in text and text.endswith("## 5. Memory\nkept 5\n")
-    assert text.index("## 3.") < text.index("## 4. Convergence parity study") < text.index("## 4b. The low-noise") \
-        < text.index("## 5. Memory")
-    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.20% |" in text.split("## 4b.")[1]
-    results.write_text("# R\n\n## 5. Memory\n")
-    with pytest.raises(ValueError, match="no '## 4.' section"):
-        report.refresh_parity_sections(docs)
-    assert report.refresh_parity_sections(tmp_path) is None  # no RESULTS.md there
+    results.write_text("# R\n\n## 4. Convergence parity\nkept 4\n## 5. Memory\nkept 5\n")
+    assert report.refresh_compact_section(docs) == results
+    once = results.read_text()
+    assert "kept 4" in once and once.endswith("## 5. Memory\nkept 5\n")
+    assert once.index("## 4. Convergence parity\nkept 4") < once.index("## 4b. The low-noise") < once.index("## 5.")
+    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.20% |" in once.split("## 4b.")[1]
+    assert report.refresh_compact_section(docs).read_text() == once  # replaced, not added again
+    results.write_text("# R\n\n## 4. Convergence parity\n")
+    with pytest.raises(ValueError, match="no '## 5.' section"):
+        report.refresh_compact_section(docs)
+    assert report.refresh_compact_section(tmp_path) is None  # no RESULTS.md there
 
 
 def test_error_for_gap_interpolates_between_the_runs_around_the_goal():

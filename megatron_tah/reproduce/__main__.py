@@ -3,7 +3,7 @@
 PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, parity-compact, memory, report,
 parity-report
 (issue 12's study alone, from the committed run record ``docs/parity_runs.json`` and the logs here: docs/PARITY.md, and
-sections 4 and 4b of an existing docs/RESULTS.md, whose other sections need every part's logs). ``--size tiny`` is the CI
+section 4b of an existing docs/RESULTS.md, whose other sections need every part's logs). ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
 """
@@ -112,8 +112,8 @@ def main(argv=None) -> int:
             path = (report.write(root, docs, args.size) if args.part == "report"
                     else parity.write_page(root / "convergence", docs, args.size))
             say(f"wrote {path}")
-            if args.part == "parity-report" and report.refresh_parity_sections(docs, args.size):
-                say(f"rewrote the parity sections (4, 4b) of {docs / 'RESULTS.md'}")
+            if args.part == "parity-report" and report.refresh_compact_section(docs, args.size):
+                say(f"rewrote section 4b (the low-noise parity protocol) of {docs / 'RESULTS.md'}")
     except ReproduceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -664,34 +664,34 @@ def _places_section(path: Path = PLACES_RESULTS) -> list[str]:
     return lines + [("#" + line) if line.startswith("## ") else line for line in body] + [""]
 
 
-PARITY_FIRST, PARITY_NEXT = "## 4. ", "## 5. "  # RESULTS.md's parity sections lie between these headings
+COMPACT_HEADING = "## 4b. "
+COMPACT_TITLE = COMPACT_HEADING + "The low-noise protocol (compact vocabulary): part parity-compact"
+NEXT_SECTION = "## 5. "  # the heading section 4b comes before
 
 
-def _parity_sections(size: str, docs: Path, recorded: dict) -> list[str]:
-    """Sections 4 and 4b (the two parity protocols), from the record alone (it holds the logs' runs)."""
-    return (parity.section(None, size, docs, recorded=recorded)
-            + parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT,
-                             title="## 4b. The low-noise protocol (compact vocabulary): part parity-compact",
-                             plot="parity_compact_gaps.png"))
+def _compact_section(size: str, docs: Path, recorded: dict) -> list[str]:
+    """Section 4b, the low-noise parity protocol, from the record alone (it holds the logs' runs)."""
+    return parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT, title=COMPACT_TITLE,
+                          plot="parity_compact_gaps.png")
 
 
-def refresh_parity_sections(docs: Path, size: str = "full", recorded: dict | None = None) -> Path | None:
-    """Rewrite the parity sections of an existing ``docs/RESULTS.md`` from the record (``parity-report``: the
-    other sections need every part's logs, these only the committed record). None when there is no
-    RESULTS.md; ``ValueError`` when it lacks the headings around them."""
+def refresh_compact_section(docs: Path, size: str = "full", recorded: dict | None = None) -> Path | None:
+    """Rewrite (or insert before section 5) section 4b of an existing ``docs/RESULTS.md`` from the record
+    (``parity-report``): every other section, section 4 included, stays as ``report`` wrote it from its
+    machine's logs. None when there is no RESULTS.md; ``ValueError`` when it has no section 5."""
     docs = Path(docs)
     path = docs / "RESULTS.md"
     if not path.exists():
         return None
     lines = path.read_text().split("\n")
-    starts = [i for i, line in enumerate(lines) if line.startswith(PARITY_FIRST)]
-    ends = [i for i, line in enumerate(lines) if line.startswith(PARITY_NEXT)]
-    if not starts or not ends or ends[0] < starts[0]:
-        raise ValueError(f"{path}: no '{PARITY_FIRST.strip()}' section followed by '{PARITY_NEXT.strip()}'; "
+    ends = [i for i, line in enumerate(lines) if line.startswith(NEXT_SECTION)]
+    if not ends:
+        raise ValueError(f"{path}: no '{NEXT_SECTION.strip()}' section to put section 4b before; "
                          "regenerate it whole with `python -m megatron_tah.reproduce report`")
+    starts = [i for i, line in enumerate(lines[:ends[0]]) if line.startswith(COMPACT_HEADING)]
     if recorded is None:
         recorded = parity.load_record(docs / parity.RECORD_NAME)
-    lines[starts[0]:ends[0]] = _parity_sections(size, docs, recorded)
+    lines[starts[0] if starts else ends[0]:ends[0]] = _compact_section(size, docs, recorded)
     path.write_text("\n".join(lines))
     return path
 
@@ -712,7 +712,8 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
             "their numbers are quoted from SPEC.md.", ""]
     text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root)
     recorded = parity.update_record(root / "convergence", size, docs / parity.RECORD_NAME)
-    text += _parity_sections(size, docs, recorded) + mem_lines
+    text += parity.section(None, size, docs, recorded=recorded)  # the record holds the logs' runs
+    text += _compact_section(size, docs, recorded) + mem_lines
     text += _places_section()
     text += _timing(root, size)
     path = docs / "RESULTS.md"
