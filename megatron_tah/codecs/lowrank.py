@@ -10,8 +10,10 @@ errors and loss gaps this buys in pretraining).
 
 Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(rank, h)``):
 
-1. A row holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` is *bad*: it takes no part in steps 2-3 and
-   gets no low-rank part (its residual is the row itself, step 4).
+1. A row holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE / (2 (1 + sqrt h))`` (5.6e33 at h 4096) is
+   *bad*: it takes no part in steps 2-3 and gets no low-rank part (its residual is the row itself, step 4;
+   hadint then codes every finite value up to ``MAX_ABS_VALUE``, and a residual of a good row, at most
+   ``(1 + sqrt h)`` times its largest value, never exceeds it).
 2. Basis: ``k`` orthonormal directions spanning (approximately) the top-``k`` right singular
    subspace of the good rows, by ``SUBSPACE_ITERATIONS`` block power iterations from a fixed
    seeded Gaussian start (only the sender computes it; any basis decodes correctly, a worse one
@@ -104,7 +106,9 @@ class LowRankCodec(Codec):
     # ----- the low-rank part ----------------------------------------------------------------
     def _low_rank(self, x: torch.Tensor, buf, layout) -> torch.Tensor:
         """Write basis and coefficients of ``x`` [rows, h] fp32; return the decoded low-rank part (0 on bad rows)."""
-        good = ((x.abs() <= geometry.MAX_ABS_VALUE).all(dim=1))  # False for NaN too
+        # A row within the bound has a residual within MAX_ABS_VALUE whatever the basis (|r_j| <= (1 + sqrt h) m).
+        bound = geometry.MAX_ABS_VALUE / (2 * (1 + x.shape[1] ** 0.5))
+        good = (x.abs() <= bound).all(dim=1)  # False for NaN too
         x = torch.where(good[:, None], x, 0.0)
         k = geometry.lowrank_rank(x.shape[1], self.rank)
         basis = principal_directions(x, k)
