@@ -15,11 +15,11 @@
 #   parity-seeds none, TAH-Quant and the hadint4 preset with seeds 1237-1239 at both widths      ~1.6 h
 #                (18 runs; narrows the parity study's intervals; --seeds 1240,1241 --widths 128 and
 #                --only NAMES pick other seeds, widths and runs)
-#   parity-compact the low-noise protocol (4096-id vocabulary, 16 sequences x 300 iterations):   ~3.4 h
-#                none, TAH-Quant (6-bit and INT4 bwd), hadint4 and lowrank presets, 8-bit control x
-#                seeds 1234-1236 x hidden 128/256, plus 2 backward codecs and lowrank rank 8 with every
+#   parity-compact the low-noise protocol (4096-id vocabulary, 16 sequences x 300 iterations):   ~3.6 h
+#                none, TAH-Quant (6-bit and INT4 bwd), hadint4 and lowrank presets, lowrank rank 8,
+#                8-bit control x seeds 1234-1236 x hidden 128/256, plus 2 backward codecs with every
 #                seed and 8 diagnostics with seed 1234 at hidden 128
-#                (53 runs, 5-13 min each, 2 at a time; --seeds / --widths as for parity-seeds)
+#                (56 runs, 5-13 min each, 2 at a time; --seeds / --widths as for parity-seeds)
 #   memory       AQ-SGD buffer bytes vs TAH-Quant (reads the fine-tuning runs)                      ~1 min
 #   throughput   tokens/s per codec at 100M/1G/300M/500M/10Gbit + the paper regime (40 runs, one   ~20 min
 #                at a time, real network namespaces: needs root and iproute2; first waits up to

@@ -347,19 +347,17 @@ def test_compact_protocol_runs(tmp_path):
     protocol's values in place of the gpt2 protocol's and every other flag the same."""
     runs = parity.compact_runs(tmp_path, "full")
     assert len(runs) == (len(parity.COMPACT_SEEDS) * (len(parity.WIDTHS) * len(parity.COMPACT_CANDIDATES)
-                                                      + len(parity.COMPACT_BACKWARD) + len(parity.COMPACT_STRETCH))
-                         + len(parity.COMPACT_DIAGNOSTICS))
+                                                      + len(parity.COMPACT_BACKWARD)) + len(parity.COMPACT_DIAGNOSTICS))
     assert [r.info["seed"] for r in runs] == sorted(r.info["seed"] for r in runs)
     diagnostics = [r for r in runs if r.info["codec"] in parity.COMPACT_DIAGNOSTICS]
     assert {(r.info["seed"], r.info["hidden"]) for r in diagnostics} == {(parity.COMPACT_SEEDS[0], 128)}
-    for group in (parity.COMPACT_BACKWARD, parity.COMPACT_STRETCH):
-        every_seed = {(r.info["seed"], r.info["hidden"]) for r in runs if r.info["codec"] in group}
-        assert every_seed == {(seed, 128) for seed in parity.COMPACT_SEEDS}
+    backward = {(r.info["seed"], r.info["hidden"]) for r in runs if r.info["codec"] in parity.COMPACT_BACKWARD}
+    assert backward == {(seed, 128) for seed in parity.COMPACT_SEEDS}
     assert all(parity._diagnostic(c) for c in parity.COMPACT_DIAGNOSTICS + parity.COMPACT_BACKWARD + ("int8_both",))
     twins = {(r.info["codec"], r.info["seed"], r.info["hidden"]): r for seed in parity.COMPACT_SEEDS
              for hidden in parity.WIDTHS for r in convergence.pretrain_runs(
                  tmp_path, "full", codecs=parity.COMPACT_CANDIDATES + parity.COMPACT_DIAGNOSTICS
-                 + parity.COMPACT_BACKWARD + parity.COMPACT_STRETCH, seed=seed,
+                 + parity.COMPACT_BACKWARD, seed=seed,
                  hidden=hidden)}
     changed = {"--vocab-size": "4096", "--global-batch-size": "16", "--micro-batch-size": "4", "--train-iters": "300",
                "--lr": "1e-3", "--min-lr": "1e-4", "--lr-warmup-iters": "30", "--eval-interval": "50",
