@@ -489,3 +489,11 @@ def test_every_study_codec_is_a_valid_megatron_tah_command_line():
         config = arguments.tah_config_from_args(args)
         if "lowrank" in codec:
             assert config.forward_codec().name == "lowrank" and f"{config.tah_lowrank_rank} principal" in label
+
+
+def test_both_directions_verdict():
+    assert parity.both_verdict(1.4, [-0.010, -0.012, -0.011]) == "met"
+    assert parity.both_verdict(1.2, [-0.010, -0.012, -0.011]) == "not met"  # too few bytes saved
+    assert parity.both_verdict(1.4, [0.010, 0.012, 0.011]) == "not met"  # a resolved larger gap
+    assert parity.both_verdict(1.4, [-0.010, 0.012, 0.001]) == "unresolved"
+    assert parity.both_verdict(1.4, [-0.010]) == "unresolved"  # one seed: no interval
