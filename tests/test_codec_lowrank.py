@@ -3,6 +3,7 @@ low-rank input, bad input, config mismatches, and its place in registry, flags, 
 The residual's Triton path is hadint's kernels (compared with the reference here and in test_kernels_hadint.py)."""
 
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -225,6 +226,12 @@ def test_registered_in_codecs_flags_preset_and_report():
     assert preset.forward_codec().describe() == "lowrank(bits=3, tile_size=64, rank=16, coef_bits=6, hadamard_seed=0)"
     assert preset.backward_codec().describe() == \
         "hadint(hadamard=True, hadamard_seed=0, bits=4, tile_size=64, stochastic_rounding=True)"
+    # lowrank8 is the same with rank 8 (the parity runs of rank 8 were made with these flags spelled out).
+    spelled = parser.parse_args(["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3", "--tah-lowrank-rank", "8",
+                                 "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
+                                 "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"])
+    assert dataclasses.replace(TahConfig(tah_preset="lowrank8"), tah_preset="none") == \
+        arguments.tah_config_from_args(spelled)
     with pytest.raises(ValueError, match="tah_lowrank_rank = 8 conflicts with tah_preset = 'lowrank'"):
         TahConfig(tah_preset="lowrank", tah_lowrank_rank=8)
     with pytest.raises(ValueError, match="tah_forward_codec = 'lowrank'.*stochastic"):

@@ -50,10 +50,7 @@ CODECS = {
     "lowrank": ("lowrank: 16 principal directions + Hadamard INT3 residual fwd, Hadamard INT4 bwd with "
                 "stochastic rounding (4.25 bits): --tah-preset lowrank", ["--tah-preset", "lowrank"]),
     "lowrank_r8": ("lowrank rank 8: 8 principal directions + Hadamard INT3 residual fwd, Hadamard INT4 bwd with "
-                   "stochastic rounding (4.25 bits)",
-                   ["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3", "--tah-lowrank-rank", "8",
-                    "--tah-backward-codec", "hadint", "--tah-backward-bits", "4", "--tah-backward-tile-size", "64",
-                    "--tah-backward-stochastic-rounding"]),
+                   "stochastic rounding (4.25 bits): --tah-preset lowrank8", ["--tah-preset", "lowrank8"]),
     "lowrank_bwdnone": ("lowrank: 16 principal directions + Hadamard INT3 residual fwd, uncompressed bwd "
                         "(diagnostic)", ["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3",
                                          "--tah-backward-codec", "none"]),
