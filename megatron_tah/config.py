@@ -23,7 +23,7 @@ DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 
-# --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/RESULTS.md section 4).
+# --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/PARITY.md, RESULTS.md section 4b).
 PRESETS = {
     "none": {},
     # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec: the flags' defaults.
