@@ -10,7 +10,7 @@ errors and loss gaps this buys in pretraining).
 
 Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(rank, h)``):
 
-1. A row holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE / (2 (1 + sqrt h))`` (5.6e33 at h 4096) is
+1. A row holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE / (2 (1 + sqrt h))`` (7.7e33 at h 4096) is
    *bad*: it takes no part in steps 2-3 and gets no low-rank part (its residual is the row itself, step 4;
    hadint then codes every finite value up to ``MAX_ABS_VALUE``, and a residual of a good row, at most
    ``(1 + sqrt h)`` times its largest value, never exceeds it).

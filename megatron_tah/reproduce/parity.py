@@ -56,8 +56,8 @@ COMPACT = "compact"
 COMPACT_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "lowrank", "lowrank_r8", "int8_both")
 COMPACT_SEEDS = (1234, 1235, 1236)
 # With the first seed at the size's own width: which direction costs what, and the forward gap against bits.
-COMPACT_DIAGNOSTICS = ("tah_bwdnone", "lowrank_bwdnone", "bwd6_only", "hadint4_bwdnone", "hadint5_bwdnone", "hadint6_bwdnone",
-                       "bwd4_only", "bwd5_only")
+COMPACT_DIAGNOSTICS = ("tah_bwdnone", "lowrank_bwdnone", "bwd6_only", "hadint4_bwdnone", "hadint5_bwdnone",
+                       "hadint6_bwdnone", "bwd4_only", "bwd5_only")
 # With every seed at the size's own width: the backward codecs of at most 5 bits (the backward goal).
 COMPACT_BACKWARD = ("bwd4sr_only", "bwd4t16_only")
 SHOWN = tuple(dict.fromkeys(CANDIDATES + COMPACT_CANDIDATES + COMPACT_DIAGNOSTICS + COMPACT_BACKWARD))  # table rows
@@ -267,24 +267,29 @@ def _interval_text(values: list[float]) -> str:
     return "n/a" if interval is None else f"{_pct(interval[0])} to {_pct(interval[1])}"
 
 
-def width_verdict(table: dict, hidden: int, codec: str,
-                  goal: tuple[float, float, float] = (GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER)) -> str:
-    """The forward goal's verdict for ``codec`` at ``hidden``: ``met``, ``not met``, ``unresolved`` or
-    ``not run`` (no run of ``codec`` at that width); ``goal`` = (bits, mean gap, interval's upper end)."""
-    if not table.get(hidden, {}).get(codec):
-        return "not run"
+def goal_verdict(bits: float | None, values: list[float], goal: tuple[float, float, float]) -> str:
+    """``met``, ``not met`` or ``unresolved`` for a codec of ``bits`` with the same-seed gaps ``values`` against
+    ``goal`` = (most bits, largest mean gap, bound on the interval's upper end): not met when the bits exceed
+    it or the interval lies above the gap, met when the mean is within it and the upper end below the bound."""
     max_bits, max_gap, upper = goal
-    values = gaps(table, hidden, codec)
-    interval = convergence.interval95(values)
-    rows = table.get(hidden, {}).get(codec, {})
-    bits = _mean([r["fwd_bits"] for r in rows.values()]) if rows else None
     if bits is not None and bits > max_bits:
         return "not met"
+    interval = convergence.interval95(values)
     if interval is None:
         return "unresolved"
     if _mean(values) <= max_gap and interval[1] < upper:
         return "met"
     return "not met" if interval[0] > max_gap else "unresolved"
+
+
+def width_verdict(table: dict, hidden: int, codec: str,
+                  goal: tuple[float, float, float] = (GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER)) -> str:
+    """The forward goal's verdict (:func:`goal_verdict`) for ``codec`` at ``hidden``, or ``not run`` (no run
+    of ``codec`` at that width)."""
+    rows = table.get(hidden, {}).get(codec)
+    if not rows:
+        return "not run"
+    return goal_verdict(_mean([r["fwd_bits"] for r in rows.values()]), gaps(table, hidden, codec), goal)
 
 
 def verdicts(table: dict) -> dict[str, str]:
@@ -609,16 +614,10 @@ def _backward_reading(table: dict) -> list[str]:
 
 
 def backward_verdict(bits: float | None, added: list[float]) -> str:
-    """The backward goal's verdict for a backward codec of ``bits`` (compared as shown, to two decimals: the
-    16-byte message header adds about 0.002 bits per value here) that adds the same-seed gaps ``added``."""
-    if bits is not None and round(bits, 2) > GOAL_BWD_BITS:
-        return "not met"
-    interval = convergence.interval95(added)
-    if interval is None:
-        return "unresolved"
-    if _mean(added) <= GOAL_BWD_ADDED and interval[1] < GOAL_BWD_UPPER:
-        return "met"
-    return "not met" if interval[0] > GOAL_BWD_ADDED else "unresolved"
+    """The backward goal's verdict (:func:`goal_verdict`) for a backward codec of ``bits`` (compared as shown, to
+    two decimals: the 16-byte message header adds about 0.002 bits per value here) adding the gaps ``added``."""
+    return goal_verdict(None if bits is None else round(bits, 2), added,
+                        (GOAL_BWD_BITS, GOAL_BWD_ADDED, GOAL_BWD_UPPER))
 
 
 def _bits_reading(table: dict, png: Path | None = None) -> list[str]:
