@@ -41,9 +41,12 @@ RUN git init -q "${MEGATRON_LM}" \
     && git -C "${MEGATRON_LM}" checkout -q FETCH_HEAD
 
 WORKDIR /opt/megatron_tah
-# What the package, its tests and its scripts need (no virtual environment, runs or data).
+# What the package, its tests, scripts and benchmarks need, and the committed results the benchmarks
+# regenerate (no virtual environment, runs or data).
 COPY pyproject.toml README.md Makefile ./
 COPY megatron_tah ./megatron_tah
+COPY benchmarks ./benchmarks
+COPY docs ./docs
 COPY patches ./patches
 COPY scripts ./scripts
 COPY tests ./tests

@@ -34,8 +34,9 @@ test: setup
 demo: setup
 	$(PY) -m megatron_tah.demo
 
+# PART is required (make reproduce PART=parity-report); PART=all runs everything, about 10 h on 2 cores.
 reproduce: setup
-	bash scripts/reproduce.sh
+	bash scripts/reproduce.sh $(PART) $(ARGS)
 
 bench: setup
 	$(PY) scripts/bench_codecs.py

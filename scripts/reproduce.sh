@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Reproduce the TAH-Quant / AQ-SGD claims at small scale and regenerate docs/RESULTS.md.
 #
-#   bash scripts/reproduce.sh [PART] [extra args for python -m megatron_tah.reproduce]
+#   bash scripts/reproduce.sh PART [extra args for python -m benchmarks.reproduce]
+#   make reproduce PART=NAME [ARGS="..."]
 #
-# PART (default all). Durations on a 2-core machine, estimated from the run times measured for the
+# PART is required: without one the script prints this list and exits (status 2), so that nobody starts
+# the ~10 h `all` by accident. Durations on a 2-core machine, estimated from the run times measured for the
 # committed results (training runs two at a time; docs/RESULTS.md, "How to reproduce", lists them):
 #   data         tokenize Shakespeare (pretraining) and a State of the Union subset (fine-tuning)   ~1 min
 #   convergence  pretraining per codec (6 runs) + fine-tuning per codec (6 runs), 2 at a time      ~25 min
@@ -29,18 +31,30 @@
 #                record of every parity run, refreshed from the logs here; seeds add up across machines)
 #   all          everything above, in that order (seeds needs convergence's checkpoint)          ~10 h
 # Split into parts to stay under an hour each (parity: --only NAMES runs a subset). Results:
-# runs/reproduce/<part>/; finished runs are skipped when a part is rerun (--force reruns them). Options go to python -m megatron_tah.reproduce
+# runs/reproduce/<part>/; finished runs are skipped when a part is rerun (--force reruns them). Options go to python -m benchmarks.reproduce
 # (--jobs N, --max-load L, --max-wait S, --link emulate, --only NAMES, --seeds S,S --widths W,W, --docs DIR).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-.venv/bin/python}
-PART=${1:-all}
+PART=${1:-}
 shift || true
+
+usage() {
+  echo "usage: $0 [data|convergence|ablations|seeds|long|parity|parity-seeds|parity-compact|memory|throughput|report|parity-report|all] [options]" >&2
+  sed -n '/^# PART is required/,/^# Split into parts/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+}
+
+if [[ -z $PART ]]; then
+  echo "reproduce: no PART given. 'all' runs every part below, about 10 hours on a 2-core machine;" >&2
+  echo "reproduce: name one part (or 'all' to really run everything)." >&2
+  usage
+  exit 2
+fi
 
 run_part() {
   echo "== reproduce: $1 (started $(date -u +%H:%M:%S) UTC)"
-  "$PY" -m megatron_tah.reproduce "$@"
+  "$PY" -m benchmarks.reproduce "$@"
 }
 
 case "$PART" in
@@ -53,7 +67,8 @@ case "$PART" in
     done
     ;;
   *)
-    echo "usage: $0 [data|convergence|ablations|seeds|long|parity|parity-seeds|parity-compact|memory|throughput|report|parity-report|all] [options]" >&2
+    echo "reproduce: unknown part '$PART'" >&2
+    usage
     exit 2
     ;;
 esac

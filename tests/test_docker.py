@@ -45,7 +45,7 @@ def test_image_environment_and_contents():
     env = re.search(r"^ENV (.*?)(?=^\S)", DOCKERFILE, re.S | re.M).group(1)
     assert re.search(r"PIP_CONSTRAINT=\s", env) and re.search(r"VENV=\s*$", env.strip() + "\n", re.M)
     assert "HF_HUB_OFFLINE=1" in env
-    for folder in ("megatron_tah", "patches", "scripts", "tests"):
+    for folder in ("megatron_tah", "benchmarks", "docs", "patches", "scripts", "tests"):
         assert f"COPY {folder} ./{folder}" in DOCKERFILE
 
 

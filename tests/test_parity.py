@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tah.reproduce import convergence, parity, report
+from benchmarks.reproduce import convergence, parity, report
 
 
 def _flag(flags, name):
@@ -304,7 +304,7 @@ def test_the_committed_record_keeps_runs_whose_logs_are_gone(tmp_path):
 
 
 def test_parity_report_writes_the_page_from_the_record(tmp_path):
-    from megatron_tah.reproduce.__main__ import main
+    from benchmarks.reproduce.__main__ import main
 
     base = [4.00, 4.10, 3.90]
     _study(tmp_path, {(128, "none"): base, (128, "hadint4_bwd4sr"): [b * 1.002 for b in base]})
@@ -321,8 +321,32 @@ def test_parity_report_writes_the_page_from_the_record(tmp_path):
     assert (docs / parity.PAGE_NAME).read_text() == page
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_committed_docs_regenerate_byte_identical_from_the_committed_record(tmp_path):
+    """parity-report, run on a machine with no logs, writes docs/PARITY.md, RESULTS.md's section 4b and the
+    plots byte for byte as committed; the record is left as it is; section 6 is docs/RESULTS_TACO_AGOQ.md's.
+    (RESULTS.md's other sections come from run logs that are not committed.)"""
+    from benchmarks.reproduce.__main__ import main
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / parity.RECORD_NAME).write_bytes((DOCS / parity.RECORD_NAME).read_bytes())
+    results = (DOCS / "RESULTS.md").read_text().split("\n")
+    start = next(i for i, line in enumerate(results) if line.startswith(report.COMPACT_HEADING))
+    end = next(i for i, line in enumerate(results) if line.startswith(report.NEXT_SECTION))
+    assert end - start > 50  # the section is there, and is removed before the regeneration
+    (docs / "RESULTS.md").write_text("\n".join(results[:start] + results[end:]))
+    assert main(["parity-report", "--out", str(tmp_path / "runs"), "--docs", str(docs)]) == 0
+    for name in (parity.PAGE_NAME, "RESULTS.md", parity.RECORD_NAME, parity.PAGE_PLOT, "parity_compact_gaps.png",
+                 "parity_compact_gaps_vs_error.png"):
+        assert (docs / name).read_bytes() == (DOCS / name).read_bytes(), name
+    assert "\n".join(report._places_section()) in (DOCS / "RESULTS.md").read_text()
+
+
 def test_seeds_and_widths_flags(tmp_path, monkeypatch):
-    from megatron_tah.reproduce import __main__ as cli
+    from benchmarks.reproduce import __main__ as cli
 
     chosen = []
     prepared = []

@@ -1,4 +1,4 @@
-"""The reproduction runner, the throughput bound, and report generation (``megatron_tah.reproduce``)."""
+"""The reproduction runner, the throughput bound, and report generation (``benchmarks.reproduce``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tah.reproduce import convergence, memory, report, runner, throughput
+from benchmarks.reproduce import convergence, memory, report, runner, throughput
 from megatron_tah.units import parse_bandwidth
 
 
@@ -249,8 +249,8 @@ def test_tiny_compact_protocol_end_to_end(tmp_path):
     """Part parity-compact at the tiny size: compact-vocabulary data, runs trained through Megatron's loop with
     that vocabulary, and the study's table built from their logs (an 8-bit codec lands next to uncompressed)."""
     from megatron_tah.data import read_documents
-    from megatron_tah.reproduce import parity
-    from megatron_tah.reproduce.__main__ import main
+    from benchmarks.reproduce import parity
+    from benchmarks.reproduce.__main__ import main
 
     assert main(["parity-compact", "--size", "tiny", "--out", str(tmp_path), "--seeds", "1234", "--widths", "64",
                  "--only", "compact_none,compact_int8_both"]) == 0
@@ -270,7 +270,7 @@ def test_reproduce_sh_knows_every_part():
     """scripts/reproduce.sh dispatches, documents and (for `all`) runs every part of the module."""
     import re
 
-    from megatron_tah.reproduce.__main__ import PARTS
+    from benchmarks.reproduce.__main__ import PARTS
 
     script = (Path(__file__).resolve().parents[1] / "scripts" / "reproduce.sh").read_text()
     case = re.search(r"^  ([a-z|-]+)\)$", script, re.M).group(1).split("|")

@@ -1,4 +1,4 @@
-"""``python -m megatron_tah.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
+"""``python -m benchmarks.reproduce PART [--out runs/reproduce] [--jobs N] [--size full|tiny]``.
 
 PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, parity-compact, memory, report,
 parity-report
@@ -29,7 +29,7 @@ SEEDED_PARTS = ("parity", "parity-seeds", "parity-compact")  # the parts that ta
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_tah.reproduce", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.reproduce", description=__doc__.split("\n")[0])
     p.add_argument("part", choices=PARTS)
     p.add_argument("--out", default="runs/reproduce", help="results root (default runs/reproduce)")
     p.add_argument("--size", choices=sorted(convergence.SIZES), default="full")

@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..units import parse_bandwidth
+from megatron_tah.units import parse_bandwidth
 from .runner import Run, execute_all, host_info, load_average, read_log, read_meta, say, steady
 
 MODEL_TEXT = (
@@ -195,7 +195,7 @@ def wait_for_quiet(max_load: float, timeout_s: float = 900.0) -> float:
 
 def measure_links(rates, out: Path, n_stages: int) -> dict:
     """Achieved TCP rate per requested rate (``slow_link.measure``), saved to ``out``."""
-    from ..slow_link import measure
+    from megatron_tah.slow_link import measure
 
     result = json.loads(out.read_text()) if out.is_file() else {}
     for rate in rates:

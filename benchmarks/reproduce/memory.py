@@ -34,7 +34,7 @@ def aqsgd_buffer_bytes(samples: int, seq: int, micro_batch: int, hidden: int, bi
     """Bytes of one AQ-SGD link end after every one of ``samples`` ids passed once (measured, not computed)."""
     import torch
 
-    from ..codecs import get_codec
+    from megatron_tah.codecs import get_codec
 
     codec = get_codec("aqsgd", bits=bits, tile_size=tile_size, warmup_samples=samples, backend="torch")
     gen = torch.Generator().manual_seed(0)
@@ -48,7 +48,7 @@ def aqsgd_buffer_bytes(samples: int, seq: int, micro_batch: int, hidden: int, bi
 def tah_is_stateless(seq: int, micro_batch: int, hidden: int) -> bool:
     import torch
 
-    from ..codecs import get_codec
+    from megatron_tah.codecs import get_codec
 
     codec = get_codec("tah", backend="torch")
     gen = torch.Generator().manual_seed(1)

@@ -177,7 +177,7 @@ all-reduces their gradient between the first and last stage every iteration, on 
 
 def data_flags(prefix: str) -> list[str]:
     """Megatron's flags for a ``python -m megatron_tah.data`` prefix (its train and valid splits)."""
-    from ..pretrain_gpt import GPT2_DATA_FLAGS
+    from megatron_tah.pretrain_gpt import GPT2_DATA_FLAGS
 
     return ["--train-data-path", f"{prefix}_train_text_document", "--valid-data-path",
             f"{prefix}_valid_text_document", *GPT2_DATA_FLAGS]
@@ -199,7 +199,7 @@ def data_prefixes(root: Path, size: str, protocol: str = "gpt2") -> dict[str, st
 def prepare_data(root: Path, size: str, protocol: str = "gpt2") -> dict[str, str]:
     """Tokenize both corpora (capped per ``SIZES[size]``, with the protocol's vocabulary) unless present;
     returns the prefixes."""
-    from ..data import prepare
+    from megatron_tah.data import prepare
 
     prefixes = data_prefixes(root, size, protocol)
     caps = {"shakespeare": SIZES[size]["shakespeare_tokens"], "sotu": SIZES[size]["sotu_tokens"]}

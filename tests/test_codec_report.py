@@ -1,11 +1,12 @@
-"""The codec comparison table (``python -m megatron_tah.codecs.report``) on a small shape."""
+"""The codec comparison table (``python -m benchmarks.codec_report``) on a small shape."""
 
 import math
 
 import pytest
 import torch
 
-from megatron_tah.codecs import get_codec, report
+from benchmarks import codec_report as report
+from megatron_tah.codecs import get_codec
 from megatron_tah.codecs.samples import activation_like
 
 SHAPE = (32, 2, 256)

@@ -1,4 +1,4 @@
-"""Codec comparison table: ``python -m megatron_tah.codecs.report [--shape S B H] [--dtype bf16] [--seed 0]``.
+"""Codec comparison table: ``python -m benchmarks.codec_report [--shape S B H] [--dtype bf16] [--seed 0]``.
 
 Further options: ``--repeats N`` (timed runs, median; default 3), ``--device cuda``,
 ``--backend triton|auto`` (default ``torch``, the reference).
@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import get_codec, load_all_codecs
-from .samples import activation_like
+from megatron_tah.codecs import get_codec, load_all_codecs
+from megatron_tah.codecs.samples import activation_like
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -158,7 +158,7 @@ def _ms(value: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_tah.codecs.report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.codec_report", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[1024, 4, 4096], metavar=("S", "B", "H"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--seed", type=int, default=0)

@@ -57,7 +57,7 @@ class Run:
 
     def command(self, out_dir: Path, python: str = sys.executable) -> list[str]:
         """``python -m megatron_tah.pretrain_gpt`` (Megatron's loop, CPU flags) for this run's stages."""
-        from ..pretrain_gpt import CPU_FLAGS, command, stage_command
+        from megatron_tah.pretrain_gpt import CPU_FLAGS, command, stage_command
 
         flags = [*CPU_FLAGS, *self.flags, "--pipeline-model-parallel-size", str(self.pipeline),
                  "--tah-log-json", str(out_dir / f"{self.name}.jsonl")]
@@ -70,7 +70,7 @@ class Run:
 def read_log(path: Path) -> list[dict]:
     """The per-iteration records of a run's ``--tah-log-json`` file (evaluations merged into them,
     see ``megatron_tah.megatron.logging.read_records``); ``ReproduceError`` when missing or empty."""
-    from ..megatron.logging import read_records
+    from megatron_tah.megatron.logging import read_records
 
     path = Path(path)
     if not path.is_file():

@@ -1,6 +1,6 @@
 """Small-scale reproduction of the TAH-Quant and AQ-SGD papers' claims (``scripts/reproduce.sh``).
 
-Parts (``python -m megatron_tah.reproduce PART``):
+Parts (``python -m benchmarks.reproduce PART``):
 
 * ``throughput`` -- tokens/s per codec and link rate over real rate-limited links
   (:mod:`.throughput`), next to the bound ``(c + t_raw) / (c + t_wire)``.
