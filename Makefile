@@ -36,7 +36,7 @@ demo: setup
 
 # PART is required (make reproduce PART=parity-report); PART=all runs everything, about 10 h on 2 cores.
 reproduce: setup
-	bash scripts/reproduce.sh $(PART) $(ARGS)
+	PYTHON=$(PY) bash scripts/reproduce.sh $(PART) $(ARGS)
 
 bench: setup
 	$(PY) scripts/bench_codecs.py
