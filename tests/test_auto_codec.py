@@ -270,7 +270,8 @@ def test_announcement_round_trip_and_garbage():
             raw = encode_announcement(decision)
             assert len(raw) == ANNOUNCEMENT_NBYTES
             assert decode_announcement(raw, codecs, iteration) == decision
-            assert decode_announcement(torch.frombuffer(bytearray(raw), dtype=torch.uint8), codecs, iteration) == decision
+            as_tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            assert decode_announcement(as_tensor, codecs, iteration) == decision
     raw = encode_announcement(AutoDecision("fp8", codecs["fp8"].codec_id, codecs["fp8"].config_digest(), 10))
     with pytest.raises(WireFormatError, match="out of step"):
         decode_announcement(raw, codecs, 11)

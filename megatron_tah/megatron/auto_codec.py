@@ -16,7 +16,8 @@ and carries its decisions. Per link and direction:
    message size rather than estimated apart.
 2. **Codec cost** (``CodecCostTable``): per candidate, encode and decode seconds at the link's
    message shape on this device (``codecs.timing.Stopwatch``: CUDA events on a GPU, wall time on
-   the CPU; one untimed warm-up call, then the median of ``calls`` calls), the exact wire bytes
+   the CPU; one untimed warm-up call, then the fastest of ``calls`` calls: contention from other
+   processes only adds time, and a median of a few calls was seen to keep it), the exact wire bytes
    (``codec.wire_nbytes``) and the relative round-trip error on a sample tensor (a real message
    when the transport has one, else ``codecs.samples.activation_like``). ``observe`` refreshes the
    seconds from the running statistics. A candidate whose build or first call raises is dropped
@@ -80,7 +81,8 @@ MIN_SECONDS = 1e-9  # a transfer timed at 0 s counts as this (an unlimited link:
 @dataclasses.dataclass(frozen=True)
 class AutoSettings:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    """Codecs auto chooses among: none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8)."""
+    """Codecs auto chooses among: none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank,
+    lowrank8)."""
 
     max_error: float | None = None
     """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error."""
@@ -275,8 +277,8 @@ class CodecCostTable:
         if buf.numel() != nbytes:
             raise RuntimeError(f"encode gave {buf.numel()} bytes, wire_nbytes says {nbytes}")
         return CandidateCost(name=name, codec_id=codec.codec_id, config_digest=codec.config_digest(),
-                             encode_s=statistics.median(timing.to_float(t) for t in encode),
-                             decode_s=statistics.median(timing.to_float(t) for t in decode),
+                             encode_s=min(timing.to_float(t) for t in encode),
+                             decode_s=min(timing.to_float(t) for t in decode),
                              wire_nbytes=nbytes, error=error)
 
     def drop(self, name: str, reason: str) -> None:
