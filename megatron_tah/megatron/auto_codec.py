@@ -229,8 +229,9 @@ class CodecCostTable:
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         if sample is None:
             sample = activation_like(self.shape, dtype=dtype, device=self.device)
-        if tuple(sample.shape) != self.shape or sample.dtype != dtype:
-            raise ValueError(f"sample is {tuple(sample.shape)} {sample.dtype}, expected {self.shape} {dtype}")
+        if tuple(sample.shape) != self.shape or sample.dtype != dtype or sample.device.type != self.device.type:
+            raise ValueError(f"sample is {tuple(sample.shape)} {sample.dtype} on {sample.device}, "
+                             f"expected {self.shape} {dtype} on {self.device}")
         self.calls, self.smoothing = calls, smoothing
         self.costs: dict[str, CandidateCost] = {}
         self.dropped: dict[str, str] = {}
