@@ -28,6 +28,15 @@ CLI::
 LOCAL_WORLD_SIZE, MASTER_ADDR (stage 0), MASTER_PORT, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME=eth0
 and MTAH_LINK_RATE_BPS set; when one stage fails the others are stopped; the exit status is the
 first failing stage's.
+
+GPU stages run the same way: a network namespace separates only the network, so ``/dev/nvidia*``
+and the driver stay visible, and the caller's environment (``CUDA_VISIBLE_DEVICES``,
+``CUDA_DEVICE_MAX_CONNECTIONS``...) passes through unchanged. ``LOCAL_RANK`` is the stage, so with
+fewer GPUs than stages the ranks share them (``megatron/share_gpus.py``: ``local_rank %
+device_count``, automatic). Pipeline traffic must cross ``eth0`` to be limited: the stages use gloo
+(CUDA wire buffers staged through pinned host memory, ``megatron/staging.py``); for a run that uses
+NCCL anyway, ``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1`` keep it off CUDA IPC and shared memory,
+which would bypass the link.
 """
 
 from __future__ import annotations
@@ -118,7 +127,17 @@ class SlowLinks:
         return {"RANK": str(stage), "WORLD_SIZE": str(self.n_stages), "LOCAL_RANK": str(stage),
                 "LOCAL_WORLD_SIZE": str(self.n_stages), "MASTER_ADDR": self.address(0),
                 "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
-                "MTAH_LINK_RATE_BPS": str(int(self.rate_bps)), "MTAH_LINK_DELAY_MS": str(self.delay_ms)}
+                "MTAH_LINK_RATE_BPS": str(int(self.rate_bps)), "MTAH_LINK_DELAY_MS": str(self.delay_ms),
+                "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}  # NCCL, if used, through eth0 too
+
+    def launch_spec(self, stage: int, cmd: list[str], env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+        """The argv and environment that run ``cmd`` as stage ``stage`` inside its namespace: the
+        caller's environment (CUDA_VISIBLE_DEVICES included), then the stage's, then ``env``."""
+        if not 0 <= stage < self.n_stages:
+            raise ValueError(f"stage = {stage}: must lie in [0, {self.n_stages - 1}]")
+        if not cmd:
+            raise ValueError("no command to run in the stage's namespace")
+        return ["ip", "netns", "exec", self.namespace(stage), *cmd], {**os.environ, **self.env(stage), **(env or {})}
 
     # ----- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> "SlowLinks":
@@ -177,9 +196,8 @@ class SlowLinks:
         """Start ``cmd`` inside stage ``stage``'s namespace (own session, so it can be stopped as a group)."""
         if not self._namespaces:
             raise RuntimeError("SlowLinks.popen called outside the `with` block")
-        full_env = {**os.environ, **self.env(stage), **(env or {})}
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(stage), *cmd], env=full_env,
-                                start_new_session=True, **kwargs)
+        argv, full_env = self.launch_spec(stage, cmd, env)
+        proc = subprocess.Popen(argv, env=full_env, start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
 

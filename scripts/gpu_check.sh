@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the kernel tests compiled for real (no interpreter), the codec
-# benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, and
-# the static kernel report for comparison.
-# Needs torch, triton, pytest and hypothesis; not megatron-core.
+# benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, the
+# static kernel report for comparison, and the pipeline table (scripts/gpu_pipeline.sh: training
+# runs at PP 2 and 4 sharing the GPU over slow links, docs/benchmarks/<gpu>-pipeline.{md,json,png};
+# about 15 minutes).
+# Needs torch, triton, pytest and hypothesis; the pipeline step also megatron-core and the corpus.
 #
-#   scripts/gpu_check.sh            # all four steps
-#   scripts/gpu_check.sh tests      # or: bench, profile, report
+#   scripts/gpu_check.sh            # all five steps
+#   scripts/gpu_check.sh tests      # or: bench, profile, report, pipeline
 #   PY=python3 OUT_DIR=/tmp/out scripts/gpu_check.sh bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,4 +48,9 @@ fi
 if [[ $STEP == all || $STEP == report ]]; then
     # The static numbers beside the measured ones (same Triton as the benchmark).
     "$PY" scripts/kernel_report.py --targets 90,80 --json "$OUT_DIR/$GPU-kernel-report.json"
+fi
+
+if [[ $STEP == all || $STEP == pipeline ]]; then
+    # Issue 24's table: tokens/s of bf16, TAH-Quant, hadint4 and lowrank at 100 Mbit/s .. 10 Gbit/s.
+    PY="$PY" OUT_DIR="$OUT_DIR" scripts/gpu_pipeline.sh
 fi

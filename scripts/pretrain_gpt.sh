@@ -6,11 +6,14 @@
 # What runs: `python -m megatron_tah.pretrain_gpt` (megatron.training.pretrain with the plugin), or,
 # with MEGATRON_LM=<Megatron-LM checkout>, that checkout's own pretrain_gpt.py through
 # `python -m megatron_tah.launch` (its own megatron package, unchanged). Both on GPUs or on the CPU:
-#   GPUs  one process per GPU (torchrun), GPT-2-XL-like (48 layers, hidden 1600, 25 heads, seq 1024,
-#         bf16), Transformer Engine layers when `transformer_engine` imports, else local layers;
-#         multi-node variables as in Megatron's examples: GPUS_PER_NODE (8), NUM_NODES (1),
+#   GPUs  one process per GPU (torchrun), GPT-2-XL-like ($LAYERS = 48 layers, hidden 1600, 25 heads,
+#         seq 1024, bf16), Transformer Engine layers when `transformer_engine` imports, else local
+#         layers; multi-node variables as in Megatron's examples: GPUS_PER_NODE (8), NUM_NODES (1),
 #         NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (29500); GPUS_PER_NODE * NUM_NODES
-#         must be a multiple of PP (the rest is data parallelism).
+#         must be a multiple of PP (the rest is data parallelism). SHARE_GPUS=1: one process per
+#         stage on this node whatever its GPU count (--tah-share-gpus, local_rank % GPUs, gloo).
+#         With RATE, GPU stages go into network namespaces behind tc exactly as CPU stages (LINK
+#         auto/netns: one node, one process per stage, gloo), else the in-process emulation.
 #   CPU   one process per stage over gloo, a CPU-sized GPT (4 layers or PP if more, hidden 128,
 #         seq 64) with --transformer-impl local and the flags any run without Apex needs
 #         (--no-gradient-accumulation-fusion --no-persist-layer-norm).
@@ -25,10 +28,11 @@
 #   CORPUS       corpus to tokenize when DATA_PREFIX is missing (default shakespeare)
 #   TRAIN_ITERS, LR, MICRO_BATCH, GLOBAL_BATCH   training length and batch sizes
 #   OUT          run directory (default runs/<task>_pp<PP>): ckpt/, tensorboard/, log.jsonl
-#   SAVE, LOAD   checkpoint to write (default $OUT/ckpt) / to start from; FINETUNE=1 loads its weights
+#   SAVE, LOAD   checkpoint to write (default $OUT/ckpt; none: no checkpoint) / to start from; FINETUNE=1 loads its weights
 #                only (Megatron's --finetune)
 #   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
 #   DRY_RUN=1    print the command instead of running it (and do not tokenize)
+#   DEVICE       gpu | cpu (default: gpu when torch sees CUDA); DRY_RUN=1 DEVICE=gpu prints a GPU command
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -85,13 +89,32 @@ data_args=(--train-data-path "${DATA_PREFIX}_train_text_document" --valid-data-p
            --tokenizer-type NullTokenizer --vocab-size 50257)
 tah_args=(--tah-forward-codec "$CODEC" --tah-backward-codec "$BWD_CODEC" --tah-log-json "$OUT/log.jsonl")
 ckpt_args=(--save "$SAVE" --tensorboard-dir "$OUT/tensorboard")
+[[ "$SAVE" == none ]] && ckpt_args=(--tensorboard-dir "$OUT/tensorboard")  # SAVE=none: no checkpoint
 if [[ -n "$LOAD" ]]; then
     ckpt_args+=(--load "$LOAD")
     [[ "$FINETUNE" == 1 ]] && ckpt_args+=(--finetune)
 fi
 
-if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    # ---- GPUs: GPT-2-XL-like, one process per GPU.
+netns_ok() {  # LINK=netns, or LINK=auto with root, ip and tc: stages in namespaces behind tc
+    case "$LINK" in
+        netns) return 0 ;;
+        auto) [[ "$(id -u)" == 0 ]] && command -v ip >/dev/null && command -v tc >/dev/null ;;
+        emulate) return 1 ;;
+        *) echo "pretrain_gpt: error: LINK=$LINK: choose auto, netns or emulate" >&2; exit 2 ;;
+    esac
+}
+if [[ -z "${DEVICE:-}" ]]; then
+    DEVICE=cpu
+    if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then DEVICE=gpu; fi
+fi
+if [[ "$DEVICE" == gpu ]]; then
+    # ---- GPUs: GPT-2-XL-like, one process per GPU (per stage with SHARE_GPUS=1).
+    LAYERS="${LAYERS:-48}"
+    share_args=()
+    if [[ "${SHARE_GPUS:-0}" == 1 ]]; then
+        GPUS_PER_NODE="$PP"
+        share_args=(--tah-share-gpus --distributed-backend gloo)
+    fi
     GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
     NUM_NODES="${NUM_NODES:-1}"
     NODE_RANK="${NODE_RANK:-0}"
@@ -99,8 +122,8 @@ if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
     MASTER_PORT="${MASTER_PORT:-29500}"
     export CUDA_DEVICE_MAX_CONNECTIONS=1
     WORLD_SIZE=$((GPUS_PER_NODE * NUM_NODES))
-    if (( 48 % PP != 0 || WORLD_SIZE % PP != 0 )); then
-        echo "pretrain_gpt: error: PP=$PP must divide 48 layers and the $WORLD_SIZE GPUs" >&2
+    if (( LAYERS % PP != 0 || WORLD_SIZE % PP != 0 )); then
+        echo "pretrain_gpt: error: PP=$PP must divide $LAYERS layers and the $WORLD_SIZE GPUs" >&2
         exit 2
     fi
     impl=(--transformer-impl local)
@@ -109,9 +132,19 @@ if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
         impl+=(--no-gradient-accumulation-fusion)  # Apex's fused wgrad kernel is missing
     fi
     if ! "$PYTHON" -c 'import apex' >/dev/null 2>&1; then impl+=(--no-persist-layer-norm); fi
-    [[ "$LINK" == netns ]] && { echo "pretrain_gpt: error: LINK=netns is for CPU stages on one host" >&2; exit 2; }
-    [[ -n "$RATE" ]] && tah_args+=(--tah-emulate-bandwidth "$RATE")
-    model_args=(--num-layers 48 --hidden-size 1600 --num-attention-heads 25 --seq-length 1024
+    gpu_netns=0
+    if [[ -n "$RATE" && "$PP" -ge 2 ]] && netns_ok; then
+        if (( NUM_NODES != 1 || GPUS_PER_NODE != PP )); then
+            echo "pretrain_gpt: error: GPU stages in namespaces need one node and one process per stage" \
+                 "(GPUS_PER_NODE=PP or SHARE_GPUS=1); LINK=emulate for the in-process emulation" >&2
+            exit 2
+        fi
+        gpu_netns=1
+        [[ ${#share_args[@]} -gt 0 ]] || share_args=(--distributed-backend gloo)  # traffic through eth0
+    elif [[ -n "$RATE" ]]; then
+        tah_args+=(--tah-emulate-bandwidth "$RATE")
+    fi
+    model_args=(--num-layers "$LAYERS" --hidden-size 1600 --num-attention-heads 25 --seq-length 1024
                 --max-position-embeddings 1024 --position-embedding-type learned_absolute
                 --attention-dropout 0.1 --hidden-dropout 0.1 --init-method-std 0.02 --bf16)
     if [[ "$TASK" == finetune ]]; then def_iters=2000; def_lr=2e-5; else def_iters=20000; def_lr=1.5e-4; fi
@@ -120,11 +153,17 @@ if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
                 --train-iters "${TRAIN_ITERS:-$def_iters}" --lr "${LR:-$def_lr}" --min-lr 1e-5
                 --lr-decay-style cosine --lr-warmup-fraction 0.01 --weight-decay 0.1 --clip-grad 1.0
                 --adam-beta1 0.9 --adam-beta2 0.95)
-    log_args=(--log-interval 1 --eval-interval 200 --eval-iters 10 --save-interval 1000 --log-throughput)
+    log_args=(--log-interval 1 --eval-interval "${EVAL_INTERVAL:-200}" --eval-iters "${EVAL_ITERS:-10}"
+              --save-interval "${SAVE_INTERVAL:-1000}" --log-throughput)
+    gpu_args=("${script[@]}" "${model_args[@]}" "${impl[@]}" "${train_args[@]}" "${data_args[@]}" "${log_args[@]}"
+              "${ckpt_args[@]}" "${tah_args[@]}" "${share_args[@]}" "$@")
+    if [[ "$gpu_netns" == 1 ]]; then
+        [[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p "$OUT"
+        echo "== $PP GPU stages in network namespaces, links limited to $RATE by tc"
+        launch "$PYTHON" -m megatron_tah.slow_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${gpu_args[@]}"
+    fi
     launch "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NUM_NODES" \
-        --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-        "${script[@]}" "${model_args[@]}" "${impl[@]}" "${train_args[@]}" "${data_args[@]}" "${log_args[@]}" \
-        "${ckpt_args[@]}" "${tah_args[@]}" "$@"
+        --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${gpu_args[@]}"
 fi
 
 # ---- CPU: a CPU-sized GPT, one process per stage over gloo.
@@ -139,14 +178,7 @@ megatron_args=(--pipeline-model-parallel-size "$PP" --num-layers "$((PP > 4 ? PP
                --no-gradient-accumulation-fusion --no-persist-layer-norm "${data_args[@]}" "${ckpt_args[@]}" "${tah_args[@]}" "$@")
 [[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p "$OUT"
 use_netns=0
-if [[ -n "$RATE" && "$PP" -ge 2 ]]; then
-    case "$LINK" in
-        netns) use_netns=1 ;;
-        auto) if [[ "$(id -u)" == 0 ]] && command -v ip >/dev/null && command -v tc >/dev/null; then use_netns=1; fi ;;
-        emulate) ;;
-        *) echo "pretrain_gpt: error: LINK=$LINK: choose auto, netns or emulate" >&2; exit 2 ;;
-    esac
-fi
+if [[ -n "$RATE" && "$PP" -ge 2 ]] && netns_ok; then use_netns=1; fi
 if [[ "$use_netns" == 1 ]]; then
     # One stage per network namespace; slow_link sets RANK/WORLD_SIZE/MASTER_ADDR for each.
     echo "== $PP stages in network namespaces, links limited to $RATE by tc"

@@ -167,3 +167,24 @@ def test_cleanup_removes_only_dead_runs():
         live.wait()
         for name in names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_launch_spec_of_a_gpu_stage_without_root(monkeypatch):
+    # Built, not run: the namespace exec, the stage's rendezvous, and the caller's CUDA settings kept.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    links = SlowLinks(4, "1gbit")
+    links.tag = "mtah123"
+    argv, env = links.launch_spec(2, ["python", "-m", "megatron_tah.pretrain_gpt", "--tah-share-gpus"],
+                                  env={"EXTRA": "x"})
+    assert argv == ["ip", "netns", "exec", "mtah123_s2", "python", "-m", "megatron_tah.pretrain_gpt",
+                    "--tah-share-gpus"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("2", "2", "4", "4")
+    assert env["MASTER_ADDR"] == "10.77.0.1" and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert env["MTAH_LINK_RATE_BPS"] == "1000000000" and env["EXTRA"] == "x"
+    assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == "1"  # NCCL could not bypass eth0
+    with pytest.raises(ValueError, match="stage = 4"):
+        links.launch_spec(4, ["true"])
+    with pytest.raises(ValueError, match="no command"):
+        links.launch_spec(0, [])

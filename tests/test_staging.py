@@ -1,0 +1,107 @@
+"""HostStaging: wire buffers through (pinned) host memory, on CPU tensors through the same code."""
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_tah.codecs import get_codec
+from megatron_tah.megatron.staging import HostStaging
+
+
+def _through(staging: HostStaging, wire: torch.Tensor) -> torch.Tensor:
+    """send-stage -> (the link: a copy) -> recv-stage; the device wire buffer the codec would decode."""
+    sent = staging.stage_send(wire)
+    received = staging.stage_recv(wire.numel())
+    received.host.copy_(sent.host())
+    sent.release()
+    out = received.to_device().clone()
+    received.release()
+    return out
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 4096, 1 << 20])
+def test_round_trip_is_byte_exact(nbytes):
+    gen = torch.Generator().manual_seed(nbytes)
+    wire = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    out = _through(HostStaging("cpu"), wire)
+    torch.testing.assert_close(out, wire, rtol=0, atol=0)
+
+
+def test_second_message_of_a_size_allocates_nothing():
+    staging = HostStaging("cpu")
+    first = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    _through(staging, first)
+    made = staging.allocations
+    assert made == 3  # send host, recv host, recv device
+    second = torch.flip(first, [0]).contiguous()
+    assert torch.equal(_through(staging, second), second)
+    assert staging.allocations == made
+    _through(staging, torch.zeros(10, dtype=torch.uint8))  # a new size: new buffers
+    assert staging.allocations == made + 3
+
+
+def test_buffers_held_at_once_are_distinct():
+    # Two sends of one size in flight (not yet released) must not share a host buffer.
+    staging = HostStaging("cpu")
+    a, b = torch.full((64,), 1, dtype=torch.uint8), torch.full((64,), 2, dtype=torch.uint8)
+    sa, sb = staging.stage_send(a), staging.stage_send(b)
+    assert sa.host().data_ptr() != sb.host().data_ptr()
+    assert torch.equal(sa.host(), a) and torch.equal(sb.host(), b)
+    sa.release()
+    sb.release()
+    with pytest.raises(RuntimeError, match="after release"):
+        sa.host()
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(4, dtype=torch.float32), torch.zeros(2, 2, dtype=torch.uint8)])
+def test_rejects_what_is_not_a_wire_buffer(bad):
+    with pytest.raises(ValueError, match="1-D uint8"):
+        HostStaging("cpu").stage_send(bad)
+
+
+def test_cuda_staging_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        HostStaging("cuda")
+
+
+def _staged_pipeline(rank, world_size):
+    """Stage 0: a linear layer's bf16 activations through the `none` codec, sent plain and staged;
+    stage 1: decodes both, and returns the two losses and whether the staged bytes matched."""
+    torch.manual_seed(0)
+    codec = get_codec("none")
+    shape, dtype = (16, 2, 32), torch.bfloat16
+    staging = HostStaging("cpu")
+    results = []
+    for step in range(3):  # several messages: the pooled buffers are reused
+        if rank == 0:
+            x = torch.randn(shape) @ torch.randn(32, 32)
+            wire = codec.encode(x.to(dtype))
+            torch.distributed.send(wire, 1)  # the plain path
+            staged = staging.stage_send(wire)
+            torch.distributed.isend(staged.host(), 1).wait()
+            staged.release()
+        else:
+            nbytes = codec.wire_nbytes(shape, dtype)
+            plain = torch.empty(nbytes, dtype=torch.uint8)
+            torch.distributed.recv(plain, 0)
+            staged = staging.stage_recv(nbytes)
+            torch.distributed.irecv(staged.host, 0).wait()
+            outs = []
+            for wire in (plain, staged.to_device()):
+                out = torch.empty(shape, dtype=dtype)
+                codec.decode(wire, shape, dtype, out=out)
+                outs.append(out)
+            staged.release()
+            losses = [float((o.float() ** 2).mean()) for o in outs]
+            results.append((losses, torch.equal(outs[0], outs[1])))
+    return results, staging.allocations
+
+
+@pytest.mark.distributed
+def test_two_gloo_processes_staged_equals_plain():
+    (_, sender_allocs), (results, receiver_allocs) = run_distributed(_staged_pipeline, 2, timeout=120)
+    for (plain_loss, staged_loss), same in results:
+        assert same and plain_loss == staged_loss
+    assert len({losses[0] for losses, _ in results}) == 3  # three different messages
+    assert sender_allocs == 1 and receiver_allocs == 2
