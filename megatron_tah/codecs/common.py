@@ -16,8 +16,8 @@ import math
 import torch
 
 from .. import geometry
-from .base import CodecError
 from ..geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
+from .base import CodecError
 
 TILE_SIZES = geometry.TILE_SIZES
 FLAT_SCALE = 2.0**-126  # a scale below the smallest normal fp32 quantizes its tile to zero codes

@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 
 from .. import geometry
+from ..geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 from . import common
 from .base import Codec, register_codec_id
-from ..geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 
 
 def hypot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
