@@ -15,8 +15,8 @@ import torch
 
 from .. import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
-    launch, native_conversions, sections_nbytes, store_units, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, launch,
+    native_conversions, sections_nbytes, store_units, tl, triton,
 )
 from .fixedpoint import _common_args
 
