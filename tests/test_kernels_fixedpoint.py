@@ -87,9 +87,10 @@ def test_many_programs_and_lanes_per_tile(per_lane, tiles):
     layout = ref.layout(x.shape, x.dtype)
     got = want.clone()
     got[16:] = 0
-    triton_fixedpoint_encode(x, got, layout, 5, 64, per_lane=per_lane, tiles_per_prog=tiles)
+    triton_fixedpoint_encode(x, layout.sections(got), 5, 64, per_lane=per_lane, tiles_per_prog=tiles)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    y = triton_fixedpoint_decode(want, x.shape, x.dtype, layout, 5, 64, per_lane=per_lane, tiles_per_prog=tiles)
+    y = triton_fixedpoint_decode(layout.sections(want), x.shape, x.dtype, 5, 64, per_lane=per_lane,
+                                 tiles_per_prog=tiles)
     assert_same_values(y, ref.decode(want, x.shape, x.dtype))
 
 
@@ -141,4 +142,4 @@ def test_launcher_without_triton_says_so(monkeypatch):
     x = torch.ones(2, 32, device=DEVICE)
     layout = codec.layout(x.shape, x.dtype)
     with pytest.raises(RuntimeError, match="needs triton"):
-        kfixed.triton_fixedpoint_encode(x, torch.empty(layout.nbytes, dtype=torch.uint8), layout, 6, 32)
+        kfixed.triton_fixedpoint_encode(x, layout.sections(torch.empty(layout.nbytes, dtype=torch.uint8)), 6, 32)

@@ -89,21 +89,27 @@ def test_many_programs_and_lanes_per_tile(allocation, per_lane, tiles):
     layout = ref.layout(shape, x.dtype)
     got = want.clone()
     got[16:] = 0
-    high_units, low_units = triton_tah_allocate(fused, x, got, layout)
+    config = dict(tile_size=64, allocation=allocation)
+    low_per_group = ref.low_units_per_group(shape)
+    sections = fused._kernel_sections(got, layout)
+    high_units, low_units = triton_tah_allocate(x, sections["flags"], low_per_group=low_per_group, invert=False,
+                                                **config)
     # The device tables are the reference's (TahCodec.unit_tables) for the reference's flags.
     low = ref._read_flags(want, shape, layout)
     for table, expected in zip((high_units, low_units), ref.unit_tables(low, shape)):
         torch.testing.assert_close(table, expected, rtol=0, atol=0)
-    rotated = triton_tah_encode(fused, x, got, layout, high_units, low_units, per_lane=per_lane,
-                                tiles_per_prog=tiles)
+    widths = dict(high_bits=4, low_bits=3, **config)
+    rotated = triton_tah_encode(x, sections, high_units, low_units, outlier_threshold=2.0, per_lane=per_lane,
+                                tiles_per_prog=tiles, **widths)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert int(rotated.sum()) == round(ref.last_rotated_fraction * layout.view(want, "meta").numel())
     error = torch.zeros((), dtype=torch.int32, device=DEVICE)
-    tables = triton_tah_tables(fused, want, shape, layout, error)
+    sections = fused._kernel_sections(want, layout)
+    tables = triton_tah_tables(sections["flags"], shape, error, low_per_group=low_per_group, **config)
     for table, expected in zip(tables, (high_units, low_units)):
         torch.testing.assert_close(table, expected, rtol=0, atol=0)
-    y = triton_tah_decode(fused, want, shape, x.dtype, layout, *tables, error, per_lane=per_lane,
-                          tiles_per_prog=tiles)
+    y = triton_tah_decode(sections, shape, x.dtype, *tables, error, rotates=True, per_lane=per_lane,
+                          tiles_per_prog=tiles, **widths)
     assert_same_values(y, ref.decode(want, shape, x.dtype))
     assert int(error) == 0
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import (HEADER_NBYTES, Codec, CodecError, WireFormatError, WireLayout, check_dtype, check_shape,
+from .base import (HEADER_NBYTES, Codec, CodecError, WireFormatError, WireLayout, check_shape,
                    dtype_name, register_codec_id)
 from .fixedpoint import FixedPointCodec
 from .none import NoneCodec
@@ -138,10 +138,13 @@ class AqSgdCodec(Codec):
             raise WireFormatError(f"aqsgd: sender had seen {got_seen} samples, this end {self.samples_seen}: "
                                   "the two ends are out of step (a message was lost or sent twice)")
 
+    def layout(self, shape, dtype) -> WireLayout:
+        return self.layout_for_phase(shape, dtype, self.phase)
+
     def layout_for_phase(self, shape, dtype, phase: int) -> WireLayout:
-        shape = check_shape(shape)
-        check_dtype(dtype)
-        return WireLayout.build(self._sections_for(shape, dtype, phase))
+        """The layout of a ``phase`` message (cached per shape, dtype and phase)."""
+        return self._cached_layout((tuple(shape), dtype, phase), shape, dtype,
+                                   lambda shape, dtype: self._sections_for(shape, dtype, phase))
 
     # ----- the contract --------------------------------------------------------------------
     def encode(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,22 +172,19 @@ class AqSgdCodec(Codec):
         return buf
 
     def decode(self, buf, shape, dtype, out=None) -> torch.Tensor:
-        """Decode a message, update this end's buffer, set ``last_sample_ids``; returns the new ``m[ids]``."""
-        shape = check_shape(shape)
-        check_dtype(dtype)
+        """Decode a message, update this end's buffer, set ``last_sample_ids``; returns the new ``m[ids]``
+        (written into ``out`` when given)."""
         layout = self.layout(shape, dtype)
+        shape = check_shape(shape)
         self._check_buffer_phase(buf, shape, dtype, layout)
         if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != buf.device):
             raise CodecError(f"out is {tuple(out.shape)} {dtype_name(out.dtype)} on {out.device}, expected "
                              f"{shape} {dtype_name(dtype)} on {buf.device}")
         ids_tensor = layout.view(buf, "ids", torch.int64).clone()
-        values = self._apply(layout.view(buf, "payload"), self.phase, ids_tensor.tolist(), shape, dtype)
-        self.last_sample_ids = ids_tensor
-        if out is None:
-            return values
         with torch.no_grad():
-            out.copy_(values)
-        return out
+            values = self._apply(layout.view(buf, "payload"), self.phase, ids_tensor.tolist(), shape, dtype, out)
+        self.last_sample_ids = ids_tensor
+        return values
 
     # ----- internals -----------------------------------------------------------------------
     @staticmethod
@@ -224,10 +224,12 @@ class AqSgdCodec(Codec):
             column = torch.empty(values.shape[0], values.shape[2], dtype=self.buffer_dtype, device=values.device)
             self.buffer[sample_id] = column.copy_(values[:, i, :])
 
-    def _apply(self, payload: torch.Tensor, phase: int, ids: list[int], shape, dtype) -> torch.Tensor:
-        """Decode ``payload``, update the buffer (identically on both ends), return the message's values."""
+    def _apply(self, payload: torch.Tensor, phase: int, ids: list[int], shape, dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``payload``, update the buffer (identically on both ends), return the message's values
+        (in ``out`` when given)."""
         if phase == WARMUP:
-            values = self._raw_codec.decode(payload, shape, dtype)
+            values = self._raw_codec.decode(payload, shape, dtype, out=out)
             finite = values.float()
             finite = torch.where(torch.isfinite(finite), finite, torch.zeros_like(finite))
             self._store(ids, self._round_to_buffer(finite))
@@ -237,11 +239,15 @@ class AqSgdCodec(Codec):
             bad = torch.isnan(delta)
             new = self._round_to_buffer(torch.where(bad, old, old + delta))
             self._store(ids, new)
-            values = torch.where(bad, delta, new)
+            direct = out if out is not None and dtype == torch.float32 else None
+            values = torch.where(bad, delta, new, out=direct)
             if dtype == torch.float16:
                 limit = torch.finfo(torch.float16).max
-                values = values.clamp(-limit, limit)
-            values = values.to(dtype)
+                values = values.clamp_(-limit, limit)
+            if out is None:
+                values = values.to(dtype)
+            elif values is not out:
+                values = out.copy_(values)
         self.samples_seen += shape[1]
         return values
 

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from .geometry import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
+from ..geometry import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
 
 MAGIC = b"MT"
 WIRE_VERSION = 1
@@ -50,6 +50,7 @@ SECTION_ALIGN = 8
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
 CHECKS = ("full", "deferred", "off")
+LAYOUT_CACHE_SIZE = 64  # layouts a codec object keeps (one per shape and dtype it has seen)
 
 
 class CodecError(ValueError):
@@ -105,6 +106,10 @@ class WireLayout:
         start, size = self.offsets[name]
         return buf[start : start + size].view(dtype)
 
+    def sections(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every section of ``buf`` as a 1-D uint8 view, by name: what the kernels' launchers take."""
+        return {name: buf[start : start + size] for name, (start, size) in self.offsets.items()}
+
 
 def crc32_of(text: str) -> int:
     return zlib.crc32(text.encode()) & 0xFFFFFFFF
@@ -154,14 +159,17 @@ class Codec:
     layout), ``_encode_torch`` and ``_decode_torch`` (the pure-torch
     reference). A fused path implements ``_encode_triton`` / ``_decode_triton``
     with the same wire format; ``backend`` picks one (``"auto"``: Triton for
-    CUDA tensors when it is available, torch otherwise). A codec whose
-    ``_decode_*`` methods take an ``out=`` tensor to write into sets
-    ``decodes_into_out = True``.
+    CUDA tensors when it is available, torch otherwise). ``_decode_*`` take
+    ``out``: a contiguous tensor of the message's shape and dtype to write the
+    values into and return (no intermediate tensor of that size), or None for a
+    new one.
+
+    A codec's config is fixed when it is made, so its layouts are cached per
+    (shape, dtype): ``_sections`` runs once for each.
     """
 
     name: str = "?"
     codec_id: int = 255
-    decodes_into_out: bool = False
 
     def __init__(self, backend: str = "auto"):
         if backend not in BACKENDS:
@@ -169,6 +177,7 @@ class Codec:
         self.backend = backend
         self.checks = "full"
         self._header_cache: dict[tuple, torch.Tensor] = {}
+        self._layouts: dict[tuple, WireLayout] = {}
         self._deferred: dict[str, DeferredErrors] = {}
 
     # ----- configuration -------------------------------------------------------------
@@ -223,9 +232,18 @@ class Codec:
         return self.layout(shape, dtype).nbytes
 
     def layout(self, shape: Sequence[int], dtype: torch.dtype) -> WireLayout:
-        shape = check_shape(shape)
-        check_dtype(dtype)
-        return WireLayout.build(self._sections(shape, dtype))
+        """The wire layout for ``shape``/``dtype``, built once and then taken from the cache."""
+        return self._cached_layout((tuple(shape), dtype), shape, dtype, self._sections)
+
+    def _cached_layout(self, key: tuple, shape, dtype, sections) -> WireLayout:
+        layout = self._layouts.get(key)
+        if layout is None:
+            shape = check_shape(shape)
+            check_dtype(dtype)
+            if len(self._layouts) >= LAYOUT_CACHE_SIZE:  # (shapes that keep changing: start over)
+                self._layouts.clear()
+            layout = self._layouts[key] = WireLayout.build(sections(shape, dtype))
+        return layout
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Encode ``x`` into a new 1-D uint8 buffer of ``wire_nbytes(x.shape, x.dtype)`` bytes on x's device."""
@@ -251,10 +269,13 @@ class Codec:
         dtype: torch.dtype,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Decode ``buf`` into a tensor of ``shape``/``dtype`` on buf's device, or into ``out`` (written in place)."""
-        shape = check_shape(shape)
-        check_dtype(dtype)
+        """Decode ``buf`` into a new tensor of ``shape``/``dtype`` on buf's device, or into ``out``.
+
+        With ``out`` (a receiver's buffer) the values are written straight into it and ``out`` is
+        returned; only a non-contiguous ``out`` is decoded into a new tensor first and copied.
+        """
         layout = self.layout(shape, dtype)
+        shape = tuple(int(d) for d in shape)
         self._check(buf, shape, dtype, layout)
         target = None
         if out is not None:
@@ -264,14 +285,11 @@ class Codec:
                 )
             if out.device != buf.device:
                 raise CodecError(f"out is on {out.device}, the buffer on {buf.device}")
-            if self.decodes_into_out and out.is_contiguous():
+            if out.is_contiguous():
                 target = out.detach()
-        extra = {"out": target} if self.decodes_into_out else {}
+        decode = self._decode_triton if self._use_triton(buf.device) else self._decode_torch
         with torch.no_grad():
-            if self._use_triton(buf.device):
-                values = self._decode_triton(buf, shape, dtype, layout, **extra)
-            else:
-                values = self._decode_torch(buf, shape, dtype, layout, **extra)
+            values = decode(buf, shape, dtype, layout, out=target)
             if out is None:
                 return values
             if target is None:
@@ -421,13 +439,13 @@ class Codec:
     def _encode_torch(self, x: torch.Tensor, buf: torch.Tensor, layout: WireLayout) -> None:
         raise NotImplementedError
 
-    def _decode_torch(self, buf, shape, dtype, layout: WireLayout) -> torch.Tensor:
+    def _decode_torch(self, buf, shape, dtype, layout: WireLayout, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def _encode_triton(self, x: torch.Tensor, buf: torch.Tensor, layout: WireLayout) -> None:
         raise NotImplementedError
 
-    def _decode_triton(self, buf, shape, dtype, layout: WireLayout) -> torch.Tensor:
+    def _decode_triton(self, buf, shape, dtype, layout: WireLayout, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     # ----- helpers for subclasses ------------------------------------------------------

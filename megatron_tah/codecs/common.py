@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from . import geometry
+from .. import geometry
+from ..geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
 from .base import CodecError
-from .geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
 
 TILE_SIZES = geometry.TILE_SIZES
 FLAT_SCALE = 2.0**-126  # a scale below the smallest normal fp32 quantizes its tile to zero codes
@@ -66,14 +66,22 @@ def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tenso
     return tiles, bad_tile
 
 
-def from_tiles(tiles: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``to_tiles``: drop padding, restore shape, cast (clamped to dtype's range)."""
+def from_tiles(tiles: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``to_tiles``: drop padding, restore shape, cast (clamped to dtype's range).
+
+    With ``out`` (contiguous, ``shape``/``dtype``) the result is written into it, cast on the way,
+    and ``out`` is returned.
+    """
     h = shape[-1]
     flat = tiles.reshape(math.prod(shape[:-1]), -1)[:, :h]
     if dtype == torch.float16:
         # Rounding to the nearest level may step past fp16's largest finite value.
         limit = torch.finfo(torch.float16).max
         flat = flat.clamp(-limit, limit)
+    if out is not None:
+        out.view(flat.shape).copy_(flat)
+        return out
     return flat.reshape(shape).to(dtype)
 
 

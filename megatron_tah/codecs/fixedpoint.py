@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from . import common
 from .base import Codec, register_codec_id
 
 
 class FixedPointCodec(Codec):
     name = "fixedpoint"
     codec_id = 1
-    decodes_into_out = True
 
     def __init__(self, bits: int = 6, tile_size: int = 32, stochastic_rounding: bool = False,
                  seed: int = 0, backend: str = "auto"):
@@ -55,19 +55,19 @@ class FixedPointCodec(Codec):
         scale = layout.view(buf, "scale", torch.bfloat16)
         zero = layout.view(buf, "zero", torch.bfloat16)
         codes = common.unpack_bits(layout.view(buf, "codes"), self.bits, tiles * self.tile_size)
-        values = common.from_tiles(common.dequantize_tiles(codes.reshape(tiles, self.tile_size), scale, zero),
-                                   shape, dtype)
-        return values if out is None else out.copy_(values)
+        return common.from_tiles(common.dequantize_tiles(codes.reshape(tiles, self.tile_size), scale, zero),
+                                 shape, dtype, out)
 
     def _encode_triton(self, x, buf, layout):
         from ..kernels.fixedpoint import triton_fixedpoint_encode
 
-        triton_fixedpoint_encode(x, buf, layout, self.bits, self.tile_size, seed=self.rounding_noise.next_seed())
+        triton_fixedpoint_encode(x, layout.sections(buf), self.bits, self.tile_size,
+                                 seed=self.rounding_noise.next_seed())
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels.fixedpoint import triton_fixedpoint_decode
 
-        return triton_fixedpoint_decode(buf, shape, dtype, layout, self.bits, self.tile_size, out=out)
+        return triton_fixedpoint_decode(layout.sections(buf), shape, dtype, self.bits, self.tile_size, out=out)
 
 
 register_codec_id(FixedPointCodec.codec_id, FixedPointCodec.name)

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from ..geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
+from . import common
 from .base import Codec, register_codec_id
-from .geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 
 
 def hypot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,6 @@ def fp8_decode_reference(alpha: torch.Tensor, post: torch.Tensor, codes: torch.T
 class Fp8Codec(Codec):
     name = "fp8"
     codec_id = 3
-    decodes_into_out = True
 
     def __init__(self, group_size: int = 128, backend: str = "auto"):
         super().__init__(backend)
@@ -114,19 +114,18 @@ class Fp8Codec(Codec):
         alpha = layout.view(buf, "prescale", torch.float32)
         post = layout.view(buf, "postscale", torch.float32)
         codes = layout.view(buf, "codes").reshape(-1, self.group_size)
-        values = common.from_tiles(fp8_decode_reference(alpha, post, codes), shape, dtype)
-        return values if out is None else out.copy_(values)
+        return common.from_tiles(fp8_decode_reference(alpha, post, codes), shape, dtype, out)
 
     # ----- fused Triton path (megatron_tah/kernels/fp8.py) --------------------------
     def _encode_triton(self, x, buf, layout):
         from ..kernels.fp8 import triton_fp8_encode
 
-        triton_fp8_encode(x, buf, layout, self.group_size)
+        triton_fp8_encode(x, layout.sections(buf), self.group_size)
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels.fp8 import triton_fp8_decode
 
-        return triton_fp8_decode(buf, shape, dtype, layout, self.group_size, out=out)
+        return triton_fp8_decode(layout.sections(buf), shape, dtype, self.group_size, out=out)
 
 
 register_codec_id(Fp8Codec.codec_id, Fp8Codec.name)

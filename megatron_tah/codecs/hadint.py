@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from . import common
 from .base import CodecError, register_codec_id
 from .mxfp4 import RotatedBlockCodec
 
@@ -63,7 +64,6 @@ def hadint_decode_reference(scale: torch.Tensor, codes: torch.Tensor, bits: int)
 class HadIntCodec(RotatedBlockCodec):
     name = "hadint"
     codec_id = 8
-    decodes_into_out = True
 
     def __init__(self, bits: int = 4, tile_size: int = 64, hadamard: bool = True, hadamard_seed: int = 0,
                  stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto"):
@@ -98,20 +98,19 @@ class HadIntCodec(RotatedBlockCodec):
     def _decode_torch(self, buf, shape, dtype, layout, out=None):
         scale = layout.view(buf, "scale", torch.bfloat16)
         values = hadint_decode_reference(scale, self._load_codes(buf, layout, shape), self.bits)
-        values = self._from_blocks(values, shape, dtype)
-        return values if out is None else out.copy_(values)
+        return self._from_blocks(values, shape, dtype, out)
 
     def _encode_triton(self, x, buf, layout):
         from ..kernels.hadint import triton_hadint_encode
 
-        triton_hadint_encode(x, buf, layout, self.bits, self.tile_size, self.signs(x.device),
+        triton_hadint_encode(x, layout.sections(buf), self.bits, self.tile_size, self.signs(x.device),
                              seed=self.rounding_noise.next_seed())
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels.hadint import triton_hadint_decode
 
-        return triton_hadint_decode(buf, shape, dtype, layout, self.bits, self.tile_size, self.signs(buf.device),
-                                    out=out)
+        return triton_hadint_decode(layout.sections(buf), shape, dtype, self.bits, self.tile_size,
+                                    self.signs(buf.device), out=out)
 
 
 register_codec_id(HadIntCodec.codec_id, HadIntCodec.name)

@@ -78,10 +78,10 @@ class Int8Codec(Codec):
         layout.view(buf, "scale", torch.float32).copy_(scale)
         layout.view(buf, "codes", torch.int8).copy_(codes.reshape(-1))
 
-    def _decode_torch(self, buf, shape, dtype, layout):
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
         scale = layout.view(buf, "scale", torch.float32)
         codes = layout.view(buf, "codes", torch.int8).reshape(-1, self.block_size)
-        return common.from_tiles(int8_decode_reference(scale, codes), shape, dtype)
+        return common.from_tiles(int8_decode_reference(scale, codes), shape, dtype, out)
 
 
 register_codec_id(Int8Codec.codec_id, Int8Codec.name)

@@ -51,7 +51,8 @@ import functools
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from . import common
 from .base import Codec, CodecError, register_codec_id
 from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_reference
 
@@ -144,16 +145,21 @@ class LowRankCodec(Codec):
     def _encode_triton(self, x, buf, layout):
         self.residual._encode_triton(self._residual(x, buf, layout), buf, layout)
 
-    def _decode(self, residual: torch.Tensor, buf, shape, dtype, layout) -> torch.Tensor:
+    def _decode(self, decode_residual, buf, shape, dtype, layout, out) -> torch.Tensor:
+        """hadint's decode of the residual (fp32; straight into an fp32 ``out``) plus the low-rank part."""
         h = shape[-1]
-        values = residual.reshape(-1, h) + self._read_low_rank(buf, layout, residual.numel() // h, h)
-        return common.from_tiles(values, shape, dtype)  # (clamped to fp16's range)
+        direct = out if dtype == torch.float32 else None
+        residual = decode_residual(buf, shape, torch.float32, layout, out=direct)
+        values = residual.view(-1, h).add_(self._read_low_rank(buf, layout, residual.numel() // h, h))
+        if direct is not None:
+            return direct
+        return common.from_tiles(values, shape, dtype, out)  # (clamped to fp16's range)
 
-    def _decode_torch(self, buf, shape, dtype, layout):
-        return self._decode(self.residual._decode_torch(buf, shape, torch.float32, layout), buf, shape, dtype, layout)
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
+        return self._decode(self.residual._decode_torch, buf, shape, dtype, layout, out)
 
-    def _decode_triton(self, buf, shape, dtype, layout):
-        return self._decode(self.residual._decode_triton(buf, shape, torch.float32, layout), buf, shape, dtype, layout)
+    def _decode_triton(self, buf, shape, dtype, layout, out=None):
+        return self._decode(self.residual._decode_triton, buf, shape, dtype, layout, out)
 
 
 register_codec_id(LowRankCodec.codec_id, LowRankCodec.name)

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from . import common
 from .base import Codec, CodecError, register_codec_id
 
 BLOCK_SIZE = geometry.MXFP4_BLOCK
@@ -125,8 +126,8 @@ class RotatedBlockCodec(Codec):
         blocks = common.signed_fwht(tiles.reshape(-1, self.block_size), self.signs(x.device))
         return blocks, bad.reshape(-1)
 
-    def _from_blocks(self, blocks: torch.Tensor, shape, dtype) -> torch.Tensor:
-        return common.from_tiles(common.signed_fwht_inverse(blocks, self.signs(blocks.device)), shape, dtype)
+    def _from_blocks(self, blocks: torch.Tensor, shape, dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        return common.from_tiles(common.signed_fwht_inverse(blocks, self.signs(blocks.device)), shape, dtype, out)
 
 
 class MxFp4Codec(RotatedBlockCodec):
@@ -143,9 +144,9 @@ class MxFp4Codec(RotatedBlockCodec):
         layout.view(buf, "scale").copy_(scale)
         self._store_codes(buf, layout, codes)
 
-    def _decode_torch(self, buf, shape, dtype, layout):
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
         values = mxfp4_decode_reference(layout.view(buf, "scale"), self._load_codes(buf, layout, shape))
-        return self._from_blocks(values, shape, dtype)
+        return self._from_blocks(values, shape, dtype, out)
 
 
 register_codec_id(MxFp4Codec.codec_id, MxFp4Codec.name)

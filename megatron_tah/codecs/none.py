@@ -28,8 +28,9 @@ class NoneCodec(Codec):
     def _encode_torch(self, x, buf, layout):
         layout.view(buf, "values").copy_(x.reshape(-1).view(torch.uint8))
 
-    def _decode_torch(self, buf, shape, dtype, layout):
-        return layout.view(buf, "values", dtype).reshape(shape).clone()
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
+        values = layout.view(buf, "values", dtype).reshape(shape)
+        return values.clone() if out is None else out.copy_(values)  # one copy either way
 
 
 register_codec_id(NoneCodec.codec_id, NoneCodec.name)

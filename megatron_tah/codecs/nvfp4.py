@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from . import common
 from .base import register_codec_id
 from .mxfp4 import RotatedBlockCodec
 
@@ -89,10 +90,10 @@ class NvFp4Codec(RotatedBlockCodec):
         layout.view(buf, "scale").copy_(scale)
         self._store_codes(buf, layout, codes)
 
-    def _decode_torch(self, buf, shape, dtype, layout):
+    def _decode_torch(self, buf, shape, dtype, layout, out=None):
         global_scale = layout.view(buf, "global_scale", torch.float32)
         values = nvfp4_decode_reference(global_scale, layout.view(buf, "scale"), self._load_codes(buf, layout, shape))
-        return self._from_blocks(values, shape, dtype)
+        return self._from_blocks(values, shape, dtype, out)
 
 
 register_codec_id(NvFp4Codec.codec_id, NvFp4Codec.name)

@@ -46,7 +46,8 @@ import math
 
 import torch
 
-from . import common, geometry
+from .. import geometry
+from . import common
 from .base import Codec, CodecError, register_codec_id
 
 EPS = geometry.TAH_EPS
@@ -57,7 +58,6 @@ LOW_BITS_FOR = geometry.TAH_LOW_BITS_FOR
 class TahCodec(Codec):
     name = "tah"
     codec_id = 2
-    decodes_into_out = True
 
     def __init__(self, tile_size: int = 64, high_bits: int = 4, low_bits: int = 3, high_ratio: float = 0.8,
                  outlier_threshold: float = 2.0, allocation: str = "token", stochastic_rounding: bool = False,
@@ -274,17 +274,29 @@ class TahCodec(Codec):
         rotate = (meta >> 7).bool()
         pivot = (meta & (g - 1)).long()
         values = common.dequantize_tiles(codes, scale, zero)
-        values = common.from_tiles(unrotate_tiles(values, rotate, pivot), shape, dtype)
-        return values if out is None else out.copy_(values)
+        return common.from_tiles(unrotate_tiles(values, rotate, pivot), shape, dtype, out)
 
     # ----- fused Triton path (megatron_tah/kernels/tah.py) --------------------------
+    def _kernel_sections(self, buf, layout) -> dict[str, torch.Tensor]:
+        """The sections as the kernels take them: ``flags`` with its zero padding to whole int32 words."""
+        sections = layout.sections(buf)
+        start, size = layout.offsets["flags"]
+        sections["flags"] = buf[start : start + -(-size // 4) * 4]  # (sections start 8-byte aligned)
+        return sections
+
     def _encode_triton(self, x, buf, layout):
         from ..kernels import tah as kernels
 
-        high_units, low_units = kernels.triton_tah_allocate(self, x, buf, layout)
-        rotated = kernels.triton_tah_encode(self, x, buf, layout, high_units, low_units,
-                                            seed=self.rounding_noise.next_seed())
-        self._rotated = (rotated, self.tile_counts(tuple(x.shape))[0])
+        shape = self._dims(tuple(x.shape))
+        sections = self._kernel_sections(buf, layout)
+        high_units, low_units = kernels.triton_tah_allocate(
+            x, sections["flags"], tile_size=self.tile_size, allocation=self.allocation,
+            low_per_group=self.low_units_per_group(shape), invert=self.low_bits_for == "high_entropy")
+        rotated = kernels.triton_tah_encode(
+            x, sections, high_units, low_units, tile_size=self.tile_size, high_bits=self.high_bits,
+            low_bits=self.low_bits, allocation=self.allocation, outlier_threshold=self.outlier_threshold,
+            seed=self.rounding_noise.next_seed())
+        self._rotated = (rotated, self.tile_counts(shape)[0])
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels import tah as kernels
@@ -294,8 +306,14 @@ class TahCodec(Codec):
             self._read_flags(buf, shape, layout)
             self._check_pivots(layout.view(buf, "meta"))
         error = self.deferred_errors(buf.device).count
-        high_units, low_units = kernels.triton_tah_tables(self, buf, shape, layout, error)
-        return kernels.triton_tah_decode(self, buf, shape, dtype, layout, high_units, low_units, error, out=out)
+        sections = self._kernel_sections(buf, layout)
+        high_units, low_units = kernels.triton_tah_tables(
+            sections["flags"], shape, error, tile_size=self.tile_size, allocation=self.allocation,
+            low_per_group=self.low_units_per_group(shape))
+        return kernels.triton_tah_decode(
+            sections, shape, dtype, high_units, low_units, error, tile_size=self.tile_size,
+            high_bits=self.high_bits, low_bits=self.low_bits, allocation=self.allocation,
+            rotates=self.outlier_threshold != math.inf, out=out)
 
 
 def _swap_index(pivot: torch.Tensor, tile_size: int) -> torch.Tensor:

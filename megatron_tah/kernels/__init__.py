@@ -1,13 +1,14 @@
 """Fused Triton kernels behind the codecs' ``backend="triton"`` path.
 
-One module per codec (``fixedpoint``, ``tah`` with its bit allocation in ``tah_alloc``, ``fp8``),
+One module per codec (``fixedpoint``, ``hadint``, ``tah`` with its bit allocation in ``tah_alloc``, ``fp8``),
 each exposing ``triton_<codec>_encode`` / ``triton_<codec>_decode`` launchers that fill or read
 the same wire sections, byte for byte, as the codec's torch reference (``codecs/``). Shared
 ``@triton.jit`` helpers (the tile blocks, butterfly Hadamard, tree sums, directed rounding, the
 quantizer, bit packing) and the launch/recording machinery live in ``common``.
 
-Dependencies point one way: the kernels import only ``codecs.geometry`` (shapes and constants);
-the codecs import the kernels when they take the Triton path.
+Dependencies point one way, codecs -> kernels -> geometry: the launchers take plain ints and
+tensors (the wire sections as uint8 views, by the names ``megatron_tah.geometry`` gives them),
+never codec objects, and import nothing from ``codecs/`` (``tests/test_layering.py`` checks).
 
 Every module imports without Triton; its launchers then raise
 ``RuntimeError("... needs triton")``. Kernels run on CUDA tensors, or on CPU

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ..codecs import geometry
+from .. import geometry
 
 try:  # pragma: no cover - exercised by the import itself
     import triton
@@ -251,9 +251,14 @@ def int_dtype(nbytes: int) -> torch.dtype:
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[nbytes]
 
 
-def section(buf: torch.Tensor, layout, name: str, unit: int = 1) -> torch.Tensor:
-    """Section ``name`` of ``buf`` viewed as ``unit``-byte integers."""
-    return layout.view(buf, name, int_dtype(unit))
+def as_units(section: torch.Tensor, unit: int) -> torch.Tensor:
+    """A wire section (1-D uint8, 8-byte aligned) viewed as ``unit``-byte integers."""
+    return section.view(int_dtype(unit))
+
+
+def sections_nbytes(sections: dict[str, torch.Tensor]) -> int:
+    """Bytes of the largest section: the kernels index each section from its own start."""
+    return max(s.numel() for s in sections.values())
 
 
 def next_power_of_2(n: int) -> int:

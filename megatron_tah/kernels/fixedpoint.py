@@ -4,16 +4,18 @@ Each program takes ``BT`` whole tiles as a ``[H, BT, C, 8]`` block (``common``),
 min and max, the bf16 zero and scale, the codes, and packs them straight into the
 buffer's ``codes`` section (wire format: ``codecs/fixedpoint.py``). Bytes are the torch
 reference's, round to nearest or stochastic (the same counter-based noise).
+
+The launchers take the sections of ``geometry.fixedpoint_sections`` as uint8 tensors by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs import geometry
+from .. import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
-    native_conversions, section, store_units, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
+    launch, native_conversions, sections_nbytes, store_units, tl, triton,
 )
 
 if HAVE_TRITON:
@@ -108,25 +110,25 @@ def _common_args(shape, tile_size: int, nbytes: int):
 
 
 def triton_fixedpoint_encode(
-    x: torch.Tensor, buf: torch.Tensor, layout, bits: int, tile_size: int,
+    x: torch.Tensor, sections: dict[str, torch.Tensor], bits: int, tile_size: int,
     seed: int | None = None, per_lane: int | None = None, tiles_per_prog: int | None = None,
 ) -> None:
-    """Fill ``buf``'s ``scale``/``zero``/``codes`` sections from contiguous ``x``.
+    """Fill the ``scale``/``zero``/``codes`` sections (uint8 tensors) from contiguous ``x``.
 
     ``seed`` (a uint32, from ``common.RoundingNoise``) switches to stochastic rounding; the
     bytes are the reference's either way. ``per_lane``/``tiles_per_prog`` override the blocking.
     """
-    check_launch(fixedpoint_encode_kernel, "triton_fixedpoint_encode", x, buf)
+    check_launch(fixedpoint_encode_kernel, "triton_fixedpoint_encode", x, *sections.values())
     if not x.is_contiguous():
         raise ValueError("triton_fixedpoint_encode needs a contiguous input")
-    h, tiles_per_token, n_tiles, index64 = _common_args(x.shape, tile_size, buf.numel())
+    h, tiles_per_token, n_tiles, index64 = _common_args(x.shape, tile_size, sections_nbytes(sections))
     blk = blocking(fixedpoint_encode_kernel, tile_size, per_lane, tiles_per_prog)
     unit, nunits = store_units(bits)
     x_in, bf16_bits = as_kernel_input(x)
     launch(
         f"fixedpoint_encode G{tile_size} b{bits}{' SR' if seed is not None else ''}",
         fixedpoint_encode_kernel, (blk.programs(n_tiles),),
-        (x_in, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), section(buf, layout, "codes", unit),
+        (x_in, as_units(sections["scale"], 2), as_units(sections["zero"], 2), as_units(sections["codes"], unit),
          n_tiles, h, tiles_per_token, 0 if seed is None else int(seed)),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index64, STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
@@ -137,23 +139,24 @@ def triton_fixedpoint_encode(
 
 
 def triton_fixedpoint_decode(
-    buf: torch.Tensor, shape, dtype: torch.dtype, layout, bits: int, tile_size: int,
+    sections: dict[str, torch.Tensor], shape, dtype: torch.dtype, bits: int, tile_size: int,
     out: torch.Tensor | None = None, per_lane: int | None = None, tiles_per_prog: int | None = None,
 ) -> torch.Tensor:
-    """Decode a ``fixedpoint`` buffer into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
-    check_launch(fixedpoint_decode_kernel, "triton_fixedpoint_decode", buf)
+    """Decode ``fixedpoint`` sections into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
+    codes = sections["codes"]
+    check_launch(fixedpoint_decode_kernel, "triton_fixedpoint_decode", codes)
     if out is None:
-        out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
-    h, tiles_per_token, n_tiles, index64 = _common_args(shape, tile_size, buf.numel())
+        out = torch.empty(tuple(shape), dtype=dtype, device=codes.device)
+    h, tiles_per_token, n_tiles, index64 = _common_args(shape, tile_size, sections_nbytes(sections))
     blk = blocking(fixedpoint_decode_kernel, tile_size, per_lane, tiles_per_prog)
     unit, nunits = store_units(bits)
     out_view, out_kind = as_kernel_output(out)
-    native_bf16, _ = native_conversions(fixedpoint_decode_kernel, buf.device)
+    native_bf16, _ = native_conversions(fixedpoint_decode_kernel, codes.device)
     launch(
         f"fixedpoint_decode G{tile_size} b{bits} ->{str(dtype).removeprefix('torch.')}",
         fixedpoint_decode_kernel, (blk.programs(n_tiles),),
-        (out_view, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2),
-         section(buf, layout, "codes", unit), n_tiles, h, tiles_per_token),
+        (out_view, as_units(sections["scale"], 2), as_units(sections["zero"], 2), as_units(codes, unit),
+         n_tiles, h, tiles_per_token),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16, UNIT=unit, NUNITS=nunits, FLIP=block_flip(),
              num_warps=blk.num_warps),

@@ -6,16 +6,17 @@ registers, then one write of codes and two fp32 scales per group. Every step is 
 reference's fp32 operation in the reference's order, so the bytes are the same. The E4M3
 conversion is the hardware's on sm_89 and later (round to nearest even after the clamp to
 +-448, like torch's cast) and a bit-exact software version elsewhere and in the interpreter.
+The launchers take the sections of ``geometry.fp8_sections`` as uint8 tensors by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs import geometry
+from .. import geometry
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
-    native_conversions, tl, triton,
+    native_conversions, sections_nbytes, tl, triton,
 )
 
 if HAVE_TRITON:
@@ -136,20 +137,20 @@ def _common_args(shape, group_size: int, nbytes: int):
     return h, geometry.num_tiles(h, group_size), n_groups, index_is_64bit(n_groups * group_size, nbytes)
 
 
-def triton_fp8_encode(x: torch.Tensor, buf: torch.Tensor, layout, group_size: int,
+def triton_fp8_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], group_size: int,
                       per_lane: int | None = None, groups_per_prog: int | None = None) -> None:
-    """Fill ``buf``'s ``prescale``/``postscale``/``codes`` sections from contiguous ``x``."""
-    check_launch(fp8_encode_kernel, "triton_fp8_encode", x, buf)
+    """Fill the ``prescale``/``postscale``/``codes`` sections (uint8 tensors) from contiguous ``x``."""
+    check_launch(fp8_encode_kernel, "triton_fp8_encode", x, *sections.values())
     if not x.is_contiguous():
         raise ValueError("triton_fp8_encode needs a contiguous input")
-    h, groups_per_token, n_groups, index64 = _common_args(x.shape, group_size, buf.numel())
+    h, groups_per_token, n_groups, index64 = _common_args(x.shape, group_size, sections_nbytes(sections))
     blk = blocking(fp8_encode_kernel, group_size, per_lane, groups_per_prog)
     x_in, bf16_bits = as_kernel_input(x)
     _, hw_fp8 = native_conversions(fp8_encode_kernel, x.device)
     launch(
         f"fp8_encode G{group_size}", fp8_encode_kernel, (blk.programs(n_groups),),
-        (x_in, layout.view(buf, "prescale", torch.int32), layout.view(buf, "postscale", torch.float32),
-         layout.view(buf, "codes"), n_groups, h, groups_per_token),
+        (x_in, sections["prescale"].view(torch.int32), sections["postscale"].view(torch.float32),
+         sections["codes"], n_groups, h, groups_per_token),
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
              INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
              ENTRY=geometry.hadamard_entry(group_size), FMAX=geometry.FP8_MAX, RMS_FLOOR=geometry.RMS_EPS,
@@ -159,22 +160,23 @@ def triton_fp8_encode(x: torch.Tensor, buf: torch.Tensor, layout, group_size: in
     )
 
 
-def triton_fp8_decode(buf: torch.Tensor, shape, dtype: torch.dtype, layout, group_size: int,
+def triton_fp8_decode(sections: dict[str, torch.Tensor], shape, dtype: torch.dtype, group_size: int,
                       out: torch.Tensor | None = None, per_lane: int | None = None,
                       groups_per_prog: int | None = None) -> torch.Tensor:
-    """Decode an ``fp8`` buffer into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
-    check_launch(fp8_decode_kernel, "triton_fp8_decode", buf)
+    """Decode ``fp8`` sections into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
+    codes = sections["codes"]
+    check_launch(fp8_decode_kernel, "triton_fp8_decode", codes)
     if out is None:
-        out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
-    h, groups_per_token, n_groups, index64 = _common_args(shape, group_size, buf.numel())
+        out = torch.empty(tuple(shape), dtype=dtype, device=codes.device)
+    h, groups_per_token, n_groups, index64 = _common_args(shape, group_size, sections_nbytes(sections))
     blk = blocking(fp8_decode_kernel, group_size, per_lane, groups_per_prog)
     out_view, out_kind = as_kernel_output(out)
-    native_bf16, hw_fp8 = native_conversions(fp8_decode_kernel, buf.device)
+    native_bf16, hw_fp8 = native_conversions(fp8_decode_kernel, codes.device)
     launch(
         f"fp8_decode G{group_size} ->{str(dtype).removeprefix('torch.')}", fp8_decode_kernel,
         (blk.programs(n_groups),),
-        (out_view, layout.view(buf, "prescale", torch.float32), layout.view(buf, "postscale", torch.float32),
-         layout.view(buf, "codes"), n_groups, h, groups_per_token),
+        (out_view, sections["prescale"].view(torch.float32), sections["postscale"].view(torch.float32), codes,
+         n_groups, h, groups_per_token),
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
              INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16,
              ENTRY=geometry.hadamard_entry(group_size), HW_FP8=hw_fp8, FLIP=block_flip(), num_warps=blk.num_warps,

@@ -5,17 +5,18 @@ ragged last tile (as the reference pads), bad values zeroed, ``x * d`` then the 
 ``common.fwht`` in the reference's order, the bf16 scale from the rotated tile's largest magnitude,
 the codes (to nearest, or ``floor(. + u)`` with the reference's counter-hash noise) packed straight
 into the ``codes`` section. Decode is the same in reverse. Bytes and decodes are the torch
-reference's (wire format: ``codecs/hadint.py``).
+reference's (wire format: ``codecs/hadint.py``). The launchers take the sections of
+``geometry.hadint_sections`` as uint8 tensors by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs import geometry
+from .. import geometry
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
-    native_conversions, section, store_units, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, launch,
+    native_conversions, sections_nbytes, store_units, tl, triton,
 )
 from .fixedpoint import _common_args
 
@@ -99,22 +100,22 @@ def _signs(signs: torch.Tensor | None, tile_size: int, device) -> torch.Tensor:
 
 
 def triton_hadint_encode(
-    x: torch.Tensor, buf: torch.Tensor, layout, bits: int, tile_size: int, signs: torch.Tensor | None,
+    x: torch.Tensor, sections: dict[str, torch.Tensor], bits: int, tile_size: int, signs: torch.Tensor | None,
     seed: int | None = None, per_lane: int | None = None, tiles_per_prog: int | None = None,
 ) -> None:
-    """Fill ``buf``'s ``scale``/``codes`` sections from contiguous ``x``; ``signs`` (fp32 [G]) is the
-    codec's sign flip, None without the transform; ``seed`` switches to stochastic rounding."""
-    check_launch(hadint_encode_kernel, "triton_hadint_encode", x, buf)
+    """Fill the ``scale``/``codes`` sections (uint8 tensors) from contiguous ``x``; ``signs`` (fp32 [G]) is
+    the codec's sign flip, None without the transform; ``seed`` switches to stochastic rounding."""
+    check_launch(hadint_encode_kernel, "triton_hadint_encode", x, *sections.values())
     if not x.is_contiguous():
         raise ValueError("triton_hadint_encode needs a contiguous input")
-    h, tiles_per_token, n_tiles, index64 = _common_args(x.shape, tile_size, buf.numel())
+    h, tiles_per_token, n_tiles, index64 = _common_args(x.shape, tile_size, sections_nbytes(sections))
     blk = blocking(hadint_encode_kernel, tile_size, per_lane, tiles_per_prog, widest=tile_size)
     unit, nunits = store_units(bits)
     x_in, bf16_bits = as_kernel_input(x)
     launch(
         f"hadint_encode G{tile_size} b{bits}{' SR' if seed is not None else ''}",
         hadint_encode_kernel, (blk.programs(n_tiles),),
-        (x_in, _signs(signs, tile_size, x.device), section(buf, layout, "scale", 2), section(buf, layout, "codes", unit),
+        (x_in, _signs(signs, tile_size, x.device), as_units(sections["scale"], 2), as_units(sections["codes"], unit),
          n_tiles, h, tiles_per_token, 0 if seed is None else int(seed)),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index64, HADAMARD=signs is not None, ENTRY=geometry.hadamard_entry(tile_size),
@@ -125,23 +126,25 @@ def triton_hadint_encode(
 
 
 def triton_hadint_decode(
-    buf: torch.Tensor, shape, dtype: torch.dtype, layout, bits: int, tile_size: int, signs: torch.Tensor | None,
-    out: torch.Tensor | None = None, per_lane: int | None = None, tiles_per_prog: int | None = None,
+    sections: dict[str, torch.Tensor], shape, dtype: torch.dtype, bits: int, tile_size: int,
+    signs: torch.Tensor | None, out: torch.Tensor | None = None, per_lane: int | None = None,
+    tiles_per_prog: int | None = None,
 ) -> torch.Tensor:
-    """Decode a ``hadint`` buffer into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
-    check_launch(hadint_decode_kernel, "triton_hadint_decode", buf)
+    """Decode ``hadint`` sections into ``out`` (contiguous, ``shape``/``dtype``) or a new tensor."""
+    codes = sections["codes"]
+    check_launch(hadint_decode_kernel, "triton_hadint_decode", codes)
     if out is None:
-        out = torch.empty(tuple(shape), dtype=dtype, device=buf.device)
-    h, tiles_per_token, n_tiles, index64 = _common_args(shape, tile_size, buf.numel())
+        out = torch.empty(tuple(shape), dtype=dtype, device=codes.device)
+    h, tiles_per_token, n_tiles, index64 = _common_args(shape, tile_size, sections_nbytes(sections))
     blk = blocking(hadint_decode_kernel, tile_size, per_lane, tiles_per_prog, widest=tile_size)
     unit, nunits = store_units(bits)
     out_view, out_kind = as_kernel_output(out)
-    native_bf16, _ = native_conversions(hadint_decode_kernel, buf.device)
+    native_bf16, _ = native_conversions(hadint_decode_kernel, codes.device)
     launch(
         f"hadint_decode G{tile_size} b{bits} ->{str(dtype).removeprefix('torch.')}",
         hadint_decode_kernel, (blk.programs(n_tiles),),
-        (out_view, _signs(signs, tile_size, buf.device), section(buf, layout, "scale", 2),
-         section(buf, layout, "codes", unit), n_tiles, h, tiles_per_token),
+        (out_view, _signs(signs, tile_size, codes.device), as_units(sections["scale"], 2), as_units(codes, unit),
+         n_tiles, h, tiles_per_token),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
              INDEX64=index64, HADAMARD=signs is not None, ENTRY=geometry.hadamard_entry(tile_size),
              OUT_KIND=out_kind, NATIVE_BF16=native_bf16, UNIT=unit, NUNITS=nunits, FLIP=block_flip(),

@@ -16,6 +16,9 @@ Decode reads the flags, builds the same tables and runs ``tah_decode_kernel`` on
 (unpack, dequantize, butterfly Hadamard, write); a rotated tile's two swapped elements are then
 exchanged in the output (after a barrier, from L1/L2). Every fp32 operation is the torch
 reference's, in its order: the bytes are identical.
+
+The launchers take the sections of ``geometry.tah_sections`` as uint8 tensors by name and the
+codec's options as plain values.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ import math
 
 import torch
 
-from ..codecs import geometry
+from .. import geometry
 from . import tah_alloc
 from .common import (
-    HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
-    native_conversions, section, store_units, tl, triton,
+    HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
+    launch, native_conversions, sections_nbytes, store_units, tl, triton,
 )
 
 if HAVE_TRITON:
@@ -190,12 +193,19 @@ def _widest(tile_size: int) -> int:
     return 64 if tile_size <= 64 else 32
 
 
-def _geometry(codec, shape, nbytes: int):
-    s, b, h = shape
-    tiles_per_token = geometry.num_tiles(h, codec.tile_size)
-    total, n_low, units = codec.tile_counts(shape)
-    index64 = index_is_64bit(total * codec.tile_size, nbytes)
-    return h, tiles_per_token, total, n_low, total // units, units, index64
+def _unit_geometry(shape, tile_size: int, allocation: str) -> tuple[int, int, int, int]:
+    """(h, tiles per token, tiles per allocation unit, allocation units) of an ``[s, b, h]`` tensor."""
+    s, b, h = (int(d) for d in shape)
+    tiles_per_token = geometry.num_tiles(h, tile_size)
+    if allocation == "token":
+        return h, tiles_per_token, tiles_per_token, s * b
+    return h, tiles_per_token, 1, s * b * tiles_per_token
+
+
+def _low_units(shape, allocation: str, low_per_group: int) -> int:
+    """Low-bit units in all: ``low_per_group`` per sample (token allocation) or per token (tile)."""
+    s, b, _ = shape
+    return low_per_group * (b if allocation == "token" else s * b)
 
 
 def triton_tah_partials(x: torch.Tensor, tile_size: int, entropy: bool = False, per_lane: int | None = None,
@@ -221,81 +231,74 @@ def triton_tah_partials(x: torch.Tensor, tile_size: int, entropy: bool = False, 
     return out
 
 
-def flag_words(buf: torch.Tensor, layout) -> torch.Tensor:
-    """The ``flags`` section and its zero padding as int32 words (sections start 8-byte aligned)."""
-    start, size = layout.offsets["flags"]
-    return buf[start: start + -(-size // 4) * 4].view(torch.int32)
+def triton_tah_allocate(x: torch.Tensor, flags: torch.Tensor, *, tile_size: int, allocation: str,
+                        low_per_group: int, invert: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit allocation of contiguous ``[s, b, h]`` ``x`` on the device: writes the ``flags`` section and
+    returns the int32 tables of high- and low-bit units in order (``TahCodec.unit_tables``).
 
-
-def triton_tah_allocate(codec, x: torch.Tensor, buf: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bit allocation of ``x`` on the device: writes the ``flags`` section and returns the int32 tables
-    of high- and low-bit units in order (``TahCodec.unit_tables``)."""
-    shape = tuple(x.shape)
+    ``flags``: the section followed by its zero padding to a multiple of 4 bytes (uint8; tile allocation
+    ors int32 words into it). ``low_per_group``: low-bit units per sample (token allocation) or per token
+    (tile); ``invert`` gives them to the highest entropies instead of the lowest.
+    """
+    shape = tuple(int(d) for d in x.shape)
     s, b, h = shape
-    g = codec.tile_size
-    tiles_per_token = geometry.num_tiles(h, g)
-    total, n_low_tiles, units = codec.tile_counts(shape)
-    n_low = codec.low_units_per_group(shape)
-    invert = codec.low_bits_for == "high_entropy"
-    flags = layout.view(buf, "flags")
-    if codec.allocation == "token":
-        if n_low:
-            entropy = tah_alloc.token_entropy(triton_tah_partials(x, g), s * b, tiles_per_token)
-            low = tah_alloc.rank_low(entropy, b, s, n_low, 1, b, invert)
-        else:
-            low = torch.zeros(units, dtype=torch.uint8, device=x.device)
-        return tah_alloc.unit_tables(low, flags, shape, g, "token", n_low * b)
-    if n_low:
-        entropy = triton_tah_partials(x, g, entropy=True)
-        low = tah_alloc.rank_low(entropy, s * b, tiles_per_token, n_low, tiles_per_token, 1, invert)
-    else:
+    _, tiles_per_token, _, units = _unit_geometry(shape, tile_size, allocation)
+    n_low = _low_units(shape, allocation, low_per_group)
+    if not low_per_group:
         low = torch.zeros(units, dtype=torch.uint8, device=x.device)
-    return tah_alloc.unit_tables(low, flag_words(buf, layout), shape, g, "tile", n_low_tiles)
+    elif allocation == "token":
+        entropy = tah_alloc.token_entropy(triton_tah_partials(x, tile_size), s * b, tiles_per_token)
+        low = tah_alloc.rank_low(entropy, b, s, low_per_group, 1, b, invert)
+    else:
+        entropy = triton_tah_partials(x, tile_size, entropy=True)
+        low = tah_alloc.rank_low(entropy, s * b, tiles_per_token, low_per_group, tiles_per_token, 1, invert)
+    return tah_alloc.unit_tables(low, flags, shape, tile_size, allocation, n_low)
 
 
-def triton_tah_tables(codec, buf: torch.Tensor, shape, layout, error: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unit tables from a buffer's ``flags`` section; corrupt flags add to ``error`` (int32, 0-d)."""
-    total, n_low_tiles, units = codec.tile_counts(shape)
-    n_low = n_low_tiles if codec.allocation == "tile" else n_low_tiles // (total // units)
-    return tah_alloc.unit_tables(None, layout.view(buf, "flags"), shape, codec.tile_size, codec.allocation, n_low,
-                                 error=error)
+def triton_tah_tables(flags: torch.Tensor, shape, error: torch.Tensor, *, tile_size: int, allocation: str,
+                      low_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit tables from a buffer's ``flags`` section (uint8); corrupt flags add to ``error`` (int32, 0-d)."""
+    shape = tuple(int(d) for d in shape)
+    return tah_alloc.unit_tables(None, flags, shape, tile_size, allocation,
+                                 _low_units(shape, allocation, low_per_group), error=error)
 
 
-def _widths(codec, total: int, n_low: int, high_units, low_units):
+def _widths(high_bits: int, low_bits: int, tiles_per_unit: int, high_units, low_units):
     """(bits, section, tiles, table, label) for each bit width that has tiles."""
-    widths = [(codec.high_bits, "high", total - n_low, high_units, "high"),
-              (codec.low_bits, "low", n_low, low_units, "low")]
+    widths = [(high_bits, "high", high_units.numel() * tiles_per_unit, high_units, "high"),
+              (low_bits, "low", low_units.numel() * tiles_per_unit, low_units, "low")]
     return [w for w in widths if w[2] > 0]
 
 
-def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_units: torch.Tensor,
-                      low_units: torch.Tensor, seed: int | None = None, per_lane: int | None = None,
+def triton_tah_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], high_units: torch.Tensor,
+                      low_units: torch.Tensor, *, tile_size: int, high_bits: int, low_bits: int, allocation: str,
+                      outlier_threshold: float, seed: int | None = None, per_lane: int | None = None,
                       tiles_per_prog: int | None = None) -> torch.Tensor:
-    """Fill ``buf``'s scale/zero/meta/high/low sections from contiguous ``[s, b, h]`` ``x`` (a ``TahCodec``).
+    """Fill the scale/zero/meta/high/low sections (uint8 tensors, ``geometry.tah_sections``) from contiguous
+    ``[s, b, h]`` ``x``.
 
     ``high_units``/``low_units``: int32 unit indices of each width in order (``triton_tah_allocate``);
     ``seed`` (uint32) switches to stochastic rounding. The ``flags`` section is the allocation's. Returns
     int32 counts of rotated tiles, one per program (their sum is the number of rotated tiles).
     """
-    check_launch(tah_encode_kernel, "triton_tah_encode", x, buf)
-    shape = tuple(x.shape)
-    h, tiles_per_token, total, n_low, tiles_per_unit, units, index64 = _geometry(codec, shape, buf.numel())
-    g = codec.tile_size
+    check_launch(tah_encode_kernel, "triton_tah_encode", x, *sections.values())
+    g = tile_size
+    h, tiles_per_token, tiles_per_unit, units = _unit_geometry(x.shape, g, allocation)
+    index64 = index_is_64bit(geometry.total_tiles(x.shape, g) * g, sections_nbytes(sections))
     blk = blocking(tah_encode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     x_in, bf16_bits = as_kernel_input(x)
-    tau = codec.outlier_threshold
-    widths = _widths(codec, total, n_low, high_units, low_units)
+    tau = outlier_threshold
+    widths = _widths(high_bits, low_bits, tiles_per_unit, high_units, low_units)
     rotated = torch.empty(sum(blk.programs(w[2]) for w in widths), dtype=torch.int32, device=x.device)
     first_slot = 0
     for bits, name, n_rank, table, label in widths:
         unit, nunits = store_units(bits)
         launch(
-            f"tah_encode G{g} {label} b{bits} {codec.allocation}{' SR' if seed is not None else ''}"
+            f"tah_encode G{g} {label} b{bits} {allocation}{' SR' if seed is not None else ''}"
             f"{' tau=inf' if tau == math.inf else ' tau=0' if tau == 0 else ''}",
             tah_encode_kernel, (blk.programs(n_rank),),
-            (x_in, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
-             section(buf, layout, name, unit), table, rotated, n_rank, h, tiles_per_token, tiles_per_unit, units,
+            (x_in, as_units(sections["scale"], 2), as_units(sections["zero"], 2), sections["meta"],
+             as_units(sections[name], unit), table, rotated, n_rank, h, tiles_per_token, tiles_per_unit, units,
              first_slot, 0 if seed is None else int(seed)),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
@@ -308,31 +311,35 @@ def triton_tah_encode(codec, x: torch.Tensor, buf: torch.Tensor, layout, high_un
     return rotated
 
 
-def triton_tah_decode(codec, buf: torch.Tensor, shape, dtype: torch.dtype, layout, high_units: torch.Tensor,
-                      low_units: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
-                      per_lane: int | None = None, tiles_per_prog: int | None = None) -> torch.Tensor:
-    """Decode a ``tah`` buffer into ``out`` (contiguous) or a new tensor; tables from ``triton_tah_tables``;
-    pivots outside the tile add to ``error`` (int32, 0-d)."""
-    check_launch(tah_decode_kernel, "triton_tah_decode", buf)
-    shape = tuple(shape)
+def triton_tah_decode(sections: dict[str, torch.Tensor], shape, dtype: torch.dtype, high_units: torch.Tensor,
+                      low_units: torch.Tensor, error: torch.Tensor, *, tile_size: int, high_bits: int, low_bits: int,
+                      allocation: str, rotates: bool, out: torch.Tensor | None = None, per_lane: int | None = None,
+                      tiles_per_prog: int | None = None) -> torch.Tensor:
+    """Decode ``tah`` sections into ``out`` (contiguous) or a new tensor; tables from ``triton_tah_tables``;
+    ``rotates``: whether any tile can be rotated (a finite outlier threshold); pivots outside the tile add
+    to ``error`` (int32, 0-d)."""
+    meta = sections["meta"]
+    check_launch(tah_decode_kernel, "triton_tah_decode", meta)
+    shape = tuple(int(d) for d in shape)
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=buf.device)
-    h, tiles_per_token, total, n_low, tiles_per_unit, units, index64 = _geometry(codec, shape, buf.numel())
-    g = codec.tile_size
+        out = torch.empty(shape, dtype=dtype, device=meta.device)
+    g = tile_size
+    h, tiles_per_token, tiles_per_unit, units = _unit_geometry(shape, g, allocation)
+    index64 = index_is_64bit(geometry.total_tiles(shape, g) * g, sections_nbytes(sections))
     blk = blocking(tah_decode_kernel, g, per_lane, tiles_per_prog, widest=_widest(g))
     out_view, out_kind = as_kernel_output(out)
-    native_bf16, _ = native_conversions(tah_decode_kernel, buf.device)
-    for bits, name, n_rank, table, label in _widths(codec, total, n_low, high_units, low_units):
+    native_bf16, _ = native_conversions(tah_decode_kernel, meta.device)
+    for bits, name, n_rank, table, label in _widths(high_bits, low_bits, tiles_per_unit, high_units, low_units):
         unit, nunits = store_units(bits)
         launch(
-            f"tah_decode G{g} {label} b{bits} {codec.allocation} ->{str(dtype).removeprefix('torch.')}",
+            f"tah_decode G{g} {label} b{bits} {allocation} ->{str(dtype).removeprefix('torch.')}",
             tah_decode_kernel, (blk.programs(n_rank),),
-            (out_view, section(buf, layout, "scale", 2), section(buf, layout, "zero", 2), layout.view(buf, "meta"),
-             section(buf, layout, name, unit), table, error, n_rank, h, tiles_per_token, tiles_per_unit, units),
+            (out_view, as_units(sections["scale"], 2), as_units(sections["zero"], 2), meta,
+             as_units(sections[name], unit), table, error, n_rank, h, tiles_per_token, tiles_per_unit, units),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  OUT_KIND=out_kind, NATIVE_BF16=native_bf16, ENTRY=geometry.hadamard_entry(g), UNIT=unit,
-                 NUNITS=nunits, ROTATES=codec.outlier_threshold != math.inf, FLIP=block_flip(),
-                 num_warps=blk.num_warps, enable_fp_fusion=False),
+                 NUNITS=nunits, ROTATES=rotates, FLIP=block_flip(), num_warps=blk.num_warps,
+                 enable_fp_fusion=False),
             blk.elements,
         )
     return out

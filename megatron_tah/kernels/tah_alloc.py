@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import geometry
+from .. import geometry
 from .common import HAVE_TRITON, check_launch, launch, next_power_of_2, tl, triton
 
 if HAVE_TRITON:
