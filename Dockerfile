@@ -41,11 +41,14 @@ RUN git init -q "${MEGATRON_LM}" \
     && git -C "${MEGATRON_LM}" checkout -q FETCH_HEAD
 
 WORKDIR /opt/megatron_tah
-# What the package, its tests and its scripts need (no virtual environment, runs or data).
-COPY pyproject.toml README.md Makefile ./
+# What the package, its scripts and `make test` need: the tests read the Dockerfile and docs/
+# (tests/test_docker.py checks that every file they name is copied). No virtual environment, runs
+# or data (.dockerignore keeps them out of the build context).
+COPY pyproject.toml README.md Makefile Dockerfile .dockerignore ./
 COPY megatron_tah ./megatron_tah
 COPY patches ./patches
 COPY scripts ./scripts
+COPY docs ./docs
 COPY tests ./tests
 
 # The hook into pretrain_gpt.py (apply_patch.sh refuses a megatron-core without the transports the
