@@ -40,7 +40,7 @@ def test_scaled_down_demo(tmp_path):
     compute = summary["compute"]  # the link-free run measured this machine's compute per iteration
     assert compute["compute_ms_per_iter"] > 0 and "ms of compute per iteration" in proc.stdout
     assert compute["bf16_link_ms_per_iter"] == pytest.approx(rows["bf16"]["link_ms_per_iter"])
-    assert "bf16: iteration 12/12, lm loss" in proc.stdout and "ETA" in proc.stdout  # progress from the logs
+    assert "bf16: iteration 10/12, lm loss" in proc.stdout and "ETA" in proc.stdout  # the last log line (every 10)
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
     assert "TAH-Quant" in table and "in-process emulation" in table
