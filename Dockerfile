@@ -41,9 +41,10 @@ RUN git init -q "${MEGATRON_LM}" \
     && git -C "${MEGATRON_LM}" checkout -q FETCH_HEAD
 
 WORKDIR /opt/megatron_tah
-# What the package, its tests, scripts and benchmarks need, and the committed results the benchmarks
-# regenerate (no virtual environment, runs or data).
-COPY pyproject.toml README.md Makefile ./
+# What the package, its scripts and `make test` need: the tests read the Dockerfile and docs/
+# (tests/test_docker.py checks that every file they name is copied). No virtual environment, runs
+# or data (.dockerignore keeps them out of the build context).
+COPY pyproject.toml README.md Makefile Dockerfile .dockerignore ./
 COPY megatron_tah ./megatron_tah
 COPY benchmarks ./benchmarks
 COPY docs ./docs

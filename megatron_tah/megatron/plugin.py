@@ -17,9 +17,9 @@ idempotently and before Megatron parses its arguments:
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
-- the wheel's dataset helpers: megatron-core's wheel ships ``datasets/helpers_cpp`` compiled but
-  not the Makefile that ``initialize.py:_compile_dependencies`` runs ``make`` on (which then
-  exits the job); when the compiled module imports, ``compile_helpers`` is skipped;
+- the dataset helpers (``dataset_helpers.py``): skipped when compiled (megatron-core's wheel ships
+  ``helpers_cpp`` without the Makefile Megatron runs ``make`` on), else a checkout's are compiled by
+  this interpreter (its pybind11, its extension suffix), whatever ``python3`` is on ``PATH``;
 - without CUDA, the CPU shims (``cpu_shims.apply_cpu_shims()``).
 
 ``uninstall_megatron_lm_plugin()`` undoes all of it, including ``megatron_tah.install``.
@@ -27,12 +27,11 @@ idempotently and before Megatron parses its arguments:
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from . import codec_state, cpu_shims, places
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
+from .dataset_helpers import compiling_with_this_python
 from .logging import install_logging, uninstall_logging
 from .patching import Patches
 
@@ -65,21 +64,6 @@ def _initializing_then_installing(original):
     return initialize_megatron
 
 
-def _compiled_helpers_present() -> bool:
-    try:
-        importlib.import_module("megatron.core.datasets.helpers_cpp")
-        return True
-    except ImportError:
-        return False
-
-
-def _skipping_compile(original):
-    def compile_helpers():
-        return None  # the wheel's compiled helpers_cpp is there (checked at install)
-
-    return compile_helpers
-
-
 def install_megatron_lm_plugin() -> None:
     """Install flags, logging, the post-initialization ``megatron_tah.install``, codec checkpoints, shims."""
     if _PATCHES:
@@ -90,8 +74,7 @@ def install_megatron_lm_plugin() -> None:
         for module in INITIALIZE_MODULES:
             _PATCHES.wrap(module, "initialize_megatron", _initializing_then_installing)
         codec_state.install(_PATCHES)
-        if _compiled_helpers_present():
-            _PATCHES.wrap("megatron.core.datasets.utils", "compile_helpers", _skipping_compile)
+        _PATCHES.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
         if not torch.cuda.is_available() and not cpu_shims.cpu_shims_active():
             _state["cpu_shims"] = cpu_shims.apply_cpu_shims()
     except Exception:
