@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import common, geometry
-from .base import Codec, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
 from .geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 
 
@@ -86,8 +86,8 @@ class Fp8Codec(Codec):
     codec_id = 3
     decodes_into_out = True
 
-    def __init__(self, group_size: int = 128, backend: str = "auto"):
-        super().__init__(backend)
+    def __init__(self, group_size: int = 128, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         self.group_size = common.check_tile_size(group_size)
 
     def config(self) -> dict:
