@@ -167,7 +167,7 @@ class AqSgdCodec(Codec):
         else:
             payload = self._delta_codec.encode(x.float() - self._gather(ids, x.shape, x.device))
         layout.view(buf, "payload").copy_(payload)
-        self._write_checksum(buf)
+        self.write_checksum(buf)
         # The sender updates its state from the bytes it sends, exactly as the receiver will.
         self._apply(layout.view(buf, "payload"), phase, ids, tuple(x.shape), x.dtype)
         return buf

@@ -285,7 +285,7 @@ class Codec:
             self._encode_triton(x.contiguous(), buf, layout)
         else:
             self._encode_torch(x.contiguous(), buf, layout)
-        self._write_checksum(buf)
+        self.write_checksum(buf)
         return buf
 
     def decode(
@@ -343,8 +343,7 @@ class Codec:
             errors = self.deferred_errors(buf.device)
             if self.checksum:  # the fixed fields here, the checksum (0 from a sender without one) apart
                 errors.add((buf[:CHECKSUM_OFFSET] != expected[:CHECKSUM_OFFSET]).any())
-                computed = wire_checksum.checksum_bytes(wire_checksum.payload_checksum(buf[HEADER_NBYTES:]))
-                self.deferred_checksum_errors(buf.device).add((buf[CHECKSUM_OFFSET:HEADER_NBYTES] != computed).any())
+                self.deferred_checksum_errors(buf.device).add(self.checksum_mismatch(buf))
             elif self._use_triton(buf.device):
                 from ..kernels.common import check_header  # one launch instead of three
 
@@ -479,11 +478,17 @@ class Codec:
                 "(bytes changed on the way); refusing to decode it", codec=self.describe(), found=found,
                 computed=computed)
 
-    def _write_checksum(self, buf: torch.Tensor) -> None:
-        """Put the payload's checksum in the header (on the device, no sync); the field stays 0 when off."""
+    def write_checksum(self, buf: torch.Tensor) -> None:
+        """Put the payload's checksum in ``buf``'s header (on the device, no sync); the field stays 0 when off."""
         if self.checksum:
             value = wire_checksum.payload_checksum(buf[HEADER_NBYTES:])
             buf[CHECKSUM_OFFSET:HEADER_NBYTES].copy_(wire_checksum.checksum_bytes(value))
+
+    @staticmethod
+    def checksum_mismatch(buf: torch.Tensor) -> torch.Tensor:
+        """0-d bool on ``buf``'s device: its header's checksum field is not its payload's checksum (no sync)."""
+        computed = wire_checksum.checksum_bytes(wire_checksum.payload_checksum(buf[HEADER_NBYTES:]))
+        return (buf[CHECKSUM_OFFSET:HEADER_NBYTES] != computed).any()
 
     @staticmethod
     def _zero_padding(buf: torch.Tensor, layout: WireLayout) -> None:

@@ -51,16 +51,20 @@ def payload_checksum(payload: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"a payload is a 1-D uint8 tensor of an even length, got {payload.dtype} "
                          f"{tuple(payload.shape)}")
     n = payload.numel() // 2
+    device = payload.device
+    weights = _cached(_WEIGHTS, device, lambda d: torch.arange(1, CHUNK + 1, dtype=torch.int64, device=d))
+    if n <= CHUNK:  # one row: the fewest ops (most messages of a small model)
+        words = payload.view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+        return words.mul_(weights[:n]).sum().remainder_(PRIME).add_(1)
     rows = -(-n // CHUNK)
-    words = torch.empty(rows * CHUNK, dtype=torch.int64, device=payload.device)
+    words = torch.empty(rows * CHUNK, dtype=torch.int64, device=device)
     words[n:].zero_()
     words[:n].copy_(payload.view(torch.int16)).bitwise_and_(0xFFFF)
     words = words.view(rows, CHUNK)
     plain = words.sum(1)  # < 2**31
-    weights = _cached(_WEIGHTS, payload.device, lambda d: torch.arange(1, CHUNK + 1, dtype=torch.int64, device=d))
     within = words.mul_(weights).sum(1)  # sum of (c + 1) * w over a row, < 2**46
     # Word r * CHUNK + c has weight r * CHUNK + c + 1: add r * CHUNK times the row's plain sum.
-    starts = torch.arange(rows, dtype=torch.int64, device=payload.device).mul_(CHUNK)
+    starts = torch.arange(rows, dtype=torch.int64, device=device).mul_(CHUNK)
     total = starts.mul_(plain).add_(within).remainder_(PRIME)
     return total.sum().remainder_(PRIME).add_(1)
 
