@@ -181,8 +181,8 @@ def checksum_rows(shape, label, name, config, backend, measured, pool, timer, wa
             dict(common, op="decode", us=dec_on, pct_of_codec=100.0 * (dec_on - dec_off) / dec_off),
             dict(common, op="checksum-write", us=write_us, pct_of_codec=100.0 * write_us / codec_us),
             dict(common, op="checksum-check", us=check_us, pct_of_codec=100.0 * check_us / codec_us),
-            dict(common, op="checksum-cost", us=write_us + check_us, codec_us=codec_us, with_checksum_us=enc_on + dec_on,
-                 pct_of_codec=100.0 * (write_us + check_us) / codec_us)]
+            dict(common, op="checksum-cost", us=write_us + check_us, codec_us=codec_us,
+                 with_checksum_us=enc_on + dec_on, pct_of_codec=100.0 * (write_us + check_us) / codec_us)]
 
 
 def gbps(nbytes: int, us: float) -> float:
