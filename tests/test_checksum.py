@@ -212,3 +212,24 @@ def test_the_option_reaches_the_pipeline_codecs_only(on):
     assert config.forward_codec().checksum is on and config.backward_codec().checksum is on
     assert not config.tp_codec().checksum and not config.dp_codec().checksum
     assert not config.laaq_codec(0, 1).checksum
+
+
+@pytest.mark.parametrize("name", ["tah", "fixedpoint", "fp8", "hadint"])
+def test_the_triton_path_writes_and_checks_the_same_checksum(name, message):
+    from megatron_tah.kernels.common import kernel_device, why_no_kernels
+
+    device = kernel_device()
+    if device is None:
+        pytest.skip(why_no_kernels())
+    x = message.to(device)
+    fused = get_codec(name, backend="triton", checksum=True)
+    buf = fused.encode(x)
+    assert torch.equal(buf.cpu(), make(name).encode(message))  # the torch reference's bytes, checksum included
+    rng = random.Random(f"triton-{name}")
+    for _ in range(20):
+        bad = corrupt(buf, rng)
+        with pytest.raises(PayloadChecksumError):
+            fused.decode(bad, SHAPE, x.dtype)
+        deferred = get_codec(name, backend="triton", checksum=True).defer_checks()
+        deferred.decode(bad, SHAPE, x.dtype)
+        assert deferred.deferred_checksum_errors(bad.device).seen(wait=True) == 1
