@@ -10,8 +10,15 @@ the speed-up over the codec's own torch reference. Decodes run as the pipeline r
 preallocated output, with the header checked on the device (``Codec.defer_checks``). The table
 is printed, and written as JSON (device name, date, versions) and Markdown.
 
+``--checksum`` also times every codec with the payload checksum on (``Codec(checksum=True)``,
+``--tah-wire-checksum``), and the checksum's own work on the codec's buffer: the sender's (compute it,
+write the header field) and the receiver's (compute it, compare on the device). Its cost is that work
+over the codec's encode + decode time without it, the number the option's default is decided by
+(on when under 2%; see ``codecs/checksum.py``).
+
     python scripts/bench_codecs.py                       # CUDA, the default shapes -> docs/benchmarks/<gpu>.json
     python scripts/bench_codecs.py --device cpu --quick  # smoke test: tiny shapes, wall-clock timer
+    python scripts/bench_codecs.py --device cpu --checksum --backends torch --shapes 64x4x128 1024x1x1600
 
 On CUDA the timer is CUDA events; on CPU ``time.perf_counter`` (the Triton path runs there
 only under TRITON_INTERPRET=1, and its timings then mean nothing). No megatron-core needed.
@@ -100,10 +107,10 @@ def time_copy(pool, timer, warmup, iters) -> float:
     return statistics.median(timer.elapsed_us(a, b) for a, b in marks)
 
 
-def make_pair(name, config, backend):
+def make_pair(name, config, backend, checksum=False):
     """(encode(x) -> buf, decode(buf, out) -> out) for one codec and backend, as the pipeline calls them."""
-    sender = get_codec(name, backend=backend, **config)
-    receiver = get_codec(name, backend=backend, **config) if name == "aqsgd" else sender
+    sender = get_codec(name, backend=backend, checksum=checksum, **config)
+    receiver = get_codec(name, backend=backend, checksum=checksum, **config) if name == "aqsgd" else sender
     receiver.defer_checks()
     if name != "aqsgd":
         return sender.encode, lambda buf, out: receiver.decode(buf, out.shape, out.dtype, out=out)
@@ -118,9 +125,9 @@ def make_pair(name, config, backend):
     return encode, lambda buf, out: receiver.decode(buf, out.shape, out.dtype, out=out)
 
 
-def time_codec(name, config, backend, pool, timer, warmup, iters) -> tuple[float, float, int]:
+def time_codec(name, config, backend, pool, timer, warmup, iters, checksum=False) -> tuple[float, float, int]:
     """Median encode and decode microseconds, and the wire size in bytes."""
-    encode, decode = make_pair(name, config, backend)
+    encode, decode = make_pair(name, config, backend, checksum)
     out = torch.empty_like(pool[0])
     for i in range(warmup):
         decode(encode(pool[i % len(pool)]), out)
@@ -136,6 +143,46 @@ def time_codec(name, config, backend, pool, timer, warmup, iters) -> tuple[float
     enc = statistics.median(timer.elapsed_us(a, b) for a, b, _ in marks)
     dec = statistics.median(timer.elapsed_us(b, c) for _, b, c in marks)
     return enc, dec, buf.numel()
+
+
+def time_checksum(name, config, backend, pool, timer, warmup, iters) -> tuple[float, float]:
+    """Median microseconds of the checksum's work on one of the codec's buffers: the sender's
+    (``write_checksum``) and the receiver's deferred check (``checksum_mismatch``)."""
+    encode, _ = make_pair(name, config, backend, checksum=True)
+    codec = get_codec(name, backend=backend, checksum=True, **config)
+    bufs = [encode(x) for x in pool[: max(2, min(len(pool), 8))]]
+    for i in range(warmup):
+        codec.write_checksum(bufs[i % len(bufs)])
+        codec.checksum_mismatch(bufs[i % len(bufs)])
+    timer.sync()
+    marks = []
+    for i in range(iters):
+        buf = bufs[i % len(bufs)]
+        start = timer.mark()
+        codec.write_checksum(buf)
+        mid = timer.mark()
+        codec.checksum_mismatch(buf)
+        marks.append((start, mid, timer.mark()))
+    timer.sync()
+    return (statistics.median(timer.elapsed_us(a, b) for a, b, _ in marks),
+            statistics.median(timer.elapsed_us(b, c) for _, b, c in marks))
+
+
+def checksum_rows(shape, label, name, config, backend, measured, pool, timer, warmup, iters,
+                  checksum_iters) -> list[dict]:
+    """Rows of the codec with the checksum on, and of the checksum's own cost (% of encode + decode without it)."""
+    enc_off, dec_off, wire = measured
+    enc_on, dec_on, _ = time_codec(name, config, backend, pool, timer, warmup, iters, checksum=True)
+    write_us, check_us = time_checksum(name, config, backend, pool, timer, warmup, checksum_iters)
+    codec_us = enc_off + dec_off
+    common = dict(shape=list(shape), codec=label, backend=backend, wire_bytes=wire, speedup_vs_torch=None,
+                  bits_per_element=8.0 * wire / pool[0].numel(), checksum=True)
+    return [dict(common, op="encode", us=enc_on, pct_of_codec=100.0 * (enc_on - enc_off) / enc_off),
+            dict(common, op="decode", us=dec_on, pct_of_codec=100.0 * (dec_on - dec_off) / dec_off),
+            dict(common, op="checksum-write", us=write_us, pct_of_codec=100.0 * write_us / codec_us),
+            dict(common, op="checksum-check", us=check_us, pct_of_codec=100.0 * check_us / codec_us),
+            dict(common, op="checksum-cost", us=write_us + check_us, codec_us=codec_us,
+                 with_checksum_us=enc_on + dec_on, pct_of_codec=100.0 * (write_us + check_us) / codec_us)]
 
 
 def gbps(nbytes: int, us: float) -> float:
@@ -181,6 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, help="timed runs per Triton/copy measurement (default 50; quick: 5)")
     parser.add_argument("--ref-iters", type=int, default=5, help="timed runs per torch-reference measurement")
     parser.add_argument("--max-pool", type=int, default=64, help="most distinct inputs per shape")
+    parser.add_argument("--checksum", action="store_true",
+                        help="also time each codec with the payload checksum on, and the checksum's own cost")
     parser.add_argument("--out", type=pathlib.Path,
                         help="JSON report (default docs/benchmarks/<gpu>.json on CUDA, runs/bench_codecs.json on CPU)")
     parser.add_argument("--markdown", type=pathlib.Path, help="Markdown table (default: the JSON path with .md)")
@@ -236,7 +285,13 @@ def run(args) -> dict:
                     rows.append(dict(shape=list(shape), codec=label, backend=backend, op=op, us=us, gbps=rate,
                                      pct_copy=100.0 * rate / copy_gbps,
                                      speedup_vs_torch=None if ref_us is None else ref_us / us,
-                                     wire_bytes=wire, bits_per_element=8.0 * wire / pool[0].numel()))
+                                     wire_bytes=wire, bits_per_element=8.0 * wire / pool[0].numel(),
+                                     checksum=False))
+                if args.checksum:
+                    iters = args.iters if backend == "triton" else args.ref_iters
+                    warmup = args.warmup if backend == "triton" else min(args.warmup, 2)
+                    rows += checksum_rows(shape, label, name, CODECS[label][1], backend, measured[backend], pool,
+                                          timer, warmup, iters, args.iters)
         del pool
     return {
         "device": device_name(device),
@@ -273,10 +328,23 @@ def format_table(report: dict) -> str:
               f"{'x torch':>8} {'bits/el':>7}")
     lines = [f"{report['device']} ({report['timer']}, median, {report['dtype']})", header]
     for row in report["results"]:
+        if row.get("checksum"):
+            continue
         shape = "x".join(str(d) for d in row["shape"])
         lines.append(f"{shape:>16} {row['codec']:>18} {row['backend']:>7} {row['op']:>6} {row['us']:>10.1f} "
                      f"{row['gbps']:>8.1f} {row['pct_copy']:>7.1f} {_speedup(row['speedup_vs_torch']):>8} "
                      f"{row['bits_per_element']:>7.2f}")
+    costs = [row for row in report["results"] if row.get("checksum")]
+    if costs:
+        lines += ["", "payload checksum: codec us without / with it (encode + decode), the checksum's own us "
+                  "(sender + receiver) and that as % of the codec's time",
+                  f"{'shape':>16} {'codec':>18} {'backend':>7} {'codec us':>10} {'with us':>10} {'sum us':>8} "
+                  f"{'cost %':>7}"]
+        for row in costs:
+            if row["op"] == "checksum-cost":
+                shape = "x".join(str(d) for d in row["shape"])
+                lines.append(f"{shape:>16} {row['codec']:>18} {row['backend']:>7} {row['codec_us']:>10.1f} "
+                             f"{row['with_checksum_us']:>10.1f} {row['us']:>8.1f} {row['pct_of_codec']:>7.2f}")
     return "\n".join(lines)
 
 
@@ -292,6 +360,8 @@ def format_markdown(report: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rows = {}
     for row in report["results"]:
+        if row.get("checksum"):
+            continue
         if row["backend"] == "triton" or row["codec"] == "copy":
             rows.setdefault((tuple(row["shape"]), row["codec"]), {})[row["op"]] = row
     for (shape, codec), ops in rows.items():

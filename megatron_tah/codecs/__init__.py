@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Codec, CodecError, WireFormatError
+from .base import Codec, CodecError, PayloadChecksumError, WireFormatError
 
 # name -> "module:Class"; modules are imported on first use.
 CODECS = {
@@ -50,4 +50,5 @@ def load_all_codecs() -> None:
         codec_class(name)
 
 
-__all__ = ["CODECS", "Codec", "CodecError", "WireFormatError", "codec_class", "get_codec", "load_all_codecs"]
+__all__ = ["CODECS", "Codec", "CodecError", "PayloadChecksumError", "WireFormatError", "codec_class", "get_codec",
+           "load_all_codecs"]

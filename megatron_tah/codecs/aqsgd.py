@@ -27,8 +27,9 @@ be ``[s, b, h]``): the receiver knows it before the message arrives.
 
 Wire: header | ``state``: int64[2] = (phase: 0 warm-up / 1 delta, ``samples_seen`` before
 this message) | ``ids``: int64[b] | ``payload``: the inner codec's whole buffer (its own
-16-byte header included): ``none`` of ``[s, b, h]`` in the message dtype (warm-up), or
-``fixedpoint(bits, tile_size)`` of ``[s, b, h]`` fp32 (delta). Decoding checks the phase and
+16-byte header included, its checksum field 0: the outer checksum covers it): ``none`` of
+``[s, b, h]`` in the message dtype (warm-up), or ``fixedpoint(bits, tile_size)`` of ``[s, b, h]``
+fp32 (delta). Decoding checks the phase and
 the counter and raises ``WireFormatError`` when the two ends are out of step.
 """
 
@@ -36,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import (HEADER_NBYTES, Codec, CodecError, WireFormatError, WireLayout, check_shape,
-                   dtype_name, register_codec_id)
+from .base import (CHECKSUM_DEFAULT, HEADER_NBYTES, Codec, CodecError, WireFormatError, WireLayout, check_dtype,
+                   check_shape, dtype_name, register_codec_id)
 from .fixedpoint import FixedPointCodec
 from .none import NoneCodec
 
@@ -51,10 +52,12 @@ class AqSgdCodec(Codec):
     codec_id = 4
 
     def __init__(self, bits: int = 4, tile_size: int = 64, warmup_samples: int = 0,
-                 buffer_dtype: torch.dtype = torch.float32, backend: str = "auto"):
-        super().__init__(backend)
-        self._delta_codec = FixedPointCodec(bits=bits, tile_size=tile_size, backend=backend)
-        self._raw_codec = NoneCodec(backend="torch")  # a copy: no kernel needed
+                 buffer_dtype: torch.dtype = torch.float32, backend: str = "auto",
+                 checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
+        # The inner buffers travel inside this one, whose checksum covers them.
+        self._delta_codec = FixedPointCodec(bits=bits, tile_size=tile_size, backend=backend, checksum=False)
+        self._raw_codec = NoneCodec(backend="torch", checksum=False)  # a copy: no kernel needed
         self.bits = self._delta_codec.bits
         self.tile_size = self._delta_codec.tile_size
         if isinstance(warmup_samples, bool) or not isinstance(warmup_samples, int) or warmup_samples < 0:
@@ -167,6 +170,7 @@ class AqSgdCodec(Codec):
         else:
             payload = self._delta_codec.encode(x.float() - self._gather(ids, x.shape, x.device))
         layout.view(buf, "payload").copy_(payload)
+        self.write_checksum(buf)
         # The sender updates its state from the bytes it sends, exactly as the receiver will.
         self._apply(layout.view(buf, "payload"), phase, ids, tuple(x.shape), x.dtype)
         return buf

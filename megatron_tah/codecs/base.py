@@ -14,7 +14,7 @@ offset bytes  field
 3      1      codec id (``Codec.codec_id``)
 4      4      CRC-32 of the codec's config (little endian)
 8      4      CRC-32 of the shape and dtype (little endian)
-12     4      reserved, zero
+12     4      payload checksum (little endian; ``checksum.py``), 0: none
 ====== ===== ==========================================================
 
 Sections follow in the order the codec lists them, each starting on an
@@ -22,13 +22,20 @@ Sections follow in the order the codec lists them, each starting on an
 checks the length and every header field and raises :class:`WireFormatError`
 naming what differs, instead of returning garbage.
 
+The checksum (``Codec(checksum=True)``, ``--tah-wire-checksum``) covers every byte after the
+header. The sender computes it on the device after encoding; a decoder with the checksum on
+recomputes it and raises :class:`PayloadChecksumError` when the two differ (bytes changed on
+the way). Both ends must agree: a decoder with the checksum on rejects a buffer whose field is
+0 (its sender had it off), one with it off rejects a buffer that carries a checksum.
+
 Checks, per codec object (``Codec.checks``): ``"full"`` (the default) reads the header
 on the host and raises at once; on a GPU that is one device-to-host copy, a sync, per
 decode. ``"deferred"`` (``Codec.defer_checks()``, for a link whose configurations a
 handshake has already compared) compares the header with the expected bytes on the
 device and counts mismatches and corrupt payloads there; a later ``decode`` (or
 ``raise_deferred_errors()``) raises once the count has reached the host, without ever
-waiting for it. ``"off"`` checks only the buffer's length.
+waiting for it (checksum failures are counted apart and raise :class:`PayloadChecksumError`).
+``"off"`` checks only the buffer's length (and no checksum).
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ import torch
 from ..geometry import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
 
 MAGIC = b"MT"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: bytes 12-15 hold the payload checksum (1: reserved, zero)
 HEADER_NBYTES = 16
+CHECKSUM_OFFSET = 12  # the header's last 4 bytes
+CHECKSUM_DEFAULT = wire_checksum.ENABLED_BY_DEFAULT
 SECTION_ALIGN = 8
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,6 +68,34 @@ class CodecError(ValueError):
 
 class WireFormatError(CodecError):
     """A buffer does not match what this decoder expects (length, header, config, shape)."""
+
+
+def link_text(sender_stage: int, receiver_stage: int, iteration: int) -> str:
+    """Where a message went wrong, as errors name it: ``"link stage 0 -> stage 1, iteration 12"``."""
+    return f"link stage {sender_stage} -> stage {receiver_stage}, iteration {iteration}"
+
+
+class PayloadChecksumError(WireFormatError):
+    """A buffer's payload does not match the checksum in its header: bytes changed on the way.
+
+    Attributes: ``codec`` (the decoder's description), ``found`` and ``computed`` (the header's value
+    and the payload's; None when the failure was counted on the device), ``count`` (buffers that
+    failed), and ``link`` / ``iteration`` (None until the transport names them with ``at``).
+    """
+
+    def __init__(self, message: str, *, codec: str, found: int | None = None, computed: int | None = None,
+                 count: int = 1, link: tuple[int, int] | None = None, iteration: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.codec, self.found, self.computed, self.count = codec, found, computed, count
+        self.link, self.iteration = link, iteration
+
+    def at(self, sender_stage: int, receiver_stage: int, iteration: int) -> "PayloadChecksumError":
+        """This error on a given link and iteration, its message starting with ``link_text``; raise it from this one."""
+        return PayloadChecksumError(
+            f"{link_text(sender_stage, receiver_stage, iteration)}: {self.message}", codec=self.codec,
+            found=self.found, computed=self.computed, count=self.count,
+            link=(sender_stage, receiver_stage), iteration=iteration)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -162,7 +199,8 @@ class Codec:
     CUDA tensors when it is available, torch otherwise). ``_decode_*`` take
     ``out``: a contiguous tensor of the message's shape and dtype to write the
     values into and return (no intermediate tensor of that size), or None for a
-    new one.
+    new one. ``checksum`` puts a checksum of the payload in the header and
+    checks it on decode (see the module docstring).
 
     A codec's config is fixed when it is made, so its layouts are cached per
     (shape, dtype): ``_sections`` runs once for each.
@@ -171,14 +209,18 @@ class Codec:
     name: str = "?"
     codec_id: int = 255
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
         if backend not in BACKENDS:
             raise CodecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(checksum, bool):
+            raise CodecError(f"checksum must be True or False, got {checksum!r}")
         self.backend = backend
+        self.checksum = checksum
         self.checks = "full"
         self._header_cache: dict[tuple, torch.Tensor] = {}
         self._layouts: dict[tuple, WireLayout] = {}
         self._deferred: dict[str, DeferredErrors] = {}
+        self._deferred_checksum: dict[str, DeferredErrors] = {}
 
     # ----- configuration -------------------------------------------------------------
     def config(self) -> dict:
@@ -260,6 +302,7 @@ class Codec:
             self._encode_triton(x.contiguous(), buf, layout)
         else:
             self._encode_torch(x.contiguous(), buf, layout)
+        self.write_checksum(buf)
         return buf
 
     def decode(
@@ -315,7 +358,10 @@ class Codec:
             self.raise_deferred_errors(buf.device)
             expected = self._header(shape, dtype, buf.device)
             errors = self.deferred_errors(buf.device)
-            if self._use_triton(buf.device):
+            if self.checksum:  # the fixed fields here, the checksum (0 from a sender without one) apart
+                errors.add((buf[:CHECKSUM_OFFSET] != expected[:CHECKSUM_OFFSET]).any())
+                self.deferred_checksum_errors(buf.device).add(self.checksum_mismatch(buf))
+            elif self._use_triton(buf.device):
                 from ..kernels.common import check_header  # one launch instead of three
 
                 check_header(buf, expected, errors.count)
@@ -323,10 +369,18 @@ class Codec:
                 errors.add((buf[:HEADER_NBYTES] != expected).any())
 
     def deferred_errors(self, device: torch.device) -> DeferredErrors:
+        """The device count of header mismatches and corrupt payloads found by deferred checks."""
         key = str(device)
         if key not in self._deferred:
             self._deferred[key] = DeferredErrors(device)
         return self._deferred[key]
+
+    def deferred_checksum_errors(self, device: torch.device) -> DeferredErrors:
+        """The device count of buffers whose payload failed the checksum in deferred checks."""
+        key = str(device)
+        if key not in self._deferred_checksum:
+            self._deferred_checksum[key] = DeferredErrors(device)
+        return self._deferred_checksum[key]
 
     def device_check(self, bad: torch.Tensor) -> bool:
         """Record a 0-d device count of corrupt items found by a decode; False when checks are ``"full"``
@@ -340,7 +394,17 @@ class Codec:
 
         Without ``wait`` there is no sync, so on a GPU the latest decodes may not be counted yet (see
         ``DeferredErrors``); ``wait=True`` reads the device's count now (for the log line, or a test).
+        Checksum failures come first, as :class:`PayloadChecksumError`.
         """
+        for key, errors in self._deferred_checksum.items():
+            if device is not None and key != str(device):
+                continue
+            count = errors.seen(wait)
+            if count:
+                raise PayloadChecksumError(
+                    f"{self.name}: {count} buffer(s) decoded earlier on {key} failed the payload checksum (bytes "
+                    f"changed on the way, or a sender with the checksum off); the values decoded from them are "
+                    f"garbage", codec=self.describe(), count=count)
         for key, errors in self._deferred.items():
             if device is not None and key != str(device):
                 continue
@@ -385,10 +449,15 @@ class Codec:
         return self._header_cache[key]
 
     def check_buffer(self, buf, shape, dtype, layout: WireLayout | None = None) -> None:
-        """Raise WireFormatError unless ``buf`` was made by a codec configured like this one for shape/dtype."""
+        """Raise WireFormatError unless ``buf`` was made by a codec configured like this one for shape/dtype
+        (PayloadChecksumError when only its payload differs from its checksum). One host read."""
         layout = layout or self.layout(shape, dtype)
         self._check_length(buf, shape, dtype, layout)
-        got = bytes(buf[:HEADER_NBYTES].cpu().tolist())
+        head = buf[:HEADER_NBYTES]
+        if self.checksum:  # read the header and the payload's checksum together
+            computed = wire_checksum.checksum_bytes(wire_checksum.payload_checksum(buf[HEADER_NBYTES:]))
+            head = torch.cat((head, computed))
+        got = bytes(head.cpu().tolist())
         want = self._header_bytes(shape, dtype)
         if got[:2] != MAGIC:
             raise WireFormatError(f"not a megatron_tah buffer (magic {got[:2]!r})")
@@ -405,6 +474,38 @@ class Codec:
             )
         if got[8:12] != want[8:12]:
             raise WireFormatError(f"buffer was encoded for another shape or dtype than {shape} {dtype_name(dtype)}")
+        self._check_checksum(int.from_bytes(got[12:16], "little"),
+                             int.from_bytes(got[16:20], "little") if self.checksum else None)
+
+    def _check_checksum(self, found: int, computed: int | None) -> None:
+        """Compare the header's checksum field with the payload's (None: this decoder has the checksum off)."""
+        if computed is None:
+            if found:
+                raise WireFormatError(f"buffer carries a payload checksum ({found:08x}) but this decoder "
+                                      f"({self.describe()}) has the checksum off; turn it on or off at both ends "
+                                      "(--tah-wire-checksum)")
+            return
+        if not found:
+            raise WireFormatError(f"buffer carries no payload checksum (its sender has the checksum off) but this "
+                                  f"decoder ({self.describe()}) checks one; turn it on or off at both ends "
+                                  "(--tah-wire-checksum)")
+        if found != computed:
+            raise PayloadChecksumError(
+                f"{self.name}: corrupt payload: the header's checksum is {found:08x}, the payload's {computed:08x} "
+                "(bytes changed on the way); refusing to decode it", codec=self.describe(), found=found,
+                computed=computed)
+
+    def write_checksum(self, buf: torch.Tensor) -> None:
+        """Put the payload's checksum in ``buf``'s header (on the device, no sync); the field stays 0 when off."""
+        if self.checksum:
+            value = wire_checksum.payload_checksum(buf[HEADER_NBYTES:])
+            buf[CHECKSUM_OFFSET:HEADER_NBYTES].copy_(wire_checksum.checksum_bytes(value))
+
+    @staticmethod
+    def checksum_mismatch(buf: torch.Tensor) -> torch.Tensor:
+        """0-d bool on ``buf``'s device: its header's checksum field is not its payload's checksum (no sync)."""
+        computed = wire_checksum.checksum_bytes(wire_checksum.payload_checksum(buf[HEADER_NBYTES:]))
+        return (buf[CHECKSUM_OFFSET:HEADER_NBYTES] != computed).any()
 
     @staticmethod
     def _zero_padding(buf: torch.Tensor, layout: WireLayout) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from .. import geometry
 from . import common
-from .base import Codec, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
 
 
 class FixedPointCodec(Codec):
@@ -24,8 +24,8 @@ class FixedPointCodec(Codec):
     codec_id = 1
 
     def __init__(self, bits: int = 6, tile_size: int = 32, stochastic_rounding: bool = False,
-                 seed: int = 0, backend: str = "auto"):
-        super().__init__(backend)
+                 seed: int = 0, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         self.bits = common.check_bits(bits)
         self.tile_size = common.check_tile_size(tile_size)
         self.stochastic_rounding = bool(stochastic_rounding)

@@ -35,7 +35,7 @@ import torch
 from .. import geometry
 from ..geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 from . import common
-from .base import Codec, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
 
 
 def hypot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,8 @@ class Fp8Codec(Codec):
     name = "fp8"
     codec_id = 3
 
-    def __init__(self, group_size: int = 128, backend: str = "auto"):
-        super().__init__(backend)
+    def __init__(self, group_size: int = 128, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         self.group_size = common.check_tile_size(group_size)
 
     def config(self) -> dict:

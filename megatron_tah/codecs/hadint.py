@@ -39,7 +39,7 @@ import torch
 
 from .. import geometry
 from . import common
-from .base import CodecError, register_codec_id
+from .base import CHECKSUM_DEFAULT, CodecError, register_codec_id
 from .mxfp4 import RotatedBlockCodec
 
 
@@ -66,8 +66,9 @@ class HadIntCodec(RotatedBlockCodec):
     codec_id = 8
 
     def __init__(self, bits: int = 4, tile_size: int = 64, hadamard: bool = True, hadamard_seed: int = 0,
-                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto"):
-        super().__init__(hadamard=hadamard, hadamard_seed=hadamard_seed, backend=backend)
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
+                 checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(hadamard=hadamard, hadamard_seed=hadamard_seed, backend=backend, checksum=checksum)
         self.bits = common.check_bits(bits, low=3)
         self.block_size = self.tile_size = common.check_tile_size(tile_size)
         if not isinstance(stochastic_rounding, bool):

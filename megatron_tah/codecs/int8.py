@@ -28,7 +28,7 @@ import math
 import torch
 
 from . import common
-from .base import Codec, CodecError, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
 QMAX = 127
@@ -58,8 +58,8 @@ class Int8Codec(Codec):
     name = "int8"
     codec_id = 5
 
-    def __init__(self, block_size: int = 128, backend: str = "auto"):
-        super().__init__(backend)
+    def __init__(self, block_size: int = 128, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         self.block_size = check_block_size(block_size)
 
     def config(self) -> dict:

@@ -53,7 +53,7 @@ import torch
 
 from .. import geometry
 from . import common
-from .base import Codec, CodecError, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_reference
 
 SUBSPACE_ITERATIONS = 3
@@ -88,8 +88,8 @@ class LowRankCodec(Codec):
     codec_id = 9
 
     def __init__(self, bits: int = 3, tile_size: int = 64, rank: int = 16, coef_bits: int = 6,
-                 hadamard_seed: int = 0, backend: str = "auto"):
-        super().__init__(backend)
+                 hadamard_seed: int = 0, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 256:
             raise CodecError(f"rank must be an integer in [1, 256], got {rank!r}")
         self.rank = rank

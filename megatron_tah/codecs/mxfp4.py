@@ -42,7 +42,7 @@ import torch
 
 from .. import geometry
 from . import common
-from .base import Codec, CodecError, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 
 BLOCK_SIZE = geometry.MXFP4_BLOCK
 
@@ -77,8 +77,9 @@ class RotatedBlockCodec(Codec):
 
     block_size: int = BLOCK_SIZE
 
-    def __init__(self, hadamard: bool = False, hadamard_seed: int = 0, backend: str = "auto"):
-        super().__init__(backend)
+    def __init__(self, hadamard: bool = False, hadamard_seed: int = 0, backend: str = "auto",
+                 checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         if not isinstance(hadamard, bool):
             raise CodecError(f"hadamard must be True or False, got {hadamard!r}")
         if not isinstance(hadamard_seed, int) or not 0 <= hadamard_seed < 2**32:

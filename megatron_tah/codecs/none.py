@@ -9,15 +9,15 @@ import math
 
 import torch
 
-from .base import Codec, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
 
 
 class NoneCodec(Codec):
     name = "none"
     codec_id = 0
 
-    def __init__(self, backend: str = "auto"):
-        super().__init__(backend)
+    def __init__(self, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
 
     def config(self) -> dict:
         return {}

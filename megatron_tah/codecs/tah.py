@@ -48,7 +48,7 @@ import torch
 
 from .. import geometry
 from . import common
-from .base import Codec, CodecError, register_codec_id
+from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 
 EPS = geometry.TAH_EPS
 ALLOCATIONS = geometry.TAH_ALLOCATIONS
@@ -61,8 +61,9 @@ class TahCodec(Codec):
 
     def __init__(self, tile_size: int = 64, high_bits: int = 4, low_bits: int = 3, high_ratio: float = 0.8,
                  outlier_threshold: float = 2.0, allocation: str = "token", stochastic_rounding: bool = False,
-                 seed: int = 0, backend: str = "auto", low_bits_for: str = "low_entropy"):
-        super().__init__(backend)
+                 seed: int = 0, backend: str = "auto", low_bits_for: str = "low_entropy",
+                 checksum: bool = CHECKSUM_DEFAULT):
+        super().__init__(backend, checksum)
         self.tile_size = common.check_tile_size(tile_size)
         self.high_bits = common.check_bits(high_bits, "high_bits")
         self.low_bits = common.check_bits(low_bits, "low_bits")
