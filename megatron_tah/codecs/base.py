@@ -47,6 +47,7 @@ from typing import Sequence
 
 import torch
 
+from . import checksum as wire_checksum
 from ..geometry import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
 
 MAGIC = b"MT"
