@@ -13,14 +13,16 @@ idempotently and before Megatron parses its arguments:
   built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
   transports and installs the tensor-parallel, data-parallel and activation-memory places that
   the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
-- runs Megatron's ``evaluate`` inside ``patch.evaluation()`` (logging's wrapper of it), so
+- runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (logging's wrapper of it), so
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
 - the wheel's dataset helpers: megatron-core's wheel ships ``datasets/helpers_cpp`` compiled but
   not the Makefile that ``initialize.py:_compile_dependencies`` runs ``make`` on (which then
   exits the job); when the compiled module imports, ``compile_helpers`` is skipped;
-- without CUDA, the CPU shims (``cpu_shims.apply_cpu_shims()``).
+- without CUDA, the CPU shims (``cpu_shims.hold_cpu_shims``).
+
+What it replaced is recorded in ``registry.REGISTRY`` (``plugin``, ``arguments``, ``logging``).
 
 ``uninstall_megatron_lm_plugin()`` undoes all of it, including ``megatron_tah.install``.
 """
@@ -34,12 +36,9 @@ import torch
 from . import codec_state, cpu_shims, places
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .logging import install_logging, uninstall_logging
-from .patching import Patches
+from .registry import REGISTRY
 
 INITIALIZE_MODULES = ("megatron.training.training", "megatron.training.initialize", "megatron.training")
-
-_PATCHES = Patches()
-_state = {"cpu_shims": False, "transports": False}
 
 
 def _initializing_then_installing(original):
@@ -50,11 +49,9 @@ def _initializing_then_installing(original):
         from megatron.training.global_vars import get_args
         from megatron.training.utils import print_rank_0
 
-        import megatron_tah
-
         config = tah_config_from_args(get_args())
-        megatron_tah.install(config)
-        _state["transports"] = True
+        places.install(config)
+        REGISTRY.plugin_installed_places = True
         print_rank_0(f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
                      f"activation gradients via {config.backward_codec().describe()}")
         on = {place: value for place, value in places.settings(config).items() if value != "none"}
@@ -82,18 +79,18 @@ def _skipping_compile(original):
 
 def install_megatron_lm_plugin() -> None:
     """Install flags, logging, the post-initialization ``megatron_tah.install``, codec checkpoints, shims."""
-    if _PATCHES:
+    patches = REGISTRY.plugin
+    if patches:
         return
     try:
         install_arguments()
         install_logging()
         for module in INITIALIZE_MODULES:
-            _PATCHES.wrap(module, "initialize_megatron", _initializing_then_installing)
-        codec_state.install(_PATCHES)
+            patches.wrap(module, "initialize_megatron", _initializing_then_installing)
+        codec_state.install(patches)
         if _compiled_helpers_present():
-            _PATCHES.wrap("megatron.core.datasets.utils", "compile_helpers", _skipping_compile)
-        if not torch.cuda.is_available() and not cpu_shims.cpu_shims_active():
-            _state["cpu_shims"] = cpu_shims.apply_cpu_shims()
+            patches.wrap("megatron.core.datasets.utils", "compile_helpers", _skipping_compile)
+        cpu_shims.hold_cpu_shims("plugin")
     except Exception:
         uninstall_megatron_lm_plugin()
         raise
@@ -101,18 +98,14 @@ def install_megatron_lm_plugin() -> None:
 
 def uninstall_megatron_lm_plugin() -> None:
     """Undo ``install_megatron_lm_plugin`` and ``megatron_tah.install`` (no-op when not installed)."""
-    import megatron_tah
-
-    if _state["transports"]:
-        megatron_tah.uninstall()
-        _state["transports"] = False
-    _PATCHES.restore()
+    if REGISTRY.plugin_installed_places:
+        places.uninstall()
+        REGISTRY.plugin_installed_places = False
+    REGISTRY.plugin.restore()
     uninstall_logging()
     uninstall_arguments()
-    if _state["cpu_shims"]:
-        cpu_shims.remove_cpu_shims()
-        _state["cpu_shims"] = False
+    cpu_shims.release_cpu_shims("plugin")
 
 
 def plugin_installed() -> bool:
-    return bool(_PATCHES)
+    return bool(REGISTRY.plugin)
