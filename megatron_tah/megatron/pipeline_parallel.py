@@ -95,6 +95,7 @@ class PipelineTransport:
         self.emulator = None if bandwidth is None else LinkEmulator(bandwidth, config.tah_emulate_latency_ms / 1e3)
         self.links: dict[tuple[str, str, int], Link] = {}
         self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
+        self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
         self.outstanding: list[_Message] = []  # unbatched messages not yet finished (completion stamps)
         self.checked_groups: set[int] = set()
@@ -175,7 +176,8 @@ class PipelineTransport:
         if id(group) not in self.checked_groups:
             check_group(self.config, group, tensors[0].device)
             self.checked_groups.add(id(group))
-        check_schedule(self.config, group, tensor_send_next, tensor_recv_prev)
+        if self.needs_sample_ids:
+            check_schedule(self.config, group, tensor_send_next, tensor_recv_prev)
         last = group.rank() == group.size() - 1
         plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None),
                 ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev),
