@@ -58,7 +58,8 @@ __all__ = ["CodecMismatchError", "Link", "PipelineTransport", "codec_states", "e
 class Link:
     """One end of one pipeline link: ``direction`` ("forward": activations, "backward": their
     gradients), ``role`` ("send", "recv") and ``peer`` (the world rank at the other end).
-    Owns the codec of that end and what was counted on it."""
+    Owns the codec of that end and what was counted on it; what is known per link end (a measured
+    rate, staging buffers, captured graphs per message shape) belongs here too."""
 
     direction: str
     role: str
