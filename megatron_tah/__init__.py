@@ -15,15 +15,15 @@ __version__ = "0.1.0"
 
 def install(config=None, **overrides) -> None:
     """Compress megatron-core's pipeline p2p traffic, and the tensor-parallel, data-parallel and
-    activation-memory places the config turns on (see ``megatron_tah.megatron.patch.install``, ``places``)."""
-    from .megatron.patch import install as _install
+    activation-memory places the config turns on (see ``megatron_tah.megatron.places.install``)."""
+    from .megatron.places import install as _install
 
     _install(config, **overrides)
 
 
 def uninstall() -> None:
-    """Restore everything ``install`` replaced (see ``megatron_tah.megatron.patch.uninstall``)."""
-    from .megatron.patch import uninstall as _uninstall
+    """Restore everything ``install`` replaced (see ``megatron_tah.megatron.places.uninstall``)."""
+    from .megatron.places import uninstall as _uninstall
 
     _uninstall()
 

@@ -143,7 +143,7 @@ class TahConfig:
     """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with aqsgd (see --tah-aqsgd-warmup-samples)."""
 
     tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": EVAL_TRAFFIC})
-    """Pipeline traffic of Megatron's evaluations (forward only): codec (through the codecs, like training), uncompressed (the loss is the trained model's own, not the model's through the codec), or both (through the codecs, then the same batches again uncompressed: Megatron's log shows the first, --tah-log-json records both as valid_loss and valid_loss_uncompressed). Training is unchanged. Entered by Megatron's evaluate() (a loop of one's own uses megatron_tah.megatron.patch.evaluation()); codec only with aqsgd."""
+    """Pipeline traffic of Megatron's evaluations (forward only): codec (through the codecs, like training), uncompressed (the loss is the trained model's own, not the model's through the codec), or both (through the codecs, then the same batches again uncompressed: Megatron's log shows the first, --tah-log-json records both as valid_loss and valid_loss_uncompressed). Training is unchanged. Entered by Megatron's evaluate() (a loop of one's own uses megatron_tah.megatron.pipeline_parallel.evaluation()); codec only with aqsgd."""
 
     tah_aqsgd_warmup_samples: int = 0
     """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""

@@ -136,7 +136,7 @@ def get_batch(data_iterator, vp_stage=None):
     if mpu.get_tensor_model_parallel_rank() == 0:
         batch = next(data_iterator)
         if "sample_ids" in batch and mpu.is_pipeline_first_stage(ignore_virtual=True):
-            from megatron_tah.megatron.patch import push_sample_ids
+            from megatron_tah.megatron.pipeline_parallel import push_sample_ids
 
             push_sample_ids(batch["sample_ids"])
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

@@ -32,6 +32,7 @@ def _scenarios(rank, world_size):
     import megatron_tah
     from megatron_tah.config import TahConfig
     from megatron_tah.megatron import activation_memory, places, stats
+    from megatron_tah.megatron.registry import REGISTRY
 
     pipeline = {"tah_forward_codec": "none", "tah_backward_codec": "none"}
     build = lambda: tiny_gpt.build(pp=2)  # noqa: E731
@@ -55,12 +56,12 @@ def _scenarios(rank, world_size):
 
     base = tiny_gpt.train(build(), LOSSY_ITERATIONS, lr=LR)
     megatron_tah.install(TahConfig(tah_activation_memory="laaq", **pipeline))
-    stats.collect(reset=True)
+    REGISTRY.stats.collect(reset=True)
     lossy = tiny_gpt.train(build(), LOSSY_ITERATIONS, lr=LR)
     laaq = places.installed("activation_memory")
     out["laaq"] = laaq.state["memory"].peaks(reset=False)
     codec = laaq.state["codec"]
-    out["reduced"] = stats.reduce_to_last_rank(stats.collect(reset=True))["saved_memory"]
+    out["reduced"] = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))["saved_memory"]
     megatron_tah.uninstall()
     shape = (tiny_gpt.SEQ * tiny_gpt.MICRO_BATCH * tiny_gpt.HIDDEN,)  # a layer's [s, b, h], flattened
     out["codec_ratio"] = codec.wire_nbytes(shape, torch.float32) / (math.prod(shape) * 4)

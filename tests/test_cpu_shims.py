@@ -152,6 +152,21 @@ def test_install_applies_shims_on_cpu_and_uninstall_removes_only_its_own(origina
     assert cpu_shims.cpu_shims_active()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_shims_stay_while_any_holder_holds_them(originals):
+    from megatron_tah.megatron.registry import REGISTRY
+
+    cpu_shims.hold_cpu_shims("plugin")
+    shimmed = _originals()
+    megatron_tah.install(tah_forward_codec="none")  # the second holder: nothing applied twice
+    assert REGISTRY.cpu_shim_holders == {"plugin", "install"} and _originals() == shimmed
+    cpu_shims.release_cpu_shims("plugin")  # released first: install still holds them
+    assert cpu_shims.cpu_shims_active() and _originals() == shimmed
+    megatron_tah.uninstall()
+    assert not cpu_shims.cpu_shims_active() and REGISTRY.cpu_shim_holders == set() and _originals() == originals
+    cpu_shims.release_cpu_shims("plugin")  # holds nothing: a no-op
+
+
 def test_tensor_parallel_validates_and_mappings_allocate_on_cpu(monkeypatch, originals):
     import megatron.training.arguments as training_arguments
     from megatron.core.tensor_parallel import mappings

@@ -39,7 +39,8 @@ def _scenarios(rank, world_size, pp, settings, pipeline_codecs, lossy_iterations
     import megatron_tah
     from megatron_tah.codecs import get_codec
     from megatron_tah.config import TahConfig
-    from megatron_tah.megatron import data_parallel, places, stats
+    from megatron_tah.megatron import data_parallel, places
+    from megatron_tah.megatron.registry import REGISTRY
 
     out = {}
     original = _start_grad_sync()
@@ -52,10 +53,9 @@ def _scenarios(rank, world_size, pp, settings, pipeline_codecs, lossy_iterations
         off = _run(pp, distributed_optimizer, EXACT_ITERATIONS, LR)
         place = places.Place("dp", TahConfig(), get_codec("none"))
         data_parallel.install(place)
-        stats.collect(reset=True)
         with tiny_gpt.WireSpy() as spy:
             through_none = _run(pp, distributed_optimizer, EXACT_ITERATIONS, LR)
-        counted = stats.collect(reset=True)["dp_backward"]
+        counted = place.stats.collect(reset=True)["dp_backward"]  # a place of its own: its own sink
         place.patches.restore()
         megatron_tah.uninstall()
         r["restored"] = _start_grad_sync() is original
@@ -65,10 +65,10 @@ def _scenarios(rank, world_size, pp, settings, pipeline_codecs, lossy_iterations
         base = _run(pp, distributed_optimizer, lossy_iterations, LR)
         megatron_tah.install(TahConfig(tah_dp_codec="int8", tah_error_sample_interval=1,
                                        tah_forward_codec=pipeline_codecs[0], tah_backward_codec=pipeline_codecs[1]))
-        stats.collect(reset=True)
+        REGISTRY.stats.collect(reset=True)
         lossy = _run(pp, distributed_optimizer, lossy_iterations, LR)
         megatron_tah.uninstall()
-        r["lossy"] = {"base": base[0], "int8": lossy[0], "stats": stats.collect(reset=True)["dp_backward"]}
+        r["lossy"] = {"base": base[0], "int8": lossy[0], "stats": REGISTRY.stats.collect(reset=True)["dp_backward"]}
     return tiny_gpt.plain(out)
 
 

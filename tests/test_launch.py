@@ -19,7 +19,8 @@ import torch
 from test_arguments import gpt_argv
 
 from megatron_tah import launch
-from megatron_tah.megatron import cpu_shims, patch, plugin
+from megatron_tah.megatron import cpu_shims, pipeline_parallel, plugin
+from megatron_tah.megatron.registry import REGISTRY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,17 +106,17 @@ def test_plugin_installs_transports_after_initialization_and_uninstalls_exactly(
     assert megatron_training.initialize_megatron.__wrapped__ is original_init
     assert megatron_training.training_log.__wrapped__ is originals[2]
     assert cpu_shims.cpu_shims_active() == (shims_before or not torch.cuda.is_available())
-    assert not patch.is_installed()  # nothing compressed before Megatron is initialized
+    assert not pipeline_parallel.is_installed()  # nothing compressed before Megatron is initialized
 
     assert megatron_training.initialize_megatron(store=None) == "finish"
     no_cuda = {} if torch.cuda.is_available() else {"allow_no_cuda": True}  # Megatron's own CPU switch
     assert calls == [{"store": None, **no_cuda}]
-    assert patch.is_installed()
-    config = patch.current_config()
+    assert pipeline_parallel.is_installed()
+    config = REGISTRY.config
     assert (config.tah_forward_codec, config.tah_forward_bits, config.tah_backward_codec) == ("fixedpoint", 3, "none")
 
     plugin.uninstall_megatron_lm_plugin()
-    assert not patch.is_installed() and not plugin.plugin_installed()
+    assert not pipeline_parallel.is_installed() and not plugin.plugin_installed()
     assert (megatron_arguments.add_megatron_arguments, megatron_arguments.validate_args,
             megatron_training.training_log) == originals
     for module in (megatron_training, megatron_initialize, megatron_training_pkg):
@@ -134,4 +135,4 @@ def test_plugin_rejects_bad_tah_values_at_initialization(fake_initialize, monkey
     plugin.install_megatron_lm_plugin()
     with pytest.raises(ValueError, match="--tah-forward-bits 1"):
         megatron_training.initialize_megatron()
-    assert not patch.is_installed()
+    assert not pipeline_parallel.is_installed()

@@ -15,6 +15,7 @@ from test_arguments import gpt_argv
 from megatron_tah.megatron import arguments as tah_arguments
 from megatron_tah.megatron import logging as tah_logging
 from megatron_tah.megatron import stats
+from megatron_tah.megatron.registry import REGISTRY
 
 
 class Recorder:
@@ -53,10 +54,10 @@ def megatron_state(monkeypatch, tmp_path):
         monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", writer)
         monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", wandb)
         global_vars.get_timers()("interval-time", log_level=0).start(barrier=True)
-        stats.collect(reset=True)
+        REGISTRY.stats.collect(reset=True)
         yield types.SimpleNamespace(args=args, writer=writer, wandb=wandb)
     finally:
-        stats.collect(reset=True)
+        REGISTRY.stats.collect(reset=True)
         tah_logging.uninstall_logging()
         tah_arguments.uninstall_arguments()
         global_vars.unset_global_variables()
@@ -77,16 +78,16 @@ def call_training_log(iteration: int, is_first_iteration: bool = False):
 
 
 def record_traffic():
-    stats.record_send("forward", raw_nbytes=4_000_000, wire_nbytes=1_000_000, peer=0, rel_error=0.02,
+    REGISTRY.stats.record_send("forward", raw_nbytes=4_000_000, wire_nbytes=1_000_000, peer=0, rel_error=0.02,
                       rotated_fraction=0.25)
-    stats.record_send("forward", raw_nbytes=4_000_000, wire_nbytes=1_000_000, peer=0)
-    stats.record_send("backward", raw_nbytes=4_000_000, wire_nbytes=2_000_000, peer=0)
+    REGISTRY.stats.record_send("forward", raw_nbytes=4_000_000, wire_nbytes=1_000_000, peer=0)
+    REGISTRY.stats.record_send("backward", raw_nbytes=4_000_000, wire_nbytes=2_000_000, peer=0)
 
 
 def test_statistics_are_appended_to_the_real_iteration_line(megatron_state, capsys):
     tah_logging.install_logging()
     record_traffic()
-    expected = stats.format_for_log(stats.collect(reset=False))
+    expected = stats.format_for_log(REGISTRY.stats.collect(reset=False))
     assert "tah fwd ratio: 4.00x" in expected
 
     assert call_training_log(iteration=2) is False
@@ -96,7 +97,7 @@ def test_statistics_are_appended_to_the_real_iteration_line(megatron_state, caps
     assert "iteration        2/      10 |" in line and "grad norm: 1.250" in line
     assert line.endswith(expected)
     # Counters were reset by the log line; the scalars went to both writers.
-    assert stats.collect(reset=False)["forward"]["messages"] == 0
+    assert REGISTRY.stats.collect(reset=False)["forward"]["messages"] == 0
     writer, wandb = megatron_state.writer, megatron_state.wandb
     assert writer.scalars["tah/forward_ratio"] == (4.0, 2)
     assert writer.scalars["tah/forward_wire_bytes"] == (2_000_000.0, 2)
@@ -112,7 +113,7 @@ def test_other_iterations_pass_through_without_collecting(megatron_state, capsys
     record_traffic()
     call_training_log(iteration=3)  # log_interval is 2: Megatron prints nothing
     assert " iteration " not in capsys.readouterr().out
-    assert stats.collect(reset=False)["forward"]["messages"] == 2
+    assert REGISTRY.stats.collect(reset=False)["forward"]["messages"] == 2
     assert "learning-rate" in megatron_state.writer.scalars  # Megatron wrote its own (every iteration)
     assert not [name for name in megatron_state.writer.scalars if name.startswith("tah/")]
 
@@ -133,7 +134,7 @@ def test_install_idempotent_and_uninstall_exact(megatron_state, capsys):
     record_traffic()
     call_training_log(iteration=2)
     assert "tah " not in capsys.readouterr().out
-    assert stats.collect(reset=False)["forward"]["messages"] == 2
+    assert REGISTRY.stats.collect(reset=False)["forward"]["messages"] == 2
 
 
 def test_scalars_skip_missing_values():

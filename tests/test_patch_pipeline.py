@@ -69,11 +69,11 @@ def _build(pp: int, vpp: int | None, batch_p2p: bool, overlap: bool, layers: int
 
 def _forward_step(data_iterator, model):
     from megatron.core import parallel_state
-    from megatron_tah.megatron import patch
+    from megatron_tah.megatron import pipeline_parallel
 
     tokens, labels, ids = next(data_iterator)
-    if patch.current_config() is not None and parallel_state.is_pipeline_first_stage():
-        patch.push_sample_ids(ids)  # AQ-SGD: the ids of the micro-batch this stage is about to send
+    if pipeline_parallel.is_installed() and parallel_state.is_pipeline_first_stage():
+        pipeline_parallel.push_sample_ids(ids)  # AQ-SGD: the ids of the micro-batch this stage is about to send
     positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ)
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
     output = model(tokens, positions, mask, labels=labels)
@@ -167,17 +167,17 @@ def _exact_and_wire(build, iterations):
     """Unpatched vs codec none: bit-identical losses/grads; bytes on the wire == sum of wire_nbytes."""
     import megatron_tah
     from megatron.core.pipeline_parallel import p2p_communication
-    from megatron_tah.megatron import stats
+    from megatron_tah.megatron.registry import REGISTRY
 
     ref_losses, ref_grads = _train(build(), iterations)
     cfg = megatron_tah.TahConfig(tah_forward_codec="none", tah_backward_codec="none")
     megatron_tah.install(cfg)
     recorded, unwrap = _record_requests(p2p_communication)
-    stats.collect(reset=True)
+    REGISTRY.stats.collect(reset=True)
     with _WireSpy() as spy:
         losses, grads = _train(build(), iterations)
     unwrap()
-    mine = stats.collect(reset=True)
+    mine = REGISTRY.stats.collect(reset=True)
     megatron_tah.uninstall()
     exact = losses == ref_losses and ref_grads.keys() == grads.keys() and all(
         torch.equal(ref_grads[k], grads[k]) for k in ref_grads)
@@ -190,7 +190,8 @@ def _exact_and_wire(build, iterations):
 def _lossy(build, iterations, forward_codec):
     """Losses of an exact and a compressed run from the same init, and the compressed run's statistics."""
     import megatron_tah
-    from megatron_tah.megatron import patch, stats
+    from megatron_tah.megatron.registry import REGISTRY
+    from megatron_tah.megatron.stats import reduce_to_last_rank
 
     base, _ = _train(build(), iterations, lr=3e-3)
     megatron_tah.install(tah_forward_codec=forward_codec, tah_backward_codec="fixedpoint", tah_backend="torch",
@@ -198,14 +199,14 @@ def _lossy(build, iterations, forward_codec):
     sent, restore = _spy_aqsgd_sends() if forward_codec == "aqsgd" else ({}, lambda: None)
     lossy, _ = _train(build(), iterations, lr=3e-3)
     restore()
-    left_over = patch.pending_sample_ids()
+    left_over = len(REGISTRY.pipeline.sample_ids)
     # AQ-SGD: what this rank's receiving end holds per sample id (compared with the sender's last activations).
-    received = {i: m.clone() for (direction, role, _), codec in patch._STATE.codecs.items()
-                if direction == "forward" and role == "recv" and codec.name == "aqsgd"
-                for i, m in codec.buffer.items()}
+    received = {i: m.clone() for link in REGISTRY.pipeline.links.values()
+                if link.direction == "forward" and link.role == "recv" and link.codec.name == "aqsgd"
+                for i, m in link.codec.buffer.items()}
     megatron_tah.uninstall()
-    mine = stats.collect(reset=True)
-    return {"base": base, "lossy": lossy, "stats": mine, "reduced": stats.reduce_to_last_rank(mine),
+    mine = REGISTRY.stats.collect(reset=True)
+    return {"base": base, "lossy": lossy, "stats": mine, "reduced": reduce_to_last_rank(mine),
             "pending_ids": left_over, "sent": sent, "received": received}
 
 
@@ -227,7 +228,7 @@ def _spy_aqsgd_sends():
 def _mismatch(rank, build):
     """Rank 0 sends tah activations, rank 1 expects fixedpoint: every rank must raise, nothing may hang."""
     import megatron_tah
-    from megatron_tah.megatron.patch import CodecMismatchError
+    from megatron_tah.megatron.pipeline_parallel import CodecMismatchError
 
     megatron_tah.install(tah_forward_codec="tah" if rank == 0 else "fixedpoint", tah_backend="torch")
     try:
@@ -244,16 +245,16 @@ def _emulated(build, bandwidth):
     import time
 
     import megatron_tah
-    from megatron_tah.megatron import patch, stats
+    from megatron_tah.megatron.registry import REGISTRY
 
     chunks = build()
     megatron_tah.install(tah_forward_codec="none", tah_backward_codec="none", tah_emulate_bandwidth=bandwidth)
     start = time.monotonic()
     _train(chunks, 1)
     elapsed = time.monotonic() - start
-    slept = patch._STATE.emulator.total_delay_s
+    slept = REGISTRY.pipeline.emulator.total_delay_s
     megatron_tah.uninstall()
-    links = stats.collect(reset=True)["links"]
+    links = REGISTRY.stats.collect(reset=True)["links"]
     return elapsed, max(links.values(), default=0), slept
 
 

@@ -1,4 +1,5 @@
-"""Unit tests of the p2p patch: install/uninstall, version gate, sample-id queue, link emulation."""
+"""Unit tests of the pipeline transport (``pipeline_parallel``): install/uninstall, version gate, link ends,
+sample-id queue, link emulation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 import megatron_tah
-from megatron_tah.megatron import patch, version
+from megatron_tah.megatron import handshake, pipeline_parallel, version
+from megatron_tah.megatron.patching import MARKER
+from megatron_tah.megatron.registry import REGISTRY
 from megatron_tah.megatron.emulate import LinkEmulator
 
 p2p = pytest.importorskip("megatron.core.pipeline_parallel.p2p_communication")
@@ -17,7 +20,7 @@ p2p = pytest.importorskip("megatron.core.pipeline_parallel.p2p_communication")
 
 @pytest.fixture(autouse=True)
 def _clean():
-    originals = {n: getattr(p2p, n) for n in patch.TRANSPORTS}
+    originals = {n: getattr(p2p, n) for n in version.TRANSPORTS}
     yield originals
     megatron_tah.uninstall()
     for n, fn in originals.items():
@@ -26,34 +29,34 @@ def _clean():
 
 def test_install_replaces_both_transports_and_keeps_originals(_clean):
     megatron_tah.install()
-    assert patch.is_installed()
-    for name in patch.TRANSPORTS:
+    assert pipeline_parallel.is_installed()
+    for name in version.TRANSPORTS:
         fn = getattr(p2p, name)
-        assert fn is not _clean[name] and getattr(fn, patch._MARKER)
+        assert fn is not _clean[name] and getattr(fn, MARKER)
         assert fn.__wrapped__ is _clean[name]
-    cfg = patch.current_config()
+    cfg = REGISTRY.config
     assert (cfg.tah_forward_codec, cfg.tah_backward_codec, cfg.tah_backward_bits) == ("tah", "fixedpoint", 6)
 
 
 def test_install_is_idempotent_and_reconfigures_without_rewrapping(_clean):
     megatron_tah.install(tah_forward_codec="none")
-    first = {n: getattr(p2p, n) for n in patch.TRANSPORTS}
+    first = {n: getattr(p2p, n) for n in version.TRANSPORTS}
     megatron_tah.install(tah_forward_codec="none")
-    assert {n: getattr(p2p, n) for n in patch.TRANSPORTS} == first
+    assert {n: getattr(p2p, n) for n in version.TRANSPORTS} == first
     megatron_tah.install(megatron_tah.TahConfig(tah_forward_codec="fixedpoint"))
-    assert patch.current_config().tah_forward_codec == "fixedpoint"
-    for name in patch.TRANSPORTS:  # still one layer deep: the original, not a patched function
+    assert REGISTRY.config.tah_forward_codec == "fixedpoint"
+    for name in version.TRANSPORTS:  # still one layer deep: the original, not a patched function
         assert getattr(p2p, name).__wrapped__ is _clean[name]
 
 
 def test_uninstall_restores_the_exact_originals(_clean):
     megatron_tah.install()
     megatron_tah.uninstall()
-    assert not patch.is_installed() and patch.current_config() is None
-    for name in patch.TRANSPORTS:
+    assert not pipeline_parallel.is_installed() and REGISTRY.config is None
+    for name in version.TRANSPORTS:
         assert getattr(p2p, name) is _clean[name]
     megatron_tah.uninstall()  # a second uninstall is a no-op
-    assert all(getattr(p2p, n) is _clean[n] for n in patch.TRANSPORTS)
+    assert all(getattr(p2p, n) is _clean[n] for n in version.TRANSPORTS)
 
 
 def test_install_rejects_unknown_options_and_bad_values(_clean):
@@ -61,7 +64,7 @@ def test_install_rejects_unknown_options_and_bad_values(_clean):
         megatron_tah.install(tah_forward_codex="tah")
     with pytest.raises(ValueError, match="tah_forward_codec"):
         megatron_tah.install(tah_forward_codec="zip")
-    assert all(getattr(p2p, n) is _clean[n] for n in patch.TRANSPORTS)
+    assert all(getattr(p2p, n) is _clean[n] for n in version.TRANSPORTS)
 
 
 def test_missing_transport_symbol_is_named(monkeypatch, _clean):
@@ -77,10 +80,13 @@ def test_importing_the_package_does_not_import_megatron_core():
     assert out.stdout.strip() == "False"
 
 
-def test_transport_without_install_raises():
+def test_a_replaced_transport_kept_after_uninstall_raises(_clean):
+    megatron_tah.install(tah_forward_codec="none")
+    kept = p2p._batched_p2p_ops
+    megatron_tah.uninstall()
     with pytest.raises(RuntimeError, match="not installed"):
-        patch.batched_p2p_ops(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None,
-                              tensor_recv_next=None, group=None, prev_pipeline_rank=0, next_pipeline_rank=0)
+        kept(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None,
+             tensor_recv_next=None, group=None, prev_pipeline_rank=0, next_pipeline_rank=0)
 
 
 def test_calls_without_tensors_post_nothing(_clean):
@@ -90,19 +96,36 @@ def test_calls_without_tensors_post_nothing(_clean):
     assert p2p._batched_p2p_ops(**kwargs) == []
 
 
-def test_sample_id_queue_is_fifo_and_validated():
-    patch.clear_sample_ids()
-    patch.push_sample_ids(torch.tensor([1, 2]))
-    patch.push_sample_ids(torch.tensor([3, 4], dtype=torch.int32))
-    assert patch.pending_sample_ids() == 2
-    assert patch._pop_sample_ids(required=True).tolist() == [1, 2]
-    popped = patch._pop_sample_ids(required=False)
+def test_one_transport_per_install_registered_as_the_pp_place(_clean):
+    megatron_tah.install(tah_forward_codec="none", tah_backend="torch")
+    transport = REGISTRY.pipeline
+    assert REGISTRY.places["pp"].transport is transport and REGISTRY.places["pp"].stats is REGISTRY.stats
+    assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.buffer_nbytes
+    link = transport.link("forward", "send", 3)
+    assert transport.link("forward", "send", 3) is link and link.key == ("forward", "send", 3)
+    assert transport.link("backward", "send", 3).codec.name == "fixedpoint" and link.codec.name == "none"
+    megatron_tah.install(tah_forward_codec="fixedpoint", tah_backend="torch")  # another config: a fresh transport
+    assert REGISTRY.pipeline is not transport and transport.closed and not REGISTRY.pipeline.links
+    megatron_tah.uninstall()
+    assert REGISTRY.pipeline is None and REGISTRY.places == {} and REGISTRY.stats.buffer_source is None
+
+
+def test_sample_id_queue_is_fifo_and_validated(_clean):
+    with pytest.raises(RuntimeError, match="not installed"):
+        pipeline_parallel.push_sample_ids(torch.tensor([1, 2]))
+    megatron_tah.install(tah_forward_codec="none")
+    transport = REGISTRY.pipeline
+    pipeline_parallel.push_sample_ids(torch.tensor([1, 2]))
+    pipeline_parallel.push_sample_ids(torch.tensor([3, 4], dtype=torch.int32))
+    assert len(transport.sample_ids) == 2
+    assert transport.pop_sample_ids(required=True).tolist() == [1, 2]
+    popped = transport.pop_sample_ids(required=False)
     assert popped.tolist() == [3, 4] and popped.dtype == torch.long
-    assert patch._pop_sample_ids(required=False) is None
+    assert transport.pop_sample_ids(required=False) is None
     with pytest.raises(RuntimeError, match="push_sample_ids"):
-        patch._pop_sample_ids(required=True)
+        transport.pop_sample_ids(required=True)
     with pytest.raises(ValueError, match="1-D"):
-        patch.push_sample_ids(torch.zeros(2, 2, dtype=torch.long))
+        pipeline_parallel.push_sample_ids(torch.zeros(2, 2, dtype=torch.long))
 
 
 class _FakeGroup:
@@ -119,17 +142,15 @@ class _FakeGroup:
 def test_aqsgd_with_the_interleaved_schedule_is_refused(monkeypatch):
     from megatron.core import parallel_state
 
-    state = patch._State(config=megatron_tah.TahConfig(tah_forward_codec="aqsgd"), emulator=None,
-                         shims_applied=False)
+    aqsgd = megatron_tah.TahConfig(tah_forward_codec="aqsgd")
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
-    patch._check_schedule(state, _FakeGroup(1, 4), torch.zeros(1), None)  # 1F1B middle stage: fine
+    handshake.check_schedule(aqsgd, _FakeGroup(1, 4), torch.zeros(1), None)  # 1F1B middle stage: fine
     with pytest.raises(RuntimeError, match="interleaved"):  # last stage sending "next" wraps around
-        patch._check_schedule(state, _FakeGroup(3, 4), torch.zeros(1), None)
+        handshake.check_schedule(aqsgd, _FakeGroup(3, 4), torch.zeros(1), None)
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(RuntimeError, match="not supported with the interleaved"):
-        patch._check_schedule(state, _FakeGroup(1, 4), None, torch.zeros(1))
-    tah = patch._State(config=megatron_tah.TahConfig(), emulator=None, shims_applied=False)
-    patch._check_schedule(tah, _FakeGroup(1, 4), None, torch.zeros(1))
+        handshake.check_schedule(aqsgd, _FakeGroup(1, 4), None, torch.zeros(1))
+    handshake.check_schedule(megatron_tah.TahConfig(), _FakeGroup(1, 4), None, torch.zeros(1))
 
 
 class _FakeClock:
@@ -167,10 +188,10 @@ def test_link_emulator_validates():
 
 def test_install_builds_an_emulator_from_the_config(_clean):
     megatron_tah.install(tah_emulate_bandwidth="100mbit", tah_emulate_latency_ms=5)
-    emu = patch._STATE.emulator
+    emu = REGISTRY.pipeline.emulator
     assert emu.bandwidth_bps == 1e8 and emu.latency_s == pytest.approx(0.005)
     megatron_tah.install(tah_emulate_bandwidth=None)
-    assert patch._STATE.emulator is None
+    assert REGISTRY.pipeline.emulator is None
 
 
 def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypatch, _clean):
@@ -181,18 +202,18 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
     from megatron.training import global_vars
 
     megatron_tah.install(tah_warmup_iters=2, tah_backend="torch")
-    state = patch._state()
+    transport = REGISTRY.pipeline
     with pytest.raises(RuntimeError, match="needs its training loop"):
-        state.codec("forward", "send", 1)
+        transport.codec(transport.link("forward", "send", 1))
     args = types.SimpleNamespace()  # before Megatron's loop sets curr_iteration: iteration 0
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     for iteration, want in ((None, "none"), (0, "none"), (1, "none"), (2, "tah"), (7, "tah")):
         if iteration is not None:
             args.curr_iteration = iteration
-        assert state.codec("forward", "send", 1).name == want
-        assert state.codec("backward", "recv", 1).name == ("none" if want == "none" else "fixedpoint")
+        assert transport.codec(transport.link("forward", "send", 1)).name == want
+        assert transport.codec(transport.link("backward", "recv", 1)).name == ("none" if want == "none" else "fixedpoint")
     # Stages configured with different warm-ups disagree in the handshake record, in both directions.
-    plain, warm = patch._config_record(megatron_tah.TahConfig()), patch._config_record(
+    plain, warm = handshake.config_record(megatron_tah.TahConfig()), handshake.config_record(
         megatron_tah.TahConfig(tah_warmup_iters=2))
     assert all(plain[d][0] != warm[d][0] and warm[d][1].endswith("first 2 iterations uncompressed")
                for d in ("forward", "backward"))
@@ -203,26 +224,26 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
 
 
 def test_evaluation_sends_uncompressed_only_when_asked(_clean):
-    """Inside ``patch.evaluation(uncompressed=True)`` every link end uses `none`; outside it, or with
+    """Inside ``pipeline_parallel.evaluation(uncompressed=True)`` every link end uses `none`; outside it, or with
     uncompressed=False, the codecs; a failing evaluation restores the previous setting."""
-    with patch.evaluation(uncompressed=True):  # not installed: nothing to switch
+    with pipeline_parallel.evaluation(uncompressed=True):  # not installed: nothing to switch
         pass
     megatron_tah.install(tah_backend="torch")
-    state = patch._state()
-    with patch.evaluation(uncompressed=False):
-        assert state.codec("forward", "send", 1).name == "tah"
+    transport = REGISTRY.pipeline
+    with pipeline_parallel.evaluation(uncompressed=False):
+        assert transport.codec(transport.link("forward", "send", 1)).name == "tah"
     with pytest.raises(KeyError):
-        with patch.evaluation(uncompressed=True):
-            assert state.codec("forward", "recv", 1).name == "none" == state.codec("backward", "send", 0).name
-            with patch.evaluation(uncompressed=False):
-                assert state.codec("forward", "recv", 1).name == "tah"
-            assert state.eval_uncompressed
+        with pipeline_parallel.evaluation(uncompressed=True):
+            assert transport.codec(transport.link("forward", "recv", 1)).name == "none" == transport.codec(transport.link("backward", "send", 0)).name
+            with pipeline_parallel.evaluation(uncompressed=False):
+                assert transport.codec(transport.link("forward", "recv", 1)).name == "tah"
+            assert transport.eval_uncompressed
             raise KeyError("an evaluation that fails")
-    assert not state.eval_uncompressed and state.codec("forward", "recv", 1).name == "tah"
-    records = {mode: patch._config_record(megatron_tah.TahConfig(tah_eval_traffic=mode))
+    assert not transport.eval_uncompressed and transport.codec(transport.link("forward", "recv", 1)).name == "tah"
+    records = {mode: handshake.config_record(megatron_tah.TahConfig(tah_eval_traffic=mode))
                for mode in ("codec", "uncompressed", "both")}
     assert len({r["forward"][0] for r in records.values()}) == 3  # stages set differently are refused
-    assert records["codec"] == patch._config_record(megatron_tah.TahConfig())
+    assert records["codec"] == handshake.config_record(megatron_tah.TahConfig())
     assert records["uncompressed"]["backward"][1].endswith("evaluations uncompressed")
     for mode in ("uncompressed", "both"):
         with pytest.raises(ValueError, match="aqsgd"):
@@ -247,7 +268,7 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
     def fake_evaluate(step, data_iterator, model, *rest, **kwargs):
         batches = [next(data_iterator) for _ in range(3)]
         global_vars.get_args().consumed_valid_samples += 3
-        passes.append((patch._state().eval_uncompressed, batches))
+        passes.append((REGISTRY.pipeline.eval_uncompressed, batches))
         return ({"lm loss": 1.0 + len(passes)}, None, False)
 
     try:
@@ -264,9 +285,9 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
         assert result[0] == {"lm loss": 2.0} and args.consumed_valid_samples == 3 and next(data) == 3
         want = {"codec": [False], "uncompressed": [True], "both": [False, True]}[traffic]
         assert [raw for raw, _ in passes] == want and all(b == [0, 1, 2] for _, b in passes)
-        recorded = tah_logging._STATE.evaluations[-1]
+        recorded = REGISTRY.log.evaluations[-1]
         assert recorded == ({"lm loss": 2.0, "lm loss uncompressed": 3.0} if traffic == "both" else {"lm loss": 2.0})
-        assert not patch._state().eval_uncompressed
+        assert not REGISTRY.pipeline.eval_uncompressed
     finally:
         plugin.uninstall_megatron_lm_plugin()
         training.evaluate = original

@@ -9,80 +9,77 @@ from dist_utils import run_distributed
 from megatron_tah.megatron import stats
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    stats.collect(reset=True)
-    yield
-    stats.collect(reset=True)
+@pytest.fixture
+def sink():
+    return stats.Stats()
 
 
-def test_collect_totals_ratio_means_and_links():
-    stats.record_send("forward", 4000, 1000, peer=1, rel_error=0.1, rotated_fraction=0.25)
-    stats.record_send("forward", 4000, 1000, peer=1, rotated_fraction=0.75)
-    stats.record_send("backward", 3000, 1500, peer=3, rel_error=0.02)
-    s = stats.collect(reset=False)
+def test_collect_totals_ratio_means_and_links(sink):
+    sink.record_send("forward", 4000, 1000, peer=1, rel_error=0.1, rotated_fraction=0.25)
+    sink.record_send("forward", 4000, 1000, peer=1, rotated_fraction=0.75)
+    sink.record_send("backward", 3000, 1500, peer=3, rel_error=0.02)
+    s = sink.collect(reset=False)
     fwd, bwd = s["forward"], s["backward"]
     assert (fwd["messages"], fwd["raw_bytes"], fwd["wire_bytes"]) == (2, 8000, 2000)
     assert fwd["ratio"] == 4.0 and bwd["ratio"] == 2.0
     assert fwd["rel_error"] == pytest.approx(0.1) and fwd["rel_error_samples"] == 1
     assert fwd["rotated_fraction"] == pytest.approx(0.5) and bwd["rotated_fraction"] is None
     assert s["links"] == {(0, 1): 2000, (0, 3): 1500}  # no process group: this rank is 0
-    assert stats.collect(reset=True) == s  # reset=False kept them
-    empty = stats.collect()
+    assert sink.collect(reset=True) == s  # reset=False kept them
+    empty = sink.collect()
     assert empty["forward"]["messages"] == 0 and empty["forward"]["ratio"] is None and empty["links"] == {}
 
 
-def test_codec_time_and_buffer_bytes():
-    stats.record_send("forward", 400, 100, peer=1)
-    stats.record_codec_time("forward", encode_seconds=0.004)
-    stats.record_codec_time("forward", decode_seconds=0.001)
-    stats.record_codec_time("backward", encode_seconds=0.002)
-    stats.set_buffer_source(lambda: 12_500_000)
-    try:
-        s = stats.collect()
-    finally:
-        stats.set_buffer_source(None)
+def test_codec_time_and_buffer_bytes(sink):
+    sink.record_send("forward", 400, 100, peer=1)
+    sink.record_codec_time("forward", encode_seconds=0.004)
+    sink.record_codec_time("forward", decode_seconds=0.001)
+    sink.record_codec_time("backward", encode_seconds=0.002)
+    sink.buffer_source = lambda: 12_500_000
+    s = sink.collect()
+    sink.buffer_source = None
     assert s["forward"]["encode_seconds"] == pytest.approx(0.004)
     assert s["forward"]["decode_seconds"] == pytest.approx(0.001)
     assert s["backward"]["encode_seconds"] == pytest.approx(0.002)
     assert s["buffer_bytes"] == 12_500_000
     # Backward has no message, so only the forward 5 ms count in the log line.
     assert stats.format_for_log(s).endswith(" tah codec ms: 5.0 | tah buffer MB: 12.5 |")
-    after = stats.collect()
+    after = sink.collect()
     assert after["forward"]["encode_seconds"] == 0 and after["buffer_bytes"] == 0
     with pytest.raises(ValueError, match="sideways"):
-        stats.record_codec_time("sideways", encode_seconds=1.0)
+        sink.record_codec_time("sideways", encode_seconds=1.0)
 
 
-def test_record_send_rejects_unknown_direction():
+def test_record_send_rejects_unknown_direction(sink):
     with pytest.raises(ValueError, match="sideways"):
-        stats.record_send("sideways", 1, 1, peer=0)
+        sink.record_send("sideways", 1, 1, peer=0)
 
 
-def test_format_for_log():
-    stats.record_send("forward", 4_936_000, 1_234_000, peer=1, rel_error=0.0123, rotated_fraction=0.5)
-    line = stats.format_for_log(stats.collect())
+def test_format_for_log(sink):
+    sink.record_send("forward", 4_936_000, 1_234_000, peer=1, rel_error=0.0123, rotated_fraction=0.5)
+    line = stats.format_for_log(sink.collect())
     assert line.startswith(" tah fwd MB: 1.234 | tah fwd ratio: 4.00x | tah fwd rel err: 1.2E-02 |")
     assert "tah fwd rotated: 0.500 |" in line and "bwd" not in line
-    assert stats.format_for_log(stats.collect()) == ""
+    assert stats.format_for_log(sink.collect()) == ""
 
 
-def test_reduce_without_a_process_group_returns_the_input():
-    stats.record_send("backward", 10, 5, peer=0)
-    s = stats.collect()
+def test_reduce_without_a_process_group_returns_the_input(sink):
+    sink.record_send("backward", 10, 5, peer=0)
+    s = sink.collect()
     assert stats.reduce_to_last_rank(s) is s
 
 
 def _reduce_body(rank, world_size):
-    stats.record_send("forward", 100 * (rank + 1), 10 * (rank + 1), peer=(rank + 1) % world_size,
+    sink = stats.Stats()
+    sink.record_send("forward", 100 * (rank + 1), 10 * (rank + 1), peer=(rank + 1) % world_size,
                       rel_error=0.1 * (rank + 1))
     if rank == 2:
-        stats.record_send("backward", 80, 20, peer=1, rotated_fraction=0.4)
-    stats.record_codec_time("forward", encode_seconds=0.001 * (rank + 1))
-    stats.set_buffer_source(lambda: 1000 * (rank + 1))
+        sink.record_send("backward", 80, 20, peer=1, rotated_fraction=0.4)
+    sink.record_codec_time("forward", encode_seconds=0.001 * (rank + 1))
+    sink.buffer_source = lambda: 1000 * (rank + 1)
     # An explicit group (WORLD) keeps megatron-core out of these processes; the pipeline tests
     # cover the default (megatron-core's pipeline group).
-    return stats.reduce_to_last_rank(stats.collect(), group=torch.distributed.group.WORLD)
+    return stats.reduce_to_last_rank(sink.collect(), group=torch.distributed.group.WORLD)
 
 
 @pytest.mark.distributed

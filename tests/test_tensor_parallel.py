@@ -33,7 +33,8 @@ def _scenarios(rank, world_size, sp):
     import megatron_tah
     from megatron_tah.codecs import get_codec
     from megatron_tah.config import TahConfig
-    from megatron_tah.megatron import places, stats, tensor_parallel
+    from megatron_tah.megatron import places, tensor_parallel
+    from megatron_tah.megatron.registry import REGISTRY
 
     build = lambda: tiny_gpt.build(tp=2, sp=sp)  # noqa: E731
     out = {}
@@ -48,10 +49,9 @@ def _scenarios(rank, world_size, sp):
     place = places.Place("tp", TahConfig(), get_codec("none"))
     tensor_parallel.install(place)
     out["replaced"] = sorted(k[1] for k, v in _patched_attributes().items() if v is not originals[k])
-    stats.collect(reset=True)
     with tiny_gpt.WireSpy() as spy:
         through_none = tiny_gpt.train(build(), EXACT_ITERATIONS)
-    counted = stats.collect(reset=True)
+    counted = place.stats.collect(reset=True)  # a place of its own counts into its own sink
     place.patches.restore()
     out["restored"] = _patched_attributes() == originals
     out["exact"] = tiny_gpt.same(base, off) and tiny_gpt.same(base, through_none)
@@ -63,7 +63,7 @@ def _scenarios(rank, world_size, sp):
     with tiny_gpt.WireSpy() as spy:
         lossy = tiny_gpt.train(build(), LOSSY_ITERATIONS, lr=LR)
     megatron_tah.uninstall()
-    out["lossy"] = {"base": base[0], "fp8": lossy[0], "stats": stats.collect(reset=True), "spied": spy.nbytes}
+    out["lossy"] = {"base": base[0], "fp8": lossy[0], "stats": REGISTRY.stats.collect(reset=True), "spied": spy.nbytes}
 
     # Ranks given different settings: both raise at install, naming both, instead of hanging later.
     try:

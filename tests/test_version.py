@@ -8,7 +8,7 @@ import pytest
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 
 import megatron_tah
-from megatron_tah.megatron import patch, version
+from megatron_tah.megatron import version
 
 KEYWORDS = ", ".join(f"{k}=None" for k in version.TRANSPORT_KEYWORDS)
 GOOD = textwrap.dedent(f"""
@@ -46,7 +46,7 @@ def test_install_refuses_a_megatron_core_whose_transports_changed(monkeypatch):
     def changed(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group, peer):
         return []
 
-    originals = {name: getattr(p2p, name) for name in patch.TRANSPORTS}
+    originals = {name: getattr(p2p, name) for name in version.TRANSPORTS}
     monkeypatch.setattr(p2p, "_batched_p2p_ops", changed)
     with pytest.raises(version.UnsupportedMegatronError, match=r"megatron-core .* is not supported.*_batched_p2p_ops"):
         megatron_tah.install()

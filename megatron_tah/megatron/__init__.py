@@ -1,5 +1,6 @@
-"""The megatron-core patch layer: compressing p2p transports, the tensor-parallel, data-parallel and
-activation-memory places (``places.py``), CPU shims, statistics, link emulation.
+"""The megatron-core patch layer: the places megatron_tah compresses (``places.py``: the pipeline's
+p2p transport ``pipeline_parallel.py``, tensor- and data-parallel collectives, activation memory),
+CPU shims, statistics, link emulation; what is installed is in ``registry.REGISTRY``.
 
 Submodules import megatron-core lazily (only when a function that needs it runs).
 """
@@ -8,13 +9,13 @@ from __future__ import annotations
 
 
 def install(config=None, **overrides) -> None:
-    from .patch import install as _install
+    from .places import install as _install
 
     _install(config, **overrides)
 
 
 def uninstall() -> None:
-    from .patch import uninstall as _uninstall
+    from .places import uninstall as _uninstall
 
     _uninstall()
 

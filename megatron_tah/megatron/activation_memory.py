@@ -20,7 +20,7 @@ Memory accounting (this rank): every tensor the hooks hand to autograd is tracke
 drops it. ``raw`` counts what would have been held without LAAQ (distinct storages of kept
 tensors, ``numel * element_size`` of quantized ones), ``stored`` what is held (kept storages plus
 the codec buffers); parameters are not counted. ``peaks(reset)`` returns the peaks since the last
-reset, and is the statistics' memory source (``stats.saved_memory``). With
+reset, and is the statistics' memory source (``place.stats.memory_source``: ``saved_memory``). With
 ``place.state["quantize"] = False`` the hooks only measure (used to compare with LAAQ off).
 Not done: recomputing norms and activation functions instead of storing their inputs (AGoQ's
 other memory saving), Triton kernels for this path (it uses the codec's; ``fixedpoint`` has them).
@@ -35,7 +35,6 @@ import weakref
 import torch
 
 from ..codecs.base import SUPPORTED_DTYPES
-from . import stats
 from .places import direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
@@ -202,8 +201,8 @@ def install(place) -> None:
     place.state.setdefault("quantize", True)
     place.state["memory"] = SavedTensorMemory()
     place.patches.wrap(LAYER, "forward", _quantizing(place))
-    stats.set_memory_source(place.state["memory"].peaks)
+    place.stats.memory_source = place.state["memory"].peaks
 
 
 def uninstall(place) -> None:
-    stats.set_memory_source(None)
+    place.stats.memory_source = None

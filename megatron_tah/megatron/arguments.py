@@ -26,7 +26,8 @@ from ..codecs import CODECS
 from ..codecs.base import BACKENDS
 from ..codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from ..config import TahConfig
-from .patching import Patches, is_ours
+from .patching import is_ours
+from .registry import REGISTRY
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
 _CHOICES = {
@@ -146,21 +147,20 @@ def _validating_tah_arguments(original):
     return validate_args
 
 
-_PATCHES = Patches()
-
 
 def install_arguments() -> None:
     """Make Megatron-LM's parser carry the ``--tah-*`` flags and validate them (idempotent)."""
-    if _PATCHES:
+    patches = REGISTRY.arguments
+    if patches:
         return
     module = _megatron_arguments_module()
-    _PATCHES.wrap(module, "add_megatron_arguments", _adding_tah_arguments)
-    _PATCHES.wrap(module, "validate_args", _validating_tah_arguments)
+    patches.wrap(module, "add_megatron_arguments", _adding_tah_arguments)
+    patches.wrap(module, "validate_args", _validating_tah_arguments)
 
 
 def uninstall_arguments() -> None:
     """Restore ``add_megatron_arguments`` and ``validate_args`` exactly (no-op when not installed)."""
-    _PATCHES.restore()
+    REGISTRY.arguments.restore()
 
 
 def arguments_installed() -> bool:

@@ -1,12 +1,12 @@
 """The codecs' state in Megatron's checkpoints, so that a resumed run loses nothing.
 
 Stateful codecs (AQ-SGD's per-sample buffers; the generators of stochastic rounding) live in
-the installed transport, one object per link end. ``install(patches)`` wraps
+the installed pipeline transport (``registry.REGISTRY.pipeline``), one per link end. ``install(patches)`` wraps
 ``megatron.training.training.save_checkpoint`` and ``load_checkpoint`` (looked up by name by
 ``save_checkpoint_and_time`` and ``setup_model_and_optimizer``):
 
 * after Megatron saved iteration ``N`` to ``--save``, every rank whose codecs hold state writes
-  ``<save>/iter_<N:07d>/megatron_tah/rank_<global rank:05d>.pt`` = ``{"config": TahConfig as a
+  ``<save>/iter_<N:07d>/megatron_tah/rank_<world rank:05d>.pt`` = ``{"config": TahConfig as a
   dict, "codecs": {(direction, role, peer): codec.state_dict()}}`` (torch.save);
 * after Megatron loaded iteration ``N`` from ``--load`` (not with ``--finetune``, which starts
   afresh, as it does for the optimizer), every rank reads its file back into the transport;
@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from .registry import REGISTRY
+
 STATE_DIR = "megatron_tah"
 
 
@@ -30,28 +32,25 @@ def state_file(root: str, iteration: int, rank: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}", STATE_DIR, f"rank_{rank:05d}.pt")
 
 
-def _transport():
-    from . import patch
-
-    return patch
-
-
 def save(root: str, iteration: int) -> str | None:
     """Write this rank's codec state for ``iteration`` under ``root``; returns the file (None: no state)."""
-    transport = _transport()
-    states = transport.codec_states()
+    transport = REGISTRY.pipeline
+    states = transport.codec_states() if transport is not None else {}
     if not states:
         return None
     path = state_file(root, iteration, torch.distributed.get_rank())
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    config = dataclasses.asdict(transport.current_config())
-    torch.save({"config": config, "codecs": states}, path)
+    torch.save({"config": dataclasses.asdict(transport.config), "codecs": states}, path)
     return path
 
 
 def load(root: str, iteration: int) -> str | None:
-    """Read this rank's codec state for ``iteration`` from ``root`` into the transport (None: no file)."""
-    transport = _transport()
+    """Read this rank's codec state for ``iteration`` from ``root`` into the installed transport
+    (None: no file; an error when the transport is not installed)."""
+    transport = REGISTRY.pipeline
+    if transport is None:
+        raise RuntimeError("megatron_tah: codec state is loaded into the installed pipeline transport; "
+                           "call megatron_tah.install() first")
     path = state_file(root, iteration, torch.distributed.get_rank())
     if not os.path.isfile(path):
         return None
@@ -66,7 +65,7 @@ def _saving(original):
         from megatron.training.global_vars import get_args
 
         margs = get_args()
-        if margs.save and _transport().current_config() is not None:
+        if margs.save and REGISTRY.pipeline is not None:
             save(margs.save, int(iteration))
         return result
 
@@ -83,9 +82,9 @@ def _loading(original):
         iteration = int(result[0]) if isinstance(result, tuple) and result else 0
         load_arg = kwargs.get("load_arg", "load")
         root = getattr(margs, load_arg, None)
-        if (iteration > 0 and root and not margs.finetune and load_arg == "load"
-                and _transport().current_config() is not None):
-            if load(root, iteration) is None and _transport().stateful():
+        transport = REGISTRY.pipeline
+        if iteration > 0 and root and not margs.finetune and load_arg == "load" and transport is not None:
+            if load(root, iteration) is None and transport.stateful():
                 print_rank_0(f"> megatron_tah: no codec state in {root} at iteration {iteration}; "
                              "stateful codecs start fresh")
         return result

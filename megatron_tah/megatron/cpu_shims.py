@@ -5,7 +5,7 @@ that could only fail into its CPU equivalent; nothing else changes, and on a mac
 CUDA none of them is applied. Line numbers are megatron-core 0.19.2's (the wheel); the
 same calls exist in 0.20 (Megatron-LM ``main``).
 
-1. **torch seen from Megatron's modules** (``SHIMMED_MODULES``): the module's global ``torch``
+1. **torch seen from Megatron's modules** (``SHIMMED_MODULES``): the module-level ``torch``
    becomes :class:`CpuTorch`, where tensor factories given a CUDA device allocate on the CPU,
    ``torch.cuda.current_device()`` is ``"cpu"``, ``device_count()`` is 1 (the CPU stands in for
    the one device of this rank, so ``initialize.py:270``'s model-parallel groups and
@@ -37,7 +37,11 @@ same calls exist in 0.20 (Megatron-LM ``main``).
 
 ``apply_cpu_shims()`` installs all of them when ``torch.cuda.is_available()`` is False (or with
 ``force=True``, for tests) and returns whether they are active; ``remove_cpu_shims()`` restores
-every original object exactly. Both are idempotent; nothing happens at import time.
+every original object exactly. Both are idempotent; nothing happens at import time. The
+replacements are recorded in ``registry.REGISTRY.cpu_shims``. megatron_tah's own installers --
+``megatron_tah.install`` and the Megatron-LM plugin -- apply them only through
+``hold_cpu_shims(holder)`` / ``release_cpu_shims(holder)``: the shims stay while anyone holds them
+(``REGISTRY.cpu_shim_holders``), and shims applied before by someone else are left to them.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ import types
 
 import torch
 
-from .patching import Patches, resolve
+from .patching import resolve
+from .registry import REGISTRY
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +82,7 @@ SHIMMED_MODULES = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize :248",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "device=current_device :204/:252",
 }
-"""Megatron modules whose global ``torch`` is replaced by :class:`CpuTorch` (module -> lines covered)."""
+"""Megatron modules whose module-level ``torch`` is replaced by :class:`CpuTorch` (module -> lines covered)."""
 
 TYPE_CHECKED = (
     ("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params", "__init__"),
@@ -266,35 +271,33 @@ def _tracker_fork(self, name="model-parallel-rng"):
 
 
 # ----- apply / remove ----------------------------------------------------------------------
-_PATCHES = Patches()
-
-
 def cpu_shims_active() -> bool:
-    return bool(_PATCHES)
+    return bool(REGISTRY.cpu_shims)
 
 
 def apply_cpu_shims(force: bool = False) -> bool:
     """Install the CPU shims when CUDA is absent (or ``force``); returns whether they are active."""
-    if _PATCHES:
+    patches = REGISTRY.cpu_shims
+    if patches:
         return True
     if torch.cuda.is_available() and not force:
         return False
     try:
         for module in SHIMMED_MODULES:
-            _PATCHES.replace(module, "torch", CpuTorch())
-        _PATCHES.replace(torch.Tensor, "cuda", _on_cpu_already)
-        _PATCHES.replace(torch.nn.Module, "cuda", _on_cpu_already)
+            patches.replace(module, "torch", CpuTorch())
+        patches.replace(torch.Tensor, "cuda", _on_cpu_already)
+        patches.replace(torch.nn.Module, "cuda", _on_cpu_already)
         for owner, attribute in TYPE_CHECKED:
-            _PATCHES.wrap(owner, attribute, _with_cuda_type_names)
+            patches.wrap(owner, attribute, _with_cuda_type_names)
         tracker = resolve("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
-        _PATCHES.replace(tracker, "add", _tracker_add)
-        _PATCHES.replace(tracker, "fork", _tracker_fork)
-        _PATCHES.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped)
-        _PATCHES.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
-        _PATCHES.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
-        _PATCHES.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device)
+        patches.replace(tracker, "add", _tracker_add)
+        patches.replace(tracker, "fork", _tracker_fork)
+        patches.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped)
+        patches.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
+        patches.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
+        patches.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device)
     except Exception:
-        _PATCHES.restore()
+        patches.restore()
         raise
     logger.info("megatron_tah: CPU shims applied to megatron-core (no CUDA device)")
     return True
@@ -302,4 +305,25 @@ def apply_cpu_shims(force: bool = False) -> bool:
 
 def remove_cpu_shims() -> None:
     """Restore every shimmed attribute to the exact original object (no-op when not applied)."""
-    _PATCHES.restore()
+    REGISTRY.cpu_shims.restore()
+    REGISTRY.cpu_shim_holders.clear()
+
+
+def hold_cpu_shims(holder: str) -> None:
+    """Apply the shims on behalf of ``holder`` ("install", "plugin") when CUDA is absent. Shims that are
+    active without a holder were applied by a caller of ``apply_cpu_shims``: theirs, left alone."""
+    if holder in REGISTRY.cpu_shim_holders or torch.cuda.is_available():
+        return
+    if cpu_shims_active() and not REGISTRY.cpu_shim_holders:
+        return
+    apply_cpu_shims()
+    REGISTRY.cpu_shim_holders.add(holder)
+
+
+def release_cpu_shims(holder: str) -> None:
+    """Drop ``holder``'s hold; the shims go with the last holder (no-op for one that holds none)."""
+    if holder not in REGISTRY.cpu_shim_holders:
+        return
+    REGISTRY.cpu_shim_holders.discard(holder)
+    if not REGISTRY.cpu_shim_holders:
+        remove_cpu_shims()

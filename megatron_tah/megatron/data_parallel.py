@@ -14,7 +14,7 @@ are compressed:
   uses for ``reduce_scatter_with_fp32_accumulation``): ``collectives.reduce_scatter``, every
   rank keeping the fp32 sum of its shard (cast to the buffer's dtype).
 
-The call-time replacements are the module's global ``torch`` -- by a view of it whose
+The call-time replacements are the module-level ``torch`` -- by a view of it whose
 ``distributed.all_reduce`` compresses, everything else delegated -- and ``dist_reduce_scatter_func``,
 both through a temporary ``Patches`` that the wrapper restores before returning. The compressed
 collectives complete before ``start_grad_sync`` returns, so with ``--overlap-grad-reduce`` the

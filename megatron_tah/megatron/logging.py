@@ -6,7 +6,7 @@
 ``training_log`` (called every iteration, on every rank). On iterations where Megatron prints its
 line (``iteration % log_interval == 0`` or the first), and on every iteration when
 ``--tah-log-json`` is given, the wrapper -- on every rank, the reduction is collective over the
-pipeline group -- takes this rank's counters (``stats.collect``), sums them on the pipeline's
+pipeline group -- takes this rank's counters (``REGISTRY.stats.collect``), sums them on the pipeline's
 last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
 
 1. appends one JSON record per iteration to ``--tah-log-json``::
@@ -32,7 +32,8 @@ same batches; the bytes of both passes count); the evaluation's traffic counts i
 line, not in the next iteration's record.
 
 Records are appended: a run resumed from a checkpoint continues the same file.
-``uninstall_logging()`` restores the three functions exactly.
+``uninstall_logging()`` restores the three functions exactly (recorded in ``registry.REGISTRY.logging``;
+the pending counters are ``REGISTRY.log``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ import os
 import time
 from typing import Any
 
-from . import stats
+from . import pipeline_parallel, stats
 from .patching import Patches, resolve
+from .registry import REGISTRY
 
 TRAINING = "megatron.training.training"
 DIRECTIONS = stats.DIRECTIONS
@@ -59,17 +61,14 @@ _POSITIONS = {"loss_dict": 0, "learning_rate": 2, "iteration": 3, "skipped_iter"
 _EVAL_POSITIONS = {"prefix": 0, "iteration": 4}
 _EVALUATE_POSITIONS = {"data_iterator": 1}  # evaluate(forward_step_func, data_iterator, model, ...)
 
-_PATCHES = Patches()
 
+class LogState:
+    """What the log keeps between calls (``REGISTRY.log`` while installed)."""
 
-class _LogState:
     def __init__(self):
         self.since_line = None  # reduced statistics since the last printed line
         self.last_record_time = None
-        self.evaluations: list[dict] = []
-
-
-_STATE = _LogState()
+        self.evaluations: list[dict] = []  # losses of the evaluations run by the current evaluate_and_print_results
 
 
 def _argument(args: tuple, kwargs: dict, name: str, positions: dict, default: Any = None) -> Any:
@@ -210,20 +209,21 @@ def _logging_training_log(original):
         if iteration is None or not (printing or json_path):
             return original(*args, **kwargs)
 
-        reduced = stats.reduce_to_last_rank(stats.collect(reset=True))
-        _STATE.since_line = stats.merge(_STATE.since_line, reduced)
+        log = REGISTRY.log
+        reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
+        log.since_line = stats.merge(log.since_line, reduced)
         now = time.monotonic()
         if json_path and is_last_rank():
-            seconds = None if _STATE.last_record_time is None else now - _STATE.last_record_time
+            seconds = None if log.last_record_time is None else now - log.last_record_time
             record = iteration_record(
                 margs, iteration, reduced, _argument(args, kwargs, "loss_dict", _POSITIONS, {}),
                 _argument(args, kwargs, "learning_rate", _POSITIONS), _argument(args, kwargs, "grad_norm", _POSITIONS),
                 bool(_argument(args, kwargs, "skipped_iter", _POSITIONS, 0)), seconds)
             append_json(json_path, record)
-        _STATE.last_record_time = now
+        log.last_record_time = now
         if not printing:
             return original(*args, **kwargs)
-        since_line, _STATE.since_line = _STATE.since_line, None
+        since_line, log.since_line = log.since_line, None
         write_scalars(since_line, iteration, get_tensorboard_writer(), get_wandb_writer())
         return _call_appending(original, args, kwargs, stats.format_for_log(since_line), iteration)
 
@@ -251,34 +251,32 @@ def _items(iterator):
 
 
 def _recording_evaluate(original):
-    """Megatron's ``evaluate`` run per ``--tah-eval-traffic`` inside ``patch.evaluation`` (every stage
+    """Megatron's ``evaluate`` run per ``--tah-eval-traffic`` inside ``pipeline_parallel.evaluation`` (every stage
     evaluates together, so both ends of each link switch), its losses recorded for the JSON log. With
     ``both``, a second pass over the same batches, uncompressed, adds ``"<name> uncompressed"`` losses
     (the batches count once in ``consumed_valid_samples``)."""
-    from . import patch
-
     def evaluate(*args, **kwargs):
         from megatron.training.global_vars import get_args
 
-        config = patch.current_config()
+        config = REGISTRY.config
         traffic = config.tah_eval_traffic if config is not None else "codec"
         again = None
         if traffic == "both":
             first, second = _two_iterators(_argument(args, kwargs, "data_iterator", _EVALUATE_POSITIONS))
             args, kwargs = _replace_argument(args, kwargs, "data_iterator", _EVALUATE_POSITIONS, first)
             again = _replace_argument(args, kwargs, "data_iterator", _EVALUATE_POSITIONS, second)
-        with patch.evaluation(uncompressed=traffic == "uncompressed"):
+        with pipeline_parallel.evaluation(uncompressed=traffic == "uncompressed"):
             result = original(*args, **kwargs)
         losses = {k: _number(v) for k, v in ((result or [None])[0] or {}).items()}
         if again is not None:
             margs = get_args()
             consumed = margs.consumed_valid_samples
-            with patch.evaluation(uncompressed=True):
+            with pipeline_parallel.evaluation(uncompressed=True):
                 raw = original(*again[0], **again[1])
             margs.consumed_valid_samples = consumed
             losses.update({f"{k} uncompressed": _number(v) for k, v in ((raw or [None])[0] or {}).items()})
         if result:
-            _STATE.evaluations.append(losses)
+            REGISTRY.log.evaluations.append(losses)
         return result
 
     return evaluate
@@ -289,17 +287,18 @@ def _logging_evaluation(original):
         from megatron.training.global_vars import get_args
         from megatron.training.utils import is_last_rank
 
-        _STATE.evaluations = []
+        log = REGISTRY.log
+        log.evaluations = []
         result = original(*args, **kwargs)
         # The evaluation's traffic (forward only) is its own: it joins the next log line's totals,
         # not the next iteration's record. Collective over the pipeline group, like training_log's.
-        reduced = stats.reduce_to_last_rank(stats.collect(reset=True))
-        _STATE.since_line = stats.merge(_STATE.since_line, reduced)
+        reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
+        log.since_line = stats.merge(log.since_line, reduced)
         json_path = getattr(get_args(), "tah_log_json", None)
         if json_path and is_last_rank():
             split = "test" if "test" in str(_argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")) else "valid"
             iteration = _argument(args, kwargs, "iteration", _EVAL_POSITIONS)
-            for losses in _STATE.evaluations:
+            for losses in log.evaluations:
                 loss = losses.get("lm loss")
                 if loss is not None:
                     record = {"iteration": int(iteration), f"{split}_loss": loss,
@@ -308,7 +307,7 @@ def _logging_evaluation(original):
                     if losses.get("lm loss uncompressed") is not None:  # --tah-eval-traffic both
                         record[f"{split}_loss_uncompressed"] = losses["lm loss uncompressed"]
                     append_json(json_path, record)
-        _STATE.evaluations = []
+        log.evaluations = []
         return result
 
     return evaluate_and_print_results
@@ -316,14 +315,16 @@ def _logging_evaluation(original):
 
 def install_logging() -> None:
     """Wrap ``training_log``, ``evaluate`` and ``evaluate_and_print_results`` (idempotent)."""
-    if _PATCHES:
+    patches = REGISTRY.logging
+    if patches:
         return
-    _PATCHES.wrap(TRAINING, "training_log", _logging_training_log)
-    _PATCHES.wrap(TRAINING, "evaluate", _recording_evaluate)
-    _PATCHES.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation)
+    REGISTRY.log = LogState()
+    patches.wrap(TRAINING, "training_log", _logging_training_log)
+    patches.wrap(TRAINING, "evaluate", _recording_evaluate)
+    patches.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation)
 
 
 def uninstall_logging() -> None:
     """Restore the original functions (no-op when not installed) and forget pending counters."""
-    _PATCHES.restore()
-    _STATE.__init__()
+    REGISTRY.logging.restore()
+    REGISTRY.log = None

@@ -1,7 +1,8 @@
 """The one helper behind every attribute megatron_tah replaces (transports, flags, log, shims).
 
-A :class:`Patches` object belongs to one installer and records what it replaced, so that
-``restore()`` puts back exactly the original objects, newest first::
+A :class:`Patches` object belongs to one installer -- each place (``places.Place.patches``), the
+flags, the log, the plugin and the CPU shims (``registry.REGISTRY``) -- and records what it
+replaced, so that ``restore()`` puts back exactly the original objects, newest first::
 
     patches = Patches()
     patches.wrap("megatron.training.training", "training_log", make_wrapper)   # wrapper(original)

@@ -1,21 +1,35 @@
-"""The compression places beyond the pipeline, and the one object that owns each of them.
+"""The places megatron_tah compresses, and the one installer of all of them (``megatron_tah.install``).
 
-=====================  ================================  =========================================
+=====================  ================================  ===============================================
 place                  option (``TahConfig``)            what it replaces (module)
-=====================  ================================  =========================================
+=====================  ================================  ===============================================
+``pp`` (TAH-Quant)     always; codecs ``tah_forward_*``  pipeline p2p transports (``pipeline_parallel``)
+                       and ``tah_backward_*``
 ``tp`` (TACO)          ``tah_tp_codec``: fp8             tensor-parallel collectives (``tensor_parallel``)
 ``dp`` (QuanGrad)      ``tah_dp_codec``: int8            gradient reduction (``data_parallel``)
 ``activation_memory``  ``tah_activation_memory``: laaq   tensors saved for backward (``activation_memory``)
-=====================  ================================  =========================================
+=====================  ================================  ===============================================
 
-``install(config)`` -- called by ``megatron_tah.install`` after the pipeline transports -- first
-checks that every rank was given the same settings for these places: when ``torch.distributed``
-is initialised it all-gathers each rank's settings over the default group (every rank that
-installs takes part, whatever its settings) and raises :class:`PlaceMismatchError` on every
-rank if any differ, naming them, instead of letting one rank wait in a collective the others
-never join. It then builds one :class:`Place` per place whose option is on and lets the place's
-module install its patches into ``place.patches``. A place that is off installs nothing, so
-megatron-core's own code runs unchanged. ``uninstall()`` restores every patch exactly.
+``install(config, **overrides)`` applies the CPU shims when CUDA is absent (``cpu_shims``), then
+checks that every rank was given the same settings for the collective places: when
+``torch.distributed`` is initialised it all-gathers each rank's ``settings`` over the default group
+(every rank that installs takes part, whatever its settings) and raises :class:`PlaceMismatchError`
+on every rank if any differ, naming them, instead of letting one rank wait in a collective the
+others never join (the pipeline checks its neighbours itself, per group: ``handshake``). It then
+builds one :class:`Place` per place that is on and lets the place's module install its patches
+into ``place.patches``. A place that is off installs nothing, so megatron-core's own code runs
+unchanged. Everything installed is recorded in ``registry.REGISTRY`` (``config``, ``places``);
+``uninstall()`` restores every patch exactly, newest first. Installing the same configuration
+again is a no-op; another configuration replaces every place (fresh codecs, counters, queues).
+
+How to add a place:
+
+1. its option: a ``TahConfig`` field (``"none"``: off) and, with a codec, a ``TahConfig`` method
+   building it (``config.py``; the ``--tah-*`` flag follows from the field);
+2. a module here with ``install(place)`` that replaces megatron-core functions only through
+   ``place.patches`` and counts traffic with ``place.record`` (optionally ``uninstall(place)``,
+   run before the patches are restored); tests in ``tests/test_<module>.py``;
+3. a row in ``PLACES`` below, its streams in ``stats.STREAMS`` and its entry in ``settings``.
 """
 
 from __future__ import annotations
@@ -24,22 +38,27 @@ import collections
 import dataclasses
 import importlib
 import logging
+from typing import Any
 
 import torch
 
 from ..codecs import Codec
 from ..config import TahConfig
-from . import stats
+from . import cpu_shims
 from .collectives import Traffic
 from .patching import Patches
+from .registry import REGISTRY
+from .stats import Stats
 
 logger = logging.getLogger(__name__)
 
-# place -> (module under megatron_tah.megatron, TahConfig field that turns it on)
+# place -> (module under megatron_tah.megatron, TahConfig field that turns it on (None: always on),
+#           TahConfig method that builds its codec (None: the module builds its own))
 PLACES = {
-    "tp": ("tensor_parallel", "tah_tp_codec"),
-    "dp": ("data_parallel", "tah_dp_codec"),
-    "activation_memory": ("activation_memory", "tah_activation_memory"),
+    "pp": ("pipeline_parallel", None, None),
+    "tp": ("tensor_parallel", "tah_tp_codec", "tp_codec"),
+    "dp": ("data_parallel", "tah_dp_codec", "dp_codec"),
+    "activation_memory": ("activation_memory", "tah_activation_memory", None),
 }
 
 
@@ -57,14 +76,16 @@ class PlaceMismatchError(RuntimeError):
 
 @dataclasses.dataclass
 class Place:
-    """What one place has installed: its configuration, codec, patches and message counters."""
+    """What one place has installed: its configuration, codec, patches, statistics sink and counters."""
 
     name: str
     config: TahConfig
     codec: Codec | None
     patches: Patches = dataclasses.field(default_factory=Patches)
+    stats: Stats = dataclasses.field(default_factory=Stats)  # installed places: REGISTRY.stats
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     state: dict = dataclasses.field(default_factory=dict)  # whatever the place's module keeps
+    transport: Any = None  # the object the patches call into, when not the place (pp: PipelineTransport)
 
     def measure(self, direction: str, x: torch.Tensor) -> float | None:
         """On every ``tah_error_sample_interval``-th collective of ``direction``: the codec's relative
@@ -81,16 +102,12 @@ class Place:
     def record(self, direction: str, traffic: Traffic, rel_error: float | None = None) -> None:
         """Count one collective of ``direction`` in the statistics (stream ``<place>_<direction>``)."""
         self.calls[direction] += 1
-        stats.record_collective(self.name, direction, traffic.raw_nbytes, traffic.wire_nbytes, rel_error,
-                                traffic.encode_seconds, traffic.decode_seconds)
-
-
-_INSTALLED: dict[str, Place] = {}
-_CONFIG: list = [None]  # the config the installed places came from
+        self.stats.record_collective(self.name, direction, traffic.raw_nbytes, traffic.wire_nbytes, rel_error,
+                                     traffic.encode_seconds, traffic.decode_seconds)
 
 
 def settings(config: TahConfig) -> dict[str, str]:
-    """Each place's settings as text ("none" when off): what ranks must agree on."""
+    """Each collective place's settings as text ("none" when off): what ranks must agree on."""
     laaq = "none"
     if config.tah_activation_memory != "none":
         laaq = (f"{config.tah_activation_memory}(bits={config.tah_laaq_bits}, "
@@ -117,39 +134,58 @@ def check_ranks_agree(config: TahConfig, group=None) -> None:
         "Every rank must run with the same --tah-* flags (TahConfig).")
 
 
-def install(config: TahConfig) -> None:
-    """Check that ranks agree, then install every place that ``config`` turns on (idempotent)."""
-    if _CONFIG[0] is not None and _CONFIG[0] == config:
+def _config(config: TahConfig | None, overrides: dict) -> TahConfig:
+    config = config if config is not None else TahConfig()
+    if not overrides:
+        return config
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TahConfig)})
+    if unknown:
+        raise ValueError(f"megatron_tah.install: unknown option(s) {unknown}; options are TahConfig fields "
+                         f"such as tah_forward_codec, tah_backward_codec")
+    return dataclasses.replace(config, **overrides)
+
+
+def install(config: TahConfig | None = None, **overrides) -> None:
+    """Install every place that ``config`` (default ``TahConfig()``, with ``overrides``: TahConfig
+    fields) turns on -- the pipeline always -- after checking that ranks agree (idempotent)."""
+    config = _config(config, overrides)
+    if REGISTRY.config is not None and REGISTRY.config == config:
         return
-    uninstall()
-    check_ranks_agree(config)
-    codecs = {"tp": config.tp_codec(), "dp": config.dp_codec(), "activation_memory": None}
+    cpu_shims.hold_cpu_shims("install")
+    _remove_places()
     try:
-        for name, (module_name, field) in PLACES.items():
-            if getattr(config, field) == "none":
+        check_ranks_agree(config)
+        for name, (module_name, option, make_codec) in PLACES.items():
+            if option is not None and getattr(config, option) == "none":
                 continue
-            place = Place(name, config, codecs[name])
-            _INSTALLED[name] = place
+            codec = getattr(config, make_codec)() if make_codec else None
+            place = Place(name, config, codec, stats=REGISTRY.stats)
+            REGISTRY.places[name] = place
             importlib.import_module(f"{__package__}.{module_name}").install(place)
-            logger.info("megatron_tah: %s compressed (%s)", name, settings(config)[name])
+            if name in settings(config):
+                logger.info("megatron_tah: %s compressed (%s)", name, settings(config)[name])
     except Exception:
         uninstall()
         raise
-    _CONFIG[0] = config
+    REGISTRY.config = config
 
 
-def uninstall() -> None:
-    """Restore everything the places replaced (no-op when nothing is installed)."""
-    for name in reversed(list(_INSTALLED)):
-        place = _INSTALLED.pop(name)
-        module_name = PLACES[name][0]
-        finish = getattr(importlib.import_module(f"{__package__}.{module_name}"), "uninstall", None)
+def _remove_places() -> None:
+    for name in reversed(list(REGISTRY.places)):
+        place = REGISTRY.places.pop(name)
+        finish = getattr(importlib.import_module(f"{__package__}.{PLACES[name][0]}"), "uninstall", None)
         if finish is not None:
             finish(place)
         place.patches.restore()
-    _CONFIG[0] = None
+    REGISTRY.config = None
+
+
+def uninstall() -> None:
+    """Restore everything ``install`` replaced, CPU shims included (no-op when nothing is installed)."""
+    _remove_places()
+    cpu_shims.release_cpu_shims("install")
 
 
 def installed(name: str) -> Place | None:
     """The installed :class:`Place` called ``name`` (None when that place is off)."""
-    return _INSTALLED.get(name)
+    return REGISTRY.places.get(name)

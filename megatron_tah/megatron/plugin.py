@@ -13,14 +13,16 @@ idempotently and before Megatron parses its arguments:
   built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
   transports and installs the tensor-parallel, data-parallel and activation-memory places that
   the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
-- runs Megatron's ``evaluate`` inside ``patch.evaluation()`` (logging's wrapper of it), so
+- runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (logging's wrapper of it), so
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
 - the dataset helpers (``dataset_helpers.py``): skipped when compiled (megatron-core's wheel ships
   ``helpers_cpp`` without the Makefile Megatron runs ``make`` on), else a checkout's are compiled by
   this interpreter (its pybind11, its extension suffix), whatever ``python3`` is on ``PATH``;
-- without CUDA, the CPU shims (``cpu_shims.apply_cpu_shims()``).
+- without CUDA, the CPU shims (``cpu_shims.hold_cpu_shims``).
+
+What it replaced is recorded in ``registry.REGISTRY`` (``plugin``, ``arguments``, ``logging``).
 
 ``uninstall_megatron_lm_plugin()`` undoes all of it, including ``megatron_tah.install``.
 """
@@ -33,12 +35,9 @@ from . import codec_state, cpu_shims, places
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .dataset_helpers import compiling_with_this_python
 from .logging import install_logging, uninstall_logging
-from .patching import Patches
+from .registry import REGISTRY
 
 INITIALIZE_MODULES = ("megatron.training.training", "megatron.training.initialize", "megatron.training")
-
-_PATCHES = Patches()
-_state = {"cpu_shims": False, "transports": False}
 
 
 def _initializing_then_installing(original):
@@ -49,11 +48,9 @@ def _initializing_then_installing(original):
         from megatron.training.global_vars import get_args
         from megatron.training.utils import print_rank_0
 
-        import megatron_tah
-
         config = tah_config_from_args(get_args())
-        megatron_tah.install(config)
-        _state["transports"] = True
+        places.install(config)
+        REGISTRY.plugin_installed_places = True
         print_rank_0(f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
                      f"activation gradients via {config.backward_codec().describe()}")
         on = {place: value for place, value in places.settings(config).items() if value != "none"}
@@ -66,17 +63,17 @@ def _initializing_then_installing(original):
 
 def install_megatron_lm_plugin() -> None:
     """Install flags, logging, the post-initialization ``megatron_tah.install``, codec checkpoints, shims."""
-    if _PATCHES:
+    patches = REGISTRY.plugin
+    if patches:
         return
     try:
         install_arguments()
         install_logging()
         for module in INITIALIZE_MODULES:
-            _PATCHES.wrap(module, "initialize_megatron", _initializing_then_installing)
-        codec_state.install(_PATCHES)
-        _PATCHES.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
-        if not torch.cuda.is_available() and not cpu_shims.cpu_shims_active():
-            _state["cpu_shims"] = cpu_shims.apply_cpu_shims()
+            patches.wrap(module, "initialize_megatron", _initializing_then_installing)
+        codec_state.install(patches)
+        patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
+        cpu_shims.hold_cpu_shims("plugin")
     except Exception:
         uninstall_megatron_lm_plugin()
         raise
@@ -84,18 +81,14 @@ def install_megatron_lm_plugin() -> None:
 
 def uninstall_megatron_lm_plugin() -> None:
     """Undo ``install_megatron_lm_plugin`` and ``megatron_tah.install`` (no-op when not installed)."""
-    import megatron_tah
-
-    if _state["transports"]:
-        megatron_tah.uninstall()
-        _state["transports"] = False
-    _PATCHES.restore()
+    if REGISTRY.plugin_installed_places:
+        places.uninstall()
+        REGISTRY.plugin_installed_places = False
+    REGISTRY.plugin.restore()
     uninstall_logging()
     uninstall_arguments()
-    if _state["cpu_shims"]:
-        cpu_shims.remove_cpu_shims()
-        _state["cpu_shims"] = False
+    cpu_shims.release_cpu_shims("plugin")
 
 
 def plugin_installed() -> bool:
-    return bool(_PATCHES)
+    return bool(REGISTRY.plugin)

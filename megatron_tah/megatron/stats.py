@@ -3,10 +3,11 @@
 A *stream* is one place and direction (``STREAMS``): the pipeline's activations (``"forward"``)
 and activation gradients (``"backward"``), the tensor-parallel collectives' forward and backward
 traffic (``"tp_forward"``, ``"tp_backward"``) and the data-parallel gradient reduction
-(``"dp_backward"``). The pipeline transports call ``record_send`` once per message, the
-compressed collectives ``record_collective`` once per collective. ``collect()`` returns (and by
-default resets) this rank's totals since the last collect, i.e. one iteration when the
-training log collects every iteration::
+(``"dp_backward"``). A :class:`Stats` sink holds one rank's counters; the installed one is
+``registry.REGISTRY.stats``, handed to every place. The pipeline transport calls its
+``record_send`` once per message, the compressed collectives ``record_collective`` once per
+collective. ``collect()`` returns (and by default resets) this rank's totals since the last
+collect, i.e. one iteration when the training log collects every iteration::
 
     {"forward":  {"messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction",
                   "rel_error_samples", "rotated_samples", "encode_seconds", "decode_seconds"},
@@ -18,8 +19,8 @@ training log collects every iteration::
 
 For a collective, ``messages`` counts collectives, ``wire_bytes`` is what this rank handed to
 the network for other ranks (codec buffers) and ``raw_bytes`` what the same exchange would
-carry uncompressed (the tensor's own dtype). ``saved_memory`` (from the source set with
-``set_memory_source``, LAAQ) is this rank's peak since the last collect of the bytes that
+carry uncompressed (the tensor's own dtype). ``saved_memory`` (from the sink's
+``memory_source``, LAAQ) is this rank's peak since the last collect of the bytes that
 transformer layers saved for backward, as stored and as they would have been stored
 (``raw_bytes``); it is empty when nothing measures it.
 
@@ -31,7 +32,7 @@ per pipeline link (a stage boundary and its direction), for the error per bounda
 ``decode_seconds`` are the time spent in the codec's ``encode`` / ``decode`` for this
 direction's messages (CUDA: between CUDA events around the call, the kernels' time).
 Values recorded as device tensors or CUDA-event intervals stay pending until ``collect``. ``buffer_bytes``
-comes from the source set with ``set_buffer_source`` (the patch's codecs), 0 without one.
+comes from the sink's ``buffer_source`` (the pipeline transport's codecs), 0 without one.
 ``reduce_to_last_rank`` sums the totals (and gathers ``saved_memory``) over the pipeline group
 (a collective: every rank of the group calls it) and ``format_for_log`` renders a Megatron-style
 log fragment.
@@ -60,18 +61,9 @@ _MEMORY = ("bits", "raw_bytes", "stored_bytes")
 _SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
          "rotated_sum", "rotated_samples", "encode_seconds", "decode_seconds")
 
-_lock = threading.Lock()
-
 
 def _empty_totals() -> dict:
     return {d: dict.fromkeys(_SUMS, 0.0) for d in STREAMS}
-
-
-_totals = _empty_totals()
-_links: dict[tuple[int, int], int] = {}
-_link_errors: dict[tuple[int, int], tuple] = {}  # (src, dst) -> (sum of sampled rel. errors, samples)
-_buffer_source = None  # callable -> bytes held in per-sample codec buffers on this rank
-_memory_source = None  # callable(reset) -> {"bits", "raw_bytes", "stored_bytes"} peaks, or None
 
 
 def stream_key(place: str, direction: str) -> str:
@@ -82,70 +74,88 @@ def stream_key(place: str, direction: str) -> str:
     raise ValueError(f"no statistics stream for place {place!r}, direction {direction!r}")
 
 
-def set_memory_source(source) -> None:
-    """Register a callable ``source(reset)`` returning this rank's saved-tensor peaks (None: unset)."""
-    global _memory_source
-    _memory_source = source
-
-
-def set_buffer_source(source) -> None:
-    """Register a callable returning this rank's per-sample codec buffer bytes (None: unset)."""
-    global _buffer_source
-    _buffer_source = source
-
-
 def _this_rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def record_send(direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
-                rel_error: float | None = None, rotated_fraction: float | None = None) -> None:
-    """Count one message sent by this rank to global rank ``peer``."""
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    with _lock:
-        t = _totals[direction]
-        t["messages"] += 1
-        t["raw_bytes"] += int(raw_nbytes)
-        t["wire_bytes"] += int(wire_nbytes)
-        if rel_error is not None:  # floats or 0-d device tensors: summed without a sync (codecs.timing)
-            t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
-            t["rel_error_samples"] += 1
-        if rotated_fraction is not None:
-            t["rotated_sum"] = timing.add(t["rotated_sum"], rotated_fraction)
-            t["rotated_samples"] += 1
-        key = (_this_rank(), int(peer))
-        _links[key] = _links.get(key, 0) + int(wire_nbytes)
-        if rel_error is not None:
-            total, samples = _link_errors.get(key, (0.0, 0))
-            _link_errors[key] = (timing.add(total, rel_error), samples + 1)
+class Stats:
+    """One rank's counters since the last ``collect`` (the sink every place records into; the
+    installed one is ``registry.REGISTRY.stats``). Thread-safe.
 
+    ``buffer_source``: a callable returning the bytes held in per-sample codec buffers (the pipeline
+    transport's), None: 0. ``memory_source``: a callable ``source(reset)`` returning saved-tensor
+    peaks ``{"bits", "raw_bytes", "stored_bytes"}`` or None (LAAQ's), None: nothing measured.
+    """
 
-def record_collective(place: str, direction: str, raw_nbytes: int, wire_nbytes: int,
-                      rel_error: float | None = None, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
-    """Count one compressed collective of ``place`` ("tp", "dp") run in ``direction`` on this rank."""
-    key = stream_key(place, direction)
-    with _lock:
-        t = _totals[key]
-        t["messages"] += 1
-        t["raw_bytes"] += int(raw_nbytes)
-        t["wire_bytes"] += int(wire_nbytes)
-        if rel_error is not None:
-            t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
-            t["rel_error_samples"] += 1
-        t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
-        t["decode_seconds"] = timing.add(t["decode_seconds"], decode_seconds)
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._totals = _empty_totals()
+        self._links: dict[tuple[int, int], int] = {}  # (src, dst) -> wire bytes
+        self._link_errors: dict[tuple[int, int], tuple] = {}  # (src, dst) -> (sum of sampled rel. errors, samples)
+        self.buffer_source = None
+        self.memory_source = None
 
+    def record_send(self, direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
+                    rel_error: float | None = None, rotated_fraction: float | None = None) -> None:
+        """Count one pipeline message of ``direction`` sent by this rank to world rank ``peer``."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        with self._lock:
+            t = self._totals[direction]
+            t["messages"] += 1
+            t["raw_bytes"] += int(raw_nbytes)
+            t["wire_bytes"] += int(wire_nbytes)
+            if rel_error is not None:  # floats or 0-d device tensors: summed without a sync (codecs.timing)
+                t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
+                t["rel_error_samples"] += 1
+            if rotated_fraction is not None:
+                t["rotated_sum"] = timing.add(t["rotated_sum"], rotated_fraction)
+                t["rotated_samples"] += 1
+            key = (_this_rank(), int(peer))
+            self._links[key] = self._links.get(key, 0) + int(wire_nbytes)
+            if rel_error is not None:
+                total, samples = self._link_errors.get(key, (0.0, 0))
+                self._link_errors[key] = (timing.add(total, rel_error), samples + 1)
 
-def record_codec_time(direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
-    """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank
-    (``direction``: a ``STREAMS`` key)."""
-    if direction not in STREAMS:
-        raise ValueError(f"direction must be one of {', '.join(STREAMS)}, got {direction!r}")
-    with _lock:  # seconds as floats, or pending CUDA-event intervals (codecs.timing.Stopwatch)
-        _totals[direction]["encode_seconds"] = timing.add(_totals[direction]["encode_seconds"], encode_seconds)
-        _totals[direction]["decode_seconds"] = timing.add(_totals[direction]["decode_seconds"], decode_seconds)
+    def record_collective(self, place: str, direction: str, raw_nbytes: int, wire_nbytes: int,
+                          rel_error: float | None = None, encode_seconds: float = 0.0,
+                          decode_seconds: float = 0.0) -> None:
+        """Count one compressed collective of ``place`` ("tp", "dp") run in ``direction`` on this rank."""
+        key = stream_key(place, direction)
+        with self._lock:
+            t = self._totals[key]
+            t["messages"] += 1
+            t["raw_bytes"] += int(raw_nbytes)
+            t["wire_bytes"] += int(wire_nbytes)
+            if rel_error is not None:
+                t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
+                t["rel_error_samples"] += 1
+            t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
+            t["decode_seconds"] = timing.add(t["decode_seconds"], decode_seconds)
+
+    def record_codec_time(self, direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
+        """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank
+        (``direction``: a ``STREAMS`` key; seconds as floats or pending ``codecs.timing.Stopwatch`` intervals)."""
+        if direction not in STREAMS:
+            raise ValueError(f"direction must be one of {', '.join(STREAMS)}, got {direction!r}")
+        with self._lock:
+            t = self._totals[direction]
+            t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
+            t["decode_seconds"] = timing.add(t["decode_seconds"], decode_seconds)
+
+    def collect(self, reset: bool = True) -> dict:
+        """This rank's statistics since the last reset (see the module docstring for the layout)."""
+        with self._lock:
+            result = {d: _summarise(self._totals[d]) for d in STREAMS}
+            result["links"] = dict(self._links)
+            result["link_errors"] = {k: (timing.to_float(v), n) for k, (v, n) in self._link_errors.items()}
+            result["buffer_bytes"] = int(self.buffer_source()) if self.buffer_source is not None else 0
+            memory = self.memory_source(reset) if self.memory_source is not None else None
+            result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
+            if reset:
+                self._totals, self._links, self._link_errors = _empty_totals(), {}, {}
+        return result
 
 
 def _summarise(sums: dict) -> dict:
@@ -173,21 +183,6 @@ def _to_sums(summary: dict) -> dict:
     sums["rel_error_sum"] = (summary["rel_error"] or 0.0) * summary["rel_error_samples"]
     sums["rotated_sum"] = (summary["rotated_fraction"] or 0.0) * summary["rotated_samples"]
     return sums
-
-
-def collect(reset: bool = True) -> dict:
-    """This rank's statistics since the last reset (see the module docstring for the layout)."""
-    global _totals, _links, _link_errors
-    with _lock:
-        result = {d: _summarise(_totals[d]) for d in STREAMS}
-        result["links"] = dict(_links)
-        result["link_errors"] = {k: (timing.to_float(v), n) for k, (v, n) in _link_errors.items()}
-        result["buffer_bytes"] = int(_buffer_source()) if _buffer_source is not None else 0
-        memory = _memory_source(reset) if _memory_source is not None else None
-        result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
-        if reset:
-            _totals, _links, _link_errors = _empty_totals(), {}, {}
-    return result
 
 
 def merge(total: dict | None, more: dict) -> dict:
@@ -246,7 +241,7 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     links = torch.zeros(3, size * size, dtype=torch.float64)  # wire bytes, error sums, error samples
     for (src, dst), nbytes in stats["links"].items():
         if src not in index or dst not in index:
-            raise ValueError(f"link {src}->{dst} is not inside the reduction group (global ranks {ranks})")
+            raise ValueError(f"link {src}->{dst} is not inside the reduction group (world ranks {ranks})")
         links[0, index[src] * size + index[dst]] += nbytes
     for (src, dst), (value, samples) in stats.get("link_errors", {}).items():
         if src in index and dst in index:
@@ -278,7 +273,7 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
 
 
 def link_rel_errors(stats: dict) -> dict[str, float]:
-    """Mean sampled round-trip error per pipeline link, ``{"src->dst": error}`` (global ranks; links
+    """Mean sampled round-trip error per pipeline link, ``{"src->dst": error}`` (world ranks; links
     without a sample are left out)."""
     return {f"{src}->{dst}": value / samples
             for (src, dst), (value, samples) in sorted(stats.get("link_errors", {}).items()) if samples}

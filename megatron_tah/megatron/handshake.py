@@ -1,0 +1,85 @@
+"""The pipeline's configuration check: neighbouring stages must use the same codecs.
+
+``check_group(config, group, device)`` all-gathers every stage's ``config_record`` over the
+pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-padded, per rank:
+``{"forward": [config digest, description], "backward": [...]}`` -- and raises
+:class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
+direction, naming both stages and both configurations. The digest covers the codec's settings and
+what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``).
+``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..codecs.base import crc32_of
+from ..config import TahConfig
+
+HANDSHAKE_NBYTES = 1024
+
+
+class CodecMismatchError(RuntimeError):
+    """Two neighbouring pipeline stages were configured with different codecs."""
+
+
+def config_record(cfg: TahConfig) -> dict:
+    """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
+    fwd, bwd = cfg.forward_codec(), cfg.backward_codec()
+    warmup, evals = cfg.tah_warmup_iters, cfg.tah_eval_traffic
+    # The warm-up and the evaluations' traffic change what is sent: part of both directions' record.
+    modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else ""])
+    suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
+                      {"codec": "", "uncompressed": ", evaluations uncompressed",
+                       "both": ", evaluations through the codec and uncompressed"}[evals]])
+    return {d: [crc32_of(f"{c.config_digest()}{modes}") if modes else c.config_digest(), c.describe() + suffix]
+            for d, c in (("forward", fwd), ("backward", bwd))}
+
+
+def check_group(config: TahConfig, group, device: torch.device) -> None:
+    """All-gather every stage's codec configs over ``group``; raise on a neighbour that differs.
+    A collective: every rank of ``group`` calls it (each on its first transport call on the group)."""
+    dist = torch.distributed
+    mine = config_record(config)
+    raw = json.dumps(mine).encode()[:HANDSHAKE_NBYTES]
+    record = torch.zeros(HANDSHAKE_NBYTES, dtype=torch.uint8)
+    record[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    gathered = [torch.empty_like(record, device=device) for _ in range(group.size())]
+    dist.all_gather(gathered, record.to(device), group=group)
+    records = []
+    for buf in gathered:
+        text = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        try:
+            records.append(json.loads(text))
+        except json.JSONDecodeError:
+            records.append({"forward": [None, text], "backward": [None, text]})
+    me, size = group.rank(), group.size()
+    for neighbour, where in (((me - 1) % size, "previous"), ((me + 1) % size, "next")):
+        for direction in ("forward", "backward"):
+            theirs = records[neighbour][direction]
+            if theirs[0] != mine[direction][0]:
+                raise CodecMismatchError(
+                    f"megatron_tah: pipeline stage {me} (world rank {dist.get_rank()}) and its {where} stage "
+                    f"{neighbour} (world rank {dist.get_global_rank(group, neighbour)}) use different "
+                    f"{direction} codecs: this stage {mine[direction][1]}, stage {neighbour} {theirs[1]}. "
+                    f"Pass the same --tah-* flags (TahConfig) to every pipeline stage."
+                )
+
+
+def check_schedule(config: TahConfig, group, send_next, recv_prev) -> None:
+    """Raise when the forward codec needs sample ids (aqsgd) and the schedule is interleaved
+    (virtual pipeline stages, or a message that wraps from the last stage to the first)."""
+    if not config.forward_codec().needs_sample_ids:
+        return
+    from megatron.core import parallel_state
+
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    wraps = (send_next is not None and group.rank() == group.size() - 1) or (
+        recv_prev is not None and group.rank() == 0)
+    if (vpp is not None and vpp > 1) or wraps:
+        raise RuntimeError("megatron_tah: the aqsgd forward codec is not supported with the interleaved "
+                           "(virtual pipeline) schedule; use tah, fixedpoint or fp8, or the 1F1B schedule")

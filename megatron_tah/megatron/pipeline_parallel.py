@@ -1,0 +1,396 @@
+"""The pipeline place: megatron-core's p2p messages through codecs (``PipelineTransport``).
+
+``install(place)`` (run by ``places.install``, i.e. ``megatron_tah.install``) builds one
+:class:`PipelineTransport` and replaces, through ``place.patches``,
+``megatron.core.pipeline_parallel.p2p_communication``'s ``_batched_p2p_ops`` and ``_p2p_ops``
+(``version.TRANSPORTS``, looked up at call time by ``P2PCommunicator._communicate``) with its
+methods. They keep Megatron's calling contract and message pattern -- one message per direction
+per call, same peers, same process groups, same posting order -- but each message is a codec's
+uint8 buffer:
+
+* ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
+  ``recv_next`` activation gradients through the *backward* codec. Each link end
+  (direction, role, peer) is a :class:`Link` owning its codec (AQ-SGD keeps state) and counters.
+* Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
+  receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
+  returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
+  (send handles keep their buffer alive).
+* Configuration check: the first call on a process group all-gathers every stage's codec configs
+  over that group (each stage reaches its first p2p call without waiting on another, so this
+  cannot deadlock) and raises ``CodecMismatchError`` on every stage whose neighbour uses other
+  codecs, on the receiver and on the sender, instead of a hang or a gloo size mismatch.
+* AQ-SGD: sample ids travel in the codec's buffer. The first stage's forward step calls
+  ``push_sample_ids(ids)`` per micro-batch; an activation send pops the oldest ids, an activation
+  receive pushes the ids it decoded (unless this is the last stage).
+* ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
+* Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
+  completion (``emulate.LinkEmulator``).
+
+The module's functions (``push_sample_ids``, ``evaluation``, ``codec_states``,
+``load_codec_states``) act on the installed transport, found through ``registry.REGISTRY``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+
+import torch
+
+from ..codecs import Codec, get_codec, timing
+from ..config import TahConfig
+from .emulate import LinkEmulator
+from .handshake import CodecMismatchError, check_group, check_schedule, config_record
+from .registry import REGISTRY
+from .version import TRANSPORTS, check_installed
+
+logger = logging.getLogger(__name__)
+
+P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
+__all__ = ["CodecMismatchError", "Link", "PipelineTransport", "codec_states", "evaluation", "install",
+           "is_installed", "load_codec_states", "push_sample_ids", "uninstall"]
+
+
+@dataclasses.dataclass
+class Link:
+    """One end of one pipeline link: ``direction`` ("forward": activations, "backward": their
+    gradients), ``role`` ("send", "recv") and ``peer`` (the world rank at the other end).
+    Owns the codec of that end and what was counted on it; what is known per link end (a measured
+    rate, staging buffers, captured graphs per message shape) belongs here too."""
+
+    direction: str
+    role: str
+    peer: int
+    codec: Codec
+    messages: int = 0  # messages through this end so far
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.direction, self.role, self.peer
+
+
+def _training_iteration() -> int:
+    """Megatron's ``args.curr_iteration`` (set by ``train`` before each step and kept during evaluation;
+    0 before the loop starts); the same on every stage, so both ends of a link switch together."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:
+        raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
+                           "its training loop (megatron.training's args are not set)") from None
+    return int(getattr(args, "curr_iteration", 0) or 0)
+
+
+class PipelineTransport:
+    """This process's pipeline transport: the configuration, the link ends, the AQ-SGD sample-id
+    queue, the unbatched messages not yet finished, the link emulator and the statistics sink."""
+
+    def __init__(self, config: TahConfig, stats):
+        self.config = config
+        self.stats = stats
+        bandwidth = config.emulated_bandwidth_bps
+        self.emulator = None if bandwidth is None else LinkEmulator(bandwidth, config.tah_emulate_latency_ms / 1e3)
+        self.links: dict[tuple[str, str, int], Link] = {}
+        self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
+        self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
+        self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
+        self.outstanding: list[_Message] = []  # unbatched messages not yet finished (completion stamps)
+        self.checked_groups: set[int] = set()
+        self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
+        self.closed = False  # uninstalled: a kept reference to a replaced function must not run
+
+    # ----- link ends and their codecs ----------------------------------------------------
+    def link(self, direction: str, role: str, peer: int) -> Link:
+        key = (direction, role, int(peer))
+        if key not in self.links:
+            codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
+            # Only used after check_group compared the link's configs: headers are checked on the device.
+            self.links[key] = Link(direction, role, int(peer), codec.defer_checks())
+        return self.links[key]
+
+    def codec(self, link: Link) -> Codec:
+        """The codec of ``link``'s next message: ``none`` during the warm-up and uncompressed evaluations."""
+        if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
+            return self.uncompressed
+        return self.uncompressed if self.eval_uncompressed else link.codec
+
+    @contextlib.contextmanager
+    def evaluation(self, uncompressed: bool):
+        before, self.eval_uncompressed = self.eval_uncompressed, bool(uncompressed)
+        try:
+            yield
+        finally:
+            self.eval_uncompressed = before
+
+    # ----- AQ-SGD sample ids ---------------------------------------------------------------
+    def push_sample_ids(self, ids: torch.Tensor) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+            raise ValueError(f"sample ids must be a 1-D LongTensor [micro_batch], got {ids!r}")
+        self.sample_ids.append(ids.detach().to(torch.long))
+
+    def pop_sample_ids(self, required: bool) -> torch.Tensor | None:
+        if self.sample_ids:
+            return self.sample_ids.popleft()
+        if required:
+            raise RuntimeError("aqsgd needs the sample ids of every micro-batch: call megatron_tah.megatron."
+                               "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
+        return None
+
+    # ----- messages ------------------------------------------------------------------------
+    def encode(self, link: Link, x: torch.Tensor) -> torch.Tensor:
+        """Encode one outgoing tensor on ``link`` and record its statistics."""
+        codec = self.codec(link)
+        with torch.no_grad():
+            x = x.detach()
+            with_ids = codec.needs_sample_ids
+            # An activation send consumes the oldest queued ids (other codecs ignore them), so the
+            # queue stays bounded whatever codec runs; aqsgd needs them.
+            ids = self.pop_sample_ids(required=with_ids) if link.direction == "forward" else None
+            clock = timing.Stopwatch(x.device)
+            buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
+            self.stats.record_codec_time(link.direction, encode_seconds=clock.stop())
+            rel_error = None
+            interval = self.config.tah_error_sample_interval
+            if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
+                rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
+        link.messages += 1
+        self.stats.record_send(link.direction, x.numel() * x.element_size(), buf.numel(), link.peer,
+                               rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated", None))
+        return buf
+
+    def _messages(self, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                  group, prev_pipeline_rank, next_pipeline_rank) -> dict[str, _Message]:
+        """Start of every transport call: finish earlier handles whose transfer is done, check configs,
+        encode the sends and allocate the receive buffers (Megatron's op order)."""
+        if self.closed:
+            raise RuntimeError("megatron_tah transport called while not installed; call megatron_tah.install()")
+        self.outstanding[:] = [m for m in self.outstanding if not m.done]
+        for m in self.outstanding:
+            m.poll()
+        tensors = [t for t in (tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next) if t is not None]
+        if not tensors:
+            return {}
+        if id(group) not in self.checked_groups:
+            check_group(self.config, group, tensors[0].device)
+            self.checked_groups.add(id(group))
+        if self.needs_sample_ids:
+            check_schedule(self.config, group, tensor_send_next, tensor_recv_prev)
+        last = group.rank() == group.size() - 1
+        plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None),
+                ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev),
+                ("send_next", "forward", next_pipeline_rank, tensor_send_next, None),
+                ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next))
+        return {name: _Message(self, self.link(direction, "send" if recv is None else "recv", peer), send, recv,
+                               last_stage=last)
+                for name, direction, peer, send, recv in plan if send is not None or recv is not None}
+
+    def batched_p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                        group, prev_pipeline_rank, next_pipeline_rank):
+        """Compressing ``_batched_p2p_ops``: one batch of uint8 messages, waited and decoded; returns ``[]``."""
+        dist = torch.distributed
+        messages = self._messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                                  group, prev_pipeline_rank, next_pipeline_rank)
+        if not messages:
+            return []
+        ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
+               for m in messages.values()]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        now = time.monotonic()
+        for m in messages.values():
+            m.completed_at = now
+            m.finish()
+        return []
+
+    def p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                group, prev_pipeline_rank, next_pipeline_rank):
+        """Compressing ``_p2p_ops``: Megatron's op order and group choice; returns ``{name: handle}``."""
+        dist = torch.distributed
+        messages = self._messages(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                                  group, prev_pipeline_rank, next_pipeline_rank)
+        # Megatron alternates process groups by rank parity so that the two directions can overlap
+        # (the WORLD group stands in for a second group when the pipeline group has two ranks).
+        other = dist.group.WORLD if group.size() == 2 and dist.get_backend(group) != "ucc" else group
+        even = group.rank() % 2 == 0
+        send_group, recv_group = (group, other) if even else (other, group)
+        order = (("send_next", "recv_prev", "send_prev", "recv_next") if even
+                 else ("recv_prev", "send_next", "recv_next", "send_prev"))
+        handles = {}
+        for name in order:
+            if name not in messages:
+                continue
+            m = messages[name]
+            post = dist.irecv if m.is_recv else dist.isend
+            m.work = post(m.buf, m.link.peer, group=recv_group if m.is_recv else send_group)
+            self.outstanding.append(m)
+            handles[name] = _Handle(m)
+        return handles
+
+    def replacing(self, name: str):
+        """``Patches.wrap``'s factory for megatron-core's transport ``name``."""
+        method = self.batched_p2p_ops if name == "_batched_p2p_ops" else self.p2p_ops
+
+        def make(original):
+            def transport(**kwargs):
+                return method(**kwargs)
+
+            return transport
+
+        return make
+
+    # ----- codec state (checkpoints) ---------------------------------------------------------
+    def codec_states(self) -> dict:
+        """``{(direction, role, peer): codec.state_dict()}`` of the link ends whose codecs hold state."""
+        states = {key: link.codec.state_dict() for key, link in self.links.items()}
+        return {key: state for key, state in states.items() if state}
+
+    def load_codec_states(self, states: dict, saved_config: dict | None = None) -> None:
+        """Give each link end's codec its saved state (creating the link ends it names)."""
+        if saved_config is not None:
+            fields = {f.name for f in dataclasses.fields(TahConfig)}
+            saved = TahConfig(**{k: v for k, v in saved_config.items() if k in fields})
+            if config_record(saved) != config_record(self.config):
+                raise CodecMismatchError(
+                    f"megatron_tah: the checkpoint's codec state was saved with other codecs "
+                    f"({config_record(saved)}) than this run's ({config_record(self.config)}); "
+                    "load it with the same --tah-* flags, or use --finetune to start the codecs afresh")
+        for (direction, role, peer), codec_state in states.items():
+            self.link(direction, role, peer).codec.load_state_dict(codec_state)
+
+    def stateful(self) -> bool:
+        """Whether the configured codecs keep state between messages (AQ-SGD, stochastic rounding)."""
+        return any(codec.stateful for codec in (self.config.forward_codec(), self.config.backward_codec()))
+
+    def buffer_nbytes(self) -> int:
+        """Bytes held in per-sample buffers (AQ-SGD) by this rank's codecs (the statistics' buffer source)."""
+        return sum(link.codec.buffer_nbytes() for link in self.links.values() if hasattr(link.codec, "buffer_nbytes"))
+
+
+class _Message:
+    """One posted send or receive on ``link``; ``finish`` applies the emulated link and decodes a receive."""
+
+    def __init__(self, transport: PipelineTransport, link: Link, send_tensor=None, recv_tensor=None,
+                 last_stage=False):
+        self.transport, self.link = transport, link
+        self.target, self.last_stage = recv_tensor, last_stage
+        if send_tensor is not None:
+            self.buf = transport.encode(link, send_tensor)
+        else:
+            self.codec = transport.codec(link)
+            nbytes = self.codec.wire_nbytes(recv_tensor.shape, recv_tensor.dtype)
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=recv_tensor.device)
+        self.work = None
+        self.done = False
+        self.completed_at = None
+
+    @property
+    def is_recv(self) -> bool:
+        return self.target is not None
+
+    def poll(self) -> None:
+        if self.completed_at is None and self.work is not None and self.work.is_completed():
+            self.completed_at = time.monotonic()
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        transport, link = self.transport, self.link
+        if transport.emulator is not None:
+            me = torch.distributed.get_rank()
+            pair = (link.peer, me) if self.is_recv else (me, link.peer)
+            transport.emulator.complete(pair, self.buf.numel(), self.completed_at, receiver=self.is_recv)
+        if self.is_recv:
+            clock = timing.Stopwatch(self.buf.device)
+            with torch.no_grad():
+                self.codec.decode(self.buf, self.target.shape, self.target.dtype, out=self.target)
+            transport.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
+            link.messages += 1
+            if self.codec.needs_sample_ids and link.direction == "forward" and not self.last_stage:
+                transport.push_sample_ids(self.codec.last_sample_ids)
+        self.buf = None  # the transfer is complete: drop the wire buffer
+
+
+class _Handle:
+    """What the unbatched transport returns in place of a ``Work``: ``wait()`` waits, then decodes."""
+
+    def __init__(self, message: _Message):
+        self.message = message
+
+    def wait(self, timeout=None):
+        msg = self.message
+        if not msg.done:
+            msg.poll()
+            msg.work.wait()
+            if msg.completed_at is None:
+                msg.completed_at = time.monotonic()
+            msg.finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.message.done or self.message.work.is_completed()
+
+
+# ----- the place: install / uninstall ----------------------------------------------------------
+def install(place) -> None:
+    """Replace megatron-core's two pipeline transports by a new :class:`PipelineTransport`'s."""
+    check_installed()  # the transports' contract, before anything is replaced
+    transport = PipelineTransport(place.config, place.stats)
+    place.transport = transport
+    for name in TRANSPORTS:
+        place.patches.wrap(P2P_MODULE, name, transport.replacing(name))
+    place.stats.buffer_source = transport.buffer_nbytes
+    logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
+                place.config.forward_codec().describe(), place.config.backward_codec().describe())
+
+
+def uninstall(place) -> None:
+    """Called before ``place.patches`` are restored: the transport stops taking calls."""
+    place.stats.buffer_source = None
+    if place.transport is not None:
+        place.transport.closed = True
+
+
+# ----- acting on the installed transport -------------------------------------------------------
+def is_installed() -> bool:
+    return REGISTRY.pipeline is not None
+
+
+def _installed() -> PipelineTransport:
+    transport = REGISTRY.pipeline
+    if transport is None:
+        raise RuntimeError("megatron_tah's pipeline transport is not installed; call megatron_tah.install()")
+    return transport
+
+
+def push_sample_ids(ids: torch.Tensor) -> None:
+    """Queue the sample ids of the next micro-batch this rank will send (first stage: per forward step)."""
+    _installed().push_sample_ids(ids)
+
+
+@contextlib.contextmanager
+def evaluation(uncompressed: bool):
+    """An evaluation (forward only) runs inside this, entered on every stage together (by logging's
+    wrapper of Megatron's ``evaluate``, per ``--tah-eval-traffic``; a loop of one's own enters it around
+    its evaluation): with ``uncompressed`` every link sends raw. A no-op when not installed."""
+    transport = REGISTRY.pipeline
+    if transport is None:
+        yield
+        return
+    with transport.evaluation(uncompressed):
+        yield
+
+
+def codec_states() -> dict:
+    """The installed transport's ``codec_states()`` ({} when not installed)."""
+    transport = REGISTRY.pipeline
+    return {} if transport is None else transport.codec_states()
+
+
+def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
+    """The installed transport's ``load_codec_states`` (an error when not installed)."""
+    _installed().load_codec_states(states, saved_config)
