@@ -16,6 +16,9 @@ import torch
 
 from . import common, geometry
 from .base import Codec, register_codec_id
+from .options import CodecDeclaration
+
+DECLARATION = CodecDeclaration(takes=("bits", "tile_size", "stochastic_rounding"), kernel=True)
 
 
 class FixedPointCodec(Codec):

@@ -34,6 +34,13 @@ import torch
 
 from . import common, geometry
 from .base import Codec, register_codec_id
+from .options import CodecDeclaration, Option
+
+DECLARATION = CodecDeclaration(
+    kernel=True,
+    options=(Option("tah_fp8_group_size", "group_size", int, 128, "Group size of the fp8 codec (pipeline or "
+                    "tensor-parallel).", choices=geometry.TILE_SIZES),),
+)
 from .geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 
 

@@ -40,6 +40,9 @@ import torch
 from . import common, geometry
 from .base import CodecError, register_codec_id
 from .mxfp4 import RotatedBlockCodec
+from .options import CodecDeclaration
+
+DECLARATION = CodecDeclaration(takes=("bits", "tile_size", "stochastic_rounding"), kernel=True)
 
 
 def hadint_encode_reference(blocks: torch.Tensor, bad: torch.Tensor, bits: int,
