@@ -25,7 +25,7 @@ def _clean():
 
 
 def test_install_replaces_both_transports_and_keeps_originals(_clean):
-    megatron_tah.install()
+    megatron_tah.install(tah_preset="paper")
     assert patch.is_installed()
     for name in patch.TRANSPORTS:
         fn = getattr(p2p, name)
@@ -128,7 +128,7 @@ def test_aqsgd_with_the_interleaved_schedule_is_refused(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(RuntimeError, match="not supported with the interleaved"):
         patch._check_schedule(state, _FakeGroup(1, 4), None, torch.zeros(1))
-    tah = patch._State(config=megatron_tah.TahConfig(), emulator=None, shims_applied=False)
+    tah = patch._State(config=megatron_tah.TahConfig(tah_preset="paper"), emulator=None, shims_applied=False)
     patch._check_schedule(tah, _FakeGroup(1, 4), None, torch.zeros(1))
 
 
@@ -180,7 +180,7 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
 
     from megatron.training import global_vars
 
-    megatron_tah.install(tah_warmup_iters=2, tah_backend="torch")
+    megatron_tah.install(tah_preset="paper", tah_warmup_iters=2, tah_backend="torch")
     state = patch._state()
     with pytest.raises(RuntimeError, match="needs its training loop"):
         state.codec("forward", "send", 1)
@@ -192,8 +192,8 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
         assert state.codec("forward", "send", 1).name == want
         assert state.codec("backward", "recv", 1).name == ("none" if want == "none" else "fixedpoint")
     # Stages configured with different warm-ups disagree in the handshake record, in both directions.
-    plain, warm = patch._config_record(megatron_tah.TahConfig()), patch._config_record(
-        megatron_tah.TahConfig(tah_warmup_iters=2))
+    plain, warm = patch._config_record(megatron_tah.TahConfig(tah_preset="paper")), patch._config_record(
+        megatron_tah.TahConfig(tah_preset="paper", tah_warmup_iters=2))
     assert all(plain[d][0] != warm[d][0] and warm[d][1].endswith("first 2 iterations uncompressed")
                for d in ("forward", "backward"))
     with pytest.raises(ValueError, match="aqsgd"):
@@ -207,7 +207,7 @@ def test_evaluation_sends_uncompressed_only_when_asked(_clean):
     uncompressed=False, the codecs; a failing evaluation restores the previous setting."""
     with patch.evaluation(uncompressed=True):  # not installed: nothing to switch
         pass
-    megatron_tah.install(tah_backend="torch")
+    megatron_tah.install(tah_preset="paper", tah_backend="torch")
     state = patch._state()
     with patch.evaluation(uncompressed=False):
         assert state.codec("forward", "send", 1).name == "tah"
