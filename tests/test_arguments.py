@@ -262,3 +262,18 @@ def test_help_through_the_launcher_exits_0_and_lists_the_tah_flags(tmp_path):
     result = _run_help("megatron_tah.launch", str(script), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--tah-forward-codec" in result.stdout and "--tah-lowrank-rank" in result.stdout
+
+
+def test_the_reproduction_command_lines_say_which_codecs_they_run():
+    """Nothing is on by default: every run of the reproduction names both directions (or a preset)."""
+    from megatron_tah.reproduce import convergence, throughput
+
+    parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
+    for table in (convergence.CODECS, throughput.CODECS):
+        for name, (_, flags) in table.items():
+            config = tah_arguments.tah_config_from_args(parser.parse_known_args(flags)[0])
+            assert "--tah-preset" in flags or {"--tah-forward-codec", "--tah-backward-codec"} <= set(flags), name
+            assert config.forward_codec() is not None, name  # a valid configuration
+    assert "6-bit bwd" in convergence.CODECS["tah"][0]
+    tah = tah_arguments.tah_config_from_args(parser.parse_known_args(convergence.CODECS["tah"][1])[0])
+    assert tah.backward_codec().describe() == "fixedpoint(bits=6, tile_size=32, stochastic_rounding=False)"
