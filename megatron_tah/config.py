@@ -15,6 +15,7 @@ codec once, raising ``ValueError`` naming the offending field and value.
 Everything is off by default (``none`` both ways): a run without ``--tah-*`` flags is Megatron's own.
 """
 
+# No ``from __future__ import annotations``: megatron's ArgumentGroupFactory reads the annotations as types.
 import ast
 import dataclasses
 import inspect
@@ -58,8 +59,10 @@ PRESETS = {
                  "tah_backward_stochastic_rounding": True},
 }
 
+
 def _field_docs(cls) -> dict[str, str]:
-    """Docstrings written under dataclass fields (as megatron-core does), read from the source."""
+    """Docstrings written under dataclass fields, read from the source as megatron's ArgumentGroupFactory
+    reads them (not imported from there: this module, like the codecs, imports without megatron)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
@@ -299,5 +302,5 @@ TahConfig = dataclasses.make_dataclass(
     bases=(TahConfigBase,),
     module=__name__,
 )
-TahConfig.__doc__ = """megatron_tah's options: ``TahConfigBase``'s fields, then every codec's declared options
-(``CODEC_OPTIONS``). Defaults compress nothing."""
+TahConfig.__doc__ = """megatron_tah's options, every one off by default (--tah-preset paper: TAH-Quant): the
+pipeline-wide fields of TahConfigBase, then the options each codec declares (CODEC_OPTIONS)."""

@@ -85,7 +85,8 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
     assert len(lines) == 6 and all("tah fwd MB:" in line and "tah bwd ratio:" in line for line in lines), lines
     records = read_records(full)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
-    fwd, bwd = expected_bytes(TahConfig(tah_stochastic_rounding=True), 2, 4, (32, 2, 64), torch.float32)
+    fwd, bwd = expected_bytes(TahConfig(tah_preset="paper", tah_stochastic_rounding=True), 2, 4, (32, 2, 64),
+                              torch.float32)
     assert {(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records} == {(fwd, bwd)}
     assert all(r["fwd_raw_bytes"] == 4 * 32 * 2 * 64 * 4 for r in records)
     assert records[-1]["lm_loss"] < records[0]["lm_loss"] and "valid_loss" in records[3]
