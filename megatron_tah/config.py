@@ -302,5 +302,6 @@ TahConfig = dataclasses.make_dataclass(
     bases=(TahConfigBase,),
     module=__name__,
 )
-TahConfig.__doc__ = """megatron_tah's options, every one off by default (--tah-preset paper: TAH-Quant): the
-pipeline-wide fields of TahConfigBase, then the options each codec declares (CODEC_OPTIONS)."""
+TahConfig.__doc__ = """Compressed communication for training over slow links (fields: TahConfigBase's, then each
+codec's declared options). Every option is off by default: without a --tah-* flag the run is Megatron's own;
+--tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""

@@ -28,7 +28,7 @@ from typing import Any
 from ..config import TahConfig
 from .patching import Patches, is_ours
 
-GROUP_TITLE = "megatron_tah (compressed pipeline communication; every flag off by default)"
+GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
 
 
 def flag_name(field_name: str) -> str:
