@@ -1,24 +1,35 @@
-"""megatron_tah's options: one dataclass, the source of the ``--tah-*`` flags.
+"""megatron_tah's options: one dataclass, ``TahConfig``, the source of the ``--tah-*`` flags.
 
-Each field's docstring is its flag's help text; ``add_tah_arguments`` turns
-``tah_forward_codec`` into ``--tah-forward-codec`` (see ``megatron/arguments.py``),
-so a flag and its field never drift apart. A field whose valid values are a fixed list declares
-them once, as ``metadata={"choices": ...}``: the flag's argparse choices and the check in
-``__post_init__`` both come from there. ``__post_init__`` validates and raises ``ValueError``
-naming the offending value.
+Two parts, each declared once:
+
+- the pipeline-wide options below (``TahConfigBase``), written as megatron-core writes its configs:
+  a field with its docstring under it; a fixed list of valid values as ``metadata={"choices": ...}``;
+- every codec's own options (``tah_high_bits``, ``tah_fp8_group_size``, ...), generated from the
+  ``DECLARATION`` at the top of each codec file (``codecs/options.py``), help and range included.
+
+``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` -> ``--tah-tile-size``,
+help from the docs) and ``flags_markdown()`` into the README's table. ``__post_init__`` checks the
+choices and ranges, the rules between fields (from the codecs' declared capabilities) and builds every
+codec once, raising ``ValueError`` naming the offending field and value.
+
+Everything is off by default (``none`` both ways): a run without ``--tah-*`` flags is Megatron's own.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: megatron's ArgumentGroupFactory reads the annotations as types.
 import ast
 import dataclasses
+import inspect
 from typing import Any
 
-from .codecs import CODECS, Codec, CodecError, get_codec
+from .codecs import CODECS, Codec, CodecError, Option, codec_declaration, get_codec
+from .codecs.base import BACKENDS
 from .codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
-from .codecs.tah import ALLOCATIONS, LOW_BITS_FOR
+from .geometry import TILE_SIZES
 from .units import parse_bandwidth
 
+FORWARD_CODECS = tuple(CODECS)
+BACKWARD_CODECS = tuple(name for name in CODECS if not codec_declaration(name).forward_only)
+ROUNDING_CODECS = tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
 TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
@@ -27,7 +38,7 @@ EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 # --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/PARITY.md, RESULTS.md section 4b).
 PRESETS = {
     "none": {},
-    # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec: the flags' defaults.
+    # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec.
     "paper": {"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint", "tah_tile_size": 64,
               "tah_high_bits": 4, "tah_low_bits": 3, "tah_high_ratio": 0.8, "tah_outlier_threshold": 2.0,
               "tah_allocation": "token", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
@@ -49,10 +60,10 @@ PRESETS = {
                  "tah_backward_stochastic_rounding": True},
 }
 
-def _field_docs(cls) -> dict[str, str]:
-    """Docstrings written under dataclass fields (as megatron-core does), read from the source."""
-    import inspect
 
+def _field_docs(cls) -> dict[str, str]:
+    """Docstrings written under dataclass fields, read from the source as megatron's ArgumentGroupFactory
+    reads them (not imported from there: this module, like the codecs, imports without megatron)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
@@ -63,42 +74,23 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class TahConfig:
+class TahConfigBase:
+    """The pipeline-wide options and the methods of ``TahConfig`` (which adds the codecs' own options)."""
+
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
-    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, the defaults), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) or lowrank8 (the same with 8 directions, 3.88 bits). A flag set to neither its default nor the preset's value is an error."""
+    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) or lowrank8 (the same with 8 directions, 3.88 bits). A flag set to neither its default nor the preset's value is an error."""
 
-    tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4, nvfp4, hadint or lowrank."""
+    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": FORWARD_CODECS})
+    """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed)."""
 
-    tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4, nvfp4, hadint or lowrank."""
+    tah_backward_codec: str = dataclasses.field(default="none", metadata={"choices": BACKWARD_CODECS})
+    """Codec for activation gradients sent to the previous stage (none: uncompressed)."""
 
-    tah_tile_size: int = 64
-    """Channels per tile for the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual): 16, 32, 64 or 128."""
+    tah_tile_size: int = dataclasses.field(default=64, metadata={"choices": TILE_SIZES})
+    """Channels per tile of the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual)."""
 
-    tah_high_bits: int = 4
-    """TAH-Quant: bits for the high-entropy share of tokens (or tiles)."""
-
-    tah_low_bits: int = 3
-    """TAH-Quant: bits for the lowest-entropy share of tokens (or tiles)."""
-
-    tah_high_ratio: float = 0.8
-    """TAH-Quant: fraction of tokens per sample (or tiles per token) quantized with the high bit width."""
-
-    tah_outlier_threshold: float = 2.0
-    """TAH-Quant: rotate a tile when |largest| / |second largest| exceeds this; 0 always rotates, inf never."""
-
-    tah_allocation: str = "token"
-    """TAH-Quant bit allocation unit: token (paper v1) or tile (paper v2)."""
-
-    tah_low_bits_for: str = "low_entropy"
-    """TAH-Quant: which tokens (or tiles) get the low bit width: low_entropy (the paper) or high_entropy (diagnostic)."""
-
-    tah_stochastic_rounding: bool = False
-    """Round stochastically (unbiased) instead of to nearest in the quantizing codecs (both directions)."""
-
-    tah_backward_stochastic_rounding: bool = False
-    """Round stochastically in the backward codec only (fixedpoint or hadint): unbiased activation gradients."""
+    tah_backward_tile_size: int = dataclasses.field(default=32, metadata={"choices": TILE_SIZES})
+    """Channels per tile of the backward codec."""
 
     tah_forward_bits: int = 4
     """Bits of the forward codec when it is fixedpoint, aqsgd or hadint (lowrank: of its residual)."""
@@ -106,23 +98,11 @@ class TahConfig:
     tah_backward_bits: int = 6
     """Bits of the backward codec when it is fixedpoint or hadint (lowrank: of its residual)."""
 
-    tah_lowrank_rank: int = 16
-    """lowrank codec: principal directions of each message sent apart from the residual (at most the hidden size)."""
+    tah_stochastic_rounding: bool = False
+    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint)."""
 
-    tah_lowrank_coef_bits: int = 6
-    """lowrank codec: bits of the per-token coefficients of those directions (3 to 8)."""
-
-    tah_backward_tile_size: int = 32
-    """Channels per tile of the backward codec."""
-
-    tah_fp8_group_size: int = 128
-    """Group size of the fp8 codec (pipeline or tensor-parallel)."""
-
-    tah_int8_block_size: int = 128
-    """Elements per fp32 scale of the int8 codec (data-parallel gradients, or a pipeline direction): 32 to 1024."""
-
-    tah_fp4_hadamard: bool = False
-    """mxfp4 / nvfp4: rotate every block (32 / 16 values) by a random-sign Walsh-Hadamard transform before quantizing (reference-only codecs, no Triton kernel)."""
+    tah_backward_stochastic_rounding: bool = False
+    """Round stochastically in the backward codec only (fixedpoint, tah, hadint): unbiased activation gradients."""
 
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
@@ -140,16 +120,14 @@ class TahConfig:
     """LAAQ elements per scale/zero pair: 8, 16, 32, 64 or 128."""
 
     tah_warmup_iters: int = 0
-    """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with aqsgd (see --tah-aqsgd-warmup-samples)."""
+    """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with a codec that warms up per sample (aqsgd: --tah-aqsgd-warmup-samples)."""
 
     tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": EVAL_TRAFFIC})
     """Pipeline traffic of Megatron's evaluations (forward only): codec (through the codecs, like training), uncompressed (the loss is the trained model's own, not the model's through the codec), or both (through the codecs, then the same batches again uncompressed: Megatron's log shows the first, --tah-log-json records both as valid_loss and valid_loss_uncompressed). Training is unchanged. Entered by Megatron's evaluate() (a loop of one's own uses megatron_tah.megatron.pipeline_parallel.evaluation()); codec only with aqsgd."""
 
-    tah_aqsgd_warmup_samples: int = 0
-    """AQ-SGD: samples sent uncompressed on each link before deltas start (one epoch of the training set)."""
 
-    tah_backend: str = "auto"
-    """Codec implementation: auto (Triton on CUDA tensors, torch on CPU), torch or triton."""
+    tah_backend: str = dataclasses.field(default="auto", metadata={"choices": BACKENDS})
+    """Codec implementation: auto (Triton on CUDA tensors where the codec has a kernel, torch otherwise), torch or triton."""
 
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
     """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError instead of reaching the model silently. Both stages must agree. Off by default (on needs a cost under 2% of the codec's time): on CPU it costs 0.9-3.3% of tah's encode + decode time and 4.9-9.9% of the 6-bit fixedpoint backward codec's, at the demo's shape and at [1024, 1, 1600] bf16 (scripts/bench_codecs.py --checksum); the GPU's cost is not measured."""
@@ -166,37 +144,37 @@ class TahConfig:
     tah_log_json: str | None = None
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
+    _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
+
     def __post_init__(self):
         self._apply_preset()
+        if self.tah_backward_codec in CODECS and codec_declaration(self.tah_backward_codec).forward_only:
+            raise ValueError(f"tah_backward_codec = {self.tah_backward_codec!r}: it compresses activations only; "
+                             f"choose one of {', '.join(BACKWARD_CODECS)} for gradients")
         for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
             choices = field.metadata.get("choices")
-            if choices and getattr(self, field.name) not in choices:
-                raise ValueError(f"{field.name} = {getattr(self, field.name)!r}: choose one of {', '.join(choices)}")
-        for field in ("tah_forward_codec", "tah_backward_codec"):
-            if getattr(self, field) not in CODECS:
-                raise ValueError(f"{field} = {getattr(self, field)!r}: choose one of {', '.join(CODECS)}")
-        if self.tah_backward_codec == "aqsgd":
-            raise ValueError("tah_backward_codec = 'aqsgd': AQ-SGD compresses activations only; "
-                             "use fixedpoint, tah, fp8 or none for gradients")
-        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in ("fixedpoint", "hadint"):
-            raise ValueError(f"tah_backward_stochastic_rounding needs tah_backward_codec fixedpoint or hadint, "
-                             f"got {self.tah_backward_codec!r}")
-        if self.tah_low_bits_for not in LOW_BITS_FOR:
-            raise ValueError(f"tah_low_bits_for = {self.tah_low_bits_for!r}: choose {' or '.join(LOW_BITS_FOR)}")
-        if self.tah_allocation not in ALLOCATIONS:
-            raise ValueError(f"tah_allocation = {self.tah_allocation!r}: choose {' or '.join(ALLOCATIONS)}")
-        if not 0.0 <= self.tah_high_ratio <= 1.0:
-            raise ValueError(f"tah_high_ratio = {self.tah_high_ratio}: must lie in [0, 1]")
-        if self.tah_outlier_threshold < 0:
-            raise ValueError(f"tah_outlier_threshold = {self.tah_outlier_threshold}: must be >= 0 (or inf)")
+            if choices and value not in choices:
+                raise ValueError(f"{field.name} = {value!r}: choose one of {', '.join(map(str, choices))}")
+            if "option" in field.metadata:
+                field.metadata["option"].check(value)
+        self._check_rounding()
+        forward = codec_declaration(self.tah_forward_codec)
         if self.tah_warmup_iters < 0:
             raise ValueError(f"tah_warmup_iters = {self.tah_warmup_iters}: must be >= 0")
-        if self.tah_warmup_iters and self.tah_forward_codec == "aqsgd":
-            raise ValueError("tah_warmup_iters with tah_forward_codec = 'aqsgd': AQ-SGD warms up per sample "
-                             "(tah_aqsgd_warmup_samples)")
-        if self.tah_eval_traffic != "codec" and self.tah_forward_codec == "aqsgd":
-            raise ValueError(f"tah_eval_traffic = {self.tah_eval_traffic!r} with tah_forward_codec = 'aqsgd': "
-                             "AQ-SGD's per-sample buffers follow every message of a sample; evaluate through the codec")
+        if self.tah_warmup_iters and forward.needs_sample_ids:
+            raise ValueError(f"tah_warmup_iters with tah_forward_codec = {self.tah_forward_codec!r}: a codec keeping "
+                             "state per sample warms up per sample (its own option)")
+        if self.tah_eval_traffic != "codec" and forward.needs_sample_ids:
+            raise ValueError(f"tah_eval_traffic = {self.tah_eval_traffic!r} with tah_forward_codec = "
+                             f"{self.tah_forward_codec!r}: its per-sample state follows every message of a sample; "
+                             "evaluate through the codec")
+        if self.tah_backend == "triton":
+            for field in ("tah_forward_codec", "tah_backward_codec", "tah_tp_codec", "tah_dp_codec"):
+                name = getattr(self, field)
+                if not codec_declaration(name).kernel and (name != "none" or field in self._DIRECTIONS):
+                    raise ValueError(f"tah_backend = 'triton' with {field} = {name!r}: it has no Triton kernel; "
+                                     "use auto or torch")
         if self.tah_emulate_bandwidth is not None:
             parse_bandwidth(self.tah_emulate_bandwidth)
         if self.tah_emulate_latency_ms < 0:
@@ -238,45 +216,40 @@ class TahConfig:
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
-        return _field_docs(cls)
+        """Every field's help: the docstrings of ``TahConfigBase``, then each codec option's declared help."""
+        return {**_field_docs(TahConfigBase), **{name: option.help for name, option in CODEC_OPTIONS.items()}}
 
     @property
     def emulated_bandwidth_bps(self) -> float | None:
         return None if self.tah_emulate_bandwidth is None else parse_bandwidth(self.tah_emulate_bandwidth)
 
+    def _check_rounding(self) -> None:
+        """Stochastic rounding is asked of a codec that rounds stochastically (``none`` aside), never ignored."""
+        asked = {"tah_forward_codec": self.tah_stochastic_rounding,  # (the keys are _DIRECTIONS)
+                 "tah_backward_codec": self.tah_stochastic_rounding or self.tah_backward_stochastic_rounding}
+        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in ROUNDING_CODECS:
+            raise ValueError(f"tah_backward_stochastic_rounding needs a tah_backward_codec that rounds stochastically "
+                             f"({', '.join(ROUNDING_CODECS)}), got {self.tah_backward_codec!r}")
+        for field, wanted in asked.items():
+            name = getattr(self, field)
+            if wanted and name != "none" and name not in ROUNDING_CODECS:
+                raise ValueError(f"tah_stochastic_rounding with {field} = {name!r}: it rounds to nearest; "
+                                 f"stochastic rounding is for {', '.join(ROUNDING_CODECS)}")
+        if self.tah_stochastic_rounding and not any(getattr(self, field) in ROUNDING_CODECS for field in asked):
+            raise ValueError(f"tah_stochastic_rounding with neither direction's codec among {', '.join(ROUNDING_CODECS)}")
+
+    def is_off(self) -> bool:
+        """Every option at its default: nothing is compressed, emulated or logged (Megatron runs as without us)."""
+        return self == type(self)()
+
     def _codec(self, name: str, bits: int, tile_size: int, stochastic_rounding: bool = False,
                checksum: bool = False) -> Codec:
-        backend = {"backend": self.tah_backend, "checksum": checksum}
-        stochastic_rounding = stochastic_rounding or self.tah_stochastic_rounding
-        if name == "none":
-            return get_codec("none", **backend)
-        if name == "fixedpoint":
-            return get_codec("fixedpoint", bits=bits, tile_size=tile_size,
-                             stochastic_rounding=stochastic_rounding, **backend)
-        if name == "tah":
-            return get_codec("tah", tile_size=self.tah_tile_size, high_bits=self.tah_high_bits,
-                             low_bits=self.tah_low_bits, high_ratio=self.tah_high_ratio,
-                             outlier_threshold=self.tah_outlier_threshold, allocation=self.tah_allocation,
-                             low_bits_for=self.tah_low_bits_for,
-                             stochastic_rounding=self.tah_stochastic_rounding, **backend)
-        if name == "fp8":
-            return get_codec("fp8", group_size=self.tah_fp8_group_size, **backend)
-        if name == "aqsgd":
-            return get_codec("aqsgd", bits=bits, tile_size=tile_size,
-                             warmup_samples=self.tah_aqsgd_warmup_samples, **backend)
-        if name == "int8":
-            return get_codec("int8", block_size=self.tah_int8_block_size, **backend)
-        if name == "hadint":
-            return get_codec("hadint", bits=bits, tile_size=tile_size, stochastic_rounding=stochastic_rounding,
-                             **backend)
-        if name == "lowrank":
-            if stochastic_rounding:
-                raise CodecError("lowrank rounds to nearest; stochastic rounding is for fixedpoint and hadint")
-            return get_codec("lowrank", bits=bits, tile_size=tile_size, rank=self.tah_lowrank_rank,
-                             coef_bits=self.tah_lowrank_coef_bits, **backend)
-        if name in ("mxfp4", "nvfp4"):
-            return get_codec(name, hadamard=self.tah_fp4_hadamard, **backend)
-        raise ValueError(f"unknown codec {name!r}")
+        """A new codec ``name`` with a direction's parameters and the codec's own options (its declaration);
+        ``checksum``: the payload checksum in the header (the pipeline's codecs: ``tah_wire_checksum``)."""
+        direction = {"bits": bits, "tile_size": tile_size,
+                     "stochastic_rounding": stochastic_rounding or self.tah_stochastic_rounding}
+        return get_codec(name, backend=self.tah_backend, checksum=checksum,
+                         **codec_declaration(name).build_kwargs(self, direction))
 
     def forward_codec(self) -> Codec:
         """A new codec object for activations (one per link end: aqsgd keeps state)."""
@@ -316,3 +289,27 @@ class TahConfig:
         """A new codec for the tensors saved on pipeline stage ``stage`` of ``stages`` (fixedpoint, one block per tile)."""
         return get_codec("fixedpoint", bits=self.laaq_stage_bits(stage, stages), tile_size=self.tah_laaq_block_size,
                          backend=self.tah_backend, checksum=False)
+
+
+def _codec_options() -> dict[str, Option]:
+    """Every codec's declared options by field name, in registry order (an ``Option`` shared by codecs once)."""
+    options: dict[str, Option] = {}
+    for name in CODECS:
+        for option in codec_declaration(name).options:
+            if options.setdefault(option.name, option) != option:
+                raise ValueError(f"codec {name!r} declares {option.name} unlike another codec; share one Option")
+    return options
+
+
+CODEC_OPTIONS = _codec_options()
+
+TahConfig = dataclasses.make_dataclass(
+    "TahConfig",
+    [(option.name, option.type, dataclasses.field(default=option.default, metadata={"option": option}))
+     for option in CODEC_OPTIONS.values()],
+    bases=(TahConfigBase,),
+    module=__name__,
+)
+TahConfig.__doc__ = """Compressed communication for training over slow links (fields: TahConfigBase's, then each
+codec's declared options). Every option is off by default: without a --tah-* flag the run is Megatron's own;
+--tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""

@@ -6,7 +6,8 @@
 Megatron-LM's own training loop (``megatron.training.pretrain``: optimizer, LR schedule,
 checkpoints, evaluation, logging, TensorBoard) with megatron_tah's plugin installed
 (``--tah-*`` flags, compressing pipeline transports, statistics in the log line, per-iteration
-JSON with ``--tah-log-json``). What this script adds is what Megatron-LM's ``pretrain_gpt.py``
+JSON with ``--tah-log-json``); without a ``--tah-*`` flag nothing is compressed and the run is
+Megatron's own (``--tah-preset paper``: TAH-Quant). What this script adds is what Megatron-LM's ``pretrain_gpt.py``
 adds to the loop, written here because the megatron-core wheel does not ship that script:
 
 * the model: megatron.training's ``GPTModelConfig`` built from the arguments

@@ -60,9 +60,9 @@ def test_realistic_command_line_without_tah_flags(monkeypatch, installed):
     for field in dataclasses.fields(TahConfig):
         assert getattr(args, field.name) == field.default, field.name
     config = tah_arguments.tah_config_from_args(args)
-    assert config == TahConfig()
-    assert (type(config.forward_codec()).__name__, type(config.backward_codec()).__name__) == ("TahCodec",
-                                                                                            "FixedPointCodec")
+    assert config == TahConfig() and config.is_off()  # opt-in: nothing is compressed without a flag
+    assert (type(config.forward_codec()).__name__, type(config.backward_codec()).__name__) == ("NoneCodec",
+                                                                                            "NoneCodec")
 
 
 def test_realistic_command_line_with_tah_flags(monkeypatch, installed):
@@ -117,8 +117,9 @@ def test_inconsistent_tah_values_fail_validation_with_one_line_naming_the_flag(m
 def test_presets_set_their_fields_and_refuse_a_conflicting_flag(monkeypatch, installed):
     from megatron_tah.config import PRESETS
 
-    # "paper" is TAH-Quant as SPEC.md specifies it: exactly the flags' defaults.
-    assert dataclasses.replace(TahConfig(tah_preset="paper"), tah_preset="none") == TahConfig()
+    # "paper" is TAH-Quant as SPEC.md specifies it, with the 6-bit backward codec: the codecs' own defaults.
+    assert dataclasses.replace(TahConfig(tah_preset="paper"), tah_preset="none") == TahConfig(
+        tah_forward_codec="tah", tah_backward_codec="fixedpoint")
     args = parse(monkeypatch, gpt_argv(2, "--tah-preset", "hadint4", "--tah-log-json", "x.jsonl"))
     config = tah_arguments.tah_config_from_args(args)
     for name, value in PRESETS["hadint4"].items():
@@ -152,3 +153,127 @@ def test_install_is_idempotent_and_uninstall_exact(monkeypatch):
     # Without the wrapper Megatron's parser rejects the flags: they came from the wrapper.
     with pytest.raises(SystemExit):
         parse(monkeypatch, gpt_argv(2, "--tah-forward-codec", "none"))
+
+
+# ----- options declared once, by the codecs ----------------------------------------------------------
+
+
+def test_every_codec_option_is_a_config_field_a_flag_and_a_readme_row():
+    from megatron_tah.codecs import CODECS, codec_class, codec_declaration
+
+    parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
+    fields = {f.name: f for f in dataclasses.fields(TahConfig)}
+    table = tah_arguments.flags_markdown()
+    for name in CODECS:
+        declaration = codec_declaration(name)
+        for option in declaration.options:
+            assert fields[option.name].default == option.default and fields[option.name].type is option.type
+            action = parser._option_string_actions[tah_arguments.flag_name(option.name)]
+            assert action.help.startswith(option.help) and action.default == option.default
+            assert f"| `{tah_arguments.flag_name(option.name)}` |" in table
+            assert (tuple(action.choices) if action.choices else ()) == option.choices
+        # The capabilities agree with the class: sample ids, a Triton path, the backward choices.
+        codec = codec_class(name)()
+        assert declaration.needs_sample_ids == codec.needs_sample_ids, name
+        assert declaration.kernel or not codec.has_triton_path(), name
+        backward = parser._option_string_actions["--tah-backward-codec"].choices
+        assert (name in backward) == (not declaration.forward_only), name
+        # A config selecting it builds it (every declared keyword is one its constructor takes).
+        built = TahConfig(tah_forward_codec=name).forward_codec()
+        assert type(built) is codec_class(name)
+
+
+def test_a_codec_option_changes_only_its_codec_and_its_range_is_checked_once():
+    config = TahConfig(tah_forward_codec="tah", tah_backward_codec="tah", tah_high_ratio=0.5, tah_tile_size=32)
+    assert config.forward_codec().high_ratio == 0.5 and config.backward_codec().high_ratio == 0.5
+    assert (config.forward_codec().tile_size, config.backward_codec().tile_size) == (32, 32)  # each direction's
+    assert TahConfig(tah_forward_codec="fixedpoint", tah_high_ratio=0.5).forward_codec().config() == {
+        "bits": 4, "tile_size": 64, "stochastic_rounding": False}
+    for bad, message in ((dict(tah_high_ratio=-0.1), r"tah_high_ratio = -0.1: must lie in \[0, 1\]"),
+                         (dict(tah_outlier_threshold=float("nan")), "tah_outlier_threshold = nan: must be >= 0"),
+                         (dict(tah_lowrank_rank=0), r"tah_lowrank_rank = 0: must lie in \[1, 256\]"),
+                         (dict(tah_allocation="row"), "tah_allocation = 'row': choose one of token, tile"),
+                         (dict(tah_int8_block_size=100), "tah_int8_block_size = 100: choose one of 32, 64"),
+                         (dict(tah_aqsgd_warmup_samples=-1), "tah_aqsgd_warmup_samples = -1: must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            TahConfig(**bad)  # whichever codec is selected: the value is the flag's
+
+
+def test_rules_between_options_come_from_the_declared_capabilities():
+    with pytest.raises(ValueError, match="'aqsgd': it compresses activations only"):
+        TahConfig(tah_backward_codec="aqsgd")
+    with pytest.raises(ValueError, match="tah_warmup_iters with tah_forward_codec = 'aqsgd'"):
+        TahConfig(tah_forward_codec="aqsgd", tah_warmup_iters=2)
+    with pytest.raises(ValueError, match="tah_eval_traffic = 'both' with tah_forward_codec = 'aqsgd'"):
+        TahConfig(tah_forward_codec="aqsgd", tah_eval_traffic="both")
+    with pytest.raises(ValueError, match="tah_backend = 'triton' with tah_forward_codec = 'mxfp4': it has no Triton"):
+        TahConfig(tah_forward_codec="mxfp4", tah_backward_codec="fixedpoint", tah_backend="triton")
+    assert TahConfig(tah_forward_codec="tah", tah_backward_codec="fixedpoint", tah_backend="triton").tah_backend == "triton"
+    # Stochastic rounding is never silently ignored: a codec rounding to nearest refuses it.
+    with pytest.raises(ValueError, match="tah_forward_codec = 'fp8': it rounds to nearest"):
+        TahConfig(tah_forward_codec="fp8", tah_backward_codec="fixedpoint", tah_stochastic_rounding=True)
+    with pytest.raises(ValueError, match="neither direction"):
+        TahConfig(tah_stochastic_rounding=True)
+    both = TahConfig(tah_forward_codec="tah", tah_stochastic_rounding=True)  # none backward: nothing to round
+    assert both.forward_codec().stochastic_rounding
+
+
+# ----- --help ---------------------------------------------------------------------------------------
+
+
+def test_bare_percent_in_an_upstream_help_is_escaped_only_where_argparse_cannot_format_it():
+    parser = argparse.ArgumentParser()
+    flag = tah_arguments.UPSTREAM_HELP_WITH_BARE_PERCENT[0]
+    parser.add_argument(flag, type=float, help="headroom (e.g. 1.10 = 10%).")
+    parser.add_argument("--other", help="also 10%)")  # not a flag the shim covers: left as it is
+    with pytest.raises(ValueError, match="unsupported format character"):
+        parser.format_help()
+    assert tah_arguments.escape_percent_in_upstream_help(parser) == [flag]
+    assert parser._option_string_actions[flag].help == "headroom (e.g. 1.10 = 10%%)."
+    assert parser._option_string_actions["--other"].help == "also 10%)"
+    assert tah_arguments.escape_percent_in_upstream_help(parser) == []  # repaired once; formattable help untouched
+    fine = argparse.ArgumentParser()
+    fine.add_argument(flag, default=1.1, help="factor, default %(default)s")
+    assert tah_arguments.escape_percent_in_upstream_help(fine) == []
+
+
+def _run_help(*command: str, cwd=None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", *command, "--help"], cwd=cwd or repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_help_of_pretrain_gpt_exits_0_and_lists_the_tah_flags():
+    result = _run_help("megatron_tah.pretrain_gpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--tah-forward-codec" in result.stdout and "--tah-high-ratio" in result.stdout
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in result.stdout  # Megatron's own flags are all there
+
+
+def test_help_through_the_launcher_exits_0_and_lists_the_tah_flags(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("from megatron.training.arguments import parse_args\nparse_args()\n")
+    result = _run_help("megatron_tah.launch", str(script), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--tah-forward-codec" in result.stdout and "--tah-lowrank-rank" in result.stdout
+
+
+def test_the_reproduction_command_lines_say_which_codecs_they_run():
+    """Nothing is on by default: every run of the reproduction names both directions (or a preset)."""
+    from megatron_tah.reproduce import convergence, throughput
+
+    parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
+    for table in (convergence.CODECS, throughput.CODECS):
+        for name, (_, flags) in table.items():
+            config = tah_arguments.tah_config_from_args(parser.parse_known_args(flags)[0])
+            assert "--tah-preset" in flags or {"--tah-forward-codec", "--tah-backward-codec"} <= set(flags), name
+            assert config.forward_codec() is not None, name  # a valid configuration
+    assert "6-bit bwd" in convergence.CODECS["tah"][0]
+    tah = tah_arguments.tah_config_from_args(parser.parse_known_args(convergence.CODECS["tah"][1])[0])
+    assert tah.backward_codec().describe() == "fixedpoint(bits=6, tile_size=32, stochastic_rounding=False)"

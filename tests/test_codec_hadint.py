@@ -186,8 +186,9 @@ def test_registered_in_codecs_flags_config_and_report():
         "hadint(hadamard=True, hadamard_seed=0, bits=4, tile_size=64, stochastic_rounding=False)"
     assert config.backward_codec().describe() == \
         "hadint(hadamard=True, hadamard_seed=0, bits=4, tile_size=64, stochastic_rounding=True)"
-    assert TahConfig(tah_backward_stochastic_rounding=True).backward_codec().stochastic_rounding
-    assert not TahConfig(tah_backward_stochastic_rounding=True).forward_codec().rounding_noise.enabled
+    rounded = TahConfig(tah_forward_codec="fixedpoint", tah_backward_codec="fixedpoint",
+                        tah_backward_stochastic_rounding=True)
+    assert rounded.backward_codec().stochastic_rounding and not rounded.forward_codec().rounding_noise.enabled
     with pytest.raises(ValueError, match="tah_backward_stochastic_rounding needs"):
         TahConfig(tah_backward_codec="fp8", tah_backward_stochastic_rounding=True)
     with pytest.raises(ValueError, match="tah_forward_codec = 'hadint'.*bits"):

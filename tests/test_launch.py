@@ -136,3 +136,32 @@ def test_plugin_rejects_bad_tah_values_at_initialization(fake_initialize, monkey
     with pytest.raises(ValueError, match="--tah-forward-bits 1"):
         megatron_training.initialize_megatron()
     assert not pipeline_parallel.is_installed()
+
+
+def test_without_tah_flags_the_plugin_leaves_megatrons_transports_and_log_line_alone(monkeypatch, capsys):
+    """Opt-in: a run without --tah-* flags keeps megatron-core's own p2p functions and training_log."""
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+
+    def initialize_megatron(**kwargs):
+        monkeypatch.setattr("sys.argv", gpt_argv(2))  # no --tah-* flag
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        global_vars.set_args(megatron_arguments.parse_args())
+        return "finish"
+
+    for module in (megatron_training, megatron_initialize, megatron_training_pkg):
+        monkeypatch.setattr(module, "initialize_megatron", initialize_megatron)
+    transports = (p2p._batched_p2p_ops, p2p._p2p_ops)
+    training_log, evaluate = megatron_training.training_log, megatron_training.evaluate
+    try:
+        plugin.install_megatron_lm_plugin()
+        assert megatron_training.training_log is not training_log  # wrapped until the flags are known
+        assert megatron_training.initialize_megatron() == "finish"
+        assert not pipeline_parallel.is_installed() and REGISTRY.config is None
+        assert (p2p._batched_p2p_ops, p2p._p2p_ops) == transports
+        assert (megatron_training.training_log, megatron_training.evaluate) == (training_log, evaluate)
+        out = capsys.readouterr().out
+        assert out.count("megatron_tah:") == 1 and plugin.OFF_MESSAGE in out and "--tah-preset paper" in out
+    finally:
+        plugin.uninstall_megatron_lm_plugin()
+        global_vars.set_args(None)
+    assert (megatron_training.training_log, p2p._batched_p2p_ops) == (training_log, transports[0])

@@ -28,7 +28,7 @@ def _clean():
 
 
 def test_install_replaces_both_transports_and_keeps_originals(_clean):
-    megatron_tah.install()
+    megatron_tah.install(tah_preset="paper")
     assert pipeline_parallel.is_installed()
     for name in version.TRANSPORTS:
         fn = getattr(p2p, name)
@@ -150,7 +150,7 @@ def test_aqsgd_with_the_interleaved_schedule_is_refused(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(RuntimeError, match="not supported with the interleaved"):
         handshake.check_schedule(aqsgd, _FakeGroup(1, 4), None, torch.zeros(1))
-    handshake.check_schedule(megatron_tah.TahConfig(), _FakeGroup(1, 4), None, torch.zeros(1))
+    handshake.check_schedule(megatron_tah.TahConfig(tah_preset="paper"), _FakeGroup(1, 4), None, torch.zeros(1))
 
 
 class _FakeClock:
@@ -201,7 +201,7 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
 
     from megatron.training import global_vars
 
-    megatron_tah.install(tah_warmup_iters=2, tah_backend="torch")
+    megatron_tah.install(tah_preset="paper", tah_warmup_iters=2, tah_backend="torch")
     transport = REGISTRY.pipeline
     with pytest.raises(RuntimeError, match="needs its training loop"):
         transport.codec(transport.link("forward", "send", 1))
@@ -213,8 +213,8 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
         assert transport.codec(transport.link("forward", "send", 1)).name == want
         assert transport.codec(transport.link("backward", "recv", 1)).name == ("none" if want == "none" else "fixedpoint")
     # Stages configured with different warm-ups disagree in the handshake record, in both directions.
-    plain, warm = handshake.config_record(megatron_tah.TahConfig()), handshake.config_record(
-        megatron_tah.TahConfig(tah_warmup_iters=2))
+    plain, warm = handshake.config_record(megatron_tah.TahConfig(tah_preset="paper")), handshake.config_record(
+        megatron_tah.TahConfig(tah_preset="paper", tah_warmup_iters=2))
     assert all(plain[d][0] != warm[d][0] and warm[d][1].endswith("first 2 iterations uncompressed")
                for d in ("forward", "backward"))
     with pytest.raises(ValueError, match="aqsgd"):
@@ -228,7 +228,7 @@ def test_evaluation_sends_uncompressed_only_when_asked(_clean):
     uncompressed=False, the codecs; a failing evaluation restores the previous setting."""
     with pipeline_parallel.evaluation(uncompressed=True):  # not installed: nothing to switch
         pass
-    megatron_tah.install(tah_backend="torch")
+    megatron_tah.install(tah_preset="paper", tah_backend="torch")
     transport = REGISTRY.pipeline
     with pipeline_parallel.evaluation(uncompressed=False):
         assert transport.codec(transport.link("forward", "send", 1)).name == "tah"

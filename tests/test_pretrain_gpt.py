@@ -43,6 +43,9 @@ def corpus(tmp_path_factory) -> str:
     return str(prefix)
 
 
+PAPER = ["--tah-preset", "paper"]  # TAH-Quant with the 6-bit backward codec (nothing is on without a flag)
+
+
 def flags(corpus: str, stages: int, log: Path, *extra: str, layers: int | None = None) -> list[str]:
     model = list(MODEL)
     if layers is not None:
@@ -82,7 +85,8 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
     assert len(lines) == 6 and all("tah fwd MB:" in line and "tah bwd ratio:" in line for line in lines), lines
     records = read_records(full)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
-    fwd, bwd = expected_bytes(TahConfig(tah_stochastic_rounding=True), 2, 4, (32, 2, 64), torch.float32)
+    fwd, bwd = expected_bytes(TahConfig(tah_preset="paper", tah_stochastic_rounding=True), 2, 4, (32, 2, 64),
+                              torch.float32)
     assert {(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records} == {(fwd, bwd)}
     assert all(r["fwd_raw_bytes"] == 4 * 32 * 2 * 64 * 4 for r in records)
     assert records[-1]["lm_loss"] < records[0]["lm_loss"] and "valid_loss" in records[3]
@@ -110,12 +114,12 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
 
 def test_warmup_iterations_go_uncompressed_then_the_codecs_take_over(corpus, tmp_path):
     log = tmp_path / "warm.jsonl"
-    run(pretrain_gpt.command(2, flags(corpus, 2, log, "--train-iters", "3", "--tah-warmup-iters", "2",
+    run(pretrain_gpt.command(2, flags(corpus, 2, log, *PAPER, "--train-iters", "3", "--tah-warmup-iters", "2",
                                       "--eval-interval", "100")))
     records = read_records(log)
     plain = expected_bytes(TahConfig(tah_forward_codec="none", tah_backward_codec="none"), 2, 4, (32, 2, 64),
                            torch.float32)
-    compressed = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
+    compressed = expected_bytes(TahConfig(tah_preset="paper"), 2, 4, (32, 2, 64), torch.float32)
     assert [(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records] == [plain, plain, compressed]
     assert records[2]["tah"]["forward"]["ratio"] > 6
 
@@ -124,14 +128,14 @@ def test_eval_traffic_both_evaluates_the_same_batches_through_the_codec_and_unco
     """--tah-eval-traffic both: each evaluation runs through the codec (the loss Megatron reports, equal
     to a run's without the flag) and again on the same batches uncompressed (valid_loss_uncompressed);
     training traffic and losses are unchanged."""
-    common = ["--train-iters", "4", "--eval-interval", "2"]
+    common = [*PAPER, "--train-iters", "4", "--eval-interval", "2"]
     logs = {mode: tmp_path / f"{mode}.jsonl" for mode in ("codec", "both")}
     run(pretrain_gpt.command(2, flags(corpus, 2, logs["codec"], *common)))
     out = run(pretrain_gpt.command(2, flags(corpus, 2, logs["both"], *common, "--tah-eval-traffic", "both")))
     assert "evaluations through the codec and uncompressed" not in out.stderr  # (stages agree: no mismatch)
     records = {mode: read_records(path) for mode, path in logs.items()}
     assert [r["lm_loss"] for r in records["both"]] == [r["lm_loss"] for r in records["codec"]]
-    compressed = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
+    compressed = expected_bytes(TahConfig(tah_preset="paper"), 2, 4, (32, 2, 64), torch.float32)
     assert all((r["fwd_wire_bytes"], r["bwd_wire_bytes"]) == compressed for r in records["both"])
     evals = {mode: [r for r in rs if "valid_loss" in r] for mode, rs in records.items()}
     assert [r["iteration"] for r in evals["both"]] == [2, 4] == [r["iteration"] for r in evals["codec"]]
@@ -145,7 +149,7 @@ def test_eval_traffic_both_evaluates_the_same_batches_through_the_codec_and_unco
 
 def test_aqsgd_buffers_survive_a_resume(corpus, tmp_path):
     common = ["--train-iters", "4", "--save-interval", "2", "--tah-forward-codec", "aqsgd",
-              "--eval-interval", "100"]
+              "--tah-backward-codec", "fixedpoint", "--eval-interval", "100"]
     full = tmp_path / "full.jsonl"
     run(pretrain_gpt.command(2, flags(corpus, 2, full, *common)))
     records = read_records(full)
@@ -189,14 +193,14 @@ def test_launcher_runs_a_checkouts_script_with_its_own_megatron(corpus, tmp_path
     log = tmp_path / "log.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
            "-m", "megatron_tah.launch", str(checkout / "pretrain_gpt.py"),
-           *flags(corpus, stages, log, "--train-iters", "3", "--eval-interval", "100", layers=stages)]
+           *flags(corpus, stages, log, *PAPER, "--train-iters", "3", "--eval-interval", "100", layers=stages)]
     out = run(cmd, cwd=tmp_path)
     package = out.stdout.split("MEGATRON_PACKAGE ", 1)[1].split()[0]
     assert Path(package).resolve().is_relative_to(checkout.resolve())  # the checkout's megatron ran
     assert len(iteration_lines(out.stdout)) == 3
     assert all("tah fwd ratio:" in line for line in iteration_lines(out.stdout))
     records = read_records(log)
-    fwd, bwd = expected_bytes(TahConfig(), stages, 4, (32, 2, 64), torch.float32)
+    fwd, bwd = expected_bytes(TahConfig(tah_preset="paper"), stages, 4, (32, 2, 64), torch.float32)
     assert [(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in records] == [(fwd, bwd)] * 3
 
 

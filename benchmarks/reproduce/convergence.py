@@ -27,20 +27,22 @@ from pathlib import Path
 
 from .runner import ReproduceError, Run, read_log, read_meta
 
+# The 6-bit backward codec (fixedpoint, tile 32) of every "6-bit bwd" run: flags are explicit, nothing is on by default.
+BACKWARD_6BIT = ["--tah-backward-codec", "fixedpoint"]
 # name -> (label, --tah-* flags)
 CODECS = {
     "none": ("uncompressed (fp32)", ["--tah-forward-codec", "none", "--tah-backward-codec", "none"]),
-    "tah": ("TAH-Quant (4/3-bit fwd, 6-bit bwd)", ["--tah-forward-codec", "tah"]),
-    "fixedpoint4": ("direct 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4"]),
-    "fixedpoint3": ("direct 3-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "3"]),
+    "tah": ("TAH-Quant (4/3-bit fwd, 6-bit bwd)", ["--tah-forward-codec", "tah", *BACKWARD_6BIT]),
+    "fixedpoint4": ("direct 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
+    "fixedpoint3": ("direct 3-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "3", *BACKWARD_6BIT]),
     "fp8": ("fp8 (TACO) both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
     "tah_bwdnone": ("TAH-Quant fwd, uncompressed bwd (diagnostic)",
                     ["--tah-forward-codec", "tah", "--tah-backward-codec", "none"]),
-    "aqsgd": ("AQ-SGD 4-bit deltas, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4"]),
-    "mxfp4": ("MXFP4 fwd (4.25 bits), 6-bit bwd", ["--tah-forward-codec", "mxfp4"]),
+    "aqsgd": ("AQ-SGD 4-bit deltas, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
+    "mxfp4": ("MXFP4 fwd (4.25 bits), 6-bit bwd", ["--tah-forward-codec", "mxfp4", *BACKWARD_6BIT]),
     # Issue 12's parity study (part `parity`, module parity.py).
-    "bwd6_only": ("uncompressed fwd, 6-bit bwd (diagnostic)", ["--tah-forward-codec", "none"]),
-    "hadint4": ("Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd", ["--tah-forward-codec", "hadint"]),
+    "bwd6_only": ("uncompressed fwd, 6-bit bwd (diagnostic)", ["--tah-forward-codec", "none", *BACKWARD_6BIT]),
+    "hadint4": ("Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd", ["--tah-forward-codec", "hadint", *BACKWARD_6BIT]),
     "hadint4_bwd4sr": ("Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each)",
                        ["--tah-forward-codec", "hadint", "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
                         "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"]),
@@ -55,7 +57,7 @@ CODECS = {
                         "(diagnostic)", ["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3",
                                          "--tah-backward-codec", "none"]),
     "tah_bwd6sr": ("TAH-Quant fwd, 6-bit bwd with stochastic rounding (diagnostic)",
-                   ["--tah-forward-codec", "tah", "--tah-backward-stochastic-rounding"]),
+                   ["--tah-forward-codec", "tah", "--tah-backward-stochastic-rounding", *BACKWARD_6BIT]),
     "hadint4_bwdnone": ("Hadamard INT4 fwd (4.25 bits), uncompressed bwd (diagnostic)",
                         ["--tah-forward-codec", "hadint", "--tah-backward-codec", "none"]),
     "hadint5_bwdnone": ("Hadamard INT5 fwd (5.25 bits), uncompressed bwd (diagnostic)",
@@ -77,9 +79,9 @@ CODECS = {
     "int8_both": ("8-bit blockwise both ways, noise-floor control (diagnostic)",
                   ["--tah-forward-codec", "int8", "--tah-backward-codec", "int8"]),
     "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",
-                     ["--tah-forward-codec", "tah", "--tah-warmup-iters", "20"]),
+                     ["--tah-forward-codec", "tah", "--tah-warmup-iters", "20", *BACKWARD_6BIT]),
     "tah_evalboth": ("TAH-Quant, evaluated through the codec and uncompressed (diagnostic)",
-                     ["--tah-forward-codec", "tah", "--tah-eval-traffic", "both"]),
+                     ["--tah-forward-codec", "tah", "--tah-eval-traffic", "both", *BACKWARD_6BIT]),
     "hadint4_bwd4sr_evalboth": ("Hadamard INT4 both ways, evaluated through the codec and uncompressed (diagnostic)",
                                 ["--tah-forward-codec", "hadint", "--tah-backward-codec", "hadint",
                                  "--tah-backward-bits", "4", "--tah-backward-tile-size", "64",
@@ -131,10 +133,10 @@ ABLATIONS = {
     # Issue 12's candidates: standard 4-bit float formats in TAH-Quant's place (same 6-bit backward codec).
     "forward 4-bit float format": [
         ("tah", "TAH-Quant (default)", []),
-        ("cand_mxfp4", "MXFP4: E2M1, E8M0 scale per 32 (4.25 bits)", ["--tah-forward-codec", "mxfp4"]),
+        ("cand_mxfp4", "MXFP4: E2M1, E8M0 scale per 32 (4.25 bits)", ["--tah-forward-codec", "mxfp4", *BACKWARD_6BIT]),
         ("cand_mxfp4_had", "MXFP4 + seeded sign-flip Hadamard per block",
-         ["--tah-forward-codec", "mxfp4", "--tah-fp4-hadamard"]),
-        ("cand_nvfp4", "NVFP4: E2M1, E4M3 scale per 16 + fp32 per tensor (4.5 bits)", ["--tah-forward-codec", "nvfp4"]),
+         ["--tah-forward-codec", "mxfp4", "--tah-fp4-hadamard", *BACKWARD_6BIT]),
+        ("cand_nvfp4", "NVFP4: E2M1, E4M3 scale per 16 + fp32 per tensor (4.5 bits)", ["--tah-forward-codec", "nvfp4", *BACKWARD_6BIT]),
     ],
 }
 

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 from megatron_tah.units import parse_bandwidth
+
+from .convergence import BACKWARD_6BIT
 from .runner import Run, execute_all, host_info, load_average, read_log, read_meta, say, steady
 
 MODEL_TEXT = (
@@ -66,9 +68,9 @@ PAPER_REGIME_FACTOR = 40.0
 CODECS = {
     "none": ("uncompressed fp32", ["--tah-forward-codec", "none", "--tah-backward-codec", "none"]),
     "none_bf16": ("uncompressed bf16", ["--tah-forward-codec", "none", "--tah-backward-codec", "none", "--bf16"]),
-    "fixedpoint4": ("fixedpoint 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4"]),
-    "aqsgd": ("AQ-SGD 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4"]),
-    "tah": ("TAH-Quant fwd, 6-bit bwd", ["--tah-forward-codec", "tah"]),
+    "fixedpoint4": ("fixedpoint 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
+    "aqsgd": ("AQ-SGD 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
+    "tah": ("TAH-Quant fwd, 6-bit bwd", ["--tah-forward-codec", "tah", *BACKWARD_6BIT]),
     "fp8": ("fp8 both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
 }
 PAPER_CODECS = {"none": CODECS["none"], "none_bf16": CODECS["none_bf16"], "tah": CODECS["tah"],

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 
 from .base import Codec, CodecError, PayloadChecksumError, WireFormatError
+from .options import CodecDeclaration, Option
 
-# name -> "module:Class"; modules are imported on first use.
+# name -> "module:Class": the registry. Each module starts with its ``DECLARATION`` (options and
+# capabilities, see ``options.py``); modules are imported on first use.
 CODECS = {
     "none": "none:NoneCodec",
     "fixedpoint": "fixedpoint:FixedPointCodec",
@@ -35,6 +37,13 @@ def codec_class(name: str) -> type[Codec]:
     return getattr(module, class_name)
 
 
+def codec_declaration(name: str) -> CodecDeclaration:
+    """The options and capabilities codec ``name`` declares at the top of its file."""
+    if name not in CODECS:
+        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    return importlib.import_module(f"{__name__}.{CODECS[name].split(':')[0]}").DECLARATION
+
+
 def get_codec(name: str, **config) -> Codec:
     """A new codec object of kind ``name`` with the given options (see each codec's class)."""
     cls = codec_class(name)
@@ -50,5 +59,5 @@ def load_all_codecs() -> None:
         codec_class(name)
 
 
-__all__ = ["CODECS", "Codec", "CodecError", "PayloadChecksumError", "WireFormatError", "codec_class", "get_codec",
-           "load_all_codecs"]
+__all__ = ["CODECS", "Codec", "CodecDeclaration", "CodecError", "Option", "PayloadChecksumError", "WireFormatError",
+           "codec_class", "codec_declaration", "get_codec", "load_all_codecs"]

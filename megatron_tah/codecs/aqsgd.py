@@ -35,12 +35,24 @@ the counter and raises ``WireFormatError`` when the two ends are out of step.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import (CHECKSUM_DEFAULT, HEADER_NBYTES, Codec, CodecError, WireFormatError, WireLayout, check_dtype,
                    check_shape, dtype_name, register_codec_id)
 from .fixedpoint import FixedPointCodec
 from .none import NoneCodec
+from .options import CodecDeclaration, Option
+
+DECLARATION = CodecDeclaration(
+    takes=("bits", "tile_size"),
+    forward_only=True,  # deltas against the activations a sample sent last time; gradients have no such buffer
+    needs_sample_ids=True,
+    kernel=True,  # its deltas go through fixedpoint's kernel
+    options=(Option("tah_aqsgd_warmup_samples", "warmup_samples", int, 0, "AQ-SGD: samples sent uncompressed on "
+                    "each link before deltas start (one epoch of the training set).", bounds=(0, math.inf)),),
+)
 
 WARMUP, DELTA = 0, 1
 PHASE_NAMES = {WARMUP: "warm-up", DELTA: "delta"}

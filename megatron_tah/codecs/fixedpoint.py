@@ -17,6 +17,9 @@ import torch
 from .. import geometry
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
+from .options import CodecDeclaration
+
+DECLARATION = CodecDeclaration(takes=("bits", "tile_size", "stochastic_rounding"), kernel=True)
 
 
 class FixedPointCodec(Codec):

@@ -36,6 +36,13 @@ from .. import geometry
 from ..geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
+from .options import CodecDeclaration, Option
+
+DECLARATION = CodecDeclaration(
+    kernel=True,
+    options=(Option("tah_fp8_group_size", "group_size", int, 128, "Group size of the fp8 codec (pipeline or "
+                    "tensor-parallel).", choices=geometry.TILE_SIZES),),
+)
 
 
 def hypot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

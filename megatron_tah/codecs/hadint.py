@@ -41,6 +41,9 @@ from .. import geometry
 from . import common
 from .base import CHECKSUM_DEFAULT, CodecError, register_codec_id
 from .mxfp4 import RotatedBlockCodec
+from .options import CodecDeclaration
+
+DECLARATION = CodecDeclaration(takes=("bits", "tile_size", "stochastic_rounding"), kernel=True)
 
 
 def hadint_encode_reference(blocks: torch.Tensor, bad: torch.Tensor, bits: int,

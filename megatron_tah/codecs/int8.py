@@ -29,9 +29,16 @@ import torch
 
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
+from .options import CodecDeclaration, Option
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
 QMAX = 127
+
+DECLARATION = CodecDeclaration(
+    kernel=False,
+    options=(Option("tah_int8_block_size", "block_size", int, 128, "Elements per fp32 scale of the int8 codec "
+                    "(data-parallel gradients, or a pipeline direction).", choices=BLOCK_SIZES),),
+)
 
 
 def check_block_size(block_size: int) -> int:

@@ -55,6 +55,18 @@ from .. import geometry
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_reference
+from .options import CodecDeclaration, Option
+
+DECLARATION = CodecDeclaration(
+    takes=("bits", "tile_size"),  # rounds to nearest: no stochastic rounding
+    kernel=True,
+    options=(
+        Option("tah_lowrank_rank", "rank", int, 16, "lowrank codec: principal directions of each message sent apart "
+               "from the residual (at most the hidden size).", bounds=(1, 256)),
+        Option("tah_lowrank_coef_bits", "coef_bits", int, 6, "lowrank codec: bits of the per-token coefficients of "
+               "those directions.", bounds=(3, 8)),
+    ),
+)
 
 SUBSPACE_ITERATIONS = 3
 OVERSAMPLING = 8  # extra start vectors of the power iteration (then the best k are kept)

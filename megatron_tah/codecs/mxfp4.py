@@ -43,6 +43,12 @@ import torch
 from .. import geometry
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
+from .options import CodecDeclaration, Option
+
+HADAMARD_OPTION = Option(
+    "tah_fp4_hadamard", "hadamard", bool, False, "mxfp4 / nvfp4: rotate every block (32 / 16 values) by a "
+    "random-sign Walsh-Hadamard transform before quantizing (reference-only codecs, no Triton kernel).")
+DECLARATION = CodecDeclaration(kernel=False, options=(HADAMARD_OPTION,))
 
 BLOCK_SIZE = geometry.MXFP4_BLOCK
 

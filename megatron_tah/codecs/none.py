@@ -10,6 +10,9 @@ import math
 import torch
 
 from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
+from .options import CodecDeclaration
+
+DECLARATION = CodecDeclaration(kernel=False)
 
 
 class NoneCodec(Codec):

@@ -41,6 +41,10 @@ from .. import geometry
 from . import common
 from .base import register_codec_id
 from .mxfp4 import RotatedBlockCodec
+from .mxfp4 import HADAMARD_OPTION
+from .options import CodecDeclaration
+
+DECLARATION = CodecDeclaration(kernel=False, options=(HADAMARD_OPTION,))
 
 BLOCK_SIZE = geometry.NVFP4_BLOCK
 

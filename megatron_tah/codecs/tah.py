@@ -49,6 +49,27 @@ import torch
 from .. import geometry
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
+from .options import CodecDeclaration, Option
+
+DECLARATION = CodecDeclaration(
+    takes=("tile_size", "stochastic_rounding"),
+    kernel=True,
+    options=(
+        Option("tah_high_bits", "high_bits", int, 4, "TAH-Quant: bits for the high-entropy share of tokens (or tiles).",
+               bounds=(2, 8)),
+        Option("tah_low_bits", "low_bits", int, 3, "TAH-Quant: bits for the lowest-entropy share of tokens (or tiles); "
+               "at most --tah-high-bits.", bounds=(2, 8)),
+        Option("tah_high_ratio", "high_ratio", float, 0.8, "TAH-Quant: fraction of tokens per sample (or tiles per "
+               "token) quantized with the high bit width.", bounds=(0.0, 1.0)),
+        Option("tah_outlier_threshold", "outlier_threshold", float, 2.0, "TAH-Quant: rotate a tile when |largest| / "
+               "|second largest| exceeds this; 0 always rotates, inf never.", bounds=(0.0, math.inf)),
+        Option("tah_allocation", "allocation", str, "token", "TAH-Quant bit allocation unit: token (paper v1) or "
+               "tile (paper v2).", choices=geometry.TAH_ALLOCATIONS),
+        Option("tah_low_bits_for", "low_bits_for", str, "low_entropy", "TAH-Quant: which tokens (or tiles) get the "
+               "low bit width: low_entropy (the paper) or high_entropy (diagnostic).",
+               choices=geometry.TAH_LOW_BITS_FOR),
+    ),
+)
 
 EPS = geometry.TAH_EPS
 ALLOCATIONS = geometry.TAH_ALLOCATIONS

@@ -1,16 +1,19 @@
 """The ``--tah-*`` command-line flags, generated from :class:`megatron_tah.config.TahConfig`.
 
-``add_tah_arguments(parser)`` adds one flag per ``TahConfig`` field: ``tah_tile_size`` becomes
-``--tah-tile-size``, the type comes from the field's default (or its annotation when the default
-is ``None``), the help text from the docstring under the field, and bools become on/off flags.
-Codec names and the allocation unit are argparse ``choices``, so a typo is an argparse error.
-Cross-field checks (bit widths, tile sizes) are ``TahConfig``'s: ``tah_config_from_args(args)``
+``add_tah_arguments(parser)`` adds one flag per ``TahConfig`` field through megatron-core's own
+dataclass-to-argparse machinery (``megatron.training.argument_utils.ArgumentGroupFactory``, as
+Megatron-LM builds its ``TransformerConfig`` flags): ``tah_tile_size`` becomes ``--tah-tile-size``,
+the type comes from the annotation, bools become ``store_true`` flags (every tah bool defaults to
+off). What the factory cannot know comes from the field's metadata: ``choices`` (a field's
+``metadata["choices"]`` or a codec option's declared choices) and the help text (``TahConfig``'s
+docs, see ``TahFlagFactory``). Cross-field checks are ``TahConfig``'s: ``tah_config_from_args(args)``
 runs them and names the offending flag.
 
 ``install_arguments()`` wraps ``megatron.training.arguments.add_megatron_arguments`` (looked up by
 name inside ``parse_args``) so that every Megatron-LM parser also has the tah flags, and wraps
 ``validate_args`` so bad tah values fail while arguments are validated. ``uninstall_arguments()``
-puts both originals back.
+puts both originals back. The ``add_megatron_arguments`` wrapper also repairs an upstream help
+string that makes ``--help`` crash (``escape_percent_in_upstream_help``).
 """
 
 from __future__ import annotations
@@ -22,22 +25,11 @@ import re
 import sys
 from typing import Any
 
-from ..codecs import CODECS
-from ..codecs.base import BACKENDS
-from ..codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from ..config import TahConfig
 from .patching import is_ours
 from .registry import REGISTRY
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
-_CHOICES = {
-    "tah_forward_codec": tuple(CODECS),
-    "tah_backward_codec": tuple(name for name in CODECS if name != "aqsgd"),
-    "tah_allocation": ALLOCATIONS,
-    "tah_low_bits_for": LOW_BITS_FOR,
-    "tah_backend": tuple(BACKENDS),
-}
-_TYPES = {"int": int, "float": float, "str": str}
 
 
 def flag_name(field_name: str) -> str:
@@ -45,26 +37,61 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _field_type(field: dataclasses.Field) -> type:
-    """The argparse type of a field: from its default, else the first of int/float/str in its annotation."""
-    if field.default is not None and not isinstance(field.default, bool):
-        return type(field.default)
-    annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-    for name in re.findall(r"[A-Za-z_]+", annotation):
-        if name in _TYPES:
-            return _TYPES[name]
-    raise RuntimeError(f"TahConfig field {field.name}: cannot derive a flag type from annotation {annotation!r}")
+def _choices(field: dataclasses.Field) -> tuple:
+    option = field.metadata.get("option")
+    return tuple(field.metadata.get("choices") or (option.choices if option else ()))
+
+
+def _values(field: dataclasses.Field) -> str:
+    """A field's valid values for the README: its choices, a codec option's declared range, or nothing."""
+    option = field.metadata.get("option")
+    if option is not None:
+        return option.values()
+    return ", ".join(map(str, _choices(field)))
 
 
 def flags_markdown() -> str:
-    """The README's flag table (``| flag | default | meaning |``), generated from ``TahConfig``."""
+    """The README's flag table (``| flag | default | values | meaning |``), generated from ``TahConfig``."""
     docs = TahConfig.field_docs()
-    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    rows = ["| flag | default | values | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(TahConfig):
         default = field.default
         shown = ("on" if default else "off") if isinstance(default, bool) else "off" if default is None else default
-        rows.append(f"| `{flag_name(field.name)}` | {shown} | {docs.get(field.name, '')} |")
+        rows.append(f"| `{flag_name(field.name)}` | {shown} | {_values(field)} | {docs.get(field.name, '')} |")
     return "\n".join(rows)
+
+
+def _tah_flag_factory():
+    """``ArgumentGroupFactory`` for ``TahConfig`` (imported here: it pulls in megatron.training)."""
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    class TahFlagFactory(ArgumentGroupFactory):
+        """Megatron's factory with two additions it cannot derive itself.
+
+        * Help: the factory reads docstrings from the class source; the codec options of ``TahConfig`` are
+          generated from the codecs' declarations and have no source, so ``TahConfig.field_docs()`` is the
+          help (with ``%`` escaped for argparse and the default appended, as before).
+        * Choices: the factory turns only ``Literal``/``Enum`` annotations into choices; the valid values of a
+          codec name depend on the codec registry, so they are given per field as ``argparse_meta``.
+        """
+
+        def _get_field_docstrings(self, src_cfg_class: type) -> dict[str, str]:
+            docs = TahConfig.field_docs()
+            help_texts = {}
+            for field in dataclasses.fields(TahConfig):
+                text = docs.get(field.name, "").replace("%", "%%")
+                if not _choices(field) and field.default is not None and not isinstance(field.default, bool):
+                    text = f"{text} Default: {field.default}."
+                help_texts[field.name] = text
+            return help_texts
+
+        def _build_argparse_kwargs_from_field(self, attribute: dataclasses.Field) -> dict[str, Any]:
+            kwargs = super()._build_argparse_kwargs_from_field(attribute)
+            if _choices(attribute):
+                kwargs["choices"] = _choices(attribute)
+            return kwargs
+
+    return TahFlagFactory(TahConfig)
 
 
 def has_tah_arguments(parser: argparse.ArgumentParser) -> bool:
@@ -73,26 +100,35 @@ def has_tah_arguments(parser: argparse.ArgumentParser) -> bool:
 
 def add_tah_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every ``--tah-*`` flag to ``parser`` (once: a parser that has them is returned unchanged)."""
-    if has_tah_arguments(parser):
-        return parser
-    docs = TahConfig.field_docs()
-    group = parser.add_argument_group(title=GROUP_TITLE)
-    for field in dataclasses.fields(TahConfig):
-        flag, help_text = flag_name(field.name), docs.get(field.name, "").replace("%", "%%")
-        if isinstance(field.default, bool):
-            if field.default:
-                group.add_argument("--no-" + flag[2:], dest=field.name, action="store_false", help=help_text)
-            else:
-                group.add_argument(flag, dest=field.name, action="store_true", help=help_text)
-            continue
-        kwargs = {"dest": field.name, "type": _field_type(field), "default": field.default, "help": help_text}
-        choices = field.metadata.get("choices") or _CHOICES.get(field.name)
-        if choices:
-            kwargs["choices"] = choices
-        elif field.default is not None:
-            kwargs["help"] = f"{help_text} Default: {field.default}."
-        group.add_argument(flag, **kwargs)
+    if not has_tah_arguments(parser):
+        _tah_flag_factory().build_group(parser, title=GROUP_TITLE)
     return parser
+
+
+# megatron-core 0.19.x, megatron/core/transformer/transformer_config.py, the docstring of
+# ``moe_paged_stash_buffer_size_factor_cuda`` ("... (e.g. 1.10 = 10%)."), becomes the help of
+# --moe-paged-stash-buffer-size-factor-cuda through ArgumentGroupFactory unescaped: argparse's
+# ``help % params`` then raises "unsupported format character ')'" and every ``--help`` crashes.
+# Fixed on Megatron-LM main; repaired here only where a help string cannot be formatted.
+UPSTREAM_HELP_WITH_BARE_PERCENT = ("--moe-paged-stash-buffer-size-factor-cuda",)
+
+
+def escape_percent_in_upstream_help(parser: argparse.ArgumentParser) -> list[str]:
+    """Escape ``%`` in the help of ``UPSTREAM_HELP_WITH_BARE_PERCENT`` flags whose help argparse cannot
+    format (``help % {}`` fails); other flags and formattable help are left alone. Returns the flags repaired."""
+    repaired = []
+    for flag in UPSTREAM_HELP_WITH_BARE_PERCENT:
+        action = parser._option_string_actions.get(flag)
+        if action is None or not action.help:
+            continue
+        try:
+            action.help % {}
+        except (ValueError, TypeError):
+            action.help = action.help.replace("%", "%%")
+            repaired.append(flag)
+        except KeyError:
+            pass  # a %(name)s placeholder: formattable by argparse
+    return repaired
 
 
 def _flags_in_message(message: str) -> str:
@@ -129,7 +165,9 @@ def _megatron_arguments_module():
 
 def _adding_tah_arguments(original):
     def add_megatron_arguments(parser):
-        return add_tah_arguments(original(parser))
+        parser = original(parser)
+        escape_percent_in_upstream_help(parser)
+        return add_tah_arguments(parser)
 
     return add_megatron_arguments
 

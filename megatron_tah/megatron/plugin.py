@@ -12,7 +12,9 @@ idempotently and before Megatron parses its arguments:
   that right after it returns -- arguments parsed, distributed and model-parallel state up, no model
   built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
   transports and installs the tensor-parallel, data-parallel and activation-memory places that
-  the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``;
+  the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``.
+  Opt-in: when every ``--tah-*`` flag is at its default nothing is installed, the log-line wrappers
+  are taken off again, and one ``OFF_MESSAGE`` line says how to turn compression on;
 - runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (logging's wrapper of it), so
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
@@ -39,6 +41,9 @@ from .registry import REGISTRY
 
 INITIALIZE_MODULES = ("megatron.training.training", "megatron.training.initialize", "megatron.training")
 
+OFF_MESSAGE = ("> megatron_tah: no --tah-* flag given, Megatron's own communication is unchanged; compress "
+               "pipeline traffic with e.g. --tah-preset paper (or --tah-forward-codec / --tah-backward-codec, see --help)")
+
 
 def _initializing_then_installing(original):
     def initialize_megatron(*args, **kwargs):
@@ -49,6 +54,10 @@ def _initializing_then_installing(original):
         from megatron.training.utils import print_rank_0
 
         config = tah_config_from_args(get_args())
+        if config.is_off():  # opt-in: without --tah-* flags Megatron runs exactly as upstream
+            uninstall_logging()
+            print_rank_0(OFF_MESSAGE)
+            return result
         places.install(config)
         REGISTRY.plugin_installed_places = True
         print_rank_0(f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
