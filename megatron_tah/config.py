@@ -130,7 +130,7 @@ class TahConfigBase:
     """Codec implementation: auto (Triton on CUDA tensors where the codec has a kernel, torch otherwise), torch or triton."""
 
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
-    """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError instead of reaching the model silently. Both stages must agree. Off by default (on needs a cost under 2% of the codec's time): on CPU it costs 0.9-3.3% of tah's encode + decode time and 4.9-9.9% of the 6-bit fixedpoint backward codec's, at the demo's shape and at [1024, 1, 1600] bf16 (scripts/bench_codecs.py --checksum); the GPU's cost is not measured."""
+    """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError naming the link and iteration instead of reaching the model silently. Both stages must agree. Off by default (the rule: on when it costs under 2% of the codec's time): on CPU it costs more than that for the 6-bit fixedpoint backward codec (scripts/bench_codecs.py --checksum; docs/benchmarks/cpu-checksum.json, pct_of_codec); the GPU's cost is not measured yet."""
 
     tah_error_sample_interval: int = 16
     """Measure the relative round-trip error on one message in this many (0: never)."""

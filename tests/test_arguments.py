@@ -266,7 +266,7 @@ def test_help_through_the_launcher_exits_0_and_lists_the_tah_flags(tmp_path):
 
 def test_the_reproduction_command_lines_say_which_codecs_they_run():
     """Nothing is on by default: every run of the reproduction names both directions (or a preset)."""
-    from megatron_tah.reproduce import convergence, throughput
+    from benchmarks.reproduce import convergence, throughput
 
     parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
     for table in (convergence.CODECS, throughput.CODECS):

@@ -97,7 +97,7 @@ def test_calls_without_tensors_post_nothing(_clean):
 
 
 def test_one_transport_per_install_registered_as_the_pp_place(_clean):
-    megatron_tah.install(tah_forward_codec="none", tah_backend="torch")
+    megatron_tah.install(tah_forward_codec="none", tah_backward_codec="fixedpoint", tah_backend="torch")
     transport = REGISTRY.pipeline
     assert REGISTRY.places["pp"].transport is transport and REGISTRY.places["pp"].stats is REGISTRY.stats
     assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.buffer_nbytes
