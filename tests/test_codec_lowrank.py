@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error, round_trip
-from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec, report
+from benchmarks import codec_report as report
+from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
 from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
 from megatron_tah.codecs.lowrank import principal_directions
 from megatron_tah.config import TahConfig
