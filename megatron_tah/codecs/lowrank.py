@@ -19,9 +19,9 @@ Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(ran
    decodes correctly, a worse one only leaves more to the residual). The codec keeps, per hidden
    size, ``Q`` ``[h, k + OVERSAMPLING]`` with orthonormal columns: a width's first message starts
    from a fixed seeded Gaussian and takes ``COLD_ITERATIONS`` block power steps
-   ``Q <- qr(X^T X Q)``, every later one ``WARM_ITERATIONS`` from the previous message's ``Q`` (a
-   message of zeros keeps it); the basis is ``Q``'s first ``k`` columns (orthogonal iteration:
-   the leading columns converge to the leading directions). ``Q`` is codec state
+   ``Q <- qr(X^T X Q)`` (columns ordered by energy before the QR: ``track_subspace``), every later
+   one ``WARM_ITERATIONS`` from the previous message's ``Q`` (a message of zeros keeps it); the basis
+   is ``Q``'s first ``k`` columns. ``Q`` is codec state
    (``state_dict``), so a resumed sender continues the same bytes. Sent as 8-bit codes ``q + 127``
    with one bf16 scale per direction (``max |v| / 127`` rounded up): ``V``, the decoded basis, ``[k, h]``.
 3. Coefficients ``C = X V^T`` ``[rows, k]``: symmetric ``coef_bits``-bit integers with one bf16
@@ -76,17 +76,20 @@ def _start(h: int, width: int, device: str) -> torch.Tensor:
 
 
 def track_subspace(x: torch.Tensor, q: torch.Tensor, iterations: int) -> torch.Tensor:
-    """``iterations`` block power steps ``q <- qr(x^T x q)`` for fp32 ``x [rows, h]``, ``q [h, width]`` orthonormal.
+    """``iterations`` block power steps for fp32 ``x [rows, h]`` from ``q [h, width]`` with orthonormal columns.
 
-    No host sync: nothing branches on a value (Householder QR, unlike ``eigh``, checks nothing on the
-    host); an ``x`` of zeros returns ``q`` unchanged.
+    A step: ``y = x^T x q``, its columns ordered by decreasing norm (a greedy stand-in for the
+    Rayleigh-Ritz step's ``eigh``: the leading columns of the QR then hold the most energy), then
+    ``q = qr(y)``. No host sync: nothing branches on a value (Householder QR, unlike ``eigh``, checks
+    nothing on the host); an ``x`` of zeros returns ``q`` unchanged.
     """
     # Scaled so that Gram entries stay within rows (no overflow for any finite input).
     scale = x.abs().amax()
     x = x / scale.clamp_min(torch.finfo(torch.float32).tiny)
     start = q
     for _ in range(iterations):
-        q = torch.linalg.qr(x.T @ (x @ q))[0]
+        y = x.T @ (x @ q)
+        q = torch.linalg.qr(y[:, torch.argsort(y.norm(dim=0), descending=True, stable=True)])[0]
     return torch.where(scale > 0, q, start)
 
 
