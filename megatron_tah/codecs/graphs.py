@@ -160,12 +160,18 @@ class GraphedCodec:
         return outputs
 
     # ----- the codec's contract --------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``codec.encode(x)``, from a graph once this (shape, dtype, device) was seen: a new buffer."""
+    def encode(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``codec.encode(x)``, from a graph once this (shape, dtype, device) was seen: a new buffer.
+
+        Keyword arguments (AQ-SGD's ``sample_ids``) go to the codec's own encode, which then runs eagerly."""
         if not isinstance(x, torch.Tensor):
             raise CodecError(f"encode takes a torch.Tensor, got {type(x).__name__}")
         key = ("encode", tuple(x.shape), x.dtype, str(x.device))
         capture = self._lookup(key, "encode", key[1], x.device)
+        if kwargs:
+            if capture is not None or key not in self.eager_reasons:
+                raise CodecError(f"{self.codec.describe()}: encode arguments {sorted(kwargs)} need an eager codec")
+            return self.codec.encode(x, **kwargs)
         if capture is not None:
             capture.inputs.copy_(x)
             capture.replay()
