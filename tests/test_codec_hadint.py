@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error, round_trip
-from megatron_tah.codecs import CODECS, CodecError, WireFormatError, common, get_codec, report
+from benchmarks import codec_report as report
+from megatron_tah.codecs import CODECS, CodecError, WireFormatError, common, get_codec
 from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments
