@@ -3,11 +3,11 @@
 # benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, the
 # static kernel report for comparison, and the pipeline table (scripts/gpu_pipeline.sh: training
 # runs at PP 2 and 4 sharing the GPU over slow links, docs/benchmarks/<gpu>-pipeline.{md,json,png};
-# about 15 minutes).
+# about 15 minutes), and LAAQ on/off at PP=1 (issue 25: iteration time and peak memory, ~3 minutes).
 # Needs torch, triton, pytest and hypothesis; the pipeline step also megatron-core and the corpus.
 #
-#   scripts/gpu_check.sh            # all five steps
-#   scripts/gpu_check.sh tests      # or: bench, profile, report, pipeline
+#   scripts/gpu_check.sh            # all six steps
+#   scripts/gpu_check.sh tests      # or: bench, profile, report, pipeline, laaq
 #   PY=python3 OUT_DIR=/tmp/out scripts/gpu_check.sh bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,8 @@ mkdir -p "$OUT_DIR"
 if [[ $STEP == all || $STEP == tests ]]; then
     # Byte-exactness against the torch references, compiled for this GPU.
     "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fixedpoint.py tests/test_kernels_fp8.py \
-        tests/test_kernels_tah.py tests/test_kernels_hadint.py tests/test_codec_lowrank.py -k "not lowrank or triton"
+        tests/test_kernels_tah.py tests/test_kernels_hadint.py tests/test_codec_lowrank.py \
+        -k "not lowrank or triton or sync"
 fi
 
 if [[ $STEP == all || $STEP == bench ]]; then
@@ -39,8 +40,9 @@ if [[ $STEP == all || $STEP == bench ]]; then
 fi
 
 if [[ $STEP == all || $STEP == profile ]]; then
-    # Kernel time vs host time per call, and CUDA-graph replay, at the large and the demo's shape.
-    for shape in 2048x8x8192 64x4x128; do
+    # Host vs device time per call, eager and replayed from a CUDA graph (codecs/graphs.py), at
+    # GPT-2 XL's [1024, 1, 1600] (issue 25's goal: tah <= 60 us, lowrank encode <= 300 us) and the large shape.
+    for shape in 1024x1x1600 2048x8x8192; do
         "$PY" scripts/profile_codecs.py --shape $shape --json "$OUT_DIR/$GPU-profile-$shape.json"
     done
 fi
@@ -53,4 +55,24 @@ fi
 if [[ $STEP == all || $STEP == pipeline ]]; then
     # Issue 24's table: tokens/s of bf16, TAH-Quant, hadint4 and lowrank at 100 Mbit/s .. 10 Gbit/s.
     PY="$PY" OUT_DIR="$OUT_DIR" scripts/gpu_pipeline.sh
+fi
+
+if [[ $STEP == all || $STEP == laaq ]]; then
+    # Issue 25: LAAQ off/on at PP=1, GPT-2-XL-like layers ([1024, 1, 1600] per micro-batch), LAAQ_LAYERS
+    # layers, LAAQ_ITERS iterations; Megatron's log gives the iteration time and the peak allocated memory.
+    for mode in none laaq; do
+        dir="$OUT_DIR/$GPU-laaq-$mode"
+        rm -rf "$dir" && mkdir -p "$dir"
+        if ! OUT="$dir/run" SAVE=none GPUS_PER_NODE=1 LAYERS="${LAAQ_LAYERS:-12}" TRAIN_ITERS="${LAAQ_ITERS:-30}" \
+                MICRO_BATCH=1 GLOBAL_BATCH=8 CODEC=none BWD_CODEC=none PYTHON="$PY" \
+                bash scripts/pretrain_gpt.sh 1 --tah-activation-memory "$mode" --log-interval 10 \
+                > "$dir/stdout.log" 2>&1; then
+            echo "gpu_check: laaq $mode failed (last lines of $dir/stdout.log):" >&2
+            tail -n 20 "$dir/stdout.log" >&2
+            continue
+        fi
+        iter_ms=$(grep -o 'elapsed time per iteration (ms): [0-9.]*' "$dir/stdout.log" | tail -1 | awk '{print $NF}')
+        peak_mb=$(grep -o 'max allocated: [0-9.]*' "$dir/stdout.log" | tail -1 | awk '{print $NF}')
+        echo "laaq $mode: iteration ${iter_ms:-?} ms, peak allocated ${peak_mb:-?} MB" | tee -a "$OUT_DIR/$GPU-laaq.txt"
+    done
 fi

@@ -98,6 +98,8 @@ class AqSgdCodec(Codec):
         return sum(t.numel() * t.element_size() for t in self.buffer.values())
 
     needs_sample_ids = True
+    graph_capturable = False
+    graph_blocker = "per-sample buffers indexed by the micro-batch's sample ids, read on the host"
 
     @property
     def stateful(self) -> bool:

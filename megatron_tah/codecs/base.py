@@ -240,6 +240,11 @@ class Codec:
         return f"<codec {self.describe()} backend={self.backend}>"
 
     # ----- state kept between messages (saved with checkpoints) -------------------------
+    graph_capturable: bool = True
+    """Whether encode and decode (deferred checks, rounding to nearest) make no host sync and keep no per-call
+    host state, so a CUDA graph can replay them (``graphs.GraphedCodec``); ``graph_blocker`` says why not."""
+    graph_blocker: str = ""
+
     needs_sample_ids: bool = False
     """Whether ``encode`` takes the micro-batch's sample ids (a per-sample buffer, as in AQ-SGD)."""
 
@@ -331,14 +336,32 @@ class Codec:
                 raise CodecError(f"out is on {out.device}, the buffer on {buf.device}")
             if out.is_contiguous():
                 target = out.detach()
-        decode = self._decode_triton if self._use_triton(buf.device) else self._decode_torch
-        with torch.no_grad():
-            values = decode(buf, shape, dtype, layout, out=target)
-            if out is None:
-                return values
-            if target is None:
+        values = self._decode_values(buf, shape, dtype, layout, target)
+        if out is None:
+            return values
+        if target is None:
+            with torch.no_grad():
                 out.copy_(values)
         return out
+
+    def decode_on_device(self, buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                         out: torch.Tensor) -> torch.Tensor:
+        """The device part of ``decode`` into a contiguous ``out`` (what ``graphs.GraphedCodec`` captures).
+
+        The caller has made the host checks (``_check_length``, ``raise_deferred_errors``); with deferred
+        checks the header comparison runs here, on the device. Checks ``"full"`` read the host: use ``decode``.
+        """
+        if self.checks == "full":
+            raise CodecError("decode_on_device needs checks 'deferred' or 'off' (full checks read the host)")
+        layout = self.layout(shape, dtype)
+        if self.checks == "deferred":
+            self._check_header_on_device(buf, shape, dtype)
+        return self._decode_values(buf, shape, dtype, layout, out)
+
+    def _decode_values(self, buf, shape, dtype, layout: WireLayout, out: torch.Tensor | None) -> torch.Tensor:
+        decode = self._decode_triton if self._use_triton(buf.device) else self._decode_torch
+        with torch.no_grad():
+            return decode(buf, shape, dtype, layout, out=out)
 
     # ----- checks ----------------------------------------------------------------------
     def _check_length(self, buf, shape, dtype, layout: WireLayout) -> None:
@@ -357,17 +380,21 @@ class Codec:
         self._check_length(buf, shape, dtype, layout)
         if self.checks == "deferred":
             self.raise_deferred_errors(buf.device)
-            expected = self._header(shape, dtype, buf.device)
-            errors = self.deferred_errors(buf.device)
-            if self.checksum:  # the fixed fields here, the checksum (0 from a sender without one) apart
-                errors.add((buf[:CHECKSUM_OFFSET] != expected[:CHECKSUM_OFFSET]).any())
-                self.deferred_checksum_errors(buf.device).add(self.checksum_mismatch(buf))
-            elif self._use_triton(buf.device):
-                from ..kernels.common import check_header  # one launch instead of three
+            self._check_header_on_device(buf, shape, dtype)
 
-                check_header(buf, expected, errors.count)
-            else:
-                errors.add((buf[:HEADER_NBYTES] != expected).any())
+    def _check_header_on_device(self, buf, shape, dtype) -> None:
+        """Count a header that differs from the expected one in ``deferred_errors`` (device ops, no sync)."""
+        expected = self._header(shape, dtype, buf.device)
+        errors = self.deferred_errors(buf.device)
+        if self.checksum:  # the fixed fields here, the checksum (0 from a sender without one) apart
+            errors.add((buf[:CHECKSUM_OFFSET] != expected[:CHECKSUM_OFFSET]).any())
+            self.deferred_checksum_errors(buf.device).add(self.checksum_mismatch(buf))
+        elif self._use_triton(buf.device):
+            from ..kernels.common import check_header  # one launch instead of three
+
+            check_header(buf, expected, errors.count)
+        else:
+            errors.add((buf[:HEADER_NBYTES] != expected).any())
 
     def deferred_errors(self, device: torch.device) -> DeferredErrors:
         """The device count of header mismatches and corrupt payloads found by deferred checks."""

@@ -60,10 +60,8 @@ def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tenso
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
     tiles = tokens.reshape(tokens.shape[0], -1, tile_size)
     bad = bad_mask(tiles)
-    bad_tile = bad.any(dim=-1)
-    if bad_tile.any():
-        tiles = tiles.masked_fill(bad, 0.0)
-    return tiles, bad_tile
+    # Unconditionally (no host read of ``bad``): the torch path stays sync-free, so a CUDA graph can capture it.
+    return tiles.masked_fill(bad, 0.0), bad.any(dim=-1)
 
 
 def from_tiles(tiles: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,

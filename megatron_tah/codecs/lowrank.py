@@ -15,10 +15,15 @@ Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(ran
    hadint then codes every finite value up to ``MAX_ABS_VALUE``, and a residual of a good row, at most
    ``(1 + sqrt h)`` times its largest value, never exceeds it).
 2. Basis: ``k`` orthonormal directions spanning (approximately) the top-``k`` right singular
-   subspace of the good rows, by ``SUBSPACE_ITERATIONS`` block power iterations from a fixed
-   seeded Gaussian start (only the sender computes it; any basis decodes correctly, a worse one
-   only leaves more to the residual). Sent as 8-bit codes ``q + 127`` with one bf16 scale per
-   direction (``max |v| / 127`` rounded up): ``V``, the decoded basis, ``[k, h]``.
+   subspace of the good rows, tracked across messages (only the sender computes it; any basis
+   decodes correctly, a worse one only leaves more to the residual). The codec keeps, per hidden
+   size, ``Q`` ``[h, k + OVERSAMPLING]`` with orthonormal columns: a width's first message starts
+   from a fixed seeded Gaussian and takes ``COLD_ITERATIONS`` block power steps
+   ``Q <- qr(X^T X Q)`` (columns ordered by energy before the QR: ``track_subspace``), every later
+   one ``WARM_ITERATIONS`` from the previous message's ``Q`` (a message of zeros keeps it); the basis
+   is ``Q``'s first ``k`` columns. ``Q`` is codec state
+   (``state_dict``), so a resumed sender continues the same bytes. Sent as 8-bit codes ``q + 127``
+   with one bf16 scale per direction (``max |v| / 127`` rounded up): ``V``, the decoded basis, ``[k, h]``.
 3. Coefficients ``C = X V^T`` ``[rows, k]``: symmetric ``coef_bits``-bit integers with one bf16
    scale per row, exactly as ``hadint`` codes a tile (``hadint_encode_reference`` without the
    transform); ``C'`` their decoded values (0 for bad rows).
@@ -39,10 +44,10 @@ codes pad to a multiple of 8) |
 ``bits + 16/tile_size + (16k + 8kh) / (rows*h) + (16 + k*coef_bits) / h``, e.g. 4.375 for
 bits 3, rank 16, coef_bits 6 at h 128 and 512 rows.
 
-Cost: the basis takes ``2 * SUBSPACE_ITERATIONS + 1`` products of ``[rows, h]`` by ``[h, k + 8]``,
-a QR of ``[h, k + 8]`` per iteration and one symmetric eigendecomposition of ``[k + 8, k + 8]`` (torch
-on either device; on CUDA torch's eigh checks its result on the host: one sync per encode, not yet
-timed on a GPU); the residual runs hadint's Triton kernels on CUDA.
+Cost: the basis takes ``2 * WARM_ITERATIONS`` products of ``[rows, h]`` by ``[h, k + 8]`` and a
+Householder QR of ``[h, k + 8]`` per step (``COLD_ITERATIONS`` on a width's first message); nothing
+on the encode path reads the device from the host (no ``eigh``, no ``.item()``), so it can be
+captured as a CUDA graph (``graphs.GraphedCodec``); the residual runs hadint's Triton kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ DECLARATION = CodecDeclaration(
     ),
 )
 
-SUBSPACE_ITERATIONS = 3
-OVERSAMPLING = 8  # extra start vectors of the power iteration (then the best k are kept)
+COLD_ITERATIONS = 3  # block power steps from the seeded start (a hidden size's first message)
+WARM_ITERATIONS = 1  # block power steps from the previous message's subspace
+OVERSAMPLING = 8  # extra columns tracked beside the k sent (they speed up the leading k's convergence)
 BASIS_BITS = 8
 START_SEED = 0x5EED
 
@@ -81,18 +87,30 @@ def _start(h: int, width: int, device: str) -> torch.Tensor:
     return torch.linalg.qr(start)[0].to(device)
 
 
-def principal_directions(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Orthonormal fp32 ``[k, h]`` spanning about the top-``k`` right singular subspace of fp32 ``x [rows, h]``."""
+def track_subspace(x: torch.Tensor, q: torch.Tensor, iterations: int) -> torch.Tensor:
+    """``iterations`` block power steps for fp32 ``x [rows, h]`` from ``q [h, width]`` with orthonormal columns.
+
+    A step: ``y = x^T x q``, its columns ordered by decreasing norm (a greedy stand-in for the
+    Rayleigh-Ritz step's ``eigh``: the leading columns of the QR then hold the most energy), then
+    ``q = qr(y)``. No host sync: nothing branches on a value (Householder QR, unlike ``eigh``, checks
+    nothing on the host); an ``x`` of zeros returns ``q`` unchanged.
+    """
+    # Scaled so that Gram entries stay within rows (no overflow for any finite input).
+    scale = x.abs().amax()
+    x = x / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    start = q
+    for _ in range(iterations):
+        y = x.T @ (x @ q)
+        q = torch.linalg.qr(y[:, torch.argsort(y.norm(dim=0), descending=True, stable=True)])[0]
+    return torch.where(scale > 0, q, start)
+
+
+def principal_directions(x: torch.Tensor, k: int, iterations: int = COLD_ITERATIONS) -> torch.Tensor:
+    """Orthonormal fp32 ``[k, h]`` spanning about the top-``k`` right singular subspace of fp32 ``x [rows, h]``,
+    from the seeded start (what a codec sends for a hidden size's first message)."""
     h = x.shape[1]
-    q = _start(h, min(k + OVERSAMPLING, h), str(x.device))
-    # Scaled so that Gram entries stay within rows (no overflow for any finite input); all zeros stay zeros
-    # (any basis then: the coefficients are zeros). No host sync: nothing here branches on a value.
-    x = x / x.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-    for _ in range(SUBSPACE_ITERATIONS):
-        q = torch.linalg.qr(x.T @ (x @ q))[0]
-    projected = x @ q
-    _, vectors = torch.linalg.eigh(projected.T @ projected)  # ascending: the last k are the top ones
-    return (q @ vectors[:, -k:].flip(-1)).T.contiguous()
+    q = track_subspace(x, _start(h, min(k + OVERSAMPLING, h), str(x.device)), iterations)
+    return q[:, :k].T.contiguous()
 
 
 class LowRankCodec(Codec):
@@ -108,6 +126,43 @@ class LowRankCodec(Codec):
         self.coef_bits = common.check_bits(coef_bits, name="coef_bits", low=3)
         self.residual = HadIntCodec(bits=bits, tile_size=tile_size, hadamard_seed=hadamard_seed, backend=backend)
         self.bits, self.tile_size, self.hadamard_seed = self.residual.bits, self.residual.tile_size, hadamard_seed
+        self._subspaces: dict[int, torch.Tensor] = {}  # hidden size -> Q [h, k + OVERSAMPLING] fp32
+
+    # ----- the tracked subspace (codec state) ---------------------------------------------------
+    @property
+    def stateful(self) -> bool:
+        """The basis starts from the previous message's subspace: a sender's bytes depend on its history."""
+        return True
+
+    def state_dict(self) -> dict:
+        """The tracked subspace per hidden size (a resumed sender then writes the same bytes)."""
+        return {"subspaces": {h: q.detach().cpu().clone() for h, q in self._subspaces.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s subspaces; one already held is overwritten in place (a captured graph reads it)."""
+        for h, saved in state.get("subspaces", {}).items():
+            width = min(geometry.lowrank_rank(int(h), self.rank) + OVERSAMPLING, int(h))
+            if tuple(saved.shape) != (int(h), width) or saved.dtype != torch.float32:
+                raise CodecError(f"lowrank state for hidden size {h} is {tuple(saved.shape)} "
+                                 f"{saved.dtype}, this codec tracks ({h}, {width}) float32 (rank {self.rank})")
+            held = self._subspaces.get(int(h))
+            if held is not None:
+                held.copy_(saved)
+            else:
+                self._subspaces[int(h)] = saved.clone()
+
+    def _basis(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """This message's basis ``[k, h]``; advances the tracked subspace in place (no host sync)."""
+        h = x.shape[1]
+        q = self._subspaces.get(h)
+        if q is not None and q.device != x.device:
+            q = self._subspaces[h] = q.to(x.device)
+        if q is None:  # a hidden size's first message: from the seeded start (then state, updated in place)
+            q = self._subspaces[h] = track_subspace(x, _start(h, min(k + OVERSAMPLING, h), str(x.device)),
+                                                    COLD_ITERATIONS).contiguous()
+        else:
+            q.copy_(track_subspace(x, q, WARM_ITERATIONS))
+        return q[:, :k].T.contiguous()
 
     def config(self) -> dict:
         return {"bits": self.bits, "tile_size": self.tile_size, "rank": self.rank, "coef_bits": self.coef_bits,
@@ -124,7 +179,7 @@ class LowRankCodec(Codec):
         good = (x.abs() <= bound).all(dim=1)  # False for NaN too
         x = torch.where(good[:, None], x, 0.0)
         k = geometry.lowrank_rank(x.shape[1], self.rank)
-        basis = principal_directions(x, k)
+        basis = self._basis(x, k)
         no_bad = torch.zeros(k, dtype=torch.bool, device=x.device)
         scale, codes = hadint_encode_reference(basis, no_bad, BASIS_BITS)
         layout.view(buf, "basis_scale", torch.int16).copy_(scale)

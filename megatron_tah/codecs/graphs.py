@@ -1,0 +1,220 @@
+"""A codec's encode and decode replayed from CUDA graphs: one capture per (op, shape, dtype, device).
+
+Pipeline shapes are static, so the launches of one encode (or decode) are the same every message;
+``GraphedCodec(codec)`` runs the first call of each (op, shape, dtype, device) eagerly on a side
+stream (torch's warm-up rule; its result is that call's result), captures the same call once into a
+``torch.cuda.CUDAGraph`` with static input and output buffers, and from then on copies the input in,
+replays, and copies the output out: no Python work per tile or section, a few launches per call.
+
+What a replay costs beyond the kernels: one device copy of the input into the static buffer and one
+of the output out of it (the caller owns what it gets back; the static buffers are overwritten by the
+next replay). Messages above ``MAX_GRAPH_NUMEL`` elements stay eager: there the kernels dominate and
+the copies would cost more than the launches saved.
+
+Eager fallback, with one log line per codec object and reason (``GraphedCodec.eager_reasons``):
+
+* tensors not on a CUDA device (``CudaGraphs.unavailable``);
+* a codec class with ``graph_capturable = False`` (AQ-SGD: per-sample buffers indexed by host ids);
+* stochastic rounding (``codec.stateful`` for a codec with ``rounding_noise``): each encode draws a new
+  seed on the host, which a replay would repeat;
+* decode with ``checks == "full"``: the header is read on the host, a sync per call (``defer_checks()``);
+* a capture that raises (a host sync nobody declared): the error's first line is logged.
+
+Deferred checks stay exact under replay: the host part (the buffer's length, and raising a count that
+earlier decodes left on the device) runs eagerly every call; the header comparison and the payload's
+corruption counts are device ops inside the graph, adding into the codec's ``DeferredErrors`` tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+from .base import Codec, CodecError, check_dtype, check_shape, dtype_name
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_NUMEL = 1 << 22  # elements; larger messages stay eager (kernel-bound: copies would cost more)
+MAX_GRAPHS = 32  # captures a GraphedCodec keeps (one per op, shape, dtype, device); then it starts over
+
+
+class CudaGraphs:
+    """How graphs are made: ``torch.cuda.CUDAGraph`` (tests inject an object with the same two methods)."""
+
+    @staticmethod
+    def unavailable(device: torch.device) -> str | None:
+        """Why no graph can be captured for tensors on ``device``, or None."""
+        if device.type != "cuda":
+            return f"tensors on {device.type}: CUDA graphs need a CUDA device"
+        return None
+
+    @staticmethod
+    def capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+        """Warm ``fn`` up once on a side stream, capture it, return the graph's ``replay``."""
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+
+class _Capture:
+    """Static buffers of one captured call and the replay that refills them."""
+
+    def __init__(self, inputs: torch.Tensor, outputs: list[torch.Tensor], replay: Callable[[], None]):
+        self.inputs, self.outputs, self.replay = inputs, outputs, replay
+
+    @property
+    def output(self) -> torch.Tensor:
+        """The static output a replay writes (the one the capture returned)."""
+        return self.outputs[-1]
+
+
+class GraphedCodec:
+    """``encode``/``decode`` of ``codec`` (same contract as ``Codec``'s) through captured graphs where possible.
+
+    ``captured``: the keys ``(op, shape, dtype, device)`` replayed from a graph; ``eager_reasons``: the
+    reason per key that runs eagerly. ``graphs`` is how graphs are made (``CudaGraphs``).
+    """
+
+    def __init__(self, codec: Codec, graphs=CudaGraphs, max_numel: int = MAX_GRAPH_NUMEL):
+        if isinstance(codec, GraphedCodec) or not isinstance(codec, Codec):
+            raise CodecError(f"GraphedCodec wraps a Codec, got {type(codec).__name__}")
+        self.codec = codec
+        self.graphs = graphs
+        self.max_numel = int(max_numel)
+        self._captures: dict[tuple, _Capture] = {}
+        self.eager_reasons: dict[tuple, str] = {}
+        self._logged: set[str] = set()
+
+    @property
+    def captured(self) -> list[tuple]:
+        return list(self._captures)
+
+    def wire_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        return self.codec.wire_nbytes(shape, dtype)
+
+    def describe(self) -> str:
+        return self.codec.describe()
+
+    # ----- when to capture -----------------------------------------------------------------------
+    def why_eager(self, op: str, shape: tuple[int, ...], device: torch.device) -> str | None:
+        """Why ``op`` at ``shape`` on ``device`` cannot be replayed from a graph (None: it can)."""
+        codec = self.codec
+        reason = self.graphs.unavailable(device)
+        if reason:
+            return reason
+        if not type(codec).graph_capturable:
+            return f"{codec.name} is not capturable ({type(codec).graph_blocker})"
+        if op == "encode" and getattr(getattr(codec, "rounding_noise", None), "enabled", False):
+            return "stochastic rounding draws a new host-side seed per encode (a replay would repeat it)"
+        if op == "decode" and codec.checks == "full":
+            return "full checks read the header on the host (a sync per decode); call codec.defer_checks()"
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel > self.max_numel:
+            return f"{numel} elements > max_numel {self.max_numel}: kernel-bound, the graph's copies would cost more"
+        return None
+
+    def _eager(self, key: tuple, reason: str) -> None:
+        self.eager_reasons[key] = reason
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("megatron_tah: %s %s runs eagerly, no CUDA graph: %s", self.codec.describe(), key[0], reason)
+
+    def _lookup(self, key: tuple, op: str, shape, device) -> _Capture | None:
+        """The capture for ``key``, or None (eager) after logging why; a new key is checked once."""
+        if key in self._captures:
+            return self._captures[key]
+        if key not in self.eager_reasons:
+            reason = self.why_eager(op, shape, device)
+            if reason:
+                self._eager(key, reason)
+        return None
+
+    def _capture(self, key: tuple, inputs: torch.Tensor, run: Callable[[], torch.Tensor], device) -> list:
+        """Capture ``run`` (reads ``inputs``, returns the static output); log and stay eager if that fails.
+
+        Returns what the calls of ``run`` returned: the first is the warm-up's result (when it got that far)."""
+        outputs: list[torch.Tensor] = []
+
+        def fn():
+            outputs.append(run())
+
+        if len(self._captures) >= MAX_GRAPHS:  # shapes that keep changing: start over
+            self._captures.clear()
+        try:
+            replay = self.graphs.capture(fn, device)
+        except Exception as error:  # noqa: BLE001 - any capture failure means eager, said once
+            first_line = (str(error).splitlines() or [""])[0][:200]
+            self._eager(key, f"capture failed: {type(error).__name__}: {first_line}")
+            return outputs
+        self._captures[key] = _Capture(inputs, outputs, replay)
+        return outputs
+
+    # ----- the codec's contract --------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``codec.encode(x)``, from a graph once this (shape, dtype, device) was seen: a new buffer.
+
+        Keyword arguments (AQ-SGD's ``sample_ids``) go to the codec's own encode, which then runs eagerly."""
+        if not isinstance(x, torch.Tensor):
+            raise CodecError(f"encode takes a torch.Tensor, got {type(x).__name__}")
+        key = ("encode", tuple(x.shape), x.dtype, str(x.device))
+        capture = self._lookup(key, "encode", key[1], x.device)
+        if kwargs:
+            if capture is not None or key not in self.eager_reasons:
+                raise CodecError(f"{self.codec.describe()}: encode arguments {sorted(kwargs)} need an eager codec")
+            return self.codec.encode(x, **kwargs)
+        if capture is not None:
+            capture.inputs.copy_(x)
+            capture.replay()
+            return capture.output.clone()
+        if key in self.eager_reasons:
+            return self.codec.encode(x)
+        check_shape(x.shape)
+        check_dtype(x.dtype)
+        static_x = x.detach().clone(memory_format=torch.contiguous_format)
+        outputs = self._capture(key, static_x, lambda: self.codec.encode(static_x), x.device)
+        # The warm-up encoded x (its buffer is this call's result): encoding it again would advance a codec's state.
+        return outputs[0] if outputs else self.codec.encode(x)
+
+    def decode(self, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``codec.decode(buf, shape, dtype, out)``, from a graph once this (shape, dtype, device) was seen."""
+        shape = check_shape(shape)
+        key = ("decode", shape, dtype, str(buf.device) if isinstance(buf, torch.Tensor) else "?")
+        if not isinstance(buf, torch.Tensor) or key in self.eager_reasons:
+            return self.codec.decode(buf, shape, dtype, out=out)
+        if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != buf.device):
+            return self.codec.decode(buf, shape, dtype, out=out)  # (raises, naming what differs)
+        capture = self._lookup(key, "decode", shape, buf.device)
+        if capture is None and key in self.eager_reasons:
+            return self.codec.decode(buf, shape, dtype, out=out)
+        codec = self.codec
+        layout = codec.layout(shape, dtype)
+        codec._check_length(buf, shape, dtype, layout)  # host-only checks, every call
+        if codec.checks == "deferred":
+            codec.raise_deferred_errors(buf.device)
+        if capture is None:
+            check_dtype(dtype)
+            static_buf = buf.detach().clone()
+            static_out = torch.empty(shape, dtype=dtype, device=buf.device)
+            outputs = self._capture(key, static_buf, lambda: codec.decode_on_device(static_buf, shape, dtype, static_out),
+                                    buf.device)
+            if not outputs:
+                return codec.decode(buf, shape, dtype, out=out)
+            result = outputs[0]  # the warm-up decoded buf into the static output
+        else:
+            capture.inputs.copy_(buf)
+            capture.replay()
+            result = capture.output
+        if out is None:
+            return result.clone()
+        return out.copy_(result)

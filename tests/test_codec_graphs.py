@@ -1,0 +1,160 @@
+"""codecs/graphs.py on the CPU: what is captured (one graph per op, shape, dtype, device), the eager
+fallbacks and their one log line, and that replays give eager's bytes and values. A fake graph stands
+in for torch.cuda.CUDAGraph: its capture runs the call once (the warm-up) and its replay re-runs the
+call under ``no_host_reads`` (what a real capture would reject). The real capture runs in
+scripts/profile_codecs.py on a GPU."""
+
+import logging
+
+import pytest
+import torch
+
+from host_reads import HostRead, no_host_reads
+from megatron_tah.codecs import CodecError, WireFormatError, get_codec
+from megatron_tah.codecs.graphs import CudaGraphs, GraphedCodec
+from megatron_tah.codecs.samples import activation_like
+
+SHAPE = (16, 2, 128)
+# Every codec with rounding to nearest (stochastic rounding is an eager fallback, tested below).
+CAPTURABLE = {"none": {}, "fixedpoint": {}, "tah": {}, "fp8": {}, "int8": {}, "mxfp4": {}, "nvfp4": {},
+              "hadint": {}, "lowrank": {"rank": 4}}
+
+
+# tah's torch reference branches on the host (outliers; codes scattered by a boolean mask): a CUDA graph
+# captures its Triton path (scripts/profile_codecs.py); on the CPU its replays are checked for values only.
+TORCH_PATH_READS_HOST = {"tah"}
+
+
+class FakeGraphs:
+    """Capture = the warm-up call; replay = the call again, failing on any host read (unless ``strict=False``)."""
+
+    def __init__(self, strict=True):
+        self.captures = 0
+        self.replays = 0
+        self.strict = strict
+
+    def unavailable(self, device):
+        return None
+
+    def capture(self, fn, device):
+        fn()
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            if not self.strict:
+                return fn()
+            with no_host_reads():
+                fn()
+
+        return replay
+
+
+def graphed(name, graphs=None, checks="deferred", **options):
+    codec = get_codec(name, backend="torch", **options).defer_checks(checks)
+    return GraphedCodec(codec, graphs or FakeGraphs())
+
+
+def messages(count=4, shape=SHAPE, dtype=torch.bfloat16):
+    return [activation_like(shape, dtype=dtype, seed=seed) for seed in range(count)]
+
+
+@pytest.mark.parametrize("name", CAPTURABLE)
+def test_replayed_encode_and_decode_equal_eager_and_read_nothing_on_the_host(name):
+    options = CAPTURABLE[name]
+    eager = get_codec(name, backend="torch", **options).defer_checks()
+    strict = name not in TORCH_PATH_READS_HOST
+    wrapped = graphed(name, FakeGraphs(strict), **options)
+    decoder = graphed(name, FakeGraphs(strict), **options)
+    for x in messages():
+        buf = wrapped.encode(x)
+        assert torch.equal(buf, eager.encode(x))
+        out = torch.empty_like(x)
+        assert decoder.decode(buf, x.shape, x.dtype, out=out) is out
+        want = eager.decode(buf, x.shape, x.dtype)
+        assert torch.equal(out.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(decoder.decode(buf, x.shape, x.dtype).nan_to_num(7.0), want.nan_to_num(7.0))
+    assert wrapped.captured == [("encode", SHAPE, torch.bfloat16, "cpu")]
+    assert decoder.captured == [("decode", SHAPE, torch.bfloat16, "cpu")]
+    assert (wrapped.graphs.captures, wrapped.graphs.replays, decoder.graphs.captures, decoder.graphs.replays) == (1, 3, 1, 7)
+    assert wrapped.eager_reasons == decoder.eager_reasons == {}
+
+
+def test_one_capture_per_op_shape_and_dtype():
+    wrapped = graphed("hadint")
+    for shape, dtype in [(SHAPE, torch.bfloat16), (SHAPE, torch.float32), ((8, 1, 64), torch.bfloat16)] * 2:
+        x = activation_like(shape, dtype=dtype, seed=1)
+        wrapped.decode(wrapped.encode(x), shape, dtype)
+    assert wrapped.graphs.captures == 6 and len(wrapped.captured) == 6
+
+
+@pytest.mark.parametrize("name,options,checks,op,reason", [
+    ("hadint", {"stochastic_rounding": True}, "deferred", "encode", "stochastic rounding"),
+    ("hadint", {}, "full", "decode", "full checks read the header on the host"),
+    ("aqsgd", {}, "deferred", "encode", "aqsgd is not capturable (per-sample buffers"),
+])
+def test_eager_fallbacks_say_why_in_one_log_line(name, options, checks, op, reason, caplog):
+    wrapped = graphed(name, checks=checks, **options)
+    eager = get_codec(name, backend="torch", **options).defer_checks(checks)
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    for x in messages(3, dtype=torch.float32):
+        if op == "encode":
+            if name == "aqsgd":
+                ids = torch.arange(x.shape[1])
+                assert torch.equal(wrapped.encode(x, sample_ids=ids), eager.encode(x, sample_ids=ids))
+            else:
+                assert torch.equal(wrapped.encode(x), eager.encode(x))
+        else:
+            buf = eager.encode(x)
+            assert torch.equal(wrapped.decode(buf, x.shape, x.dtype), eager.decode(buf, x.shape, x.dtype))
+    lines = [r.getMessage() for r in caplog.records if reason in r.getMessage()]
+    assert len(lines) == 1 and f" {op} runs eagerly" in lines[0]
+    assert (op, x.shape, x.dtype, "cpu") in wrapped.eager_reasons
+
+
+def test_cpu_tensors_and_large_messages_stay_eager():
+    assert "CUDA graphs need a CUDA device" in CudaGraphs.unavailable(torch.device("cpu"))
+    wrapped = GraphedCodec(get_codec("hadint", backend="torch").defer_checks())  # real CudaGraphs
+    x = activation_like(SHAPE, dtype=torch.float32, seed=0)
+    assert torch.equal(wrapped.encode(x), wrapped.codec.encode(x)) and wrapped.captured == []
+    small = GraphedCodec(get_codec("hadint", backend="torch").defer_checks(), FakeGraphs(), max_numel=1000)
+    small.encode(x)
+    assert "max_numel 1000" in small.eager_reasons[("encode", SHAPE, torch.float32, "cpu")]
+
+
+def test_a_capture_that_fails_is_logged_and_its_warm_up_result_returned(caplog):
+    class Refuses(FakeGraphs):
+        def capture(self, fn, device):
+            fn()
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    wrapped, eager = graphed("lowrank", Refuses(), rank=4), get_codec("lowrank", backend="torch", rank=4)
+    for x in messages(3):
+        assert torch.equal(wrapped.encode(x), eager.encode(x))  # the warm-up advanced the state once, not twice
+    lines = [r.getMessage() for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith("RuntimeError: operation not permitted when stream is capturing")
+
+
+def test_deferred_checks_still_count_bad_buffers_under_replay():
+    wrapped = graphed("hadint")
+    x = activation_like(SHAPE, dtype=torch.float32, seed=0)
+    buf = wrapped.encode(x)
+    wrapped.decode(buf, SHAPE, torch.float32)  # captured
+    with pytest.raises(CodecError, match="out is"):
+        wrapped.decode(buf, SHAPE, torch.float32, out=torch.empty(SHAPE, dtype=torch.bfloat16))
+    bad = buf.clone()
+    bad[4] ^= 1  # the config digest
+    wrapped.decode(bad, SHAPE, torch.float32)  # replayed: counted on the device
+    assert wrapped.graphs.replays == 1
+    with pytest.raises(WireFormatError, match="1 check"):
+        wrapped.decode(buf, SHAPE, torch.float32)
+    with pytest.raises(WireFormatError, match="bytes"):
+        wrapped.decode(buf[:-8], SHAPE, torch.float32)
+    with pytest.raises(CodecError, match="wraps a Codec"):
+        GraphedCodec(wrapped)
+
+
+def test_the_host_read_checker_can_fail():
+    with no_host_reads(), pytest.raises(HostRead):
+        bool(torch.ones(1))
