@@ -23,6 +23,8 @@ TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
+AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec: chosen per link (megatron/auto_codec.py)
+AUTO_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank")  # the default of tah_auto_candidates
 
 # --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/PARITY.md, RESULTS.md section 4b).
 PRESETS = {
@@ -68,10 +70,10 @@ class TahConfig:
     """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, the defaults), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) or lowrank8 (the same with 8 directions, 3.88 bits). A flag set to neither its default nor the preset's value is an error."""
 
     tah_forward_codec: str = "tah"
-    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4, nvfp4, hadint or lowrank."""
+    """Codec for activations sent to the next stage: none, fixedpoint, tah, fp8, aqsgd, int8, mxfp4, nvfp4, hadint, lowrank or auto (chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
 
     tah_backward_codec: str = "fixedpoint"
-    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4, nvfp4, hadint or lowrank."""
+    """Codec for activation gradients sent to the previous stage: none, fixedpoint, tah, fp8, int8, mxfp4, nvfp4, hadint, lowrank or auto."""
 
     tah_tile_size: int = 64
     """Channels per tile for the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual): 16, 32, 64 or 128."""
@@ -166,6 +168,15 @@ class TahConfig:
     tah_log_json: str | None = None
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
+    tah_auto_candidates: str = ",".join(AUTO_CANDIDATES)
+    """Codecs a direction set to auto chooses among (comma list): none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with paper (else the first) until the link is measured."""
+
+    tah_auto_max_error: float | None = None
+    """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, so auto never sends less accurately than the default)."""
+
+    tah_auto_interval: int = 50
+    """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""
+
     def __post_init__(self):
         self._apply_preset()
         for field in dataclasses.fields(self):
@@ -173,8 +184,16 @@ class TahConfig:
             if choices and getattr(self, field.name) not in choices:
                 raise ValueError(f"{field.name} = {getattr(self, field.name)!r}: choose one of {', '.join(choices)}")
         for field in ("tah_forward_codec", "tah_backward_codec"):
-            if getattr(self, field) not in CODECS:
-                raise ValueError(f"{field} = {getattr(self, field)!r}: choose one of {', '.join(CODECS)}")
+            if getattr(self, field) not in (*CODECS, AUTO):
+                raise ValueError(f"{field} = {getattr(self, field)!r}: choose one of {', '.join(CODECS)} or {AUTO}")
+        if self.tah_auto_max_error is not None and not 0 <= self.tah_auto_max_error < float("inf"):
+            raise ValueError(f"tah_auto_max_error = {self.tah_auto_max_error!r}: must be a finite number >= 0")
+        if isinstance(self.tah_auto_interval, bool) or self.tah_auto_interval < 1:
+            raise ValueError(f"tah_auto_interval = {self.tah_auto_interval!r}: must be an integer >= 1")
+        try:
+            self.auto_settings()
+        except ValueError as err:
+            raise ValueError(f"tah_auto_candidates = {self.tah_auto_candidates!r}: {err}") from None
         if self.tah_backward_codec == "aqsgd":
             raise ValueError("tah_backward_codec = 'aqsgd': AQ-SGD compresses activations only; "
                              "use fixedpoint, tah, fp8 or none for gradients")
@@ -278,13 +297,40 @@ class TahConfig:
             return get_codec(name, hadamard=self.tah_fp4_hadamard, **backend)
         raise ValueError(f"unknown codec {name!r}")
 
+    def auto_settings(self):
+        """The ``megatron.auto_codec.AutoSettings`` of the auto directions (the same for both)."""
+        from .megatron.auto_codec import AutoSettings
+
+        return AutoSettings(candidates=self.tah_auto_candidates, max_error=self.tah_auto_max_error,
+                            interval=self.tah_auto_interval)
+
+    def is_auto(self, direction: str) -> bool:
+        """Whether ``direction`` ("forward", "backward") chooses its codec per link (``auto``)."""
+        return getattr(self, f"tah_{direction}_codec") == AUTO
+
+    def auto_candidate_codec(self, name: str, direction: str) -> Codec:
+        """A new codec object of auto candidate ``name`` on ``direction`` (this config's backend and checksum)."""
+        from .megatron.auto_codec import candidate_codec
+
+        return candidate_codec(name, direction, self.tah_backend, checksum=self.tah_wire_checksum)
+
+    def auto_start(self) -> str:
+        """The candidate auto links start with, before their first measurement: paper, else the first."""
+        candidates = self.auto_settings().candidates
+        return "paper" if "paper" in candidates else candidates[0]
+
     def forward_codec(self) -> Codec:
-        """A new codec object for activations (one per link end: aqsgd keeps state)."""
+        """A new codec object for activations (one per link end: aqsgd keeps state); auto: the codec
+        its links start with (``auto_start``)."""
+        if self.is_auto("forward"):
+            return self.auto_candidate_codec(self.auto_start(), "forward")
         return self._codec(self.tah_forward_codec, self.tah_forward_bits, self.tah_tile_size,
                            checksum=self.tah_wire_checksum)
 
     def backward_codec(self) -> Codec:
-        """A new codec object for activation gradients."""
+        """A new codec object for activation gradients (auto: as ``forward_codec``)."""
+        if self.is_auto("backward"):
+            return self.auto_candidate_codec(self.auto_start(), "backward")
         return self._codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size,
                            stochastic_rounding=self.tah_backward_stochastic_rounding,
                            checksum=self.tah_wire_checksum)

@@ -25,14 +25,14 @@ from typing import Any
 from ..codecs import CODECS
 from ..codecs.base import BACKENDS
 from ..codecs.tah import ALLOCATIONS, LOW_BITS_FOR
-from ..config import TahConfig
+from ..config import AUTO, TahConfig
 from .patching import is_ours
 from .registry import REGISTRY
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
 _CHOICES = {
-    "tah_forward_codec": tuple(CODECS),
-    "tah_backward_codec": tuple(name for name in CODECS if name != "aqsgd"),
+    "tah_forward_codec": (*CODECS, AUTO),
+    "tah_backward_codec": tuple(name for name in CODECS if name != "aqsgd") + (AUTO,),
     "tah_allocation": ALLOCATIONS,
     "tah_low_bits_for": LOW_BITS_FOR,
     "tah_backend": tuple(BACKENDS),

@@ -67,11 +67,11 @@ import torch
 
 from ..codecs import Codec, WireFormatError, timing
 from ..codecs.samples import activation_like
-from ..config import PRESETS, TahConfig
+from ..config import AUTO_CANDIDATES, PRESETS, TahConfig
 
 DIRECTIONS = ("forward", "backward")
 CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none")
-DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank")
+DEFAULT_CANDIDATES = AUTO_CANDIDATES
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 ANNOUNCEMENT_MAGIC = 0xA7
 ANNOUNCEMENT_NBYTES = 8
@@ -126,7 +126,7 @@ class AutoSettings:
             raise ValueError(f"overlap = {self.overlap!r}: must lie in [0, 1]")
 
 
-def candidate_codec(name: str, direction: str, backend: str = "auto") -> Codec:
+def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:
     """A new codec object for candidate ``name`` on ``direction`` (forward: activations, backward: gradients).
 
     ``none`` and ``fp8`` are those codecs both ways; a preset name is that preset's codec for the direction.
@@ -136,9 +136,10 @@ def candidate_codec(name: str, direction: str, backend: str = "auto") -> Codec:
     if name not in CANDIDATES:
         raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
     if name in ("none", "fp8"):
-        config = TahConfig(tah_forward_codec=name, tah_backward_codec=name, tah_backend=backend)
+        config = TahConfig(tah_forward_codec=name, tah_backward_codec=name, tah_backend=backend,
+                           tah_wire_checksum=checksum)
     else:
-        config = TahConfig(tah_preset=name, tah_backend=backend)
+        config = TahConfig(tah_preset=name, tah_backend=backend, tah_wire_checksum=checksum)
     return config.forward_codec() if direction == "forward" else config.backward_codec()
 
 
