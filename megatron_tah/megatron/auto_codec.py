@@ -9,7 +9,8 @@ and carries its decisions. Per link and direction:
    time on the schedule includes waiting for the peer, and waiting only ever *adds* time, so the
    estimate is the *upper quartile* of the per-transfer rates of the window's large messages
    (those of at least half the largest size; smaller ones are mostly latency), and the spread is
-   the interquartile range. The first ``skip_first`` transfers of a meter are ignored (connection
+   the interquartile range (``quantile`` picks another order statistic: the pipeline transport
+   reads the fastest transfer, 1.0, see ``auto_link.py``). The first ``skip_first`` transfers of a meter are ignored (connection
    set-up, allocator and kernel warm-up). Limitation: when (nearly) every transfer includes a wait,
    e.g. a receiver that always posts long before its sender sends, the rate is underestimated,
    which biases the choice towards compression; latency is folded into the rate at the measured
@@ -159,11 +160,12 @@ class LinkRate:
 class LinkRateMeter:
     """Rate of one link direction from the transfers it carries (see the module docstring, point 1)."""
 
-    def __init__(self, interval: int = 50, skip_first: int = 2, min_transfers: int = 3):
-        if interval < 1 or skip_first < 0 or min_transfers < 2:
+    def __init__(self, interval: int = 50, skip_first: int = 2, min_transfers: int = 3, quantile: float = 0.75):
+        if interval < 1 or skip_first < 0 or min_transfers < 2 or not 0.5 <= quantile <= 1.0:
             raise ValueError(f"interval = {interval} (>= 1), skip_first = {skip_first} (>= 0), "
-                             f"min_transfers = {min_transfers} (>= 2)")
+                             f"min_transfers = {min_transfers} (>= 2), quantile = {quantile} (in [0.5, 1])")
         self.interval, self.skip_first, self.min_transfers = interval, skip_first, min_transfers
+        self.quantile = quantile
         self.seen = 0
         self.window: list[tuple[int, float]] = []
 
@@ -189,6 +191,9 @@ class LinkRateMeter:
             return None
         self.window = []
         low, _, high = statistics.quantiles(rates, n=4, method="inclusive")
+        if self.quantile != 0.75:
+            ordered = sorted(rates)
+            high = ordered[round(self.quantile * (len(ordered) - 1))]
         return LinkRate(rate_bps=high, spread_bps=high - low, transfers=len(rates))
 
     def state_dict(self) -> dict:

@@ -229,11 +229,13 @@ class PipelineTransport:
         posted = time.monotonic()
         for m in messages.values():
             m.posted_at = posted
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        for m, work in zip(messages.values(), works):  # each stamped when it is done (auto's rate meter)
             work.wait()
-        now = time.monotonic()
+            m.completed_at = time.monotonic()
+        now = time.monotonic()  # (a backend may return one work for the whole batch)
         for m in messages.values():
-            m.completed_at = now
+            m.completed_at = now if m.completed_at is None else m.completed_at
             m.finish()
         return []
 
