@@ -343,11 +343,9 @@ class _Message:
         if transport.emulator is not None:
             me = torch.distributed.get_rank()
             pair = (link.peer, me) if self.is_recv else (me, link.peer)
-            slept = transport.emulator.complete(pair, self.buf.numel(), self.completed_at, receiver=self.is_recv)
-        else:
-            slept = 0.0
+            transport.emulator.complete(pair, self.buf.numel(), self.completed_at, receiver=self.is_recv)
         if self.posted_at is not None and self.completed_at is not None:
-            done_at = time.monotonic() if slept > 0 else self.completed_at
+            done_at = self.completed_at if transport.emulator is None else transport.emulator.last_finish
             transport.record_transfer(link, self.buf.numel(), max(done_at - self.posted_at, 0.0))
         if self.is_recv:
             payload = self.buf
