@@ -34,6 +34,8 @@ TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
+AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec: chosen per link (megatron/auto_codec.py)
+AUTO_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank")  # the default of tah_auto_candidates
 
 # --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/PARITY.md, RESULTS.md section 4b).
 PRESETS = {
@@ -80,11 +82,11 @@ class TahConfigBase:
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
     """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) or lowrank8 (the same with 8 directions, 3.88 bits). A flag set to neither its default nor the preset's value is an error."""
 
-    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": FORWARD_CODECS})
-    """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed)."""
+    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": (*FORWARD_CODECS, AUTO)})
+    """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed; auto: chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
 
-    tah_backward_codec: str = dataclasses.field(default="none", metadata={"choices": BACKWARD_CODECS})
-    """Codec for activation gradients sent to the previous stage (none: uncompressed)."""
+    tah_backward_codec: str = dataclasses.field(default="none", metadata={"choices": (*BACKWARD_CODECS, AUTO)})
+    """Codec for activation gradients sent to the previous stage (none: uncompressed; auto: as for the forward codec)."""
 
     tah_tile_size: int = dataclasses.field(default=64, metadata={"choices": TILE_SIZES})
     """Channels per tile of the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual)."""
@@ -144,6 +146,15 @@ class TahConfigBase:
     tah_log_json: str | None = None
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
+    tah_auto_candidates: str = ",".join(AUTO_CANDIDATES)
+    """Codecs a direction set to auto chooses among (comma list): none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with paper (else the first) until the link is measured."""
+
+    tah_auto_max_error: float | None = None
+    """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, so auto never sends less accurately than the default)."""
+
+    tah_auto_interval: int = 50
+    """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""
+
     _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
 
     def __post_init__(self):
@@ -158,8 +169,17 @@ class TahConfigBase:
                 raise ValueError(f"{field.name} = {value!r}: choose one of {', '.join(map(str, choices))}")
             if "option" in field.metadata:
                 field.metadata["option"].check(value)
+        if self.tah_auto_max_error is not None and not 0 <= self.tah_auto_max_error < float("inf"):
+            raise ValueError(f"tah_auto_max_error = {self.tah_auto_max_error!r}: must be a finite number >= 0")
+        if isinstance(self.tah_auto_interval, bool) or self.tah_auto_interval < 1:
+            raise ValueError(f"tah_auto_interval = {self.tah_auto_interval!r}: must be an integer >= 1")
+        try:
+            self.auto_settings()
+        except ValueError as err:
+            raise ValueError(f"tah_auto_candidates = {self.tah_auto_candidates!r}: {err}") from None
         self._check_rounding()
-        forward = codec_declaration(self.tah_forward_codec)
+        # auto chooses among none, fp8 and the presets' codecs, none of which keeps per-sample state
+        forward = codec_declaration("none" if self.is_auto("forward") else self.tah_forward_codec)
         if self.tah_warmup_iters < 0:
             raise ValueError(f"tah_warmup_iters = {self.tah_warmup_iters}: must be >= 0")
         if self.tah_warmup_iters and forward.needs_sample_ids:
@@ -172,6 +192,8 @@ class TahConfigBase:
         if self.tah_backend == "triton":
             for field in ("tah_forward_codec", "tah_backward_codec", "tah_tp_codec", "tah_dp_codec"):
                 name = getattr(self, field)
+                if name == AUTO:
+                    continue  # its candidates are checked when they are built
                 if not codec_declaration(name).kernel and (name != "none" or field in self._DIRECTIONS):
                     raise ValueError(f"tah_backend = 'triton' with {field} = {name!r}: it has no Triton kernel; "
                                      "use auto or torch")
@@ -251,13 +273,40 @@ class TahConfigBase:
         return get_codec(name, backend=self.tah_backend, checksum=checksum,
                          **codec_declaration(name).build_kwargs(self, direction))
 
+    def auto_settings(self):
+        """The ``megatron.auto_codec.AutoSettings`` of the auto directions (the same for both)."""
+        from .megatron.auto_codec import AutoSettings
+
+        return AutoSettings(candidates=self.tah_auto_candidates, max_error=self.tah_auto_max_error,
+                            interval=self.tah_auto_interval)
+
+    def is_auto(self, direction: str) -> bool:
+        """Whether ``direction`` ("forward", "backward") chooses its codec per link (``auto``)."""
+        return getattr(self, f"tah_{direction}_codec") == AUTO
+
+    def auto_candidate_codec(self, name: str, direction: str) -> Codec:
+        """A new codec object of auto candidate ``name`` on ``direction`` (this config's backend and checksum)."""
+        from .megatron.auto_codec import candidate_codec
+
+        return candidate_codec(name, direction, self.tah_backend, checksum=self.tah_wire_checksum)
+
+    def auto_start(self) -> str:
+        """The candidate auto links start with, before their first measurement: paper, else the first."""
+        candidates = self.auto_settings().candidates
+        return "paper" if "paper" in candidates else candidates[0]
+
     def forward_codec(self) -> Codec:
-        """A new codec object for activations (one per link end: aqsgd keeps state)."""
+        """A new codec object for activations (one per link end: aqsgd keeps state); auto: the codec
+        its links start with (``auto_start``)."""
+        if self.is_auto("forward"):
+            return self.auto_candidate_codec(self.auto_start(), "forward")
         return self._codec(self.tah_forward_codec, self.tah_forward_bits, self.tah_tile_size,
                            checksum=self.tah_wire_checksum)
 
     def backward_codec(self) -> Codec:
-        """A new codec object for activation gradients."""
+        """A new codec object for activation gradients (auto: as ``forward_codec``)."""
+        if self.is_auto("backward"):
+            return self.auto_candidate_codec(self.auto_start(), "backward")
         return self._codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size,
                            stochastic_rounding=self.tah_backward_stochastic_rounding,
                            checksum=self.tah_wire_checksum)

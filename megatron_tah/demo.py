@@ -1,13 +1,15 @@
 """``make demo``: TAH-Quant vs an uncompressed bf16 pipeline, both in Megatron-LM's training loop.
 
 Steps: tokenize the Shakespeare corpus (once, into ``data/``), then train the same 2-stage GPT
-twice with ``python -m megatron_tah.pretrain_gpt`` (``megatron.training.pretrain``; same seed, data
-order, bf16 compute and link): once uncompressed -- the bf16 pipeline a Megatron user runs today --
-and once with TAH-Quant activations and 6-bit activation gradients. Written under ``--out``
+three times with ``python -m megatron_tah.pretrain_gpt`` (``megatron.training.pretrain``; same seed, data
+order, bf16 compute and link): once uncompressed -- the bf16 pipeline a Megatron user runs today --,
+once with TAH-Quant activations and 6-bit activation gradients, and once with ``auto`` (each link
+measures its rate and the codecs' costs and chooses, ``megatron/auto_link.py``). ``--rate unlimited``
+is the second setting: no slow link, where auto should choose ``none``. Written under ``--out``
 (default ``runs/demo/``)::
 
-    bf16.jsonl, tah.jsonl     per-iteration records of each run (the plugin's --tah-log-json)
-    bf16.log, tah.log         each run's Megatron output
+    bf16.jsonl, tah.jsonl, auto.jsonl   per-iteration records of each run (the plugin's --tah-log-json)
+    bf16.log, tah.log, auto.log         each run's Megatron output
     table.md                  tokens/s, ms/iter, MB on the wire per iteration, bytes vs bf16, speed-up,
                               final validation loss and perplexity
     loss_curves.png           training and validation loss of both runs
@@ -30,7 +32,8 @@ whether the machine was compute-bound (a busy machine computes slower, and fewer
 Checks printed at the end (exit status 1 if one fails, else 0): TAH-Quant sends at most 40% of the bf16
 pipeline's bytes, its validation loss is within 2% of the bf16 run's, and both runs learn. The speed-up
 is reported against its goal (1.5x in tokens/s) but, being a measurement of the machine, never fails
-the demo. While a run trains, its progress (iteration, loss, elapsed, ETA) is printed from its log.
+the demo; so is auto's (the codec each link chose, and its tokens/s within 5% of TAH-Quant's on the slow
+link, of bf16's at ``--rate unlimited``). While a run trains, its progress (iteration, loss, elapsed, ETA) is printed from its log.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ from .megatron.logging import read_records
 RUNS = {
     "bf16": ["--tah-forward-codec", "none", "--tah-backward-codec", "none"],
     "tah": ["--tah-forward-codec", "tah", "--tah-backward-codec", "fixedpoint"],
+    "auto": ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"],
 }
-LABELS = {"bf16": "uncompressed bf16", "tah": "TAH-Quant fwd + 6-bit bwd"}
+LABELS = {"bf16": "uncompressed bf16", "tah": "TAH-Quant fwd + 6-bit bwd", "auto": "auto (chosen per link)"}
+UNLIMITED = "unlimited"  # --rate: no slow link (auto must choose none)
+AUTO_TOKENS_TOLERANCE = 0.05  # auto's tokens/s vs the run it should match (TAH-Quant on a slow link, bf16 unlimited)
 MAX_BYTES_VS_BF16 = 0.40
 MAX_VALID_LOSS_GAP = 0.02
 MIN_SPEEDUP = 1.5
@@ -66,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-prefix", default="data/shakespeare", help="tokenized corpus prefix (made if missing)")
     p.add_argument("--max-docs", type=int, default=None, help="tokenize only the first N plays (quick runs)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens per split (quick runs)")
-    p.add_argument("--rate", default="1mbit", help="link rate (default 1mbit)")
+    p.add_argument("--rate", default="1mbit", help="link rate (default 1mbit); unlimited: no slow link, where "
+                   "auto must choose none")
     p.add_argument("--link", choices=("auto", "netns", "emulate"), default="auto",
                    help="auto: network namespaces when root with ip/tc, else in-process emulation")
     p.add_argument("--train-iters", type=int, default=80)
@@ -143,7 +150,7 @@ def train_flags(args, name: str, prefix: str, out: Path, link: str) -> list[str]
     for flag in ("train_iters", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "global_batch_size", "lr", "eval_interval", "eval_iters", "log_interval"):
         flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    if link == "emulate":
+    if link == "emulate" and args.rate != UNLIMITED:
         flags += ["--tah-emulate-bandwidth", args.rate]
     return flags
 
@@ -244,6 +251,7 @@ def summarize(records: list[dict], rate_bps: float) -> dict:
         "final_train_loss": statistics.mean(r["lm_loss"] for r in training[-5:]),
         "valid_loss": valid[-1]["valid_loss"],
         "valid_ppl": valid[-1]["valid_ppl"],
+        "auto_codecs": {link: item["codec"] for link, item in records[-1].get("auto", {}).items()},
     }
 
 
@@ -264,7 +272,7 @@ def plot(logs: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for (name, records), color in zip(logs.items(), ("tab:blue", "tab:red")):
+    for (name, records), color in zip(logs.items(), ("tab:blue", "tab:red", "tab:green")):
         ax.plot([r["iteration"] for r in records], [r["lm_loss"] for r in records], color=color, alpha=0.8,
                 lw=1.2, label=f"{LABELS[name]}: train")
         valid = [r for r in records if "valid_loss" in r]
@@ -280,7 +288,7 @@ def plot(logs: dict[str, list[dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def checks(rows: dict[str, dict], speed_check: bool = True) -> dict[str, dict]:
+def checks(rows: dict[str, dict], speed_check: bool = True, unlimited: bool = False) -> dict[str, dict]:
     """Bytes and loss checks (``ok``; :data:`FAILING_CHECKS`) and the speed-up against its goal (``met``,
     reported only)."""
     tah, bf16 = rows["tah"], rows["bf16"]
@@ -293,7 +301,20 @@ def checks(rows: dict[str, dict], speed_check: bool = True) -> dict[str, dict]:
         "both_learn": {"value": [r["final_train_loss"] < r["first_loss"] for r in rows.values()],
                        "ok": all(r["final_train_loss"] < r["first_loss"] for r in rows.values())},
         "speedup": {"value": speedup, "goal": MIN_SPEEDUP, "met": speedup >= MIN_SPEEDUP, "checked": speed_check},
+        **({"auto": auto_check(rows, unlimited)} if "auto" in rows else {}),
     }
+
+
+def auto_check(rows: dict[str, dict], unlimited: bool) -> dict:
+    """What auto chose per link (its last record) against what it should: a compressing codec matching
+    TAH-Quant's tokens/s on a slow link, ``none`` matching bf16's on an unlimited one (``met``; reported,
+    a measurement of the machine like the speed-up, it never sets the exit status)."""
+    codecs = rows["auto"]["auto_codecs"]
+    target = "bf16" if unlimited else "tah"
+    ratio = rows["auto"]["tokens_per_s"] / rows[target]["tokens_per_s"]
+    chose = bool(codecs) and all((c == "none") == unlimited for c in codecs.values())
+    return {"codecs": codecs, "matches": target, "tokens_ratio": ratio, "chose_right": chose,
+            "met": chose and abs(ratio - 1) <= AUTO_TOKENS_TOLERANCE}
 
 
 def exit_status(verdict: dict[str, dict]) -> int:
@@ -332,8 +353,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prefix = prepare_data(args)
-    link = choose_link(args.link, args.rate)
-    link_text = f"{args.rate}, {'network namespaces + tc' if link == 'netns' else 'in-process emulation'}"
+    link = "loopback" if args.rate == UNLIMITED else choose_link(args.link, args.rate)
+    link_text = {"netns": f"{args.rate}, network namespaces + tc", "emulate": f"{args.rate}, in-process emulation",
+                 "loopback": "unlimited (loopback, no slow link)"}[link]
     logs = {}
     for i, name in enumerate(RUNS, 1):
         _say(f"run {i}/{len(RUNS)}: {LABELS[name]}, Megatron-LM's pretrain() on 2 stages over a {link_text} link, "
@@ -348,10 +370,12 @@ def main(argv=None) -> int:
         _say(f"run {name}: done")
     from .units import parse_bandwidth
 
-    rows = {name: summarize(records, parse_bandwidth(args.rate)) for name, records in logs.items()}
+    unlimited = args.rate == UNLIMITED
+    rate_bps = float("inf") if unlimited else parse_bandwidth(args.rate)
+    rows = {name: summarize(records, rate_bps) for name, records in logs.items()}
     text = table(rows)
-    verdict = checks(rows, speed_check=not args.no_speed_check)
-    compute = measure_compute(args, prefix, out, rows)
+    verdict = checks(rows, speed_check=not args.no_speed_check, unlimited=unlimited)
+    compute = None if unlimited else measure_compute(args, prefix, out, rows)
     plot(logs, out / "loss_curves.png", f"GPT {args.num_layers}x{args.hidden_size} bf16, 2 stages, {link_text}")
     (out / "table.md").write_text(f"Link: {link_text}\n\n{text}")
     summary = {"rows": rows, "checks": verdict, "compute": compute, "link": link, "rate": args.rate,
@@ -370,7 +394,13 @@ def main(argv=None) -> int:
             else "not compared with the goal (--no-speed-check)")
     print(f"measured: TAH-Quant tokens/s vs bf16: {speed['value']:.2f}x (goal {MIN_SPEEDUP}x: {goal}; "
           "a measurement of this machine, not a check)")
-    if compute is not None:
+    if "auto" in c:
+        a = c["auto"]
+        print(f"measured: auto chose {', '.join(f'{k}: {v}' for k, v in a['codecs'].items()) or 'nothing'}; "
+              f"tokens/s vs {LABELS[a['matches']]}: {a['tokens_ratio']:.2f}x (goal: "
+              f"{'none' if unlimited else 'a compressing codec'} within {100 * AUTO_TOKENS_TOLERANCE:.0f}%: "
+              f"{'met' if a['met'] else 'not met'}; a measurement, not a check)")
+    if compute is not None and not unlimited:
         print(compute_statement(compute))
     print(f"wrote {out / 'table.md'}, {out / 'loss_curves.png'}, {out / 'summary.json'} "
           f"({(time.perf_counter() - start) / 60:.1f} min)")

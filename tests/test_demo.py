@@ -44,7 +44,11 @@ def test_scaled_down_demo(tmp_path):
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
     assert "TAH-Quant" in table and "in-process emulation" in table
-    assert "check: TAH-Quant bytes" in proc.stdout and "run 2/2" in proc.stdout
+    assert "check: TAH-Quant bytes" in proc.stdout and "run 3/3" in proc.stdout
+    # The auto row: every link named the codec it chose (a candidate), reported against its goal.
+    assert set(rows["auto"]["auto_codecs"]) == {"0->1", "1->0"}, rows["auto"]
+    assert set(rows["auto"]["auto_codecs"].values()) <= {"none", "fp8", "paper", "hadint4", "lowrank"}
+    assert checks["auto"]["matches"] == "tah" and "measured: auto chose 0->1: " in proc.stdout
 
 
 def test_demo_falls_back_to_emulation_without_root(monkeypatch, capsys):
@@ -125,6 +129,16 @@ def test_exit_status_depends_on_bytes_and_loss_only(rows, status):
     verdict = demo.checks(rows)
     assert demo.exit_status(verdict) == status
     assert verdict["speedup"]["met"] == (rows["tah"]["tokens_per_s"] >= 150.0) and "ok" not in verdict["speedup"]
+
+
+def test_auto_goal_is_a_compressing_codec_on_a_slow_link_and_none_unlimited():
+    rows = _rows()
+    rows["auto"] = {**rows["tah"], "tokens_per_s": 97.0, "auto_codecs": {"0->1": "paper", "1->0": "hadint4"}}
+    verdict = demo.checks(rows)
+    assert verdict["auto"]["met"] and verdict["auto"]["tokens_ratio"] == pytest.approx(97.0 / 98.0)
+    assert demo.exit_status(verdict) == 0 and not demo.checks(rows, unlimited=True)["auto"]["met"]
+    rows["auto"] = {**rows["bf16"], "auto_codecs": {"0->1": "none", "1->0": "none"}}
+    assert demo.checks(rows, unlimited=True)["auto"]["met"] and not demo.checks(rows)["auto"]["met"]
 
 
 def test_compute_bound_statement_from_measured_compute_and_link_time():

@@ -72,6 +72,8 @@ CODECS = {
     "aqsgd": ("AQ-SGD 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
     "tah": ("TAH-Quant fwd, 6-bit bwd", ["--tah-forward-codec", "tah", *BACKWARD_6BIT]),
     "fp8": ("fp8 both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
+    # Issue 26: each link measures its rate and the candidates' costs and chooses (fp32 messages).
+    "auto": ("auto (chosen per link)", ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"]),
 }
 PAPER_CODECS = {"none": CODECS["none"], "none_bf16": CODECS["none_bf16"], "tah": CODECS["tah"],
                 "tah_bf16": ("TAH-Quant fwd, 6-bit bwd, bf16 pipeline", [*CODECS["tah"][1], "--bf16"])}

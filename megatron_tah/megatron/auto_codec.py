@@ -9,7 +9,8 @@ and carries its decisions. Per link and direction:
    time on the schedule includes waiting for the peer, and waiting only ever *adds* time, so the
    estimate is the *upper quartile* of the per-transfer rates of the window's large messages
    (those of at least half the largest size; smaller ones are mostly latency), and the spread is
-   the interquartile range. The first ``skip_first`` transfers of a meter are ignored (connection
+   the interquartile range (``quantile`` picks another order statistic: the pipeline transport
+   reads the fastest transfer, 1.0, see ``auto_link.py``). The first ``skip_first`` transfers of a meter are ignored (connection
    set-up, allocator and kernel warm-up). Limitation: when (nearly) every transfer includes a wait,
    e.g. a receiver that always posts long before its sender sends, the rate is underestimated,
    which biases the choice towards compression; latency is folded into the rate at the measured
@@ -67,11 +68,11 @@ import torch
 
 from ..codecs import Codec, WireFormatError, timing
 from ..codecs.samples import activation_like
-from ..config import PRESETS, TahConfig
+from ..config import AUTO_CANDIDATES, PRESETS, TahConfig
 
 DIRECTIONS = ("forward", "backward")
 CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none")
-DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank")
+DEFAULT_CANDIDATES = AUTO_CANDIDATES
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 ANNOUNCEMENT_MAGIC = 0xA7
 ANNOUNCEMENT_NBYTES = 8
@@ -126,7 +127,7 @@ class AutoSettings:
             raise ValueError(f"overlap = {self.overlap!r}: must lie in [0, 1]")
 
 
-def candidate_codec(name: str, direction: str, backend: str = "auto") -> Codec:
+def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:
     """A new codec object for candidate ``name`` on ``direction`` (forward: activations, backward: gradients).
 
     ``none`` and ``fp8`` are those codecs both ways; a preset name is that preset's codec for the direction.
@@ -136,9 +137,10 @@ def candidate_codec(name: str, direction: str, backend: str = "auto") -> Codec:
     if name not in CANDIDATES:
         raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
     if name in ("none", "fp8"):
-        config = TahConfig(tah_forward_codec=name, tah_backward_codec=name, tah_backend=backend)
+        config = TahConfig(tah_forward_codec=name, tah_backward_codec=name, tah_backend=backend,
+                           tah_wire_checksum=checksum)
     else:
-        config = TahConfig(tah_preset=name, tah_backend=backend)
+        config = TahConfig(tah_preset=name, tah_backend=backend, tah_wire_checksum=checksum)
     return config.forward_codec() if direction == "forward" else config.backward_codec()
 
 
@@ -158,11 +160,12 @@ class LinkRate:
 class LinkRateMeter:
     """Rate of one link direction from the transfers it carries (see the module docstring, point 1)."""
 
-    def __init__(self, interval: int = 50, skip_first: int = 2, min_transfers: int = 3):
-        if interval < 1 or skip_first < 0 or min_transfers < 2:
+    def __init__(self, interval: int = 50, skip_first: int = 2, min_transfers: int = 3, quantile: float = 0.75):
+        if interval < 1 or skip_first < 0 or min_transfers < 2 or not 0.5 <= quantile <= 1.0:
             raise ValueError(f"interval = {interval} (>= 1), skip_first = {skip_first} (>= 0), "
-                             f"min_transfers = {min_transfers} (>= 2)")
+                             f"min_transfers = {min_transfers} (>= 2), quantile = {quantile} (in [0.5, 1])")
         self.interval, self.skip_first, self.min_transfers = interval, skip_first, min_transfers
+        self.quantile = quantile
         self.seen = 0
         self.window: list[tuple[int, float]] = []
 
@@ -188,6 +191,9 @@ class LinkRateMeter:
             return None
         self.window = []
         low, _, high = statistics.quantiles(rates, n=4, method="inclusive")
+        if self.quantile != 0.75:
+            ordered = sorted(rates)
+            high = ordered[round(self.quantile * (len(ordered) - 1))]
         return LinkRate(rate_bps=high, spread_bps=high - low, transfers=len(rates))
 
     def state_dict(self) -> dict:

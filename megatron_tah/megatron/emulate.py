@@ -30,6 +30,7 @@ class LinkEmulator:
         self._link_free: dict[tuple[int, int], float] = {}
         self._lock = threading.Lock()
         self.total_delay_s = 0.0  # time spent sleeping in ``complete``
+        self.last_finish = None  # when the last message ``complete`` saw finished on the emulated link
 
     def transfer_seconds(self, nbytes: int) -> float:
         return nbytes * 8.0 / self.bandwidth_bps
@@ -46,7 +47,8 @@ class LinkEmulator:
                  receiver: bool = False) -> float:
         """Block until the message of ``nbytes`` on ``link`` is complete; returns the seconds slept."""
         completed_at = self.clock() if completed_at is None else completed_at
-        wait = self.finish_time(link, nbytes, completed_at, receiver) - self.clock()
+        self.last_finish = self.finish_time(link, nbytes, completed_at, receiver)  # (the rate meter's end stamp)
+        wait = self.last_finish - self.clock()
         if wait <= 0:
             return 0.0
         self.sleep(wait)

@@ -5,7 +5,9 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 ``{"forward": [config digest, description], "backward": [...]}`` -- and raises
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
-what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``).
+what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``); a direction
+set to ``auto`` is recorded as its candidates' names and digests (both ends must hold the same
+decoders and carry the announcement trailer, ``auto_link.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule.
 """
 
@@ -27,15 +29,23 @@ class CodecMismatchError(RuntimeError):
 
 def config_record(cfg: TahConfig) -> dict:
     """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
-    fwd, bwd = cfg.forward_codec(), cfg.backward_codec()
     warmup, evals = cfg.tah_warmup_iters, cfg.tah_eval_traffic
     # The warm-up and the evaluations' traffic change what is sent: part of both directions' record.
     modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
                        "both": ", evaluations through the codec and uncompressed"}[evals]])
-    return {d: [crc32_of(f"{c.config_digest()}{modes}") if modes else c.config_digest(), c.describe() + suffix]
-            for d, c in (("forward", fwd), ("backward", bwd))}
+    record = {}
+    for direction in ("forward", "backward"):
+        if cfg.is_auto(direction):
+            names = cfg.auto_settings().candidates
+            identity = ",".join(f"{n}={cfg.auto_candidate_codec(n, direction).config_digest()}" for n in names)
+            digest, text = crc32_of(f"auto:{identity}"), f"auto({', '.join(names)})"
+        else:
+            codec = cfg.forward_codec() if direction == "forward" else cfg.backward_codec()
+            digest, text = codec.config_digest(), codec.describe()
+        record[direction] = [crc32_of(f"{digest}{modes}") if modes else digest, text + suffix]
+    return record
 
 
 def check_group(config: TahConfig, group, device: torch.device) -> None:

@@ -14,7 +14,8 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
        {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "skipped", "ms", "tokens_per_s",
         "fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes", "compression_ratio",
         "codec_ms", "buffer_bytes", "tah": {stream: {...reduced statistics...}},
-        "link_rel_error": {"src->dst": mean sampled round-trip error of that pipeline link}, "saved_memory"}
+        "link_rel_error": {"src->dst": mean sampled round-trip error of that pipeline link}, "saved_memory",
+        "auto": {"src->dst": {"codec", "rate_bps", "spread_bps"}: auto's codec and measured rate per link}}
 
    ``lm_loss`` is this iteration's loss (Megatron's printed value averages since the last reset),
    ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
@@ -138,6 +139,7 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
         "tah": {d: reduced[d] for d in STREAMS},
         "link_rel_error": stats.link_rel_errors(reduced),
         "saved_memory": {str(rank): peaks for rank, peaks in reduced.get("saved_memory", {}).items()},
+        "auto": {f"{src}->{dst}": item for (src, dst), item in sorted(reduced.get("auto", {}).items())},
     }
 
 

@@ -23,6 +23,10 @@ uint8 buffer:
   ``push_sample_ids(ids)`` per micro-batch; an activation send pops the oldest ids, an activation
   receive pushes the ids it decoded (unless this is the last stage).
 * ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
+* ``auto`` (a direction's codec chosen per link): the link end's ``auto_link.AutoEnd`` picks the codec
+  per iteration in lockstep with its peer; its messages carry an 8-byte announcement after the codec
+  buffer (wire format and protocol in ``auto_link.py``); the transfers' bytes and seconds feed its
+  rate meter.
 * Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
 
@@ -42,6 +46,7 @@ import torch
 
 from ..codecs import Codec, get_codec, timing
 from ..config import TahConfig
+from .auto_link import ANNOUNCEMENT_NBYTES, AutoEnd
 from .emulate import LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record
 from .registry import REGISTRY
@@ -64,8 +69,9 @@ class Link:
     direction: str
     role: str
     peer: int
-    codec: Codec
+    codec: Codec  # auto: the codec of the current iteration
     messages: int = 0  # messages through this end so far
+    auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto_link.py)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -107,13 +113,27 @@ class PipelineTransport:
     def link(self, direction: str, role: str, peer: int) -> Link:
         key = (direction, role, int(peer))
         if key not in self.links:
+            if self.config.is_auto(direction):
+                auto = AutoEnd(self.config, direction, role)
+                self.links[key] = Link(direction, role, int(peer), auto.codec, auto=auto)
+                return self.links[key]
             codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
             # Only used after check_group compared the link's configs: headers are checked on the device.
             self.links[key] = Link(direction, role, int(peer), codec.defer_checks())
         return self.links[key]
 
+    def record_transfer(self, link: Link, nbytes: int, seconds: float) -> None:
+        """A finished transfer on ``link``: feeds the rate meter of the auto sender to the same peer
+        (this end's, or for a receive the sender of the other direction)."""
+        direction = link.direction if link.role == "send" else ("backward" if link.direction == "forward" else "forward")
+        sender = self.links.get((direction, "send", link.peer))
+        if sender is not None and sender.auto is not None:
+            sender.auto.meter.record(nbytes, seconds)
+
     def codec(self, link: Link) -> Codec:
         """The codec of ``link``'s next message: ``none`` during the warm-up and uncompressed evaluations."""
+        if link.auto is not None:
+            link.codec = link.auto.begin(_training_iteration())
         if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
             return self.uncompressed
         return self.uncompressed if self.eval_uncompressed else link.codec
@@ -143,6 +163,8 @@ class PipelineTransport:
     # ----- messages ------------------------------------------------------------------------
     def encode(self, link: Link, x: torch.Tensor) -> torch.Tensor:
         """Encode one outgoing tensor on ``link`` and record its statistics."""
+        if link.auto is not None:
+            link.auto.prepare(x)
         codec = self.codec(link)
         with torch.no_grad():
             x = x.detach()
@@ -152,11 +174,17 @@ class PipelineTransport:
             ids = self.pop_sample_ids(required=with_ids) if link.direction == "forward" else None
             clock = timing.Stopwatch(x.device)
             buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
-            self.stats.record_codec_time(link.direction, encode_seconds=clock.stop())
+            encode_seconds = clock.stop()
+            self.stats.record_codec_time(link.direction, encode_seconds=encode_seconds)
             rel_error = None
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
+            if link.auto is not None:
+                buf = link.auto.sent(buf, encode_seconds)
+                rate = link.auto.rate
+                self.stats.record_auto(link.peer, link.auto.current,
+                                       rate.rate_bps if rate else None, rate.spread_bps if rate else None)
         link.messages += 1
         self.stats.record_send(link.direction, x.numel() * x.element_size(), buf.numel(), link.peer,
                                rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated", None))
@@ -198,11 +226,16 @@ class PipelineTransport:
             return []
         ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
                for m in messages.values()]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        now = time.monotonic()
+        posted = time.monotonic()
         for m in messages.values():
-            m.completed_at = now
+            m.posted_at = posted
+        works = dist.batch_isend_irecv(ops)
+        for m, work in zip(messages.values(), works):  # each stamped when it is done (auto's rate meter)
+            work.wait()
+            m.completed_at = time.monotonic()
+        now = time.monotonic()  # (a backend may return one work for the whole batch)
+        for m in messages.values():
+            m.completed_at = now if m.completed_at is None else m.completed_at
             m.finish()
         return []
 
@@ -225,6 +258,7 @@ class PipelineTransport:
                 continue
             m = messages[name]
             post = dist.irecv if m.is_recv else dist.isend
+            m.posted_at = time.monotonic()
             m.work = post(m.buf, m.link.peer, group=recv_group if m.is_recv else send_group)
             self.outstanding.append(m)
             handles[name] = _Handle(m)
@@ -244,8 +278,10 @@ class PipelineTransport:
 
     # ----- codec state (checkpoints) ---------------------------------------------------------
     def codec_states(self) -> dict:
-        """``{(direction, role, peer): codec.state_dict()}`` of the link ends whose codecs hold state."""
-        states = {key: link.codec.state_dict() for key, link in self.links.items()}
+        """``{(direction, role, peer): codec.state_dict()}`` of the link ends whose codecs hold state
+        (an auto link end: ``AutoEnd.state_dict()``, its choice and its candidates' states)."""
+        states = {key: link.auto.state_dict() if link.auto is not None else link.codec.state_dict()
+                  for key, link in self.links.items()}
         return {key: state for key, state in states.items() if state}
 
     def load_codec_states(self, states: dict, saved_config: dict | None = None) -> None:
@@ -259,10 +295,13 @@ class PipelineTransport:
                     f"({config_record(saved)}) than this run's ({config_record(self.config)}); "
                     "load it with the same --tah-* flags, or use --finetune to start the codecs afresh")
         for (direction, role, peer), codec_state in states.items():
-            self.link(direction, role, peer).codec.load_state_dict(codec_state)
+            link = self.link(direction, role, peer)
+            (link.codec if link.auto is None else link.auto).load_state_dict(codec_state)
 
     def stateful(self) -> bool:
-        """Whether the configured codecs keep state between messages (AQ-SGD, stochastic rounding)."""
+        """Whether the configured codecs keep state between messages (AQ-SGD, stochastic rounding, auto's choice)."""
+        if self.config.is_auto("forward") or self.config.is_auto("backward"):
+            return True
         return any(codec.stateful for codec in (self.config.forward_codec(), self.config.backward_codec()))
 
     def buffer_nbytes(self) -> int:
@@ -282,10 +321,11 @@ class _Message:
         else:
             self.codec = transport.codec(link)
             nbytes = self.codec.wire_nbytes(recv_tensor.shape, recv_tensor.dtype)
+            nbytes += ANNOUNCEMENT_NBYTES if link.auto is not None else 0
             self.buf = torch.empty(nbytes, dtype=torch.uint8, device=recv_tensor.device)
         self.work = None
         self.done = False
-        self.completed_at = None
+        self.posted_at = self.completed_at = None
 
     @property
     def is_recv(self) -> bool:
@@ -304,10 +344,17 @@ class _Message:
             me = torch.distributed.get_rank()
             pair = (link.peer, me) if self.is_recv else (me, link.peer)
             transport.emulator.complete(pair, self.buf.numel(), self.completed_at, receiver=self.is_recv)
+        if self.posted_at is not None and self.completed_at is not None:
+            done_at = self.completed_at if transport.emulator is None else transport.emulator.last_finish
+            transport.record_transfer(link, self.buf.numel(), max(done_at - self.posted_at, 0.0))
         if self.is_recv:
+            payload = self.buf
+            if link.auto is not None:
+                payload = self.buf[:-ANNOUNCEMENT_NBYTES]
+                link.auto.received(self.buf[-ANNOUNCEMENT_NBYTES:])
             clock = timing.Stopwatch(self.buf.device)
             with torch.no_grad():
-                self.codec.decode(self.buf, self.target.shape, self.target.dtype, out=self.target)
+                self.codec.decode(payload, self.target.shape, self.target.dtype, out=self.target)
             transport.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
             link.messages += 1
             if self.codec.needs_sample_ids and link.direction == "forward" and not self.last_stage:

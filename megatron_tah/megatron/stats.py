@@ -15,7 +15,11 @@ collect, i.e. one iteration when the training log collects every iteration::
      "links": {(src_global_rank, dst_global_rank): wire_bytes},
      "link_errors": {(src_global_rank, dst_global_rank): (rel_error_sum, rel_error_samples)},
      "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now,
-     "saved_memory": {global_rank: {"bits", "raw_bytes", "stored_bytes"}}}
+     "saved_memory": {global_rank: {"bits", "raw_bytes", "stored_bytes"}},
+     "auto": {(src_global_rank, dst_global_rank): {"codec", "rate_bps", "spread_bps"}}}
+
+``auto`` (``--tah-*-codec auto``): per pipeline link, the codec its sender used last and the last
+measured rate and spread of the link (None before the first measurement); a level, not a count.
 
 For a collective, ``messages`` counts collectives, ``wire_bytes`` is what this rank handed to
 the network for other ranks (codec buffers) and ``raw_bytes`` what the same exchange would
@@ -93,6 +97,7 @@ class Stats:
         self._totals = _empty_totals()
         self._links: dict[tuple[int, int], int] = {}  # (src, dst) -> wire bytes
         self._link_errors: dict[tuple[int, int], tuple] = {}  # (src, dst) -> (sum of sampled rel. errors, samples)
+        self._auto: dict[tuple[int, int], dict] = {}  # (src, dst) -> auto's codec and measured rate
         self.buffer_source = None
         self.memory_source = None
 
@@ -117,6 +122,12 @@ class Stats:
             if rel_error is not None:
                 total, samples = self._link_errors.get(key, (0.0, 0))
                 self._link_errors[key] = (timing.add(total, rel_error), samples + 1)
+
+    def record_auto(self, peer: int, codec: str, rate_bps: float | None, spread_bps: float | None) -> None:
+        """An auto link end of this rank sent to world rank ``peer`` with candidate ``codec``; the last
+        measured rate of that link and its spread in bit/s (None: not measured yet)."""
+        with self._lock:
+            self._auto[(_this_rank(), int(peer))] = {"codec": codec, "rate_bps": rate_bps, "spread_bps": spread_bps}
 
     def record_collective(self, place: str, direction: str, raw_nbytes: int, wire_nbytes: int,
                           rel_error: float | None = None, encode_seconds: float = 0.0,
@@ -150,11 +161,12 @@ class Stats:
             result = {d: _summarise(self._totals[d]) for d in STREAMS}
             result["links"] = dict(self._links)
             result["link_errors"] = {k: (timing.to_float(v), n) for k, (v, n) in self._link_errors.items()}
+            result["auto"] = {k: dict(v) for k, v in self._auto.items()}
             result["buffer_bytes"] = int(self.buffer_source()) if self.buffer_source is not None else 0
             memory = self.memory_source(reset) if self.memory_source is not None else None
             result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
             if reset:
-                self._totals, self._links, self._link_errors = _empty_totals(), {}, {}
+                self._totals, self._links, self._link_errors, self._auto = _empty_totals(), {}, {}, {}
         return result
 
 
@@ -209,6 +221,7 @@ def merge(total: dict | None, more: dict) -> dict:
         old = memory.get(rank)
         memory[rank] = dict(peaks) if old is None or peaks["stored_bytes"] >= old["stored_bytes"] else old
     result["saved_memory"] = memory
+    result["auto"] = {**total.get("auto", {}), **more.get("auto", {})}
     return result
 
 
@@ -252,8 +265,15 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
         if rank in index:
             memory[index[rank] * len(_MEMORY):(index[rank] + 1) * len(_MEMORY)] = torch.tensor(
                 [float(peaks[k]) for k in _MEMORY], dtype=torch.float64)
+    from .auto_codec import CANDIDATES
+
+    auto = torch.zeros(3, size * size, dtype=torch.float64)  # per link: candidate index + 1, rate, spread
+    for (src, dst), item in stats.get("auto", {}).items():
+        if src in index and dst in index:
+            auto[:, index[src] * size + index[dst]] = torch.tensor(
+                [CANDIDATES.index(item["codec"]) + 1, item["rate_bps"] or 0.0, item["spread_bps"] or 0.0])
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory]).to(device)
+    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory, auto.reshape(-1)]).to(device)
     last = ranks[-1]
     dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group)
     if me != size - 1:
@@ -267,8 +287,14 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     result["links"] = {(ranks[s], ranks[t]): int(matrix[s, t]) for s, t in matrix.nonzero().tolist()}
     result["link_errors"] = {(ranks[s], ranks[t]): (float(error_sums[s, t]), int(samples[s, t]))
                              for s, t in samples.nonzero().tolist()}
-    peaks = packed[len(scalars) + 3 * size * size:].reshape(size, len(_MEMORY)).tolist()
+    start = len(scalars) + 3 * size * size
+    peaks = packed[start:start + size * len(_MEMORY)].reshape(size, len(_MEMORY)).tolist()
     result["saved_memory"] = {ranks[i]: dict(zip(_MEMORY, map(int, row))) for i, row in enumerate(peaks) if row[0]}
+    codec, rate, spread = packed[start + size * len(_MEMORY):].reshape(3, size, size)
+    result["auto"] = {(ranks[s], ranks[t]): {"codec": CANDIDATES[int(codec[s, t]) - 1],
+                                             "rate_bps": float(rate[s, t]) or None,
+                                             "spread_bps": float(spread[s, t]) if rate[s, t] else None}
+                      for s, t in codec.nonzero().tolist()}
     return result
 
 
@@ -304,6 +330,9 @@ def format_for_log(stats: dict) -> str:
         parts.append(f"tah codec ms: {codec_seconds * 1e3:.1f}")
     if stats.get("buffer_bytes"):
         parts.append(f"tah buffer MB: {stats['buffer_bytes'] / 1e6:.1f}")
+    for (src, dst), item in sorted(stats.get("auto", {}).items()):
+        rate = "rate not measured yet" if item["rate_bps"] is None else f"{item['rate_bps'] / 1e6:.4g} Mbit/s"
+        parts.append(f"tah auto {src}->{dst}: {item['codec']} at {rate}")
     memory = stats.get("saved_memory") or {}
     if memory:
         stored = sum(m["stored_bytes"] for m in memory.values()) / 1e6
