@@ -9,8 +9,8 @@ runs them and names the offending flag.
 
 ``install_arguments()`` wraps ``megatron.training.arguments.add_megatron_arguments`` (looked up by
 name inside ``parse_args``) so that every Megatron-LM parser also has the tah flags, and wraps
-``validate_args`` so bad tah values fail while arguments are validated. ``uninstall_arguments()``
-puts both originals back.
+``validate_args`` so bad tah values (and a ``--tah-log-json`` that cannot be written) fail while
+arguments are validated. ``uninstall_arguments()`` puts both originals back.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..codecs import CODECS
 from ..codecs.base import BACKENDS
 from ..codecs.tah import ALLOCATIONS, LOW_BITS_FOR
 from ..config import TahConfig
+from .logging import check_log_json
 from .patching import is_ours
 from .registry import REGISTRY
 
@@ -139,6 +140,7 @@ def _validating_tah_arguments(original):
         if hasattr(args, dataclasses.fields(TahConfig)[0].name):
             try:  # before Megatron's own checks: nothing is built yet, and the message is one line
                 tah_config_from_args(args)
+                check_log_json(getattr(args, "tah_log_json", None))
             except ValueError as err:
                 print(f"error: {err}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
