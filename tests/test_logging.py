@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 import megatron.training.arguments as megatron_arguments
@@ -87,8 +88,8 @@ def record_traffic():
 def test_statistics_are_appended_to_the_real_iteration_line(megatron_state, capsys):
     tah_logging.install_logging()
     record_traffic()
-    expected = stats.format_for_log(REGISTRY.stats.collect(reset=False))
-    assert "tah fwd ratio: 4.00x" in expected
+    expected = stats.format_for_log(REGISTRY.stats.collect(reset=False), 1)
+    assert "tah fwd MB/iter: 2.000 | tah fwd ratio: 4.00x" in expected
 
     assert call_training_log(iteration=2) is False
     lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
@@ -100,12 +101,15 @@ def test_statistics_are_appended_to_the_real_iteration_line(megatron_state, caps
     assert REGISTRY.stats.collect(reset=False)["forward"]["messages"] == 0
     writer, wandb = megatron_state.writer, megatron_state.wandb
     assert writer.scalars["tah/forward_ratio"] == (4.0, 2)
-    assert writer.scalars["tah/forward_wire_bytes"] == (2_000_000.0, 2)
+    assert writer.scalars["tah/forward_wire_bytes_per_iter"] == (2_000_000.0, 2)
     assert writer.scalars["tah/backward_ratio"] == (2.0, 2)
     assert writer.scalars["tah/forward_rel_error"] == (pytest.approx(0.02), 2)
     assert "tah/backward_rel_error" not in writer.scalars  # nothing sampled: not written as 0
     assert wandb.logged["tah/forward_rotated_fraction"] == (0.25, 2)
     assert "grad-norm" in writer.scalars  # Megatron's own scalars still written
+    # Tensor and data parallelism are off: no tp_*/dp_* scalars (not zeros).
+    assert not [name for name in writer.scalars if name.startswith(("tah/tp_", "tah/dp_"))]
+    assert not [name for name in wandb.logged if name.startswith(("tah/tp_", "tah/dp_"))]
 
 
 def test_other_iterations_pass_through_without_collecting(megatron_state, capsys):
@@ -119,7 +123,112 @@ def test_other_iterations_pass_through_without_collecting(megatron_state, capsys
 
     call_training_log(iteration=3, is_first_iteration=True)  # Megatron logs its first iteration
     out = capsys.readouterr().out
-    assert "iteration        3/" in out and "tah fwd MB: 2.000 |" in out
+    # Two training_log calls (iterations) since the last line: 2 MB sent, 1 MB per iteration.
+    assert "iteration        3/" in out and "tah fwd MB/iter: 1.000 |" in out
+
+
+def test_items_and_scalars_are_per_iteration_since_the_last_line(megatron_state, capsys):
+    """log_interval 2: the line of iteration 4 covers iterations 3 and 4 and shows one iteration's traffic."""
+    tah_logging.install_logging()
+    record_traffic()
+    call_training_log(iteration=3)  # not printed (collected only when printing: no --tah-log-json)
+    record_traffic()
+    call_training_log(iteration=4)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert len(lines) == 1 and "iteration        4/" in lines[0]
+    assert " tah fwd MB/iter: 2.000 | tah fwd ratio: 4.00x |" in lines[0]
+    assert " tah bwd MB/iter: 2.000 | tah bwd ratio: 2.00x |" in lines[0]
+    writer = megatron_state.writer
+    assert writer.scalars["tah/forward_wire_bytes_per_iter"] == (2_000_000.0, 4)
+    assert writer.scalars["tah/forward_raw_bytes_per_iter"] == (8_000_000.0, 4)
+    assert writer.scalars["tah/forward_messages_per_iter"] == (2.0, 4)
+    assert writer.scalars["tah/forward_ratio"] == (4.0, 4)  # means are not divided
+    assert not [name for name in writer.scalars if name.startswith("tah/") and "bytes" in name
+                and not name.endswith("_per_iter")]
+
+    # The next line starts a new span: one iteration of half the traffic.
+    REGISTRY.stats.record_send("forward", raw_nbytes=4_000_000, wire_nbytes=1_000_000, peer=0)
+    call_training_log(iteration=6)
+    assert " tah fwd MB/iter: 1.000 |" in capsys.readouterr().out
+
+
+def test_the_first_line_does_not_start_a_new_span_as_megatron_s(megatron_state, capsys):
+    tah_logging.install_logging()
+    record_traffic()
+    call_training_log(iteration=1, is_first_iteration=True)
+    assert " tah fwd MB/iter: 2.000 |" in capsys.readouterr().out
+    REGISTRY.stats.record_send("forward", raw_nbytes=4_000_000, wire_nbytes=4_000_000, peer=0)
+    call_training_log(iteration=2)  # Megatron's line averages iterations 1 and 2: so does ours
+    assert " tah fwd MB/iter: 3.000 |" in capsys.readouterr().out
+
+
+def test_tensor_parallel_scalars_appear_only_while_that_place_is_installed(megatron_state, monkeypatch):
+    tah_logging.install_logging()
+    monkeypatch.setitem(REGISTRY.places, "tp", None)
+    assert tah_logging.streams_on() == ("forward", "backward", "tp_forward", "tp_backward")
+    record_traffic()
+    call_training_log(iteration=2)
+    scalars = megatron_state.writer.scalars
+    assert scalars["tah/tp_forward_messages_per_iter"] == (0.0, 2)  # on, nothing sent: 0
+    assert "tah/tp_forward_ratio" not in scalars and not [n for n in scalars if n.startswith("tah/dp_")]
+
+
+def test_evaluation_traffic_is_reported_apart_from_the_training_items(megatron_state, monkeypatch, capsys, tmp_path):
+    """Training traffic recorded before an evaluation (not collected yet: no line printed) stays the
+    training's; the evaluation's goes to its own line and JSON record, not to the next training line."""
+    def evaluate(*args, **kwargs):  # Megatron's evaluate, standing in: one evaluation's forward traffic
+        REGISTRY.stats.record_send("forward", raw_nbytes=9_000_000, wire_nbytes=3_000_000, peer=0)
+        return {"lm loss": torch.tensor(2.0)}, None, False
+
+    monkeypatch.setattr(megatron_training, "evaluate", evaluate)
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setattr(megatron_state.args, "tah_log_json", None)
+    tah_logging.install_logging()
+    record_traffic()
+    call_training_log(iteration=1)  # not printed: its traffic is still pending
+    monkeypatch.setattr(megatron_state.args, "tah_log_json", str(log))
+    megatron_training.evaluate_and_print_results("iteration 1", None, None, None, 1, None, None)
+    out = capsys.readouterr().out
+    assert " evaluation tah traffic at iteration 1 | tah fwd MB: 3.000 | tah fwd ratio: 3.00x |" in out
+    assert "bwd" not in out.split("evaluation tah traffic", 1)[1]
+    assert [json.loads(line)["valid_fwd_wire_bytes"] for line in log.read_text().splitlines()] == [3_000_000]
+
+    monkeypatch.setattr(megatron_state.args, "tah_log_json", None)
+    record_traffic()
+    call_training_log(iteration=2)
+    line = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line][0]
+    assert " tah fwd MB/iter: 2.000 | tah fwd ratio: 4.00x |" in line  # iterations 1 and 2, no evaluation
+    assert megatron_state.writer.scalars["tah/forward_messages_per_iter"] == (2.0, 2)
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder"])
+def test_an_unwritable_log_json_fails_argument_validation_in_one_line(monkeypatch, tmp_path, capsys, where):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    path = blocker / "log.jsonl" if where == "under a file" else tmp_path
+    monkeypatch.setattr("sys.argv", gpt_argv(1, "--tah-log-json", str(path)))
+    tah_arguments.install_arguments()
+    try:
+        args = megatron_arguments.parse_args()
+        with pytest.raises(SystemExit) as exit_info:
+            megatron_arguments.validate_args(args)
+    finally:
+        tah_arguments.uninstall_arguments()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --tah-log-json {path}") and "Traceback" not in err[0]
+    assert not path.exists() or path.is_dir()  # nothing created
+
+
+def test_check_log_json_accepts_new_files_in_new_folders_and_creates_nothing(tmp_path):
+    tah_logging.check_log_json(None)
+    tah_logging.check_log_json(str(tmp_path / "new" / "deeper" / "log.jsonl"))
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "log.jsonl"
+    existing.write_text("{}\n")
+    tah_logging.check_log_json(str(existing))
+    with pytest.raises(ValueError, match="--tah-log-json"):
+        tah_logging.check_log_json("")
 
 
 def test_install_idempotent_and_uninstall_exact(megatron_state, capsys):
@@ -144,7 +253,10 @@ def test_scalars_skip_missing_values():
         "backward": {"messages": 0, "raw_bytes": 0, "wire_bytes": 0, "ratio": None, "rel_error": None,
                      "rotated_fraction": None},
         "links": {},
-    })
-    assert values == {"tah/forward_messages": 3.0, "tah/forward_raw_bytes": 30.0, "tah/forward_wire_bytes": 10.0,
-                      "tah/forward_ratio": 3.0, "tah/backward_messages": 0.0, "tah/backward_raw_bytes": 0.0,
-                      "tah/backward_wire_bytes": 0.0}
+    }, iterations=2, streams=("forward", "backward"))
+    assert values == {"tah/forward_messages_per_iter": 1.5, "tah/forward_raw_bytes_per_iter": 15.0,
+                      "tah/forward_wire_bytes_per_iter": 5.0, "tah/forward_ratio": 3.0,
+                      "tah/backward_messages_per_iter": 0.0, "tah/backward_raw_bytes_per_iter": 0.0,
+                      "tah/backward_wire_bytes_per_iter": 0.0}
+    with pytest.raises(ValueError, match="iterations"):
+        tah_logging.scalars({}, iterations=0)

@@ -82,7 +82,7 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
     full = tmp_path / "full.jsonl"
     out = run(pretrain_gpt.command(2, flags(corpus, 2, full, *common, "--tensorboard-dir", str(tmp_path / "tb"))))
     lines = iteration_lines(out.stdout)
-    assert len(lines) == 6 and all("tah fwd MB:" in line and "tah bwd ratio:" in line for line in lines), lines
+    assert len(lines) == 6 and all("tah fwd MB/iter:" in line and "tah bwd ratio:" in line for line in lines), lines
     records = read_records(full)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
     fwd, bwd = expected_bytes(TahConfig(tah_preset="paper", tah_stochastic_rounding=True), 2, 4, (32, 2, 64),
@@ -96,8 +96,8 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert {"tah/forward_ratio", "tah/backward_wire_bytes"} <= set(events.Tags()["scalars"])
-    assert [e.step for e in events.Scalars("tah/forward_wire_bytes")] == [1, 2, 3, 4, 5, 6]
+    assert {"tah/forward_ratio", "tah/backward_wire_bytes_per_iter"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("tah/forward_wire_bytes_per_iter")] == [1, 2, 3, 4, 5, 6]
 
     # Interrupted after iteration 3 and resumed: the same losses bit for bit (dropout, data order,
     # optimizer and the stochastic-rounding generators all continue).
@@ -110,6 +110,38 @@ def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tm
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in records]
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in records]
+
+
+def test_log_items_are_one_iteration_of_training_traffic_and_evaluations_have_their_own_line(corpus, tmp_path):
+    """--log-interval 2 and an evaluation every 2 iterations, no --tah-log-json (the counters are collected only
+    on printed lines): each line's tah items are one iteration's training messages (wire_nbytes x messages per
+    iteration), whatever the span and the evaluations; an evaluation's traffic is on its own line; tensor and
+    data parallelism are off, so no tp/dp scalars are written."""
+    argv = flags(corpus, 2, tmp_path / "unused.jsonl", "--train-iters", "4", "--eval-interval", "2",
+                 "--tensorboard-dir", str(tmp_path / "tb"))
+    del argv[argv.index("--tah-log-json"):argv.index("--tah-log-json") + 2]
+    argv[argv.index("--log-interval") + 1] = "2"
+    out = run(pretrain_gpt.command(2, argv))
+    fwd, bwd = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
+    lines = iteration_lines(out.stdout)
+    assert [int(line.split(" iteration ")[1].split("/")[0]) for line in lines] == [1, 2, 4], lines
+    for line in lines:
+        assert f" tah fwd MB/iter: {fwd / 1e6:.3f} |" in line and f" tah bwd MB/iter: {bwd / 1e6:.3f} |" in line
+        assert " tah tp " not in line and " tah dp " not in line
+    # One evaluation: --eval-iters 1 of 4 micro-batches, forward only, over the one stage boundary.
+    evaluations = [line for line in out.stdout.splitlines() if " evaluation tah traffic at " in line]
+    assert len(evaluations) >= 2 and all(f" tah fwd MB: {fwd / 1e6:.3f} |" in line and " bwd " not in line
+                                         for line in evaluations), evaluations
+    assert not (tmp_path / "unused.jsonl").exists()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("tah/forward_wire_bytes_per_iter")] == [(1, fwd), (2, fwd), (4, fwd)]
+    assert [(e.step, e.value) for e in events.Scalars("tah/backward_wire_bytes_per_iter")] == [(1, bwd), (2, bwd), (4, bwd)]
+    assert [e.value for e in events.Scalars("tah/forward_messages_per_iter")] == [4.0] * 3
+    assert not [tag for tag in events.Tags()["scalars"] if tag.startswith(("tah/tp_", "tah/dp_"))]
 
 
 def test_warmup_iterations_go_uncompressed_then_the_codecs_take_over(corpus, tmp_path):

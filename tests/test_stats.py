@@ -93,3 +93,38 @@ def test_reduce_to_last_rank_sums_over_the_group():
     assert last["links"] == {(0, 1): 10, (1, 2): 20, (2, 0): 30, (2, 1): 20}
     assert last["forward"]["encode_seconds"] == pytest.approx(0.006) and last["buffer_bytes"] == 6000
     assert results[0]["links"] == {(0, 1): 10}  # other ranks keep their own numbers
+
+
+def test_format_for_log_per_iteration_and_streams(sink):
+    sink.record_send("forward", 8_000_000, 2_000_000, peer=1)
+    sink.record_codec_time("forward", encode_seconds=0.004)
+    sink.record_collective("tp", "forward", 4000, 1000)
+    s = sink.collect()
+    assert stats.format_for_log(s, 2, streams=("forward", "backward")) == \
+        " tah fwd MB/iter: 1.000 | tah fwd ratio: 4.00x | tah codec ms/iter: 2.0 |"
+    assert stats.format_for_log(s).startswith(" tah fwd MB: 2.000 | tah fwd ratio: 4.00x | tah tp fwd MB: 0.001 |")
+    with pytest.raises(ValueError, match="iterations"):
+        stats.format_for_log(s, 0)
+
+
+def test_apart_counts_a_block_on_its_own_and_keeps_the_counts_from_before(sink):
+    sink.memory_source = lambda reset: {"bits": 4, "raw_bytes": 300, "stored_bytes": 100}
+    sink.record_send("forward", 4000, 1000, peer=1, rel_error=0.1)
+    sink.record_codec_time("forward", encode_seconds=0.002)
+    with sink.apart():
+        sink.record_send("forward", 900, 300, peer=1, rel_error=0.3)
+        block = sink.collect()
+        sink.record_send("backward", 60, 20, peer=3)  # left uncollected: stays counted after the block
+    assert (block["forward"]["messages"], block["forward"]["wire_bytes"]) == (1, 300)
+    assert block["forward"]["rel_error"] == pytest.approx(0.3) and block["forward"]["encode_seconds"] == 0
+    assert block["links"] == {(0, 1): 300} and block["saved_memory"] == {}  # the memory peak was not read
+    after = sink.collect()
+    sink.memory_source = None
+    assert (after["forward"]["messages"], after["forward"]["wire_bytes"]) == (1, 1000)
+    assert after["forward"]["rel_error"] == pytest.approx(0.1) and after["forward"]["encode_seconds"] == pytest.approx(0.002)
+    assert after["backward"]["wire_bytes"] == 20 and after["links"] == {(0, 1): 1000, (0, 3): 20}
+    assert after["link_errors"] == {(0, 1): (pytest.approx(0.1), 1)} and after["saved_memory"][0]["bits"] == 4
+    with pytest.raises(RuntimeError), sink.apart():  # an error inside the block still restores the counters
+        sink.record_send("forward", 10, 5, peer=1)
+        raise RuntimeError
+    assert sink.collect()["forward"]["wire_bytes"] == 5

@@ -22,15 +22,24 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
    ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages
    (``fwd_*``/``bwd_*`` and ``compression_ratio``: the pipeline's; ``tah`` has every stream of
    ``stats.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it);
-2. on printing iterations, appends ``stats.format_for_log`` of the counters since the previous
-   line to the iteration line Megatron prints, and writes them as ``tah/<direction>_<key>``
-   scalars to the TensorBoard and wandb writers.
+2. on printing iterations, appends ``stats.format_for_log`` of the training traffic since the
+   previous line, per iteration (``tah fwd MB/iter``, ``tah codec ms/iter``: divided by the
+   iterations since that line, as Megatron divides its own items; like Megatron's, the first
+   iteration's line does not start a new span), to the iteration line Megatron prints, and writes
+   the same as scalars to the TensorBoard and wandb writers: ``tah/<stream>_<count>_per_iter``
+   (messages, raw_bytes, wire_bytes) and ``tah/<stream>_<mean>`` (ratio, rel_error,
+   rotated_fraction). Streams of the pipeline always; ``tp_*`` / ``dp_*`` only while that place is
+   installed (``REGISTRY.places``).
 
-``evaluate`` / ``evaluate_and_print_results``: after each evaluation the last rank appends
-``{"iteration", "valid_loss", "valid_ppl", "valid_fwd_wire_bytes"}`` (``test_*`` for the test set),
+``evaluate`` / ``evaluate_and_print_results``: an evaluation's traffic is counted apart
+(``Stats.apart``), never in the training items: the last rank prints it as its own line
+(`` evaluation tah traffic at iteration 4 | tah fwd MB: ... |``, totals of the evaluation) and
+appends ``{"iteration", "valid_loss", "valid_ppl", "valid_fwd_wire_bytes"}`` (``test_*`` for the test set),
 plus ``valid_loss_uncompressed`` with ``--tah-eval-traffic both`` (``evaluate`` then runs twice, on the
-same batches; the bytes of both passes count); the evaluation's traffic counts in the next printed
-line, not in the next iteration's record.
+same batches; the bytes of both passes count).
+
+``check_log_json`` (run by the ``--tah-*`` validation hook, ``arguments.py``) rejects a
+``--tah-log-json`` path that cannot be appended to before anything is built.
 
 Records are appended: a run resumed from a checkpoint continues the same file.
 ``uninstall_logging()`` restores the three functions exactly (recorded in ``registry.REGISTRY.logging``;
@@ -53,7 +62,8 @@ from .registry import REGISTRY
 TRAINING = "megatron.training.training"
 DIRECTIONS = stats.DIRECTIONS
 STREAMS = tuple(stats.STREAMS)  # the pipeline's directions, then tensor- and data-parallel streams
-SCALAR_KEYS = ("messages", "raw_bytes", "wire_bytes", "ratio", "rel_error", "rotated_fraction")
+PER_ITERATION_KEYS = ("messages", "raw_bytes", "wire_bytes")  # scalars tah/<stream>_<key>_per_iter
+MEAN_KEYS = ("ratio", "rel_error", "rotated_fraction")  # scalars tah/<stream>_<key>
 # training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
 #              skipped_iter, grad_norm, ..., is_first_iteration=...)
 _POSITIONS = {"loss_dict": 0, "learning_rate": 2, "iteration": 3, "skipped_iter": 6, "grad_norm": 7,
@@ -67,7 +77,8 @@ class LogState:
     """What the log keeps between calls (``REGISTRY.log`` while installed)."""
 
     def __init__(self):
-        self.since_line = None  # reduced statistics since the last printed line
+        self.since_line = None  # reduced training statistics since the last printed line
+        self.iterations_since_line = 0  # training_log calls (iterations, skipped ones included) they cover
         self.last_record_time = None
         self.evaluations: list[dict] = []  # losses of the evaluations run by the current evaluate_and_print_results
 
@@ -93,20 +104,31 @@ def _number(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def scalars(reduced: dict) -> dict[str, float]:
-    """Flatten reduced statistics into ``{"tah/forward_ratio": 3.6, ...}``, skipping missing/NaN values."""
+def streams_on() -> tuple[str, ...]:
+    """The ``stats.STREAMS`` keys to report: the pipeline's always, tensor/data-parallel ones while installed."""
+    return tuple(key for key, (place, _, _) in stats.STREAMS.items() if place == "pp" or place in REGISTRY.places)
+
+
+def scalars(reduced: dict, iterations: int = 1, streams: tuple[str, ...] = STREAMS) -> dict[str, float]:
+    """Flatten the reduced statistics of ``iterations`` iterations into ``{"tah/forward_wire_bytes_per_iter":
+    1.2e6, "tah/forward_ratio": 3.6, ...}`` for ``streams``, skipping missing/NaN values."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
     out = {}
-    for direction in STREAMS:
-        for key in SCALAR_KEYS:
-            value = reduced.get(direction, {}).get(key)
+    for stream in streams:
+        for key in (*PER_ITERATION_KEYS, *MEAN_KEYS):
+            value = reduced.get(stream, {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                out[f"tah/{direction}_{key}"] = float(value)
+                name = f"tah/{stream}_{key}_per_iter" if key in PER_ITERATION_KEYS else f"tah/{stream}_{key}"
+                out[name] = float(value) / iterations if key in PER_ITERATION_KEYS else float(value)
     return out
 
 
-def write_scalars(reduced: dict, iteration: int, writer=None, wandb_writer=None) -> dict[str, float]:
-    """Write the statistics to a TensorBoard ``SummaryWriter`` and/or a wandb run (either may be None)."""
-    values = scalars(reduced)
+def write_scalars(reduced: dict, iteration: int, writer=None, wandb_writer=None, iterations: int = 1,
+                  streams: tuple[str, ...] = STREAMS) -> dict[str, float]:
+    """Write ``scalars(reduced, iterations, streams)`` to a TensorBoard ``SummaryWriter`` and/or a wandb run
+    (either may be None)."""
+    values = scalars(reduced, iterations, streams)
     if writer is not None:
         for name, value in values.items():
             writer.add_scalar(name, value, iteration)
@@ -141,6 +163,26 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
         "saved_memory": {str(rank): peaks for rank, peaks in reduced.get("saved_memory", {}).items()},
         "auto": {f"{src}->{dst}": item for (src, dst), item in sorted(reduced.get("auto", {}).items())},
     }
+
+
+def check_log_json(path: str | None) -> None:
+    """Raise ``ValueError`` naming ``--tah-log-json`` unless records can be appended to ``path``: a writable
+    file, or a new one under a writable folder (missing folders are created at the first record). None: no log."""
+    if path is None:
+        return
+    if not path or os.path.isdir(path):
+        raise ValueError(f"--tah-log-json {path or repr(path)}: give a file to append records to, not a folder")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"--tah-log-json {path}: the file is not writable")
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"--tah-log-json {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--tah-log-json {path}: cannot create it in {folder} (not writable)")
 
 
 def append_json(path: str, record: dict) -> None:
@@ -208,10 +250,11 @@ def _logging_training_log(original):
         first = bool(_argument(args, kwargs, "is_first_iteration", _POSITIONS, False))
         printing = iteration is not None and (iteration % margs.log_interval == 0 or first)
         json_path = getattr(margs, "tah_log_json", None)
+        log = REGISTRY.log
+        log.iterations_since_line += 1
         if iteration is None or not (printing or json_path):
             return original(*args, **kwargs)
 
-        log = REGISTRY.log
         reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
         log.since_line = stats.merge(log.since_line, reduced)
         now = time.monotonic()
@@ -225,9 +268,12 @@ def _logging_training_log(original):
         log.last_record_time = now
         if not printing:
             return original(*args, **kwargs)
-        since_line, log.since_line = log.since_line, None
-        write_scalars(since_line, iteration, get_tensorboard_writer(), get_wandb_writer())
-        return _call_appending(original, args, kwargs, stats.format_for_log(since_line), iteration)
+        since_line, iterations, streams = log.since_line, log.iterations_since_line, streams_on()
+        if not first:  # Megatron's first line does not reset its interval either
+            log.since_line, log.iterations_since_line = None, 0
+        write_scalars(since_line, iteration, get_tensorboard_writer(), get_wandb_writer(), iterations, streams)
+        return _call_appending(original, args, kwargs, stats.format_for_log(since_line, iterations, streams),
+                               iteration)
 
     return training_log
 
@@ -291,14 +337,19 @@ def _logging_evaluation(original):
 
         log = REGISTRY.log
         log.evaluations = []
-        result = original(*args, **kwargs)
-        # The evaluation's traffic (forward only) is its own: it joins the next log line's totals,
-        # not the next iteration's record. Collective over the pipeline group, like training_log's.
-        reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
-        log.since_line = stats.merge(log.since_line, reduced)
+        # The evaluation's traffic (forward only) is its own: counted apart from the training traffic
+        # not yet collected, reduced (collective over the pipeline group, like training_log's) and reported
+        # on its own line and record.
+        with REGISTRY.stats.apart():
+            result = original(*args, **kwargs)
+            reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
+        prefix = _argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")
+        fragment = stats.format_for_log(reduced, None, streams_on())
+        if fragment:
+            resolve(TRAINING).print_rank_last(f" evaluation tah traffic at {prefix} |{fragment}")
         json_path = getattr(get_args(), "tah_log_json", None)
         if json_path and is_last_rank():
-            split = "test" if "test" in str(_argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")) else "valid"
+            split = "test" if "test" in str(prefix) else "valid"
             iteration = _argument(args, kwargs, "iteration", _EVAL_POSITIONS)
             for losses in log.evaluations:
                 loss = losses.get("lm loss")

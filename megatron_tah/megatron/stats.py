@@ -37,14 +37,17 @@ per pipeline link (a stage boundary and its direction), for the error per bounda
 direction's messages (CUDA: between CUDA events around the call, the kernels' time).
 Values recorded as device tensors or CUDA-event intervals stay pending until ``collect``. ``buffer_bytes``
 comes from the sink's ``buffer_source`` (the pipeline transport's codecs), 0 without one.
+``apart()`` counts a block (an evaluation) on its own, leaving the counters from before it untouched.
 ``reduce_to_last_rank`` sums the totals (and gathers ``saved_memory``) over the pipeline group
 (a collective: every rank of the group calls it) and ``format_for_log`` renders a Megatron-style
-log fragment.
+log fragment, per iteration or as totals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -154,6 +157,31 @@ class Stats:
             t = self._totals[direction]
             t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
             t["decode_seconds"] = timing.add(t["decode_seconds"], decode_seconds)
+
+    @contextlib.contextmanager
+    def apart(self) -> Iterator["Stats"]:
+        """Count what the block records on its own: inside it the counters start empty, so ``collect``
+        there returns the block's traffic only (``saved_memory`` is not read there: the saved-tensor
+        peak keeps measuring across the block). On leaving, the counters from before the block are
+        added back to whatever the block left uncollected: nothing is lost or counted twice."""
+        with self._lock:
+            before = self._totals, self._links, self._link_errors
+            memory_source, self.memory_source = self.memory_source, None
+            self._totals, self._links, self._link_errors = _empty_totals(), {}, {}
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self.memory_source = memory_source
+                totals, links, link_errors = before
+                for stream, sums in totals.items():
+                    for key, value in sums.items():
+                        self._totals[stream][key] = timing.add(self._totals[stream][key], value)
+                for link, nbytes in links.items():
+                    self._links[link] = self._links.get(link, 0) + nbytes
+                for link, (value, samples) in link_errors.items():
+                    total, count = self._link_errors.get(link, (0.0, 0))
+                    self._link_errors[link] = (timing.add(total, value), count + samples)
 
     def collect(self, reset: bool = True) -> dict:
         """This rank's statistics since the last reset (see the module docstring for the layout)."""
@@ -305,29 +333,32 @@ def link_rel_errors(stats: dict) -> dict[str, float]:
             for (src, dst), (value, samples) in sorted(stats.get("link_errors", {}).items()) if samples}
 
 
-def format_for_log(stats: dict) -> str:
-    """Megatron-style fragment: `` tah fwd MB: 1.234 | tah fwd ratio: 3.62x | ... |`` (MB = 1e6 wire bytes).
+def format_for_log(stats: dict, iterations: int | None = None, streams: Iterable[str] = tuple(STREAMS)) -> str:
+    """Megatron-style fragment of ``streams`` (``STREAMS`` keys) with messages (MB = 1e6 wire bytes).
 
+    ``iterations``: the training iterations ``stats`` cover; the counts are divided by it, as Megatron's own
+    items are (`` tah fwd MB/iter: 1.234 | tah fwd ratio: 3.62x | ... | tah codec ms/iter: 2.0 |``).
+    None: the totals (`` tah fwd MB: ... | tah codec ms: ...``, e.g. an evaluation's).
     ``tah codec ms`` is encode + decode time summed over the ranks reduced (not a critical path);
-    ``tah buffer MB`` appears when a per-sample buffer (AQ-SGD) holds data, ``tah saved MB`` (peak
+    ``tah buffer MB`` (a level) appears when a per-sample buffer (AQ-SGD) holds data, ``tah saved MB`` (peak
     bytes saved for backward, as stored / as they would have been, summed over stages) with LAAQ.
     """
+    if iterations is not None and iterations < 1:
+        raise ValueError(f"iterations must be >= 1 (or None for totals), got {iterations}")
+    per, unit = (iterations, "/iter") if iterations is not None else (1, "")
+    shown = [d for d in streams if stats[d]["messages"]]
     parts = []
-    for d in STREAMS:
-        s = stats[d]
-        if not s["messages"]:
-            continue
-        short = _SHORT[d]
-        parts.append(f"tah {short} MB: {s['wire_bytes'] / 1e6:.3f}")
+    for d in shown:
+        s, short = stats[d], _SHORT[d]
+        parts.append(f"tah {short} MB{unit}: {s['wire_bytes'] / per / 1e6:.3f}")
         parts.append(f"tah {short} ratio: {s['ratio']:.2f}x")
         if s["rel_error"] is not None:
             parts.append(f"tah {short} rel err: {s['rel_error']:.1E}")
         if s["rotated_fraction"] is not None:
             parts.append(f"tah {short} rotated: {s['rotated_fraction']:.3f}")
-    codec_seconds = sum(stats[d].get("encode_seconds", 0.0) + stats[d].get("decode_seconds", 0.0)
-                        for d in STREAMS if stats[d]["messages"])
+    codec_seconds = sum(stats[d].get("encode_seconds", 0.0) + stats[d].get("decode_seconds", 0.0) for d in shown)
     if codec_seconds:
-        parts.append(f"tah codec ms: {codec_seconds * 1e3:.1f}")
+        parts.append(f"tah codec ms{unit}: {codec_seconds / per * 1e3:.1f}")
     if stats.get("buffer_bytes"):
         parts.append(f"tah buffer MB: {stats['buffer_bytes'] / 1e6:.1f}")
     for (src, dst), item in sorted(stats.get("auto", {}).items()):
