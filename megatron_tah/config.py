@@ -37,7 +37,7 @@ EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec: chosen per link (megatron/auto_codec.py)
 AUTO_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank")  # the default of tah_auto_candidates
 
-# --tah-preset name -> the fields it sets (issue 12; measured gaps and bits: docs/PARITY.md, RESULTS.md section 4b).
+# --tah-preset name -> the fields it sets.
 PRESETS = {
     "none": {},
     # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec.

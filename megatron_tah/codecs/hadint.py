@@ -1,8 +1,8 @@
 """``hadint``: a seeded random-sign Hadamard on every tile, then symmetric b-bit integers, one bf16 scale per tile.
 
 Torch reference and a fused Triton kernel (``kernels/hadint.py``) writing the same bytes.
-Issue 12's candidate for "no pivot, no outlier test, cheaper
-metadata": TAH-Quant rotates a tile only when its largest magnitude stands out and spends a
+A codec with no pivot, no outlier test and cheaper
+metadata: TAH-Quant rotates a tile only when its largest magnitude stands out and spends a
 bf16 scale *and* a bf16 zero per tile; here every tile is rotated (which makes it roughly
 symmetric around 0, so no zero is sent) and the bits saved go to values.
 

@@ -1,12 +1,11 @@
 """``lowrank``: the message's top-``rank`` principal directions sent apart, the rest as ``hadint``.
 
-Issue 12's forward candidate beyond scalar quantizers. The hidden states a pipeline stage sends
+A forward codec beyond scalar quantizers. The hidden states a pipeline stage sends
 are far from isotropic: once training is under way a handful of directions of the hidden dimension
 carry most of their energy, and those directions are not aligned with channels, so neither
 per-channel scales nor a Hadamard on 64-channel tiles sees them. A codec that quantizes every
 rotated value with the same step spends its bits on that energy; this one sends the few big
-directions apart, once per message, and quantizes what is left (docs/PARITY.md: the round-trip
-errors and loss gaps this buys in pretraining).
+directions apart, once per message, and quantizes what is left.
 
 Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(rank, h)``):
 

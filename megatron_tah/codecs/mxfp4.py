@@ -1,7 +1,7 @@
 """``mxfp4``: OCP MX FP4, E2M1 values with one shared power-of-two (E8M0) scale per block of 32.
 
 Reference-only (torch, no Triton kernel): ``backend="auto"`` always takes the torch path and
-``backend="triton"`` raises. A candidate 4-bit wire format for issue 12 (convergence parity);
+``backend="triton"`` raises. A 4-bit wire format;
 its effect on training has not been measured.
 
 Encode, per block of ``B = 32`` consecutive elements of the last dim (``h`` padded to whole

@@ -1,7 +1,7 @@
 """``nvfp4``: NVFP4, E2M1 values with one E4M3 scale per block of 16 and one fp32 scale per tensor.
 
 Reference-only (torch, no Triton kernel): ``backend="auto"`` always takes the torch path and
-``backend="triton"`` raises. A candidate 4-bit wire format for issue 12 (convergence parity);
+``backend="triton"`` raises. A 4-bit wire format;
 its effect on training has not been measured.
 
 Encode (blocks of ``B = 16`` consecutive elements of the last dim, ``h`` padded to whole blocks

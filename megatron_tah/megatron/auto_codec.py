@@ -1,4 +1,4 @@
-"""``--tah-forward-codec auto``: measure the link and the codecs, pick per link and direction (issue 26).
+"""``--tah-forward-codec auto``: measure the link and the codecs, pick per link and direction.
 
 Pure decision logic (torch only to time and round-trip codecs); the pipeline transport feeds it
 and carries its decisions. Per link and direction:

@@ -1,4 +1,4 @@
-"""``--tah-forward-codec auto`` / ``--tah-backward-codec auto`` on the pipeline's links (issue 26).
+"""``--tah-forward-codec auto`` / ``--tah-backward-codec auto`` on the pipeline's links.
 
 The decisions are ``auto_codec``'s; this module carries them. Every link end of an auto direction
 (``pipeline_parallel.Link``) owns an :class:`AutoEnd` holding a codec per candidate

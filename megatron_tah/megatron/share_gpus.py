@@ -1,4 +1,4 @@
-"""Several pipeline ranks on one GPU: ``local_rank % device_count`` (issue 24, item 1).
+"""Several pipeline ranks on one GPU: ``local_rank % device_count``.
 
 When a node has fewer GPUs than local ranks (``LOCAL_WORLD_SIZE``), rank ``r`` uses device
 ``device_for(r, torch.cuda.device_count())``. The mode is on when asked for (``share_gpus=True``,

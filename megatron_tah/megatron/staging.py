@@ -1,4 +1,4 @@
-"""Wire buffers of CUDA tensors through pinned host memory, for gloo's send/recv (issue 24, item 2).
+"""Wire buffers of CUDA tensors through pinned host memory, for gloo's send/recv.
 
 gloo's ``send``/``recv`` read and write the tensor's memory from the host, so a CUDA tensor fails
 (``writev ... Bad address``). A link end stages the codec's *encoded* uint8 wire buffer instead,
