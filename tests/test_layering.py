@@ -85,3 +85,15 @@ def test_kernel_launchers_take_plain_values_not_codecs_or_layouts(path):
             args = node.args
             params = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
             assert not params & {"codec", "layout"}, f"{path.name}: {node.name}({', '.join(sorted(params))})"
+
+
+def test_the_product_has_no_module_level_mutable_state_in_megatron_and_cites_no_issue_history():
+    """One registry object holds what is installed (``global`` nowhere); docstrings state contracts."""
+    import re
+
+    for path in sorted((PACKAGE / "megatron").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], f"{path.name} uses global"
+    cited = [f"{p.relative_to(PACKAGE)}:{i}" for p in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\b[Ii]ssue \d+", line)]
+    assert not cited, cited
