@@ -118,7 +118,7 @@ def test_real_report_measures_every_row_and_preset(tiny_model, tmp_path):
     result = json.loads((tmp_path / "d" / "real_activations.json").read_text())
     assert (tmp_path / "d" / "real_activations.png").stat().st_size > 1000
     md = (tmp_path / "d" / "real_activations.md").read_text()
-    assert "## tiny" in md and "| lowrank |" in md
+    assert "## tiny" in md and "| lowrank | tiny |" in md
     (model,) = result["models"]
     labels = [label for label, _ in real_report.rows()]
     for layer in model["layers"]:
@@ -130,7 +130,8 @@ def test_real_report_measures_every_row_and_preset(tiny_model, tmp_path):
             bits = 8 * codec.wire_nbytes((256, 1, 128), torch.bfloat16) / (256 * 128)
             p = layer["presets"][preset]
             assert p["bits"] == pytest.approx(bits) == rows[f"preset {preset}"]["bits"]
-            assert p["as_good_per_bit"] == (p["rel_error"] <= real_report.hadint_error_at(layer["rows"], p["bits"]))
+            assert p["as_good_per_bit"] == all(p[k] <= real_report.hadint_error_at(layer["rows"], p["bits"], k) * (1 + 1e-9)
+                                               for k in real_report.ERRORS)
         # Rank 4 plus small noise: the 4 directions carry almost everything, and lowrank, which sends
         # them apart, beats Hadamard INT at its bits by far; more hadint bits, less error.
         assert layer["share"]["4"] > 0.99
@@ -144,3 +145,25 @@ def test_real_report_rejects_unknown_models(capsys):
     with pytest.raises(SystemExit):
         codec_report.main(["--real", "--models", "nope"])
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_spectrum_run_command_starts_the_compact_protocol_through_the_hook(tmp_path):
+    command = spectrum.run_command(256, 40, tmp_path)
+    assert "benchmarks.spectrum_hook" in command and "megatron_tah.pretrain_gpt" not in command
+    flag = lambda name: command[command.index(name) + 1]  # noqa: E731
+    assert (flag("--train-iters"), flag("--hidden-size"), flag("--pipeline-model-parallel-size")) == ("40", "256", "4")
+    assert flag("--vocab-size") == "4096" and flag("--micro-batch-size") == "4"
+
+
+def test_parity_section_reads_both_records(tiny_model, tmp_path):
+    docs = tmp_path / "d"
+    assert real_report.parity_section(docs) == []
+    codec_report.main(["--real", "--models", "tiny", "--tokens", "256", "--docs", str(docs)])
+    records = [{"iteration": it, "rank": 0, "shape": [4, 1, 8], "share": {"8": 0.5, "16": 0.25 + it / 100}}
+               for it in (0, 10, 20)]
+    (docs / "spectrum.json").write_text(json.dumps(spectrum.summary({128: records}, json.loads(
+        (docs / "real_activations.json").read_text()))))
+    text = "\n".join(real_report.parity_section(docs))
+    assert "| lowrank | tiny |" in text and "real_activations.png" in text and "spectrum.png" in text
+    assert "| study, hidden 128, second half of training, every boundary | 0.500 to 0.500 | 0.350 to 0.450 |" in text
+    assert "| tiny, after layer 2 |" in text
