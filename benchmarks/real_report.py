@@ -9,7 +9,7 @@ Measured per row: bits per value on the wire (header included), the relative err
 tokens of ``||x_t - y_t|| / ||x_t||`` (one token of huge norm -- SmolLM2's first, an attention sink --
 does not decide it), and for each preset whether both its errors are at most Hadamard INT's at the same
 bits (log-linear between the 3..6-bit points). Also the energy share of the message's top-k principal
-directions (``benchmarks.spectrum.energy_share``).
+directions (``benchmarks.spectrum.energy_share``), with and without the message's first token.
 
 Writes ``docs/real_activations.json``, ``docs/real_activations.md`` and ``docs/real_activations.png``
 (error against bits per model and layer, each layer's frontier drawn through its Pareto-optimal rows).
@@ -108,6 +108,7 @@ def measure(models: dict[str, tuple[int, dict[int, torch.Tensor]]], table=None) 
                         "as_good_per_bit": all(p[key] <= ref[key] * (1 + 1e-9) for key in ERRORS)}
             layers.append({"layer": layer, "shape": list(x.shape),
                            "share": {str(k): s for k, s in energy_share(x.float()).items()},
+                           "share_without_first": {str(k): s for k, s in energy_share(x[1:].float()).items()},
                            "rows": measured, "presets": presets})
         result["models"].append({"name": name, "num_layers": num_layers, "layers": layers})
     return result
@@ -127,7 +128,8 @@ def markdown(result: dict, descriptions: dict[str, str] | None = None) -> str:
             lines += [descriptions[model["name"]], ""]
         for layer in model["layers"]:
             lines += [f"### after layer {layer['layer']} of {model['num_layers']} (top-16 share "
-                      f"{layer['share']['16']:.3f}, top-8 {layer['share']['8']:.3f})", "",
+                      f"{layer['share']['16']:.3f}, top-8 {layer['share']['8']:.3f}; without the first token "
+                      f"{layer['share_without_first']['16']:.3f} and {layer['share_without_first']['8']:.3f})", "",
                       "| codec | bits/value | rel. error | token error |", "|---|---|---|---|"]
             lines += [f"| {r['label']} | {r['bits']:.3f} | {r['rel_error']:.3e} | {r['token_rel_error']:.3e} |"
                       for r in layer["rows"]]
@@ -254,15 +256,18 @@ def parity_section(docs: Path) -> list[str]:
                   "and boundary against iteration, next to the real models' boundaries. Runs: "
                   "`python -m benchmarks.spectrum run --hidden H --iters 300` for H in "
                   + ", ".join(sorted(data["training"], key=int)) + "; `python -m benchmarks.spectrum plot`.", "",
-                  "| messages | top-8 share | top-16 share |", "|---|---|---|"]
+                  "| messages | top-8 share | top-16 share | top-16 share without the first token |",
+                  "|---|---|---|---|"]
         for hidden, links in sorted(data["training"].items(), key=lambda kv: int(kv[0])):
             late = [p for pts in links.values() for p in pts if p["iteration"] >= max(q["iteration"] for q in pts) / 2]
             lo16, hi16 = min(p["share"]["16"] for p in late), max(p["share"]["16"] for p in late)
             lo8, hi8 = min(p["share"]["8"] for p in late), max(p["share"]["8"] for p in late)
             lines.append(f"| study, hidden {hidden}, second half of training, every boundary | {lo8:.3f} to {hi8:.3f} "
-                         f"| {lo16:.3f} to {hi16:.3f} |")
+                         f"| {lo16:.3f} to {hi16:.3f} | |")
         for name, layers in data["real"].items():
             for layer, share in layers.items():
-                lines.append(f"| {name}, after layer {layer} | {share['8']:.3f} | {share['16']:.3f} |")
+                body = data.get("real_without_first", {}).get(name, {}).get(layer, {}).get("16")
+                lines.append(f"| {name}, after layer {layer} | {share['8']:.3f} | {share['16']:.3f} | "
+                             f"{'' if body is None else format(body, '.3f')} |")
         lines += ["", "![top-16 energy share](spectrum.png)", ""]
     return lines

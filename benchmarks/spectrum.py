@@ -97,13 +97,15 @@ def read_records(folder: Path) -> list[dict]:
 def summary(runs: dict[int, list[dict]], real: dict | None) -> dict:
     """The plotted numbers: per width and boundary (sending stage) the shares against iteration;
     per real model and layer its shares."""
-    out = {"training": {}, "real": {}}
+    out = {"training": {}, "real": {}, "real_without_first": {}}
     for hidden, records in runs.items():
         for r in records:
             out["training"].setdefault(str(hidden), {}).setdefault(f"{r['rank']}->{r['rank'] + 1}", []).append(
                 {"iteration": r["iteration"], "shape": r["shape"], "share": r["share"]})
     for model in (real or {}).get("models", []):
         out["real"][model["name"]] = {str(layer["layer"]): layer["share"] for layer in model["layers"]}
+        out["real_without_first"][model["name"]] = {str(layer["layer"]): layer["share_without_first"]
+                                                    for layer in model["layers"]}
     return out
 
 
@@ -125,6 +127,10 @@ def plot(data: dict, png: Path, k: int = 16) -> None:
         shares = [s[str(k)] for s in layers.values()]
         ax.hlines(shares, right * 1.02, right * 1.12, color=f"C{4 + j}", lw=2,
                   label=f"{name}: pipeline boundaries ({min(shares):.2f} to {max(shares):.2f})")
+        body = [s[str(k)] for s in data["real_without_first"].get(name, {}).values()]
+        if body:
+            ax.hlines(body, right * 1.14, right * 1.24, color=f"C{4 + j}", lw=2, linestyles="dotted",
+                      label=f"{name}, without the first token ({min(body):.2f} to {max(body):.2f})")
     ax.set_xlabel("training iteration (study); real models on the right")
     ax.set_ylabel(f"energy share of the top {k} principal directions")
     ax.set_ylim(0, 1.02)

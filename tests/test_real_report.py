@@ -45,10 +45,11 @@ def test_energy_share_rejects_what_has_no_directions():
 def test_spectrum_summary_groups_by_width_and_boundary():
     records = [{"iteration": it, "rank": r, "shape": [4, 1, 8], "share": {"16": 0.1 * it + r}}
                for it in (0, 10) for r in (0, 1)]
-    data = spectrum.summary({128: records}, {"models": [{"name": "m", "layers": [{"layer": 3, "share": {"16": .5}}]}]})
+    data = spectrum.summary({128: records}, {"models": [{"name": "m", "layers": [
+        {"layer": 3, "share": {"16": .5}, "share_without_first": {"16": .25}}]}]})
     assert [p["iteration"] for p in data["training"]["128"]["1->2"]] == [0, 10]
     assert data["training"]["128"]["0->1"][1]["share"]["16"] == pytest.approx(1.0)
-    assert data["real"] == {"m": {"3": {"16": .5}}}
+    assert data["real"] == {"m": {"3": {"16": .5}}} and data["real_without_first"] == {"m": {"3": {"16": .25}}}
 
 
 # ----------------------------------------------------------------------------- frontier helpers
@@ -134,7 +135,7 @@ def test_real_report_measures_every_row_and_preset(tiny_model, tmp_path):
                                                for k in real_report.ERRORS)
         # Rank 4 plus small noise: the 4 directions carry almost everything, and lowrank, which sends
         # them apart, beats Hadamard INT at its bits by far; more hadint bits, less error.
-        assert layer["share"]["4"] > 0.99
+        assert layer["share"]["4"] > 0.99 and layer["share_without_first"]["4"] > 0.99
         assert layer["presets"]["lowrank"]["as_good_per_bit"]
         assert layer["presets"]["lowrank"]["rel_error"] < 0.3 * rows["hadint 4b/64"]["rel_error"]
         assert [rows[f"hadint {b}b/64"]["rel_error"] for b in (3, 4, 5, 6)] == sorted(
@@ -165,5 +166,5 @@ def test_parity_section_reads_both_records(tiny_model, tmp_path):
         (docs / "real_activations.json").read_text()))))
     text = "\n".join(real_report.parity_section(docs))
     assert "| lowrank | tiny |" in text and "real_activations.png" in text and "spectrum.png" in text
-    assert "| study, hidden 128, second half of training, every boundary | 0.500 to 0.500 | 0.350 to 0.450 |" in text
+    assert "| study, hidden 128, second half of training, every boundary | 0.500 to 0.500 | 0.350 to 0.450 | |" in text
     assert "| tiny, after layer 2 |" in text
