@@ -115,7 +115,7 @@ def plot(data: dict, png: Path, k: int = 16) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(11.5, 4.8))
     styles = {"0->1": "-", "1->2": "--", "2->3": ":"}
     for i, (hidden, links) in enumerate(sorted(data["training"].items(), key=lambda kv: int(kv[0]))):
         for link, points in sorted(links.items()):
@@ -135,7 +135,7 @@ def plot(data: dict, png: Path, k: int = 16) -> None:
     ax.set_ylabel(f"energy share of the top {k} principal directions")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("Message energy in the top-16 directions (what lowrank sends apart)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
