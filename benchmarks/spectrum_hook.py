@@ -1,8 +1,8 @@
 """A pipeline stage of ``python -m megatron_tah.pretrain_gpt`` that records its activation messages' spectrum.
 
 Started by ``benchmarks.spectrum.run`` in place of ``megatron_tah.pretrain_gpt`` (same flags). Before
-Megatron's loop starts it wraps the transport's per-message encode (``megatron_tah.megatron.patch._encode``,
-looked up at call time), so that the first forward message this stage sends in every N-th training
+Megatron's loop starts it wraps the transport's per-message encode (``PipelineTransport.encode``
+in ``megatron_tah.megatron.pipeline_parallel``, looked up at call time), so that the first forward message this stage sends in every N-th training
 iteration (``args.curr_iteration``, N from ``$TAH_SPECTRUM_EVERY``; evaluations come after the
 iteration's training messages, so they are never the first) adds one JSON line to
 ``$TAH_SPECTRUM_OUT/rank<r>.jsonl``: ``{"iteration", "rank", "shape", "share": {k: share}}``
@@ -21,14 +21,14 @@ from .spectrum import ENV_EVERY, ENV_OUT, energy_share
 def install() -> None:
     from megatron.training.global_vars import get_args
 
-    from megatron_tah.megatron import patch
+    from megatron_tah.megatron.pipeline_parallel import PipelineTransport
 
     folder, every = Path(os.environ[ENV_OUT]), int(os.environ[ENV_EVERY])
     rank = int(os.environ.get("RANK", "0"))
-    original, seen = patch._encode, set()
+    original, seen = PipelineTransport.encode, set()
 
-    def encode(state, direction, x, peer):
-        if direction == "forward":
+    def encode(transport, link, x):
+        if link.direction == "forward":
             iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
             if iteration % every == 0 and iteration not in seen:
                 seen.add(iteration)
@@ -36,9 +36,9 @@ def install() -> None:
                           "share": energy_share(x.float())}
                 with open(folder / f"rank{rank}.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
-        return original(state, direction, x, peer)
+        return original(transport, link, x)
 
-    patch._encode = encode
+    PipelineTransport.encode = encode
 
 
 if __name__ == "__main__":
