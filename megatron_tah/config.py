@@ -166,6 +166,9 @@ class TahConfig:
     tah_log_json: str | None = None
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
+    tah_share_gpus: bool = False
+    """Run several pipeline ranks per GPU (device = local rank mod the GPU count; on automatically when a node's local ranks outnumber its GPUs): the process groups use gloo (NCCL refuses two ranks on one GPU) and every pipeline message goes through pinned host memory after encoding (megatron/share_gpus.py, megatron/staging.py). Without a CUDA device the ranks run on the CPU and the messages are staged all the same."""
+
     def __post_init__(self):
         self._apply_preset()
         for field in dataclasses.fields(self):
