@@ -89,7 +89,7 @@ def test_shim_sets_the_shared_device_and_gloo_when_on(monkeypatch, requested, lo
     try:
         share_gpus.install(patches)
         assert initialize._initialize_distributed is not original
-        _initialize(local_rank, "nccl")
+        _initialize()
     finally:
         patches.restore()
     assert initialize._initialize_distributed is original
