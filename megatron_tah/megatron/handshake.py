@@ -5,7 +5,8 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 ``{"forward": [config digest, description], "backward": [...]}`` -- and raises
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
-what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``).
+what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
+``--tah-wire-checksum``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule.
 """
 
@@ -28,12 +29,15 @@ class CodecMismatchError(RuntimeError):
 def config_record(cfg: TahConfig) -> dict:
     """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
     fwd, bwd = cfg.forward_codec(), cfg.backward_codec()
-    warmup, evals = cfg.tah_warmup_iters, cfg.tah_eval_traffic
-    # The warm-up and the evaluations' traffic change what is sent: part of both directions' record.
-    modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else ""])
+    warmup, evals, checksum = cfg.tah_warmup_iters, cfg.tah_eval_traffic, cfg.tah_wire_checksum
+    # The warm-up, the evaluations' traffic and the payload checksum change what is sent (the codec's
+    # config digest leaves the checksum out): part of both directions' record.
+    modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else "",
+                     "/checksum" if checksum else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
-                       "both": ", evaluations through the codec and uncompressed"}[evals]])
+                       "both": ", evaluations through the codec and uncompressed"}[evals],
+                      ", payload checksum" if checksum else ""])
     return {d: [crc32_of(f"{c.config_digest()}{modes}") if modes else c.config_digest(), c.describe() + suffix]
             for d, c in (("forward", fwd), ("backward", bwd))}
 
