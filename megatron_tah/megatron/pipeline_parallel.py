@@ -25,11 +25,11 @@ uint8 buffer:
 * ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
 * Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
-* Host staging (``staging.HostStaging``, one per link end): when the group's backend is gloo and the
-  tensors are CUDA (gloo's send/recv read host memory), or with ``--tah-share-gpus`` (on CPU too: how CI
-  runs this path), a send encodes on the device, copies the wire buffer to pinned host memory and
-  posts that; a receive posts a host buffer, copies it to a device wire buffer once complete and decodes
-  from there. The bytes on the wire are the same; ``none`` goes the same way.
+* Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
+  (gloo's send/recv read host memory) or with ``--tah-share-gpus`` (on CPU too: how CI runs this path),
+  a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
+  posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
+  bytes on the wire are the same; ``none`` goes the same way.
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
   and Megatron's iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
@@ -143,10 +143,11 @@ class PipelineTransport:
         return self.uncompressed if self.eval_uncompressed else link.codec
 
     def staged(self, group, device: torch.device) -> bool:
-        """Whether messages on ``group`` go through host staging: gloo with CUDA tensors, or --tah-share-gpus."""
-        if self.config.tah_share_gpus:
-            return True
-        return device.type == "cuda" and torch.distributed.get_backend(group) == "gloo"
+        """Whether messages on ``group`` go through host staging: on gloo groups, with CUDA tensors or
+        --tah-share-gpus (other backends read device memory themselves)."""
+        if torch.distributed.get_backend(group) != "gloo":
+            return False
+        return self.config.tah_share_gpus or device.type == "cuda"
 
     @contextlib.contextmanager
     def evaluation(self, uncompressed: bool):
