@@ -155,6 +155,9 @@ class TahConfigBase:
     tah_auto_interval: int = 50
     """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""
 
+    tah_share_gpus: bool = False
+    """Run several pipeline ranks per GPU (device = local rank mod the GPU count; on automatically when a node's local ranks outnumber its GPUs): the process groups use gloo (NCCL refuses two ranks on one GPU) and every pipeline message goes through pinned host memory after encoding (megatron/share_gpus.py, megatron/staging.py). Without a CUDA device the ranks run on the CPU and the messages are staged all the same."""
+
     _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
 
     def __post_init__(self):

@@ -233,3 +233,66 @@ def test_the_triton_path_writes_and_checks_the_same_checksum(name, message):
         deferred = get_codec(name, backend="triton", checksum=True).defer_checks()
         deferred.decode(bad, SHAPE, x.dtype)
         assert deferred.deferred_checksum_errors(bad.device).seen(wait=True) == 1
+
+
+# ----- through the pipeline transport (2 gloo processes) ----------------------------------------------
+def _corrupted_on_the_link(rank, world_size):
+    """Stage 0 corrupts one payload byte of its activation message at Megatron's iteration 3 (of 3), on the
+    batched plain path and on the unbatched staged one; then stages configured with and without the checksum."""
+    import types
+
+    import megatron_tah
+    from megatron.training import global_vars
+    from megatron_tah.megatron.handshake import CodecMismatchError
+    from megatron_tah.megatron.registry import REGISTRY
+    from test_staging import SHAPE as STAGED_SHAPE, _exchange
+
+    args = types.SimpleNamespace(curr_iteration=0)
+    global_vars._GLOBAL_ARGS = args
+    gen = torch.Generator().manual_seed(rank)
+    results = {}
+    for batched, staged in ((True, False), (False, True)):
+        megatron_tah.install(tah_wire_checksum=True, tah_backend="torch", tah_share_gpus=staged)
+        transport = REGISTRY.pipeline
+        encode = transport.encode
+
+        def corrupting(link, x):
+            buf = encode(link, x)
+            if link.direction == "forward" and args.curr_iteration == 3:
+                buf[-5] ^= 0x10
+            return buf
+
+        transport.encode = corrupting
+        try:
+            for args.curr_iteration in (1, 2, 3):
+                x = torch.randn(STAGED_SHAPE, generator=gen)
+                _exchange(rank, batched, x, x)
+            results[(batched, staged)] = "no error"
+        except PayloadChecksumError as err:
+            results[(batched, staged)] = (str(err), err.link, err.iteration)
+        finally:
+            megatron_tah.uninstall()
+    megatron_tah.install(tah_wire_checksum=rank == 0, tah_backend="torch")
+    try:
+        _exchange(rank, True, torch.zeros(STAGED_SHAPE), torch.zeros(STAGED_SHAPE))
+        results["mismatch"] = "no error"
+    except CodecMismatchError as err:
+        results["mismatch"] = str(err)
+    finally:
+        megatron_tah.uninstall()
+    global_vars._GLOBAL_ARGS = None
+    return results
+
+
+@pytest.mark.distributed
+def test_a_corrupted_pipeline_message_names_its_link_and_iteration_and_mismatched_ends_fail_at_the_handshake():
+    from dist_utils import run_distributed
+
+    sender, receiver = run_distributed(_corrupted_on_the_link, 2, env={"TRITON_INTERPRET": "1"}, timeout=300)
+    for case in ((True, False), (False, True)):
+        assert sender[case] == "no error"
+        message, link, iteration = receiver[case]
+        assert message.startswith("link stage 0 -> stage 1, iteration 3: tah: ") and "checksum" in message, message
+        assert (link, iteration) == ((0, 1), 3)
+    for rank, results in enumerate((sender, receiver)):  # refused before any message, on both stages
+        assert "forward codecs" in results["mismatch"] and "payload checksum" in results["mismatch"], results

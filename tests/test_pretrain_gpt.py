@@ -268,3 +268,20 @@ def test_scripts_run_the_entry_or_a_checkout_through_the_launcher(tmp_path):
     out = subprocess.run(["bash", "scripts/finetune_gpt.sh", "4"], cwd=REPO, capture_output=True, text=True,
                          check=True, env=dict(env, LOAD=str(ckpt))).stdout
     assert f"--load {ckpt} --finetune" in out and "sotu" in out
+
+
+def test_staged_pipeline_gives_the_plain_paths_losses(corpus, tmp_path):
+    """--tah-share-gpus on CPU (what CI can run of issue 24): every pipeline message goes through host staging;
+    forward tah and backward `none` give bit-identical losses, grad norms and wire bytes to the plain path."""
+    common = ["--train-iters", "3", "--eval-interval", "100", "--tah-forward-codec", "tah",
+              "--tah-backward-codec", "none"]
+    logs = {mode: tmp_path / f"{mode}.jsonl" for mode in ("plain", "staged")}
+    run(pretrain_gpt.command(2, flags(corpus, 2, logs["plain"], *common)))
+    out = run(pretrain_gpt.command(2, flags(corpus, 2, logs["staged"], *common, "--tah-share-gpus")))
+    assert "--tah-share-gpus without a CUDA device" in out.stdout + out.stderr
+    plain, staged = read_records(logs["plain"]), read_records(logs["staged"])
+    assert [r["iteration"] for r in staged] == [1, 2, 3]
+    for key in ("lm_loss", "grad_norm", "fwd_wire_bytes", "bwd_wire_bytes"):
+        assert [r[key] for r in staged] == [r[key] for r in plain], key
+    fwd, bwd = expected_bytes(TahConfig(tah_backward_codec="none"), 2, 4, (32, 2, 64), torch.float32)
+    assert {(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in staged} == {(fwd, bwd)}

@@ -1,5 +1,6 @@
 """Ranks sharing a GPU: the device assignment, the mode's decision and its shims (fake device counts)."""
 
+import argparse
 import logging
 import types
 
@@ -8,7 +9,7 @@ import torch
 
 from megatron_tah.megatron import share_gpus
 from megatron_tah.megatron.patching import Patches
-from megatron_tah.megatron.share_gpus import ShareGpus, decide, device_for
+from megatron_tah.megatron.share_gpus import decide, device_for
 
 
 @pytest.mark.parametrize("local_rank, count, device", [(0, 1, 0), (3, 1, 0), (3, 2, 1), (5, 4, 1), (2, 8, 2)])
@@ -54,10 +55,10 @@ def _fake_gpus(monkeypatch, count):
     return calls
 
 
-def _megatron_args(monkeypatch, local_rank, backend):
+def _megatron_args(monkeypatch, local_rank, backend, **tah):
     from megatron.training import global_vars
 
-    args = types.SimpleNamespace(local_rank=local_rank, distributed_backend=backend, rank=local_rank, world_size=4,
+    args = types.SimpleNamespace(**tah, local_rank=local_rank, distributed_backend=backend, rank=local_rank, world_size=4,
                                  distributed_timeout_minutes=1, fake_process_group=False, inprocess_restart=False,
                                  cuda_graph_impl="none", flight_recorder_dump_path=None)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
@@ -66,19 +67,29 @@ def _megatron_args(monkeypatch, local_rank, backend):
     return args
 
 
-@pytest.mark.parametrize("local_rank, count, device", [(3, 1, 0), (3, 2, 1)])
-def test_shim_sets_the_shared_device_and_gloo(monkeypatch, local_rank, count, device):
+def _initialize():
+    """Megatron's ``_initialize_distributed`` (as looked up at call time) on fake devices and a fake group."""
+    from megatron.training import initialize
+
+    initialize._initialize_distributed(None, None, None, skip_model_parallel_init=True)
+
+
+@pytest.mark.parametrize("requested, local_rank, count, device", [
+    (False, 3, 1, 0), (False, 3, 2, 1), (True, 3, 4, 3), (True, 1, 2, 1)])
+def test_shim_sets_the_shared_device_and_gloo_when_on(monkeypatch, requested, local_rank, count, device):
+    """On when asked for (--tah-share-gpus, read from Megatron's parsed args at call time) or when the
+    4 local ranks outnumber the GPUs: the shared device and gloo; local_rank restored afterwards."""
     from megatron.training import initialize
 
     original = initialize._initialize_distributed
     calls = _fake_gpus(monkeypatch, count)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    args = _megatron_args(monkeypatch, local_rank, "nccl")
+    args = _megatron_args(monkeypatch, local_rank, "nccl", tah_share_gpus=requested)
     patches = Patches()
     try:
-        assert share_gpus.install(patches, ShareGpus(share_gpus=False))  # automatic: 4 ranks > count GPUs
+        share_gpus.install(patches)
         assert initialize._initialize_distributed is not original
-        initialize._initialize_distributed(None, None, None, skip_model_parallel_init=True)
+        _initialize()
     finally:
         patches.restore()
     assert initialize._initialize_distributed is original
@@ -87,23 +98,72 @@ def test_shim_sets_the_shared_device_and_gloo(monkeypatch, local_rank, count, de
     assert args.local_rank == local_rank  # restored after the call
 
 
-def test_shim_is_not_applied_when_every_rank_has_a_gpu(monkeypatch):
+def test_the_wrapper_leaves_megatron_alone_when_every_rank_has_a_gpu(monkeypatch, caplog):
     from megatron.training import initialize
 
-    _fake_gpus(monkeypatch, 4)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    patches = Patches()
-    assert not share_gpus.install(patches, ShareGpus())
-    assert not patches
     original = initialize._initialize_distributed
-    assert share_gpus.install(patches, ShareGpus(share_gpus=True))  # asked for: on
-    share_gpus.install(patches, ShareGpus(share_gpus=True))  # twice: one wrapper
+    calls = _fake_gpus(monkeypatch, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _megatron_args(monkeypatch, 3, "nccl")  # no tah_share_gpus attribute (flags not added): off
+    patches = Patches()
+    share_gpus.install(patches)
+    share_gpus.install(patches)  # twice: one wrapper
+    assert initialize._initialize_distributed.__wrapped__ is original
+    with caplog.at_level(logging.WARNING, logger=share_gpus.__name__):
+        _initialize()
     patches.restore()
+    assert initialize._initialize_distributed is original
+    assert calls["set_device"] == [3] and calls["init"][0]["backend"] == "nccl" and not caplog.records
+
+
+def test_asking_without_cuda_runs_on_the_cpu_and_says_so(monkeypatch, caplog):
+    calls = _fake_gpus(monkeypatch, 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _megatron_args(monkeypatch, 1, "gloo", tah_share_gpus=True)
+    patches = Patches()
+    share_gpus.install(patches)
+    try:
+        with caplog.at_level(logging.WARNING, logger=share_gpus.__name__):
+            _initialize()
+    finally:
+        patches.restore()
+    assert calls["set_device"] == [] and calls["init"][0]["backend"] == "gloo"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "without a CUDA device" in lines[0] and "staged" in lines[0]
+    assert not share_gpus.enabled(False)  # CPU runs: off, silently
+
+
+def test_the_mode_refuses_a_backend_other_than_gloo_or_nccl(monkeypatch):
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    _megatron_args(monkeypatch, 1, "ucc")
+    patches = Patches()
+    share_gpus.install(patches)
+    try:
+        with pytest.raises(ValueError, match="ucc.*gloo"):
+            _initialize()
+    finally:
+        patches.restore()
+
+
+def test_the_plugin_installs_the_wrapper_and_removes_it():
+    from megatron.training import initialize
+
+    from megatron_tah.megatron import plugin
+
+    original = initialize._initialize_distributed
+    plugin.install_megatron_lm_plugin()
+    try:
+        assert initialize._initialize_distributed.__wrapped__ is original
+    finally:
+        plugin.uninstall_megatron_lm_plugin()
     assert initialize._initialize_distributed is original
 
 
-def test_asking_without_cuda_is_a_clear_error(monkeypatch):
-    _fake_gpus(monkeypatch, 0)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        share_gpus.install(Patches(), ShareGpus(share_gpus=True))
-    assert not share_gpus.install(Patches(), ShareGpus())  # CPU runs: off
+def test_tah_share_gpus_is_an_opt_in_flag():
+    from megatron_tah.config import TahConfig
+    from megatron_tah.megatron.arguments import add_tah_arguments
+
+    parser = add_tah_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).tah_share_gpus is False and TahConfig().tah_share_gpus is False
+    assert parser.parse_args(["--tah-share-gpus"]).tah_share_gpus is True

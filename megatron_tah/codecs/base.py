@@ -71,9 +71,11 @@ class WireFormatError(CodecError):
     """A buffer does not match what this decoder expects (length, header, config, shape)."""
 
 
-def link_text(sender_stage: int, receiver_stage: int, iteration: int) -> str:
-    """Where a message went wrong, as errors name it: ``"link stage 0 -> stage 1, iteration 12"``."""
-    return f"link stage {sender_stage} -> stage {receiver_stage}, iteration {iteration}"
+def link_text(sender_stage: int, receiver_stage: int, iteration: int | None) -> str:
+    """Where a message went wrong, as errors name it: ``"link stage 0 -> stage 1, iteration 12"``
+    (without the iteration when it is None: outside Megatron's training loop)."""
+    where = f"link stage {sender_stage} -> stage {receiver_stage}"
+    return where if iteration is None else f"{where}, iteration {iteration}"
 
 
 class PayloadChecksumError(WireFormatError):
@@ -91,7 +93,7 @@ class PayloadChecksumError(WireFormatError):
         self.codec, self.found, self.computed, self.count = codec, found, computed, count
         self.link, self.iteration = link, iteration
 
-    def at(self, sender_stage: int, receiver_stage: int, iteration: int) -> "PayloadChecksumError":
+    def at(self, sender_stage: int, receiver_stage: int, iteration: int | None) -> "PayloadChecksumError":
         """This error on a given link and iteration, its message starting with ``link_text``; raise it from this one."""
         return PayloadChecksumError(
             f"{link_text(sender_stage, receiver_stage, iteration)}: {self.message}", codec=self.codec,

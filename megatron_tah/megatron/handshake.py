@@ -5,9 +5,9 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 ``{"forward": [config digest, description], "backward": [...]}`` -- and raises
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
-what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``); a direction
-set to ``auto`` is recorded as its candidates' names and digests (both ends must hold the same
-decoders and carry the announcement trailer, ``auto_link.py``).
+what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
+``--tah-wire-checksum``); a direction set to ``auto`` is recorded as its candidates' names and digests
+(both ends must hold the same decoders and carry the announcement trailer, ``auto_link.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule.
 """
 
@@ -29,12 +29,15 @@ class CodecMismatchError(RuntimeError):
 
 def config_record(cfg: TahConfig) -> dict:
     """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
-    warmup, evals = cfg.tah_warmup_iters, cfg.tah_eval_traffic
-    # The warm-up and the evaluations' traffic change what is sent: part of both directions' record.
-    modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else ""])
+    warmup, evals, checksum = cfg.tah_warmup_iters, cfg.tah_eval_traffic, cfg.tah_wire_checksum
+    # The warm-up, the evaluations' traffic and the payload checksum change what is sent (the codec's
+    # config digest leaves the checksum out): part of both directions' record.
+    modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else "",
+                     "/checksum" if checksum else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
-                       "both": ", evaluations through the codec and uncompressed"}[evals]])
+                       "both": ", evaluations through the codec and uncompressed"}[evals],
+                      ", payload checksum" if checksum else ""])
     record = {}
     for direction in ("forward", "backward"):
         if cfg.is_auto(direction):

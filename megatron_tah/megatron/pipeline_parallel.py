@@ -29,6 +29,14 @@ uint8 buffer:
   rate meter.
 * Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
+* Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
+  (gloo's send/recv read host memory) or with ``--tah-share-gpus`` (on CPU too: how CI runs this path),
+  a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
+  posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
+  bytes on the wire are the same; ``none`` goes the same way.
+* A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
+  and Megatron's iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
+  receiver found it (on a GPU the deferred count reaches the host one or two messages later).
 
 The module's functions (``push_sample_ids``, ``evaluation``, ``codec_states``,
 ``load_codec_states``) act on the installed transport, found through ``registry.REGISTRY``.
@@ -44,12 +52,13 @@ import time
 
 import torch
 
-from ..codecs import Codec, get_codec, timing
+from ..codecs import Codec, PayloadChecksumError, get_codec, timing
 from ..config import TahConfig
 from .auto_link import ANNOUNCEMENT_NBYTES, AutoEnd
 from .emulate import LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record
 from .registry import REGISTRY
+from .staging import HostStaging
 from .version import TRANSPORTS, check_installed
 
 logger = logging.getLogger(__name__)
@@ -72,23 +81,38 @@ class Link:
     codec: Codec  # auto: the codec of the current iteration
     messages: int = 0  # messages through this end so far
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto_link.py)
+    staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
+
+    def host_staging(self, device: torch.device) -> HostStaging:
+        """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
+        if self.staging is None or self.staging.device != device:
+            self.staging = HostStaging(device)
+        return self.staging
 
     @property
     def key(self) -> tuple[str, str, int]:
         return self.direction, self.role, self.peer
 
 
-def _training_iteration() -> int:
+def _megatron_iteration() -> int | None:
     """Megatron's ``args.curr_iteration`` (set by ``train`` before each step and kept during evaluation;
-    0 before the loop starts); the same on every stage, so both ends of a link switch together."""
+    0 before the loop starts); the same on every stage. None outside Megatron (its args are not set)."""
     from megatron.training.global_vars import get_args
 
     try:
         args = get_args()
     except AssertionError:
-        raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
-                           "its training loop (megatron.training's args are not set)") from None
+        return None
     return int(getattr(args, "curr_iteration", 0) or 0)
+
+
+def _training_iteration() -> int:
+    """``_megatron_iteration()``, which the warm-up needs: both ends of a link switch together."""
+    iteration = _megatron_iteration()
+    if iteration is None:
+        raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
+                           "its training loop (megatron.training's args are not set)")
+    return iteration
 
 
 class PipelineTransport:
@@ -137,6 +161,13 @@ class PipelineTransport:
         if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
             return self.uncompressed
         return self.uncompressed if self.eval_uncompressed else link.codec
+
+    def staged(self, group, device: torch.device) -> bool:
+        """Whether messages on ``group`` go through host staging: on gloo groups, with CUDA tensors or
+        --tah-share-gpus (other backends read device memory themselves)."""
+        if torch.distributed.get_backend(group) != "gloo":
+            return False
+        return self.config.tah_share_gpus or device.type == "cuda"
 
     @contextlib.contextmanager
     def evaluation(self, uncompressed: bool):
@@ -207,14 +238,17 @@ class PipelineTransport:
             self.checked_groups.add(id(group))
         if self.needs_sample_ids:
             check_schedule(self.config, group, tensor_send_next, tensor_recv_prev)
-        last = group.rank() == group.size() - 1
-        plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None),
-                ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev),
-                ("send_next", "forward", next_pipeline_rank, tensor_send_next, None),
-                ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next))
+        stage, stages = group.rank(), group.size()
+        prev_stage, next_stage = (stage - 1) % stages, (stage + 1) % stages
+        staged = self.staged(group, tensors[0].device)
+        # (name, direction, peer, send, recv, (sender stage, receiver stage))
+        plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None, (stage, prev_stage)),
+                ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev, (prev_stage, stage)),
+                ("send_next", "forward", next_pipeline_rank, tensor_send_next, None, (stage, next_stage)),
+                ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next, (next_stage, stage)))
         return {name: _Message(self, self.link(direction, "send" if recv is None else "recv", peer), send, recv,
-                               last_stage=last)
-                for name, direction, peer, send, recv in plan if send is not None or recv is not None}
+                               last_stage=stage == stages - 1, stages=link_stages, staged=staged)
+                for name, direction, peer, send, recv, link_stages in plan if send is not None or recv is not None}
 
     def batched_p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                         group, prev_pipeline_rank, next_pipeline_rank):
@@ -310,19 +344,33 @@ class PipelineTransport:
 
 
 class _Message:
-    """One posted send or receive on ``link``; ``finish`` applies the emulated link and decodes a receive."""
+    """One posted send or receive on ``link``; ``finish`` applies the emulated link and decodes a receive.
+
+    ``buf`` is what is posted: the codec's wire buffer, or with ``staged`` its host copy (``self.staging``,
+    a ``StagedSend`` / ``StagedRecv`` of the link end's ``HostStaging``). ``stages``: (sender, receiver)
+    pipeline stages, for errors."""
 
     def __init__(self, transport: PipelineTransport, link: Link, send_tensor=None, recv_tensor=None,
-                 last_stage=False):
+                 last_stage=False, stages=(None, None), staged=False):
         self.transport, self.link = transport, link
-        self.target, self.last_stage = recv_tensor, last_stage
+        self.target, self.last_stage, self.stages = recv_tensor, last_stage, stages
+        tensor = recv_tensor if send_tensor is None else send_tensor
+        host = link.host_staging(tensor.device) if staged else None
+        self.staging = None
         if send_tensor is not None:
             self.buf = transport.encode(link, send_tensor)
+            if host is not None:
+                self.staging = host.stage_send(self.buf)
+                self.buf = self.staging.host()  # waits for the device-to-host copy: gloo reads it
         else:
             self.codec = transport.codec(link)
             nbytes = self.codec.wire_nbytes(recv_tensor.shape, recv_tensor.dtype)
             nbytes += ANNOUNCEMENT_NBYTES if link.auto is not None else 0
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=recv_tensor.device)
+            if host is not None:
+                self.staging = host.stage_recv(nbytes)
+                self.buf = self.staging.host
+            else:
+                self.buf = torch.empty(nbytes, dtype=torch.uint8, device=recv_tensor.device)
         self.work = None
         self.done = False
         self.posted_at = self.completed_at = None
@@ -348,18 +396,31 @@ class _Message:
             done_at = self.completed_at if transport.emulator is None else transport.emulator.last_finish
             transport.record_transfer(link, self.buf.numel(), max(done_at - self.posted_at, 0.0))
         if self.is_recv:
-            payload = self.buf
+            wire = self.buf if self.staging is None else self.staging.to_device()
             if link.auto is not None:
-                payload = self.buf[:-ANNOUNCEMENT_NBYTES]
-                link.auto.received(self.buf[-ANNOUNCEMENT_NBYTES:])
-            clock = timing.Stopwatch(self.buf.device)
+                link.auto.received(wire[-ANNOUNCEMENT_NBYTES:])
+                wire = wire[:-ANNOUNCEMENT_NBYTES]
+            clock = timing.Stopwatch(wire.device)
             with torch.no_grad():
-                self.codec.decode(payload, self.target.shape, self.target.dtype, out=self.target)
+                self._decode(wire)
             transport.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
             link.messages += 1
             if self.codec.needs_sample_ids and link.direction == "forward" and not self.last_stage:
                 transport.push_sample_ids(self.codec.last_sample_ids)
+        if self.staging is not None:
+            self.staging.release()  # the transfer is complete (and a receive's decode enqueued)
+            self.staging = None
         self.buf = None  # the transfer is complete: drop the wire buffer
+
+    def _decode(self, wire: torch.Tensor) -> None:
+        """Decode ``wire`` into Megatron's receive tensor; a checksum failure names the link and iteration."""
+        codec = self.codec
+        try:
+            codec.decode(wire, self.target.shape, self.target.dtype, out=self.target)
+            if codec.checksum:  # this message's count (CPU), or what has reached the host (CUDA: no sync)
+                codec.raise_deferred_errors(wire.device)
+        except PayloadChecksumError as err:
+            raise err.at(*self.stages, _megatron_iteration()) from err
 
 
 class _Handle:

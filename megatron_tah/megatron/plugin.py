@@ -15,6 +15,8 @@ idempotently and before Megatron parses its arguments:
   the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``.
   Opt-in: when every ``--tah-*`` flag is at its default nothing is installed, the log-line wrappers
   are taken off again, and one ``OFF_MESSAGE`` line says how to turn compression on;
+- wraps Megatron's ``_initialize_distributed`` for several ranks per GPU (``share_gpus.py``): on with
+  ``--tah-share-gpus`` or when a node's local ranks outnumber its GPUs, decided once the flags are parsed;
 - runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (logging's wrapper of it), so
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec_state, cpu_shims, places
+from . import codec_state, cpu_shims, places, share_gpus
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .dataset_helpers import compiling_with_this_python
 from .logging import install_logging, uninstall_logging
@@ -80,6 +82,7 @@ def install_megatron_lm_plugin() -> None:
         install_logging()
         for module in INITIALIZE_MODULES:
             patches.wrap(module, "initialize_megatron", _initializing_then_installing)
+        share_gpus.install(patches)
         codec_state.install(patches)
         patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
         cpu_shims.hold_cpu_shims("plugin")

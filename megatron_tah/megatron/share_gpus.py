@@ -1,12 +1,13 @@
 """Several pipeline ranks on one GPU: ``local_rank % device_count``.
 
 When a node has fewer GPUs than local ranks (``LOCAL_WORLD_SIZE``), rank ``r`` uses device
-``device_for(r, torch.cuda.device_count())``. The mode is on when asked for (``share_gpus=True``,
-the ``--tah-share-gpus`` flag) or, automatically, when the local ranks outnumber the devices
+``device_for(r, torch.cuda.device_count())``. The mode is on when asked for (the ``--tah-share-gpus``
+flag, ``TahConfig.tah_share_gpus``) or, automatically, when the local ranks outnumber the devices
 (Megatron would fail at ``set_device`` otherwise); ``decide()`` logs one line saying which.
 
-What megatron.training needs to accept it (shims, line numbers of megatron-core 0.19.2, applied
-by ``install()`` only in this mode, removed exactly by ``Patches.restore()``):
+What megatron.training needs to accept it (shims, line numbers of megatron-core 0.19.2): the plugin
+wraps ``_initialize_distributed`` (``install()``, undone exactly by ``Patches.restore()``); the wrapper,
+which runs after Megatron parsed the flags, decides (``enabled()``) and applies these only in this mode:
 
 1. ``initialize.py:282-283`` ``torch.cuda.set_device(args.local_rank)`` and
    ``device_id = torch.device(f'cuda:{args.local_rank}')``: ``_initialize_distributed`` runs with
@@ -33,7 +34,6 @@ default backend, ``gloo``):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -54,15 +54,6 @@ def device_for(local_rank: int, device_count: int) -> int:
     if not isinstance(device_count, int) or device_count < 1:
         raise ValueError(f"device_count = {device_count!r}: sharing GPUs needs at least one CUDA device")
     return local_rank % device_count
-
-
-@dataclasses.dataclass(frozen=True)
-class ShareGpus:
-    """The mode's setting: ``share_gpus`` True turns it on; False leaves it to the automatic check."""
-
-    share_gpus: bool = False
-    """Run several local ranks per GPU (``local_rank % device_count``); on automatically when the
-    node's local ranks outnumber its GPUs."""
 
 
 def local_world_size() -> int:
@@ -98,9 +89,26 @@ def shared_backend(requested: str) -> str:
     raise ValueError(f"--distributed-backend {requested}: ranks sharing a GPU need gloo (or nccl, replaced by gloo)")
 
 
-def _on_shared_device(original):
+def enabled(requested: bool) -> bool:
+    """Whether this rank runs in the mode, per ``decide`` with this node's local ranks and CUDA devices.
+
+    Asked for (``--tah-share-gpus``) where no CUDA device is visible: the ranks run on the CPU, so there
+    is no device to share; one log line says so and the mode's shims stay off (the pipeline transport
+    still stages its messages through host buffers: ``TahConfig.tah_share_gpus``, what CI runs).
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested and count < 1:
+        logger.warning("megatron_tah: --tah-share-gpus without a CUDA device: the ranks run on the CPU; "
+                       "pipeline messages are staged through host buffers as with shared GPUs")
+        return False
+    return decide(requested, local_world_size(), count)
+
+
+def _sharing_gpus_when_on(original):
     def _initialize_distributed(*args, **kwargs):
         margs = resolve_args()
+        if not enabled(bool(getattr(margs, "tah_share_gpus", False))):
+            return original(*args, **kwargs)
         local_rank = margs.local_rank
         margs.distributed_backend = shared_backend(margs.distributed_backend)
         margs.local_rank = device_for(local_rank, torch.cuda.device_count())
@@ -118,18 +126,12 @@ def resolve_args():
     return get_args()
 
 
-def install(patches: Patches, settings: ShareGpus | object) -> bool:
-    """Apply this mode's shims to ``patches`` when it is on (per ``decide``); returns whether it is.
+def install(patches: Patches) -> None:
+    """Wrap Megatron's ``_initialize_distributed`` through ``patches`` (``restore()`` removes it).
 
-    ``settings`` is anything with a ``share_gpus`` attribute (:class:`ShareGpus`, ``TahConfig`` once
-    the flag exists, Megatron's args). Call before ``initialize_megatron``; ``patches.restore()``
-    removes the shims.
+    It runs inside ``initialize_megatron`` after the arguments are parsed, so the wrapper reads
+    ``--tah-share-gpus`` (``args.tah_share_gpus``) there and asks ``enabled``; when the mode is off it
+    calls Megatron's function unchanged, when on it applies the shims of the module docstring.
+    Installed by the plugin (``plugin.install_megatron_lm_plugin``); idempotent.
     """
-    requested = bool(getattr(settings, "share_gpus", getattr(settings, "tah_share_gpus", False)))
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested and count < 1:
-        raise ValueError("--tah-share-gpus needs a CUDA device (none is visible here)")
-    if not decide(requested, local_world_size(), count):
-        return False
-    patches.wrap(INITIALIZE, "_initialize_distributed", _on_shared_device)
-    return True
+    patches.wrap(INITIALIZE, "_initialize_distributed", _sharing_gpus_when_on)
