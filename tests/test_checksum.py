@@ -252,7 +252,7 @@ def _corrupted_on_the_link(rank, world_size):
     gen = torch.Generator().manual_seed(rank)
     results = {}
     for batched, staged in ((True, False), (False, True)):
-        megatron_tah.install(tah_wire_checksum=True, tah_backend="torch", tah_share_gpus=staged)
+        megatron_tah.install(tah_preset="paper", tah_wire_checksum=True, tah_backend="torch", tah_share_gpus=staged)
         transport = REGISTRY.pipeline
         encode = transport.encode
 
@@ -272,7 +272,7 @@ def _corrupted_on_the_link(rank, world_size):
             results[(batched, staged)] = (str(err), err.link, err.iteration)
         finally:
             megatron_tah.uninstall()
-    megatron_tah.install(tah_wire_checksum=rank == 0, tah_backend="torch")
+    megatron_tah.install(tah_preset="paper", tah_wire_checksum=rank == 0, tah_backend="torch")
     try:
         _exchange(rank, True, torch.zeros(STAGED_SHAPE), torch.zeros(STAGED_SHAPE))
         results["mismatch"] = "no error"
