@@ -118,11 +118,11 @@ def test_log_items_are_one_iteration_of_training_traffic_and_evaluations_have_th
     iteration), whatever the span and the evaluations; an evaluation's traffic is on its own line; tensor and
     data parallelism are off, so no tp/dp scalars are written."""
     argv = flags(corpus, 2, tmp_path / "unused.jsonl", "--train-iters", "4", "--eval-interval", "2",
-                 "--tensorboard-dir", str(tmp_path / "tb"))
+                 "--tensorboard-dir", str(tmp_path / "tb"), "--tah-preset", "paper")
     del argv[argv.index("--tah-log-json"):argv.index("--tah-log-json") + 2]
     argv[argv.index("--log-interval") + 1] = "2"
     out = run(pretrain_gpt.command(2, argv))
-    fwd, bwd = expected_bytes(TahConfig(), 2, 4, (32, 2, 64), torch.float32)
+    fwd, bwd = expected_bytes(TahConfig(tah_preset="paper"), 2, 4, (32, 2, 64), torch.float32)
     lines = iteration_lines(out.stdout)
     assert [int(line.split(" iteration ")[1].split("/")[0]) for line in lines] == [1, 2, 4], lines
     for line in lines:
