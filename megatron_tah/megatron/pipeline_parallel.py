@@ -147,9 +147,14 @@ class PipelineTransport:
         return self.links[key]
 
     def record_transfer(self, link: Link, nbytes: int, seconds: float) -> None:
-        """A finished transfer on ``link``: feeds the rate meter of the auto sender to the same peer
-        (this end's, or for a receive the sender of the other direction)."""
-        direction = link.direction if link.role == "send" else ("backward" if link.direction == "forward" else "forward")
+        """A finished receive on ``link`` feeds the rate meter of this rank's auto sender to the same peer
+        (the other direction's). Sends do not: a send completes once the socket buffers hold it, so its
+        wall time says nothing about the link (measured: over tc at 1 Mbit/s the sends' rates made auto
+        choose ``none``). A receive's time, from posting to completion, bounds the transfer from above.
+        The sender's choice for i -> j thus uses the rate of j -> i: a symmetric link is assumed."""
+        if link.role != "recv":
+            return
+        direction = "backward" if link.direction == "forward" else "forward"
         sender = self.links.get((direction, "send", link.peer))
         if sender is not None and sender.auto is not None:
             sender.auto.meter.record(nbytes, seconds)
