@@ -279,3 +279,25 @@ def test_reproduce_sh_knows_every_part():
     assert sorted(case) == sorted(PARTS) and sorted(usage) == sorted([*PARTS, "all"]) and set(loop) == set(PARTS)
     assert loop[-1] == "report" and loop.index("seeds") > loop.index("convergence")  # seeds needs its checkpoint
     assert all(re.search(rf"^#   {part} ", script, re.M) for part in [*PARTS, "all"])  # in the header's list
+
+
+def test_the_throughput_part_rewrites_only_section_1_the_machine_and_its_summary_rows(tmp_path):
+    """``refresh_throughput_section``: what the throughput part changes in an existing RESULTS.md."""
+    _fake_results(tmp_path, tah_loss=4.02)
+    full = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
+    page = tmp_path / "docs" / "RESULTS.md"
+    no_throughput = tmp_path / "empty"
+    (no_throughput / "throughput").mkdir(parents=True)
+    assert report.refresh_throughput_section(no_throughput, tmp_path / "docs", "tiny") is None  # nothing run
+    # A page written before the throughput part ran: section 1 says so and the summary has no throughput row.
+    old = report.write(no_throughput, tmp_path / "old", size="tiny").read_text()
+    assert "Not run yet (`scripts/reproduce.sh throughput`)." in old and "paper regime" not in old
+    page.write_text(old.replace("## 2. Convergence", "## 2. Convergence\n\n(hand-kept text)"))
+    assert report.refresh_throughput_section(tmp_path, tmp_path / "docs", "tiny") == page
+    new = page.read_text()
+    assert "(hand-kept text)" in new and "Not run yet (`scripts/reproduce.sh throughput`)." not in new
+    section = lambda text: text[text.index("## 1. "):text.index("## 2. ")]
+    assert section(new) == section(full)
+    assert "| paper regime: TAH-Quant >= 4.3x faster than fp32 | 5.00x | **met** |" in new
+    assert report.refresh_throughput_section(tmp_path, tmp_path / "docs", "tiny") == page
+    assert page.read_text() == new  # idempotent: rows replaced, not appended

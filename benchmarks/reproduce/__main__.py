@@ -105,6 +105,12 @@ def main(argv=None) -> int:
 
             throughput.run(root, args.size, link=args.link, max_load=args.max_load, max_wait=args.max_wait,
                            force=args.force)
+            if args.size == "full":
+                from . import report
+
+                docs = Path(args.docs) if args.docs else Path("docs")
+                if report.refresh_throughput_section(root, docs, args.size):
+                    say(f"rewrote section 1 (throughput) of {docs / 'RESULTS.md'} from {root / 'throughput'}")
         elif args.part in ("report", "parity-report"):
             from . import report
 

@@ -719,3 +719,34 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
     path = docs / "RESULTS.md"
     path.write_text("\n".join(text))
     return path
+
+
+THROUGHPUT_HEADING, AFTER_THROUGHPUT = "## 1. ", "## 2. "
+SUMMARY_HEADING, MACHINE_HEADING = "## Summary", "## Machine"
+
+
+def refresh_throughput_section(root: Path, docs: Path, size: str = "full") -> Path | None:
+    """Rewrite section 1 (throughput), the machine record and the summary's throughput rows of an existing
+    ``docs/RESULTS.md`` from ``root/throughput``'s logs alone (the throughput part), leaving every other
+    section as ``report`` wrote it. None when there is no RESULTS.md or no throughput run."""
+    path = Path(docs) / "RESULTS.md"
+    t = throughput.table_rows(Path(root) / "throughput", size)
+    if not path.exists() or t["compute"].get("none") is None:
+        return None
+    section, checks = _throughput_section(t, Path(docs), size)
+    lines = path.read_text().split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(THROUGHPUT_HEADING))
+    end = next(i for i, line in enumerate(lines) if line.startswith(AFTER_THROUGHPUT))
+    machine = [i for i, line in enumerate(lines[:start]) if line.startswith(MACHINE_HEADING)]
+    lines[machine[0] if machine else start:end] = _machine(t) + section
+    # The summary: this part's rows (the first rows of the table, as ``report`` orders them) replaced.
+    new_rows = [row for row in _summary(checks) if row.startswith("| ") and not row.startswith("| claim")]
+    top = next(i for i, line in enumerate(lines) if line.startswith(SUMMARY_HEADING))
+    bottom = next(i for i in range(top + 1, len(lines)) if lines[i].startswith("## "))
+    table = [i for i in range(top, bottom) if lines[i].startswith("|")]  # header, rule, rows
+    rows = table[2:]
+    keep = [lines[i] for i in rows if not lines[i].startswith(("| TAH-Quant reaches", "| paper regime"))]
+    if len(table) >= 2:
+        lines[table[1] + 1:(rows[-1] if rows else table[1]) + 1] = new_rows + keep
+    path.write_text("\n".join(lines))
+    return path

@@ -89,7 +89,7 @@ SIZES = {
 }
 VOCAB = 1024
 COMMON = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
-          "--split", "100,0,0", "--eval-iters", "0", "--lr", "1e-4", "--lr-decay-style", "constant",
+          "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000000", "--lr", "1e-4", "--lr-decay-style", "constant",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--untie-embeddings-and-output-weights"]
 
 
