@@ -154,3 +154,23 @@ def test_the_log_line_names_each_links_codec_and_rate():
     assert "tah auto 0->1: paper at 1.02 Mbit/s" in format_for_log(collected)
     stats.record_auto(1, "none", None, None)
     assert "tah auto 0->1: none at rate not measured yet" in format_for_log(stats.collect())
+
+
+def test_only_receives_feed_a_senders_rate_meter(monkeypatch):
+    """A send completes once the socket buffers hold it: its time is not the link's. A receive on the link
+    from peer p feeds the meter of this rank's auto sender to p (the reverse direction's)."""
+    import megatron_tah
+    from megatron_tah.megatron.registry import REGISTRY
+
+    megatron_tah.install(tah_forward_codec="auto", tah_backward_codec="auto", tah_backend="torch")
+    try:
+        transport = REGISTRY.pipeline
+        send_fwd = transport.link("forward", "send", 1)
+        recv_bwd = transport.link("backward", "recv", 1)
+        seen = send_fwd.auto.meter.seen
+        transport.record_transfer(send_fwd, 1 << 20, 1e-6)  # a buffered send: ignored
+        assert send_fwd.auto.meter.seen == seen
+        transport.record_transfer(recv_bwd, 1 << 20, 0.5)  # the gradients from peer 1: the link's rate
+        assert send_fwd.auto.meter.seen == seen + 1
+    finally:
+        megatron_tah.uninstall()
