@@ -283,5 +283,5 @@ def test_staged_pipeline_gives_the_plain_paths_losses(corpus, tmp_path):
     assert [r["iteration"] for r in staged] == [1, 2, 3]
     for key in ("lm_loss", "grad_norm", "fwd_wire_bytes", "bwd_wire_bytes"):
         assert [r[key] for r in staged] == [r[key] for r in plain], key
-    fwd, bwd = expected_bytes(TahConfig(tah_backward_codec="none"), 2, 4, (32, 2, 64), torch.float32)
+    fwd, bwd = expected_bytes(TahConfig(tah_forward_codec="tah", tah_backward_codec="none"), 2, 4, (32, 2, 64), torch.float32)
     assert {(r["fwd_wire_bytes"], r["bwd_wire_bytes"]) for r in staged} == {(fwd, bwd)}
