@@ -400,17 +400,28 @@ class Codec:
 
     def deferred_errors(self, device: torch.device) -> DeferredErrors:
         """The device count of header mismatches and corrupt payloads found by deferred checks."""
-        key = str(device)
-        if key not in self._deferred:
-            self._deferred[key] = DeferredErrors(device)
-        return self._deferred[key]
+        return self._count_on(self._deferred, device)
 
     def deferred_checksum_errors(self, device: torch.device) -> DeferredErrors:
         """The device count of buffers whose payload failed the checksum in deferred checks."""
+        return self._count_on(self._deferred_checksum, device)
+
+    @staticmethod
+    def _count_on(counts: dict, device: torch.device) -> DeferredErrors:
         key = str(device)
-        if key not in self._deferred_checksum:
-            self._deferred_checksum[key] = DeferredErrors(device)
-        return self._deferred_checksum[key]
+        if key not in counts:
+            counts[key] = DeferredErrors(device)
+        return counts[key]
+
+    @staticmethod
+    def _first_seen(counts: dict, device: torch.device | None, wait: bool) -> tuple[str, int] | None:
+        """(device, count) of the first of ``counts`` (on ``device``, or any) that has seen errors."""
+        for key, errors in counts.items():
+            if device is None or key == str(device):
+                count = errors.seen(wait)
+                if count:
+                    return key, count
+        return None
 
     def device_check(self, bad: torch.Tensor) -> bool:
         """Record a 0-d device count of corrupt items found by a decode; False when checks are ``"full"``
@@ -426,24 +437,18 @@ class Codec:
         ``DeferredErrors``); ``wait=True`` reads the device's count now (for the log line, or a test).
         Checksum failures come first, as :class:`PayloadChecksumError`.
         """
-        for key, errors in self._deferred_checksum.items():
-            if device is not None and key != str(device):
-                continue
-            count = errors.seen(wait)
-            if count:
-                raise PayloadChecksumError(
-                    f"{self.name}: {count} buffer(s) decoded earlier on {key} failed the payload checksum (bytes "
-                    f"changed on the way, or a sender with the checksum off); the values decoded from them are "
-                    f"garbage", codec=self.describe(), count=count)
-        for key, errors in self._deferred.items():
-            if device is not None and key != str(device):
-                continue
-            count = errors.seen(wait)
-            if count:
-                raise WireFormatError(
-                    f"{self.name}: {count} check(s) failed on buffers decoded earlier on {key} (a header that does "
-                    f"not match {self.describe()}, or a corrupt payload); the values decoded from them are garbage"
-                )
+        if found := self._first_seen(self._deferred_checksum, device, wait):
+            key, count = found
+            raise PayloadChecksumError(
+                f"{self.name}: {count} buffer(s) decoded earlier on {key} failed the payload checksum (bytes "
+                f"changed on the way, or a sender with the checksum off); the values decoded from them are "
+                f"garbage", codec=self.describe(), count=count)
+        if found := self._first_seen(self._deferred, device, wait):
+            key, count = found
+            raise WireFormatError(
+                f"{self.name}: {count} check(s) failed on buffers decoded earlier on {key} (a header that does "
+                f"not match {self.describe()}, or a corrupt payload); the values decoded from them are garbage"
+            )
 
     # ----- header ----------------------------------------------------------------------
     def _header_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
