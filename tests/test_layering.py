@@ -87,7 +87,7 @@ def test_kernel_launchers_take_plain_values_not_codecs_or_layouts(path):
             assert not params & {"codec", "layout"}, f"{path.name}: {node.name}({', '.join(sorted(params))})"
 
 
-def test_the_product_has_no_module_level_mutable_state_in_megatron_and_cites_no_issue_history():
+def test_no_global_statement_in_megatron_and_no_issue_history_in_the_product():
     """One registry object holds what is installed (``global`` nowhere); docstrings state contracts."""
     import re
 
