@@ -11,7 +11,8 @@ import torch
 from megatron_tah.codecs import WireFormatError
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron.auto_codec import CandidateCost, Chooser, CodecCostTable, LinkRate
-from megatron_tah.megatron.auto_link import ANNOUNCEMENT_NBYTES, AutoEnd
+from megatron_tah.megatron.auto_link import (ANNOUNCEMENT_NBYTES, TRAILER_NBYTES, AutoEnd, Trailer, decode_trailer,
+                                             encode_trailer)
 from megatron_tah.megatron.handshake import config_record
 from megatron_tah.megatron.stats import Stats, format_for_log
 
@@ -44,11 +45,11 @@ def _exchange(sender: AutoEnd, receiver: AutoEnd, iteration: int, x: torch.Tenso
     for _ in range(messages):
         sender.prepare(x)
         codec = sender.begin(iteration)
-        message = sender.sent(codec.encode(x), 0.0)
+        buf, announcement = codec.encode(x), sender.sent(0.0)
         theirs = receiver.begin(iteration)
-        assert message.numel() == theirs.wire_nbytes(x.shape, x.dtype) + ANNOUNCEMENT_NBYTES
-        decoded.append(theirs.decode(message[:-ANNOUNCEMENT_NBYTES], x.shape, x.dtype))
-        receiver.received(message[-ANNOUNCEMENT_NBYTES:])
+        assert buf.numel() == theirs.wire_nbytes(x.shape, x.dtype) and len(announcement) == ANNOUNCEMENT_NBYTES
+        decoded.append(theirs.decode(buf, x.shape, x.dtype))
+        receiver.received(announcement)
     return sender.current, receiver.current, decoded
 
 
@@ -85,7 +86,7 @@ def test_announcements_that_disagree_or_name_another_iteration_are_errors():
     x = torch.randn(SHAPE)
     sender, receiver = AutoEnd(cfg, "forward", "send"), AutoEnd(cfg, "forward", "recv")
     _exchange(sender, receiver, 0, x, 1)
-    sender.next, sender._trailer = "fp8", None  # a sender changing its mind within an iteration
+    sender.next, sender._announcement = "fp8", None  # a sender changing its mind within an iteration
     _exchange(sender, receiver, 0, x, 1)
     with pytest.raises(WireFormatError, match="disagree"):
         receiver.begin(1)
@@ -96,9 +97,11 @@ def test_announcements_that_disagree_or_name_another_iteration_are_errors():
         receiver.begin(7)
     receiver = AutoEnd(cfg, "forward", "recv")
     receiver.begin(0)
-    receiver.received(torch.zeros(ANNOUNCEMENT_NBYTES, dtype=torch.uint8))
+    receiver.received(bytes(ANNOUNCEMENT_NBYTES - 1) + b"\x01")
     with pytest.raises(WireFormatError, match="not an auto-codec announcement"):
         receiver.begin(1)
+    with pytest.raises(WireFormatError, match="without an announcement"):
+        receiver.received(None)
 
 
 def test_resume_from_state_dicts_equals_an_uninterrupted_run():
@@ -156,21 +159,90 @@ def test_the_log_line_names_each_links_codec_and_rate():
     assert "tah auto 0->1: none at rate not measured yet" in format_for_log(stats.collect())
 
 
-def test_only_receives_feed_a_senders_rate_meter(monkeypatch):
-    """A send completes once the socket buffers hold it: its time is not the link's. A receive on the link
-    from peer p feeds the meter of this rank's auto sender to p (the reverse direction's)."""
-    import megatron_tah
-    from megatron_tah.megatron.registry import REGISTRY
+def test_the_trailer_round_trips_and_rejects_what_is_not_one():
+    announcement = bytes([0xA7, 3, 1, 2, 3, 4, 5, 0])
+    for trailer in (Trailer(announcement, 1_790_000_000.25, (123_456, 0.0125)), Trailer(None, 1.5, None),
+                    Trailer(None, 2.0, (1, 1e-9))):
+        raw = encode_trailer(trailer)
+        assert len(raw) == TRAILER_NBYTES
+        back = decode_trailer(raw)
+        assert back.announcement == trailer.announcement and back.sent_at == pytest.approx(trailer.sent_at, abs=1e-6)
+        if trailer.report is None:
+            assert back.report is None
+        else:  # microseconds on the wire; a report is never 0 s (1 us at least)
+            assert back.report[0] == trailer.report[0]
+            assert back.report[1] == pytest.approx(max(trailer.report[1], 1e-6), abs=1e-6)
+    for bad in (bytes(TRAILER_NBYTES), encode_trailer(Trailer(None, 1.0))[:-1]):  # no sent-at stamp, short
+        with pytest.raises(WireFormatError):
+            decode_trailer(bad)
+    with pytest.raises(ValueError):
+        encode_trailer(Trailer(bytes(8), 1.0))  # an all-zero announcement reads as none: refused
 
-    megatron_tah.install(tah_forward_codec="auto", tah_backward_codec="auto", tah_backend="torch")
-    try:
-        transport = REGISTRY.pipeline
-        send_fwd = transport.link("forward", "send", 1)
-        recv_bwd = transport.link("backward", "recv", 1)
-        seen = send_fwd.auto.meter.seen
-        transport.record_transfer(send_fwd, 1 << 20, 1e-6)  # a buffered send: ignored
-        assert send_fwd.auto.meter.seen == seen
-        transport.record_transfer(recv_bwd, 1 << 20, 0.5)  # the gradients from peer 1: the link's rate
-        assert send_fwd.auto.meter.seen == seen + 1
-    finally:
-        megatron_tah.uninstall()
+
+def _transport_pair(config: dict):
+    """Two installed transports' worth of link ends in one process: rank 0 and rank 1 of a PP=2 link
+    (the transport object of each is built directly; nothing is sent, the trailers are handed over)."""
+    from megatron_tah.megatron.pipeline_parallel import PipelineTransport
+    from megatron_tah.megatron.stats import Stats
+
+    cfg = TahConfig(tah_backend="torch", tah_auto_candidates=CANDIDATES, **config)
+    return PipelineTransport(cfg, Stats()), PipelineTransport(cfg, Stats())
+
+
+def _deliver(sender, receiver, direction, sender_rank, receiver_rank, nbytes, sent_at, done_at):
+    """A message of ``nbytes`` on ``direction``, sent at wall time ``sent_at`` and complete at ``done_at``."""
+    import megatron_tah.megatron.auto_link as auto_link
+
+    end = sender.link(direction, "send", receiver_rank)
+    announcement = end.auto.sent(0.0) if end.auto is not None else None
+    report, end.report = end.report, None
+    raw = auto_link.encode_trailer(Trailer(announcement, sent_at, report))
+    receiver.received_trailer(receiver.link(direction, "recv", sender_rank), raw, nbytes, done_at)
+
+
+def test_each_direction_is_measured_by_its_receiver_and_reported_back():
+    """Rank 0 sends activations to rank 1 over a 1 Mbit/s direction, rank 1 gradients back over a
+    100 Mbit/s one (an asymmetric link): each sender's meter ends up with its own direction's rate,
+    measured from the sent-at stamp (not from when the receiver posted: waiting for the peer's compute
+    is not link time) and reported by the receiver in its next message the other way."""
+    rank0, rank1 = _transport_pair({"tah_forward_codec": "auto", "tah_backward_codec": "auto"})
+    for end in (rank0.link("forward", "send", 1), rank1.link("backward", "send", 0)):
+        end.auto.begin(0)  # announcements name iteration 1
+    for receiver, direction in ((rank1, "forward"), (rank0, "backward")):
+        receiver.link(direction, "recv", 1 - (receiver is rank1)).auto.begin(0)
+    nbytes, t = 125_000, 1000.0
+    for _ in range(6):  # 1F1B-like: an activation, then a gradient, each after 10 s of the peer's compute
+        _deliver(rank0, rank1, "forward", 0, 1, nbytes, sent_at=t, done_at=t + 1.0)  # 1 Mbit/s: 1 s
+        t += 10.0
+        _deliver(rank1, rank0, "backward", 1, 0, nbytes, sent_at=t, done_at=t + 0.01)  # 100 Mbit/s: 10 ms
+        t += 10.0
+    forward = rank0.link("forward", "send", 1).auto.meter
+    backward = rank1.link("backward", "send", 0).auto.meter
+    # 6 reports each way, the first reaching rank 1 with rank 0's first forward message after its gradient.
+    assert forward.seen == 6 and backward.seen == 5
+    assert forward.measure().rate_bps == pytest.approx(1e6, rel=1e-3)
+    assert backward.measure().rate_bps == pytest.approx(1e8, rel=1e-3)
+
+
+def test_a_fixed_direction_carries_the_trailer_and_reports_for_the_auto_one():
+    rank0, rank1 = _transport_pair({"tah_forward_codec": "auto", "tah_backward_codec": "fixedpoint"})
+    assert rank0.trailer_nbytes == rank1.trailer_nbytes == TRAILER_NBYTES
+    rank0.link("forward", "send", 1).auto.begin(0)
+    rank1.link("forward", "recv", 0).auto.begin(0)
+    for k in range(5):
+        _deliver(rank0, rank1, "forward", 0, 1, 80_000, sent_at=10.0 * k + 10, done_at=10.0 * k + 10.64)
+        _deliver(rank1, rank0, "backward", 1, 0, 80_000, sent_at=10.0 * k + 15, done_at=10.0 * k + 15.1)
+    assert rank0.link("backward", "recv", 1).auto is None
+    assert rank0.link("forward", "send", 1).auto.meter.seen == 5  # (the first 2 skipped: 3 measured)
+    meter = rank0.link("forward", "send", 1).auto.meter
+    assert meter.measure().rate_bps == pytest.approx(8 * 80_000 / 0.64, rel=1e-3)
+    rank0.latency[1] = 0.32  # handshake.link_latency's measurement: every message pays it, whatever its size
+    for k in range(4):
+        _deliver(rank0, rank1, "forward", 0, 1, 80_000, sent_at=100.0 + k, done_at=100.64 + k)
+        _deliver(rank1, rank0, "backward", 1, 0, 80_000, sent_at=100.5 + k, done_at=100.6 + k)
+    assert meter.measure().rate_bps == pytest.approx(8 * 80_000 / 0.32, rel=1e-3)
+    # A fixed direction whose message announces a codec: the ends disagree about auto.
+    raw = encode_trailer(Trailer(bytes([0xA7, 1, 0, 0, 0, 0, 1, 0]), 1.0))
+    with pytest.raises(WireFormatError, match="fixed"):
+        rank0.received_trailer(rank0.link("backward", "recv", 1), raw, 100, 2.0)
+    assert _transport_pair({"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint"})[0].trailer_nbytes == 0

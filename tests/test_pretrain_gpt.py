@@ -196,6 +196,30 @@ def test_aqsgd_buffers_survive_a_resume(corpus, tmp_path):
     assert [r["fwd_wire_bytes"] for r in resumed] == [r["fwd_wire_bytes"] for r in records]
 
 
+def test_auto_resumes_with_the_codec_its_checkpoint_announced(corpus, tmp_path):
+    """auto (none or fp8) at an emulated 1 Mbit/s starts with none, measures the link and switches to fp8
+    (half the bytes); interrupted after iteration 3 and resumed, the run has the same codecs per iteration
+    (from the checkpoint, not the start codec), wire bytes and losses as an uninterrupted one."""
+    common = ["--train-iters", "5", "--save-interval", "3", "--eval-interval", "100",
+              "--tah-forward-codec", "auto", "--tah-backward-codec", "auto", "--tah-auto-candidates", "none,fp8",
+              "--tah-auto-max-error", "0.05", "--tah-auto-interval", "1", "--tah-emulate-bandwidth", "1mbit"]
+    full = tmp_path / "full.jsonl"
+    run(pretrain_gpt.command(2, flags(corpus, 2, full, *common)))
+    records = read_records(full)
+    codecs = [{link: item["codec"] for link, item in r["auto"].items()} for r in records]
+    assert codecs[0] == {"0->1": "none", "1->0": "none"} and codecs[-1] == {"0->1": "fp8", "1->0": "fp8"}, codecs
+    assert codecs[3] == codecs[-1]  # switched before the checkpoint: the resumed run must not start afresh
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ckpt = ["--save", str(tmp_path / "ckpt")]
+    run(pretrain_gpt.command(2, flags(corpus, 2, first, *common, *ckpt, "--exit-interval", "3")))
+    run(pretrain_gpt.command(2, flags(corpus, 2, second, *common, *ckpt, "--load", str(tmp_path / "ckpt"))))
+    resumed = read_records(first) + read_records(second)
+    assert [r["iteration"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert [{link: item["codec"] for link, item in r["auto"].items()} for r in resumed] == codecs
+    assert [r["fwd_wire_bytes"] for r in resumed] == [r["fwd_wire_bytes"] for r in records]
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in records]
+
+
 def checkout_with_its_own_megatron(root: Path) -> Path:
     """A Megatron-LM-like checkout: a copy of the installed ``megatron`` package, and a pretrain_gpt.py
     that knows nothing of megatron_tah's plugin (it only borrows the project's data and step functions)."""

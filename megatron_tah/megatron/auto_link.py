@@ -5,31 +5,48 @@ The decisions are ``auto_codec``'s; this module carries them. Every link end of 
 (``--tah-auto-candidates``; a receiver decodes whichever the sender announced). Protocol, per link
 and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both ends):
 
-* **Wire format.** Every message of the direction (warm-up and evaluations included) is the codec
-  buffer followed by ``ANNOUNCEMENT_NBYTES`` (8) bytes: ``auto_codec.encode_announcement`` of the
-  codec the *next* iteration uses (magic, codec id, config digest, ``k + 1`` mod 2**16). The
-  receiver posts ``codec.wire_nbytes(shape, dtype) + 8`` bytes for the codec of iteration ``k``.
-  The trailer is appended with one ``torch.cat`` (a copy of the compressed bytes).
+* **Wire format.** When either direction is auto, every message of the pipeline (both directions,
+  warm-up and evaluations included) is the codec buffer followed by a ``TRAILER_NBYTES`` (24-byte)
+  trailer (``encode_trailer``), little endian::
+
+      0    8   announcement: auto_codec.encode_announcement of the codec the *next* iteration uses
+               (magic, codec id, config digest, k + 1 mod 2**16); 8 zero bytes on a fixed direction
+      8    8   sent at: the sender's wall clock when it posted the message, int64 microseconds
+               (written in place just before posting, ``stamp_sent_at``)
+      16   4   report, bytes: wire bytes of one message the *receiver of this one* sent to its sender
+               (the other direction), 0 when there is nothing to report
+      20   4   report, microseconds: that message's transit (uint32, saturating)
+
+  The receiver posts ``codec.wire_nbytes(shape, dtype) + 24`` bytes for the codec of iteration
+  ``k`` and reads the trailer on the host as soon as the message is complete (on a GPU that read
+  waits for the receive, which Megatron's ``batch_p2p_sync`` does anyway; it also makes the
+  completion time real, since a NCCL ``wait()`` returns before the data is there).
+* **Measuring a direction.** A message's *transit* is its receiver's completion time minus the
+  ``sent at`` stamp: the time the link took, without the time the receiver spent waiting for its
+  sender to compute the tensor (which the post-to-completion time includes, and which on a fast
+  link is most of it). It includes the receiver's own lateness in posting, so it bounds the link
+  time from above. The receiver keeps, per peer, the fastest transit (bytes / seconds) since its
+  last report and reports it in the trailer of its next message *to that peer* (the other
+  direction); the sender feeds the reports to its ``LinkRateMeter``. So each direction is measured
+  on its own (asymmetric links), by the traffic the pipeline carries anyway, with no probe. The
+  two ends' wall clocks are assumed synchronised (on one machine they are the same clock; across
+  sites NTP keeps them within about a millisecond, which biases a transit by as much).
 * **Lockstep.** Both ends start with ``TahConfig.auto_start()`` (paper, else the first candidate).
   At its first message of a new iteration each end switches to the codec announced during the
-  previous one: the sender to what it announced, the receiver to what it read. The receiver keeps
-  the trailers of an iteration on the device and reads them at that boundary (one host read per
-  link end and iteration, not per message); trailers that disagree, name another iteration or a
-  codec it does not hold raise ``WireFormatError``. The codec's own header is still checked on
+  previous one: the sender to what it announced, the receiver to what it read. Announcements of one
+  iteration that disagree, name another iteration or a codec the receiver does not hold raise
+  ``WireFormatError`` at that boundary. The codec's own header is still checked on
   every decode, so a buffer of another codec is an error, never a misread. The warm-up and
   uncompressed evaluations send through ``none`` but carry the trailer all the same.
 * **Deciding (sender).** At its first send the sender measures every candidate on that message
   (``CodecCostTable``: one untimed call, then the fastest of 3; the pipeline runs meanwhile, and
-  contention only adds time, so the minimum is the cost). ``LinkRateMeter`` is fed with the bytes
-  and the post-to-completion seconds (emulated delay included, codec time excluded) of this end's
-  sends and of the receives of the other direction from the same peer (a link carries both). At the
-  first boundary where the meter has enough transfers (normally after the first iteration) and then
-  every ``--tah-auto-interval`` iterations, the sender measures the rate (the *fastest* transfer of
-  the window: on the 1F1B schedule nearly every transfer includes waiting for the peer's compute --
-  the upper quartile read 8.4 Mbit/s on a gloo loopback that carries Gbit/s, test_auto_pipeline.py --
-  and waiting only ever adds time, so the fastest transfer is the closest to the link's rate), folds the mean encode time
-  of the current codec since the last measurement into the table (``CodecCostTable.observe``) and
-  ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2 measurements in a row);
+  contention only adds time, so the minimum is the cost). Its ``LinkRateMeter`` is fed with the
+  reports of its receiver (above). At the first boundary where the meter has enough transfers
+  (normally after the first iteration) and then every ``--tah-auto-interval`` iterations, the sender
+  measures the rate (the *fastest* reported transfer of the window: a transit only ever includes
+  extra time, never less, so the fastest one is the closest to the link's rate), folds the mean
+  encode time of the current codec since the last measurement into the table
+  (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2 measurements in a row);
   the choice is announced from then on and takes effect at the next boundary. The receiver's
   decode time is the sender's measurement of it. A candidate that fails to build or to run during
   the measurement is dropped with one warning.
@@ -40,14 +57,71 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
 
 from __future__ import annotations
 
+import dataclasses
+import struct
+import time
+import warnings
+
 import torch
 
 from ..codecs import Codec, WireFormatError, timing
 from ..config import TahConfig
-from .auto_codec import (ANNOUNCEMENT_NBYTES, AutoDecision, Chooser, CodecCostTable, LinkRate, LinkRateMeter,
-                         decode_announcement, encode_announcement)
+from .auto_codec import (ANNOUNCEMENT_NBYTES, AutoDecision, Chooser, CodecCostTable, LinkRate,
+                         LinkRateMeter, decode_announcement, encode_announcement)
 
-__all__ = ["ANNOUNCEMENT_NBYTES", "AutoEnd"]
+__all__ = ["ANNOUNCEMENT_NBYTES", "TRAILER_NBYTES", "AutoEnd", "Trailer", "decode_trailer", "encode_trailer",
+           "stamp_sent_at", "wall_seconds"]
+
+TRAILER_NBYTES = 24
+_TRAILER = struct.Struct("<8sqII")  # announcement, sent at (us), report bytes, report us
+_NO_ANNOUNCEMENT = bytes(ANNOUNCEMENT_NBYTES)
+_US_MAX = 2**32 - 1
+
+
+def wall_seconds(monotonic: float | None = None) -> float:
+    """The wall clock (seconds since the epoch) now, or at the ``time.monotonic()`` reading ``monotonic``."""
+    now = time.time()
+    return now if monotonic is None else now - (time.monotonic() - monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trailer:
+    """A message's trailer (layout in the module docstring); ``report``: (bytes, seconds) or None."""
+
+    announcement: bytes | None
+    sent_at: float
+    report: tuple[int, float] | None = None
+
+
+def encode_trailer(trailer: Trailer) -> bytes:
+    """``trailer`` as ``TRAILER_NBYTES`` bytes."""
+    announcement = _NO_ANNOUNCEMENT if trailer.announcement is None else trailer.announcement
+    if len(announcement) != ANNOUNCEMENT_NBYTES or announcement == _NO_ANNOUNCEMENT and trailer.announcement:
+        raise ValueError(f"announcement of {len(announcement)} bytes: expected {ANNOUNCEMENT_NBYTES}, not all zero")
+    nbytes, seconds = trailer.report or (0, 0.0)
+    if not 0 <= nbytes < 2**32 or not seconds >= 0:
+        raise ValueError(f"report ({nbytes} bytes, {seconds} s): need 0 <= bytes < 2**32 and seconds >= 0")
+    micros = min(max(round(seconds * 1e6), 1), _US_MAX) if nbytes else 0  # a report is never 0 us
+    return _TRAILER.pack(announcement, round(trailer.sent_at * 1e6), int(nbytes), micros)
+
+
+def decode_trailer(raw: bytes) -> Trailer:
+    """The trailer in ``raw`` (``TRAILER_NBYTES`` bytes); ``WireFormatError`` if it is not one."""
+    if len(raw) != TRAILER_NBYTES:
+        raise WireFormatError(f"auto codec: a trailer of {len(raw)} bytes, expected {TRAILER_NBYTES}")
+    announcement, sent_us, nbytes, micros = _TRAILER.unpack(bytes(raw))
+    if sent_us <= 0 or (nbytes == 0) != (micros == 0):
+        raise WireFormatError(f"auto codec: not a message trailer (sent at {sent_us} us, report {nbytes} bytes "
+                              f"in {micros} us)")
+    report = (nbytes, micros / 1e6) if nbytes else None
+    return Trailer(None if announcement == _NO_ANNOUNCEMENT else announcement, sent_us / 1e6, report)
+
+
+def stamp_sent_at(message: torch.Tensor) -> None:
+    """Write the wall clock now into the ``sent at`` field of ``message`` (a uint8 message ending in a trailer),
+    in place, just before it is posted (a host write on the CPU, an 8-byte copy on a GPU)."""
+    now = torch.tensor([round(wall_seconds() * 1e6)], dtype=torch.int64).view(torch.uint8)  # little endian host
+    message[-TRAILER_NBYTES + ANNOUNCEMENT_NBYTES:-TRAILER_NBYTES + ANNOUNCEMENT_NBYTES + 8].copy_(now)
 
 
 class AutoEnd:
@@ -61,8 +135,6 @@ class AutoEnd:
             try:
                 self.codecs[name] = config.auto_candidate_codec(name, direction).defer_checks()
             except Exception as err:  # noqa: BLE001 (the candidate is left out, with its reason)
-                import warnings
-
                 warnings.warn(f"auto codec: candidate {name!r} dropped ({type(err).__name__}: {err})",
                               RuntimeWarning, stacklevel=2)
         start = config.auto_start()
@@ -76,9 +148,8 @@ class AutoEnd:
         self.rate: LinkRate | None = None  # the last measurement
         self._chooser_state: dict | None = None  # from a checkpoint, for the chooser built later
         self._encode_seconds, self._encodes = 0.0, 0  # the current codec's since the last measurement
-        self._trailer: torch.Tensor | None = None  # sender: the announcement bytes on the device
-        self._received: list[torch.Tensor] = []  # receiver: this iteration's trailers, on the device
-
+        self._announcement: bytes | None = None  # sender: this iteration's announcement
+        self._received: list[bytes] = []  # receiver: this iteration's announcements
     @property
     def codec(self) -> Codec:
         return self.codecs[self.current]
@@ -92,7 +163,7 @@ class AutoEnd:
                 self._read_announcements()
             self.current = self.next
             self.iteration = iteration
-            self._trailer = None  # the announcement names the iteration
+            self._announcement = None  # the announcement names the iteration
             if self.role == "send":
                 self._decide(iteration)
         return self.codecs[self.current]
@@ -112,12 +183,11 @@ class AutoEnd:
     def _read_announcements(self) -> None:
         if not self._received:
             return
-        raw = torch.stack(self._received).cpu()
-        self._received = []
-        if not bool((raw == raw[0]).all()):
+        received, self._received = self._received, []
+        if any(raw != received[0] for raw in received):
             raise WireFormatError(f"auto codec: the {self.direction} announcements of iteration {self.iteration} "
-                                  f"disagree ({raw.tolist()})")
-        self.next = decode_announcement(bytes(raw[0].tolist()), self.codecs, self.iteration + 1).name
+                                  f"disagree ({[raw.hex() for raw in received]})")
+        self.next = decode_announcement(received[0], self.codecs, self.iteration + 1).name
 
     # ----- messages -------------------------------------------------------------------------
     def prepare(self, x: torch.Tensor) -> None:
@@ -125,23 +195,23 @@ class AutoEnd:
         if self.table is None:
             self._build_table(x)
 
-    def sent(self, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
-        """The message for ``buf`` (encoded with this iteration's codec): ``buf`` || announcement."""
-        if self.current in self.table.costs:
+    def sent(self, encode_seconds) -> bytes:
+        """Sender, per message encoded with this iteration's codec: its announcement (the next iteration's codec)."""
+        if self.table is not None and self.current in self.table.costs:
             self._encode_seconds = timing.add(self._encode_seconds, encode_seconds)
             self._encodes += 1
-        if self._trailer is None or self._trailer.device != buf.device:
-            digest = self.codecs[self.next].config_digest()
-            raw = encode_announcement(AutoDecision(self.next, self.codecs[self.next].codec_id, digest,
-                                                   self.iteration + 1))
-            self._trailer = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(buf.device)
-        return torch.cat([buf, self._trailer])
+        if self._announcement is None:
+            codec = self.codecs[self.next]
+            self._announcement = encode_announcement(AutoDecision(self.next, codec.codec_id, codec.config_digest(),
+                                                                  self.iteration + 1))
+        return self._announcement
 
-    def received(self, trailer: torch.Tensor) -> None:
-        """Keep a received message's trailer (read at the next boundary)."""
-        if trailer.numel() != ANNOUNCEMENT_NBYTES:
-            raise WireFormatError(f"auto codec: a trailer of {trailer.numel()} bytes, expected {ANNOUNCEMENT_NBYTES}")
-        self._received.append(trailer.clone())
+    def received(self, announcement: bytes | None) -> None:
+        """Receiver, per message: keep its announcement (read at the next boundary)."""
+        if announcement is None:
+            raise WireFormatError(f"auto codec: a {self.direction} message without an announcement (is the sender "
+                                  "running auto on this direction?)")
+        self._received.append(bytes(announcement))
 
     def _build_table(self, x: torch.Tensor) -> None:
         makers = {name: (lambda name=name: self.config.auto_candidate_codec(name, self.direction))
@@ -174,4 +244,4 @@ class AutoEnd:
             self._chooser_state = state["chooser"]
         for name, codec_state in state["codecs"].items():
             self.codecs[name].load_state_dict(codec_state)
-        self._trailer, self._received = None, []
+        self._announcement, self._received = None, []

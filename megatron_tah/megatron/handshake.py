@@ -9,11 +9,13 @@ what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-tr
 ``--tah-wire-checksum``); a direction set to ``auto`` is recorded as its candidates' names and digests
 (both ends must hold the same decoders and carry the announcement trailer, ``auto_link.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule.
+``link_latency`` (auto only) times a few 8-byte round trips with each neighbouring stage.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -96,3 +98,42 @@ def check_schedule(config: TahConfig, group, send_next, recv_prev) -> None:
     if (vpp is not None and vpp > 1) or wraps:
         raise RuntimeError("megatron_tah: the aqsgd forward codec is not supported with the interleaved "
                            "(virtual pipeline) schedule; use tah, fixedpoint or fp8, or the 1F1B schedule")
+
+
+def link_latency(group, device: torch.device, rounds: int = 5) -> dict[int, float]:
+    """One-way latency to each neighbouring stage, ``{world rank: seconds}``: half the fastest of
+    ``rounds`` round trips of an 8-byte message (what a message costs whatever its size: propagation and
+    the backend's own overhead; ``auto`` subtracts it from transits to get the rate). A collective over
+    ``group``: the pairs (i, i + 1 mod size) go in order of i, each timed by its lower stage and told to
+    the other, so no rank waits on one that waits on it."""
+    dist = torch.distributed
+    me, size = group.rank(), group.size()
+    if size < 2:
+        return {}
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "cuda":
+        device = torch.device("cpu")  # gloo sends host tensors
+    ping = torch.zeros(1, dtype=torch.float64, device=device)
+    latency = {}
+    for i in range(size if size > 2 else 1):
+        first, second = i, (i + 1) % size
+        if me not in (first, second):
+            continue
+        peer = dist.get_global_rank(group, second if me == first else first)
+        if me == first:
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                dist.send(ping, peer, group=group)
+                dist.recv(ping, peer, group=group)
+                best = min(best, time.perf_counter() - start)
+            ping.fill_(best / 2)
+            dist.send(ping, peer, group=group)
+        else:
+            for _ in range(rounds):
+                dist.recv(ping, peer, group=group)
+                dist.send(ping, peer, group=group)
+            dist.recv(ping, peer, group=group)
+        latency[peer] = float(ping.item())
+    return latency

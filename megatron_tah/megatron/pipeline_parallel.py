@@ -24,9 +24,11 @@ uint8 buffer:
   receive pushes the ids it decoded (unless this is the last stage).
 * ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
 * ``auto`` (a direction's codec chosen per link): the link end's ``auto_link.AutoEnd`` picks the codec
-  per iteration in lockstep with its peer; its messages carry an 8-byte announcement after the codec
-  buffer (wire format and protocol in ``auto_link.py``); the transfers' bytes and seconds feed its
-  rate meter.
+  per iteration in lockstep with its peer. When either direction is auto, every message carries a
+  24-byte trailer after the codec buffer (the next iteration's codec, when it was sent, and a report of
+  the other direction's last fastest transit; wire format and protocol in ``auto_link.py``): each
+  receiver measures its peer's messages and reports back, so each direction's sender learns its own
+  direction's rate.
 * Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
 * Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
@@ -52,11 +54,12 @@ import time
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, get_codec, timing
+from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
 from ..config import TahConfig
-from .auto_link import ANNOUNCEMENT_NBYTES, AutoEnd
+from .auto_codec import MIN_SECONDS
+from .auto_link import TRAILER_NBYTES, AutoEnd, Trailer, decode_trailer, encode_trailer, stamp_sent_at, wall_seconds
 from .emulate import LinkEmulator
-from .handshake import CodecMismatchError, check_group, check_schedule, config_record
+from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .registry import REGISTRY
 from .staging import HostStaging
 from .version import TRANSPORTS, check_installed
@@ -82,6 +85,7 @@ class Link:
     messages: int = 0  # messages through this end so far
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto_link.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
+    report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
 
     def host_staging(self, device: torch.device) -> HostStaging:
         """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
@@ -125,6 +129,9 @@ class PipelineTransport:
         bandwidth = config.emulated_bandwidth_bps
         self.emulator = None if bandwidth is None else LinkEmulator(bandwidth, config.tah_emulate_latency_ms / 1e3)
         self.links: dict[tuple[str, str, int], Link] = {}
+        auto = config.is_auto("forward") or config.is_auto("backward")
+        self.trailer_nbytes = TRAILER_NBYTES if auto else 0  # auto_link's trailer after every message
+        self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
         self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
@@ -146,18 +153,32 @@ class PipelineTransport:
             self.links[key] = Link(direction, role, int(peer), codec.defer_checks())
         return self.links[key]
 
-    def record_transfer(self, link: Link, nbytes: int, seconds: float) -> None:
-        """A finished receive on ``link`` feeds the rate meter of this rank's auto sender to the same peer
-        (the other direction's). Sends do not: a send completes once the socket buffers hold it, so its
-        wall time says nothing about the link (measured: over tc at 1 Mbit/s the sends' rates made auto
-        choose ``none``). A receive's time, from posting to completion, bounds the transfer from above.
-        The sender's choice for i -> j thus uses the rate of j -> i: a symmetric link is assumed."""
-        if link.role != "recv":
-            return
-        direction = "backward" if link.direction == "forward" else "forward"
-        sender = self.links.get((direction, "send", link.peer))
-        if sender is not None and sender.auto is not None:
-            sender.auto.meter.record(nbytes, seconds)
+    def with_trailer(self, link: Link, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
+        """``buf`` || the trailer of a message sent on ``link`` now (``auto_link``'s wire format)."""
+        announcement = link.auto.sent(encode_seconds) if link.auto is not None else None
+        report, link.report = link.report, None
+        raw = encode_trailer(Trailer(announcement, wall_seconds(), report))
+        return torch.cat([buf, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(buf.device)])
+
+    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float) -> None:
+        """The trailer ``raw`` of a message of ``nbytes`` received on ``link``, complete at wall time ``done_at``:
+        its announcement goes to the auto receiver, its transit to the report for the peer (on this rank's
+        send end of the other direction to the same peer), the peer's report, less the link's latency
+        (``handshake.link_latency``), to that send end's rate meter."""
+        trailer = decode_trailer(raw)
+        if link.auto is not None:
+            link.auto.received(trailer.announcement)
+        elif trailer.announcement is not None:
+            raise WireFormatError(f"auto codec: a {link.direction} message from rank {link.peer} announces a codec, "
+                                  f"but this rank's {link.direction} codec is fixed")
+        other = "backward" if link.direction == "forward" else "forward"
+        reply = self.link(other, "send", link.peer)
+        transit = max(done_at - trailer.sent_at, MIN_SECONDS)
+        if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
+            reply.report = (nbytes, transit)
+        if trailer.report is not None and reply.auto is not None:
+            nbytes, seconds = trailer.report  # the transfer's own time: the latency every message pays apart
+            reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
 
     def codec(self, link: Link) -> Codec:
         """The codec of ``link``'s next message: ``none`` during the warm-up and uncompressed evaluations."""
@@ -216,8 +237,9 @@ class PipelineTransport:
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
+            if self.trailer_nbytes:
+                buf = self.with_trailer(link, buf, encode_seconds)
             if link.auto is not None:
-                buf = link.auto.sent(buf, encode_seconds)
                 rate = link.auto.rate
                 self.stats.record_auto(link.peer, link.auto.current,
                                        rate.rate_bps if rate else None, rate.spread_bps if rate else None)
@@ -240,6 +262,8 @@ class PipelineTransport:
             return {}
         if id(group) not in self.checked_groups:
             check_group(self.config, group, tensors[0].device)
+            if self.trailer_nbytes:
+                self.latency.update(link_latency(group, tensors[0].device))
             self.checked_groups.add(id(group))
         if self.needs_sample_ids:
             check_schedule(self.config, group, tensor_send_next, tensor_recv_prev)
@@ -265,9 +289,8 @@ class PipelineTransport:
             return []
         ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
                for m in messages.values()]
-        posted = time.monotonic()
         for m in messages.values():
-            m.posted_at = posted
+            m.stamp()
         works = dist.batch_isend_irecv(ops)
         for m, work in zip(messages.values(), works):  # each stamped when it is done (auto's rate meter)
             work.wait()
@@ -297,7 +320,7 @@ class PipelineTransport:
                 continue
             m = messages[name]
             post = dist.irecv if m.is_recv else dist.isend
-            m.posted_at = time.monotonic()
+            m.stamp()
             m.work = post(m.buf, m.link.peer, group=recv_group if m.is_recv else send_group)
             self.outstanding.append(m)
             handles[name] = _Handle(m)
@@ -370,7 +393,7 @@ class _Message:
         else:
             self.codec = transport.codec(link)
             nbytes = self.codec.wire_nbytes(recv_tensor.shape, recv_tensor.dtype)
-            nbytes += ANNOUNCEMENT_NBYTES if link.auto is not None else 0
+            nbytes += transport.trailer_nbytes
             if host is not None:
                 self.staging = host.stage_recv(nbytes)
                 self.buf = self.staging.host
@@ -378,11 +401,16 @@ class _Message:
                 self.buf = torch.empty(nbytes, dtype=torch.uint8, device=recv_tensor.device)
         self.work = None
         self.done = False
-        self.posted_at = self.completed_at = None
+        self.completed_at = None
 
     @property
     def is_recv(self) -> bool:
         return self.target is not None
+
+    def stamp(self) -> None:
+        """Just before posting: a send's trailer gets the time it is sent (``auto_link.stamp_sent_at``)."""
+        if not self.is_recv and self.transport.trailer_nbytes:
+            stamp_sent_at(self.buf)
 
     def poll(self) -> None:
         if self.completed_at is None and self.work is not None and self.work.is_completed():
@@ -393,18 +421,22 @@ class _Message:
             return
         self.done = True
         transport, link = self.transport, self.link
+        trailer = None
+        if self.is_recv and transport.trailer_nbytes:
+            trailer = self.buf[-transport.trailer_nbytes:].cpu().numpy().tobytes()
+            if self.buf.is_cuda:  # the read waited for the received data: the completion time is now
+                self.completed_at = time.monotonic()
         if transport.emulator is not None:
             me = torch.distributed.get_rank()
             pair = (link.peer, me) if self.is_recv else (me, link.peer)
             transport.emulator.complete(pair, self.buf.numel(), self.completed_at, receiver=self.is_recv)
-        if self.posted_at is not None and self.completed_at is not None:
+        if trailer is not None:
             done_at = self.completed_at if transport.emulator is None else transport.emulator.last_finish
-            transport.record_transfer(link, self.buf.numel(), max(done_at - self.posted_at, 0.0))
+            transport.received_trailer(link, trailer, self.buf.numel(), wall_seconds(done_at))
         if self.is_recv:
             wire = self.buf if self.staging is None else self.staging.to_device()
-            if link.auto is not None:
-                link.auto.received(wire[-ANNOUNCEMENT_NBYTES:])
-                wire = wire[:-ANNOUNCEMENT_NBYTES]
+            if transport.trailer_nbytes:
+                wire = wire[:-transport.trailer_nbytes]
             clock = timing.Stopwatch(wire.device)
             with torch.no_grad():
                 self._decode(wire)
