@@ -246,3 +246,19 @@ def test_a_fixed_direction_carries_the_trailer_and_reports_for_the_auto_one():
     with pytest.raises(WireFormatError, match="fixed"):
         rank0.received_trailer(rank0.link("backward", "recv", 1), raw, 100, 2.0)
     assert _transport_pair({"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint"})[0].trailer_nbytes == 0
+
+
+@pytest.mark.parametrize("transit, expected", [(2e-4, "none"), (2e-4 + 8 * 80_000 / 1e6, "paper")])
+def test_an_unlimited_link_chooses_none_and_a_slow_one_compresses(transit, expected):
+    """Real codec costs (measured on this machine), reported transits: a transit equal to the ping's latency
+    (an unlimited link: the bytes take no measurable time) chooses none; at 1 Mbit/s the fewest bytes win."""
+    rank0, rank1 = _transport_pair({"tah_forward_codec": "auto", "tah_backward_codec": "fixedpoint"})
+    sender = rank0.link("forward", "send", 1)
+    sender.auto.prepare(torch.randn(SHAPE))
+    rank0.latency[1] = 2e-4
+    for k in range(6):
+        sender.auto.begin(k)
+        rank1.link("forward", "recv", 0).auto.begin(k)
+        _deliver(rank0, rank1, "forward", 0, 1, 80_000, sent_at=10.0 + k, done_at=10.0 + k + transit)
+        _deliver(rank1, rank0, "backward", 1, 0, 80_000, sent_at=10.5 + k, done_at=10.6 + k)
+    assert sender.auto.next == expected, (sender.auto.rate, sender.auto.chooser.predicted)  # (announced)

@@ -112,14 +112,16 @@ def _measured(rank, world_size):
     return chosen
 
 
-def test_measured_rates_choose_compression_on_a_slow_link_and_none_on_an_unlimited_one():
+def test_measured_rates_choose_compression_on_a_slow_link():
     """At an emulated 1 Mbit/s every sender measures about that rate and compresses. On the unlimited
-    loopback each message's transit (from the sender's stamp, without the wait for its compute) is a
-    fraction of a codec call, so every sender chooses ``none``."""
+    loopback each direction's rate (from the sender's stamp, less the handshake's ping latency) reads far
+    higher; with these 16 KB messages a codec call costs about as much as the transfer it saves on a loaded
+    machine (hadint4 chosen at 86-192 Mbit/s with a load average of 35-47, none on a quiet one), so the
+    choice there is not asserted: ``test_auto_link`` checks that an unlimited link chooses none."""
     results = run_distributed(_measured, 2, env=ENV, timeout=600)
     for rank, chosen in enumerate(results):
         for (direction, _, _), (codec, rate) in chosen["slow"].items():
             assert codec != "none" and 0.5e6 < rate < 1.1e6, (rank, direction, codec, rate)
     for rank, chosen in enumerate(results):
         for (direction, _, _), (codec, rate) in chosen["unlimited"].items():
-            assert codec == "none" and rate > 4e6, (rank, direction, codec, rate)
+            assert rate > 20e6, (rank, direction, codec, rate)

@@ -4,17 +4,15 @@ Pure decision logic (torch only to time and round-trip codecs); the pipeline tra
 and carries its decisions. Per link and direction:
 
 1. **Link rate** (``LinkRateMeter``): the transport records ``(wire bytes, seconds)`` of the real
-   transfers it makes anyway; every ``interval`` iterations (and at the handshake) ``measure()``
-   turns the transfers since the last measurement into a rate and its spread. A transfer's wall
-   time on the schedule includes waiting for the peer, and waiting only ever *adds* time, so the
-   estimate is the *upper quartile* of the per-transfer rates of the window's large messages
-   (those of at least half the largest size; smaller ones are mostly latency), and the spread is
-   the interquartile range (``quantile`` picks another order statistic: the pipeline transport
-   reads the fastest transfer, 1.0, see ``auto_link.py``). The first ``skip_first`` transfers of a meter are ignored (connection
-   set-up, allocator and kernel warm-up). Limitation: when (nearly) every transfer includes a wait,
-   e.g. a receiver that always posts long before its sender sends, the rate is underestimated,
-   which biases the choice towards compression; latency is folded into the rate at the measured
-   message size rather than estimated apart.
+   transfers it makes anyway (``auto_link.py``: each message's transit from its sender's stamp to its
+   completion at the receiver, reported back to the sender, less the link's latency measured at the
+   handshake); every ``interval`` iterations (and at the handshake) ``measure()`` turns the transfers
+   since the last measurement into a rate and its spread. A transit can only include extra time (the
+   receiver posting late, scheduling), never less, so the estimate is an upper order statistic of the
+   per-transfer rates of the window's large messages (those of at least half the largest size):
+   the upper quartile by default, and the spread is the interquartile range (``quantile`` picks
+   another: the pipeline transport reads the fastest transfer, 1.0). The first ``skip_first``
+   transfers of a meter are ignored (connection set-up, allocator and kernel warm-up).
 2. **Codec cost** (``CodecCostTable``): per candidate, encode and decode seconds at the link's
    message shape on this device (``codecs.timing.Stopwatch``: CUDA events on a GPU, wall time on
    the CPU; one untimed warm-up call, then the fastest of ``calls`` calls: contention from other
