@@ -118,13 +118,12 @@ def test_pp1_megatron_loop_laaq_with_selective_recompute_drops_attention_tensors
     # What attention saves of [b, heads, s, s] (micro-batch 2, 2 heads, fp32: scores' softmax output, the dropout
     # mask and the dropped probabilities, per layer) is kept by LAAQ alone and recomputed with selective.
     attention = 2 * (2 * 2 * 128 * 128) * (4 + 1 + 4)  # two layers
-    assert laaq["kept_bytes"] - both["kept_bytes"] >= attention, (laaq, both)
     assert laaq["raw_bytes"] - both["raw_bytes"] >= attention, (laaq, both)
+    assert laaq["stored_bytes"] - both["stored_bytes"] >= attention, (laaq, both)
     assert both["stored_bytes"] < 0.5 * laaq["stored_bytes"], (laaq, both)
-    print("DEBUG", laaq, both, [[r["lm_loss"] for r in v] for v in records.values()])  # TEMP
-    # Losses within 0.05 of the uncompressed run at every iteration (measured: ...).
+    # Losses within 0.01 of the uncompressed run at every iteration (measured: 3e-4 at most).
     off = [r["lm_loss"] for r in records["off"]]
     for name in ("laaq", "laaq_selective"):
         ours = [r["lm_loss"] for r in records[name]]
-        assert max(abs(a - b) for a, b in zip(off, ours)) < 0.05, (name, off, ours)
+        assert max(abs(a - b) for a, b in zip(off, ours)) < 0.01, (name, off, ours)
         assert ours[-1] < ours[0], (name, ours)
