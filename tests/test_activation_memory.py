@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import tiny_gpt
 from dist_utils import run_distributed
 from test_pretrain_gpt import corpus, flags, run  # noqa: F401 (corpus: the fixture)
 
-pytestmark = pytest.mark.distributed
 ENV = {"TRITON_INTERPRET": "1"}
 EXACT_ITERATIONS, LOSSY_ITERATIONS, LR = 2, 10, 3e-3
 
@@ -69,6 +69,7 @@ def _scenarios(rank, world_size):
     return tiny_gpt.plain(out)
 
 
+@pytest.mark.distributed
 def test_pp2_laaq_exact_when_off_memory_fraction_and_loss():
     results = run_distributed(_scenarios, 2, env=ENV, timeout=600)
     for stage, r in enumerate(results):
@@ -96,7 +97,58 @@ def test_pp2_laaq_exact_when_off_memory_fraction_and_loss():
     assert max(abs(a - b) for a, b in zip(base, laaq)) < 0.1, (base, laaq)
 
 
+# ----- the hooks and their accounting, on one process ----------------------------------------------------------
+def _place(quantize: bool, bits: int = 4):
+    import types
+
+    from megatron_tah.config import TahConfig
+    from megatron_tah.megatron.activation_memory import SavedTensorMemory
+
+    return types.SimpleNamespace(state={"memory": SavedTensorMemory(bits), "quantize": quantize},
+                                 config=TahConfig(tah_activation_memory="laaq", tah_backend="torch"))
+
+
+def _mlp(x, w1, w2):
+    return torch.nn.functional.gelu(x @ w1) @ w2
+
+
+def test_hooks_count_bytes_release_them_and_give_close_gradients():
+    from megatron_tah.kernels import laaq as kernels
+    from megatron_tah.megatron.activation_memory import _hooks
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g, requires_grad=True)
+    w1 = torch.nn.Parameter(torch.randn(128, 256, generator=g) / 12)
+    w2 = torch.nn.Parameter(torch.randn(256, 128, generator=g) / 16)
+    _mlp(x, w1, w2).square().sum().backward()
+    want = x.grad.clone()
+    for quantize in (False, True):
+        x.grad = None
+        place = _place(quantize)
+        memory = place.state["memory"]
+        with torch.autograd.graph.saved_tensors_hooks(*_hooks(place, quantize)):
+            loss = _mlp(x, w1, w2).square().sum()
+        # Saved: x (matmul 1), x @ w1 (gelu), gelu's output (matmul 2), the output (square); weights not counted.
+        sizes = [64 * 128, 64 * 256, 64 * 256, 64 * 128]
+        live = memory.peaks(reset=True)
+        assert live["raw_bytes"] == 4 * sum(sizes)
+        if quantize:
+            assert live["kept_bytes"] == 0 and live["stored_bytes"] == sum(kernels.nbytes(n, 4, 128) for n in sizes)
+        else:
+            assert live["stored_bytes"] == live["kept_bytes"] == live["raw_bytes"]
+        loss.backward()
+        del loss
+        assert memory.peaks(reset=True)["stored_bytes"] > 0  # the peak since the last reset ...
+        assert memory.peaks()["stored_bytes"] == memory.peaks()["raw_bytes"] == 0  # ... and everything released
+        if quantize:
+            err = ((x.grad - want).norm() / want.norm()).item()
+            assert 0 < err < 0.2, err
+        else:
+            assert torch.equal(x.grad, want)
+
+
 # ----- PP=1 through Megatron-LM's loop: LAAQ alone and with --recompute-granularity selective -----------------
+@pytest.mark.distributed
 def test_pp1_megatron_loop_laaq_with_selective_recompute_drops_attention_tensors_and_keeps_the_loss(
         corpus, tmp_path):
     """``python -m megatron_tah.pretrain_gpt`` at sequence 128 (so attention's ``[b, heads, s, s]`` tensors are

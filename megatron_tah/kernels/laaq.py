@@ -19,6 +19,8 @@ The launchers take plain tensors and ints; ``sections`` gives the named views of
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import geometry
@@ -27,21 +29,28 @@ from .fixedpoint import triton_fixedpoint_encode, triton_fixedpoint_decode
 SECTIONS = ("scale", "zero", "codes")
 
 
+@functools.lru_cache(maxsize=1024)
+def _offsets(numel: int, bits: int, block: int) -> tuple[tuple[str, int, int], ...]:
+    """(name, start, end) of each section (a saved tensor's shapes repeat every micro-batch: cached)."""
+    out, start = [], 0
+    for name, size in geometry.fixedpoint_sections((numel,), bits, block):
+        out.append((name, start, start + size))
+        start += size
+    return tuple(out)
+
+
 def nbytes(numel: int, bits: int, block: int) -> int:
     """Bytes of the buffer that holds ``numel`` elements at ``bits`` bits, one scale/zero per ``block``."""
-    return sum(size for _, size in geometry.fixedpoint_sections((numel,), bits, block))
+    return _offsets(numel, bits, block)[-1][2]
 
 
 def sections(buf: torch.Tensor, numel: int, bits: int, block: int) -> dict[str, torch.Tensor]:
     """``{"scale", "zero", "codes"}``: uint8 views of ``buf`` (1-D uint8 of ``nbytes(...)`` bytes)."""
-    views, start = {}, 0
-    for name, size in geometry.fixedpoint_sections((numel,), bits, block):
-        views[name] = buf[start:start + size]
-        start += size
-    if start != buf.numel() or buf.dtype != torch.uint8:
-        raise ValueError(f"laaq buffer: expected {start} uint8 bytes for {numel} elements at {bits} bits, "
+    offsets = _offsets(numel, bits, block)
+    if buf.numel() != offsets[-1][2] or buf.dtype != torch.uint8:
+        raise ValueError(f"laaq buffer: expected {offsets[-1][2]} uint8 bytes for {numel} elements at {bits} bits, "
                          f"block {block}; got {buf.numel()} {buf.dtype}")
-    return views
+    return {name: buf[start:end] for name, start, end in offsets}
 
 
 def triton_laaq_pack(x: torch.Tensor, bits: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -96,7 +96,7 @@ class SavedTensorMemory:
 
     def __init__(self, bits: int = 0):
         self.bits = bits
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a garbage collection inside ``add`` may release a tensor
         self._kept = self._quantized_raw = self._quantized = 0
         self._at_peak = (0, 0, 0)  # (kept, quantized_raw, quantized) when stored peaked
         self._peak_raw = 0
