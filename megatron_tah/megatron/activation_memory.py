@@ -18,7 +18,8 @@ forward pass runs under ``torch.autograd.graph.saved_tensors_hooks``:
   ``_checkpointed_attention_forward``, where megatron-core's ``--recompute-granularity selective``
   saves only query, key, value and the mask and recomputes the rest in backward. That combination
   is the intended one: without it, the ``s x s`` tensors dominate what a layer saves at long
-  sequences (``docs/PERFORMANCE.md``, LAAQ). Both wrappers are installed on the first layer call.
+  sequences (``docs/PERFORMANCE.md``, LAAQ); a run without recomputation logs a warning once. Both
+  wrappers are installed on the first layer call.
 * Not applied while autograd recomputes inside backward (activation recomputation), or when
   gradients are off (nothing is saved).
 
@@ -36,6 +37,7 @@ memory saving); quantizing attention probabilities instead of recomputing them.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -49,6 +51,8 @@ from .places import direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 MIN_NUMEL = 4096  # smaller saved tensors (norm statistics, masks) are kept
+
+logger = logging.getLogger(__name__)
 
 
 # ----- the quantizer: one buffer per tensor -----------------------------------------------------------
@@ -186,11 +190,15 @@ def _hooks(place, quantize: bool):
     return pack_hook, unpack_hook
 
 
-def _stage_setup(place) -> None:
+def _stage_setup(place, layer) -> None:
     """This rank's pipeline stage's bits (on the first layer call: parallel state is up by then)."""
     if place.state.get("ready"):
         return
     from megatron.core import parallel_state
+
+    if getattr(getattr(layer, "config", None), "recompute_granularity", None) is None:
+        logger.warning("megatron_tah: LAAQ keeps the core attention's saved tensors at full precision (with unfused "
+                       "attention, [b, heads, s, s] each); --recompute-granularity selective recomputes them instead")
 
     stage, stages = 0, 1
     if parallel_state.model_parallel_is_initialized():
@@ -206,7 +214,7 @@ def _saving(place, quantize):
         def forward(self, *args, **kwargs):
             if not torch.is_grad_enabled() or direction() == "backward":
                 return original(self, *args, **kwargs)
-            _stage_setup(place)
+            _stage_setup(place, self)
             if quantize():
                 attention = getattr(self, "self_attention", None)
                 core = getattr(attention, "core_attention", None)
