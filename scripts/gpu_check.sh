@@ -3,7 +3,8 @@
 # benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, the
 # static kernel report for comparison, and the pipeline table (scripts/gpu_pipeline.sh: training
 # runs at PP 2 and 4 sharing the GPU over slow links, docs/benchmarks/<gpu>-pipeline.{md,json,png};
-# about 15 minutes), and LAAQ on/off at PP=1 (issue 25: iteration time and peak memory, ~3 minutes).
+# about 15 minutes), and LAAQ at PP=1 with and without selective recompute (issue 25: iteration time and peak
+# memory, ~5 minutes).
 # Needs torch, triton, pytest and hypothesis; the pipeline step also megatron-core and the corpus.
 #
 #   scripts/gpu_check.sh            # all six steps
@@ -29,7 +30,7 @@ mkdir -p "$OUT_DIR"
 if [[ $STEP == all || $STEP == tests ]]; then
     # Byte-exactness against the torch references, compiled for this GPU.
     "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fixedpoint.py tests/test_kernels_fp8.py \
-        tests/test_kernels_tah.py tests/test_kernels_hadint.py tests/test_codec_lowrank.py \
+        tests/test_kernels_tah.py tests/test_kernels_hadint.py tests/test_kernels_laaq.py tests/test_codec_lowrank.py \
         -k "not lowrank or triton or sync"
 fi
 
@@ -58,15 +59,21 @@ if [[ $STEP == all || $STEP == pipeline ]]; then
 fi
 
 if [[ $STEP == all || $STEP == laaq ]]; then
-    # Issue 25: LAAQ off/on at PP=1, GPT-2-XL-like layers ([1024, 1, 1600] per micro-batch), LAAQ_LAYERS
-    # layers, LAAQ_ITERS iterations; Megatron's log gives the iteration time and the peak allocated memory.
-    for mode in none laaq; do
+    # Issue 25's LAAQ goal configuration at PP=1: 8 local layers, hidden 1024, 16 heads, seq 1024, micro-batch 4,
+    # bf16. Four runs: neither, LAAQ alone (attention's [b, heads, s, s] tensors kept), Megatron's selective
+    # recompute alone, and both (the intended combination). Megatron's log gives the iteration time (the last
+    # logged one of LAAQ_ITERS) and the peak allocated memory; the last lines compare each run with "none".
+    rm -f "$OUT_DIR/$GPU-laaq.txt"
+    for mode in none laaq selective laaq-selective; do
         dir="$OUT_DIR/$GPU-laaq-$mode"
         rm -rf "$dir" && mkdir -p "$dir"
-        if ! OUT="$dir/run" SAVE=none GPUS_PER_NODE=1 LAYERS="${LAAQ_LAYERS:-12}" TRAIN_ITERS="${LAAQ_ITERS:-30}" \
-                MICRO_BATCH=1 GLOBAL_BATCH=8 CODEC=none BWD_CODEC=none PYTHON="$PY" \
-                bash scripts/pretrain_gpt.sh 1 --tah-activation-memory "$mode" --log-interval 10 \
-                > "$dir/stdout.log" 2>&1; then
+        flags=(--tah-activation-memory none)
+        [[ $mode == laaq* ]] && flags=(--tah-activation-memory laaq)
+        [[ $mode == *selective ]] && flags+=(--recompute-granularity selective)
+        if ! OUT="$dir/run" SAVE=none GPUS_PER_NODE=1 LAYERS=8 TRAIN_ITERS="${LAAQ_ITERS:-30}" \
+                MICRO_BATCH=4 GLOBAL_BATCH=32 CODEC=none BWD_CODEC=none PYTHON="$PY" \
+                bash scripts/pretrain_gpt.sh 1 --hidden-size 1024 --num-attention-heads 16 --transformer-impl local \
+                "${flags[@]}" --log-interval 10 > "$dir/stdout.log" 2>&1; then
             echo "gpu_check: laaq $mode failed (last lines of $dir/stdout.log):" >&2
             tail -n 20 "$dir/stdout.log" >&2
             continue
@@ -75,4 +82,14 @@ if [[ $STEP == all || $STEP == laaq ]]; then
         peak_mb=$(grep -o 'max allocated: [0-9.]*' "$dir/stdout.log" | tail -1 | awk '{print $NF}')
         echo "laaq $mode: iteration ${iter_ms:-?} ms, peak allocated ${peak_mb:-?} MB" | tee -a "$OUT_DIR/$GPU-laaq.txt"
     done
+    "$PY" - "$OUT_DIR/$GPU-laaq.txt" <<'EOF' | tee -a "$OUT_DIR/$GPU-laaq.txt"
+import re, sys
+runs = {m: (float(ms), float(mb)) for m, ms, mb in
+        re.findall(r"laaq (\S+): iteration ([0-9.]+) ms, peak allocated ([0-9.]+) MB", open(sys.argv[1]).read())}
+if "none" in runs:
+    base_ms, base_mb = runs["none"]
+    for mode, (ms, mb) in runs.items():
+        print(f"laaq {mode} vs none: peak allocated {100 * (1 - mb / base_mb):.1f} % lower, iteration time "
+              f"{100 * (ms / base_ms - 1):+.1f} % (goal for laaq-selective: >= 40 % lower at <= +10 %)")
+EOF
 fi

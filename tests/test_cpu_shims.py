@@ -31,6 +31,7 @@ def _originals() -> dict:
         "Tensor.cuda own": "cuda" in torch.Tensor.__dict__, "Module.cuda": torch.nn.Module.__dict__["cuda"],
         "warmup": initialize._warmup_jit_function, "iterators": training.build_train_valid_test_data_iterators,
         "softmax": FusedScaleMaskSoftmax.__dict__["is_kernel_available"],
+        "get rng": random._get_cuda_rng_state, "set rng": random._set_cuda_rng_state,
     })
     return found
 

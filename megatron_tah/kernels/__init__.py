@@ -2,7 +2,8 @@
 
 One module per codec (``fixedpoint``, ``hadint``, ``tah`` with its bit allocation in ``tah_alloc``, ``fp8``),
 each exposing ``triton_<codec>_encode`` / ``triton_<codec>_decode`` launchers that fill or read
-the same wire sections, byte for byte, as the codec's torch reference (``codecs/``). Shared
+the same wire sections, byte for byte, as the codec's torch reference (``codecs/``); ``laaq`` packs
+tensors saved for backward (memory, no wire header) with the ``fixedpoint`` kernels. Shared
 ``@triton.jit`` helpers (the tile blocks, butterfly Hadamard, tree sums, directed rounding, the
 quantizer, bit packing) and the launch/recording machinery live in ``common``.
 

@@ -3,122 +3,163 @@
 ``install(place)`` wraps megatron-core's ``TransformerLayer.forward`` so that each layer's
 forward pass runs under ``torch.autograd.graph.saved_tensors_hooks``:
 
-* **pack**: a floating-point tensor of at least ``MIN_NUMEL`` elements that is not a parameter
-  (or a view of one) is flattened and encoded with the ``fixedpoint`` codec -- asymmetric
-  blockwise quantization, one bf16 scale and zero per block of ``tah_laaq_block_size``
-  consecutive elements -- at this pipeline stage's bit width (``TahConfig.laaq_stage_bits``:
-  bits grow with the stage, since early stages of a 1F1B schedule hold more micro-batches);
-  the full-precision tensor is then free to go. Everything else is kept as it is.
-* **unpack** (in backward): decodes to the original shape and dtype.
-* **attention inputs are kept**: the layer's ``self_attention.core_attention`` (whatever class the
-  layer spec chose) runs under hooks that keep its saved tensors (query, key, value, scores,
-  probabilities) at full precision. Its class's ``forward`` is wrapped on the first layer call.
-* Not applied while autograd recomputes a layer inside backward (activation recomputation), or
-  when gradients are off (nothing is saved).
+* **pack**: a floating-point tensor (fp32, fp16, bf16) of at least ``MIN_NUMEL`` elements that is
+  not a parameter (or a view of one) is packed by ``pack`` into one uint8 buffer -- blockwise
+  asymmetric quantization, one bf16 scale and zero per ``tah_laaq_block_size`` consecutive elements,
+  no header (format: ``kernels/laaq.py``) -- at this pipeline stage's bit width
+  (``TahConfig.laaq_stage_bits``: bits grow with the stage, since early stages of a 1F1B schedule
+  hold more micro-batches). One fused launch on CUDA (``backend`` auto/triton), the torch reference
+  (``codecs/common``'s quantizer, the same bytes) otherwise; no host sync either way. The
+  full-precision tensor is then free to go. Everything else is kept as it is.
+* **unpack** (in backward): one launch back to the original shape and dtype (contiguous).
+* **attention's own tensors are kept**: the layer's ``self_attention.core_attention`` (whatever class
+  the layer spec chose) runs under hooks that keep what it saves (query, key, value and, unless
+  recomputed, the ``[b, heads, s, s]`` scores and probabilities) at full precision; so does
+  ``_checkpointed_attention_forward``, where megatron-core's ``--recompute-granularity selective``
+  saves only query, key, value and the mask and recomputes the rest in backward. That combination
+  is the intended one: without it, the ``s x s`` tensors dominate what a layer saves at long
+  sequences (``docs/PERFORMANCE.md``, LAAQ); a run without recomputation logs a warning once. Both
+  wrappers are installed on the first layer call.
+* Not applied while autograd recomputes inside backward (activation recomputation), or when
+  gradients are off (nothing is saved).
 
-Memory accounting (this rank): every tensor the hooks hand to autograd is tracked until autograd
-drops it. ``raw`` counts what would have been held without LAAQ (distinct storages of kept
-tensors, ``numel * element_size`` of quantized ones), ``stored`` what is held (kept storages plus
-the codec buffers); parameters are not counted. ``peaks(reset)`` returns the peaks since the last
-reset, and is the statistics' memory source (``place.stats.memory_source``: ``saved_memory``). With
-``place.state["quantize"] = False`` the hooks only measure (used to compare with LAAQ off).
-Not done: recomputing norms and activation functions instead of storing their inputs (AGoQ's
-other memory saving), Triton kernels for this path (it uses the codec's; ``fixedpoint`` has them).
+Memory accounting (this rank), a counter per pack and per release, no host sync, no per-tensor
+table: ``raw`` counts what the saved tensors span without LAAQ (``numel * element_size`` of every
+tensor handed to autograd: a tensor saved by two operations counts twice, a view counts its own
+elements), ``stored`` what is held (kept tensors so counted, plus the quantized buffers); parameters
+are not counted. A release is counted when autograd drops the packed object. ``peaks(reset)``
+returns the peaks since the last reset, and is the statistics' memory source
+(``place.stats.memory_source``: ``saved_memory``). With ``place.state["quantize"] = False`` the hooks
+only measure (used to compare with LAAQ off).
+Not done: recomputing norms and activation functions instead of storing their inputs (AGoQ's other
+memory saving); quantizing attention probabilities instead of recomputing them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
-import weakref
 
 import torch
 
+from ..codecs import common
 from ..codecs.base import SUPPORTED_DTYPES
+from ..kernels import HAVE_TRITON
+from ..kernels import laaq as kernels
 from .places import direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 MIN_NUMEL = 4096  # smaller saved tensors (norm statistics, masks) are kept
 
+logger = logging.getLogger(__name__)
 
+
+# ----- the quantizer: one buffer per tensor -----------------------------------------------------------
+def _use_triton(backend: str, device: torch.device) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    return device.type == "cuda" and HAVE_TRITON
+
+
+def pack(x: torch.Tensor, bits: int, block: int, backend: str = "auto") -> torch.Tensor:
+    """``x`` (fp32/fp16/bf16, any layout) as a uint8 buffer of ``kernels.laaq.nbytes(x.numel(), bits, block)``
+    bytes (format: ``kernels/laaq.py``). ``backend``: auto (Triton on CUDA), torch or triton."""
+    x = x.detach().contiguous()
+    if _use_triton(backend, x.device):
+        return kernels.triton_laaq_pack(x, bits, block)
+    tiles, bad = common.to_tiles(x.reshape(1, -1), block)
+    codes, scale, zero = common.quantize_tiles(tiles, 2**bits - 1, bad)
+    return torch.cat([scale.reshape(-1).view(torch.uint8), zero.reshape(-1).view(torch.uint8),
+                      common.pack_bits(codes, bits)])
+
+
+def unpack(buf: torch.Tensor, shape, dtype: torch.dtype, bits: int, block: int, backend: str = "auto") -> torch.Tensor:
+    """Inverse of ``pack``: a new contiguous tensor of ``shape`` and ``dtype``."""
+    if _use_triton(backend, buf.device):
+        return kernels.triton_laaq_unpack(buf, shape, dtype, bits, block)
+    numel = math.prod(shape)
+    views = kernels.sections(buf, numel, bits, block)
+    blocks = views["scale"].numel() // 2
+    codes = common.unpack_bits(views["codes"], bits, blocks * block).reshape(blocks, block)
+    values = common.dequantize_tiles(codes, views["scale"].view(torch.bfloat16), views["zero"].view(torch.bfloat16))
+    return common.from_tiles(values, (1, numel), dtype).view(shape)
+
+
+# ----- accounting ----------------------------------------------------------------------------------
 class SavedTensorMemory:
     """Live and peak bytes of the tensors saved for backward inside transformer layers.
 
     ``peaks()`` reports the peak of what was held (``stored_bytes``) with its make-up at that
-    moment -- ``kept_bytes`` (full-precision storages) and ``quantized_raw_bytes`` /
+    moment -- ``kept_bytes`` (full-precision tensors) and ``quantized_raw_bytes`` /
     ``quantized_bytes`` (the quantized tensors before / after) -- and the peak of what would have
     been held without quantization (``raw_bytes``).
     """
 
     def __init__(self, bits: int = 0):
         self.bits = bits
-        self._lock = threading.Lock()
-        self._storages: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        self._live = {"kept": 0, "quantized_raw": 0, "quantized": 0}
-        self._at_peak = dict(self._live)
+        self._lock = threading.RLock()  # re-entrant: a garbage collection inside ``add`` may release a tensor
+        self._kept = self._quantized_raw = self._quantized = 0
+        self._at_peak = (0, 0, 0)  # (kept, quantized_raw, quantized) when stored peaked
         self._peak_raw = 0
 
-    def _change(self, sign: int, kept: int = 0, quantized_raw: int = 0, quantized: int = 0) -> None:
+    def add(self, kept: int, quantized_raw: int, quantized: int) -> None:
         with self._lock:
-            live = self._live
-            live["kept"] += sign * kept
-            live["quantized_raw"] += sign * quantized_raw
-            live["quantized"] += sign * quantized
-            if sign > 0:
-                self._peak_raw = max(self._peak_raw, live["kept"] + live["quantized_raw"])
-                if live["kept"] + live["quantized"] > self._at_peak["kept"] + self._at_peak["quantized"]:
-                    self._at_peak = dict(live)
+            self._kept += kept
+            self._quantized_raw += quantized_raw
+            self._quantized += quantized
+            raw = self._kept + self._quantized_raw
+            if raw > self._peak_raw:
+                self._peak_raw = raw
+            at = self._at_peak
+            if self._kept + self._quantized > at[0] + at[2]:
+                self._at_peak = (self._kept, self._quantized_raw, self._quantized)
 
-    def track_quantized(self, packed, raw: int, stored: int) -> None:
-        self._change(+1, quantized_raw=raw, quantized=stored)
-        weakref.finalize(packed, self._change, -1, 0, raw, stored)
-
-    def track_kept(self, packed, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+    def remove(self, kept: int, quantized_raw: int, quantized: int) -> None:
         with self._lock:
-            entry = self._storages.setdefault(key, [0, nbytes])
-            entry[0] += 1
-            first = entry[0] == 1
-        if first:
-            self._change(+1, kept=nbytes)
-        weakref.finalize(packed, self._release, key)
-
-    def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self._storages[key]
-            entry[0] -= 1
-            if entry[0]:
-                return
-            del self._storages[key]
-        self._change(-1, kept=entry[1])
+            self._kept -= kept
+            self._quantized_raw -= quantized_raw
+            self._quantized -= quantized
 
     def peaks(self, reset: bool = True) -> dict:
         """``{"bits", "raw_bytes", "stored_bytes", "kept_bytes", "quantized_raw_bytes", "quantized_bytes"}``
         since the last reset (a reset restarts the peaks at the live values)."""
         with self._lock:
-            at = self._at_peak
-            result = {"bits": self.bits, "raw_bytes": self._peak_raw, "stored_bytes": at["kept"] + at["quantized"],
-                      "kept_bytes": at["kept"], "quantized_raw_bytes": at["quantized_raw"],
-                      "quantized_bytes": at["quantized"]}
+            kept, quantized_raw, quantized = self._at_peak
+            result = {"bits": self.bits, "raw_bytes": self._peak_raw, "stored_bytes": kept + quantized,
+                      "kept_bytes": kept, "quantized_raw_bytes": quantized_raw, "quantized_bytes": quantized}
             if reset:
-                self._at_peak = dict(self._live)
-                self._peak_raw = self._live["kept"] + self._live["quantized_raw"]
+                self._at_peak = (self._kept, self._quantized_raw, self._quantized)
+                self._peak_raw = self._kept + self._quantized_raw
         return result
 
 
 class _Quantized:
-    __slots__ = ("buf", "shape", "dtype", "__weakref__")
+    """A packed saved tensor: its buffer, what ``unpack`` needs, and its bytes (released on deletion)."""
 
-    def __init__(self, buf, shape, dtype):
-        self.buf, self.shape, self.dtype = buf, shape, dtype
+    __slots__ = ("buf", "shape", "dtype", "raw", "memory")
+
+    def __init__(self, buf, shape, dtype, raw, memory):
+        self.buf, self.shape, self.dtype, self.raw, self.memory = buf, shape, dtype, raw, memory
+        memory.add(0, raw, buf.numel())
+
+    def __del__(self):
+        self.memory.remove(0, self.raw, self.buf.numel())
 
 
 class _Kept:
-    __slots__ = ("tensor", "__weakref__")
+    """A saved tensor kept as it is, counted while autograd holds it."""
 
-    def __init__(self, tensor):
-        self.tensor = tensor
+    __slots__ = ("tensor", "nbytes", "memory")
+
+    def __init__(self, tensor, memory):
+        self.tensor, self.nbytes, self.memory = tensor, tensor.numel() * tensor.element_size(), memory
+        memory.add(self.nbytes, 0, 0)
+
+    def __del__(self):
+        self.memory.remove(self.nbytes, 0, 0)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -127,68 +168,62 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 def _hooks(place, quantize: bool):
     memory: SavedTensorMemory = place.state["memory"]
-    codec = place.state["codec"]
+    bits, block, backend = memory.bits, place.config.tah_laaq_block_size, place.config.tah_backend
 
-    def pack(t):
+    def pack_hook(t):
         if _is_parameter(t):
             return t
         if quantize and t.dtype in SUPPORTED_DTYPES and t.numel() >= MIN_NUMEL:
             with torch.no_grad():
-                packed = _Quantized(codec.encode(t.detach().reshape(-1)), t.shape, t.dtype)
-            memory.track_quantized(packed, t.numel() * t.element_size(), packed.buf.numel())
-            return packed
-        packed = _Kept(t)
-        memory.track_kept(packed, t)
-        return packed
+                buf = pack(t, bits, block, backend)
+            return _Quantized(buf, t.shape, t.dtype, t.numel() * t.element_size(), memory)
+        return _Kept(t, memory)
 
-    def unpack(packed):
+    def unpack_hook(packed):
         if isinstance(packed, _Quantized):
             with torch.no_grad():
-                return codec.decode(packed.buf, (math.prod(packed.shape),), packed.dtype).view(packed.shape)
+                return unpack(packed.buf, packed.shape, packed.dtype, bits, block, backend)
         if isinstance(packed, _Kept):
             return packed.tensor
         return packed
 
-    return pack, unpack
+    return pack_hook, unpack_hook
 
 
-def _stage_setup(place) -> None:
-    """Bits and codec for this rank's pipeline stage (on the first layer call: parallel state is up by then)."""
-    if "codec" in place.state:
+def _stage_setup(place, layer) -> None:
+    """This rank's pipeline stage's bits (on the first layer call: parallel state is up by then)."""
+    if place.state.get("ready"):
         return
     from megatron.core import parallel_state
+
+    if getattr(getattr(layer, "config", None), "recompute_granularity", None) is None:
+        logger.warning("megatron_tah: LAAQ keeps the core attention's saved tensors at full precision (with unfused "
+                       "attention, [b, heads, s, s] each); --recompute-granularity selective recomputes them instead")
 
     stage, stages = 0, 1
     if parallel_state.model_parallel_is_initialized():
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
-    place.state["codec"] = place.config.laaq_codec(stage, stages)
     place.state["memory"].bits = place.config.laaq_stage_bits(stage, stages)
+    place.state["ready"] = True
 
 
-def _keeping(place):
-    def make(original):
-        def forward(self, *args, **kwargs):
-            pack, unpack = _hooks(place, quantize=False)
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return original(self, *args, **kwargs)
-
-        return forward
-
-    return make
-
-
-def _quantizing(place):
+def _saving(place, quantize):
+    """A wrapper factory: run ``forward`` under the hooks (``quantize`` a callable: read per call)."""
     def make(original):
         def forward(self, *args, **kwargs):
             if not torch.is_grad_enabled() or direction() == "backward":
                 return original(self, *args, **kwargs)
-            _stage_setup(place)
-            core = getattr(getattr(self, "self_attention", None), "core_attention", None)
-            if core is not None:
-                place.patches.wrap(type(core), "forward", _keeping(place))  # once per class (marker)
-            pack, unpack = _hooks(place, quantize=place.state["quantize"])
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            _stage_setup(place, self)
+            if quantize():
+                attention = getattr(self, "self_attention", None)
+                core = getattr(attention, "core_attention", None)
+                if core is not None:  # once per class (marker)
+                    place.patches.wrap(type(core), "forward", _saving(place, lambda: False))
+                if hasattr(attention, "_checkpointed_attention_forward"):
+                    place.patches.wrap(type(attention), "_checkpointed_attention_forward", _saving(place, lambda: False))
+            pack_hook, unpack_hook = _hooks(place, quantize=quantize())
+            with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
                 return original(self, *args, **kwargs)
 
         return forward
@@ -200,7 +235,7 @@ def install(place) -> None:
     """Store what transformer layers save for backward in ``laaq`` form, and measure it."""
     place.state.setdefault("quantize", True)
     place.state["memory"] = SavedTensorMemory()
-    place.patches.wrap(LAYER, "forward", _quantizing(place))
+    place.patches.wrap(LAYER, "forward", _saving(place, lambda: place.state["quantize"]))
     place.stats.memory_source = place.state["memory"].peaks
 
 

@@ -34,6 +34,11 @@ same calls exist in 0.20 (Megatron-LM ``main``).
    whether to require ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor or context parallelism (a
    CUDA kernel-ordering requirement, gone since Blackwell): on the CPU, which runs everything in
    order, it answers 10, so ``--tensor-model-parallel-size`` > 1 validates.
+9. **Activation recomputation** (``random.py:528``/``:538``: ``CheckpointFunction``, used by
+   ``--recompute-granularity selective`` and ``full``, saves and restores the CUDA generator state
+   through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``): there is no CUDA generator, so the
+   state is empty and setting it does nothing; the CPU generator and the tracker's (CPU, item 4)
+   states, which dropout draws from here, are saved and restored by the same code as before.
 
 ``apply_cpu_shims()`` installs all of them when ``torch.cuda.is_available()`` is False (or with
 ``force=True``, for tests) and returns whether they are active; ``remove_cpu_shims()`` restores
@@ -238,6 +243,13 @@ def _unavailable(original):
     return run
 
 
+def _no_cuda_rng_state(original):
+    def get_state(*args, **kwargs):
+        return torch.empty(0, dtype=torch.uint8)
+
+    return get_state
+
+
 def _in_order_device(original):
     def get_device_arch_version():
         return 10  # no CUDA kernel-ordering requirement (see item 8)
@@ -296,6 +308,8 @@ def apply_cpu_shims(force: bool = False) -> bool:
         patches.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
         patches.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
         patches.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device)
+        patches.wrap("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state)
+        patches.wrap("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped)
     except Exception:
         patches.restore()
         raise
