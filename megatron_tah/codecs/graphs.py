@@ -12,7 +12,7 @@ next replay). Messages above ``MAX_GRAPH_NUMEL`` elements stay eager: there the 
 the copies would cost more than the launches saved.
 
 Eager fallback, with one log line per codec object and reason (``GraphedCodec.eager_reasons``; wrappers
-given one ``logged`` set, as the pipeline's link ends are, log each codec and reason once between them):
+given one ``logged`` set, as the pipeline's link ends are, log each reason once between them):
 
 * tensors not on a CUDA device (``CudaGraphs.unavailable``);
 * ``none``: its encode and decode are one copy each, which a replay's copies in and out would triple;
@@ -100,7 +100,7 @@ class GraphedCodec:
         self.max_numel = int(max_numel)
         self._captures: dict[tuple, _Capture] = {}
         self.eager_reasons: dict[tuple, str] = {}
-        self._logged: set[tuple[str, str]] = set() if logged is None else logged  # (codec, reason) logged
+        self._logged: set[str] = set() if logged is None else logged  # the reasons logged
 
     def __getattr__(self, name):
         if name == "codec":  # (not set yet: while unpickling or copying)
@@ -145,8 +145,8 @@ class GraphedCodec:
 
     def _eager(self, key: tuple, reason: str) -> None:
         self.eager_reasons[key] = reason
-        if (self.codec.describe(), reason) not in self._logged:
-            self._logged.add((self.codec.describe(), reason))
+        if reason not in self._logged:
+            self._logged.add(reason)
             logger.info("megatron_tah: %s %s runs eagerly, no CUDA graph: %s", self.codec.describe(), key[0], reason)
 
     def _lookup(self, key: tuple, op: str, shape, device) -> _Capture | None:

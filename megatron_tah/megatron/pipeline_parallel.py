@@ -27,6 +27,14 @@ uint8 buffer:
   per iteration in lockstep with its peer; its messages carry an 8-byte announcement after the codec
   buffer (wire format and protocol in ``auto_link.py``); the transfers' bytes and seconds feed its
   rate meter.
+* CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
+  ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and
+  replayed. A replayed decode writes the graph's static output and copies it into Megatron's receive
+  tensor (one device copy): Megatron allocates a new receive tensor per message, so a capture per
+  receive pointer would never be replayed. Eager where a graph cannot replay the call (CPU tensors,
+  ``none``, AQ-SGD, stochastic rounding, ...), with one log line per reason for all link ends together.
+  Auto links stay eager: their cost table times each candidate's eager call and the sender folds its
+  measured encode time into that table (``auto_link.py``); a replayed current codec would skew the choice.
 * Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
 * Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
@@ -53,6 +61,7 @@ import time
 import torch
 
 from ..codecs import Codec, PayloadChecksumError, get_codec, timing
+from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
 from .auto_link import ANNOUNCEMENT_NBYTES, AutoEnd
 from .emulate import LinkEmulator
@@ -78,7 +87,7 @@ class Link:
     direction: str
     role: str
     peer: int
-    codec: Codec  # auto: the codec of the current iteration
+    codec: Codec | GraphedCodec  # auto: the codec of the current iteration
     messages: int = 0  # messages through this end so far
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto_link.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
@@ -132,6 +141,11 @@ class PipelineTransport:
         self.checked_groups: set[int] = set()
         self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
+        self.graphs = CudaGraphs  # how the link ends' GraphedCodecs capture (tests give a fake)
+        self.graph_log: set[str] = set()  # the eager fallbacks' reasons logged, shared by the link ends
+        if not config.tah_eager_codecs and (config.is_auto("forward") or config.is_auto("backward")):
+            logger.info("megatron_tah: auto links call their codecs eagerly, no CUDA graphs: the choice compares "
+                        "eager costs")
 
     # ----- link ends and their codecs ----------------------------------------------------
     def link(self, direction: str, role: str, peer: int) -> Link:
@@ -143,7 +157,8 @@ class PipelineTransport:
                 return self.links[key]
             codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
             # Only used after check_group compared the link's configs: headers are checked on the device.
-            self.links[key] = Link(direction, role, int(peer), codec.defer_checks())
+            codec = place_codec(codec, self.config.tah_eager_codecs, self.graphs, self.graph_log)
+            self.links[key] = Link(direction, role, int(peer), codec)
         return self.links[key]
 
     def record_transfer(self, link: Link, nbytes: int, seconds: float) -> None:
@@ -215,7 +230,7 @@ class PipelineTransport:
             rel_error = None
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
-                rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
+                rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
             if link.auto is not None:
                 buf = link.auto.sent(buf, encode_seconds)
                 rate = link.auto.rate
