@@ -189,3 +189,30 @@ def test_tah_keeps_its_rotated_fraction_in_place_so_replays_refresh_it():
         kept = wrapped.codec._rotated if kept is None else kept
         assert wrapped.codec._rotated is kept  # one buffer, written in place (what a graph replays into)
     assert wrapped.graphs.replays == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh tests)")
+@pytest.mark.parametrize("name", CAPTURABLE)
+def test_real_graphs_on_a_gpu_replay_the_eager_bytes(name):
+    """torch.cuda.CUDAGraph, as the places build it: the codecs with a Triton path are captured and their
+    replays give eager's bytes, values and statistics (tah's rotated fraction from the first call on); the
+    others either are captured or say why not (their torch path may sync)."""
+    options = CAPTURABLE[name]
+    reference = get_codec(name, **options).defer_checks()
+    wrapped, decoder = place_codec(get_codec(name, **options)), place_codec(get_codec(name, **options))
+    for x in messages():
+        x = x.cuda()
+        buf = wrapped.encode(x)
+        assert torch.equal(buf, reference.encode(x))
+        if name == "tah":
+            assert torch.equal(wrapped.last_rotated, reference.last_rotated)
+        out = torch.empty_like(x)
+        assert decoder.decode(buf, x.shape, x.dtype, out=out) is out
+        assert torch.equal(out.nan_to_num(7.0), reference.decode(buf, x.shape, x.dtype).nan_to_num(7.0))
+    decoder.raise_deferred_errors(wait=True)
+    key = (SHAPE, torch.bfloat16, str(x.device))
+    if reference.has_triton_path():
+        assert (wrapped.captured, decoder.captured) == ([("encode", *key)], [("decode", *key)])
+    else:
+        for graphed_codec, op in ((wrapped, "encode"), (decoder, "decode")):
+            assert graphed_codec.captured == [(op, *key)] or "capture failed" in graphed_codec.eager_reasons[(op, *key)]

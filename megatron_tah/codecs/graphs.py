@@ -67,7 +67,9 @@ class CudaGraphs:
             fn()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: only this thread's calls are checked; a training run's other threads (NCCL's watchdog
+        # querying events, gloo, data loaders) may keep calling CUDA while this one captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
         return graph.replay
 
