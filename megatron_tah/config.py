@@ -134,6 +134,9 @@ class TahConfigBase:
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
     """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError naming the link and iteration instead of reaching the model silently. Both stages must agree. Off by default (the rule: on when it costs under 2% of the codec's time): on CPU it costs more than that for the 6-bit fixedpoint backward codec (scripts/bench_codecs.py --checksum; docs/benchmarks/cpu-checksum.json, pct_of_codec); the GPU's cost is not measured yet."""
 
+    tah_eager_codecs: bool = False
+    """Call the codecs eagerly on GPUs. By default the pipeline's link ends and the TP/DP collectives capture each codec call once per message shape as a CUDA graph and replay it (fewer launches; one log line per reason a call stays eager: CPU tensors, the none codec, AQ-SGD, stochastic rounding, a failed capture); this turns that off, to compare or to rule it out."""
+
     tah_error_sample_interval: int = 16
     """Measure the relative round-trip error on one message in this many (0: never)."""
 

@@ -32,6 +32,8 @@ if [[ $STEP == all || $STEP == tests ]]; then
     "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fixedpoint.py tests/test_kernels_fp8.py \
         tests/test_kernels_tah.py tests/test_kernels_hadint.py tests/test_kernels_laaq.py tests/test_codec_lowrank.py \
         -k "not lowrank or triton or sync"
+    # The codecs replayed from real CUDA graphs, as the pipeline's links and the TP/DP collectives call them.
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_codec_graphs.py -k "gpu"
 fi
 
 if [[ $STEP == all || $STEP == bench ]]; then

@@ -2,8 +2,9 @@
 """Where a codec's encode/decode time goes on a GPU: the host launching kernels vs the device running them.
 
 For each codec (fused Triton path, deferred checks) at one shape, after a warm-up, per call and for two
-paths, ``eager`` (the codec's own call) and ``graph`` (``megatron_tah.codecs.graphs.GraphedCodec``: the
-call replayed from a CUDA graph, its input and output copies included):
+paths, ``eager`` (the codec's own call) and ``graph`` (``megatron_tah.codecs.graphs.place_codec``, the
+``GraphedCodec`` the pipeline's links and the TP/DP collectives call: the call replayed from a CUDA graph,
+its input and output copies included):
   * ``host``: microseconds the host spends in the call (perf_counter, the device idle beforehand);
   * ``device``: CUDA-event time of the call on the stream, as ``scripts/bench_codecs.py`` measures it.
     When eager ``device`` is close to ``host`` the host (Python, launch latency) is the bottleneck;
@@ -34,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_codecs import CODECS, parse_shape  # noqa: E402
 from megatron_tah.codecs import get_codec  # noqa: E402
-from megatron_tah.codecs.graphs import GraphedCodec  # noqa: E402
+from megatron_tah.codecs.graphs import place_codec  # noqa: E402
 from megatron_tah.codecs.samples import activation_like  # noqa: E402
 
 
@@ -125,8 +126,8 @@ def main(argv=None) -> int:
         if name == "aqsgd":
             print(f"{label:>20}: needs sample ids (bench_codecs.py times it); not capturable")
             continue
-        codec = get_codec(name, backend="triton", **config).defer_checks()
-        graphed = GraphedCodec(get_codec(name, backend="triton", **config).defer_checks())
+        codec = place_codec(get_codec(name, backend="triton", **config), eager=True)
+        graphed = place_codec(get_codec(name, backend="triton", **config))  # as the pipeline's links and TP/DP
         out = torch.empty_like(x)
         buf = codec.encode(x)
         paths = {

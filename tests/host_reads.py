@@ -3,6 +3,9 @@
 On a GPU each of these is a device-to-host copy and a sync, which a CUDA graph cannot capture; on
 the CPU they are the same calls, so a test that runs a codec's path under this context on the CPU
 fails wherever the GPU path would sync (torch.cuda.set_sync_debug_mode needs a GPU).
+
+``FakeGraphs`` stands in for ``codecs.graphs.CudaGraphs`` on the CPU: a capture runs the call once (the
+warm-up), a replay runs it again under ``no_host_reads``.
 """
 
 import contextlib
@@ -32,3 +35,28 @@ def no_host_reads():
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+class FakeGraphs:
+    """Capture = the warm-up call; replay = the call again, failing on any host read (unless ``strict=False``)."""
+
+    def __init__(self, strict=True):
+        self.captures = 0
+        self.replays = 0
+        self.strict = strict
+
+    def unavailable(self, device):
+        return None
+
+    def capture(self, fn, device):
+        fn()
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            if not self.strict:
+                return fn()
+            with no_host_reads():
+                fn()
+
+        return replay

@@ -9,7 +9,8 @@ import torch
 
 from megatron_tah.codecs import CODECS, PayloadChecksumError, WireFormatError, get_codec
 from megatron_tah.codecs.base import CHECKSUM_OFFSET, HEADER_NBYTES, WIRE_VERSION, link_text
-from megatron_tah.codecs.checksum import CHUNK, PRIME, checksum_bytes, payload_checksum
+from megatron_tah.codecs import checksum as checksum_module
+from megatron_tah.codecs.checksum import CHUNK, PRIME, PayloadChecksum, checksum_bytes, payload_checksum
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.config import TahConfig
 
@@ -78,13 +79,28 @@ def test_checksum_is_the_same_for_any_view_of_the_same_bytes():
 def test_checksum_is_the_same_on_cuda_without_a_host_sync():
     payload = torch.randint(0, 256, (2 * CHUNK + 10,), dtype=torch.uint8)
     on_device = payload.cuda()
-    checksum_bytes(payload_checksum(on_device))  # (fills the per-device caches)
+    checksum = PayloadChecksum()
+    checksum.field(checksum.value(on_device))  # (makes its constants on the device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        field = checksum_bytes(payload_checksum(on_device))
+        field = checksum.field(checksum.value(on_device))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert field.cpu().tolist() == checksum_bytes(payload_checksum(payload)).tolist()
+
+
+def test_the_constants_live_on_each_codec_and_the_module_keeps_no_state():
+    sender, receiver = make("fixedpoint"), make("fixedpoint")
+    buf = sender.encode(activation_like(SHAPE, dtype=torch.bfloat16, seed=1))
+    receiver.decode(buf, SHAPE, torch.bfloat16)
+    assert not bool(receiver.checksum_mismatch(buf))
+    mine, theirs = sender.payload_checksum, receiver.payload_checksum
+    assert mine is not theirs and mine.weights(buf.device) is mine.weights(buf.device)
+    assert torch.equal(mine.weights(buf.device), theirs.weights(buf.device))
+    assert set(mine._weights) == set(theirs._weights) == {"cpu"}  # made on first use, per device
+    state = [name for name, value in vars(checksum_module).items()
+             if isinstance(value, (dict, list, set, torch.Tensor)) and not name.startswith("__")]
+    assert state == []
 
 
 def test_every_single_byte_change_and_word_swap_is_detected():

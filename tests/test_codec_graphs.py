@@ -1,53 +1,28 @@
 """codecs/graphs.py on the CPU: what is captured (one graph per op, shape, dtype, device), the eager
-fallbacks and their one log line, and that replays give eager's bytes and values. A fake graph stands
-in for torch.cuda.CUDAGraph: its capture runs the call once (the warm-up) and its replay re-runs the
-call under ``no_host_reads`` (what a real capture would reject). The real capture runs in
-scripts/profile_codecs.py on a GPU."""
+fallbacks and their one log line, and that replays give eager's bytes and values. A fake graph
+(``host_reads.FakeGraphs``) stands in for torch.cuda.CUDAGraph: its capture runs the call once (the
+warm-up) and its replay re-runs the call under ``no_host_reads`` (what a real capture would reject).
+The real capture runs in scripts/profile_codecs.py on a GPU; the places' use in test_place_graphs.py."""
 
 import logging
 
 import pytest
 import torch
 
-from host_reads import HostRead, no_host_reads
+from host_reads import FakeGraphs, HostRead, no_host_reads
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
-from megatron_tah.codecs.graphs import CudaGraphs, GraphedCodec
+from megatron_tah.codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from megatron_tah.codecs.samples import activation_like
 
 SHAPE = (16, 2, 128)
-# Every codec with rounding to nearest (stochastic rounding is an eager fallback, tested below).
-CAPTURABLE = {"none": {}, "fixedpoint": {}, "tah": {}, "fp8": {}, "int8": {}, "mxfp4": {}, "nvfp4": {},
+# Every codec with rounding to nearest (stochastic rounding and none are eager fallbacks, tested below).
+CAPTURABLE = {"fixedpoint": {}, "tah": {}, "fp8": {}, "int8": {}, "mxfp4": {}, "nvfp4": {},
               "hadint": {}, "lowrank": {"rank": 4}}
 
 
 # tah's torch reference branches on the host (outliers; codes scattered by a boolean mask): a CUDA graph
 # captures its Triton path (scripts/profile_codecs.py); on the CPU its replays are checked for values only.
 TORCH_PATH_READS_HOST = {"tah"}
-
-
-class FakeGraphs:
-    """Capture = the warm-up call; replay = the call again, failing on any host read (unless ``strict=False``)."""
-
-    def __init__(self, strict=True):
-        self.captures = 0
-        self.replays = 0
-        self.strict = strict
-
-    def unavailable(self, device):
-        return None
-
-    def capture(self, fn, device):
-        fn()
-        self.captures += 1
-
-        def replay():
-            self.replays += 1
-            if not self.strict:
-                return fn()
-            with no_host_reads():
-                fn()
-
-        return replay
 
 
 def graphed(name, graphs=None, checks="deferred", **options):
@@ -92,6 +67,8 @@ def test_one_capture_per_op_shape_and_dtype():
     ("hadint", {"stochastic_rounding": True}, "deferred", "encode", "stochastic rounding"),
     ("hadint", {}, "full", "decode", "full checks read the header on the host"),
     ("aqsgd", {}, "deferred", "encode", "aqsgd is not capturable (per-sample buffers"),
+    ("none", {}, "deferred", "encode", "one copy each way"),
+    ("none", {}, "deferred", "decode", "one copy each way"),
 ])
 def test_eager_fallbacks_say_why_in_one_log_line(name, options, checks, op, reason, caplog):
     wrapped = graphed(name, checks=checks, **options)
@@ -158,3 +135,84 @@ def test_deferred_checks_still_count_bad_buffers_under_replay():
 def test_the_host_read_checker_can_fail():
     with no_host_reads(), pytest.raises(HostRead):
         bool(torch.ones(1))
+
+
+def test_the_wrapper_stands_where_its_codec_stood():
+    """What the places read from a codec comes from the wrapped one; ``defer_checks`` drops what was captured."""
+    wrapped = graphed("lowrank", rank=4)
+    codec = wrapped.codec
+    x = activation_like(SHAPE, dtype=torch.float32, seed=0)
+    buf = wrapped.encode(x)
+    assert wrapped.wire_nbytes(SHAPE, torch.float32) == codec.wire_nbytes(SHAPE, torch.float32) == buf.numel()
+    assert (wrapped.name, wrapped.codec_id, wrapped.config_digest(), wrapped.describe()) == (
+        codec.name, codec.codec_id, codec.config_digest(), codec.describe())
+    assert (wrapped.checksum, wrapped.needs_sample_ids, wrapped.stateful, wrapped.checks) == (False, False, True, "deferred")
+    state = wrapped.state_dict()
+    assert state and all(torch.equal(a, b) for a, b in zip(state["subspaces"].values(),
+                                                           codec.state_dict()["subspaces"].values()))
+    with pytest.raises(AttributeError, match="no_such"):
+        wrapped.no_such_attribute
+    assert wrapped.captured and wrapped.defer_checks("off") is wrapped
+    assert codec.checks == "off" and wrapped.captured == [] and wrapped.eager_reasons == {}
+
+
+def test_place_codec_defers_checks_and_wraps_unless_eager():
+    made = place_codec(get_codec("fp8", backend="torch"), graphs=FakeGraphs())
+    assert isinstance(made, GraphedCodec) and made.checks == "deferred" and eager(made) is made.codec
+    plain = place_codec(get_codec("fp8", backend="torch"), eager=True)
+    assert not isinstance(plain, GraphedCodec) and plain.checks == "deferred" and eager(plain) is plain
+
+
+def test_wrappers_sharing_a_log_say_each_reason_once(caplog):
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    logged = set()
+    ends = [GraphedCodec(get_codec(name, backend="torch").defer_checks(), logged=logged)  # real CudaGraphs: CPU
+            for name in ("hadint", "hadint", "fixedpoint")]
+    x = activation_like(SHAPE, dtype=torch.float32, seed=0)
+    for end in ends:
+        end.decode(end.encode(x), SHAPE, torch.float32)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "tensors on CPU: CUDA graphs need a CUDA device" in lines[0], lines
+    assert all(len(end.eager_reasons) == 2 for end in ends)
+
+
+def test_tah_keeps_its_rotated_fraction_in_place_so_replays_refresh_it():
+    wrapped = graphed("tah", FakeGraphs(strict=False))
+    eager_tah = get_codec("tah", backend="torch")
+    kept = None
+    for seed in range(3):
+        x = activation_like(SHAPE, dtype=torch.float32, seed=seed) * (1 + 3 * seed)
+        x[..., :: 7 + seed] *= 20  # outliers in some tiles: the fraction differs per message
+        wrapped.encode(x)
+        eager_tah.encode(x)
+        assert torch.equal(wrapped.last_rotated, eager_tah.last_rotated)
+        kept = wrapped.codec._rotated if kept is None else kept
+        assert wrapped.codec._rotated is kept  # one buffer, written in place (what a graph replays into)
+    assert wrapped.graphs.replays == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh tests)")
+@pytest.mark.parametrize("name", CAPTURABLE)
+def test_real_graphs_on_a_gpu_replay_the_eager_bytes(name):
+    """torch.cuda.CUDAGraph, as the places build it: the codecs with a Triton path are captured and their
+    replays give eager's bytes, values and statistics (tah's rotated fraction from the first call on); the
+    others either are captured or say why not (their torch path may sync)."""
+    options = CAPTURABLE[name]
+    reference = get_codec(name, **options).defer_checks()
+    wrapped, decoder = place_codec(get_codec(name, **options)), place_codec(get_codec(name, **options))
+    for x in messages():
+        x = x.cuda()
+        buf = wrapped.encode(x)
+        assert torch.equal(buf, reference.encode(x))
+        if name == "tah":
+            assert torch.equal(wrapped.last_rotated, reference.last_rotated)
+        out = torch.empty_like(x)
+        assert decoder.decode(buf, x.shape, x.dtype, out=out) is out
+        assert torch.equal(out.nan_to_num(7.0), reference.decode(buf, x.shape, x.dtype).nan_to_num(7.0))
+    decoder.raise_deferred_errors(wait=True)
+    key = (SHAPE, torch.bfloat16, str(x.device))
+    if reference.has_triton_path():
+        assert (wrapped.captured, decoder.captured) == ([("encode", *key)], [("decode", *key)])
+    else:
+        for graphed_codec, op in ((wrapped, "encode"), (decoder, "decode")):
+            assert graphed_codec.captured == [(op, *key)] or "capture failed" in graphed_codec.eager_reasons[(op, *key)]

@@ -116,7 +116,7 @@ def _exchange(rank: int, batched: bool, activation: torch.Tensor, gradient: torc
     gradient, stage 1 receives the activation and sends ``gradient``; returns what this rank received."""
     from megatron.core.pipeline_parallel import p2p_communication as p2p
 
-    received = torch.empty(SHAPE, dtype=activation.dtype)
+    received = torch.empty_like(activation)
     call = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None,
                 group=torch.distributed.group.WORLD, prev_pipeline_rank=1 - rank, next_pipeline_rank=1 - rank)
     if rank == 0:

@@ -224,6 +224,7 @@ class Codec:
         self._layouts: dict[tuple, WireLayout] = {}
         self._deferred: dict[str, DeferredErrors] = {}
         self._deferred_checksum: dict[str, DeferredErrors] = {}
+        self.payload_checksum = wire_checksum.PayloadChecksum()  # its constants, per device
 
     # ----- configuration -------------------------------------------------------------
     def config(self) -> dict:
@@ -490,8 +491,8 @@ class Codec:
         self._check_length(buf, shape, dtype, layout)
         head = buf[:HEADER_NBYTES]
         if self.checksum:  # read the header and the payload's checksum together
-            computed = wire_checksum.checksum_bytes(wire_checksum.payload_checksum(buf[HEADER_NBYTES:]))
-            head = torch.cat((head, computed))
+            checksum = self.payload_checksum
+            head = torch.cat((head, checksum.field(checksum.value(buf[HEADER_NBYTES:]))))
         got = bytes(head.cpu().tolist())
         want = self._header_bytes(shape, dtype)
         if got[:2] != MAGIC:
@@ -533,13 +534,13 @@ class Codec:
     def write_checksum(self, buf: torch.Tensor) -> None:
         """Put the payload's checksum in ``buf``'s header (on the device, no sync); the field stays 0 when off."""
         if self.checksum:
-            value = wire_checksum.payload_checksum(buf[HEADER_NBYTES:])
-            buf[CHECKSUM_OFFSET:HEADER_NBYTES].copy_(wire_checksum.checksum_bytes(value))
+            checksum = self.payload_checksum
+            buf[CHECKSUM_OFFSET:HEADER_NBYTES].copy_(checksum.field(checksum.value(buf[HEADER_NBYTES:])))
 
-    @staticmethod
-    def checksum_mismatch(buf: torch.Tensor) -> torch.Tensor:
+    def checksum_mismatch(self, buf: torch.Tensor) -> torch.Tensor:
         """0-d bool on ``buf``'s device: its header's checksum field is not its payload's checksum (no sync)."""
-        computed = wire_checksum.checksum_bytes(wire_checksum.payload_checksum(buf[HEADER_NBYTES:]))
+        checksum = self.payload_checksum
+        computed = checksum.field(checksum.value(buf[HEADER_NBYTES:]))
         return (buf[CHECKSUM_OFFSET:HEADER_NBYTES] != computed).any()
 
     @staticmethod

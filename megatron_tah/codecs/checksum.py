@@ -38,42 +38,65 @@ GPU's cost is not measured), single-threaded on a shared 2-core machine, two run
 1024x1x1600 bf16, i.e. tah 0.9-3.3%, fixedpoint 6-bit (the default backward codec) 4.9-9.9%, hadint 4-bit
 2.3-5.7% of those codecs' torch time. Over 2% for the default pair: off."""
 
-_SHIFTS: dict[str, torch.Tensor] = {}
-_WEIGHTS: dict[str, torch.Tensor] = {}
 
 
-def _cached(cache: dict, device: torch.device, make) -> torch.Tensor:
-    key = str(device)
-    if key not in cache:
-        cache[key] = make(device)
-    return cache[key]
+class PayloadChecksum:
+    """The checksum's constant tensors (word weights, byte shifts), made once per device on first use.
+
+    Each codec holds one (``Codec.payload_checksum``), so this module keeps no state, and the constants a
+    captured CUDA graph reads stay alive with the codec that captured it."""
+
+    def __init__(self):
+        self._weights: dict[str, torch.Tensor] = {}
+        self._shifts: dict[str, torch.Tensor] = {}
+
+    def weights(self, device: torch.device) -> torch.Tensor:
+        """1, 2, ..., CHUNK as int64 on ``device``."""
+        key = str(device)
+        if key not in self._weights:
+            self._weights[key] = torch.arange(1, CHUNK + 1, dtype=torch.int64, device=device)
+        return self._weights[key]
+
+    def shifts(self, device: torch.device) -> torch.Tensor:
+        """0, 8, 16, 24 as int64 on ``device``."""
+        key = str(device)
+        if key not in self._shifts:
+            self._shifts[key] = torch.tensor([0, 8, 16, 24], dtype=torch.int64).to(device)
+        return self._shifts[key]
+
+    def value(self, payload: torch.Tensor) -> torch.Tensor:
+        """The checksum of ``payload`` (1-D uint8, an even number of bytes): a 0-d int64 in [1, PRIME] on its device."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() % 2:
+            raise ValueError(f"a payload is a 1-D uint8 tensor of an even length, got {payload.dtype} "
+                             f"{tuple(payload.shape)}")
+        n = payload.numel() // 2
+        device = payload.device
+        weights = self.weights(device)
+        if n <= CHUNK:  # one row: the fewest ops (most messages of a small model)
+            words = payload.view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+            return words.mul_(weights[:n]).sum().remainder_(PRIME).add_(1)
+        rows = -(-n // CHUNK)
+        words = torch.empty(rows * CHUNK, dtype=torch.int64, device=device)
+        words[n:].zero_()
+        words[:n].copy_(payload.view(torch.int16)).bitwise_and_(0xFFFF)
+        words = words.view(rows, CHUNK)
+        plain = words.sum(1)  # < 2**31
+        within = words.mul_(weights).sum(1)  # sum of (c + 1) * w over a row, < 2**46
+        # Word r * CHUNK + c has weight r * CHUNK + c + 1: add r * CHUNK times the row's plain sum.
+        starts = torch.arange(rows, dtype=torch.int64, device=device).mul_(CHUNK)
+        total = starts.mul_(plain).add_(within).remainder_(PRIME)
+        return total.sum().remainder_(PRIME).add_(1)
+
+    def field(self, value: torch.Tensor) -> torch.Tensor:
+        """A 0-d int64 checksum as the header's 4 little-endian bytes (uint8[4], same device)."""
+        return (value >> self.shifts(value.device)).bitwise_and_(0xFF).to(torch.uint8)
 
 
 def payload_checksum(payload: torch.Tensor) -> torch.Tensor:
-    """The checksum of ``payload`` (1-D uint8, an even number of bytes): a 0-d int64 in [1, PRIME] on its device."""
-    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() % 2:
-        raise ValueError(f"a payload is a 1-D uint8 tensor of an even length, got {payload.dtype} "
-                         f"{tuple(payload.shape)}")
-    n = payload.numel() // 2
-    device = payload.device
-    weights = _cached(_WEIGHTS, device, lambda d: torch.arange(1, CHUNK + 1, dtype=torch.int64, device=d))
-    if n <= CHUNK:  # one row: the fewest ops (most messages of a small model)
-        words = payload.view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
-        return words.mul_(weights[:n]).sum().remainder_(PRIME).add_(1)
-    rows = -(-n // CHUNK)
-    words = torch.empty(rows * CHUNK, dtype=torch.int64, device=device)
-    words[n:].zero_()
-    words[:n].copy_(payload.view(torch.int16)).bitwise_and_(0xFFFF)
-    words = words.view(rows, CHUNK)
-    plain = words.sum(1)  # < 2**31
-    within = words.mul_(weights).sum(1)  # sum of (c + 1) * w over a row, < 2**46
-    # Word r * CHUNK + c has weight r * CHUNK + c + 1: add r * CHUNK times the row's plain sum.
-    starts = torch.arange(rows, dtype=torch.int64, device=device).mul_(CHUNK)
-    total = starts.mul_(plain).add_(within).remainder_(PRIME)
-    return total.sum().remainder_(PRIME).add_(1)
+    """``PayloadChecksum().value(payload)``: its constants made for this one call."""
+    return PayloadChecksum().value(payload)
 
 
 def checksum_bytes(value: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 checksum as the header's 4 little-endian bytes (uint8[4], same device)."""
-    shifts = _cached(_SHIFTS, value.device, lambda d: torch.tensor([0, 8, 16, 24], dtype=torch.int64).to(d))
-    return (value >> shifts).bitwise_and_(0xFF).to(torch.uint8)
+    """``PayloadChecksum().field(value)``: its constants made for this one call."""
+    return PayloadChecksum().field(value)

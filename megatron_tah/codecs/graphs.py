@@ -11,14 +11,21 @@ of the output out of it (the caller owns what it gets back; the static buffers a
 next replay). Messages above ``MAX_GRAPH_NUMEL`` elements stay eager: there the kernels dominate and
 the copies would cost more than the launches saved.
 
-Eager fallback, with one log line per codec object and reason (``GraphedCodec.eager_reasons``):
+Eager fallback, with one log line per codec object and reason (``GraphedCodec.eager_reasons``; wrappers
+given one ``logged`` set, as the pipeline's link ends are, log each reason once between them):
 
 * tensors not on a CUDA device (``CudaGraphs.unavailable``);
+* ``none``: its encode and decode are one copy each, which a replay's copies in and out would triple;
 * a codec class with ``graph_capturable = False`` (AQ-SGD: per-sample buffers indexed by host ids);
 * stochastic rounding (``codec.stateful`` for a codec with ``rounding_noise``): each encode draws a new
   seed on the host, which a replay would repeat;
 * decode with ``checks == "full"``: the header is read on the host, a sync per call (``defer_checks()``);
 * a capture that raises (a host sync nobody declared): the error's first line is logged.
+
+A ``GraphedCodec`` stands where its codec stood: every attribute it does not define is the codec's
+(``wire_nbytes``, ``checksum``, ``raise_deferred_errors``, ``state_dict``, ``last_rotated``, ...), and
+``defer_checks`` sets the codec's mode and forgets what was captured under the old one. ``place_codec``
+is how the places (pipeline links, TP/DP collectives) and ``scripts/profile_codecs.py`` build one.
 
 Deferred checks stay exact under replay: the host part (the buffer's length, and raising a count that
 earlier decodes left on the device) runs eagerly every call; the header comparison and the payload's
@@ -32,7 +39,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import Codec, CodecError, check_dtype, check_shape, dtype_name
+from .base import Codec, CodecError, check_dtype, check_shape
+from .none import NoneCodec
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +55,7 @@ class CudaGraphs:
     def unavailable(device: torch.device) -> str | None:
         """Why no graph can be captured for tensors on ``device``, or None."""
         if device.type != "cuda":
-            return f"tensors on {device.type}: CUDA graphs need a CUDA device"
+            return f"tensors on {device.type.upper()}: CUDA graphs need a CUDA device"
         return None
 
     @staticmethod
@@ -59,7 +67,9 @@ class CudaGraphs:
             fn()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: only this thread's calls are checked; a training run's other threads (NCCL's watchdog
+        # querying events, gloo, data loaders) may keep calling CUDA while this one captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
         return graph.replay
 
@@ -83,7 +93,8 @@ class GraphedCodec:
     reason per key that runs eagerly. ``graphs`` is how graphs are made (``CudaGraphs``).
     """
 
-    def __init__(self, codec: Codec, graphs=CudaGraphs, max_numel: int = MAX_GRAPH_NUMEL):
+    def __init__(self, codec: Codec, graphs=CudaGraphs, max_numel: int = MAX_GRAPH_NUMEL,
+                 logged: set | None = None):
         if isinstance(codec, GraphedCodec) or not isinstance(codec, Codec):
             raise CodecError(f"GraphedCodec wraps a Codec, got {type(codec).__name__}")
         self.codec = codec
@@ -91,17 +102,26 @@ class GraphedCodec:
         self.max_numel = int(max_numel)
         self._captures: dict[tuple, _Capture] = {}
         self.eager_reasons: dict[tuple, str] = {}
-        self._logged: set[str] = set()
+        self._logged: set[str] = set() if logged is None else logged  # the reasons logged
+
+    def __getattr__(self, name):
+        if name == "codec":  # (not set yet: while unpickling or copying)
+            raise AttributeError(name)
+        return getattr(self.codec, name)
+
+    def __repr__(self) -> str:
+        return f"<graphed {self.codec!r}>"
 
     @property
     def captured(self) -> list[tuple]:
         return list(self._captures)
 
-    def wire_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        return self.codec.wire_nbytes(shape, dtype)
-
-    def describe(self) -> str:
-        return self.codec.describe()
+    def defer_checks(self, mode: str = "deferred") -> "GraphedCodec":
+        """``codec.defer_checks(mode)``; captures and reasons made under the previous mode are dropped."""
+        self.codec.defer_checks(mode)
+        self._captures.clear()
+        self.eager_reasons.clear()
+        return self
 
     # ----- when to capture -----------------------------------------------------------------------
     def why_eager(self, op: str, shape: tuple[int, ...], device: torch.device) -> str | None:
@@ -110,6 +130,8 @@ class GraphedCodec:
         reason = self.graphs.unavailable(device)
         if reason:
             return reason
+        if isinstance(codec, NoneCodec):
+            return "one copy each way: a replay would add a copy in and a copy out"
         if not type(codec).graph_capturable:
             return f"{codec.name} is not capturable ({type(codec).graph_blocker})"
         if op == "encode" and getattr(getattr(codec, "rounding_noise", None), "enabled", False):
@@ -218,3 +240,15 @@ class GraphedCodec:
         if out is None:
             return result.clone()
         return out.copy_(result)
+
+
+def place_codec(codec: Codec, eager: bool = False, graphs=CudaGraphs, logged: set | None = None):
+    """``codec`` as a place calls it: checks deferred (the place has compared its ends' configurations) and,
+    unless ``eager`` (``--tah-eager-codecs``), replayed from CUDA graphs (a ``GraphedCodec``)."""
+    codec.defer_checks()
+    return codec if eager else GraphedCodec(codec, graphs, logged=logged)
+
+
+def eager(codec) -> Codec:
+    """The codec behind ``codec`` (itself when it is not a ``GraphedCodec``): for calls not worth a graph."""
+    return codec.codec if isinstance(codec, GraphedCodec) else codec

@@ -105,7 +105,7 @@ class TahCodec(Codec):
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
-        self._rotated: tuple[torch.Tensor, int] | None = None  # (rotated tiles: counts to sum, all tiles)
+        self._rotated: torch.Tensor | None = None  # the last encode's rotated fraction (0-d fp32, kept in place)
 
     def config(self) -> dict:
         return {
@@ -118,10 +118,15 @@ class TahCodec(Codec):
     @property
     def last_rotated(self) -> torch.Tensor | None:
         """Fraction of tiles the last ``encode`` rotated, as a 0-d fp32 tensor on its device (no sync)."""
-        if self._rotated is None:
-            return None
-        counts, total = self._rotated
-        return counts.sum(dtype=torch.float32) / max(total, 1)
+        return None if self._rotated is None else self._rotated.clone()
+
+    def _keep_rotated(self, counts: torch.Tensor, total: int) -> None:
+        """Write the fraction ``sum(counts) / total`` into one device buffer, in place: a replayed CUDA graph
+        (``graphs.GraphedCodec``) refreshes what ``last_rotated`` reads, and its first call leaves the warm-up's."""
+        fraction = counts.sum(dtype=torch.float32) / max(total, 1)
+        if self._rotated is None or self._rotated.device != fraction.device:
+            self._rotated = torch.empty((), dtype=torch.float32, device=fraction.device)
+        self._rotated.copy_(fraction)
 
     @property
     def last_rotated_fraction(self) -> float | None:
@@ -248,7 +253,7 @@ class TahCodec(Codec):
         seed = self.rounding_noise.next_seed()
         noise = None if seed is None else common.hash_uniform(seed, rotated.numel(), x.device).reshape(rotated.shape)
         codes, scale, zero = common.quantize_tiles(rotated, levels, bad, noise)
-        self._rotated = (rotate.sum(), rotate.numel())
+        self._keep_rotated(rotate, rotate.numel())
 
         flags = low[:, 0] if self.allocation == "token" else low
         layout.view(buf, "flags").copy_(common.pack_flags(flags))
@@ -318,7 +323,7 @@ class TahCodec(Codec):
             x, sections, high_units, low_units, tile_size=self.tile_size, high_bits=self.high_bits,
             low_bits=self.low_bits, allocation=self.allocation, outlier_threshold=self.outlier_threshold,
             seed=self.rounding_noise.next_seed())
-        self._rotated = (rotated, self.tile_counts(shape)[0])
+        self._keep_rotated(rotated, self.tile_counts(shape)[0])
 
     def _decode_triton(self, buf, shape, dtype, layout, out=None):
         from ..kernels import tah as kernels

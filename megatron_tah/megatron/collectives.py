@@ -1,6 +1,7 @@
 """Compressed collectives: all-gather, reduce-scatter and all-reduce whose wire is codec buffers.
 
-Every function takes a stateless codec (``base.Codec``) and a process group of ``N`` ranks, and
+Every function takes a stateless codec (``base.Codec``, or the ``graphs.GraphedCodec`` the places
+hand it: the same calls, replayed per chunk shape) and a process group of ``N`` ranks, and
 moves only ``uint8`` buffers made by ``codec.encode``, through two collectives that gloo and NCCL
 both provide and that ``torch.distributed._coalescing_manager`` does not defer:
 ``all_to_all_single`` and the list form of ``all_gather``. Sums are taken in fp32, in rank

@@ -19,6 +19,9 @@ The call-time replacements are the module-level ``torch`` -- by a view of it who
 both through a temporary ``Patches`` that the wrapper restores before returning. The compressed
 collectives complete before ``start_grad_sync`` returns, so with ``--overlap-grad-reduce`` the
 handle Megatron keeps is already complete (no overlap with the rest of the backward pass).
+The codec checks headers on the device (``megatron_tah.install`` compared every rank's settings) and, unless
+``--tah-eager-codecs``, replays its calls from CUDA graphs per shard shape (``codecs.graphs.place_codec``);
+shards above ``graphs.MAX_GRAPH_NUMEL`` elements (megatron-core's default buckets) stay eager, logged once.
 Statistics: stream ``dp_backward``.
 
 Not covered: keeping the gradients themselves in 8 bits (megatron-core's buffers stay fp32 or
@@ -33,6 +36,7 @@ import types
 
 import torch
 
+from ..codecs.graphs import place_codec
 from . import collectives
 from .collectives import Done
 from .patching import Patches, resolve
@@ -102,4 +106,5 @@ def _compressing(place):
 def install(place) -> None:
     """Compress megatron-core's data-parallel gradient reduction with ``place.codec``."""
     collectives.check_codec(place.codec)
+    place.codec = place_codec(place.codec, place.config.tah_eager_codecs)  # CUDA graphs per message shape
     place.patches.wrap(BUCKET_GROUP, "start_grad_sync", _compressing(place))

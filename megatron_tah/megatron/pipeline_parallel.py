@@ -29,6 +29,14 @@ uint8 buffer:
   the other direction's last fastest transit; wire format and protocol in ``auto_link.py``): each
   receiver measures its peer's messages and reports back, so each direction's sender learns its own
   direction's rate.
+* CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
+  ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and
+  replayed. A replayed decode writes the graph's static output and copies it into Megatron's receive
+  tensor (one device copy): Megatron allocates a new receive tensor per message, so a capture per
+  receive pointer would never be replayed. Eager where a graph cannot replay the call (CPU tensors,
+  ``none``, AQ-SGD, stochastic rounding, ...), with one log line per reason for all link ends together.
+  Auto links stay eager: their cost table times each candidate's eager call and the sender folds its
+  measured encode time into that table (``auto_link.py``); a replayed current codec would skew the choice.
 * Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
 * Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
@@ -55,6 +63,7 @@ import time
 import torch
 
 from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
+from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
 from .auto_codec import MIN_SECONDS
 from .auto_link import TRAILER_NBYTES, AutoEnd, Trailer, decode_trailer, encode_trailer, stamp_sent_at, wall_seconds
@@ -81,7 +90,7 @@ class Link:
     direction: str
     role: str
     peer: int
-    codec: Codec  # auto: the codec of the current iteration
+    codec: Codec | GraphedCodec  # auto: the codec of the current iteration
     messages: int = 0  # messages through this end so far
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto_link.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
@@ -139,6 +148,11 @@ class PipelineTransport:
         self.checked_groups: set[int] = set()
         self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
+        self.graphs = CudaGraphs  # how the link ends' GraphedCodecs capture (tests give a fake)
+        self.graph_log: set[str] = set()  # the eager fallbacks' reasons logged, shared by the link ends
+        if not config.tah_eager_codecs and auto:
+            logger.info("megatron_tah: auto links call their codecs eagerly, no CUDA graphs: the choice compares "
+                        "eager costs")
 
     # ----- link ends and their codecs ----------------------------------------------------
     def link(self, direction: str, role: str, peer: int) -> Link:
@@ -150,7 +164,8 @@ class PipelineTransport:
                 return self.links[key]
             codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
             # Only used after check_group compared the link's configs: headers are checked on the device.
-            self.links[key] = Link(direction, role, int(peer), codec.defer_checks())
+            codec = place_codec(codec, self.config.tah_eager_codecs, self.graphs, self.graph_log)
+            self.links[key] = Link(direction, role, int(peer), codec)
         return self.links[key]
 
     def with_trailer(self, link: Link, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
@@ -236,7 +251,7 @@ class PipelineTransport:
             rel_error = None
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
-                rel_error = timing.relative_error(x, codec.decode(buf, x.shape, x.dtype))
+                rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
             if self.trailer_nbytes:
                 buf = self.with_trailer(link, buf, encode_seconds)
             if link.auto is not None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..codecs import Codec
+from ..codecs.graphs import GraphedCodec, eager
 from ..config import TahConfig
 from . import cpu_shims
 from .collectives import Traffic
@@ -80,7 +81,7 @@ class Place:
 
     name: str
     config: TahConfig
-    codec: Codec | None
+    codec: Codec | GraphedCodec | None  # tp, dp: the collectives' codec (``graphs.place_codec``)
     patches: Patches = dataclasses.field(default_factory=Patches)
     stats: Stats = dataclasses.field(default_factory=Stats)  # installed places: REGISTRY.stats
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -96,7 +97,8 @@ class Place:
         with torch.no_grad():
             x = x.detach().float()
             norm = x.norm()
-            y = self.codec.decode(self.codec.encode(x), x.shape, x.dtype)
+            codec = eager(self.codec)  # a sample: not worth graphs of its own
+            y = codec.decode(codec.encode(x), x.shape, x.dtype)
             return float((x - y).norm() / norm) if norm > 0 else 0.0
 
     def record(self, direction: str, traffic: Traffic, rel_error: float | None = None) -> None:

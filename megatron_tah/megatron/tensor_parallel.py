@@ -23,6 +23,9 @@ at run time for tensor-parallel traffic (every replacement goes through ``place.
 What stays megatron-core's: tensors the codec cannot take (integer or bool dtypes), reductions
 other than SUM/AVG, single-rank groups, the uneven-split variants (``output_split_sizes`` /
 ``input_split_sizes``, MoE), all-to-all, and the vocab-parallel cross entropy's own all-reduces.
+The codec checks headers on the device (``megatron_tah.install`` compared every rank's settings) and, unless
+``--tah-eager-codecs``, replays its calls from CUDA graphs, one per (op, shape, dtype): TP messages have
+the shapes of the layers' activations (``codecs.graphs.place_codec``; eager on CPU, with one log line).
 Statistics: stream ``tp_forward`` for collectives run during the forward pass, ``tp_backward``
 during backward (autograd's graph task), with bytes as ``collectives.Traffic`` counts them.
 """
@@ -33,6 +36,7 @@ import inspect
 
 import torch
 
+from ..codecs.graphs import place_codec
 from . import collectives
 from .collectives import Done
 from .patching import resolve
@@ -115,6 +119,7 @@ def _dgrad_through_reduce(original):
 def install(place) -> None:
     """Route megatron-core's tensor-parallel collectives through ``place.codec``."""
     collectives.check_codec(place.codec)
+    place.codec = place_codec(place.codec, place.config.tah_eager_codecs)  # CUDA graphs per message shape
     patches = place.patches
     patches.wrap(MAPPINGS, "_reduce", _reducing(place))
     for module in (MAPPINGS, LAYERS):
