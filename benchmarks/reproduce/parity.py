@@ -774,6 +774,19 @@ def _replicates(table: dict) -> list[str]:
     return lines + [""] if rows else []
 
 
+def _host_text(entry: dict) -> str:
+    """The recorded run's machine and software, as the page names them (runs on different ones drift apart)."""
+    host = entry.get("host") or {}
+    return (f"{host.get('cpu', 'unknown CPU')}, {host.get('cores', '?')} cores, torch {host.get('torch', '?')}, "
+            f"megatron-core {host.get('megatron_core', '?')}") if host else "host not recorded"
+
+
+def _same_host(entries: list[dict], references: list[dict]) -> str:
+    """``yes`` when every entry ran where its reference (same position) ran, ``no`` when none did, else ``partly``."""
+    same = [_host_text(e) == _host_text(r) for e, r in zip(entries, references)]
+    return "yes" if all(same) else "no" if not any(same) else "partly"
+
+
 def _when(entries: list[dict]) -> str:
     """``"2026-11-24 15:55-16:17 UTC"``: when the ``entries`` started (first and last start)."""
     starts = sorted(e["started"] for e in entries if e.get("started"))
@@ -796,7 +809,8 @@ def remeasured_reading(recorded: dict, table: dict, protocol: str) -> list[str]:
     rows = []
     for (codec, hidden, reason), earlier in sorted(groups.items(), key=lambda kv: (SHOWN.index(kv[0][0]), kv[0][1:])):
         base = table.get(hidden, {}).get("none", {})
-        seeds = sorted(s for s in earlier if s in base and (codec, hidden, s) in current)
+        seeds = sorted(s for s in earlier if s in base and (codec, hidden, s) in current
+                       and ("none", hidden, s) in current)
         if not seeds:
             continue
         before = [convergence.relative_gap(earlier[s]["row"]["late"], base[s]["late"]) for s in seeds]
@@ -804,11 +818,12 @@ def remeasured_reading(recorded: dict, table: dict, protocol: str) -> list[str]:
         interval = convergence.interval95(before)
         inside = ("n/a" if interval is None else
                   "yes" if interval[0] <= _mean(after) <= interval[1] else "no")
-        errors = [_mean([_forward_error(e["row"]) for e in group]) for group in
-                  ([earlier[s] for s in seeds], [current[(codec, hidden, s)] for s in seeds])]
+        olds, news = [earlier[s] for s in seeds], [current[(codec, hidden, s)] for s in seeds]
+        bases = [current[("none", hidden, s)] for s in seeds]
+        errors = [_mean([_forward_error(e["row"]) for e in group]) for group in (olds, news)]
         rows.append(f"| {convergence.CODECS[codec][0]} | {hidden} | {len(seeds)} | {reason} | "
-                    f"{_when([earlier[s] for s in seeds])} | {_pct(_mean(before))} | {_interval_text(before)} | "
-                    f"{_num(errors[0])} | {_when([current[(codec, hidden, s)] for s in seeds])} | {_pct(_mean(after))} | "
+                    f"{_when(olds)} | {_same_host(olds, bases)} | {_pct(_mean(before))} | {_interval_text(before)} | "
+                    f"{_num(errors[0])} | {_when(news)} | {_same_host(news, bases)} | {_pct(_mean(after))} | "
                     f"{_interval_text(after)} | {_num(errors[1])} | {inside} | "
                     f"{_interval_text([a - b for a, b in zip(after, before)])} |")
     if not rows:
@@ -817,10 +832,13 @@ def remeasured_reading(recorded: dict, table: dict, protocol: str) -> list[str]:
             "The rows above of these codecs and widths are re-runs, same seeds, against the same uncompressed runs; "
             "the record keeps the earlier runs (as `<run>@<tag>`, marked with what changed since). *Within*: "
             "whether the re-run's mean gap lies in the earlier runs' 95% interval. Change: the same-seed "
-            "difference of the gaps (re-run minus earlier), its 95% interval.", "",
-            "| run | width | seeds | earlier runs | earlier ran | gap, mean | 95% interval | fwd error | re-run | "
-            "gap, mean | 95% interval | fwd error | within | change, 95% interval |",
-            "|---|---:|---:|---|---|---:|---|---:|---|---:|---|---:|---|---|", *rows, ""]
+            "difference of the gaps (re-run minus earlier), its 95% interval. *Host*: whether the runs ran on the "
+            "machine and software of the uncompressed runs they are compared with (on another, a run differs in "
+            "the last bits and drifts apart; the noise-floor control above bounds that drift on one machine).", "",
+            "| run | width | seeds | earlier runs | earlier runs started | host | gap, mean | 95% interval | "
+            "fwd error | re-runs started | host | gap, mean | 95% interval | fwd error | within | "
+            "change, 95% interval |",
+            "|---|---:|---:|---|---|---|---:|---|---:|---|---|---:|---|---:|---|---|", *rows, ""]
 
 
 PAGE_NAME, PAGE_PLOT = "PARITY.md", "parity_record_gaps.png"
@@ -843,9 +861,7 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
              "and the earlier GPT-2-vocabulary one, whose trajectories drift apart by more than the codecs' effect."]
     hosts: dict[str, int] = {}
     for entry in (e for e in recorded.values() if "superseded" not in e):
-        host = entry.get("host") or {}
-        key = (f"{host.get('cpu', 'unknown CPU')}, {host.get('cores', '?')} cores, torch {host.get('torch', '?')}, "
-               f"megatron-core {host.get('megatron_core', '?')}") if host else "host not recorded"
+        key = _host_text(entry)
         hosts[key] = hosts.get(key, 0) + 1
     if hosts:
         intro += ["", "Where the recorded runs ran (the parts run a seed's runs together, on one machine; the same "
