@@ -834,7 +834,7 @@ def remeasured_reading(recorded: dict, table: dict, protocol: str) -> list[str]:
             "whether the re-run's mean gap lies in the earlier runs' 95% interval. Change: the same-seed "
             "difference of the gaps (re-run minus earlier), its 95% interval. *Host*: whether the runs ran on the "
             "machine and software of the uncompressed runs they are compared with (on another, a run differs in "
-            "the last bits and drifts apart; the noise-floor control above bounds that drift on one machine).", "",
+            "the last bits from the first iterations on: a smaller perturbation than the noise-floor control's).", "",
             "| run | width | seeds | earlier runs | earlier runs started | host | gap, mean | 95% interval | "
             "fwd error | re-runs started | host | gap, mean | 95% interval | fwd error | within | "
             "change, 95% interval |",
