@@ -303,6 +303,45 @@ def test_the_committed_record_keeps_runs_whose_logs_are_gone(tmp_path):
     assert parity.load_record(tmp_path / "absent.json") == {}
 
 
+def test_a_superseded_run_is_kept_out_of_the_tables_and_compared_with_its_rerun(tmp_path):
+    """supersede keeps the recorded runs under ``<name>@<tag>``; their re-runs' logs take the names; the tables
+    show the re-runs only, and the re-measured table compares the two over the same seeds and baseline."""
+    base = [4.00, 4.10, 3.90]
+    _study(tmp_path, {(128, "none"): base, (128, "lowrank"): [b * (1 + g) for b, g in zip(base, (0.002, 0.003, 0.004))]})
+    record = tmp_path / "docs" / parity.RECORD_NAME
+    parity.update_record(tmp_path / "convergence", "full", record)
+    names = [parity.run_name("full", "lowrank", s, 128) for s in parity.SEEDS]
+    with pytest.raises(ValueError, match="no current entry lowrank_s1239"):
+        parity.supersede(record, names + ["lowrank_s1239"], "old", "old basis")
+    assert len(parity.load_record(record)) == 6  # refused: nothing kept
+    kept = parity.supersede(record, names, "old", "old basis")
+    assert kept["lowrank@old"]["superseded"] == "old basis" and kept["lowrank@old"]["row"] == kept["lowrank"]["row"]
+    with pytest.raises(ValueError, match="already kept as lowrank@old"):
+        parity.supersede(record, names[:1], "old", "old basis")
+    with pytest.raises(ValueError, match="no current entry lowrank@old"):
+        parity.supersede(record, ["lowrank@old"], "older", "older basis")
+    rerun = tmp_path / "rerun"
+    for seed, b, gap in zip(parity.SEEDS, base, (0.001, 0.001, 0.004)):
+        _write(rerun, "lowrank", seed, 128, _records(b * (1 + gap), errors={2: {"0->1": 0.05}}))
+    recorded = parity.update_record(rerun, "full", record)
+    assert len(recorded) == 9 and record.read_text().count("\n") == 9 + 2
+    table = parity.collect(None, "full", recorded=parity.load_record(record))
+    assert parity.gaps(table, 128, "lowrank") == [pytest.approx(g) for g in (0.001, 0.001, 0.004)]
+    lines = parity.remeasured_reading(recorded, table, "gpt2")
+    row = next(line for line in lines if line.startswith("| lowrank: 16 principal"))
+    before, after = [0.002, 0.003, 0.004], [0.001, 0.001, 0.004]
+    low, high = convergence.interval95(before)
+    assert f"| 128 | 3 | old basis | 2026-11-23 20:00-20:00 UTC | yes | +0.30% | {100 * low:+.2f}% to {100 * high:+.2f}% |" in row
+    assert f"| 0.070 | 2026-11-23 20:00-20:00 UTC | yes | +0.20% | {parity._interval_text(after)} | 0.050 | yes |" in row
+    assert row.endswith(f"| {parity._interval_text([a - b for a, b in zip(after, before)])} |")
+    assert parity.remeasured_reading(recorded, table, "compact") == []  # another protocol's runs: none
+    for seed in parity.SEEDS[:2]:  # two re-runs made on another machine than their uncompressed runs
+        recorded[parity.run_name("full", "lowrank", seed, 128)]["host"] = {"cpu": "other CPU", "cores": 2}
+    assert "| 2026-11-23 20:00-20:00 UTC | partly | +0.20% |" in parity.remeasured_reading(recorded, table, "gpt2")[-2]
+    page = parity.write_page(tmp_path / "nothing", tmp_path / "docs").read_text()
+    assert "### Rows re-measured after their codec changed" in page and "test CPU, 2 cores, torch ?, megatron-core ?: 6 runs." in page
+
+
 def test_parity_report_writes_the_page_from_the_record(tmp_path):
     from benchmarks.reproduce.__main__ import main
 

@@ -26,7 +26,8 @@ that wrote them, so every run's summary (:func:`run_row`, a few KB) goes into th
 ``docs/parity_runs.json`` (:func:`update_record`, one line per run, with the host it ran on); the
 tables read the record plus whatever logs are present (``python -m benchmarks.reproduce
 parity-report`` writes ``docs/PARITY.md`` from them). ``parity-seeds --seeds S,S --widths W`` runs
-further seeds.
+further seeds. Runs re-made after their codec changed keep the earlier measurement in the record
+(:func:`supersede`), and the page compares the two.
 """
 
 from __future__ import annotations
@@ -189,10 +190,11 @@ def collect(out: Path | None, size: str, widths=WIDTHS, candidates=SHOWN,
             recorded: dict | None = None, protocol: str = "gpt2") -> dict:
     """``{hidden: {codec: {seed: row}}}`` (rows as :func:`run_row`) for the study's completed runs of
     ``protocol`` under ``out`` (None: no logs), whatever their seed, plus the ``recorded`` runs
-    (:func:`load_record`) whose logs are not there: a log present here wins over its record."""
+    (:func:`load_record`) whose logs are not there: a log present here wins over its record. Superseded
+    entries (:func:`supersede`) are left out."""
     result: dict = {}
     for entry in (recorded or {}).values():
-        if (entry["codec"] in candidates and entry["hidden"] in widths
+        if (entry["codec"] in candidates and entry["hidden"] in widths and "superseded" not in entry
                 and entry.get("protocol", "gpt2") == protocol):
             result.setdefault(entry["hidden"], {}).setdefault(entry["codec"], {})[entry["seed"]] = entry["row"]
     for name, (codec, seed, hidden) in (_logged_runs(out, size, widths, candidates, protocol) if out else {}).items():
@@ -211,8 +213,9 @@ RECORD_VERSION = 1
 
 def load_record(path: Path) -> dict:
     """``{name: {"codec", "seed", "hidden", "started", "seconds", "host", "row"}}`` (and ``"protocol"``
-    for runs of a protocol other than ``gpt2``) from ``path`` ({} when absent); a file of another
-    format version is an error, not an empty study."""
+    for runs of a protocol other than ``gpt2``, ``"superseded"`` for a measurement kept after its codec
+    changed: :func:`supersede`) from ``path`` ({} when absent); a file of another format version is an
+    error, not an empty study."""
     path = Path(path)
     if not path.is_file():
         return {}
@@ -238,12 +241,36 @@ def update_record(out: Path, size: str, path: Path) -> dict:
                           "seconds": meta.get("seconds"), "host": meta.get("host"),
                           **({} if protocol == "gpt2" else {"protocol": protocol}),
                           "row": run_row(read_log(Path(out) / f"{name}.jsonl"))}
+    _write_record(path, runs)
+    return runs
+
+
+def _write_record(path: Path, runs: dict) -> None:
+    """One line per entry, ordered by protocol, width, seed, codec (a superseded entry after the current one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     ordered = sorted(runs.items(), key=lambda kv: (kv[1].get("protocol", "gpt2") != "gpt2", kv[1]["hidden"],
-                                                   kv[1]["seed"], kv[1]["codec"]))
+                                                   kv[1]["seed"], kv[1]["codec"], kv[1].get("superseded", "")))
     lines = [f"{json.dumps(name)}: {json.dumps(entry, sort_keys=True)}" for name, entry in ordered]
     path.write_text(f'{{"version": {RECORD_VERSION}, "runs": {{\n' + ",\n".join(lines) + "\n}}\n")
+
+
+def supersede(path: Path, names: list[str], tag: str, reason: str) -> dict:
+    """Keep a copy of each recorded run of ``names`` as ``<name>@<tag>`` marked ``"superseded": reason`` (what
+    changed in its codec since it ran), before its re-run's log is folded in under ``name``
+    (:func:`update_record`): the tables show the re-run, :func:`remeasured_reading` compares the two.
+    A name not in the record, or already kept under ``tag``, is an error (the record is then left as it was).
+    Returns the updated record."""
+    runs = load_record(path)
+    missing = [n for n in names if n not in runs or "superseded" in runs[n]]
+    taken = [f"{n}@{tag}" for n in names if f"{n}@{tag}" in runs]
+    if missing or taken or not names:
+        raise ValueError(f"{path}: cannot supersede {', '.join(names) or 'no runs'}: "
+                         + (f"no current entry {', '.join(missing)}" if missing else
+                            f"already kept as {', '.join(taken)}" if taken else "no names given"))
+    for name in names:
+        runs[f"{name}@{tag}"] = {**runs[name], "superseded": reason}
+    _write_record(path, runs)
     return runs
 
 
@@ -437,7 +464,7 @@ def section(out: Path | None, size: str, docs: Path | None = None, recorded: dic
               f"{_pct(stretch_gap, 'g')}, upper end below {_pct(stretch_upper, 'g')}, per width.", ""]
     error_png = None if docs is None else Path(docs) / plot.replace(".png", "_vs_error.png")
     return (lines + _default_reading(table) + _backward_reading(table) + _bits_reading(table, error_png)
-            + _evaluation_reading(table))
+            + _evaluation_reading(table) + remeasured_reading(recorded or {}, table, protocol))
 
 
 def _plot(table: dict, png: Path) -> list[str]:
@@ -747,6 +774,73 @@ def _replicates(table: dict) -> list[str]:
     return lines + [""] if rows else []
 
 
+def _host_text(entry: dict) -> str:
+    """The recorded run's machine and software, as the page names them (runs on different ones drift apart)."""
+    host = entry.get("host") or {}
+    return (f"{host.get('cpu', 'unknown CPU')}, {host.get('cores', '?')} cores, torch {host.get('torch', '?')}, "
+            f"megatron-core {host.get('megatron_core', '?')}") if host else "host not recorded"
+
+
+def _same_host(entries: list[dict], references: list[dict]) -> str:
+    """``yes`` when every entry ran where its reference (same position) ran, ``no`` when none did, else ``partly``."""
+    same = [_host_text(e) == _host_text(r) for e, r in zip(entries, references)]
+    return "yes" if all(same) else "no" if not any(same) else "partly"
+
+
+def _when(entries: list[dict]) -> str:
+    """``"2026-11-24 15:55-16:17 UTC"``: when the ``entries`` started (first and last start)."""
+    starts = sorted(e["started"] for e in entries if e.get("started"))
+    if not starts:
+        return "n/a"
+    first, last = starts[0], starts[-1]
+    end = last[11:16] if last[:10] == first[:10] else f"{last[:10]} {last[11:16]}"
+    return f"{first[:10]} {first[11:16]}-{end} UTC"
+
+
+def remeasured_reading(recorded: dict, table: dict, protocol: str) -> list[str]:
+    """Rows re-run after their codec changed (the earlier runs kept by :func:`supersede`): per codec and width,
+    the earlier and the current same-seed gaps to the same uncompressed runs, over the seeds that have both."""
+    groups: dict = {}
+    for entry in recorded.values():
+        if "superseded" in entry and entry.get("protocol", "gpt2") == protocol:
+            groups.setdefault((entry["codec"], entry["hidden"], entry["superseded"]), {})[entry["seed"]] = entry
+    current = {(e["codec"], e["hidden"], e["seed"]): e for e in recorded.values()
+               if "superseded" not in e and e.get("protocol", "gpt2") == protocol}
+    rows = []
+    for (codec, hidden, reason), earlier in sorted(groups.items(), key=lambda kv: (SHOWN.index(kv[0][0]), kv[0][1:])):
+        base = table.get(hidden, {}).get("none", {})
+        seeds = sorted(s for s in earlier if s in base and (codec, hidden, s) in current
+                       and ("none", hidden, s) in current)
+        if not seeds:
+            continue
+        before = [convergence.relative_gap(earlier[s]["row"]["late"], base[s]["late"]) for s in seeds]
+        after = [convergence.relative_gap(current[(codec, hidden, s)]["row"]["late"], base[s]["late"]) for s in seeds]
+        interval = convergence.interval95(before)
+        inside = ("n/a" if interval is None else
+                  "yes" if interval[0] <= _mean(after) <= interval[1] else "no")
+        olds, news = [earlier[s] for s in seeds], [current[(codec, hidden, s)] for s in seeds]
+        bases = [current[("none", hidden, s)] for s in seeds]
+        errors = [_mean([_forward_error(e["row"]) for e in group]) for group in (olds, news)]
+        rows.append(f"| {convergence.CODECS[codec][0]} | {hidden} | {len(seeds)} | {reason} | "
+                    f"{_when(olds)} | {_same_host(olds, bases)} | {_pct(_mean(before))} | {_interval_text(before)} | "
+                    f"{_num(errors[0])} | {_when(news)} | {_same_host(news, bases)} | {_pct(_mean(after))} | "
+                    f"{_interval_text(after)} | {_num(errors[1])} | {inside} | "
+                    f"{_interval_text([a - b for a, b in zip(after, before)])} |")
+    if not rows:
+        return []
+    return ["### Rows re-measured after their codec changed", "",
+            "The rows above of these codecs and widths are re-runs, same seeds, against the same uncompressed runs; "
+            "the record keeps the earlier runs (as `<run>@<tag>`, marked with what changed since). *Within*: "
+            "whether the re-run's mean gap lies in the earlier runs' 95% interval. Change: the same-seed "
+            "difference of the gaps (re-run minus earlier), its 95% interval. *Host*: whether the runs ran on the "
+            "machine and software of the uncompressed runs they are compared with (on another, a run differs in "
+            "the last bits from the first iterations on: a smaller perturbation than the noise-floor control's).", "",
+            "| run | width | seeds | earlier runs | earlier runs started | host | gap, mean | 95% interval | "
+            "fwd error | re-runs started | host | gap, mean | 95% interval | fwd error | within | "
+            "change, 95% interval |",
+            "|---|---:|---:|---|---|---|---:|---|---:|---|---|---:|---|---:|---|---|", *rows, ""]
+
+
 PAGE_NAME, PAGE_PLOT = "PARITY.md", "parity_record_gaps.png"
 PAGE_SECTIONS = {COMPACT: ("## Low-noise protocol (compact vocabulary): part parity-compact", "parity_compact_gaps.png"),
                  "gpt2": ("## GPT-2-vocabulary protocol: parts parity and parity-seeds", PAGE_PLOT)}
@@ -766,10 +860,8 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
              "(compact vocabulary, larger batches), whose same-seed gaps spread little enough to resolve 0.5%, "
              "and the earlier GPT-2-vocabulary one, whose trajectories drift apart by more than the codecs' effect."]
     hosts: dict[str, int] = {}
-    for entry in recorded.values():
-        host = entry.get("host") or {}
-        key = (f"{host.get('cpu', 'unknown CPU')}, {host.get('cores', '?')} cores, torch {host.get('torch', '?')}, "
-               f"megatron-core {host.get('megatron_core', '?')}") if host else "host not recorded"
+    for entry in (e for e in recorded.values() if "superseded" not in e):
+        key = _host_text(entry)
         hosts[key] = hosts.get(key, 0) + 1
     if hosts:
         intro += ["", "Where the recorded runs ran (the parts run a seed's runs together, on one machine; the same "
