@@ -150,7 +150,7 @@ class TahConfigBase:
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
     tah_auto_candidates: str = ",".join(AUTO_CANDIDATES)
-    """Codecs a direction set to auto chooses among (comma list): none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with paper (else the first) until the link is measured."""
+    """Codecs a direction set to auto chooses among (comma list): none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with none (else paper, else the first) until the link is measured."""
 
     tah_auto_max_error: float | None = None
     """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, so auto never sends less accurately than the default)."""
@@ -297,9 +297,12 @@ class TahConfigBase:
         return candidate_codec(name, direction, self.tah_backend, checksum=self.tah_wire_checksum)
 
     def auto_start(self) -> str:
-        """The candidate auto links start with, before their first measurement: paper, else the first."""
+        """The candidate auto links start with, before their first measurement: none, else paper, else the
+        first. ``none`` sends the largest messages, and a rate measured on large messages holds for smaller
+        ones, not the other way round (a link's burst allowance carries small messages faster than its
+        sustained rate), so the first choice rests on the measurement that extrapolates safely."""
         candidates = self.auto_settings().candidates
-        return "paper" if "paper" in candidates else candidates[0]
+        return next(name for name in ("none", "paper", candidates[0]) if name in candidates)
 
     def forward_codec(self) -> Codec:
         """A new codec object for activations (one per link end: aqsgd keeps state); auto: the codec

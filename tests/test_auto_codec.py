@@ -334,3 +334,25 @@ def test_a_buffer_from_another_codec_than_announced_is_an_error():
         paper.decode(candidate_codec("fp8", "forward", backend="torch").encode(x), shape, dtype)
     with pytest.raises(ValueError, match="direction"):
         candidate_codec("paper", "sideways")
+
+
+def test_a_rate_read_on_small_messages_is_not_extrapolated_to_larger_ones():
+    """A token-bucket link (1 Mbit/s sustained, a burst allowance larger than a compressed message)
+    carries compressed messages at line rate; the rate measured on the large messages first keeps
+    predicting the large ones until it is ``memory`` measurements old."""
+    costs = [CandidateCost("none", 0, 0, 0.0, 0.0, 64_000, 0.0),
+             CandidateCost("paper", 1, 1, 0.01, 0.01, 18_000, 0.1)]
+    settings = AutoSettings(candidates=("none", "paper"), memory=3)
+    chooser = Chooser(CodecCostTable.from_costs(costs), settings)
+    assert chooser.update(LinkRate(1e6, 0.0, 4, by_size=((64_024, 1e6),))) == "paper"
+    burst = LinkRate(6e8, 0.0, 4, by_size=((18_024, 6e8),))
+    assert [chooser.update(burst) for _ in range(2)] == ["paper", "paper"]  # none still predicted at 1 Mbit/s
+    assert chooser.predicted["none"] == pytest.approx(8 * 64_000 / 1e6)
+    # The large size's rate is 3 measurements old now: the current one stands in, and none wins twice.
+    assert [chooser.update(burst) for _ in range(2)] == ["paper", "none"]
+    state = chooser.state_dict()
+    again = Chooser(CodecCostTable.from_costs(costs), settings)
+    again.load_state_dict(state)
+    assert again.size_rates == chooser.size_rates and again.measurements == chooser.measurements
+    with pytest.raises(ValueError, match="memory"):
+        AutoSettings(memory=0)

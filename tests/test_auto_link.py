@@ -61,9 +61,10 @@ def test_the_receiver_switches_with_the_sender_one_iteration_after_the_announcem
     # 1 Mbit/s: paper (fewest bytes) wins; 100 Gbit/s: none (no codec time) once two measurements agree.
     _fake(sender, [1e6, 1e6, 1e11, 1e11] + [1e11] * 6)
     seen = [_exchange(sender, receiver, k, x)[:2] for k in range(7)]
-    # The first measurement (iteration 0's boundary: the fake meter always has one) chooses freely:
-    # paper; 1e11 at iterations 2 and 3 switches at the second, effective from iteration 4.
-    assert [s for s, _ in seen] == ["paper"] * 4 + ["none"] * 3
+    # Iteration 0 sends the start codec (none: the largest messages); the first measurement (iteration 0's
+    # boundary: the fake meter always has one) chooses freely: paper from iteration 1; 1e11 at iterations 2
+    # and 3 switches at the second, effective from iteration 4.
+    assert [s for s, _ in seen] == ["none"] + ["paper"] * 3 + ["none"] * 3
     assert [r for _, r in seen] == [s for s, _ in seen]  # lockstep
     _, _, decoded = _exchange(sender, receiver, 7, x, 1)
     assert torch.equal(decoded[0], x.to(decoded[0].dtype))  # none: the bits as sent
@@ -129,7 +130,7 @@ def test_resume_from_state_dicts_equals_an_uninterrupted_run():
     receiver.load_state_dict(saved["recv"])
     second = run(sender, receiver, 4, start=4)
     assert first + second == full  # codecs and decoded bits (hadint4's stochastic rounding continues)
-    assert [s for s, _, _ in full] == ["paper", "paper", "paper", "none", "none", "none", "none", "none"]
+    assert [s for s, _, _ in full] == ["none", "paper", "paper", "none", "none", "none", "none", "none"]
 
 
 def test_flags_validate_and_the_handshake_record_covers_the_candidates():
@@ -143,8 +144,8 @@ def test_flags_validate_and_the_handshake_record_covers_the_candidates():
     assert config_record(a)["forward"] != config_record(b)["forward"]
     assert config_record(a)["backward"] == config_record(b)["backward"]
     assert config_record(a)["forward"][1] == "auto(none, fp8, paper)"
-    assert a.forward_codec().name == "tah" and _config(tah_auto_candidates="fp8,none",
-                                                        tah_auto_max_error=0.1).forward_codec().name == "fp8"
+    assert a.forward_codec().name == "none" and _config(tah_auto_candidates="fp8,paper").forward_codec().name == "tah"
+    assert _config(tah_auto_candidates="fp8,hadint4", tah_auto_max_error=0.1).forward_codec().name == "fp8"
 
 
 def test_the_log_line_names_each_links_codec_and_rate():

@@ -14,7 +14,7 @@ from dist_utils import run_distributed
 from test_patch_pipeline import ENV, MICRO_BATCH, MICRO_BATCHES, SEQ, _batches, _build, _forward_step
 
 pytestmark = pytest.mark.distributed
-SEQUENCE = ["paper", "paper", "fp8", "none", "none", "paper", "fp8"]  # codec of each iteration (both directions)
+SEQUENCE = ["none", "paper", "fp8", "none", "none", "paper", "fp8"]  # codec of each iteration (both directions; none: the start)
 
 
 def _train(chunks, iterations: int, before_iteration=lambda it: None):

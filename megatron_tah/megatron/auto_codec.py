@@ -29,7 +29,14 @@ and carries its decisions. Per link and direction:
    error is at most the floor (``max_error``; by default the error of the default TAH-Quant
    codec, candidate ``paper``, on the same tensor, so auto never sends less accurately than the
    default; ``none`` has error 0; if ``paper`` itself was dropped the floor is 0), the smallest
-   prediction wins, ties to the earlier candidate. Hysteresis: leaving the current codec needs the
+   prediction wins, ties to the earlier candidate. The rate a candidate is predicted with is the
+   slowest of the rates measured in the last ``memory`` (4) measurements on messages at least as
+   large as its own, if any, else the current measurement: a link with a burst allowance (a token
+   bucket, e.g. tc's tbf) carries messages smaller than its burst far faster than its sustained
+   rate, so a rate read on small compressed messages must not be extrapolated to uncompressed ones
+   (measured: 629 Mbit/s read on a 1 Mbit/s tbf link with a 32 KiB burst). Once the large size's
+   rate is older than ``memory`` measurements, the current rate stands in for it, so a link that
+   got faster is found again. Hysteresis: leaving the current codec needs the
    best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements; a
    current codec that was dropped or no longer meets the floor is left at once.
 4. **Lockstep switch.** A receiver posts a receive of a known size, so it must know the codec
@@ -48,7 +55,7 @@ and carries its decisions. Per link and direction:
        2     4   config digest (little endian)
        6     2   effective-from iteration mod 2**16 (little endian)
 
-5. **Checkpoints.** ``Chooser.state_dict()`` (current codec, hysteresis streak) and
+5. **Checkpoints.** ``Chooser.state_dict()`` (current codec, hysteresis streak, rates per size) and
    ``LinkRateMeter.state_dict()`` (pending transfers) restore exactly: fed the same measurements
    after a resume, the decisions equal an uninterrupted run's. Codec costs are measured afresh at
    start-up; they are measurements, not state.
@@ -98,6 +105,9 @@ class AutoSettings:
     overlap: float = 0.0
     """Share of encode + decode time the schedule hides behind compute (0: none, 1: all)."""
 
+    memory: int = 4
+    """Measurements a rate measured at one message size is kept for predicting that size and smaller ones."""
+
     def __post_init__(self):
         candidates = self.candidates
         if isinstance(candidates, str):
@@ -121,6 +131,8 @@ class AutoSettings:
             raise ValueError(f"gain = {self.gain!r}: must lie in [0, 1)")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"patience = {self.patience!r}: must be an integer >= 1")
+        if isinstance(self.memory, bool) or not isinstance(self.memory, int) or self.memory < 1:
+            raise ValueError(f"memory = {self.memory!r}: must be an integer >= 1")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap = {self.overlap!r}: must lie in [0, 1]")
 
@@ -150,6 +162,8 @@ class LinkRate:
     rate_bps: float
     spread_bps: float
     transfers: int
+    by_size: tuple[tuple[int, float], ...] = ()
+    """(message bytes, fastest rate in bits/s) for each message size in the window."""
 
     def describe(self) -> str:
         return f"{self.rate_bps / 1e6:.4g} Mbit/s (IQR {self.spread_bps / 1e6:.3g}, {self.transfers} transfers)"
@@ -187,12 +201,15 @@ class LinkRateMeter:
         rates = [8.0 * nbytes / seconds for nbytes, seconds in self.window if 2 * nbytes >= largest]
         if len(rates) < self.min_transfers:
             return None
+        fastest: dict[int, float] = {}
+        for nbytes, seconds in self.window:
+            fastest[nbytes] = max(fastest.get(nbytes, 0.0), 8.0 * nbytes / seconds)
         self.window = []
         low, _, high = statistics.quantiles(rates, n=4, method="inclusive")
         if self.quantile != 0.75:
             ordered = sorted(rates)
             high = ordered[round(self.quantile * (len(ordered) - 1))]
-        return LinkRate(rate_bps=high, spread_bps=high - low, transfers=len(rates))
+        return LinkRate(rate_bps=high, spread_bps=high - low, transfers=len(rates), by_size=tuple(sorted(fastest.items())))
 
     def state_dict(self) -> dict:
         return {"seen": self.seen, "window": [list(item) for item in self.window]}
@@ -335,6 +352,8 @@ class Chooser:
         self.table, self.settings = table, settings
         self.current, self.streak = current, 0
         self.predicted: dict[str, float] = {}
+        self.measurements = 0  # rates taken so far
+        self.size_rates: dict[int, tuple[float, int]] = {}  # message bytes -> (rate, measurement it was taken at)
 
     def floor(self) -> float:
         if self.settings.max_error is not None:
@@ -342,13 +361,25 @@ class Chooser:
         reference = self.table.costs.get(FLOOR_REFERENCE)
         return 0.0 if reference is None else reference.error
 
+    def rate_for(self, cost: CandidateCost, rate_bps: float) -> float:
+        """The rate to predict ``cost``'s messages with: the slowest recent rate measured on messages at least
+        as large (a rate measured on small messages may be a burst allowance's, not the link's), else
+        ``rate_bps``."""
+        larger = [rate for nbytes, (rate, _) in self.size_rates.items() if nbytes >= cost.wire_nbytes]
+        return min(larger, default=rate_bps)
+
     def update(self, rate: LinkRate | float) -> str:
         """Take one measurement of the link; returns the codec chosen now (maybe unchanged)."""
         rate_bps = rate.rate_bps if isinstance(rate, LinkRate) else float(rate)
         if not rate_bps > 0:
             raise ValueError(f"link rate {rate_bps!r} bit/s: must be > 0")
+        self.measurements += 1
+        for nbytes, size_rate in getattr(rate, "by_size", ()):
+            self.size_rates[nbytes] = (size_rate, self.measurements)
+        self.size_rates = {nbytes: item for nbytes, item in self.size_rates.items()
+                           if self.measurements - item[1] < self.settings.memory}
         floor = self.floor()
-        self.predicted = {name: predicted_seconds(cost, rate_bps, self.settings.overlap)
+        self.predicted = {name: predicted_seconds(cost, self.rate_for(cost, rate_bps), self.settings.overlap)
                           for name, cost in self.table.costs.items() if cost.error <= floor}
         if not self.predicted:
             raise RuntimeError(f"auto codec: no candidate within the error floor {floor:.3g} "
@@ -372,13 +403,16 @@ class Chooser:
         return AutoDecision(self.current, cost.codec_id, cost.config_digest, iteration + 1)
 
     def state_dict(self) -> dict:
-        return {"current": self.current, "streak": self.streak}
+        return {"current": self.current, "streak": self.streak, "measurements": self.measurements,
+                "size_rates": [[nbytes, rate, at] for nbytes, (rate, at) in self.size_rates.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         current = state["current"]
         if current is not None and current not in self.table.costs:
             raise ValueError(f"checkpoint's codec {current!r} is not a candidate here ({', '.join(self.table.costs)})")
         self.current, self.streak = current, int(state["streak"])
+        self.measurements = int(state.get("measurements", 0))
+        self.size_rates = {int(n): (float(r), int(at)) for n, r, at in state.get("size_rates", [])}
 
 
 # ----- 4. the announcement -----------------------------------------------------------------------

@@ -31,7 +31,8 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
   on its own (asymmetric links), by the traffic the pipeline carries anyway, with no probe. The
   two ends' wall clocks are assumed synchronised (on one machine they are the same clock; across
   sites NTP keeps them within about a millisecond, which biases a transit by as much).
-* **Lockstep.** Both ends start with ``TahConfig.auto_start()`` (paper, else the first candidate).
+* **Lockstep.** Both ends start with ``TahConfig.auto_start()`` (none, else paper, else the first
+  candidate: the largest messages, see there).
   At its first message of a new iteration each end switches to the codec announced during the
   previous one: the sender to what it announced, the receiver to what it read. Announcements of one
   iteration that disagree, name another iteration or a codec the receiver does not hold raise
@@ -44,7 +45,8 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
   reports of its receiver (above). At the first boundary where the meter has enough transfers
   (normally after the first iteration) and then every ``--tah-auto-interval`` iterations, the sender
   measures the rate (the *fastest* reported transfer of the window: a transit only ever includes
-  extra time, never less, so the fastest one is the closest to the link's rate), folds the mean
+  extra time, never less, so the fastest one is the closest to the link's rate; the first transfers,
+  connection set-up included, are not skipped: the slowest never counts), folds the mean
   encode time of the current codec since the last measurement into the table
   (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2 measurements in a row);
   the choice is announced from then on and takes effect at the next boundary. The receiver's
@@ -142,7 +144,7 @@ class AutoEnd:
             raise RuntimeError(f"auto codec: the start candidate {start!r} could not be built")
         self.current = self.next = start  # this iteration's codec, the next one's (announced / read)
         self.iteration: int | None = None  # the iteration ``current`` belongs to
-        self.meter = LinkRateMeter(self.settings.interval, quantile=1.0)
+        self.meter = LinkRateMeter(self.settings.interval, skip_first=0, quantile=1.0)  # (a slow first: not fastest)
         self.table: CodecCostTable | None = None  # sender: built at its first send
         self.chooser: Chooser | None = None
         self.rate: LinkRate | None = None  # the last measurement
