@@ -15,8 +15,10 @@ and carries its decisions. Per link and direction:
    transfers of a meter are ignored (connection set-up, allocator and kernel warm-up).
 2. **Codec cost** (``CodecCostTable``): per candidate, encode and decode seconds at the link's
    message shape on this device (``codecs.timing.Stopwatch``: CUDA events on a GPU, wall time on
-   the CPU; one untimed warm-up call, then the fastest of ``calls`` calls: contention from other
-   processes only adds time, and a median of a few calls was seen to keep it), the exact wire bytes
+   the CPU; one untimed warm-up call, then the median of ``calls`` (5) calls, made while the
+   pipeline runs: where stages share cores, the contention is part of what a codec call costs the
+   pipeline -- measured: with the fastest of 3 calls, auto compressed on the CPU throughput
+   reproduction's 100 Mbit/s-10 Gbit/s links, where every codec is slower than fp32), the exact wire bytes
    (``codec.wire_nbytes``) and the relative round-trip error on a sample tensor (a real message
    when the transport has one, else ``codecs.samples.activation_like``). ``observe`` refreshes the
    seconds from the running statistics. A candidate whose build or first call raises is dropped
@@ -244,7 +246,7 @@ class CodecCostTable:
 
     def __init__(self, candidates: Mapping[str, Codec | Callable[[], Codec]], shape: Sequence[int],
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 sample: torch.Tensor | None = None, calls: int = 3, smoothing: float = 0.25):
+                 sample: torch.Tensor | None = None, calls: int = 5, smoothing: float = 0.25):
         if calls < 1 or not 0.0 < smoothing <= 1.0:
             raise ValueError(f"calls = {calls} (>= 1), smoothing = {smoothing} (in (0, 1])")
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
@@ -299,8 +301,8 @@ class CodecCostTable:
         if buf.numel() != nbytes:
             raise RuntimeError(f"encode gave {buf.numel()} bytes, wire_nbytes says {nbytes}")
         return CandidateCost(name=name, codec_id=codec.codec_id, config_digest=codec.config_digest(),
-                             encode_s=min(timing.to_float(t) for t in encode),
-                             decode_s=min(timing.to_float(t) for t in decode),
+                             encode_s=statistics.median(timing.to_float(t) for t in encode),
+                             decode_s=statistics.median(timing.to_float(t) for t in decode),
                              wire_nbytes=nbytes, error=error)
 
     def drop(self, name: str, reason: str) -> None:

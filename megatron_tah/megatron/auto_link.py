@@ -40,8 +40,8 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
   every decode, so a buffer of another codec is an error, never a misread. The warm-up and
   uncompressed evaluations send through ``none`` but carry the trailer all the same.
 * **Deciding (sender).** At its first send the sender measures every candidate on that message
-  (``CodecCostTable``: one untimed call, then the fastest of 3; the pipeline runs meanwhile, and
-  contention only adds time, so the minimum is the cost). Its ``LinkRateMeter`` is fed with the
+  (``CodecCostTable``: one untimed call, then the median of 5, while the pipeline runs: contention
+  from stages sharing the cores is part of the cost). Its ``LinkRateMeter`` is fed with the
   reports of its receiver (above). At the first boundary where the meter has enough transfers
   (normally after the first iteration) and then every ``--tah-auto-interval`` iterations, the sender
   measures the rate (the *fastest* reported transfer of the window: a transit only ever includes
