@@ -34,3 +34,20 @@ def rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
     """``||y - x|| / ||x||`` in float64 (tiny inputs must not underflow the norms)."""
     x, y = x.double(), y.double()
     return ((y - x).norm() / x.norm()).item()
+
+
+def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bitwise equal values, NaN where the other has NaN (kernel vs reference, atol=0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
+
+
+def with_bad_values(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with a NaN, a +Inf and a -Inf (second, middle and last element)."""
+    x = x.clone()
+    flat = x.view(-1)
+    flat[1] = float("nan")
+    flat[flat.numel() // 2] = float("inf")
+    flat[-1] = -float("inf")
+    return x

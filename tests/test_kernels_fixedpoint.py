@@ -7,7 +7,7 @@ Runs the Triton path on CPU tensors under TRITON_INTERPRET=1 (``make test``), or
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, assert_same_values, with_bad_values
 from megatron_tah.codecs import get_codec
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.kernels import common as kcommon
@@ -29,22 +29,6 @@ CASES = [
 
 def codecs(**config):
     return (get_codec("fixedpoint", backend="torch", **config), get_codec("fixedpoint", backend="triton", **config))
-
-
-def assert_same_values(a, b):
-    """Bitwise equal values, NaN where the other has NaN."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.isnan(), b.isnan())
-    assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
-
-
-def with_bad_values(x):
-    x = x.clone()
-    flat = x.view(-1)
-    flat[1] = float("nan")
-    flat[flat.numel() // 2] = float("inf")
-    flat[-1] = -float("inf")
-    return x
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

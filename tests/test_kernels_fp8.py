@@ -9,7 +9,7 @@ Runs on CPU tensors under TRITON_INTERPRET=1, or compiled on CUDA (``scripts/gpu
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, assert_same_values
 from megatron_tah.codecs import get_codec
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.kernels import common as kcommon
@@ -62,12 +62,6 @@ def test_e4m3_cast_matches_torch():
     want = probes.to(torch.float8_e4m3fn)
     torch.testing.assert_close(code.to(torch.uint8), want.view(torch.uint8), rtol=0, atol=0)
     torch.testing.assert_close(value, want.float(), rtol=0, atol=0)
-
-
-def assert_same_values(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.isnan(), b.isnan())
-    assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
 
 
 def check_against_reference(ref, fused, x):

@@ -7,7 +7,7 @@ Runs the Triton path on CPU tensors under TRITON_INTERPRET=1 (``make test``), or
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, assert_same_values
 from megatron_tah.codecs import get_codec
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.kernels import common as kcommon
@@ -31,13 +31,6 @@ CASES = [
 
 def codecs(**config):
     return get_codec("hadint", backend="torch", **config), get_codec("hadint", backend="triton", **config)
-
-
-def assert_same_values(a, b):
-    """Bitwise equal values, NaN where the other has NaN."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.isnan(), b.isnan())
-    assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
 
 
 def assert_bit_exact(x, ref, tri):

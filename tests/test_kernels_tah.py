@@ -9,7 +9,7 @@ stochastic rounding included. Runs on CPU tensors under TRITON_INTERPRET=1, or c
 import pytest
 import torch
 
-from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor
+from edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, assert_same_values
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.kernels import common as kcommon
@@ -36,12 +36,6 @@ CASES = [
 
 def codecs(**config):
     return get_codec("tah", backend="torch", **config), get_codec("tah", backend="triton", **config)
-
-
-def assert_same_values(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.isnan(), b.isnan())
-    assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
 
 
 def check_against_reference(ref, fused, x):
