@@ -173,6 +173,7 @@ def test_launch_spec_of_a_gpu_stage_without_root(monkeypatch):
     # Built, not run: the namespace exec, the stage's rendezvous, and the caller's CUDA settings kept.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     links = SlowLinks(4, "1gbit")
     links.tag = "mtah123"
     argv, env = links.launch_spec(2, ["python", "-m", "megatron_tah.pretrain_gpt", "--tah-share-gpus"],
@@ -184,6 +185,9 @@ def test_launch_spec_of_a_gpu_stage_without_root(monkeypatch):
     assert env["MASTER_ADDR"] == "10.77.0.1" and env["GLOO_SOCKET_IFNAME"] == "eth0"
     assert env["MTAH_LINK_RATE_BPS"] == "1000000000" and env["EXTRA"] == "x"
     assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == "1"  # NCCL could not bypass eth0
+    assert env["OMP_NUM_THREADS"] == "1"  # torchrun's default: 4 stages x 1 thread, not x cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert links.launch_spec(2, ["true"])[1]["OMP_NUM_THREADS"] == "3"  # the caller's setting wins
     with pytest.raises(ValueError, match="stage = 4"):
         links.launch_spec(4, ["true"])
     with pytest.raises(ValueError, match="no command"):
