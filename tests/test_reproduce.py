@@ -301,3 +301,34 @@ def test_the_throughput_part_rewrites_only_section_1_the_machine_and_its_summary
     assert "| paper regime: TAH-Quant >= 4.3x faster than fp32 | 5.00x | **met** |" in new
     assert report.refresh_throughput_section(tmp_path, tmp_path / "docs", "tiny") == page
     assert page.read_text() == new  # idempotent: rows replaced, not appended
+
+
+def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
+    """Issue 26's goal rows: auto / best fixed fp32 codec and auto (bf16 pipeline) / uncompressed bf16 per rate,
+    the codecs each auto run ended with, and a summary row that is met only when every rate is >= 0.97x."""
+    _fake_results(tmp_path, tah_loss=4.02)
+    tput = tmp_path / "throughput"
+    chose = {"0->1": "hadint4", "1->0": "paper"}  # tiny: PP 2
+
+    def auto_log(name, ms, links):
+        records = [_record(i, ms) for i in range(1, 6)]
+        records[-1]["auto"] = {link: {"codec": codec, "rate_bps": 1e7, "spread_bps": 0.0} for link, codec in links.items()}
+        _write_log(tput, name, records)
+
+    # 10 Mbit/s: fp32 102 ms, TAH 111 ms -> best fixed is fp32; auto at 104 ms is 102/104 = 0.98x (met)
+    auto_log("r10mbit_auto", 104.0, chose)
+    _write_log(tput, "r10mbit_none_bf16", [_record(i, 90.0) for i in range(1, 6)])
+    auto_log("r10mbit_auto_bf16", 91.0, {"0->1": "none", "1->0": "none"})  # 90/91 = 0.99x
+    # unthrottled: fp32 100 ms; auto 110 ms -> 0.91x (missed)
+    auto_log("c_auto", 110.0, {"0->1": "none", "1->0": "none"})
+    md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
+    assert ("| 10mbit | uncompressed fp32 | 9804 | 9615 | 0.98x | fwd hadint4; bwd paper | 11111 | 10989 | 0.99x | "
+            "fwd none; bwd none |") in md
+    assert "| unthrottled | uncompressed fp32 | 10000 | 9091 | 0.91x | fwd none; bwd none | n/a | n/a | n/a | n/a |" in md
+    assert ("| auto >= 0.97x the best fixed codec's tokens/s at every rate (fp32 pipeline) | lowest 0.91x (unthrottled) "
+            "| **not met** |") in md
+    assert "| auto on a bf16 pipeline >= 0.97x uncompressed bf16's tokens/s at every rate | lowest 0.99x (10mbit) | **met** |" in md
+    auto_log("c_auto", 101.0, {"0->1": "none", "1->0": "none"})  # 100/101 = 0.99x: every rate met
+    page = report.refresh_throughput_section(tmp_path, tmp_path / "docs", "tiny").read_text()
+    assert "| auto >= 0.97x the best fixed codec's tokens/s at every rate (fp32 pipeline) | lowest 0.98x (10mbit) | **met** |" in page
+    assert page.count("| auto >= 0.97x") == 1  # replaced, not appended

@@ -74,9 +74,15 @@ CODECS = {
     "fp8": ("fp8 both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
     # Issue 26: each link measures its rate and the candidates' costs and chooses (fp32 messages).
     "auto": ("auto (chosen per link)", ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"]),
+    # ... and on a bf16 pipeline, compared with uncompressed bf16 (a bf16 pipeline also computes at another speed).
+    "auto_bf16": ("auto (chosen per link), bf16 pipeline",
+                  ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto", "--bf16"]),
 }
 PAPER_CODECS = {"none": CODECS["none"], "none_bf16": CODECS["none_bf16"], "tah": CODECS["tah"],
-                "tah_bf16": ("TAH-Quant fwd, 6-bit bwd, bf16 pipeline", [*CODECS["tah"][1], "--bf16"])}
+                "tah_bf16": ("TAH-Quant fwd, 6-bit bwd, bf16 pipeline", [*CODECS["tah"][1], "--bf16"]),
+                "auto": CODECS["auto"], "auto_bf16": CODECS["auto_bf16"]}
+FIXED_FP32 = ("none", "fixedpoint4", "aqsgd", "tah", "fp8")
+"""The fixed codecs of the fp32 pipeline that ``auto`` is compared with (issue 26: >= 0.97x the best of those run)."""
 
 SIZES = {
     # PP 4, one layer per stage, 1024 tokens per micro-batch, 4 micro-batches per iteration.
@@ -168,6 +174,8 @@ def run_stats(records: list[dict], pipeline: int) -> dict:
         out[key] = statistics.mean(r[key] for r in s)
     out["critical_raw_bytes"] = critical_bytes(out["fwd_raw_bytes"], out["bwd_raw_bytes"], pipeline)
     out["critical_wire_bytes"] = critical_bytes(out["fwd_wire_bytes"], out["bwd_wire_bytes"], pipeline)
+    # auto runs: the codec each link ("0->1", ...) used last
+    out["auto"] = {link: entry["codec"] for link, entry in (records[-1].get("auto") or {}).items()}
     return out
 
 
