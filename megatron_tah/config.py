@@ -35,7 +35,7 @@ DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec: chosen per link (megatron/auto_codec.py)
-AUTO_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank")  # the default of tah_auto_candidates
+AUTO_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")  # the default of tah_auto_candidates
 
 # --tah-preset name -> the fields it sets.
 PRESETS = {
@@ -150,13 +150,16 @@ class TahConfigBase:
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
     tah_auto_candidates: str = ",".join(AUTO_CANDIDATES)
-    """Codecs a direction set to auto chooses among (comma list): none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with none (else paper, else the first) until the link is measured."""
+    """Codecs a direction set to auto chooses among (comma list): none, fp8, fixedpoint4 (direct 4-bit activations, the paper's 6-bit gradients) or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with none (else paper, else the first) until the link is measured."""
 
     tah_auto_max_error: float | None = None
     """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, so auto never sends less accurately than the default)."""
 
     tah_auto_interval: int = 50
     """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""
+
+    tah_auto_probation: int = 2
+    """auto: after a switch the new codec keeps the link only if its first this-many iterations ran faster than the ones before the switch; else the link goes back and the codec waits 4 measurements before it is tried again (0: no probation)."""
 
     tah_share_gpus: bool = False
     """Run several pipeline ranks per GPU (device = local rank mod the GPU count; on automatically when a node's local ranks outnumber its GPUs): the process groups use gloo (NCCL refuses two ranks on one GPU) and every pipeline message goes through pinned host memory after encoding (megatron/share_gpus.py, megatron/staging.py). Without a CUDA device the ranks run on the CPU and the messages are staged all the same."""
@@ -179,6 +182,8 @@ class TahConfigBase:
             raise ValueError(f"tah_auto_max_error = {self.tah_auto_max_error!r}: must be a finite number >= 0")
         if isinstance(self.tah_auto_interval, bool) or self.tah_auto_interval < 1:
             raise ValueError(f"tah_auto_interval = {self.tah_auto_interval!r}: must be an integer >= 1")
+        if isinstance(self.tah_auto_probation, bool) or self.tah_auto_probation < 0:
+            raise ValueError(f"tah_auto_probation = {self.tah_auto_probation!r}: must be an integer >= 0")
         try:
             self.auto_settings()
         except ValueError as err:
@@ -284,7 +289,7 @@ class TahConfigBase:
         from .megatron.auto_codec import AutoSettings
 
         return AutoSettings(candidates=self.tah_auto_candidates, max_error=self.tah_auto_max_error,
-                            interval=self.tah_auto_interval)
+                            interval=self.tah_auto_interval, probation=self.tah_auto_probation)
 
     def is_auto(self, direction: str) -> bool:
         """Whether ``direction`` ("forward", "backward") chooses its codec per link (``auto``)."""

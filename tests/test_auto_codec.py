@@ -13,7 +13,7 @@ from megatron_tah.codecs.none import NoneCodec
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.megatron.auto_codec import (
     ANNOUNCEMENT_NBYTES, DEFAULT_CANDIDATES, AutoDecision, AutoSettings, CandidateCost, Chooser, CodecCostTable,
-    LinkRate, LinkRateMeter, candidate_codec, decode_announcement, encode_announcement, predicted_seconds,
+    LinkRate, LinkRateMeter, Probation, candidate_codec, decode_announcement, encode_announcement, predicted_seconds,
 )
 
 MBIT = 1e6
@@ -43,15 +43,16 @@ def break_even(a: CandidateCost, b: CandidateCost) -> float:
 # ----- settings ----------------------------------------------------------------------------------
 def test_settings_defaults_and_validation():
     settings = AutoSettings()
-    assert settings.candidates == DEFAULT_CANDIDATES == ("none", "fp8", "paper", "hadint4", "lowrank")
-    assert (settings.max_error, settings.interval, settings.gain, settings.patience, settings.overlap) == \
-        (None, 50, 0.05, 2, 0.0)
+    assert settings.candidates == DEFAULT_CANDIDATES == ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")
+    assert (settings.max_error, settings.interval, settings.gain, settings.patience, settings.overlap,
+            settings.probation) == (None, 50, 0.05, 2, 0.0, 2)
     assert AutoSettings(candidates="none, fp8,paper").candidates == ("none", "fp8", "paper")
     for bad, match in [({"candidates": ()}, "empty"), ({"candidates": ("none", "zip")}, "zip"),
                        ({"candidates": ("none", "none", "paper")}, "twice"),
                        ({"candidates": ("none", "fp8")}, "paper"), ({"max_error": -0.1}, "max_error"),
                        ({"max_error": float("nan")}, "max_error"), ({"interval": 0}, "interval"),
-                       ({"gain": 1.0}, "gain"), ({"patience": 0}, "patience"), ({"overlap": 1.5}, "overlap")]:
+                       ({"gain": 1.0}, "gain"), ({"patience": 0}, "patience"), ({"overlap": 1.5}, "overlap"),
+                       ({"probation": -1}, "probation")]:
         with pytest.raises(ValueError, match=match):
             AutoSettings(**bad)
     assert AutoSettings(candidates=("none", "fp8"), max_error=0.05).max_error == 0.05
@@ -224,9 +225,12 @@ def test_real_codec_costs_on_cpu(direction):
     shape, dtype = (32, 2, 128), torch.bfloat16
     table = CodecCostTable.for_direction(AutoSettings(), direction, shape, dtype, backend="torch", calls=2)
     assert not table.dropped
-    # backward: lowrank's gradients are hadint4's codec, so it is one candidate on the wire
+    # backward: lowrank's gradients are hadint4's codec and fixedpoint4's are paper's (6-bit fixed point), so each
+    # is one candidate on the wire
     expected = DEFAULT_CANDIDATES if direction == "forward" else ("none", "fp8", "paper", "hadint4")
     assert tuple(table.costs) == expected
+    if direction == "backward":
+        assert table.aliases == {"lowrank": "hadint4", "fixedpoint4": "paper"}
     for name, cost in table.costs.items():
         codec = candidate_codec(name, direction, backend="torch")
         assert cost.encode_s > 0 and cost.decode_s > 0
@@ -356,3 +360,74 @@ def test_a_rate_read_on_small_messages_is_not_extrapolated_to_larger_ones():
     assert again.size_rates == chooser.size_rates and again.measurements == chooser.measurements
     with pytest.raises(ValueError, match="memory"):
         AutoSettings(memory=0)
+
+
+def test_floor_follows_paper_when_an_earlier_candidate_is_the_same_codec():
+    # fixedpoint4's gradients are paper's codec: listed first, it stands for paper in the backward table, and the
+    # floor is still paper's error (not 0, which would leave only none)
+    settings = AutoSettings(candidates=("none", "fixedpoint4", "paper"))
+    table = CodecCostTable.for_direction(settings, "backward", (16, 2, 64), torch.float32, backend="torch", calls=1)
+    assert tuple(table.costs) == ("none", "fixedpoint4") and table.aliases == {"paper": "fixedpoint4"}
+    assert 0 < Chooser(table, settings).floor() == table.costs["fixedpoint4"].error
+
+
+# ----- probation ---------------------------------------------------------------------------------
+def test_probation_keeps_a_codec_only_if_its_fastest_iteration_beat_the_previous_ones():
+    p = Probation(iterations=2)
+    now = 0.0
+    # iterations 1 (start-up, not timed), 2 and 3 with none, then the switch: 4 and 5 with fp8
+    times = {1: 9.0, 2: 1.0, 3: 1.1, 4: 0.95, 5: 2.0}
+    codec_of = {1: "none", 2: "none", 3: "none", 4: "fp8", 5: "fp8"}
+    p.switched("none", "fp8", 4)
+    for it in range(1, 6):
+        p.begin(it, codec_of.get(it - 1, "none"), now)
+        now += times[it]
+        assert p.verdict() is None  # fp8 has not run 2 iterations yet
+    p.begin(6, "fp8", now)
+    assert [t[0] for t in p.times] == [2, 3, 4, 5]  # iteration 1 (start-up) not kept
+    assert p.verdict() == "fp8" and p.compared == ("none", 1.0, "fp8", pytest.approx(0.95))  # 0.95 s < 1.0 s
+    assert p.verdict() is None  # the trial is closed
+
+
+def _run(probation, first, ended_codecs_and_seconds, now=0.0):
+    """``begin`` for iterations ``first``, ``first + 1``, ...; each item: (codec of the iteration that just ended,
+    seconds the new iteration takes). Returns the clock after the last one."""
+    for it, (ended, seconds) in enumerate(ended_codecs_and_seconds, start=first):
+        probation.begin(it, ended, now)
+        now += seconds
+    return now
+
+
+def test_probation_goes_back_when_the_new_codec_was_not_faster_and_survives_a_checkpoint():
+    p = Probation(iterations=2)
+    now = _run(p, 1, [("none", 5.0), ("none", 1.0), ("none", 1.0)])  # iterations 1-3: none
+    p.switched("none", "hadint4", 4)  # iterations 4 and 5: hadint4, slower than none
+    q = Probation(iterations=2)
+    q.load_state_dict(p.state_dict())  # a checkpoint between iterations 3 and 4
+    assert q.trial == ("none", "hadint4", 4) and q.times == p.times
+    for probation in (p, q):
+        _run(probation, 4, [("none", 1.2), ("hadint4", 1.3), ("hadint4", 0.0)], now)
+    assert p.verdict() == "none" and p.compared == ("none", 1.0, "hadint4", pytest.approx(1.2))
+    # q resumed: iteration 3 (running at the checkpoint) and 4 (its first after the resume) are not timed,
+    # so hadint4 has run one timed iteration (5) yet
+    assert [t[0] for t in q.times] == [2, 5] and q.verdict() is None
+    _run(q, 7, [("hadint4", 0.0)], 10.0)  # iteration 6 began at 9.5 s: 0.5 s, faster than none's 1.0 s
+    assert q.verdict() == "hadint4"
+
+
+def test_chooser_leaves_a_rejected_codec_out_for_memory_measurements():
+    table = CodecCostTable.from_costs([CandidateCost("none", 0, 1, 0.0, 0.0, 1000, 0.0),
+                                       CandidateCost("paper", 2, 2, 1e-3, 1e-3, 100, 0.1),
+                                       CandidateCost("fp8", 3, 3, 1e-3, 1e-3, 300, 0.05)])
+    settings = AutoSettings(candidates=("none", "paper", "fp8"), patience=1, memory=2)
+    c = Chooser(table, settings, current="none")
+    assert c.update(1e5) == "paper"  # 1000 vs 100 bytes at 100 kbit/s
+    c.reject("paper", "none")
+    assert c.current == "none" and c.state_dict()["rejected"] == {"paper": 1}
+    assert c.update(1e5) == "fp8"  # paper left out: the next best
+    assert c.update(1e5) == "fp8"
+    d = Chooser(table, settings, current="none")
+    d.load_state_dict(c.state_dict())
+    assert d.update(1e5) == "paper" == c.update(1e5)  # 2 measurements later paper is back (and beats fp8)
+    with pytest.raises(ValueError, match="not a measured candidate"):
+        c.reject("paper", "zip")

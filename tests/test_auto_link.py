@@ -22,7 +22,7 @@ CANDIDATES = "none,fp8,paper"
 
 def _config(**kw) -> TahConfig:
     return TahConfig(**{"tah_forward_codec": "auto", "tah_backend": "torch", "tah_auto_candidates": CANDIDATES,
-                        "tah_auto_interval": 1, **kw})
+                        "tah_auto_interval": 1, "tah_auto_probation": 0, **kw})  # (probation: its own test)
 
 
 def _fake(end: AutoEnd, rates: list[float]) -> None:
@@ -68,6 +68,36 @@ def test_the_receiver_switches_with_the_sender_one_iteration_after_the_announcem
     assert [r for _, r in seen] == [s for s, _ in seen]  # lockstep
     _, _, decoded = _exchange(sender, receiver, 7, x, 1)
     assert torch.equal(decoded[0], x.to(decoded[0].dtype))  # none: the bits as sent
+
+
+def test_a_switch_that_made_iterations_slower_is_undone_and_that_codec_waits(monkeypatch, caplog):
+    """Probation with a scripted clock: at 1 Mbit/s the model picks paper (fewest bytes), but paper's iterations
+    take 1.5 s against none's 1.0 s: after 2 of them the sender announces none again, leaves paper out for 4
+    measurements, and takes the next best, fp8 (0.8 s per iteration: kept); the receiver follows every switch."""
+    import logging
+
+    import megatron_tah.megatron.auto_link as auto_link
+
+    cfg = _config(tah_auto_probation=2)
+    sender, receiver = AutoEnd(cfg, "forward", "send"), AutoEnd(cfg, "forward", "recv")
+    x = torch.randn(SHAPE)
+    sender.prepare(x)
+    _fake(sender, [])
+    rates = iter([None, None] + [1e6] * 20)  # the meter has nothing for iterations 0 and 1
+    sender.meter.measure = lambda: (lambda rate: rate and LinkRate(rate, 0.0, 10))(next(rates))
+    seconds = {"none": 1.0, "paper": 1.5, "fp8": 0.8}
+    clock = [0.0]
+    monkeypatch.setattr(auto_link.time, "monotonic", lambda: clock[0])
+    seen = []
+    with caplog.at_level(logging.INFO, logger=auto_link.__name__):
+        for k in range(13):
+            seen.append(_exchange(sender, receiver, k, x)[:2])
+            clock[0] += seconds[sender.current]
+    assert [s for s, _ in seen] == ["none"] * 3 + ["paper"] * 3 + ["none"] * 2 + ["fp8"] * 4 + ["paper"]
+    assert [r for _, r in seen] == [s for s, _ in seen]  # lockstep
+    assert "paper's fastest iteration took 1500 ms, none's 1000 ms: back to none" in caplog.text
+    # paper came back after 4 measurements (the model still prefers it) and is on probation again
+    assert sender.probation.trial == ("fp8", "paper", 12) and sender.chooser.rejected == {}
 
 
 def test_a_buffer_of_another_codec_than_the_announced_one_is_an_error():
@@ -134,8 +164,10 @@ def test_resume_from_state_dicts_equals_an_uninterrupted_run():
 
 
 def test_flags_validate_and_the_handshake_record_covers_the_candidates():
-    assert TahConfig().tah_auto_candidates == "none,fp8,paper,hadint4,lowrank"
+    assert TahConfig().tah_auto_candidates == "none,fp8,paper,hadint4,lowrank,fixedpoint4"
+    assert TahConfig().auto_settings().probation == 2 and TahConfig(tah_auto_probation=0).auto_settings().probation == 0
     for bad in ({"tah_auto_interval": 0}, {"tah_auto_max_error": -1.0}, {"tah_auto_candidates": "none,int4"},
+                {"tah_auto_probation": -1}, {"tah_auto_probation": True},
                 {"tah_auto_candidates": "none,fp8"}):  # no paper and no max_error: no floor
         with pytest.raises(ValueError, match="tah_auto"):
             TahConfig(tah_forward_codec="auto", **bad)

@@ -41,6 +41,16 @@ and carries its decisions. Per link and direction:
    got faster is found again. Hysteresis: leaving the current codec needs the
    best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements; a
    current codec that was dropped or no longer meets the floor is left at once.
+   **Probation** (``Probation``): the prediction adds link time and codec time, but a schedule hides
+   part of the link time behind other stages' compute, and stages that share cores lose to a codec's
+   CPU time what they gain on the link (measured on the CPU throughput reproduction, 4 stages on 2
+   cores: at 500 Mbit/s the model predicted hadint4's messages 2x faster than fp32's, the iterations
+   took as long). So a switch is a trial: after ``probation`` (2) iterations of the new codec, the
+   fastest of them is compared with the fastest of the last ``probation`` iterations before the
+   switch; not faster, the link goes back (``Chooser.reject``) and the new codec is left out of the
+   choice for ``memory`` measurements. Iteration times are the sender's (between the first
+   messages of consecutive iterations on its link end) and include every link's choice, which is
+   what the pipeline pays.
 4. **Lockstep switch.** A receiver posts a receive of a known size, so it must know the codec
    before the message arrives: every message of iteration ``k`` announces the codec for
    iteration ``k + 1`` (``AutoDecision``, encoded in ``ANNOUNCEMENT_NBYTES`` bytes by
@@ -57,7 +67,8 @@ and carries its decisions. Per link and direction:
        2     4   config digest (little endian)
        6     2   effective-from iteration mod 2**16 (little endian)
 
-5. **Checkpoints.** ``Chooser.state_dict()`` (current codec, hysteresis streak, rates per size) and
+5. **Checkpoints.** ``Chooser.state_dict()`` (current codec, hysteresis streak, rates per size, rejected
+   codecs), ``Probation.state_dict()`` (recent iteration times, an open trial) and
    ``LinkRateMeter.state_dict()`` (pending transfers) restore exactly: fed the same measurements
    after a resume, the decisions equal an uninterrupted run's. Codec costs are measured afresh at
    start-up; they are measurements, not state.
@@ -78,7 +89,14 @@ from ..codecs.samples import activation_like
 from ..config import AUTO_CANDIDATES, PRESETS, TahConfig
 
 DIRECTIONS = ("forward", "backward")
-CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none")
+CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none") + ("fixedpoint4",)
+# Candidates that are not a preset: the fields they set (besides the backend and checksum).
+NON_PRESET = {"none": {"tah_forward_codec": "none", "tah_backward_codec": "none"},
+              "fp8": {"tah_forward_codec": "fp8", "tah_backward_codec": "fp8"},
+              # direct 4-bit fixed point activations (tile 64), the paper's 6-bit tile-32 gradients
+              "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
+                              "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6,
+                              "tah_backward_tile_size": 32}}
 DEFAULT_CANDIDATES = AUTO_CANDIDATES
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 ANNOUNCEMENT_MAGIC = 0xA7
@@ -89,8 +107,8 @@ MIN_SECONDS = 1e-9  # a transfer timed at 0 s counts as this (an unlimited link:
 @dataclasses.dataclass(frozen=True)
 class AutoSettings:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    """Codecs auto chooses among: none, fp8 or a preset's codec for the direction (paper, hadint4, lowrank,
-    lowrank8)."""
+    """Codecs auto chooses among: none, fp8, fixedpoint4 or a preset's codec for the direction (paper, hadint4,
+    lowrank, lowrank8)."""
 
     max_error: float | None = None
     """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error."""
@@ -108,7 +126,11 @@ class AutoSettings:
     """Share of encode + decode time the schedule hides behind compute (0: none, 1: all)."""
 
     memory: int = 4
-    """Measurements a rate measured at one message size is kept for predicting that size and smaller ones."""
+    """Measurements a rate measured at one message size is kept for predicting that size and smaller ones,
+    and a codec that failed its probation is left out of the choice."""
+
+    probation: int = 2
+    """Iterations a new codec runs before its iteration times are compared with the previous codec's (0: never)."""
 
     def __post_init__(self):
         candidates = self.candidates
@@ -135,6 +157,8 @@ class AutoSettings:
             raise ValueError(f"patience = {self.patience!r}: must be an integer >= 1")
         if isinstance(self.memory, bool) or not isinstance(self.memory, int) or self.memory < 1:
             raise ValueError(f"memory = {self.memory!r}: must be an integer >= 1")
+        if isinstance(self.probation, bool) or not isinstance(self.probation, int) or self.probation < 0:
+            raise ValueError(f"probation = {self.probation!r}: must be an integer >= 0")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap = {self.overlap!r}: must lie in [0, 1]")
 
@@ -142,15 +166,15 @@ class AutoSettings:
 def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:
     """A new codec object for candidate ``name`` on ``direction`` (forward: activations, backward: gradients).
 
-    ``none`` and ``fp8`` are those codecs both ways; a preset name is that preset's codec for the direction.
+    ``none`` and ``fp8`` are those codecs both ways, ``fixedpoint4`` direct 4-bit activations and 6-bit
+    gradients (``NON_PRESET``); a preset name is that preset's codec for the direction.
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction = {direction!r}: choose forward or backward")
     if name not in CANDIDATES:
         raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
-    if name in ("none", "fp8"):
-        config = TahConfig(tah_forward_codec=name, tah_backward_codec=name, tah_backend=backend,
-                           tah_wire_checksum=checksum)
+    if name in NON_PRESET:
+        config = TahConfig(**NON_PRESET[name], tah_backend=backend, tah_wire_checksum=checksum)
     else:
         config = TahConfig(tah_preset=name, tah_backend=backend, tah_wire_checksum=checksum)
     return config.forward_codec() if direction == "forward" else config.backward_codec()
@@ -258,11 +282,14 @@ class CodecCostTable:
         self.calls, self.smoothing = calls, smoothing
         self.costs: dict[str, CandidateCost] = {}
         self.dropped: dict[str, str] = {}
+        self.aliases: dict[str, str] = {}  # a candidate left out as the same codec as an earlier one -> that one
         for name, make in candidates.items():
             try:
                 codec = make if isinstance(make, Codec) else make()
                 identity = (codec.codec_id, codec.config_digest())
-                if any((c.codec_id, c.config_digest) == identity for c in self.costs.values()):
+                same = [other for other, c in self.costs.items() if (c.codec_id, c.config_digest) == identity]
+                if same:
+                    self.aliases[name] = same[0]
                     continue
                 self.costs[name] = self._measure(name, codec, sample)
             except Exception as err:  # noqa: BLE001 (any failure of a candidate drops it, with its message)
@@ -282,7 +309,7 @@ class CodecCostTable:
         table = cls.__new__(cls)
         table.shape = table.dtype = table.device = None
         table.calls, table.smoothing = 0, smoothing
-        table.costs, table.dropped = {cost.name: cost for cost in costs}, {}
+        table.costs, table.dropped, table.aliases = {cost.name: cost for cost in costs}, {}, {}
         return table
 
     def _measure(self, name: str, codec: Codec, sample: torch.Tensor) -> CandidateCost:
@@ -356,11 +383,12 @@ class Chooser:
         self.predicted: dict[str, float] = {}
         self.measurements = 0  # rates taken so far
         self.size_rates: dict[int, tuple[float, int]] = {}  # message bytes -> (rate, measurement it was taken at)
+        self.rejected: dict[str, int] = {}  # codec that failed its probation -> the measurement count then
 
     def floor(self) -> float:
         if self.settings.max_error is not None:
             return self.settings.max_error
-        reference = self.table.costs.get(FLOOR_REFERENCE)
+        reference = self.table.costs.get(self.table.aliases.get(FLOOR_REFERENCE, FLOOR_REFERENCE))
         return 0.0 if reference is None else reference.error
 
     def rate_for(self, cost: CandidateCost, rate_bps: float) -> float:
@@ -386,7 +414,10 @@ class Chooser:
         if not self.predicted:
             raise RuntimeError(f"auto codec: no candidate within the error floor {floor:.3g} "
                                f"(dropped: {self.table.dropped or 'none'})")
-        best = min(self.predicted, key=self.predicted.get)  # ties: the earlier candidate
+        self.rejected = {name: at for name, at in self.rejected.items()
+                         if self.measurements - at <= self.settings.memory}
+        eligible = [name for name in self.predicted if name not in self.rejected] or list(self.predicted)
+        best = min(eligible, key=self.predicted.get)  # ties: the earlier candidate
         if self.current not in self.predicted:
             self.current, self.streak = best, 0
         elif best != self.current and self.predicted[best] <= (1 - self.settings.gain) * self.predicted[self.current]:
@@ -397,6 +428,14 @@ class Chooser:
             self.streak = 0
         return self.current
 
+    def reject(self, name: str, back_to: str) -> None:
+        """``name`` failed its probation (``Probation``): the link goes back to ``back_to``, and ``name`` is left out
+        of the choice for the next ``memory`` measurements."""
+        if back_to not in self.table.costs:
+            raise ValueError(f"reject({name!r}, back_to={back_to!r}): not a measured candidate")
+        self.rejected[name] = self.measurements
+        self.current, self.streak = back_to, 0
+
     def announcement(self, iteration: int) -> AutoDecision:
         """What the messages of ``iteration`` announce: the codec for ``iteration + 1``."""
         if self.current is None:
@@ -406,7 +445,8 @@ class Chooser:
 
     def state_dict(self) -> dict:
         return {"current": self.current, "streak": self.streak, "measurements": self.measurements,
-                "size_rates": [[nbytes, rate, at] for nbytes, (rate, at) in self.size_rates.items()]}
+                "size_rates": [[nbytes, rate, at] for nbytes, (rate, at) in self.size_rates.items()],
+                "rejected": dict(self.rejected)}
 
     def load_state_dict(self, state: dict) -> None:
         current = state["current"]
@@ -415,6 +455,58 @@ class Chooser:
         self.current, self.streak = current, int(state["streak"])
         self.measurements = int(state.get("measurements", 0))
         self.size_rates = {int(n): (float(r), int(at)) for n, r, at in state.get("size_rates", [])}
+        self.rejected = {str(name): int(at) for name, at in state.get("rejected", {}).items()}
+
+
+class Probation:
+    """Whether a switch made a link direction faster, from the iterations it ran (module docstring, point 3).
+
+    The sender calls ``begin(iteration, codec, now)`` at the start of every iteration, with the codec of
+    the iteration that just ended; that iteration's wall time is kept (not the first iteration this
+    process sees: start-up). ``switched(previous, new, first)`` opens a trial; once ``new`` has run
+    ``iterations`` iterations, ``verdict()`` answers ``new`` when its fastest iteration beat the fastest of
+    the last ``iterations`` before the switch, else ``previous`` (no iteration of ``previous`` to compare
+    with: ``new``), and closes the trial; None while it is open or when there is none. The fastest
+    iteration, not the mean: an evaluation or a checkpoint only ever adds time to an iteration.
+    """
+
+    def __init__(self, iterations: int = 2):
+        if iterations < 1:
+            raise ValueError(f"iterations = {iterations}: must be >= 1")
+        self.iterations = iterations
+        self.times: list[tuple[int, str, float]] = []  # (iteration, its codec, seconds), the recent ones
+        self.running: tuple[int, float, bool] | None = None  # (iteration, monotonic start, the first one seen)
+        self.trial: tuple[str, str, int] | None = None  # (previous codec, new codec, the new one's first iteration)
+        self.compared: tuple[str, float | None, str, float] | None = None  # the last verdict's fastest iterations
+
+    def begin(self, iteration: int, codec: str, now: float) -> None:
+        if self.running is not None and iteration == self.running[0] + 1 and not self.running[2]:
+            self.times.append((self.running[0], codec, now - self.running[1]))
+            self.times = self.times[-4 * self.iterations:]
+        self.running = (iteration, now, self.running is None)
+
+    def switched(self, previous: str, new: str, first: int) -> None:
+        self.trial = (previous, new, first)
+
+    def verdict(self) -> str | None:
+        if self.trial is None:
+            return None
+        previous, new, first = self.trial
+        after = [seconds for it, codec, seconds in self.times if it >= first and codec == new]
+        if len(after) < self.iterations:
+            return None
+        before = [seconds for it, codec, seconds in self.times if it < first and codec == previous][-self.iterations:]
+        self.trial = None
+        self.compared = (previous, min(before) if before else None, new, min(after))
+        return new if not before or min(after) < min(before) else previous
+
+    def state_dict(self) -> dict:
+        return {"times": [list(item) for item in self.times], "trial": list(self.trial) if self.trial else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.times = [(int(it), str(codec), float(seconds)) for it, codec, seconds in state["times"]]
+        self.trial = tuple(state["trial"]) if state["trial"] else None
+        self.running = None  # the iteration running at the checkpoint is not timed after a resume
 
 
 # ----- 4. the announcement -----------------------------------------------------------------------

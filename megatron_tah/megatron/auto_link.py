@@ -49,17 +49,22 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
   connection set-up included, are not skipped: the slowest never counts), folds the mean
   encode time of the current codec since the last measurement into the table
   (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2 measurements in a row);
-  the choice is announced from then on and takes effect at the next boundary. The receiver's
+  the choice is announced from then on and takes effect at the next boundary. A switch is on
+  probation (``auto_codec.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
+  iterations were not faster than the previous codec's, the sender announces the previous one again
+  (logged) and leaves the new one out for 4 measurements. The receiver's
   decode time is the sender's measurement of it. A candidate that fails to build or to run during
   the measurement is dropped with one warning.
 * **Checkpoints.** ``state_dict()`` holds the current and announced codecs, the chooser's
-  hysteresis state, the meter's window and the candidates' own states (stochastic rounding), so a
+  hysteresis state, the meter's window, the probation's iteration times and trial, and the candidates'
+  own states (stochastic rounding), so a
   resumed run starts with the codec the interrupted one had announced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import struct
 import time
 import warnings
@@ -69,7 +74,7 @@ import torch
 from ..codecs import Codec, WireFormatError, timing
 from ..config import TahConfig
 from .auto_codec import (ANNOUNCEMENT_NBYTES, AutoDecision, Chooser, CodecCostTable, LinkRate,
-                         LinkRateMeter, decode_announcement, encode_announcement)
+                         LinkRateMeter, Probation, decode_announcement, encode_announcement)
 
 __all__ = ["ANNOUNCEMENT_NBYTES", "TRAILER_NBYTES", "AutoEnd", "Trailer", "decode_trailer", "encode_trailer",
            "stamp_sent_at", "wall_seconds"]
@@ -78,6 +83,7 @@ TRAILER_NBYTES = 24
 _TRAILER = struct.Struct("<8sqII")  # announcement, sent at (us), report bytes, report us
 _NO_ANNOUNCEMENT = bytes(ANNOUNCEMENT_NBYTES)
 _US_MAX = 2**32 - 1
+logger = logging.getLogger(__name__)
 
 
 def wall_seconds(monotonic: float | None = None) -> float:
@@ -151,6 +157,8 @@ class AutoEnd:
         self._chooser_state: dict | None = None  # from a checkpoint, for the chooser built later
         self._encode_seconds, self._encodes = 0.0, 0  # the current codec's since the last measurement
         self._announcement: bytes | None = None  # sender: this iteration's announcement
+        probation = self.settings.probation if role == "send" else 0
+        self.probation = Probation(probation) if probation else None  # sender: did a switch pay off?
         self._received: list[bytes] = []  # receiver: this iteration's announcements
     @property
     def codec(self) -> Codec:
@@ -163,6 +171,8 @@ class AutoEnd:
         if iteration != self.iteration:
             if self.role == "recv":
                 self._read_announcements()
+            elif self.probation is not None:
+                self.probation.begin(iteration, self.current, time.monotonic())
             self.current = self.next
             self.iteration = iteration
             self._announcement = None  # the announcement names the iteration
@@ -171,7 +181,11 @@ class AutoEnd:
         return self.codecs[self.current]
 
     def _decide(self, iteration: int) -> None:
-        if self.chooser is None or not (self.chooser.current is None or self.meter.due(iteration)):
+        if self.chooser is None:
+            return
+        if self.probation is not None and self._probation_failed():
+            return
+        if not (self.chooser.current is None or self.meter.due(iteration)):
             return
         rate = self.meter.measure()
         if rate is None:
@@ -181,6 +195,22 @@ class AutoEnd:
         self._encode_seconds, self._encodes = 0.0, 0
         self.rate = rate
         self.next = self.chooser.update(rate)
+        if self.probation is not None and self.next != self.current:
+            self.probation.switched(self.current, self.next, iteration + 1)
+
+    def _probation_failed(self) -> bool:
+        """A trial that just ended with the new codec no faster: back to the previous one (announced now)."""
+        trial = self.probation.trial
+        verdict = self.probation.verdict()
+        if verdict is None or trial[1] != self.current or verdict == self.current:
+            return False
+        previous, before, new, after = self.probation.compared
+        self.chooser.reject(new, verdict)
+        self.next = verdict
+        logger.info(f"megatron_tah: auto {self.direction}: {new}'s fastest iteration took {1e3 * after:.0f} ms, "
+                    f"{previous}'s {1e3 * before:.0f} ms: back to {previous}; {new} is left out for "
+                    f"{self.settings.memory} measurements")
+        return True
 
     def _read_announcements(self) -> None:
         if not self._received:
@@ -231,6 +261,7 @@ class AutoEnd:
         chooser = self.chooser.state_dict() if self.chooser is not None else self._chooser_state
         return {"current": self.current, "next": self.next, "iteration": self.iteration,
                 "chooser": chooser, "meter": self.meter.state_dict(),
+                "probation": self.probation.state_dict() if self.probation is not None else None,
                 "codecs": {name: codec.state_dict() for name, codec in self.codecs.items() if codec.state_dict()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -240,6 +271,8 @@ class AutoEnd:
                                  f"here ({', '.join(self.codecs)})")
         self.current, self.next, self.iteration = state["current"], state["next"], state["iteration"]
         self.meter.load_state_dict(state["meter"])
+        if self.probation is not None and state.get("probation") is not None:
+            self.probation.load_state_dict(state["probation"])
         if self.chooser is not None and state["chooser"] is not None:
             self.chooser.load_state_dict(state["chooser"])
         else:
