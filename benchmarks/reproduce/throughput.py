@@ -88,7 +88,7 @@ SIZES = {
     # PP 4, one layer per stage, 1024 tokens per micro-batch, 4 micro-batches per iteration.
     "full": {"model": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
                        "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4", "--global-batch-size", "16"],
-             "pipeline": 4, "iters": 30, "paper_iters": 6, "tokens": 400_000},
+             "pipeline": 4, "iters": 30, "paper_iters": 10, "tokens": 400_000},
     "tiny": {"model": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
                        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
              "pipeline": 2, "iters": 4, "paper_iters": 4, "tokens": 20_000, "rates": ("10mbit",)},
