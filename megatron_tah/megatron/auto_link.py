@@ -160,6 +160,7 @@ class AutoEnd:
         probation = self.settings.probation if role == "send" else 0
         self.probation = Probation(probation) if probation else None  # sender: did a switch pay off?
         self._received: list[bytes] = []  # receiver: this iteration's announcements
+
     @property
     def codec(self) -> Codec:
         return self.codecs[self.current]
