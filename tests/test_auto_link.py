@@ -79,7 +79,7 @@ def test_a_switch_that_made_iterations_slower_is_undone_and_that_codec_waits(mon
     import megatron_tah.megatron.auto_link as auto_link
 
     cfg = _config(tah_auto_probation=2)
-    sender, receiver = AutoEnd(cfg, "forward", "send"), AutoEnd(cfg, "forward", "recv")
+    sender, receiver = AutoEnd(cfg, "forward", "send", peer=1), AutoEnd(cfg, "forward", "recv", peer=0)
     x = torch.randn(SHAPE)
     sender.prepare(x)
     _fake(sender, [])
@@ -95,7 +95,7 @@ def test_a_switch_that_made_iterations_slower_is_undone_and_that_codec_waits(mon
             clock[0] += seconds[sender.current]
     assert [s for s, _ in seen] == ["none"] * 3 + ["paper"] * 3 + ["none"] * 2 + ["fp8"] * 4 + ["paper"]
     assert [r for _, r in seen] == [s for s, _ in seen]  # lockstep
-    assert "paper's fastest iteration took 1500 ms, none's 1000 ms: back to none" in caplog.text
+    assert "auto forward to rank 1: paper's fastest iteration took 1500 ms, none's 1000 ms: back to none" in caplog.text
     # paper came back after 4 measurements (the model still prefers it) and is on probation again
     assert sender.probation.trial == ("fp8", "paper", 12) and sender.chooser.rejected == {}
 

@@ -133,10 +133,11 @@ def stamp_sent_at(message: torch.Tensor) -> None:
 
 
 class AutoEnd:
-    """The auto codec of one link end: ``direction`` and ``role`` ("send" decides, "recv" follows)."""
+    """The auto codec of one link end: ``direction`` and ``role`` ("send" decides, "recv" follows); ``peer``: the
+    other end's rank, for the log."""
 
-    def __init__(self, config: TahConfig, direction: str, role: str):
-        self.config, self.direction, self.role = config, direction, role
+    def __init__(self, config: TahConfig, direction: str, role: str, peer: int | None = None):
+        self.config, self.direction, self.role, self.peer = config, direction, role, peer
         self.settings = config.auto_settings()
         self.codecs: dict[str, Codec] = {}
         for name in self.settings.candidates:
@@ -208,7 +209,8 @@ class AutoEnd:
         previous, before, new, after = self.probation.compared
         self.chooser.reject(new, verdict)
         self.next = verdict
-        logger.info(f"megatron_tah: auto {self.direction}: {new}'s fastest iteration took {1e3 * after:.0f} ms, "
+        to = "" if self.peer is None else f" to rank {self.peer}"
+        logger.info(f"megatron_tah: auto {self.direction}{to}: {new}'s fastest iteration took {1e3 * after:.0f} ms, "
                     f"{previous}'s {1e3 * before:.0f} ms: back to {previous}; {new} is left out for "
                     f"{self.settings.memory} measurements")
         return True

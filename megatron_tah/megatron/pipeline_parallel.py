@@ -159,7 +159,7 @@ class PipelineTransport:
         key = (direction, role, int(peer))
         if key not in self.links:
             if self.config.is_auto(direction):
-                auto = AutoEnd(self.config, direction, role)
+                auto = AutoEnd(self.config, direction, role, int(peer))
                 self.links[key] = Link(direction, role, int(peer), auto.codec, auto=auto)
                 return self.links[key]
             codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
