@@ -332,3 +332,10 @@ def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
     page = report.refresh_throughput_section(tmp_path, tmp_path / "docs", "tiny").read_text()
     assert "| auto >= 0.97x the best fixed codec's tokens/s at every rate (fp32 pipeline) | lowest 0.98x (10mbit) | **met** |" in page
     assert page.count("| auto >= 0.97x") == 1  # replaced, not appended
+    # repeated bf16 pairs (throughput.REPEATED): means over the runs, each pair's ratio in brackets
+    _write_log(tput, "r10mbit_none_bf16_rep2", [_record(i, 100.0) for i in range(1, 6)])
+    auto_log("r10mbit_auto_bf16_rep2", 95.0, {"0->1": "none", "1->0": "none"})
+    md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
+    # none: (11111 + 10000) / 2 = 10556, auto: (10989 + 10526) / 2 = 10758 -> 1.02x; pairs 0.99 and 1.05
+    assert "| 10556 | 10758 | 1.02x (2 runs: 0.99, 1.05) | fwd none; bwd none |" in md
+    assert list(throughput.repeated_codecs()) == ["none_bf16_rep2", "auto_bf16_rep2", "none_bf16_rep3", "auto_bf16_rep3"]

@@ -133,28 +133,34 @@ def _auto_choice(links: dict[str, str]) -> str:
 
 def _auto_table(t: dict, checks: dict) -> list[str]:
     """Issue 26's goal rows: auto against the best fixed codec of its pipeline at every rate."""
-    entries = [("unthrottled", t["compute"])]
-    entries += [(rate, e["rows"]) for rate, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"])]
+    entries = [("unthrottled", t["compute"], t.get("compute_repeats") or {})]
+    entries += [(rate, e["rows"], e.get("repeats") or {})
+                for rate, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"])]
     if t.get("paper"):
-        entries.append((f"paper regime ({t['paper']['rate']})", t["paper"]["rows"]))
+        entries.append((f"paper regime ({t['paper']['rate']})", t["paper"]["rows"], {}))
     table, vs_best, vs_bf16 = [], {}, {}
-    for link, rows in entries:
+    for link, rows, repeats in entries:
         auto, auto16, none16 = rows.get("auto"), rows.get("auto_bf16"), rows.get("none_bf16")
+        # bf16: the mean tokens/s over the repeated runs where there are some (throughput.REPEATED)
+        runs16 = repeats.get("auto_bf16") or ([auto16] if auto16 else [])
+        base16 = repeats.get("none_bf16") or ([none16] if none16 else [])
+        mean16 = lambda runs: sum(r["tokens_per_s"] for r in runs) / len(runs) if runs else None  # noqa: E731
         fixed = {name: rows[name] for name in throughput.FIXED_FP32 if rows.get(name)}
         if not (auto or auto16):
             continue
         best = max(fixed, key=lambda name: fixed[name]["tokens_per_s"]) if fixed else None
         if auto and best:
             vs_best[link] = auto["tokens_per_s"] / fixed[best]["tokens_per_s"]
-        if auto16 and none16:
-            vs_bf16[link] = auto16["tokens_per_s"] / none16["tokens_per_s"]
+        if runs16 and base16:
+            vs_bf16[link] = mean16(runs16) / mean16(base16)
+        pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs16, base16)]
+        each = f" ({len(pairs)} runs: {', '.join(f'{x:.2f}' for x in pairs)})" if len(pairs) > 1 else ""
         labels = {k: v[0] for k, v in throughput.CODECS.items()}
         table.append(f"| {link} | {labels[best] if best else 'n/a'} | "
                      f"{_f(fixed[best]['tokens_per_s'] if best else None, '.0f')} | "
                      f"{_f(auto['tokens_per_s'] if auto else None, '.0f')} | {_x(vs_best.get(link))} | "
                      f"{_auto_choice(auto['auto']) if auto and auto.get('auto') else 'n/a'} | "
-                     f"{_f(none16['tokens_per_s'] if none16 else None, '.0f')} | "
-                     f"{_f(auto16['tokens_per_s'] if auto16 else None, '.0f')} | {_x(vs_bf16.get(link))} | "
+                     f"{_f(mean16(base16), '.0f')} | {_f(mean16(runs16), '.0f')} | {_x(vs_bf16.get(link))}{each} | "
                      f"{_auto_choice(auto16['auto']) if auto16 and auto16.get('auto') else 'n/a'} |")
     if not table:
         return []
@@ -165,7 +171,10 @@ def _auto_table(t: dict, checks: dict) -> list[str]:
     return ["**auto against the fixed codecs** (issue 26: at every rate, auto's tokens/s >= "
             f"{target}x the best fixed codec's and never below {target}x uncompressed bf16's). Auto on the fp32 "
             "pipeline is compared with the fixed codecs run on it (the paper regime ran only fp32 and TAH-Quant), "
-            "auto on a bf16 pipeline with uncompressed bf16 (a bf16 pipeline also computes at another speed). "
+            "auto on a bf16 pipeline with uncompressed bf16 (a bf16 pipeline also computes at another speed; "
+            f"both run {throughput.REPEATS} times in pairs at every rate but the paper regime's, where they "
+            "differ by less than single runs of one configuration do: the columns are the mean tokens/s, the "
+            "ratio theirs, each pair's ratio in brackets). "
             "*Chosen*: each link's codec at the end of the run, stage order (`none`: uncompressed; `paper`: the "
             "default TAH-Quant codec of its direction).", "",
             "| link | best fixed codec (fp32) | tokens/s | auto | auto / best | chosen | uncompressed bf16 | "

@@ -82,6 +82,9 @@ PAPER_CODECS = {"none": CODECS["none"], "none_bf16": CODECS["none_bf16"], "tah":
                 "tah_bf16": ("TAH-Quant fwd, 6-bit bwd, bf16 pipeline", [*CODECS["tah"][1], "--bf16"]),
                 "auto": CODECS["auto"], "auto_bf16": CODECS["auto_bf16"]}
 FIXED_FP32 = ("none", "fixedpoint4", "aqsgd", "tah", "fp8")
+REPEATED, REPEATS = ("none_bf16", "auto_bf16"), 3
+"""Runs repeated at every rate but the paper regime's (``NAME_rep2``, ``NAME_rep3``, in pairs), and how many
+runs each then has: on the bf16 pipeline auto and uncompressed bf16 differ by less than single runs do."""
 """The fixed codecs of the fp32 pipeline that ``auto`` is compared with (issue 26: >= 0.97x the best of those run)."""
 
 SIZES = {
@@ -243,7 +246,14 @@ def run(root: Path, size: str = "full", link: str = "netns", max_load: float = 3
     execute_all(_runs(size, data, PAPER_CODECS, paper_rate, link, "paper_"), out, jobs=1, force=force)
     for rate in rates:
         execute_all(_runs(size, data, CODECS, rate, link, f"r{rate}_"), out, jobs=1, force=force)
+    for rate, prefix in [(None, "c_"), *((rate, f"r{rate}_") for rate in rates)]:
+        execute_all(_runs(size, data, repeated_codecs(), rate, link, prefix), out, jobs=1, force=force)
     (out / "machine.json").write_text(json.dumps(machine_info(load, load_average()), indent=1))
+
+
+def repeated_codecs() -> dict:
+    """``{NAME_repK: CODECS[NAME]}`` for the repeats of :data:`REPEATED`, pair by pair."""
+    return {f"{name}_rep{k}": CODECS[name] for k in range(2, REPEATS + 1) for name in REPEATED}
 
 
 def machine_info(load_start: float, load_end: float | None) -> dict:
@@ -263,7 +273,13 @@ def table_rows(out: Path, size: str = "full") -> dict:
 
     compute = {name: stats(f"c_{name}") for name in CODECS}
     base = compute.get("none")
-    result = {"compute": compute, "rates": {}, "paper": None, "pipeline": p}
+
+    def repeats(prefix):  # every run of each repeated codec at one link, the first run included
+        runs = {name: [stats(f"{prefix}{name}"), *(stats(f"{prefix}{name}_rep{k}") for k in range(2, REPEATS + 1))]
+                for name in REPEATED}
+        return {name: [r for r in rs if r] for name, rs in runs.items()}
+
+    result = {"compute": compute, "rates": {}, "paper": None, "pipeline": p, "compute_repeats": repeats("c_")}
     if base is None:
         return result
     c = base["ms"] / 1e3
@@ -304,7 +320,8 @@ def table_rows(out: Path, size: str = "full") -> dict:
             meta = read_meta(out, f"{prefix}{name}") or {}
             row["load"] = meta.get("load_before")
         key = "paper" if prefix == "paper_" else rate
-        entry = {"rate": rate, "rate_bps": bps, "t_raw_s": t_raw, "rows": rows, "c_s": c, "k": k, "k_fit": k_fit}
+        entry = {"rate": rate, "rate_bps": bps, "t_raw_s": t_raw, "rows": rows, "c_s": c, "k": k, "k_fit": k_fit,
+                 "repeats": repeats(prefix) if prefix != "paper_" else {}}
         if key == "paper":
             result["paper"] = {**entry, **(regime or {})}
         else:
