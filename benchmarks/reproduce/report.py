@@ -122,13 +122,18 @@ def _throughput_section(t: dict, docs: Path, size: str) -> tuple[list[str], dict
 
 def _auto_choice(links: dict[str, str]) -> str:
     """``fwd hadint4/hadint4/hadint4; bwd paper/paper/paper``: the codec of each link, in stage order."""
-    def order(link):
-        a, b = link.split("->")
-        return int(min(a, b, key=int)), int(a)
-
-    fwd = [links[k] for k in sorted(links, key=order) if int(k.split("->")[1]) > int(k.split("->")[0])]
-    bwd = [links[k] for k in sorted(links, key=order) if int(k.split("->")[1]) < int(k.split("->")[0])]
+    ends = []  # (the link's lower stage, backward, codec)
+    for link, codec in links.items():
+        a, b = map(int, link.split("->"))
+        ends.append((min(a, b), a > b, codec))
+    ends.sort()
+    fwd = [codec for _, backward, codec in ends if not backward]
+    bwd = [codec for _, backward, codec in ends if backward]
     return f"fwd {'/'.join(fwd) or 'n/a'}; bwd {'/'.join(bwd) or 'n/a'}"
+
+
+def _mean_tokens(runs: list[dict]) -> float | None:
+    return sum(r["tokens_per_s"] for r in runs) / len(runs) if runs else None
 
 
 def _auto_table(t: dict, checks: dict) -> list[str]:
@@ -138,13 +143,13 @@ def _auto_table(t: dict, checks: dict) -> list[str]:
                 for rate, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"])]
     if t.get("paper"):
         entries.append((f"paper regime ({t['paper']['rate']})", t["paper"]["rows"], {}))
+    labels = {k: v[0] for k, v in throughput.CODECS.items()}
     table, vs_best, vs_bf16 = [], {}, {}
     for link, rows, repeats in entries:
         auto, auto16, none16 = rows.get("auto"), rows.get("auto_bf16"), rows.get("none_bf16")
         # bf16: the mean tokens/s over the repeated runs where there are some (throughput.REPEATED)
         runs16 = repeats.get("auto_bf16") or ([auto16] if auto16 else [])
         base16 = repeats.get("none_bf16") or ([none16] if none16 else [])
-        mean16 = lambda runs: sum(r["tokens_per_s"] for r in runs) / len(runs) if runs else None  # noqa: E731
         fixed = {name: rows[name] for name in throughput.FIXED_FP32 if rows.get(name)}
         if not (auto or auto16):
             continue
@@ -152,15 +157,14 @@ def _auto_table(t: dict, checks: dict) -> list[str]:
         if auto and best:
             vs_best[link] = auto["tokens_per_s"] / fixed[best]["tokens_per_s"]
         if runs16 and base16:
-            vs_bf16[link] = mean16(runs16) / mean16(base16)
+            vs_bf16[link] = _mean_tokens(runs16) / _mean_tokens(base16)
         pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs16, base16)]
         each = f" ({len(pairs)} runs: {', '.join(f'{x:.2f}' for x in pairs)})" if len(pairs) > 1 else ""
-        labels = {k: v[0] for k, v in throughput.CODECS.items()}
         table.append(f"| {link} | {labels[best] if best else 'n/a'} | "
                      f"{_f(fixed[best]['tokens_per_s'] if best else None, '.0f')} | "
                      f"{_f(auto['tokens_per_s'] if auto else None, '.0f')} | {_x(vs_best.get(link))} | "
                      f"{_auto_choice(auto['auto']) if auto and auto.get('auto') else 'n/a'} | "
-                     f"{_f(mean16(base16), '.0f')} | {_f(mean16(runs16), '.0f')} | {_x(vs_bf16.get(link))}{each} | "
+                     f"{_f(_mean_tokens(base16), '.0f')} | {_f(_mean_tokens(runs16), '.0f')} | {_x(vs_bf16.get(link))}{each} | "
                      f"{_auto_choice(auto16['auto']) if auto16 and auto16.get('auto') else 'n/a'} |")
     if not table:
         return []
