@@ -331,8 +331,29 @@ def test_codec_id_mismatch_names_the_sender():
     receiver = get_codec("fixedpoint", bits=8, tile_size=64)
     buf = sender.encode(x)
     buf[3] = 2  # pretend the sender was tah
+    get_codec("tah")  # (its module registers its id)
     with pytest.raises(WireFormatError, match="'tah'"):
         receiver.decode(buf, x.shape, x.dtype)
+
+
+# Every codec's id (byte 3 of the header): a wire constant, so the table is written out here.
+CODEC_IDS = {"none": 0, "fixedpoint": 1, "tah": 2, "fp8": 3, "aqsgd": 4, "int8": 5, "mxfp4": 6, "nvfp4": 7,
+             "hadint": 8, "lowrank": 9}
+
+
+def test_every_codec_has_its_own_id_and_a_duplicate_is_an_error_at_import():
+    from megatron_tah.codecs import CODECS, codec_class, load_all_codecs
+    from megatron_tah.codecs.base import codec_name_for_id, register_codec_id
+
+    load_all_codecs()
+    assert {name: codec_class(name).codec_id for name in CODECS} == CODEC_IDS
+    assert all(codec_class(name).name == name and codec_name_for_id(i) == name for name, i in CODEC_IDS.items())
+    register_codec_id(2, "tah")  # the same codec again (a module imported twice): nothing to do
+    with pytest.raises(ValueError, match="codec_id = 2 of codec 'newcodec' is already codec 'tah'"):
+        register_codec_id(2, "newcodec")
+    with pytest.raises(ValueError, match="codec_id = 300"):
+        register_codec_id(300, "newcodec")
+    assert codec_name_for_id(2) == "tah"
 
 
 def test_decode_into_out_tensor():

@@ -595,7 +595,15 @@ _CODEC_NAMES_BY_ID: dict[int, str] = {}
 
 
 def register_codec_id(codec_id: int, name: str) -> None:
-    _CODEC_NAMES_BY_ID[codec_id] = name
+    """Record that ``codec_id`` (the header's byte 3) is codec ``name``'s, run when the codec's module is
+    imported; an id outside one byte or already another codec's raises ``ValueError`` naming both."""
+    if isinstance(codec_id, bool) or not isinstance(codec_id, int) or not 0 <= codec_id < 255:
+        raise ValueError(f"codec_id = {codec_id!r} of codec {name!r}: must be an integer in [0, 254] "
+                         "(255 is the base class's)")
+    other = _CODEC_NAMES_BY_ID.setdefault(codec_id, name)
+    if other != name:
+        raise ValueError(f"codec_id = {codec_id} of codec {name!r} is already codec {other!r}'s: "
+                         "give the new codec an unused id")
 
 
 def codec_name_for_id(codec_id: int) -> str:
