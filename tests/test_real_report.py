@@ -19,7 +19,7 @@ def _planted(rows, hidden, energies, seed=0):
     return u @ torch.diag(torch.tensor(energies, dtype=torch.float64).sqrt()) @ v.T
 
 
-def test_energy_share_is_exact_on_a_planted_spectrum():
+def test_energy_share_matches_a_planted_spectrum():
     energies = [50.0, 30.0, 10.0, 6.0, 4.0]
     x = _planted(96, 64, energies).reshape(48, 2, 64)
     share = spectrum.energy_share(x, ks=(1, 2, 3, 5, 16))
@@ -28,7 +28,7 @@ def test_energy_share_is_exact_on_a_planted_spectrum():
     assert share[2] == pytest.approx(80 / total, abs=1e-12)
     assert share[3] == pytest.approx(90 / total, abs=1e-12)
     assert share[5] == pytest.approx(1.0, abs=1e-12)
-    assert share[16] == 1.0  # past the rank
+    assert share[16] == pytest.approx(1.0, abs=1e-12)  # past the rank (a BLAS sum: not exactly 1 everywhere)
 
 
 def test_energy_share_rejects_what_has_no_directions():
