@@ -18,7 +18,8 @@ import argparse
 
 import torch
 
-from megatron_tah.megatron.auto_codec import AutoSettings, Chooser, CodecCostTable
+from megatron_tah.config import AutoSettings
+from megatron_tah.megatron.auto_codec import Chooser, CodecCostTable
 from megatron_tah.units import parse_bandwidth
 
 

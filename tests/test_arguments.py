@@ -158,6 +158,35 @@ def test_install_is_idempotent_and_uninstall_exact(monkeypatch):
 # ----- options declared once, by the codecs ----------------------------------------------------------
 
 
+def test_the_codec_option_fields_are_written_out_and_are_exactly_the_declared_options():
+    """TahConfig is a plain dataclass (editors and type checkers see every field); each codec option's field
+    takes its default, help and range from the codec's declaration, in registry order, none missing."""
+    from megatron_tah.config import CODEC_OPTIONS, codec_option
+
+    fields = [f for f in dataclasses.fields(TahConfig) if "option" in f.metadata]
+    assert [f.name for f in fields] == list(CODEC_OPTIONS)
+    for f in fields:
+        option = CODEC_OPTIONS[f.name]
+        assert f.metadata["option"] is option and f.default == option.default
+        assert TahConfig.__annotations__[f.name] is option.type  # written in the class, not generated
+    with pytest.raises(ValueError, match="tah_no_such_option"):
+        codec_option("tah_no_such_option")
+
+
+def test_auto_fields_take_their_defaults_and_checks_from_auto_settings():
+    from megatron_tah.config import AutoSettings
+
+    settings, config = AutoSettings(), TahConfig()
+    assert config.auto_settings() == settings
+    assert (config.tah_auto_candidates, config.tah_auto_max_error, config.tah_auto_interval,
+            config.tah_auto_probation) == (",".join(settings.candidates), settings.max_error, settings.interval,
+                                           settings.probation)
+    with pytest.raises(ValueError, match="tah_auto_interval = 0: must be an integer >= 1"):
+        TahConfig(tah_auto_interval=0)
+    with pytest.raises(ValueError, match="tah_auto_max_error = nan"):
+        TahConfig(tah_auto_max_error=float("nan"))
+
+
 def test_every_codec_option_is_a_config_field_a_flag_and_a_readme_row():
     from megatron_tah.codecs import CODECS, codec_class, codec_declaration
 

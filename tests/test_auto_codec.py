@@ -11,9 +11,10 @@ import torch
 from megatron_tah.codecs import WireFormatError, get_codec
 from megatron_tah.codecs.none import NoneCodec
 from megatron_tah.codecs.samples import activation_like
+from megatron_tah.config import DEFAULT_CANDIDATES, AutoSettings, candidate_codec
 from megatron_tah.megatron.auto_codec import (
-    ANNOUNCEMENT_NBYTES, DEFAULT_CANDIDATES, AutoDecision, AutoSettings, CandidateCost, Chooser, CodecCostTable,
-    LinkRate, LinkRateMeter, Probation, candidate_codec, decode_announcement, encode_announcement, predicted_seconds,
+    ANNOUNCEMENT_NBYTES, AutoDecision, CandidateCost, Chooser, CodecCostTable, LinkRate, LinkRateMeter, Probation,
+    decode_announcement, encode_announcement, predicted_seconds,
 )
 
 MBIT = 1e6

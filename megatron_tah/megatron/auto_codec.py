@@ -86,98 +86,12 @@ import torch
 
 from ..codecs import Codec, WireFormatError, timing
 from ..codecs.samples import activation_like
-from ..config import AUTO_CANDIDATES, PRESETS, TahConfig
+from ..config import AutoSettings, candidate_codec
+from ..config.auto import DIRECTIONS, FLOOR_REFERENCE
 
-DIRECTIONS = ("forward", "backward")
-CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none") + ("fixedpoint4",)
-# Candidates that are not a preset: the fields they set (besides the backend and checksum).
-NON_PRESET = {"none": {"tah_forward_codec": "none", "tah_backward_codec": "none"},
-              "fp8": {"tah_forward_codec": "fp8", "tah_backward_codec": "fp8"},
-              # direct 4-bit fixed point activations (tile 64), the paper's 6-bit tile-32 gradients
-              "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
-                              "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6,
-                              "tah_backward_tile_size": 32}}
-DEFAULT_CANDIDATES = AUTO_CANDIDATES
-FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 ANNOUNCEMENT_MAGIC = 0xA7
 ANNOUNCEMENT_NBYTES = 8
 MIN_SECONDS = 1e-9  # a transfer timed at 0 s counts as this (an unlimited link: a huge, finite rate)
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoSettings:
-    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    """Codecs auto chooses among: none, fp8, fixedpoint4 or a preset's codec for the direction (paper, hadint4,
-    lowrank, lowrank8)."""
-
-    max_error: float | None = None
-    """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error."""
-
-    interval: int = 50
-    """Measure the link and reconsider the codec every this many iterations (and at the handshake)."""
-
-    gain: float = 0.05
-    """Predicted speed-up a switch needs (0.05: the new codec's message time <= 95% of the current one's)."""
-
-    patience: int = 2
-    """Consecutive measurements that must show that gain before the codec switches."""
-
-    overlap: float = 0.0
-    """Share of encode + decode time the schedule hides behind compute (0: none, 1: all)."""
-
-    memory: int = 4
-    """Measurements a rate measured at one message size is kept for predicting that size and smaller ones,
-    and a codec that failed its probation is left out of the choice."""
-
-    probation: int = 2
-    """Iterations a new codec runs before its iteration times are compared with the previous codec's (0: never)."""
-
-    def __post_init__(self):
-        candidates = self.candidates
-        if isinstance(candidates, str):
-            candidates = tuple(part.strip() for part in candidates.split(",") if part.strip())
-        object.__setattr__(self, "candidates", tuple(candidates))
-        if not self.candidates:
-            raise ValueError("candidates is empty: name at least one of " + ", ".join(CANDIDATES))
-        unknown = [name for name in self.candidates if name not in CANDIDATES]
-        if unknown:
-            raise ValueError(f"candidates {unknown}: choose among {', '.join(CANDIDATES)}")
-        if len(set(self.candidates)) != len(self.candidates):
-            raise ValueError(f"candidates {self.candidates} name a codec twice")
-        if self.max_error is None and FLOOR_REFERENCE not in self.candidates:
-            raise ValueError(f"max_error = None takes the floor from candidate {FLOOR_REFERENCE!r}, which "
-                             f"candidates {self.candidates} lack: add it or give max_error")
-        if self.max_error is not None and not (math.isfinite(self.max_error) and self.max_error >= 0):
-            raise ValueError(f"max_error = {self.max_error!r}: must be a finite number >= 0 (or None)")
-        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval = {self.interval!r}: must be an integer >= 1")
-        if not 0.0 <= self.gain < 1.0:
-            raise ValueError(f"gain = {self.gain!r}: must lie in [0, 1)")
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
-            raise ValueError(f"patience = {self.patience!r}: must be an integer >= 1")
-        if isinstance(self.memory, bool) or not isinstance(self.memory, int) or self.memory < 1:
-            raise ValueError(f"memory = {self.memory!r}: must be an integer >= 1")
-        if isinstance(self.probation, bool) or not isinstance(self.probation, int) or self.probation < 0:
-            raise ValueError(f"probation = {self.probation!r}: must be an integer >= 0")
-        if not 0.0 <= self.overlap <= 1.0:
-            raise ValueError(f"overlap = {self.overlap!r}: must lie in [0, 1]")
-
-
-def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:
-    """A new codec object for candidate ``name`` on ``direction`` (forward: activations, backward: gradients).
-
-    ``none`` and ``fp8`` are those codecs both ways, ``fixedpoint4`` direct 4-bit activations and 6-bit
-    gradients (``NON_PRESET``); a preset name is that preset's codec for the direction.
-    """
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction = {direction!r}: choose forward or backward")
-    if name not in CANDIDATES:
-        raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
-    if name in NON_PRESET:
-        config = TahConfig(**NON_PRESET[name], tah_backend=backend, tah_wire_checksum=checksum)
-    else:
-        config = TahConfig(tah_preset=name, tah_backend=backend, tah_wire_checksum=checksum)
-    return config.forward_codec() if direction == "forward" else config.backward_codec()
 
 
 # ----- 1. the link ------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..codecs import timing
+from ..config import CANDIDATES
 
 DIRECTIONS = ("forward", "backward")  # the pipeline's streams
 # stream key -> (place, direction, label in the log line); the pipeline's keys are its directions.
@@ -293,8 +294,6 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
         if rank in index:
             memory[index[rank] * len(_MEMORY):(index[rank] + 1) * len(_MEMORY)] = torch.tensor(
                 [float(peaks[k]) for k in _MEMORY], dtype=torch.float64)
-    from .auto_codec import CANDIDATES
-
     auto = torch.zeros(3, size * size, dtype=torch.float64)  # per link: candidate index + 1, rate, spread
     for (src, dst), item in stats.get("auto", {}).items():
         if src in index and dst in index:

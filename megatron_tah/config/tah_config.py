@@ -1,14 +1,16 @@
 """megatron_tah's options: one dataclass, ``TahConfig``, the source of the ``--tah-*`` flags.
 
-Two parts, each declared once:
+Every field is written out here, each fact about it declared once:
 
-- the pipeline-wide options below (``TahConfigBase``), written as megatron-core writes its configs:
-  a field with its docstring under it; a fixed list of valid values as ``metadata={"choices": ...}``;
-- every codec's own options (``tah_high_bits``, ``tah_fp8_group_size``, ...), generated from the
-  ``DECLARATION`` at the top of each codec file (``codecs/options.py``), help and range included.
+- the pipeline-wide options, written as megatron-core writes its configs: a field with its
+  docstring under it; a fixed list of valid values as ``metadata={"choices": ...}``;
+- every codec's own options (``tah_high_bits``, ``tah_fp8_group_size``, ...): a field each,
+  ``codec_option(name)``, whose default, help and range come from the ``DECLARATION`` at the top of
+  the codec's file (``codecs/options.py``);
+- ``auto``'s fields take their defaults from ``auto.AutoSettings``, which checks them.
 
 ``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` -> ``--tah-tile-size``,
-help from the docs) and ``flags_markdown()`` into the README's table. ``__post_init__`` checks the
+help from the docs) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
 choices and ranges, the rules between fields (from the codecs' declared capabilities) and builds every
 codec once, raising ``ValueError`` naming the offending field and value.
 
@@ -21,11 +23,13 @@ import dataclasses
 import inspect
 from typing import Any
 
-from .codecs import CODECS, Codec, CodecError, Option, codec_declaration, get_codec
-from .codecs.base import BACKENDS
-from .codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
-from .geometry import TILE_SIZES
-from .units import parse_bandwidth
+from ..codecs import CODECS, Codec, CodecError, Option, codec_declaration, get_codec
+from ..codecs.base import BACKENDS
+from ..codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
+from ..geometry import TILE_SIZES
+from ..units import parse_bandwidth
+from .auto import AUTO, CANDIDATES, DEFAULTS as AUTO_DEFAULTS, DIRECTIONS, NON_PRESET, AutoSettings
+from .presets import PRESETS
 
 FORWARD_CODECS = tuple(CODECS)
 BACKWARD_CODECS = tuple(name for name in CODECS if not codec_declaration(name).forward_only)
@@ -34,33 +38,28 @@ TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
-AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec: chosen per link (megatron/auto_codec.py)
-AUTO_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")  # the default of tah_auto_candidates
 
-# --tah-preset name -> the fields it sets.
-PRESETS = {
-    "none": {},
-    # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec.
-    "paper": {"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint", "tah_tile_size": 64,
-              "tah_high_bits": 4, "tah_low_bits": 3, "tah_high_ratio": 0.8, "tah_outlier_threshold": 2.0,
-              "tah_allocation": "token", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
-    # Random-sign Hadamard INT4 both ways, one bf16 scale per 64 values (4.25 bits each way), gradients
-    # rounded stochastically: the parity study's candidate (Triton kernels: kernels/hadint.py).
-    "hadint4": {"tah_forward_codec": "hadint", "tah_forward_bits": 4, "tah_tile_size": 64,
-                "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                "tah_backward_stochastic_rounding": True},
-    # The message's 16 principal directions apart (8-bit basis, 6-bit coefficients) and the residual as
-    # Hadamard INT3 (4.38 bits at hidden 128, 512 rows; fewer at larger sizes), gradients as in hadint4.
-    "lowrank": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6,
-                "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                "tah_backward_stochastic_rounding": True},
-    # The same with 8 directions: fewer bits (3.88 at hidden 128, 3.63 at 256), a larger measured gap.
-    "lowrank8": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                 "tah_lowrank_rank": 8, "tah_lowrank_coef_bits": 6,
-                 "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                 "tah_backward_stochastic_rounding": True},
-}
+
+def _codec_options() -> dict[str, Option]:
+    """Every codec's declared options by field name, in registry order (an ``Option`` shared by codecs once)."""
+    options: dict[str, Option] = {}
+    for name in CODECS:
+        for option in codec_declaration(name).options:
+            if options.setdefault(option.name, option) != option:
+                raise ValueError(f"codec {name!r} declares {option.name} unlike another codec; share one Option")
+    return options
+
+
+CODEC_OPTIONS = _codec_options()
+
+
+def codec_option(name: str) -> Any:
+    """The ``TahConfig`` field of the codec option ``name``: its declared default, with the ``Option``
+    (help, range) in the field's metadata."""
+    if name not in CODEC_OPTIONS:
+        raise ValueError(f"codec_option({name!r}): no codec declares it (declared: {', '.join(CODEC_OPTIONS)})")
+    option = CODEC_OPTIONS[name]
+    return dataclasses.field(default=option.default, metadata={"option": option})
 
 
 def _field_docs(cls) -> dict[str, str]:
@@ -76,8 +75,10 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class TahConfigBase:
-    """The pipeline-wide options and the methods of ``TahConfig`` (which adds the codecs' own options)."""
+class TahConfig:
+    """Compressed communication for training over slow links (fields: the pipeline-wide options, then each
+    codec's declared options). Every option is off by default: without a --tah-* flag the run is Megatron's own;
+    --tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""
 
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
     """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) or lowrank8 (the same with 8 directions, 3.88 bits). A flag set to neither its default nor the preset's value is an error."""
@@ -149,20 +150,34 @@ class TahConfigBase:
     tah_log_json: str | None = None
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
-    tah_auto_candidates: str = ",".join(AUTO_CANDIDATES)
+    tah_auto_candidates: str = ",".join(AUTO_DEFAULTS.candidates)
     """Codecs a direction set to auto chooses among (comma list): none, fp8, fixedpoint4 (direct 4-bit activations, the paper's 6-bit gradients) or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8). Links start with none (else paper, else the first) until the link is measured."""
 
-    tah_auto_max_error: float | None = None
+    tah_auto_max_error: float | None = AUTO_DEFAULTS.max_error
     """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, so auto never sends less accurately than the default)."""
 
-    tah_auto_interval: int = 50
+    tah_auto_interval: int = AUTO_DEFAULTS.interval
     """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""
 
-    tah_auto_probation: int = 2
+    tah_auto_probation: int = AUTO_DEFAULTS.probation
     """auto: after a switch the new codec keeps the link only if its first this-many iterations ran faster than the ones before the switch; else the link goes back and the codec waits 4 measurements before it is tried again (0: no probation)."""
 
     tah_share_gpus: bool = False
     """Run several pipeline ranks per GPU (device = local rank mod the GPU count; on automatically when a node's local ranks outnumber its GPUs): the process groups use gloo (NCCL refuses two ranks on one GPU) and every pipeline message goes through pinned host memory after encoding (megatron/share_gpus.py, megatron/staging.py). Without a CUDA device the ranks run on the CPU and the messages are staged all the same."""
+
+    # ----- the codecs' own options: default, help and range from each codec's DECLARATION --------------------
+    tah_high_bits: int = codec_option("tah_high_bits")
+    tah_low_bits: int = codec_option("tah_low_bits")
+    tah_high_ratio: float = codec_option("tah_high_ratio")
+    tah_outlier_threshold: float = codec_option("tah_outlier_threshold")
+    tah_allocation: str = codec_option("tah_allocation")
+    tah_low_bits_for: str = codec_option("tah_low_bits_for")
+    tah_fp8_group_size: int = codec_option("tah_fp8_group_size")
+    tah_aqsgd_warmup_samples: int = codec_option("tah_aqsgd_warmup_samples")
+    tah_int8_block_size: int = codec_option("tah_int8_block_size")
+    tah_fp4_hadamard: bool = codec_option("tah_fp4_hadamard")
+    tah_lowrank_rank: int = codec_option("tah_lowrank_rank")
+    tah_lowrank_coef_bits: int = codec_option("tah_lowrank_coef_bits")
 
     _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
 
@@ -178,16 +193,7 @@ class TahConfigBase:
                 raise ValueError(f"{field.name} = {value!r}: choose one of {', '.join(map(str, choices))}")
             if "option" in field.metadata:
                 field.metadata["option"].check(value)
-        if self.tah_auto_max_error is not None and not 0 <= self.tah_auto_max_error < float("inf"):
-            raise ValueError(f"tah_auto_max_error = {self.tah_auto_max_error!r}: must be a finite number >= 0")
-        if isinstance(self.tah_auto_interval, bool) or self.tah_auto_interval < 1:
-            raise ValueError(f"tah_auto_interval = {self.tah_auto_interval!r}: must be an integer >= 1")
-        if isinstance(self.tah_auto_probation, bool) or self.tah_auto_probation < 0:
-            raise ValueError(f"tah_auto_probation = {self.tah_auto_probation!r}: must be an integer >= 0")
-        try:
-            self.auto_settings()
-        except ValueError as err:
-            raise ValueError(f"tah_auto_candidates = {self.tah_auto_candidates!r}: {err}") from None
+        self.auto_settings()  # checks the tah_auto_* fields
         self._check_rounding()
         # auto chooses among none, fp8 and the presets' codecs, none of which keeps per-sample state
         forward = codec_declaration("none" if self.is_auto("forward") else self.tah_forward_codec)
@@ -249,8 +255,8 @@ class TahConfigBase:
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
-        """Every field's help: the docstrings of ``TahConfigBase``, then each codec option's declared help."""
-        return {**_field_docs(TahConfigBase), **{name: option.help for name, option in CODEC_OPTIONS.items()}}
+        """Every field's help: the docstrings under the fields, and each codec option's declared help."""
+        return {**_field_docs(TahConfig), **{name: option.help for name, option in CODEC_OPTIONS.items()}}
 
     @property
     def emulated_bandwidth_bps(self) -> float | None:
@@ -284,12 +290,14 @@ class TahConfigBase:
         return get_codec(name, backend=self.tah_backend, checksum=checksum,
                          **codec_declaration(name).build_kwargs(self, direction))
 
-    def auto_settings(self):
-        """The ``megatron.auto_codec.AutoSettings`` of the auto directions (the same for both)."""
-        from .megatron.auto_codec import AutoSettings
-
-        return AutoSettings(candidates=self.tah_auto_candidates, max_error=self.tah_auto_max_error,
-                            interval=self.tah_auto_interval, probation=self.tah_auto_probation)
+    def auto_settings(self) -> AutoSettings:
+        """The ``AutoSettings`` of the auto directions (the same for both); a bad ``tah_auto_*`` value raises
+        ``ValueError`` naming its field (``AutoSettings`` names the setting first: the field is ``tah_auto_<it>``)."""
+        try:
+            return AutoSettings(candidates=self.tah_auto_candidates, max_error=self.tah_auto_max_error,
+                                interval=self.tah_auto_interval, probation=self.tah_auto_probation)
+        except ValueError as err:
+            raise ValueError(f"tah_auto_{err}") from None
 
     def is_auto(self, direction: str) -> bool:
         """Whether ``direction`` ("forward", "backward") chooses its codec per link (``auto``)."""
@@ -297,17 +305,11 @@ class TahConfigBase:
 
     def auto_candidate_codec(self, name: str, direction: str) -> Codec:
         """A new codec object of auto candidate ``name`` on ``direction`` (this config's backend and checksum)."""
-        from .megatron.auto_codec import candidate_codec
-
         return candidate_codec(name, direction, self.tah_backend, checksum=self.tah_wire_checksum)
 
     def auto_start(self) -> str:
-        """The candidate auto links start with, before their first measurement: none, else paper, else the
-        first. ``none`` sends the largest messages, and a rate measured on large messages holds for smaller
-        ones, not the other way round (a link's burst allowance carries small messages faster than its
-        sustained rate), so the first choice rests on the measurement that extrapolates safely."""
-        candidates = self.auto_settings().candidates
-        return next(name for name in ("none", "paper", candidates[0]) if name in candidates)
+        """The candidate auto links start with, before their first measurement (``AutoSettings.start``)."""
+        return self.auto_settings().start()
 
     def forward_codec(self) -> Codec:
         """A new codec object for activations (one per link end: aqsgd keeps state); auto: the codec
@@ -354,25 +356,16 @@ class TahConfigBase:
                          backend=self.tah_backend, checksum=False)
 
 
-def _codec_options() -> dict[str, Option]:
-    """Every codec's declared options by field name, in registry order (an ``Option`` shared by codecs once)."""
-    options: dict[str, Option] = {}
-    for name in CODECS:
-        for option in codec_declaration(name).options:
-            if options.setdefault(option.name, option) != option:
-                raise ValueError(f"codec {name!r} declares {option.name} unlike another codec; share one Option")
-    return options
+def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:
+    """A new codec object for auto candidate ``name`` on ``direction`` (forward: activations, backward: gradients).
 
-
-CODEC_OPTIONS = _codec_options()
-
-TahConfig = dataclasses.make_dataclass(
-    "TahConfig",
-    [(option.name, option.type, dataclasses.field(default=option.default, metadata={"option": option}))
-     for option in CODEC_OPTIONS.values()],
-    bases=(TahConfigBase,),
-    module=__name__,
-)
-TahConfig.__doc__ = """Compressed communication for training over slow links (fields: TahConfigBase's, then each
-codec's declared options). Every option is off by default: without a --tah-* flag the run is Megatron's own;
---tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""
+    ``none`` and ``fp8`` are those codecs both ways, ``fixedpoint4`` direct 4-bit activations and 6-bit
+    gradients (``auto.NON_PRESET``); a preset name is that preset's codec for the direction.
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction = {direction!r}: choose forward or backward")
+    if name not in CANDIDATES:
+        raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
+    fields = NON_PRESET[name] if name in NON_PRESET else {"tah_preset": name}
+    config = TahConfig(**fields, tah_backend=backend, tah_wire_checksum=checksum)
+    return config.forward_codec() if direction == "forward" else config.backward_codec()

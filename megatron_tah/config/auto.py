@@ -1,0 +1,105 @@
+"""``auto``'s settings, declared once: a pipeline direction whose codec is chosen per link.
+
+``AutoSettings`` holds every setting with its default and checks them (``ValueError`` naming the
+setting first: ``interval = 0: ...``). ``TahConfig``'s ``tah_auto_*`` fields take their defaults
+from ``DEFAULTS`` and are checked by building an ``AutoSettings`` (the message then names the field);
+the link's auto (``link/auto.py``, ``link/choice.py``) reads the same object.
+
+The candidates (``CANDIDATES``) are ``none``, ``fp8``, ``fixedpoint4`` (``NON_PRESET``: the fields
+each sets) and every ``--tah-preset`` but ``none``, each standing for that preset's codec of the
+direction; ``TahConfig.auto_candidate_codec`` builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .presets import PRESETS
+
+AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec
+DIRECTIONS = ("forward", "backward")
+CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none") + ("fixedpoint4",)
+# Candidates that are not a preset: the fields they set (besides the backend and checksum).
+NON_PRESET = {"none": {"tah_forward_codec": "none", "tah_backward_codec": "none"},
+              "fp8": {"tah_forward_codec": "fp8", "tah_backward_codec": "fp8"},
+              # direct 4-bit fixed point activations (tile 64), the paper's 6-bit tile-32 gradients
+              "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
+                              "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6,
+                              "tah_backward_tile_size": 32}}
+DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")
+FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSettings:
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    """Codecs auto chooses among: none, fp8, fixedpoint4 or a preset's codec for the direction (paper, hadint4,
+    lowrank, lowrank8); a comma-separated string is split."""
+
+    max_error: float | None = None
+    """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error."""
+
+    interval: int = 50
+    """Measure the link and reconsider the codec every this many iterations (and at the handshake)."""
+
+    gain: float = 0.05
+    """Predicted speed-up a switch needs (0.05: the new codec's message time <= 95% of the current one's)."""
+
+    patience: int = 2
+    """Consecutive measurements that must show that gain before the codec switches."""
+
+    overlap: float = 0.0
+    """Share of encode + decode time the schedule hides behind compute (0: none, 1: all)."""
+
+    memory: int = 4
+    """Measurements a rate measured at one message size is kept for predicting that size and smaller ones,
+    and a codec that failed its probation is left out of the choice."""
+
+    probation: int = 2
+    """Iterations a new codec runs before its iteration times are compared with the previous codec's (0: never)."""
+
+    def __post_init__(self):
+        candidates = self.candidates
+        if isinstance(candidates, str):
+            candidates = tuple(part.strip() for part in candidates.split(",") if part.strip())
+        object.__setattr__(self, "candidates", tuple(candidates))
+        if not self.candidates:
+            raise ValueError("candidates is empty: name at least one of " + ", ".join(CANDIDATES))
+        unknown = [name for name in self.candidates if name not in CANDIDATES]
+        if unknown:
+            raise ValueError(f"candidates {unknown}: choose among {', '.join(CANDIDATES)}")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"candidates {self.candidates} name a codec twice")
+        if self.max_error is None and FLOOR_REFERENCE not in self.candidates:
+            raise ValueError(f"max_error = None takes the floor from candidate {FLOOR_REFERENCE!r}, which "
+                             f"candidates {self.candidates} lack: add it or give max_error")
+        if self.max_error is not None and not (math.isfinite(self.max_error) and self.max_error >= 0):
+            raise ValueError(f"max_error = {self.max_error!r}: must be a finite number >= 0 (or None)")
+        if not _is_int(self.interval) or self.interval < 1:
+            raise ValueError(f"interval = {self.interval!r}: must be an integer >= 1")
+        if not 0.0 <= self.gain < 1.0:
+            raise ValueError(f"gain = {self.gain!r}: must lie in [0, 1)")
+        if not _is_int(self.patience) or self.patience < 1:
+            raise ValueError(f"patience = {self.patience!r}: must be an integer >= 1")
+        if not _is_int(self.memory) or self.memory < 1:
+            raise ValueError(f"memory = {self.memory!r}: must be an integer >= 1")
+        if not _is_int(self.probation) or self.probation < 0:
+            raise ValueError(f"probation = {self.probation!r}: must be an integer >= 0")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap = {self.overlap!r}: must lie in [0, 1]")
+
+    def start(self) -> str:
+        """The candidate links start with, before their first measurement: none, else paper, else the first.
+        ``none`` sends the largest messages, and a rate measured on large messages holds for smaller ones,
+        not the other way round (a link's burst allowance carries small messages faster than its sustained
+        rate), so the first choice rests on the measurement that extrapolates safely."""
+        return next(name for name in ("none", "paper", self.candidates[0]) if name in self.candidates)
+
+
+DEFAULTS = AutoSettings()
+"""The settings' defaults (``TahConfig``'s ``tah_auto_*`` defaults are these)."""

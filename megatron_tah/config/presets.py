@@ -1,0 +1,27 @@
+"""``--tah-preset``: named sets of pipeline-codec options (``PRESETS``: name -> the ``TahConfig`` fields it sets)."""
+
+from __future__ import annotations
+
+PRESETS = {
+    "none": {},
+    # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec.
+    "paper": {"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint", "tah_tile_size": 64,
+              "tah_high_bits": 4, "tah_low_bits": 3, "tah_high_ratio": 0.8, "tah_outlier_threshold": 2.0,
+              "tah_allocation": "token", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
+    # Random-sign Hadamard INT4 both ways, one bf16 scale per 64 values (4.25 bits each way), gradients
+    # rounded stochastically: the parity study's candidate (Triton kernels: kernels/hadint.py).
+    "hadint4": {"tah_forward_codec": "hadint", "tah_forward_bits": 4, "tah_tile_size": 64,
+                "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                "tah_backward_stochastic_rounding": True},
+    # The message's 16 principal directions apart (8-bit basis, 6-bit coefficients) and the residual as
+    # Hadamard INT3 (4.38 bits at hidden 128, 512 rows; fewer at larger sizes), gradients as in hadint4.
+    "lowrank": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
+                "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6,
+                "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                "tah_backward_stochastic_rounding": True},
+    # The same with 8 directions: fewer bits (3.88 at hidden 128, 3.63 at 256), a larger measured gap.
+    "lowrank8": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
+                 "tah_lowrank_rank": 8, "tah_lowrank_coef_bits": 6,
+                 "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                 "tah_backward_stochastic_rounding": True},
+}
