@@ -2,7 +2,7 @@
 
 Started by ``benchmarks.spectrum.run`` in place of ``megatron_tah.pretrain_gpt`` (same flags). Before
 Megatron's loop starts it wraps the transport's per-message encode (``PipelineTransport.encode``
-in ``megatron_tah.megatron.pipeline_parallel``, looked up at call time), so that the first forward message this stage sends in every N-th training
+in ``megatron_tah.link.transport``, looked up at call time), so that the first forward message this stage sends in every N-th training
 iteration (``args.curr_iteration``, N from ``$TAH_SPECTRUM_EVERY``; evaluations come after the
 iteration's training messages, so they are never the first) adds one JSON line to
 ``$TAH_SPECTRUM_OUT/rank<r>.jsonl``: ``{"iteration", "rank", "shape", "share": {k: share}}``
@@ -21,7 +21,7 @@ from .spectrum import ENV_EVERY, ENV_OUT, energy_share
 def install() -> None:
     from megatron.training.global_vars import get_args
 
-    from megatron_tah.megatron.pipeline_parallel import PipelineTransport
+    from megatron_tah.link.transport import PipelineTransport
 
     folder, every = Path(os.environ[ENV_OUT]), int(os.environ[ENV_EVERY])
     rank = int(os.environ.get("RANK", "0"))

@@ -4,7 +4,7 @@ Steps: tokenize the Shakespeare corpus (once, into ``data/``), then train the sa
 three times with ``python -m megatron_tah.pretrain_gpt`` (``megatron.training.pretrain``; same seed, data
 order, bf16 compute and link): once uncompressed -- the bf16 pipeline a Megatron user runs today --,
 once with TAH-Quant activations and 6-bit activation gradients, and once with ``auto`` (each link
-measures its rate and the codecs' costs and chooses, ``megatron/auto_link.py``). ``--rate unlimited``
+measures its rate and the codecs' costs and chooses, ``link/auto.py``). ``--rate unlimited``
 is the second setting: no slow link, where auto should choose ``none``. Written under ``--out``
 (default ``runs/demo/``)::
 

@@ -2,7 +2,7 @@
 """What ``--tah-forward-codec auto`` would pick per direction at a message shape and a few link rates.
 
 Measures the default candidates' encode/decode seconds, wire bytes and round-trip error on this
-machine (``megatron_tah.megatron.auto_codec.CodecCostTable``), then asks a fresh ``Chooser`` at
+machine (``megatron_tah.link.measure.CodecCostTable``), then asks a fresh ``Chooser`` at
 each rate (one measurement, no hysteresis history). Prints one table per direction.
 
     OMP_NUM_THREADS=1 python scripts/auto_choice.py                  # the demo's [64, 4, 128] bf16
@@ -19,7 +19,8 @@ import argparse
 import torch
 
 from megatron_tah.config import AutoSettings
-from megatron_tah.megatron.auto_codec import Chooser, CodecCostTable
+from megatron_tah.link.choice import Chooser
+from megatron_tah.link.measure import CodecCostTable
 from megatron_tah.units import parse_bandwidth
 
 

@@ -12,10 +12,9 @@ from megatron_tah.codecs import WireFormatError, get_codec
 from megatron_tah.codecs.none import NoneCodec
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.config import DEFAULT_CANDIDATES, AutoSettings, candidate_codec
-from megatron_tah.megatron.auto_codec import (
-    ANNOUNCEMENT_NBYTES, AutoDecision, CandidateCost, Chooser, CodecCostTable, LinkRate, LinkRateMeter, Probation,
-    decode_announcement, encode_announcement, predicted_seconds,
-)
+from megatron_tah.link.choice import Chooser, Probation, predicted_seconds
+from megatron_tah.link.measure import CandidateCost, CodecCostTable, LinkRate, LinkRateMeter
+from megatron_tah.link.wire import ANNOUNCEMENT_NBYTES, AutoDecision, decode_announcement, encode_announcement
 
 MBIT = 1e6
 UNLIMITED = 1e15  # bits/s: what a transfer timed near 0 s gives

@@ -1,4 +1,4 @@
-"""``--tah-*-codec auto`` on the pipeline's links (``megatron/auto_link.py``): the lockstep protocol
+"""``--tah-*-codec auto`` on the pipeline's links (``link/auto.py``): the lockstep protocol
 between a sender's and a receiver's ``AutoEnd`` in one process with fake link rates and codec costs,
 the flags, the handshake record and the log line; the real transport at PP=2 is in
 ``test_auto_pipeline.py``."""
@@ -10,11 +10,13 @@ import torch
 
 from megatron_tah.codecs import WireFormatError
 from megatron_tah.config import TahConfig
-from megatron_tah.megatron.auto_codec import CandidateCost, Chooser, CodecCostTable, LinkRate
-from megatron_tah.megatron.auto_link import (ANNOUNCEMENT_NBYTES, TRAILER_NBYTES, AutoEnd, Trailer, decode_trailer,
-                                             encode_trailer)
-from megatron_tah.megatron.handshake import config_record
-from megatron_tah.megatron.stats import Stats, format_for_log
+from megatron_tah.link.auto import AutoEnd
+from megatron_tah.link.choice import Chooser
+from megatron_tah.link.handshake import config_record
+from megatron_tah.link.measure import CandidateCost, CodecCostTable, LinkRate
+from megatron_tah.link.wire import ANNOUNCEMENT_NBYTES, TRAILER_NBYTES, Trailer, decode_trailer, encode_trailer
+from megatron_tah.megatron.places import STREAMS
+from megatron_tah.megatron.stats import Stats
 
 SHAPE = (32, 2, 64)
 CANDIDATES = "none,fp8,paper"
@@ -76,7 +78,7 @@ def test_a_switch_that_made_iterations_slower_is_undone_and_that_codec_waits(mon
     measurements, and takes the next best, fp8 (0.8 s per iteration: kept); the receiver follows every switch."""
     import logging
 
-    import megatron_tah.megatron.auto_link as auto_link
+    import megatron_tah.link.auto as auto_link
 
     cfg = _config(tah_auto_probation=2)
     sender, receiver = AutoEnd(cfg, "forward", "send", peer=1), AutoEnd(cfg, "forward", "recv", peer=0)
@@ -181,15 +183,15 @@ def test_flags_validate_and_the_handshake_record_covers_the_candidates():
 
 
 def test_the_log_line_names_each_links_codec_and_rate():
-    stats = Stats()
+    stats = Stats(STREAMS)
     stats.record_auto(1, "paper", 1.02e6, 3e4)
     collected = stats.collect()
     assert collected["auto"] == {(0, 1): {"codec": "paper", "rate_bps": 1.02e6, "spread_bps": 3e4}}
     for d in ("forward", "backward"):
         collected[d]["messages"] = 0
-    assert "tah auto 0->1: paper at 1.02 Mbit/s" in format_for_log(collected)
+    assert "tah auto 0->1: paper at 1.02 Mbit/s" in stats.format_for_log(collected)
     stats.record_auto(1, "none", None, None)
-    assert "tah auto 0->1: none at rate not measured yet" in format_for_log(stats.collect())
+    assert "tah auto 0->1: none at rate not measured yet" in stats.format_for_log(stats.collect())
 
 
 def test_the_trailer_round_trips_and_rejects_what_is_not_one():
@@ -215,21 +217,20 @@ def test_the_trailer_round_trips_and_rejects_what_is_not_one():
 def _transport_pair(config: dict):
     """Two installed transports' worth of link ends in one process: rank 0 and rank 1 of a PP=2 link
     (the transport object of each is built directly; nothing is sent, the trailers are handed over)."""
-    from megatron_tah.megatron.pipeline_parallel import PipelineTransport
-    from megatron_tah.megatron.stats import Stats
+    from megatron_tah.link.transport import PipelineTransport
 
     cfg = TahConfig(tah_backend="torch", tah_auto_candidates=CANDIDATES, **config)
-    return PipelineTransport(cfg, Stats()), PipelineTransport(cfg, Stats())
+    return PipelineTransport(cfg, Stats(STREAMS)), PipelineTransport(cfg, Stats(STREAMS))
 
 
 def _deliver(sender, receiver, direction, sender_rank, receiver_rank, nbytes, sent_at, done_at):
     """A message of ``nbytes`` on ``direction``, sent at wall time ``sent_at`` and complete at ``done_at``."""
-    import megatron_tah.megatron.auto_link as auto_link
+    import megatron_tah.link.wire as wire
 
     end = sender.link(direction, "send", receiver_rank)
     announcement = end.auto.sent(0.0) if end.auto is not None else None
     report, end.report = end.report, None
-    raw = auto_link.encode_trailer(Trailer(announcement, sent_at, report))
+    raw = wire.encode_trailer(Trailer(announcement, sent_at, report))
     receiver.received_trailer(receiver.link(direction, "recv", sender_rank), raw, nbytes, done_at)
 
 

@@ -43,8 +43,9 @@ def _train(chunks, iterations: int, before_iteration=lambda it: None):
 def _scripted(rank, world_size):
     """Auto with the sender's decisions scripted (SEQUENCE) vs codecs set by hand on a fixed transport."""
     import megatron_tah
-    from megatron_tah.megatron import auto_link
+    from megatron_tah.link import auto as auto_link
     from megatron_tah.megatron.cpu_shims import apply_cpu_shims
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
     from megatron_tah.megatron.registry import REGISTRY
 
     apply_cpu_shims()
@@ -64,7 +65,7 @@ def _scripted(rank, world_size):
 
     cfg = megatron_tah.TahConfig(tah_forward_codec="none", tah_backward_codec="none", **flags)
     megatron_tah.install(cfg)
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     peer = 1 - rank
     ends = [("forward", "send"), ("backward", "recv")] if rank == 0 else [("forward", "recv"), ("backward", "send")]
 
@@ -86,7 +87,7 @@ def test_lockstep_switches_decode_every_message_as_a_run_forced_through_the_same
     assert len({round(sum(x), 3) for x in last["auto"]}) == len(SEQUENCE)  # (and it trained)
     first = results[0]  # rank 0 sends forward: its bytes per codec of the sequence, + the trailer per message
     from megatron_tah.config import TahConfig
-    from megatron_tah.megatron.auto_link import TRAILER_NBYTES
+    from megatron_tah.link.wire import TRAILER_NBYTES
 
     cfg = TahConfig(tah_forward_codec="auto", tah_auto_candidates="none,fp8,paper")
     per = {n: cfg.auto_candidate_codec(n, "forward").wire_nbytes((SEQ, MICRO_BATCH, 64), torch.float32) + TRAILER_NBYTES
@@ -98,7 +99,7 @@ def _measured(rank, world_size):
     """Real measurements (interval 1) at an emulated 1 Mbit/s and on the unlimited gloo loopback."""
     import megatron_tah
     from megatron_tah.megatron.cpu_shims import apply_cpu_shims
-    from megatron_tah.megatron.registry import REGISTRY
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
 
     apply_cpu_shims()
     chosen = {}
@@ -107,7 +108,7 @@ def _measured(rank, world_size):
                              tah_auto_interval=1, tah_emulate_bandwidth=bandwidth)
         _train(_build(2, None, True, False, 4), 4)
         chosen[name] = {k: (link.auto.current, link.auto.rate and link.auto.rate.rate_bps)
-                        for k, link in REGISTRY.pipeline.links.items() if link.role == "send"}
+                        for k, link in installed_transport().links.items() if link.role == "send"}
         megatron_tah.uninstall()
     return chosen
 

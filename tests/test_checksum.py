@@ -259,8 +259,8 @@ def _corrupted_on_the_link(rank, world_size):
 
     import megatron_tah
     from megatron.training import global_vars
-    from megatron_tah.megatron.handshake import CodecMismatchError
-    from megatron_tah.megatron.registry import REGISTRY
+    from megatron_tah.link.handshake import CodecMismatchError
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
     from test_staging import SHAPE as STAGED_SHAPE, _exchange
 
     args = types.SimpleNamespace(curr_iteration=0)
@@ -269,7 +269,7 @@ def _corrupted_on_the_link(rank, world_size):
     results = {}
     for batched, staged in ((True, False), (False, True)):
         megatron_tah.install(tah_preset="paper", tah_wire_checksum=True, tah_backend="torch", tah_share_gpus=staged)
-        transport = REGISTRY.pipeline
+        transport = installed_transport()
         encode = transport.encode
 
         def corrupting(link, x):

@@ -190,6 +190,7 @@ def _exact_and_wire(build, iterations):
 def _lossy(build, iterations, forward_codec):
     """Losses of an exact and a compressed run from the same init, and the compressed run's statistics."""
     import megatron_tah
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
     from megatron_tah.megatron.registry import REGISTRY
     from megatron_tah.megatron.stats import reduce_to_last_rank
 
@@ -199,9 +200,9 @@ def _lossy(build, iterations, forward_codec):
     sent, restore = _spy_aqsgd_sends() if forward_codec == "aqsgd" else ({}, lambda: None)
     lossy, _ = _train(build(), iterations, lr=3e-3)
     restore()
-    left_over = len(REGISTRY.pipeline.sample_ids)
+    left_over = len(installed_transport().sample_ids)
     # AQ-SGD: what this rank's receiving end holds per sample id (compared with the sender's last activations).
-    received = {i: m.clone() for link in REGISTRY.pipeline.links.values()
+    received = {i: m.clone() for link in installed_transport().links.values()
                 if link.direction == "forward" and link.role == "recv" and link.codec.name == "aqsgd"
                 for i, m in link.codec.buffer.items()}
     megatron_tah.uninstall()
@@ -228,7 +229,7 @@ def _spy_aqsgd_sends():
 def _mismatch(rank, build):
     """Rank 0 sends tah activations, rank 1 expects fixedpoint: every rank must raise, nothing may hang."""
     import megatron_tah
-    from megatron_tah.megatron.pipeline_parallel import CodecMismatchError
+    from megatron_tah.link.handshake import CodecMismatchError
 
     megatron_tah.install(tah_forward_codec="tah" if rank == 0 else "fixedpoint", tah_backend="torch")
     try:
@@ -245,6 +246,7 @@ def _emulated(build, bandwidth):
     import time
 
     import megatron_tah
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
     from megatron_tah.megatron.registry import REGISTRY
 
     chunks = build()
@@ -252,7 +254,7 @@ def _emulated(build, bandwidth):
     start = time.monotonic()
     _train(chunks, 1)
     elapsed = time.monotonic() - start
-    slept = REGISTRY.pipeline.emulator.total_delay_s
+    slept = installed_transport().emulator.total_delay_s
     megatron_tah.uninstall()
     links = REGISTRY.stats.collect(reset=True)["links"]
     return elapsed, max(links.values(), default=0), slept

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import megatron_tah
-from megatron_tah.megatron import handshake, pipeline_parallel, version
+from megatron_tah.link import handshake
+from megatron_tah.megatron import pipeline_parallel, version
 from megatron_tah.megatron.patching import MARKER
+from megatron_tah.megatron.pipeline_parallel import installed_transport
 from megatron_tah.megatron.registry import REGISTRY
-from megatron_tah.megatron.emulate import LinkEmulator
+from megatron_tah.link.emulate import LinkEmulator
 
 p2p = pytest.importorskip("megatron.core.pipeline_parallel.p2p_communication")
 
@@ -98,23 +100,23 @@ def test_calls_without_tensors_post_nothing(_clean):
 
 def test_one_transport_per_install_registered_as_the_pp_place(_clean):
     megatron_tah.install(tah_forward_codec="none", tah_backward_codec="fixedpoint", tah_backend="torch")
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     assert REGISTRY.places["pp"].transport is transport and REGISTRY.places["pp"].stats is REGISTRY.stats
     assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.buffer_nbytes
     link = transport.link("forward", "send", 3)
     assert transport.link("forward", "send", 3) is link and link.key == ("forward", "send", 3)
     assert transport.link("backward", "send", 3).codec.name == "fixedpoint" and link.codec.name == "none"
     megatron_tah.install(tah_forward_codec="fixedpoint", tah_backend="torch")  # another config: a fresh transport
-    assert REGISTRY.pipeline is not transport and transport.closed and not REGISTRY.pipeline.links
+    assert installed_transport() is not transport and transport.closed and not installed_transport().links
     megatron_tah.uninstall()
-    assert REGISTRY.pipeline is None and REGISTRY.places == {} and REGISTRY.stats.buffer_source is None
+    assert installed_transport() is None and REGISTRY.places == {} and REGISTRY.stats.buffer_source is None
 
 
 def test_sample_id_queue_is_fifo_and_validated(_clean):
     with pytest.raises(RuntimeError, match="not installed"):
         pipeline_parallel.push_sample_ids(torch.tensor([1, 2]))
     megatron_tah.install(tah_forward_codec="none")
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     pipeline_parallel.push_sample_ids(torch.tensor([1, 2]))
     pipeline_parallel.push_sample_ids(torch.tensor([3, 4], dtype=torch.int32))
     assert len(transport.sample_ids) == 2
@@ -143,14 +145,15 @@ def test_aqsgd_with_the_interleaved_schedule_is_refused(monkeypatch):
     from megatron.core import parallel_state
 
     aqsgd = megatron_tah.TahConfig(tah_forward_codec="aqsgd")
-    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
     handshake.check_schedule(aqsgd, _FakeGroup(1, 4), torch.zeros(1), None)  # 1F1B middle stage: fine
     with pytest.raises(RuntimeError, match="interleaved"):  # last stage sending "next" wraps around
         handshake.check_schedule(aqsgd, _FakeGroup(3, 4), torch.zeros(1), None)
-    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(RuntimeError, match="not supported with the interleaved"):
-        handshake.check_schedule(aqsgd, _FakeGroup(1, 4), None, torch.zeros(1))
-    handshake.check_schedule(megatron_tah.TahConfig(tah_preset="paper"), _FakeGroup(1, 4), None, torch.zeros(1))
+        handshake.check_schedule(aqsgd, _FakeGroup(1, 4), None, torch.zeros(1), virtual_stages=2)
+    handshake.check_schedule(megatron_tah.TahConfig(tah_preset="paper"), _FakeGroup(1, 4), None, torch.zeros(1), 2)
+    # The pipeline place hands the transport Megatron's virtual stages (the link reads nothing of Megatron).
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    assert pipeline_parallel.virtual_stages() == 2
 
 
 class _FakeClock:
@@ -188,10 +191,10 @@ def test_link_emulator_validates():
 
 def test_install_builds_an_emulator_from_the_config(_clean):
     megatron_tah.install(tah_emulate_bandwidth="100mbit", tah_emulate_latency_ms=5)
-    emu = REGISTRY.pipeline.emulator
+    emu = installed_transport().emulator
     assert emu.bandwidth_bps == 1e8 and emu.latency_s == pytest.approx(0.005)
     megatron_tah.install(tah_emulate_bandwidth=None)
-    assert REGISTRY.pipeline.emulator is None
+    assert installed_transport().emulator is None
 
 
 def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypatch, _clean):
@@ -202,7 +205,7 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
     from megatron.training import global_vars
 
     megatron_tah.install(tah_preset="paper", tah_warmup_iters=2, tah_backend="torch")
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     with pytest.raises(RuntimeError, match="needs its training loop"):
         transport.codec(transport.link("forward", "send", 1))
     args = types.SimpleNamespace()  # before Megatron's loop sets curr_iteration: iteration 0
@@ -229,7 +232,7 @@ def test_evaluation_sends_uncompressed_only_when_asked(_clean):
     with pipeline_parallel.evaluation(uncompressed=True):  # not installed: nothing to switch
         pass
     megatron_tah.install(tah_preset="paper", tah_backend="torch")
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     with pipeline_parallel.evaluation(uncompressed=False):
         assert transport.codec(transport.link("forward", "send", 1)).name == "tah"
     with pytest.raises(KeyError):
@@ -268,7 +271,7 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
     def fake_evaluate(step, data_iterator, model, *rest, **kwargs):
         batches = [next(data_iterator) for _ in range(3)]
         global_vars.get_args().consumed_valid_samples += 3
-        passes.append((REGISTRY.pipeline.eval_uncompressed, batches))
+        passes.append((installed_transport().eval_uncompressed, batches))
         return ({"lm loss": 1.0 + len(passes)}, None, False)
 
     try:
@@ -287,7 +290,7 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
         assert [raw for raw, _ in passes] == want and all(b == [0, 1, 2] for _, b in passes)
         recorded = REGISTRY.log.evaluations[-1]
         assert recorded == ({"lm loss": 2.0, "lm loss uncompressed": 3.0} if traffic == "both" else {"lm loss": 2.0})
-        assert not REGISTRY.pipeline.eval_uncompressed
+        assert not installed_transport().eval_uncompressed
     finally:
         plugin.uninstall_megatron_lm_plugin()
         training.evaluate = original

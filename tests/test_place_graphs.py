@@ -50,7 +50,7 @@ def _run(rank, graphs, eager=False, states=None, start=0):
     ``states``, exchange PLAN[start:]; returns what arrived, the links, the codec states after SAVE_AFTER
     messages and the log lines."""
     import megatron_tah
-    from megatron_tah.megatron.registry import REGISTRY
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
     from test_staging import _exchange
 
     logger = logging.getLogger(GRAPH_LOGGER)
@@ -59,7 +59,7 @@ def _run(rank, graphs, eager=False, states=None, start=0):
     logger.setLevel(logging.INFO)
     try:
         megatron_tah.install(**CONFIG, tah_eager_codecs=eager)
-        transport = REGISTRY.pipeline
+        transport = installed_transport()
         if graphs is not None:
             transport.graphs = graphs
         if states is not None:

@@ -5,7 +5,7 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_tah.codecs import get_codec
-from megatron_tah.megatron.staging import HostStaging
+from megatron_tah.link.staging import HostStaging
 
 
 def _through(staging: HostStaging, wire: torch.Tensor) -> torch.Tensor:
@@ -133,6 +133,7 @@ def _transport_staged_and_plain(rank, world_size):
     """Per codec pair, dtype and transport: what every message delivered, plain and with --tah-share-gpus
     (host staging on CPU), the wire bytes counted, and the staging buffers the link ends made."""
     import megatron_tah
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
     from megatron_tah.megatron.registry import REGISTRY
 
     out = {}
@@ -150,7 +151,7 @@ def _transport_staged_and_plain(rank, world_size):
                     received.append(_exchange(rank, batched, activation, gradient))
                 stats = REGISTRY.stats.collect(reset=True)
                 allocations = {key: None if link.staging is None else link.staging.allocations
-                               for key, link in REGISTRY.pipeline.links.items()}
+                               for key, link in installed_transport().links.items()}
                 megatron_tah.uninstall()
                 runs[staged] = (received, stats["forward"]["wire_bytes"], stats["backward"]["wire_bytes"], allocations)
             plain, staged = runs[False], runs[True]

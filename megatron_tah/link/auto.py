@@ -1,26 +1,18 @@
 """``--tah-forward-codec auto`` / ``--tah-backward-codec auto`` on the pipeline's links.
 
-The decisions are ``auto_codec``'s; this module carries them. Every link end of an auto direction
-(``pipeline_parallel.Link``) owns an :class:`AutoEnd` holding a codec per candidate
-(``--tah-auto-candidates``; a receiver decodes whichever the sender announced). Protocol, per link
-and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both ends):
+The decisions are ``choice.py``'s, the measurements ``measure.py``'s, the bytes ``wire.py``'s; this
+module carries them. Every link end of an auto direction (``transport.Link``) owns an :class:`AutoEnd`
+holding a codec per candidate (``--tah-auto-candidates``; a receiver decodes whichever the sender
+announced). Protocol, per link and direction, with ``k`` the training iteration the transport is given
+(Megatron's ``args.curr_iteration``, the same on both ends):
 
-* **Wire format.** When either direction is auto, every message of the pipeline (both directions,
-  warm-up and evaluations included) is the codec buffer followed by a ``TRAILER_NBYTES`` (24-byte)
-  trailer (``encode_trailer``), little endian::
-
-      0    8   announcement: auto_codec.encode_announcement of the codec the *next* iteration uses
-               (magic, codec id, config digest, k + 1 mod 2**16); 8 zero bytes on a fixed direction
-      8    8   sent at: the sender's wall clock when it posted the message, int64 microseconds
-               (written in place just before posting, ``stamp_sent_at``)
-      16   4   report, bytes: wire bytes of one message the *receiver of this one* sent to its sender
-               (the other direction), 0 when there is nothing to report
-      20   4   report, microseconds: that message's transit (uint32, saturating)
-
-  The receiver posts ``codec.wire_nbytes(shape, dtype) + 24`` bytes for the codec of iteration
-  ``k`` and reads the trailer on the host as soon as the message is complete (on a GPU that read
-  waits for the receive, which Megatron's ``batch_p2p_sync`` does anyway; it also makes the
-  completion time real, since a NCCL ``wait()`` returns before the data is there).
+* **Wire.** When either direction is auto, every message of the pipeline (both directions, warm-up
+  and evaluations included) carries the 24-byte trailer after the codec buffer (``wire.py``): the
+  announcement of the codec iteration ``k + 1`` uses, the sender's ``sent at`` stamp and a report of
+  the other direction's fastest transit. The receiver posts ``codec.wire_nbytes(shape, dtype) + 24``
+  bytes for the codec of iteration ``k`` and reads the trailer on the host as soon as the message is
+  complete (on a GPU that read waits for the receive, which Megatron's ``batch_p2p_sync`` does anyway;
+  it also makes the completion time real, since a NCCL ``wait()`` returns before the data is there).
 * **Measuring a direction.** A message's *transit* is its receiver's completion time minus the
   ``sent at`` stamp: the time the link took, without the time the receiver spent waiting for its
   sender to compute the tensor (which the post-to-completion time includes, and which on a fast
@@ -50,7 +42,7 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
   encode time of the current codec since the last measurement into the table
   (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2 measurements in a row);
   the choice is announced from then on and takes effect at the next boundary. A switch is on
-  probation (``auto_codec.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
+  probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
   iterations were not faster than the previous codec's, the sender announces the previous one again
   (logged) and leaves the new one out for 4 measurements. The receiver's
   decode time is the sender's measurement of it. A candidate that fails to build or to run during
@@ -63,9 +55,7 @@ and direction, with ``k`` Megatron's ``args.curr_iteration`` (the same on both e
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import struct
 import time
 import warnings
 
@@ -73,63 +63,11 @@ import torch
 
 from ..codecs import Codec, WireFormatError, timing
 from ..config import TahConfig
-from .auto_codec import (ANNOUNCEMENT_NBYTES, AutoDecision, Chooser, CodecCostTable, LinkRate,
-                         LinkRateMeter, Probation, decode_announcement, encode_announcement)
+from .choice import Chooser, Probation
+from .measure import CodecCostTable, LinkRate, LinkRateMeter
+from .wire import AutoDecision, decode_announcement, encode_announcement
 
-__all__ = ["ANNOUNCEMENT_NBYTES", "TRAILER_NBYTES", "AutoEnd", "Trailer", "decode_trailer", "encode_trailer",
-           "stamp_sent_at", "wall_seconds"]
-
-TRAILER_NBYTES = 24
-_TRAILER = struct.Struct("<8sqII")  # announcement, sent at (us), report bytes, report us
-_NO_ANNOUNCEMENT = bytes(ANNOUNCEMENT_NBYTES)
-_US_MAX = 2**32 - 1
 logger = logging.getLogger(__name__)
-
-
-def wall_seconds(monotonic: float | None = None) -> float:
-    """The wall clock (seconds since the epoch) now, or at the ``time.monotonic()`` reading ``monotonic``."""
-    now = time.time()
-    return now if monotonic is None else now - (time.monotonic() - monotonic)
-
-
-@dataclasses.dataclass(frozen=True)
-class Trailer:
-    """A message's trailer (layout in the module docstring); ``report``: (bytes, seconds) or None."""
-
-    announcement: bytes | None
-    sent_at: float
-    report: tuple[int, float] | None = None
-
-
-def encode_trailer(trailer: Trailer) -> bytes:
-    """``trailer`` as ``TRAILER_NBYTES`` bytes."""
-    announcement = _NO_ANNOUNCEMENT if trailer.announcement is None else trailer.announcement
-    if len(announcement) != ANNOUNCEMENT_NBYTES or announcement == _NO_ANNOUNCEMENT and trailer.announcement:
-        raise ValueError(f"announcement of {len(announcement)} bytes: expected {ANNOUNCEMENT_NBYTES}, not all zero")
-    nbytes, seconds = trailer.report or (0, 0.0)
-    if not 0 <= nbytes < 2**32 or not seconds >= 0:
-        raise ValueError(f"report ({nbytes} bytes, {seconds} s): need 0 <= bytes < 2**32 and seconds >= 0")
-    micros = min(max(round(seconds * 1e6), 1), _US_MAX) if nbytes else 0  # a report is never 0 us
-    return _TRAILER.pack(announcement, round(trailer.sent_at * 1e6), int(nbytes), micros)
-
-
-def decode_trailer(raw: bytes) -> Trailer:
-    """The trailer in ``raw`` (``TRAILER_NBYTES`` bytes); ``WireFormatError`` if it is not one."""
-    if len(raw) != TRAILER_NBYTES:
-        raise WireFormatError(f"auto codec: a trailer of {len(raw)} bytes, expected {TRAILER_NBYTES}")
-    announcement, sent_us, nbytes, micros = _TRAILER.unpack(bytes(raw))
-    if sent_us <= 0 or (nbytes == 0) != (micros == 0):
-        raise WireFormatError(f"auto codec: not a message trailer (sent at {sent_us} us, report {nbytes} bytes "
-                              f"in {micros} us)")
-    report = (nbytes, micros / 1e6) if nbytes else None
-    return Trailer(None if announcement == _NO_ANNOUNCEMENT else announcement, sent_us / 1e6, report)
-
-
-def stamp_sent_at(message: torch.Tensor) -> None:
-    """Write the wall clock now into the ``sent at`` field of ``message`` (a uint8 message ending in a trailer),
-    in place, just before it is posted (a host write on the CPU, an 8-byte copy on a GPU)."""
-    now = torch.tensor([round(wall_seconds() * 1e6)], dtype=torch.int64).view(torch.uint8)  # little endian host
-    message[-TRAILER_NBYTES + ANNOUNCEMENT_NBYTES:-TRAILER_NBYTES + ANNOUNCEMENT_NBYTES + 8].copy_(now)
 
 
 class AutoEnd:

@@ -7,8 +7,9 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 direction, naming both stages and both configurations. The digest covers the codec's settings and
 what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
 ``--tah-wire-checksum``); a direction set to ``auto`` is recorded as its candidates' names and digests
-(both ends must hold the same decoders and carry the announcement trailer, ``auto_link.py``).
-``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule.
+(both ends must hold the same decoders and carry the announcement trailer, ``wire.py``).
+``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule (the caller says how
+many virtual stages there are: the link reads nothing of Megatron).
 ``link_latency`` (auto only) times a few 8-byte round trips with each neighbouring stage.
 """
 
@@ -85,14 +86,12 @@ def check_group(config: TahConfig, group, device: torch.device) -> None:
                 )
 
 
-def check_schedule(config: TahConfig, group, send_next, recv_prev) -> None:
+def check_schedule(config: TahConfig, group, send_next, recv_prev, virtual_stages: int | None = None) -> None:
     """Raise when the forward codec needs sample ids (aqsgd) and the schedule is interleaved
-    (virtual pipeline stages, or a message that wraps from the last stage to the first)."""
+    (``virtual_stages`` > 1 virtual pipeline stages, or a message that wraps from the last stage to the first)."""
     if not config.forward_codec().needs_sample_ids:
         return
-    from megatron.core import parallel_state
-
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    vpp = virtual_stages
     wraps = (send_next is not None and group.rank() == group.size() - 1) or (
         recv_prev is not None and group.rank() == 0)
     if (vpp is not None and vpp > 1) or wraps:

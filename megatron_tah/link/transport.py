@@ -1,12 +1,12 @@
-"""The pipeline place: megatron-core's p2p messages through codecs (``PipelineTransport``).
+"""The pipeline transport: one process's pipeline messages through codecs (``PipelineTransport``).
 
-``install(place)`` (run by ``places.install``, i.e. ``megatron_tah.install``) builds one
-:class:`PipelineTransport` and replaces, through ``place.patches``,
-``megatron.core.pipeline_parallel.p2p_communication``'s ``_batched_p2p_ops`` and ``_p2p_ops``
-(``version.TRANSPORTS``, looked up at call time by ``P2PCommunicator._communicate``) with its
-methods. They keep Megatron's calling contract and message pattern -- one message per direction
-per call, same peers, same process groups, same posting order -- but each message is a codec's
-uint8 buffer:
+``batched_p2p_ops`` and ``p2p_ops`` take megatron-core's transport arguments (``_batched_p2p_ops`` /
+``_p2p_ops``: the tensors to send and receive, the process group, the peers' ranks; the pipeline place
+``megatron/pipeline_parallel.py`` puts them in megatron-core's place) and keep its calling contract and
+message pattern -- one message per direction per call, same peers, same process groups, same posting
+order -- but each message is a codec's uint8 buffer (``wire.py``). The transport reads nothing of
+Megatron: what it needs from the training loop is given at construction (``iteration``: the current
+training iteration, the same on every stage; ``virtual_stages``: the interleaved schedule's size).
 
 * ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
   ``recv_next`` activation gradients through the *backward* codec. Each link end
@@ -23,10 +23,10 @@ uint8 buffer:
   ``push_sample_ids(ids)`` per micro-batch; an activation send pops the oldest ids, an activation
   receive pushes the ids it decoded (unless this is the last stage).
 * ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
-* ``auto`` (a direction's codec chosen per link): the link end's ``auto_link.AutoEnd`` picks the codec
+* ``auto`` (a direction's codec chosen per link): the link end's ``auto.AutoEnd`` picks the codec
   per iteration in lockstep with its peer. When either direction is auto, every message carries a
   24-byte trailer after the codec buffer (the next iteration's codec, when it was sent, and a report of
-  the other direction's last fastest transit; wire format and protocol in ``auto_link.py``): each
+  the other direction's last fastest transit; wire format in ``wire.py``, protocol in ``auto.py``): each
   receiver measures its peer's messages and reports back, so each direction's sender learns its own
   direction's rate.
 * CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
@@ -36,8 +36,9 @@ uint8 buffer:
   receive pointer would never be replayed. Eager where a graph cannot replay the call (CPU tensors,
   ``none``, AQ-SGD, stochastic rounding, ...), with one log line per reason for all link ends together.
   Auto links stay eager: their cost table times each candidate's eager call and the sender folds its
-  measured encode time into that table (``auto_link.py``); a replayed current codec would skew the choice.
-* Statistics go to ``place.stats`` (``stats.Stats``); ``tah_emulate_bandwidth`` delays message
+  measured encode time into that table (``auto.py``); a replayed current codec would skew the choice.
+* Statistics go to the sink the transport is given (``record_send``, ``record_codec_time``,
+  ``record_auto``: ``megatron/stats.py``'s ``Stats``); ``tah_emulate_bandwidth`` delays message
   completion (``emulate.LinkEmulator``).
 * Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
   (gloo's send/recv read host memory) or with ``--tah-share-gpus`` (on CPU too: how CI runs this path),
@@ -45,11 +46,8 @@ uint8 buffer:
   posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
   bytes on the wire are the same; ``none`` goes the same way.
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
-  and Megatron's iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
+  and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
-
-The module's functions (``push_sample_ids``, ``evaluation``, ``codec_states``,
-``load_codec_states``) act on the installed transport, found through ``registry.REGISTRY``.
 """
 
 from __future__ import annotations
@@ -59,25 +57,28 @@ import contextlib
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
 from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
-from .auto_codec import MIN_SECONDS
-from .auto_link import TRAILER_NBYTES, AutoEnd, Trailer, decode_trailer, encode_trailer, stamp_sent_at, wall_seconds
+from .auto import AutoEnd
 from .emulate import LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
-from .registry import REGISTRY
+from .measure import MIN_SECONDS
+from .message import Handle, Message
 from .staging import HostStaging
-from .version import TRANSPORTS, check_installed
+from .wire import Trailer, append_trailer, decode_trailer, message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
 
-P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
-__all__ = ["CodecMismatchError", "Link", "PipelineTransport", "codec_states", "evaluation", "install",
-           "is_installed", "load_codec_states", "push_sample_ids", "uninstall"]
+__all__ = ["CodecMismatchError", "Link", "PipelineTransport"]
+
+
+def _unknown() -> None:
+    return None
 
 
 @dataclasses.dataclass
@@ -92,7 +93,7 @@ class Link:
     peer: int
     codec: Codec | GraphedCodec  # auto: the codec of the current iteration
     messages: int = 0  # messages through this end so far
-    auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto_link.py)
+    auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
     report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
 
@@ -107,44 +108,29 @@ class Link:
         return self.direction, self.role, self.peer
 
 
-def _megatron_iteration() -> int | None:
-    """Megatron's ``args.curr_iteration`` (set by ``train`` before each step and kept during evaluation;
-    0 before the loop starts); the same on every stage. None outside Megatron (its args are not set)."""
-    from megatron.training.global_vars import get_args
-
-    try:
-        args = get_args()
-    except AssertionError:
-        return None
-    return int(getattr(args, "curr_iteration", 0) or 0)
-
-
-def _training_iteration() -> int:
-    """``_megatron_iteration()``, which the warm-up needs: both ends of a link switch together."""
-    iteration = _megatron_iteration()
-    if iteration is None:
-        raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
-                           "its training loop (megatron.training's args are not set)")
-    return iteration
-
-
 class PipelineTransport:
     """This process's pipeline transport: the configuration, the link ends, the AQ-SGD sample-id
-    queue, the unbatched messages not yet finished, the link emulator and the statistics sink."""
+    queue, the unbatched messages not yet finished, the link emulator and the statistics sink.
 
-    def __init__(self, config: TahConfig, stats):
+    ``iteration()``: the current training iteration, the same on every stage (None: unknown, e.g.
+    outside a training loop; the warm-up and auto need it). ``virtual_stages()``: the interleaved
+    schedule's virtual stages (None: not interleaved)."""
+
+    def __init__(self, config: TahConfig, stats, iteration: Callable[[], int | None] = _unknown,
+                 virtual_stages: Callable[[], int | None] = _unknown):
         self.config = config
         self.stats = stats
+        self.iteration, self.virtual_stages = iteration, virtual_stages
         bandwidth = config.emulated_bandwidth_bps
         self.emulator = None if bandwidth is None else LinkEmulator(bandwidth, config.tah_emulate_latency_ms / 1e3)
         self.links: dict[tuple[str, str, int], Link] = {}
         auto = config.is_auto("forward") or config.is_auto("backward")
-        self.trailer_nbytes = TRAILER_NBYTES if auto else 0  # auto_link's trailer after every message
+        self.trailer_nbytes = message_extra_nbytes(auto)  # the trailer after every message (wire.py)
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
         self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
-        self.outstanding: list[_Message] = []  # unbatched messages not yet finished (completion stamps)
+        self.outstanding: list[Message] = []  # unbatched messages not yet finished (completion stamps)
         self.checked_groups: set[int] = set()
         self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
@@ -168,38 +154,19 @@ class PipelineTransport:
             self.links[key] = Link(direction, role, int(peer), codec)
         return self.links[key]
 
-    def with_trailer(self, link: Link, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
-        """``buf`` || the trailer of a message sent on ``link`` now (``auto_link``'s wire format)."""
-        announcement = link.auto.sent(encode_seconds) if link.auto is not None else None
-        report, link.report = link.report, None
-        raw = encode_trailer(Trailer(announcement, wall_seconds(), report))
-        return torch.cat([buf, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(buf.device)])
-
-    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float) -> None:
-        """The trailer ``raw`` of a message of ``nbytes`` received on ``link``, complete at wall time ``done_at``:
-        its announcement goes to the auto receiver, its transit to the report for the peer (on this rank's
-        send end of the other direction to the same peer), the peer's report, less the link's latency
-        (``handshake.link_latency``), to that send end's rate meter."""
-        trailer = decode_trailer(raw)
-        if link.auto is not None:
-            link.auto.received(trailer.announcement)
-        elif trailer.announcement is not None:
-            raise WireFormatError(f"auto codec: a {link.direction} message from rank {link.peer} announces a codec, "
-                                  f"but this rank's {link.direction} codec is fixed")
-        other = "backward" if link.direction == "forward" else "forward"
-        reply = self.link(other, "send", link.peer)
-        transit = max(done_at - trailer.sent_at, MIN_SECONDS)
-        if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
-            reply.report = (nbytes, transit)
-        if trailer.report is not None and reply.auto is not None:
-            nbytes, seconds = trailer.report  # the transfer's own time: the latency every message pays apart
-            reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
+    def training_iteration(self) -> int:
+        """``iteration()``, which the warm-up and auto need: both ends of a link switch together."""
+        iteration = self.iteration()
+        if iteration is None:
+            raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
+                               "its training loop (megatron.training's args are not set)")
+        return iteration
 
     def codec(self, link: Link) -> Codec:
         """The codec of ``link``'s next message: ``none`` during the warm-up and uncompressed evaluations."""
         if link.auto is not None:
-            link.codec = link.auto.begin(_training_iteration())
-        if self.config.tah_warmup_iters and _training_iteration() < self.config.tah_warmup_iters:
+            link.codec = link.auto.begin(self.training_iteration())
+        if self.config.tah_warmup_iters and self.training_iteration() < self.config.tah_warmup_iters:
             return self.uncompressed
         return self.uncompressed if self.eval_uncompressed else link.codec
 
@@ -232,9 +199,36 @@ class PipelineTransport:
                                "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
         return None
 
+    # ----- the trailer ---------------------------------------------------------------------
+    def with_trailer(self, link: Link, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
+        """``buf`` || the trailer of a message sent on ``link`` now (``wire.py``)."""
+        announcement = link.auto.sent(encode_seconds) if link.auto is not None else None
+        report, link.report = link.report, None
+        return append_trailer(buf, Trailer(announcement, wall_seconds(), report))
+
+    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float) -> None:
+        """The trailer ``raw`` of a message of ``nbytes`` received on ``link``, complete at wall time ``done_at``:
+        its announcement goes to the auto receiver, its transit to the report for the peer (on this rank's
+        send end of the other direction to the same peer), the peer's report, less the link's latency
+        (``handshake.link_latency``), to that send end's rate meter."""
+        trailer = decode_trailer(raw)
+        if link.auto is not None:
+            link.auto.received(trailer.announcement)
+        elif trailer.announcement is not None:
+            raise WireFormatError(f"auto codec: a {link.direction} message from rank {link.peer} announces a codec, "
+                                  f"but this rank's {link.direction} codec is fixed")
+        other = "backward" if link.direction == "forward" else "forward"
+        reply = self.link(other, "send", link.peer)
+        transit = max(done_at - trailer.sent_at, MIN_SECONDS)
+        if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
+            reply.report = (nbytes, transit)
+        if trailer.report is not None and reply.auto is not None:
+            nbytes, seconds = trailer.report  # the transfer's own time: the latency every message pays apart
+            reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
+
     # ----- messages ------------------------------------------------------------------------
     def encode(self, link: Link, x: torch.Tensor) -> torch.Tensor:
-        """Encode one outgoing tensor on ``link`` and record its statistics."""
+        """Encode one outgoing tensor on ``link`` (the whole message: trailer included) and record its statistics."""
         if link.auto is not None:
             link.auto.prepare(x)
         codec = self.codec(link)
@@ -264,7 +258,7 @@ class PipelineTransport:
         return buf
 
     def _messages(self, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
-                  group, prev_pipeline_rank, next_pipeline_rank) -> dict[str, _Message]:
+                  group, prev_pipeline_rank, next_pipeline_rank) -> dict[str, Message]:
         """Start of every transport call: finish earlier handles whose transfer is done, check configs,
         encode the sends and allocate the receive buffers (Megatron's op order)."""
         if self.closed:
@@ -281,7 +275,7 @@ class PipelineTransport:
                 self.latency.update(link_latency(group, tensors[0].device))
             self.checked_groups.add(id(group))
         if self.needs_sample_ids:
-            check_schedule(self.config, group, tensor_send_next, tensor_recv_prev)
+            check_schedule(self.config, group, tensor_send_next, tensor_recv_prev, self.virtual_stages())
         stage, stages = group.rank(), group.size()
         prev_stage, next_stage = (stage - 1) % stages, (stage + 1) % stages
         staged = self.staged(group, tensors[0].device)
@@ -290,9 +284,54 @@ class PipelineTransport:
                 ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev, (prev_stage, stage)),
                 ("send_next", "forward", next_pipeline_rank, tensor_send_next, None, (stage, next_stage)),
                 ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next, (next_stage, stage)))
-        return {name: _Message(self, self.link(direction, "send" if recv is None else "recv", peer), send, recv,
-                               last_stage=stage == stages - 1, stages=link_stages, staged=staged)
-                for name, direction, peer, send, recv, link_stages in plan if send is not None or recv is not None}
+        messages = {}
+        for name, direction, peer, send, recv, link_stages in plan:
+            if send is None and recv is None:
+                continue
+            link = self.link(direction, "send" if recv is None else "recv", peer)
+            host = link.host_staging((recv if send is None else send).device) if staged else None
+            known = {"extra_nbytes": self.trailer_nbytes, "stages": link_stages, "last_stage": stage == stages - 1}
+            if send is not None:
+                messages[name] = Message.send(link, self.encode(link, send), host, **known)
+            else:
+                messages[name] = Message.receive(link, recv, self.codec(link), host=host, **known)
+        return messages
+
+    def finish(self, m: Message) -> None:
+        """A message whose transfer is complete: the emulated link's delay, the trailer, a receive's decode
+        into Megatron's tensor; then its buffers go."""
+        if m.done:
+            return
+        m.done = True
+        link = m.link
+        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
+        if self.emulator is not None:
+            me = torch.distributed.get_rank()
+            pair = (link.peer, me) if m.is_recv else (me, link.peer)
+            self.emulator.complete(pair, m.buf.numel(), m.completed_at, receiver=m.is_recv)
+        if trailer is not None:
+            done_at = m.completed_at if self.emulator is None else self.emulator.last_finish
+            self.received_trailer(link, trailer, m.buf.numel(), wall_seconds(done_at))
+        if m.is_recv:
+            self._decode(m)
+        m.release()
+
+    def _decode(self, m: Message) -> None:
+        """Decode a received message into Megatron's receive tensor; a checksum failure names the link and
+        iteration; an activation's sample ids (aqsgd) go on to the next stage's queue."""
+        codec, link, wire = m.codec, m.link, m.codec_buffer()
+        clock = timing.Stopwatch(wire.device)
+        with torch.no_grad():
+            try:
+                codec.decode(wire, m.target.shape, m.target.dtype, out=m.target)
+                if codec.checksum:  # this message's count (CPU), or what has reached the host (CUDA: no sync)
+                    codec.raise_deferred_errors(wire.device)
+            except PayloadChecksumError as err:
+                raise err.at(*m.stages, self.iteration()) from err
+        self.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
+        link.messages += 1
+        if codec.needs_sample_ids and link.direction == "forward" and not m.last_stage:
+            self.push_sample_ids(codec.last_sample_ids)
 
     def batched_p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                         group, prev_pipeline_rank, next_pipeline_rank):
@@ -313,7 +352,7 @@ class PipelineTransport:
         now = time.monotonic()  # (a backend may return one work for the whole batch)
         for m in messages.values():
             m.completed_at = now if m.completed_at is None else m.completed_at
-            m.finish()
+            self.finish(m)
         return []
 
     def p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
@@ -338,20 +377,8 @@ class PipelineTransport:
             m.stamp()
             m.work = post(m.buf, m.link.peer, group=recv_group if m.is_recv else send_group)
             self.outstanding.append(m)
-            handles[name] = _Handle(m)
+            handles[name] = Handle(m, self.finish)
         return handles
-
-    def replacing(self, name: str):
-        """``Patches.wrap``'s factory for megatron-core's transport ``name``."""
-        method = self.batched_p2p_ops if name == "_batched_p2p_ops" else self.p2p_ops
-
-        def make(original):
-            def transport(**kwargs):
-                return method(**kwargs)
-
-            return transport
-
-        return make
 
     # ----- codec state (checkpoints) ---------------------------------------------------------
     def codec_states(self) -> dict:
@@ -384,173 +411,3 @@ class PipelineTransport:
     def buffer_nbytes(self) -> int:
         """Bytes held in per-sample buffers (AQ-SGD) by this rank's codecs (the statistics' buffer source)."""
         return sum(link.codec.buffer_nbytes() for link in self.links.values() if hasattr(link.codec, "buffer_nbytes"))
-
-
-class _Message:
-    """One posted send or receive on ``link``; ``finish`` applies the emulated link and decodes a receive.
-
-    ``buf`` is what is posted: the codec's wire buffer, or with ``staged`` its host copy (``self.staging``,
-    a ``StagedSend`` / ``StagedRecv`` of the link end's ``HostStaging``). ``stages``: (sender, receiver)
-    pipeline stages, for errors."""
-
-    def __init__(self, transport: PipelineTransport, link: Link, send_tensor=None, recv_tensor=None,
-                 last_stage=False, stages=(None, None), staged=False):
-        self.transport, self.link = transport, link
-        self.target, self.last_stage, self.stages = recv_tensor, last_stage, stages
-        tensor = recv_tensor if send_tensor is None else send_tensor
-        host = link.host_staging(tensor.device) if staged else None
-        self.staging = None
-        if send_tensor is not None:
-            self.buf = transport.encode(link, send_tensor)
-            if host is not None:
-                self.staging = host.stage_send(self.buf)
-                self.buf = self.staging.host()  # waits for the device-to-host copy: gloo reads it
-        else:
-            self.codec = transport.codec(link)
-            nbytes = self.codec.wire_nbytes(recv_tensor.shape, recv_tensor.dtype)
-            nbytes += transport.trailer_nbytes
-            if host is not None:
-                self.staging = host.stage_recv(nbytes)
-                self.buf = self.staging.host
-            else:
-                self.buf = torch.empty(nbytes, dtype=torch.uint8, device=recv_tensor.device)
-        self.work = None
-        self.done = False
-        self.completed_at = None
-
-    @property
-    def is_recv(self) -> bool:
-        return self.target is not None
-
-    def stamp(self) -> None:
-        """Just before posting: a send's trailer gets the time it is sent (``auto_link.stamp_sent_at``)."""
-        if not self.is_recv and self.transport.trailer_nbytes:
-            stamp_sent_at(self.buf)
-
-    def poll(self) -> None:
-        if self.completed_at is None and self.work is not None and self.work.is_completed():
-            self.completed_at = time.monotonic()
-
-    def finish(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        transport, link = self.transport, self.link
-        trailer = None
-        if self.is_recv and transport.trailer_nbytes:
-            trailer = self.buf[-transport.trailer_nbytes:].cpu().numpy().tobytes()
-            if self.buf.is_cuda:  # the read waited for the received data: the completion time is now
-                self.completed_at = time.monotonic()
-        if transport.emulator is not None:
-            me = torch.distributed.get_rank()
-            pair = (link.peer, me) if self.is_recv else (me, link.peer)
-            transport.emulator.complete(pair, self.buf.numel(), self.completed_at, receiver=self.is_recv)
-        if trailer is not None:
-            done_at = self.completed_at if transport.emulator is None else transport.emulator.last_finish
-            transport.received_trailer(link, trailer, self.buf.numel(), wall_seconds(done_at))
-        if self.is_recv:
-            wire = self.buf if self.staging is None else self.staging.to_device()
-            if transport.trailer_nbytes:
-                wire = wire[:-transport.trailer_nbytes]
-            clock = timing.Stopwatch(wire.device)
-            with torch.no_grad():
-                self._decode(wire)
-            transport.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
-            link.messages += 1
-            if self.codec.needs_sample_ids and link.direction == "forward" and not self.last_stage:
-                transport.push_sample_ids(self.codec.last_sample_ids)
-        if self.staging is not None:
-            self.staging.release()  # the transfer is complete (and a receive's decode enqueued)
-            self.staging = None
-        self.buf = None  # the transfer is complete: drop the wire buffer
-
-    def _decode(self, wire: torch.Tensor) -> None:
-        """Decode ``wire`` into Megatron's receive tensor; a checksum failure names the link and iteration."""
-        codec = self.codec
-        try:
-            codec.decode(wire, self.target.shape, self.target.dtype, out=self.target)
-            if codec.checksum:  # this message's count (CPU), or what has reached the host (CUDA: no sync)
-                codec.raise_deferred_errors(wire.device)
-        except PayloadChecksumError as err:
-            raise err.at(*self.stages, _megatron_iteration()) from err
-
-
-class _Handle:
-    """What the unbatched transport returns in place of a ``Work``: ``wait()`` waits, then decodes."""
-
-    def __init__(self, message: _Message):
-        self.message = message
-
-    def wait(self, timeout=None):
-        msg = self.message
-        if not msg.done:
-            msg.poll()
-            msg.work.wait()
-            if msg.completed_at is None:
-                msg.completed_at = time.monotonic()
-            msg.finish()
-        return True
-
-    def is_completed(self) -> bool:
-        return self.message.done or self.message.work.is_completed()
-
-
-# ----- the place: install / uninstall ----------------------------------------------------------
-def install(place) -> None:
-    """Replace megatron-core's two pipeline transports by a new :class:`PipelineTransport`'s."""
-    check_installed()  # the transports' contract, before anything is replaced
-    transport = PipelineTransport(place.config, place.stats)
-    place.transport = transport
-    for name in TRANSPORTS:
-        place.patches.wrap(P2P_MODULE, name, transport.replacing(name))
-    place.stats.buffer_source = transport.buffer_nbytes
-    logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
-                place.config.forward_codec().describe(), place.config.backward_codec().describe())
-
-
-def uninstall(place) -> None:
-    """Called before ``place.patches`` are restored: the transport stops taking calls."""
-    place.stats.buffer_source = None
-    if place.transport is not None:
-        place.transport.closed = True
-
-
-# ----- acting on the installed transport -------------------------------------------------------
-def is_installed() -> bool:
-    return REGISTRY.pipeline is not None
-
-
-def _installed() -> PipelineTransport:
-    transport = REGISTRY.pipeline
-    if transport is None:
-        raise RuntimeError("megatron_tah's pipeline transport is not installed; call megatron_tah.install()")
-    return transport
-
-
-def push_sample_ids(ids: torch.Tensor) -> None:
-    """Queue the sample ids of the next micro-batch this rank will send (first stage: per forward step)."""
-    _installed().push_sample_ids(ids)
-
-
-@contextlib.contextmanager
-def evaluation(uncompressed: bool):
-    """An evaluation (forward only) runs inside this, entered on every stage together (by logging's
-    wrapper of Megatron's ``evaluate``, per ``--tah-eval-traffic``; a loop of one's own enters it around
-    its evaluation): with ``uncompressed`` every link sends raw. A no-op when not installed."""
-    transport = REGISTRY.pipeline
-    if transport is None:
-        yield
-        return
-    with transport.evaluation(uncompressed):
-        yield
-
-
-def codec_states() -> dict:
-    """The installed transport's ``codec_states()`` ({} when not installed)."""
-    transport = REGISTRY.pipeline
-    return {} if transport is None else transport.codec_states()
-
-
-def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
-    """The installed transport's ``load_codec_states`` (an error when not installed)."""
-    _installed().load_codec_states(states, saved_config)

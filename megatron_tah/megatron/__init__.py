@@ -1,6 +1,7 @@
 """The megatron-core patch layer: the places megatron_tah compresses (``places.py``: the pipeline's
-p2p transport ``pipeline_parallel.py``, tensor- and data-parallel collectives, activation memory),
-CPU shims, statistics, link emulation; what is installed is in ``registry.REGISTRY``.
+p2p transports ``pipeline_parallel.py``, which puts the link's transport in megatron-core's place,
+tensor- and data-parallel collectives, activation memory), the Megatron-LM plugin (flags, training
+log, codec checkpoints, CPU shims, several ranks per GPU); what is installed is in ``registry.REGISTRY``.
 
 Submodules import megatron-core lazily (only when a function that needs it runs).
 """

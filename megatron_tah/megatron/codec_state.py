@@ -1,7 +1,7 @@
 """The codecs' state in Megatron's checkpoints, so that a resumed run loses nothing.
 
 Stateful codecs (AQ-SGD's per-sample buffers; the generators of stochastic rounding) live in
-the installed pipeline transport (``registry.REGISTRY.pipeline``), one per link end. ``install(patches)`` wraps
+the installed pipeline transport (``pipeline_parallel.installed_transport()``), one per link end. ``install(patches)`` wraps
 ``megatron.training.training.save_checkpoint`` and ``load_checkpoint`` (looked up by name by
 ``save_checkpoint_and_time`` and ``setup_model_and_optimizer``):
 
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .registry import REGISTRY
+from .pipeline_parallel import installed_transport
 
 STATE_DIR = "megatron_tah"
 
@@ -34,7 +34,7 @@ def state_file(root: str, iteration: int, rank: int) -> str:
 
 def save(root: str, iteration: int) -> str | None:
     """Write this rank's codec state for ``iteration`` under ``root``; returns the file (None: no state)."""
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     states = transport.codec_states() if transport is not None else {}
     if not states:
         return None
@@ -47,7 +47,7 @@ def save(root: str, iteration: int) -> str | None:
 def load(root: str, iteration: int) -> str | None:
     """Read this rank's codec state for ``iteration`` from ``root`` into the installed transport
     (None: no file; an error when the transport is not installed)."""
-    transport = REGISTRY.pipeline
+    transport = installed_transport()
     if transport is None:
         raise RuntimeError("megatron_tah: codec state is loaded into the installed pipeline transport; "
                            "call megatron_tah.install() first")
@@ -65,7 +65,7 @@ def _saving(original):
         from megatron.training.global_vars import get_args
 
         margs = get_args()
-        if margs.save and REGISTRY.pipeline is not None:
+        if margs.save and installed_transport() is not None:
             save(margs.save, int(iteration))
         return result
 
@@ -82,7 +82,7 @@ def _loading(original):
         iteration = int(result[0]) if isinstance(result, tuple) and result else 0
         load_arg = kwargs.get("load_arg", "load")
         root = getattr(margs, load_arg, None)
-        transport = REGISTRY.pipeline
+        transport = installed_transport()
         if iteration > 0 and root and not margs.finetune and load_arg == "load" and transport is not None:
             if load(root, iteration) is None and transport.stateful():
                 print_rank_0(f"> megatron_tah: no codec state in {root} at iteration {iteration}; "

@@ -1,0 +1,105 @@
+"""One posted message of the pipeline transport, and the handle the unbatched transport returns for it.
+
+A :class:`Message` is data: which link end it is on, what is posted (``buf``: the message of
+``wire.py``, or with host staging its host copy), the ``Work`` and the time the transfer completed;
+a receive also holds the codec it decodes with and Megatron's receive tensor (``target``). The
+transport (``transport.PipelineTransport.finish``) acts on it once the transfer is complete.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .staging import HostStaging
+from .wire import codec_buffer, read_trailer, stamp_sent_at
+
+
+class Message:
+    """A send (``target`` None) or a receive posted on ``link``; ``extra_nbytes``: the trailer's bytes after the
+    codec buffer (0: none); ``stages``: (sender, receiver) pipeline stages, for errors."""
+
+    def __init__(self, link, buf: torch.Tensor, *, target: torch.Tensor | None = None, codec=None,
+                 staging=None, extra_nbytes: int = 0, stages=(None, None), last_stage: bool = False):
+        self.link, self.buf, self.target, self.codec = link, buf, target, codec
+        self.staging, self.extra_nbytes = staging, extra_nbytes
+        self.stages, self.last_stage = stages, last_stage
+        self.work = None
+        self.done = False
+        self.completed_at: float | None = None
+
+    @classmethod
+    def send(cls, link, message: torch.Tensor, host: HostStaging | None, **kwargs) -> "Message":
+        """A send of ``message`` (on the device); with ``host`` it is posted from a pinned host copy."""
+        staging = None
+        if host is not None:
+            staging = host.stage_send(message)
+            message = staging.host()  # waits for the device-to-host copy: gloo reads it
+        return cls(link, message, staging=staging, **kwargs)
+
+    @classmethod
+    def receive(cls, link, target: torch.Tensor, codec, extra_nbytes: int, host: HostStaging | None,
+                **kwargs) -> "Message":
+        """A receive of ``codec``'s buffer for ``target`` (plus ``extra_nbytes``), into a host buffer with ``host``."""
+        nbytes = codec.wire_nbytes(target.shape, target.dtype) + extra_nbytes
+        if host is not None:
+            staging = host.stage_recv(nbytes)
+            return cls(link, staging.host, target=target, codec=codec, staging=staging, extra_nbytes=extra_nbytes,
+                       **kwargs)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
+        return cls(link, buf, target=target, codec=codec, extra_nbytes=extra_nbytes, **kwargs)
+
+    @property
+    def is_recv(self) -> bool:
+        return self.target is not None
+
+    def stamp(self) -> None:
+        """Just before posting: a send's trailer gets the time it is sent (``wire.stamp_sent_at``)."""
+        if not self.is_recv and self.extra_nbytes:
+            stamp_sent_at(self.buf)
+
+    def poll(self) -> None:
+        if self.completed_at is None and self.work is not None and self.work.is_completed():
+            self.completed_at = time.monotonic()
+
+    def trailer(self) -> bytes:
+        """A complete receive's trailer, read on the host; on a GPU the read waited for the data, so the
+        completion time is now."""
+        raw = read_trailer(self.buf)
+        if self.buf.is_cuda:
+            self.completed_at = time.monotonic()
+        return raw
+
+    def codec_buffer(self) -> torch.Tensor:
+        """A complete receive's codec buffer on the device (copied from the host buffer when staged)."""
+        wire = self.buf if self.staging is None else self.staging.to_device()
+        return codec_buffer(wire, self.extra_nbytes)
+
+    def release(self) -> None:
+        """The transfer is complete (and a receive's decode enqueued): return the staging buffers, drop ``buf``."""
+        if self.staging is not None:
+            self.staging.release()
+            self.staging = None
+        self.buf = None
+
+
+class Handle:
+    """What the unbatched transport returns in place of a ``Work``: ``wait()`` waits, then ``finish``es."""
+
+    def __init__(self, message: Message, finish: Callable[[Message], None]):
+        self.message, self._finish = message, finish
+
+    def wait(self, timeout=None):
+        msg = self.message
+        if not msg.done:
+            msg.poll()
+            msg.work.wait()
+            if msg.completed_at is None:
+                msg.completed_at = time.monotonic()
+            self._finish(msg)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.message.done or self.message.work.is_completed()

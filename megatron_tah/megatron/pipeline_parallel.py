@@ -1,0 +1,146 @@
+"""The pipeline place: megatron-core's p2p transports replaced by the link's ``PipelineTransport``.
+
+``install(place)`` (run by ``places.install``, i.e. ``megatron_tah.install``) builds one
+``link.transport.PipelineTransport`` and replaces, through ``place.patches``,
+``megatron.core.pipeline_parallel.p2p_communication``'s ``_batched_p2p_ops`` and ``_p2p_ops``
+(``version.TRANSPORTS``, looked up at call time by ``P2PCommunicator._communicate``) with its
+methods; what the messages are and how they travel is the link's (``megatron_tah/link/``). This
+module hands the transport what it needs from Megatron: the statistics sink, the training iteration
+(``args.curr_iteration``, read when a message needs it) and the interleaved schedule's virtual stages.
+
+The module's functions (``push_sample_ids``, ``evaluation``, ``codec_states``,
+``load_codec_states``, ``installed_transport``) act on the installed transport, found through
+``registry.REGISTRY``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..link.transport import PipelineTransport
+from .place import PlaceSpec
+from .registry import REGISTRY
+from .stats import Stream
+from .version import TRANSPORTS, check_installed
+
+logger = logging.getLogger(__name__)
+
+NAME = "pp"
+P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
+__all__ = ["PLACE", "PipelineTransport", "codec_states", "evaluation", "install", "installed_transport",
+           "is_installed", "load_codec_states", "push_sample_ids", "uninstall"]
+
+
+# ----- what the transport needs from Megatron ------------------------------------------------------
+def _megatron_args():
+    """Megatron's parsed arguments (``megatron.training``), None outside Megatron's training (not set)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+def megatron_iteration() -> int | None:
+    """Megatron's ``args.curr_iteration`` (set by ``train`` before each step and kept during evaluation;
+    0 before the loop starts); the same on every stage. None outside Megatron (its args are not set)."""
+    args = _megatron_args()
+    return None if args is None else int(getattr(args, "curr_iteration", 0) or 0)
+
+
+def virtual_stages() -> int | None:
+    """The interleaved schedule's virtual pipeline stages (None: not interleaved, or not initialised)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_virtual_pipeline_model_parallel_world_size()
+
+
+# ----- the place: install / uninstall ----------------------------------------------------------
+def _replacing(transport: PipelineTransport, name: str):
+    """``Patches.wrap``'s factory for megatron-core's transport ``name``."""
+    method = transport.batched_p2p_ops if name == "_batched_p2p_ops" else transport.p2p_ops
+
+    def make(original):
+        def transport_call(**kwargs):
+            return method(**kwargs)
+
+        return transport_call
+
+    return make
+
+
+def install(place) -> None:
+    """Replace megatron-core's two pipeline transports by a new ``PipelineTransport``'s."""
+    check_installed()  # the transports' contract, before anything is replaced
+    transport = PipelineTransport(place.config, place.stats, iteration=megatron_iteration,
+                                  virtual_stages=virtual_stages)
+    place.transport = transport
+    for name in TRANSPORTS:
+        place.patches.wrap(P2P_MODULE, name, _replacing(transport, name))
+    place.stats.buffer_source = transport.buffer_nbytes
+    logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
+                place.config.forward_codec().describe(), place.config.backward_codec().describe())
+
+
+def uninstall(place) -> None:
+    """Called before ``place.patches`` are restored: the transport stops taking calls."""
+    place.stats.buffer_source = None
+    if place.transport is not None:
+        place.transport.closed = True
+
+
+PLACE = PlaceSpec(
+    name=NAME, option=None, install=install, uninstall=uninstall,
+    streams=(Stream("forward", NAME, "forward", "fwd"), Stream("backward", NAME, "backward", "bwd")),
+)
+
+
+# ----- acting on the installed transport -------------------------------------------------------
+def installed_transport() -> PipelineTransport | None:
+    """The installed pipeline transport (None when not installed)."""
+    place = REGISTRY.places.get(NAME)
+    return None if place is None else place.transport
+
+
+def is_installed() -> bool:
+    return installed_transport() is not None
+
+
+def _installed() -> PipelineTransport:
+    transport = installed_transport()
+    if transport is None:
+        raise RuntimeError("megatron_tah's pipeline transport is not installed; call megatron_tah.install()")
+    return transport
+
+
+def push_sample_ids(ids: torch.Tensor) -> None:
+    """Queue the sample ids of the next micro-batch this rank will send (first stage: per forward step)."""
+    _installed().push_sample_ids(ids)
+
+
+@contextlib.contextmanager
+def evaluation(uncompressed: bool):
+    """An evaluation (forward only) runs inside this, entered on every stage together (by logging's
+    wrapper of Megatron's ``evaluate``, per ``--tah-eval-traffic``; a loop of one's own enters it around
+    its evaluation): with ``uncompressed`` every link sends raw. A no-op when not installed."""
+    transport = installed_transport()
+    if transport is None:
+        yield
+        return
+    with transport.evaluation(uncompressed):
+        yield
+
+
+def codec_states() -> dict:
+    """The installed transport's ``codec_states()`` ({} when not installed)."""
+    transport = installed_transport()
+    return {} if transport is None else transport.codec_states()
+
+
+def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
+    """The installed transport's ``load_codec_states`` (an error when not installed)."""
+    _installed().load_codec_states(states, saved_config)
