@@ -40,6 +40,7 @@ def _scenarios(rank, world_size, pp, settings, pipeline_codecs, lossy_iterations
     from megatron_tah.codecs import get_codec
     from megatron_tah.config import TahConfig
     from megatron_tah.megatron import data_parallel, places
+    from megatron_tah.megatron.stats import Stats
     from megatron_tah.megatron.registry import REGISTRY
 
     out = {}
@@ -51,7 +52,7 @@ def _scenarios(rank, world_size, pp, settings, pipeline_codecs, lossy_iterations
         megatron_tah.install(TahConfig(tah_dp_codec="none", **pipeline))
         r["flag_none_untouched"] = _start_grad_sync() is original
         off = _run(pp, distributed_optimizer, EXACT_ITERATIONS, LR)
-        place = places.Place("dp", TahConfig(), get_codec("none"))
+        place = places.Place("dp", TahConfig(), get_codec("none"), stats=Stats(places.STREAMS))
         data_parallel.install(place)
         with tiny_gpt.WireSpy() as spy:
             through_none = _run(pp, distributed_optimizer, EXACT_ITERATIONS, LR)

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from megatron_tah.megatron import stats
+from megatron_tah.megatron import places, stats
 from megatron_tah.megatron.logging import append_json, iteration_record
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ BF16_MESSAGE = 1024 * 1600 * 2
 
 def _record(iteration, ms, fwd_wire, bwd_wire, codec_ms):
     """A record as logging.iteration_record writes it, from reduced statistics."""
-    reduced = stats.Stats().collect(reset=True)
+    reduced = stats.Stats(places.STREAMS).collect(reset=True)
     reduced["forward"].update(raw_bytes=8 * BF16_MESSAGE, wire_bytes=fwd_wire, encode_seconds=codec_ms / 2e3)
     reduced["backward"].update(raw_bytes=8 * BF16_MESSAGE, wire_bytes=bwd_wire, decode_seconds=codec_ms / 2e3)
     margs = types.SimpleNamespace(global_batch_size=8, seq_length=1024, consumed_train_samples=8 * iteration)

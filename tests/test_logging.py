@@ -15,7 +15,6 @@ from test_arguments import gpt_argv
 
 from megatron_tah.megatron import arguments as tah_arguments
 from megatron_tah.megatron import logging as tah_logging
-from megatron_tah.megatron import stats
 from megatron_tah.megatron.registry import REGISTRY
 
 
@@ -88,7 +87,7 @@ def record_traffic():
 def test_statistics_are_appended_to_the_real_iteration_line(megatron_state, capsys):
     tah_logging.install_logging()
     record_traffic()
-    expected = stats.format_for_log(REGISTRY.stats.collect(reset=False), 1)
+    expected = REGISTRY.stats.format_for_log(REGISTRY.stats.collect(reset=False), 1)
     assert "tah fwd MB/iter: 2.000 | tah fwd ratio: 4.00x" in expected
 
     assert call_training_log(iteration=2) is False

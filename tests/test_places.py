@@ -11,6 +11,7 @@ import torch
 import megatron_tah
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments, places, stats
+from megatron_tah.megatron.pipeline_parallel import installed_transport
 from megatron_tah.megatron.registry import REGISTRY
 
 ALL_ON = {"tah_tp_codec": "fp8", "tah_dp_codec": "int8", "tah_activation_memory": "laaq"}
@@ -77,7 +78,7 @@ def test_off_by_default_nothing_replaced(originals):
     megatron_tah.install()
     assert _targets() == originals
     assert all(places.installed(name) is None for name in places.PLACES if name != "pp")
-    assert places.installed("pp").transport is REGISTRY.pipeline is not None  # the pipeline: always
+    assert places.installed("pp").transport is installed_transport() is not None  # the pipeline: always
 
 
 def test_install_replaces_each_place_idempotently_and_uninstall_is_exact(originals):
@@ -110,7 +111,7 @@ def test_collective_codecs_must_be_stateless():
 
 
 def test_statistics_streams_and_log_fragment():
-    sink = stats.Stats()
+    sink = stats.Stats(places.STREAMS)
     sink.record_collective("tp", "forward", 4000, 1000, rel_error=0.02, encode_seconds=0.001)
     sink.record_collective("dp", "backward", 8000, 2000)
     sink.memory_source = lambda reset: {"bits": 4, "raw_bytes": 3_000_000, "stored_bytes": 1_000_000}
@@ -119,7 +120,7 @@ def test_statistics_streams_and_log_fragment():
     assert s["tp_forward"]["ratio"] == 4.0 and s["tp_forward"]["rel_error"] == pytest.approx(0.02)
     assert s["dp_backward"]["wire_bytes"] == 2000 and s["forward"]["messages"] == 0
     assert s["saved_memory"] == {0: {"bits": 4, "raw_bytes": 3_000_000, "stored_bytes": 1_000_000}}
-    line = stats.format_for_log(s)
+    line = sink.format_for_log(s)
     assert "tah tp fwd MB: 0.001 | tah tp fwd ratio: 4.00x" in line and "tah dp grad ratio: 4.00x" in line
     assert line.endswith(" tah saved MB: 1.0/3.0 |")
     merged = stats.merge(s, sink.collect())

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_tah.megatron import stats
+from megatron_tah.megatron import places, stats
 
 
 @pytest.fixture
 def sink():
-    return stats.Stats()
+    return stats.Stats(places.STREAMS)
 
 
 def test_collect_totals_ratio_means_and_links(sink):
@@ -43,7 +43,7 @@ def test_codec_time_and_buffer_bytes(sink):
     assert s["backward"]["encode_seconds"] == pytest.approx(0.002)
     assert s["buffer_bytes"] == 12_500_000
     # Backward has no message, so only the forward 5 ms count in the log line.
-    assert stats.format_for_log(s).endswith(" tah codec ms: 5.0 | tah buffer MB: 12.5 |")
+    assert sink.format_for_log(s).endswith(" tah codec ms: 5.0 | tah buffer MB: 12.5 |")
     after = sink.collect()
     assert after["forward"]["encode_seconds"] == 0 and after["buffer_bytes"] == 0
     with pytest.raises(ValueError, match="sideways"):
@@ -57,10 +57,10 @@ def test_record_send_rejects_unknown_direction(sink):
 
 def test_format_for_log(sink):
     sink.record_send("forward", 4_936_000, 1_234_000, peer=1, rel_error=0.0123, rotated_fraction=0.5)
-    line = stats.format_for_log(sink.collect())
+    line = sink.format_for_log(sink.collect())
     assert line.startswith(" tah fwd MB: 1.234 | tah fwd ratio: 4.00x | tah fwd rel err: 1.2E-02 |")
     assert "tah fwd rotated: 0.500 |" in line and "bwd" not in line
-    assert stats.format_for_log(sink.collect()) == ""
+    assert sink.format_for_log(sink.collect()) == ""
 
 
 def test_reduce_without_a_process_group_returns_the_input(sink):
@@ -70,7 +70,7 @@ def test_reduce_without_a_process_group_returns_the_input(sink):
 
 
 def _reduce_body(rank, world_size):
-    sink = stats.Stats()
+    sink = stats.Stats(places.STREAMS)
     sink.record_send("forward", 100 * (rank + 1), 10 * (rank + 1), peer=(rank + 1) % world_size,
                       rel_error=0.1 * (rank + 1))
     if rank == 2:
@@ -100,11 +100,11 @@ def test_format_for_log_per_iteration_and_streams(sink):
     sink.record_codec_time("forward", encode_seconds=0.004)
     sink.record_collective("tp", "forward", 4000, 1000)
     s = sink.collect()
-    assert stats.format_for_log(s, 2, streams=("forward", "backward")) == \
+    assert sink.format_for_log(s, 2, streams=("forward", "backward")) == \
         " tah fwd MB/iter: 1.000 | tah fwd ratio: 4.00x | tah codec ms/iter: 2.0 |"
-    assert stats.format_for_log(s).startswith(" tah fwd MB: 2.000 | tah fwd ratio: 4.00x | tah tp fwd MB: 0.001 |")
+    assert sink.format_for_log(s).startswith(" tah fwd MB: 2.000 | tah fwd ratio: 4.00x | tah tp fwd MB: 0.001 |")
     with pytest.raises(ValueError, match="iterations"):
-        stats.format_for_log(s, 0)
+        sink.format_for_log(s, 0)
 
 
 def test_apart_counts_a_block_on_its_own_and_keeps_the_counts_from_before(sink):

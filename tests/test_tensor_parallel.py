@@ -34,6 +34,7 @@ def _scenarios(rank, world_size, sp):
     from megatron_tah.codecs import get_codec
     from megatron_tah.config import TahConfig
     from megatron_tah.megatron import places, tensor_parallel
+    from megatron_tah.megatron.stats import Stats
     from megatron_tah.megatron.registry import REGISTRY
 
     build = lambda: tiny_gpt.build(tp=2, sp=sp)  # noqa: E731
@@ -46,7 +47,7 @@ def _scenarios(rank, world_size, sp):
     off = tiny_gpt.train(build(), EXACT_ITERATIONS)
     megatron_tah.uninstall()
 
-    place = places.Place("tp", TahConfig(), get_codec("none"))
+    place = places.Place("tp", TahConfig(), get_codec("none"), stats=Stats(places.STREAMS))
     tensor_parallel.install(place)
     out["replaced"] = sorted(k[1] for k, v in _patched_attributes().items() if v is not originals[k])
     with tiny_gpt.WireSpy() as spy:

@@ -47,7 +47,7 @@ from ..codecs import common
 from ..codecs.base import SUPPORTED_DTYPES
 from ..kernels import HAVE_TRITON
 from ..kernels import laaq as kernels
-from .places import direction
+from .place import PlaceSpec, direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 MIN_NUMEL = 4096  # smaller saved tensors (norm statistics, masks) are kept
@@ -241,3 +241,12 @@ def install(place) -> None:
 
 def uninstall(place) -> None:
     place.stats.memory_source = None
+
+
+def settings(config) -> str:
+    """The settings every rank must share: ``laaq(bits=..., block_size=...)``."""
+    return f"{config.tah_activation_memory}(bits={config.tah_laaq_bits}, block_size={config.tah_laaq_block_size})"
+
+
+PLACE = PlaceSpec(name="activation_memory", option="tah_activation_memory", install=install, settings=settings,
+                  uninstall=uninstall)

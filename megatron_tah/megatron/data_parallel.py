@@ -37,9 +37,12 @@ import types
 import torch
 
 from ..codecs.graphs import place_codec
+from ..config import TahConfig
 from . import collectives
 from .collectives import Done
 from .patching import Patches, resolve
+from .place import PlaceSpec
+from .stats import Stream
 
 BUFFER_MODULE = "megatron.core.distributed.param_and_grad_buffer"
 BUCKET_GROUP = f"{BUFFER_MODULE}:_ParamAndGradBucketGroup"
@@ -108,3 +111,10 @@ def install(place) -> None:
     collectives.check_codec(place.codec)
     place.codec = place_codec(place.codec, place.config.tah_eager_codecs)  # CUDA graphs per message shape
     place.patches.wrap(BUCKET_GROUP, "start_grad_sync", _compressing(place))
+
+
+PLACE = PlaceSpec(
+    name="dp", option="tah_dp_codec", install=install, codec=TahConfig.dp_codec,
+    streams=(Stream("dp_backward", "dp", "backward", "dp grad"),),
+    settings=lambda config: config.dp_codec().describe(),
+)

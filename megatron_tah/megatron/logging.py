@@ -21,7 +21,7 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
    ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
    ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages
    (``fwd_*``/``bwd_*`` and ``compression_ratio``: the pipeline's; ``tah`` has every stream of
-   ``stats.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it);
+   ``places.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it);
 2. on printing iterations, appends ``stats.format_for_log`` of the training traffic since the
    previous line, per iteration (``tah fwd MB/iter``, ``tah codec ms/iter``: divided by the
    iterations since that line, as Megatron divides its own items; like Megatron's, the first
@@ -55,13 +55,13 @@ import os
 import time
 from typing import Any
 
-from . import pipeline_parallel, stats
+from . import pipeline_parallel, places, stats
 from .patching import Patches, resolve
 from .registry import REGISTRY
 
 TRAINING = "megatron.training.training"
 DIRECTIONS = stats.DIRECTIONS
-STREAMS = tuple(stats.STREAMS)  # the pipeline's directions, then tensor- and data-parallel streams
+STREAMS = tuple(stream.key for stream in places.STREAMS)  # the pipeline's directions, then tp and dp streams
 PER_ITERATION_KEYS = ("messages", "raw_bytes", "wire_bytes")  # scalars tah/<stream>_<key>_per_iter
 MEAN_KEYS = ("ratio", "rel_error", "rotated_fraction")  # scalars tah/<stream>_<key>
 # training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
@@ -105,8 +105,10 @@ def _number(value) -> float | None:
 
 
 def streams_on() -> tuple[str, ...]:
-    """The ``stats.STREAMS`` keys to report: the pipeline's always, tensor/data-parallel ones while installed."""
-    return tuple(key for key, (place, _, _) in stats.STREAMS.items() if place == "pp" or place in REGISTRY.places)
+    """The ``places.STREAMS`` keys to report: an always-on place's (the pipeline's) always, the others' while
+    installed."""
+    return tuple(stream.key for stream in places.STREAMS
+                 if places.PLACES[stream.place].option is None or stream.place in REGISTRY.places)
 
 
 def scalars(reduced: dict, iterations: int = 1, streams: tuple[str, ...] = STREAMS) -> dict[str, float]:
@@ -272,7 +274,7 @@ def _logging_training_log(original):
         if not first:  # Megatron's first line does not reset its interval either
             log.since_line, log.iterations_since_line = None, 0
         write_scalars(since_line, iteration, get_tensorboard_writer(), get_wandb_writer(), iterations, streams)
-        return _call_appending(original, args, kwargs, stats.format_for_log(since_line, iterations, streams),
+        return _call_appending(original, args, kwargs, REGISTRY.stats.format_for_log(since_line, iterations, streams),
                                iteration)
 
     return training_log
@@ -344,7 +346,7 @@ def _logging_evaluation(original):
             result = original(*args, **kwargs)
             reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
         prefix = _argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")
-        fragment = stats.format_for_log(reduced, None, streams_on())
+        fragment = REGISTRY.stats.format_for_log(reduced, None, streams_on())
         if fragment:
             resolve(TRAINING).print_rank_last(f" evaluation tah traffic at {prefix} |{fragment}")
         json_path = getattr(get_args(), "tah_log_json", None)
@@ -372,6 +374,7 @@ def install_logging() -> None:
     if patches:
         return
     REGISTRY.log = LogState()
+    REGISTRY.stats.declare(places.STREAMS)  # every stream is in the records, installed or not
     patches.wrap(TRAINING, "training_log", _logging_training_log)
     patches.wrap(TRAINING, "evaluate", _recording_evaluate)
     patches.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation)

@@ -5,8 +5,9 @@ Every installer records here what it replaced (each in its own ``Patches``), and
 statistics, the training log, the codec checkpoints -- finds the installed state here; no other
 module of this package keeps state. ``places.install`` / ``places.uninstall`` fill and empty
 ``config`` and ``places``; the plugin, the flags, the log and the CPU shims own the other fields.
+It knows no particular place (the pipeline's transport: ``pipeline_parallel.installed_transport()``).
 This module imports nothing of megatron-core and nothing above it in the package
-(``patching`` and ``stats`` only), so any module may import it.
+(``patching``, ``place`` and ``stats`` only), so any module may import it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from .stats import Stats
 
 if TYPE_CHECKING:
     from ..config import TahConfig
-    from .pipeline_parallel import PipelineTransport
-    from .places import Place
+    from .place import Place
 
 
 @dataclasses.dataclass
@@ -28,9 +28,10 @@ class Registry:
     config: TahConfig | None = None
     """The configuration ``megatron_tah.install`` was given (None: not installed)."""
     places: dict[str, Place] = dataclasses.field(default_factory=dict)
-    """Installed places by name, in install order (``"pp"`` first); each owns its patches."""
+    """Installed places by name, in install order; each owns its patches."""
     stats: Stats = dataclasses.field(default_factory=Stats)
-    """The statistics sink every place records into; the training log collects it."""
+    """The statistics sink every place records into; the training log collects it (its streams are
+    declared by ``places.install`` and the log's install: ``places.STREAMS``)."""
     cpu_shims: Patches = dataclasses.field(default_factory=Patches)
     """The CPU shims' replacements (``cpu_shims.py``), whoever applied them."""
     cpu_shim_holders: set[str] = dataclasses.field(default_factory=set)
@@ -46,12 +47,6 @@ class Registry:
     """The plugin's other hooks: initialization, codec checkpoints, dataset helpers (``plugin.py``)."""
     plugin_installed_places: bool = False
     """Whether the plugin's initialization hook ran ``megatron_tah.install`` (its uninstall undoes it)."""
-
-    @property
-    def pipeline(self) -> PipelineTransport | None:
-        """The installed pipeline transport (None when not installed)."""
-        place = self.places.get("pp")
-        return None if place is None else place.transport
 
 
 REGISTRY = Registry()

@@ -1,9 +1,10 @@
 """Per-rank traffic statistics: what the compressing transports and collectives sent, per stream.
 
-A *stream* is one place and direction (``STREAMS``): the pipeline's activations (``"forward"``)
-and activation gradients (``"backward"``), the tensor-parallel collectives' forward and backward
-traffic (``"tp_forward"``, ``"tp_backward"``) and the data-parallel gradient reduction
-(``"dp_backward"``). A :class:`Stats` sink holds one rank's counters; the installed one is
+A *stream* (:class:`Stream`) is one place and direction, declared by the place (``places.STREAMS``
+gathers them): the pipeline's activations (``"forward"``) and activation gradients
+(``"backward"``), the tensor-parallel collectives' forward and backward traffic (``"tp_forward"``,
+``"tp_backward"``) and the data-parallel gradient reduction (``"dp_backward"``). A :class:`Stats`
+sink holds one rank's counters of the streams declared to it (``declare``); the installed one is
 ``registry.REGISTRY.stats``, handed to every place. The pipeline transport calls its
 ``record_send`` once per message, the compressed collectives ``record_collective`` once per
 collective. ``collect()`` returns (and by default resets) this rank's totals since the last
@@ -46,6 +47,7 @@ log fragment, per iteration or as totals.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -54,32 +56,32 @@ import torch
 from ..codecs import timing
 from ..config import CANDIDATES
 
-DIRECTIONS = ("forward", "backward")  # the pipeline's streams
-# stream key -> (place, direction, label in the log line); the pipeline's keys are its directions.
-STREAMS = {
-    "forward": ("pp", "forward", "fwd"),
-    "backward": ("pp", "backward", "bwd"),
-    "tp_forward": ("tp", "forward", "tp fwd"),
-    "tp_backward": ("tp", "backward", "tp bwd"),
-    "dp_backward": ("dp", "backward", "dp grad"),
-}
-_SHORT = {key: label for key, (_, _, label) in STREAMS.items()}
+DIRECTIONS = ("forward", "backward")  # the pipeline's streams: its messages' directions
 _MEMORY = ("bits", "raw_bytes", "stored_bytes")
 # Per stream, in this order, in the reduction tensor.
 _SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
          "rotated_sum", "rotated_samples", "encode_seconds", "decode_seconds")
+_NOT_STREAMS = ("links", "link_errors", "auto", "buffer_bytes", "saved_memory")  # collect()'s other keys
 
 
-def _empty_totals() -> dict:
-    return {d: dict.fromkeys(_SUMS, 0.0) for d in STREAMS}
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One statistics stream: its key in ``collect()``'s result, the place and direction it counts, and its
+    label in the log line (``tah <label> MB``)."""
+
+    key: str
+    place: str
+    direction: str
+    label: str
 
 
-def stream_key(place: str, direction: str) -> str:
-    """The ``STREAMS`` key of ``place`` ("pp", "tp", "dp") and ``direction`` ("forward", "backward")."""
-    for key, (p, d, _) in STREAMS.items():
-        if (p, d) == (place, direction):
-            return key
-    raise ValueError(f"no statistics stream for place {place!r}, direction {direction!r}")
+def stream_keys(stats: dict) -> list[str]:
+    """The stream keys of a ``collect`` / ``reduce_to_last_rank`` result, in the sink's declaration order."""
+    return [key for key in stats if key not in _NOT_STREAMS]
+
+
+def _empty(streams) -> dict:
+    return {key: dict.fromkeys(_SUMS, 0.0) for key in streams}
 
 
 def _this_rank() -> int:
@@ -91,25 +93,50 @@ class Stats:
     """One rank's counters since the last ``collect`` (the sink every place records into; the
     installed one is ``registry.REGISTRY.stats``). Thread-safe.
 
-    ``buffer_source``: a callable returning the bytes held in per-sample codec buffers (the pipeline
-    transport's), None: 0. ``memory_source``: a callable ``source(reset)`` returning saved-tensor
-    peaks ``{"bits", "raw_bytes", "stored_bytes"}`` or None (LAAQ's), None: nothing measured.
+    ``streams``: the :class:`Stream` s counted (more with ``declare``). ``buffer_source``: a callable
+    returning the bytes held in per-sample codec buffers (the pipeline transport's), None: 0.
+    ``memory_source``: a callable ``source(reset)`` returning saved-tensor peaks
+    ``{"bits", "raw_bytes", "stored_bytes"}`` or None (LAAQ's), None: nothing measured.
     """
 
-    def __init__(self):
+    def __init__(self, streams: Iterable[Stream] = ()):
         self._lock = threading.Lock()
-        self._totals = _empty_totals()
+        self.streams: dict[str, Stream] = {}
+        self._totals: dict[str, dict] = {}
+        self.declare(streams)
         self._links: dict[tuple[int, int], int] = {}  # (src, dst) -> wire bytes
         self._link_errors: dict[tuple[int, int], tuple] = {}  # (src, dst) -> (sum of sampled rel. errors, samples)
         self._auto: dict[tuple[int, int], dict] = {}  # (src, dst) -> auto's codec and measured rate
         self.buffer_source = None
         self.memory_source = None
 
+    def declare(self, streams: Iterable[Stream]) -> None:
+        """Count ``streams`` from now on (a stream already declared is kept as it is)."""
+        with self._lock:
+            for stream in streams:
+                if self.streams.setdefault(stream.key, stream) != stream:
+                    raise ValueError(f"stream {stream.key!r} declared twice, differently: {self.streams[stream.key]} "
+                                     f"and {stream}")
+                self._totals.setdefault(stream.key, dict.fromkeys(_SUMS, 0.0))
+
+    def stream_key(self, place: str, direction: str) -> str:
+        """The key of the declared stream of ``place`` ("pp", "tp", "dp") and ``direction`` ("forward", "backward")."""
+        for key, stream in self.streams.items():
+            if (stream.place, stream.direction) == (place, direction):
+                return key
+        raise ValueError(f"no statistics stream for place {place!r}, direction {direction!r}")
+
+    def _check(self, key: str) -> None:
+        if key not in self._totals:
+            raise ValueError(f"direction must be one of the declared streams {', '.join(self.streams) or '(none)'}, "
+                             f"got {key!r}")
+
     def record_send(self, direction: str, raw_nbytes: int, wire_nbytes: int, peer: int,
                     rel_error: float | None = None, rotated_fraction: float | None = None) -> None:
         """Count one pipeline message of ``direction`` sent by this rank to world rank ``peer``."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        self._check(direction)
         with self._lock:
             t = self._totals[direction]
             t["messages"] += 1
@@ -137,7 +164,7 @@ class Stats:
                           rel_error: float | None = None, encode_seconds: float = 0.0,
                           decode_seconds: float = 0.0) -> None:
         """Count one compressed collective of ``place`` ("tp", "dp") run in ``direction`` on this rank."""
-        key = stream_key(place, direction)
+        key = self.stream_key(place, direction)
         with self._lock:
             t = self._totals[key]
             t["messages"] += 1
@@ -151,9 +178,8 @@ class Stats:
 
     def record_codec_time(self, direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
         """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank
-        (``direction``: a ``STREAMS`` key; seconds as floats or pending ``codecs.timing.Stopwatch`` intervals)."""
-        if direction not in STREAMS:
-            raise ValueError(f"direction must be one of {', '.join(STREAMS)}, got {direction!r}")
+        (``direction``: a declared stream's key; seconds as floats or pending ``codecs.timing.Stopwatch`` intervals)."""
+        self._check(direction)
         with self._lock:
             t = self._totals[direction]
             t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
@@ -168,7 +194,7 @@ class Stats:
         with self._lock:
             before = self._totals, self._links, self._link_errors
             memory_source, self.memory_source = self.memory_source, None
-            self._totals, self._links, self._link_errors = _empty_totals(), {}, {}
+            self._totals, self._links, self._link_errors = _empty(self.streams), {}, {}
         try:
             yield self
         finally:
@@ -184,10 +210,14 @@ class Stats:
                     total, count = self._link_errors.get(link, (0.0, 0))
                     self._link_errors[link] = (timing.add(total, value), count + samples)
 
+    def format_for_log(self, stats: dict, iterations: int | None = None, streams: Iterable[str] | None = None) -> str:
+        """The module's ``format_for_log`` of ``stats`` with the labels of this sink's streams."""
+        return format_for_log(stats, {key: stream.label for key, stream in self.streams.items()}, iterations, streams)
+
     def collect(self, reset: bool = True) -> dict:
         """This rank's statistics since the last reset (see the module docstring for the layout)."""
         with self._lock:
-            result = {d: _summarise(self._totals[d]) for d in STREAMS}
+            result = {d: _summarise(self._totals[d]) for d in self.streams}
             result["links"] = dict(self._links)
             result["link_errors"] = {k: (timing.to_float(v), n) for k, (v, n) in self._link_errors.items()}
             result["auto"] = {k: dict(v) for k, v in self._auto.items()}
@@ -195,7 +225,7 @@ class Stats:
             memory = self.memory_source(reset) if self.memory_source is not None else None
             result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
             if reset:
-                self._totals, self._links, self._link_errors, self._auto = _empty_totals(), {}, {}, {}
+                self._totals, self._links, self._link_errors, self._auto = _empty(self.streams), {}, {}, {}
         return result
 
 
@@ -232,7 +262,7 @@ def merge(total: dict | None, more: dict) -> dict:
     if total is None:
         return more
     result = {}
-    for d in STREAMS:
+    for d in stream_keys(more):
         a, b = _to_sums(total[d]), _to_sums(more[d])
         result[d] = _summarise({k: a[k] + b[k] for k in _SUMS})
     links = dict(total["links"])
@@ -279,7 +309,8 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     me = dist.get_rank(group)
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
     index = {g: i for i, g in enumerate(ranks)}
-    scalars = [_to_sums(stats[d])[k] for d in STREAMS for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
+    streams = stream_keys(stats)  # (the same on every rank: each declares places.STREAMS)
+    scalars = [_to_sums(stats[d])[k] for d in streams for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
     links = torch.zeros(3, size * size, dtype=torch.float64)  # wire bytes, error sums, error samples
     for (src, dst), nbytes in stats["links"].items():
         if src not in index or dst not in index:
@@ -308,7 +339,7 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     packed = packed.cpu()
     n = len(_SUMS)
     result = {d: _summarise(dict(zip(_SUMS, packed[i * n:(i + 1) * n].tolist())))
-              for i, d in enumerate(STREAMS)}
+              for i, d in enumerate(streams)}
     result["buffer_bytes"] = int(packed[len(scalars) - 1])
     matrix, error_sums, samples = packed[len(scalars):len(scalars) + 3 * size * size].reshape(3, size, size)
     result["links"] = {(ranks[s], ranks[t]): int(matrix[s, t]) for s, t in matrix.nonzero().tolist()}
@@ -332,8 +363,11 @@ def link_rel_errors(stats: dict) -> dict[str, float]:
             for (src, dst), (value, samples) in sorted(stats.get("link_errors", {}).items()) if samples}
 
 
-def format_for_log(stats: dict, iterations: int | None = None, streams: Iterable[str] = tuple(STREAMS)) -> str:
-    """Megatron-style fragment of ``streams`` (``STREAMS`` keys) with messages (MB = 1e6 wire bytes).
+def format_for_log(stats: dict, labels: dict[str, str], iterations: int | None = None,
+                   streams: Iterable[str] | None = None) -> str:
+    """Megatron-style fragment of ``streams`` (stream keys; None: every stream of ``stats``) with messages,
+    each named by its label in ``labels`` (stream key -> label; ``Stats.format_for_log`` gives its streams'; MB =
+    1e6 wire bytes).
 
     ``iterations``: the training iterations ``stats`` cover; the counts are divided by it, as Megatron's own
     items are (`` tah fwd MB/iter: 1.234 | tah fwd ratio: 3.62x | ... | tah codec ms/iter: 2.0 |``).
@@ -345,10 +379,11 @@ def format_for_log(stats: dict, iterations: int | None = None, streams: Iterable
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be >= 1 (or None for totals), got {iterations}")
     per, unit = (iterations, "/iter") if iterations is not None else (1, "")
+    streams = stream_keys(stats) if streams is None else streams
     shown = [d for d in streams if stats[d]["messages"]]
     parts = []
     for d in shown:
-        s, short = stats[d], _SHORT[d]
+        s, short = stats[d], labels[d]
         parts.append(f"tah {short} MB{unit}: {s['wire_bytes'] / per / 1e6:.3f}")
         parts.append(f"tah {short} ratio: {s['ratio']:.2f}x")
         if s["rel_error"] is not None:

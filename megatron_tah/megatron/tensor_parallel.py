@@ -37,10 +37,12 @@ import inspect
 import torch
 
 from ..codecs.graphs import place_codec
+from ..config import TahConfig
 from . import collectives
 from .collectives import Done
 from .patching import resolve
-from .places import direction
+from .place import PlaceSpec, direction
+from .stats import Stream
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -127,3 +129,10 @@ def install(place) -> None:
         patches.wrap(module, "dist_reduce_scatter_func", _scattering(place))
     for name in LINEAR_FUNCTIONS:
         patches.wrap(LAYERS, name, _dgrad_through_reduce)
+
+
+PLACE = PlaceSpec(
+    name="tp", option="tah_tp_codec", install=install, codec=TahConfig.tp_codec,
+    streams=(Stream("tp_forward", "tp", "forward", "tp fwd"), Stream("tp_backward", "tp", "backward", "tp bwd")),
+    settings=lambda config: config.tp_codec().describe(),
+)

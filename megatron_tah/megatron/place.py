@@ -1,0 +1,98 @@
+"""A place megatron_tah compresses: its declaration (``PlaceSpec``) and what it has installed (``Place``).
+
+Every place module (``pipeline_parallel``, ``tensor_parallel``, ``data_parallel``,
+``activation_memory``) ends with one ``PLACE = PlaceSpec(...)``, as every codec file starts with its
+``DECLARATION``: the ``TahConfig`` field that turns it on, how its codec is built, its statistics
+streams, the settings text ranks must agree on, and its install / uninstall. ``places.py`` builds
+its table from those declarations and makes one :class:`Place` per place that is on.
+
+``direction()`` tells a place's patches whether they run in the forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from ..codecs import Codec
+from ..codecs.graphs import GraphedCodec, eager
+from ..config import TahConfig
+from .collectives import Traffic
+from .patching import Patches
+from .stats import Stats, Stream
+
+
+def direction() -> str:
+    """"backward" while autograd runs a backward pass on this thread (its graph task), else "forward"."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:  # a torch without it: backward functions run with gradients off
+        return "forward" if torch.is_grad_enabled() else "backward"
+    return "backward" if task() != -1 else "forward"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaceSpec:
+    """What a place declares about itself (one per place module, ``PLACE``).
+
+    ``name``: the place ("pp", "tp", ...). ``option``: the ``TahConfig`` field that turns it on (its value
+    ``"none"``: off), None: always on. ``codec``: builds the place's codec from the config (None: the
+    module builds its own). ``streams``: its statistics streams. ``settings``: the text of its settings,
+    which every rank must share (None: the place checks its peers itself, as the pipeline does).
+    ``install(place)`` replaces megatron-core functions through ``place.patches`` only;
+    ``uninstall(place)``, if any, runs before those patches are restored.
+    """
+
+    name: str
+    option: str | None
+    install: Callable[["Place"], None]
+    codec: Callable[[TahConfig], Codec | None] | None = None
+    streams: tuple[Stream, ...] = ()
+    settings: Callable[[TahConfig], str] | None = None
+    uninstall: Callable[["Place"], None] | None = None
+
+    def __post_init__(self):
+        fields = {f.name for f in dataclasses.fields(TahConfig)}
+        if self.option is not None and self.option not in fields:
+            raise ValueError(f"place {self.name!r}: option = {self.option!r} is not a TahConfig field")
+        for stream in self.streams:
+            if stream.place != self.name:
+                raise ValueError(f"place {self.name!r}: stream {stream.key!r} counts place {stream.place!r}")
+
+    def is_on(self, config: TahConfig) -> bool:
+        return self.option is None or getattr(config, self.option) != "none"
+
+
+@dataclasses.dataclass
+class Place:
+    """What one place has installed: its configuration, codec, patches, statistics sink and counters."""
+
+    name: str
+    config: TahConfig
+    codec: Codec | GraphedCodec | None  # tp, dp: the collectives' codec (``graphs.place_codec``)
+    patches: Patches = dataclasses.field(default_factory=Patches)
+    stats: Stats = dataclasses.field(default_factory=Stats)  # installed places: REGISTRY.stats
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    state: dict = dataclasses.field(default_factory=dict)  # whatever the place's module keeps
+    transport: Any = None  # the object the patches call into, when not the place (pp: the link's transport)
+
+    def measure(self, direction: str, x: torch.Tensor) -> float | None:
+        """On every ``tah_error_sample_interval``-th collective of ``direction``: the codec's relative
+        round-trip error on ``x`` (this rank's input, before the collective); otherwise None."""
+        interval = self.config.tah_error_sample_interval
+        if not interval or self.calls[direction] % interval:
+            return None
+        with torch.no_grad():
+            x = x.detach().float()
+            norm = x.norm()
+            codec = eager(self.codec)  # a sample: not worth graphs of its own
+            y = codec.decode(codec.encode(x), x.shape, x.dtype)
+            return float((x - y).norm() / norm) if norm > 0 else 0.0
+
+    def record(self, direction: str, traffic: Traffic, rel_error: float | None = None) -> None:
+        """Count one collective of ``direction`` in the statistics (stream ``<place>_<direction>``)."""
+        self.calls[direction] += 1
+        self.stats.record_collective(self.name, direction, traffic.raw_nbytes, traffic.wire_nbytes, rel_error,
+                                     traffic.encode_seconds, traffic.decode_seconds)
