@@ -37,7 +37,7 @@ def rows() -> list[tuple[str, Callable[[], Codec]]]:
     """(label, codec factory) in table order: the codec table's rows, hadint 3..6 bits, the presets' forward."""
     from megatron_tah.config import TahConfig
 
-    from .codec_report import STATELESS_ROWS
+    from .codec_rows import STATELESS_ROWS
 
     load_all_codecs()
     out = [(label, lambda n=name, o=options: get_codec(n, **o)) for label, name, options in STATELESS_ROWS]

@@ -1,0 +1,23 @@
+"""The codec table's rows (``python -m benchmarks.codec_report``; ``--real`` measures the same rows): one place."""
+
+from __future__ import annotations
+
+# (label, codec name, options) of the stateless rows, in table order.
+STATELESS_ROWS = [
+    ("none", "none", {}),
+    ("fixedpoint 6b/32", "fixedpoint", {"bits": 6, "tile_size": 32}),
+    ("fixedpoint 4b/64", "fixedpoint", {"bits": 4, "tile_size": 64}),
+    ("fixedpoint 3b/64", "fixedpoint", {"bits": 3, "tile_size": 64}),
+    ("tah (default)", "tah", {}),
+    ("tah tau=inf (no rotation)", "tah", {"outlier_threshold": float("inf")}),
+    ("fp8 G=128", "fp8", {"group_size": 128}),
+    ("int8 B=128", "int8", {"block_size": 128}),
+    ("mxfp4", "mxfp4", {}),
+    ("mxfp4 + hadamard", "mxfp4", {"hadamard": True}),
+    ("nvfp4", "nvfp4", {}),
+    ("nvfp4 + hadamard", "nvfp4", {"hadamard": True}),
+    ("hadint 4b/64", "hadint", {"bits": 4, "tile_size": 64}),
+    ("hadint 4b/64 stochastic", "hadint", {"bits": 4, "tile_size": 64, "stochastic_rounding": True}),
+    ("lowrank r16 c6 + hadint 3b/64", "lowrank", {"bits": 3, "tile_size": 64, "rank": 16, "coef_bits": 6}),
+]
+AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
