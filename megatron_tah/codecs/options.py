@@ -1,9 +1,11 @@
 """What a codec declares about itself: its options and its capabilities.
 
 Every codec file starts with one ``DECLARATION = CodecDeclaration(...)`` block. From those blocks
-``megatron_tah.config`` generates ``TahConfig``'s codec fields, their ``--tah-*`` flags and the
-README's rows for them, checks their values, and builds codecs (``build_kwargs``). Adding a codec
-therefore touches its own file and one line of the registry (``codecs/__init__.py``).
+``megatron_tah.config`` takes ``TahConfig``'s codec fields (one line each, ``codec_option(name)``:
+default, help and range come from here), their ``--tah-*`` flags and flag-table rows, checks their
+values, and builds codecs (``build_kwargs``). Adding a codec therefore touches its own file (its
+declaration and an unused ``codec_id``: a taken one is an error at import), one line of the registry
+(``codecs/__init__.py``) and, per new option, one ``codec_option`` line in ``TahConfig``.
 
 A codec takes two kinds of options:
 
