@@ -114,6 +114,18 @@ def test_inconsistent_tah_values_fail_validation_with_one_line_naming_the_flag(m
         tah_arguments.tah_config_from_args(args)
 
 
+def test_ring_exchange_with_a_pipeline_codec_fails_validation_naming_the_flag(monkeypatch, installed, capsys):
+    """Megatron's ring exchange bypasses the two transports megatron_tah replaces: refused with a codec."""
+    args = parse(monkeypatch, gpt_argv(2, "--use-ring-exchange-p2p", "--tah-preset", "paper"))
+    with pytest.raises(SystemExit) as exit_info:
+        megatron_arguments.validate_args(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--use-ring-exchange-p2p" in err and "--tah-forward-codec tah" in err, err
+    args = parse(monkeypatch, gpt_argv(2, "--use-ring-exchange-p2p", "--tah-tp-codec", "fp8"))
+    tah_arguments.check_ring_exchange(tah_arguments.tah_config_from_args(args), args)  # the pipeline uncompressed
+
+
 def test_presets_set_their_fields_and_refuse_a_conflicting_flag(monkeypatch, installed):
     from megatron_tah.config import PRESETS
 

@@ -100,6 +100,23 @@ def test_install_replaces_each_place_idempotently_and_uninstall_is_exact(origina
     assert places.installed("tp") is None and REGISTRY.places == {} and REGISTRY.config is None
 
 
+def test_ring_exchange_with_a_pipeline_codec_is_an_error_at_install(monkeypatch, originals):
+    """--use-ring-exchange-p2p sends through torch.distributed.ring_exchange, not the transports megatron_tah
+    replaces: with a pipeline codec, install refuses, naming the flag, and leaves nothing installed."""
+    from megatron_tah.megatron import pipeline_parallel
+
+    monkeypatch.setattr(pipeline_parallel, "_megatron_args", lambda: argparse.Namespace(use_ring_exchange_p2p=True))
+    for codecs in ({"tah_forward_codec": "tah"}, {"tah_backward_codec": "fixedpoint"}, {"tah_forward_codec": "auto"}):
+        with pytest.raises(ValueError, match="--use-ring-exchange-p2p"):
+            megatron_tah.install(**codecs)
+        assert REGISTRY.places == {} and REGISTRY.config is None
+    megatron_tah.install(tah_tp_codec="fp8")  # the pipeline's codecs none: Megatron's ring exchange, untouched
+    assert places.installed("tp") is not None
+    monkeypatch.setattr(pipeline_parallel, "_megatron_args", lambda: argparse.Namespace(use_ring_exchange_p2p=False))
+    megatron_tah.install(tah_forward_codec="tah")
+    assert pipeline_parallel.is_installed()
+
+
 def test_collective_codecs_must_be_stateless():
     from megatron_tah.codecs import CodecError, get_codec
     from megatron_tah.megatron import tensor_parallel

@@ -11,8 +11,8 @@ runs them and names the offending flag.
 
 ``install_arguments()`` wraps ``megatron.training.arguments.add_megatron_arguments`` (looked up by
 name inside ``parse_args``) so that every Megatron-LM parser also has the tah flags, and wraps
-``validate_args`` so bad tah values (and a ``--tah-log-json`` that cannot be written) fail while
-arguments are validated. ``uninstall_arguments()`` puts both originals back. The
+``validate_args`` so bad tah values (a ``--tah-log-json`` that cannot be written, a pipeline codec with
+``--use-ring-exchange-p2p``) fail while arguments are validated. ``uninstall_arguments()`` puts both originals back. The
 ``add_megatron_arguments`` wrapper also repairs an upstream help string that makes ``--help`` crash
 (``escape_percent_in_upstream_help``).
 """
@@ -29,6 +29,7 @@ from typing import Any
 from ..config import TahConfig
 from .logging import check_log_json
 from .patching import is_ours
+from .pipeline_parallel import check_ring_exchange
 from .registry import REGISTRY
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
@@ -178,7 +179,7 @@ def _validating_tah_arguments(original):
     def validate_args(args, *rest, **kwargs):
         if hasattr(args, dataclasses.fields(TahConfig)[0].name):
             try:  # before Megatron's own checks: nothing is built yet, and the message is one line
-                tah_config_from_args(args)
+                check_ring_exchange(tah_config_from_args(args), args)
                 check_log_json(getattr(args, "tah_log_json", None))
             except ValueError as err:
                 print(f"error: {err}", file=sys.stderr, flush=True)

@@ -8,6 +8,9 @@ methods; what the messages are and how they travel is the link's (``megatron_tah
 module hands the transport what it needs from Megatron: the statistics sink, the training iteration
 (``args.curr_iteration``, read when a message needs it) and the interleaved schedule's virtual stages.
 
+Megatron's ``--use-ring-exchange-p2p`` sends through ``torch.distributed.ring_exchange`` instead of
+the two transports: with a pipeline codec other than ``none`` it is an error at install, naming the flag.
+
 The module's functions (``push_sample_ids``, ``evaluation``, ``codec_states``,
 ``load_codec_states``, ``installed_transport``) act on the installed transport, found through
 ``registry.REGISTRY``.
@@ -20,6 +23,7 @@ import logging
 
 import torch
 
+from ..config import TahConfig
 from ..link.transport import PipelineTransport
 from .place import PlaceSpec
 from .registry import REGISTRY
@@ -59,6 +63,21 @@ def virtual_stages() -> int | None:
     return parallel_state.get_virtual_pipeline_model_parallel_world_size()
 
 
+def check_ring_exchange(config: TahConfig, args=None) -> None:
+    """Raise ``ValueError`` when Megatron sends pipeline traffic by ring exchange (``--use-ring-exchange-p2p``,
+    which bypasses the two transports) while a pipeline direction has a codec other than ``none``."""
+    args = _megatron_args() if args is None else args
+    if not getattr(args, "use_ring_exchange_p2p", False):
+        return
+    codecs = {f"--tah-{d}-codec": getattr(config, f"tah_{d}_codec") for d in ("forward", "backward")}
+    compressed = {flag: name for flag, name in codecs.items() if name != "none"}
+    if compressed:
+        given = ", ".join(f"{flag} {name}" for flag, name in compressed.items())
+        raise ValueError(f"megatron_tah: --use-ring-exchange-p2p sends pipeline traffic through "
+                         f"torch.distributed.ring_exchange, which megatron_tah does not compress ({given}); "
+                         "drop --use-ring-exchange-p2p or set the pipeline codecs to none")
+
+
 # ----- the place: install / uninstall ----------------------------------------------------------
 def _replacing(transport: PipelineTransport, name: str):
     """``Patches.wrap``'s factory for megatron-core's transport ``name``."""
@@ -76,6 +95,7 @@ def _replacing(transport: PipelineTransport, name: str):
 def install(place) -> None:
     """Replace megatron-core's two pipeline transports by a new ``PipelineTransport``'s."""
     check_installed()  # the transports' contract, before anything is replaced
+    check_ring_exchange(place.config)
     transport = PipelineTransport(place.config, place.stats, iteration=megatron_iteration,
                                   virtual_stages=virtual_stages)
     place.transport = transport
