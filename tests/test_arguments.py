@@ -183,6 +183,9 @@ def test_the_codec_option_fields_are_written_out_and_are_exactly_the_declared_op
         assert TahConfig.__annotations__[f.name] is option.type  # written in the class, not generated
     with pytest.raises(ValueError, match="tah_no_such_option"):
         codec_option("tah_no_such_option")
+    table, docs = tah_arguments.flags_markdown(), TahConfig.field_docs()
+    for f in dataclasses.fields(TahConfig):  # every field: a flag-table row with its help
+        assert f"| `{tah_arguments.flag_name(f.name)}` |" in table and docs[f.name], f.name
 
 
 def test_auto_fields_take_their_defaults_and_checks_from_auto_settings():
