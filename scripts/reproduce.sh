@@ -26,9 +26,10 @@
 #   throughput   tokens/s per codec at 100M/1G/300M/500M/10Gbit + the paper regime (40 runs, one   ~20 min
 #                at a time, real network namespaces: needs root and iproute2; first waits up to
 #                15 min for a 1-minute load average < 3)
-#   report       docs/RESULTS.md and docs/*.png from runs/reproduce/                              ~1 min
-#   parity-report docs/PARITY.md: the parity study alone, from docs/parity_runs.json (the committed  ~1 min
-#                record of every parity run, refreshed from the logs here; seeds add up across machines)
+#   report       docs/RESULTS.md and docs/data/*.png from runs/reproduce/                         ~1 min
+#   parity-report docs/PARITY.md: the parity study alone, from docs/data/parity_runs.json (the       ~1 min
+#                committed record of every parity run, refreshed from the logs here; seeds add up across
+#                machines)
 #   all          everything above, in that order (seeds needs convergence's checkpoint)          ~10 h
 # Split into parts to stay under an hour each (parity: --only NAMES runs a subset). Results:
 # runs/reproduce/<part>/; finished runs are skipped when a part is rerun (--force reruns them). Options go to python -m benchmarks.reproduce

@@ -33,8 +33,8 @@ def _table_rows(text: str, first_cell: str) -> dict[str, list[str]]:
 
 
 def test_the_codec_table_is_the_committed_codec_report():
-    """README's codec table: bits, ratios and relative error of each row as docs/codec_report.txt printed them."""
-    report = (DOCS / "codec_report.txt").read_text()
+    """README's codec table: bits, ratios and relative error of each row as docs/data/codec_report.txt printed them."""
+    report = (DOCS / "data" / "codec_report.txt").read_text()
     table = README[README.index("| codec | bits/element |"):]
     table = table[:table.index("\n\n")]
     readme_rows = _table_rows(table, "codec")
@@ -42,7 +42,7 @@ def test_the_codec_table_is_the_committed_codec_report():
     for label, cells in readme_rows.items():
         name = label.rstrip(" ¹²").strip()
         line = next((row for row in report.splitlines() if row.startswith(name + "  ")), None)
-        assert line is not None, f"{name} is not in docs/codec_report.txt"
+        assert line is not None, f"{name} is not in docs/data/codec_report.txt"
         printed = line[len(name):].split()[:4]
         assert cells == printed, (name, cells, printed)
 

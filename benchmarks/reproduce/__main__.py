@@ -2,7 +2,7 @@
 
 PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, parity-compact, memory, report,
 parity-report
-(issue 12's study alone, from the committed run record ``docs/parity_runs.json`` and the logs here: docs/PARITY.md, and
+(issue 12's study alone, from the committed run record ``docs/data/parity_runs.json`` and the logs here: docs/PARITY.md, and
 section 4b of an existing docs/RESULTS.md, whose other sections need every part's logs). ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.

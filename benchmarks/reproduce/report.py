@@ -100,8 +100,8 @@ def _throughput_section(t: dict, docs: Path, size: str) -> tuple[list[str], dict
                   "codecs are of the order of the codecs' own CPU time (column *codec ms*) and of the run-to-run "
                   "noise (compare the fp32 rows at 500 Mbit/s-10 Gbit/s, whose link time is small)."]
     lines.append("")
-    png = plots.throughput(t, docs / "throughput.png", labels)
-    lines += [f"![tokens/s vs link rate]({png.name})", ""]
+    png = plots.throughput(t, docs / plots.DATA / "throughput.png", labels)
+    lines += [f"![tokens/s vs link rate]({plots.link(png)})", ""]
     lines += _auto_table(t, checks)
     lines += _paper_comparison(t)
     lines += _paper_regime(t, checks)
@@ -366,8 +366,8 @@ def _convergence_section(root: Path, docs: Path, size: str) -> tuple[list[str], 
     if any(len(st["losses"]) > 1 for st in pre_seeds.values()):
         lines += [f"Over seeds (final validation loss; *same-seed gaps*: each seed's run vs the uncompressed run "
                   f"with the same seed, seeds {seeds} in order):", ""] + _seed_table(pre_seeds)
-    png = plots.loss_curves(pre, docs / "loss_pretrain.png", "pretraining, Shakespeare")
-    lines += [f"![pretraining loss curves]({png.name})", ""]
+    png = plots.loss_curves(pre, docs / plots.DATA / "loss_pretrain.png", "pretraining, Shakespeare")
+    lines += [f"![pretraining loss curves]({plots.link(png)})", ""]
     if ft:
         info = next(iter(ft.values()))["meta"].get("info", {})
         lines += ["### Fine-tuning (State of the Union)", "",
@@ -379,8 +379,9 @@ def _convergence_section(root: Path, docs: Path, size: str) -> tuple[list[str], 
             lines += [f"Not run in this reproduction (time budget): {'; '.join(skipped)}.", ""]
         if any(len(st["losses"]) > 1 for st in ft_seeds.values()):
             lines += ["Over seeds (data order; every run starts from the same checkpoint):", ""] + _seed_table(ft_seeds)
-        png = plots.loss_curves(ft, docs / "loss_finetune.png", "fine-tuning, State of the Union", prefix="ft_")
-        lines += [f"![fine-tuning loss curves]({png.name})", ""]
+        png = plots.loss_curves(ft, docs / plots.DATA / "loss_finetune.png", "fine-tuning, State of the Union",
+                                prefix="ft_")
+        lines += [f"![fine-tuning loss curves]({plots.link(png)})", ""]
     _convergence_checks("pretraining", pre_seeds, pre, "none", checks)
     _convergence_checks("fine-tuning", ft_seeds, ft, "ft_none", checks)
     lines += _convergence_discussion(pre, ft, pre_seeds, ft_seeds, checks)
@@ -407,9 +408,9 @@ def _long_section(out: Path, docs: Path, size: str) -> list[str]:
             lines.append(f"{rows[name]['meta'].get('label') or name}: gap vs uncompressed at each validation point "
                          "(iteration: gap): " + ", ".join(f"{it}: {_pct(g, '+.2f')}" for it, g in series) + ".")
             lines.append("")
-    png = plots.loss_curves(rows, docs / "loss_long.png", f"pretraining, {cfg['long_iters']} iterations",
+    png = plots.loss_curves(rows, docs / plots.DATA / "loss_long.png", f"pretraining, {cfg['long_iters']} iterations",
                             prefix="long_")
-    return lines + [f"![long pretraining loss curves]({png.name})", ""]
+    return lines + [f"![long pretraining loss curves]({plots.link(png)})", ""]
 
 
 def _gap(rows: dict, name: str, ref: str) -> float | None:
