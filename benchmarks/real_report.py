@@ -237,7 +237,7 @@ def parity_section(docs: Path) -> list[str]:
     real_path, spec_path = docs / "data" / "real_activations.json", docs / "data" / "spectrum.json"
     if not real_path.is_file() and not spec_path.is_file():
         return []
-    lines = ["## Real activations and the spectrum of messages (issue 27)", ""]
+    lines = ["## Real activations and the spectrum of messages", ""]
     if real_path.is_file():
         result = json.loads(real_path.read_text())
         lines += ["Every codec and each preset's forward codec on hidden states of real pretrained models "

@@ -51,7 +51,7 @@ MODEL_TEXT = (
     "serialization factor `k = (T_fp32 - c) / (raw bytes * 8 / rate)` (at least 1) is measured on the "
     "uncompressed fp32 run at the same rate and applied to every codec at that rate: at 100 Mbit/s and in "
     "the paper regime the fp32 run spends more than bytes/rate on the link, at 300 Mbit/s-1 Gbit/s it spends "
-    "less than bytes/rate beyond `c` (part of the transfer overlaps compute), where `k = 1` (the issue's "
+    "less than bytes/rate beyond `c` (part of the transfer overlaps compute), where `k = 1` (the goal's "
     "bytes-only formula) is used. Compute and communication are taken as not overlapping (gloo's p2p waits "
     "block the stage), so an iteration takes `c + t`, with `c` the measured iteration time of the "
     "uncompressed fp32 run on an unthrottled loopback link. The speed-up bound of a codec is "
