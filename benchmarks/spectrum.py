@@ -1,4 +1,4 @@
-"""When does lowrank help? The energy share of a message's top-k principal directions (issue 27 item 2).
+"""When does lowrank help? The energy share of a message's top-k principal directions.
 
 ``energy_share(x, ks)``: for a message ``x`` of shape ``[..., hidden]`` seen as a matrix ``M`` of
 ``rows x hidden`` (every token of every sample one row), the share of ``||M||_F^2`` that its top-k

@@ -12,7 +12,7 @@
 #   ablations    TAH-Quant tau / mix / tile / allocation / rounding; MXFP4, NVFP4 (15 runs)       ~45 min
 #   seeds        pretraining + fine-tuning of none, tah, direct 4/3-bit with 2 more seeds (16 runs) ~35 min
 #   long         pretraining of none, tah, direct 3-bit for 800 iterations (3 runs)               ~30 min
-#   parity       issue 12's study: candidate codecs x seeds 1234-1236 at hidden 128 (reuses the
+#   parity       the parity study: candidate codecs x seeds 1234-1236 at hidden 128 (reuses the
 #                convergence/seeds runs) and 256 (45 runs, 38 new; 7-15 min each, 2 at a time)  ~3.8 h
 #   parity-seeds none, TAH-Quant and the hadint4 preset with seeds 1237-1239 at both widths      ~1.6 h
 #                (18 runs; narrows the parity study's intervals; --seeds 1240,1241 --widths 128 and

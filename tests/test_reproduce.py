@@ -304,7 +304,7 @@ def test_the_throughput_part_rewrites_only_section_1_the_machine_and_its_summary
 
 
 def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
-    """Issue 26's goal rows: auto / best fixed fp32 codec and auto (bf16 pipeline) / uncompressed bf16 per rate,
+    """The auto goal's rows: auto / best fixed fp32 codec and auto (bf16 pipeline) / uncompressed bf16 per rate,
     the codecs each auto run ended with, and a summary row that is met only when every rate is >= 0.97x."""
     _fake_results(tmp_path, tah_loss=4.02)
     tput = tmp_path / "throughput"

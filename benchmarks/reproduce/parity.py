@@ -1,4 +1,4 @@
-"""Issue 12's convergence-parity study (part ``parity``): candidate codecs x paired seeds x two widths.
+"""The convergence-parity study (part ``parity``): candidate codecs x paired seeds x two widths.
 
 Protocol: the convergence part's pretraining (4 layers, PP 4, 200 iterations, AdamW, cosine
 schedule; ``convergence.pretrain_runs``) at hidden sizes :data:`WIDTHS`, every codec of
@@ -18,7 +18,7 @@ the sampled round-trip error of each pipeline link (``link_rel_error``: stage bo
 direction), over the first and the second half of training; TAH-Quant's rotated-tile fraction.
 Gaps are same-seed relative gaps to ``none``; intervals are Student-t 95% intervals of their mean.
 
-Goal (issue 12): forward <= 4.5 bits with a mean gap <= 0.5% whose interval excludes 1%, at both
+Goal: forward <= 4.5 bits with a mean gap <= 0.5% whose interval excludes 1%, at both
 widths; backward <= 5 bits adding <= 0.1%.
 
 Resolving 0.5% takes more paired seeds than one machine-session runs, and logs stay on the machine
@@ -65,7 +65,7 @@ COMPACT_BACKWARD = ("bwd4sr_only", "bwd4t16_only")
 SHOWN = tuple(dict.fromkeys(CANDIDATES + COMPACT_CANDIDATES + COMPACT_DIAGNOSTICS + COMPACT_BACKWARD))  # table rows
 GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
 GOAL_BOTH_RATIO = 1.3  # both directions: at least this many times fewer bytes than the default, at no larger gap
-STRETCH_FWD = (4.0, 0.01, 0.015)  # bits, mean gap, interval's upper end: the issue's stretch, the goal's margin
+STRETCH_FWD = (4.0, 0.01, 0.015)  # bits, mean gap, interval's upper end: the goal's stretch and margin
 GOAL_BWD_BITS, GOAL_BWD_ADDED, GOAL_BWD_UPPER = 5.0, 0.001, 0.002  # upper end: twice the goal, as forward
 RESOLUTION = GOAL_FWD_UPPER - GOAL_FWD_GAP  # interval half-width at which a mean at the goal has its upper end at 1%
 LATE_FRACTION = 0.25  # the last quarter of training
@@ -873,7 +873,7 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
     body = intro + [""]
     for protocol, (title, plot) in PAGE_SECTIONS.items():
         body += section(None, size, docs, recorded=recorded, title=title, plot=plot, protocol=protocol)
-    from ..real_report import parity_section  # issue 27: the codecs on real activations, the spectrum
+    from ..real_report import parity_section  # the codecs on real activations, the spectrum
 
     body += parity_section(docs)
     path = docs / PAGE_NAME

@@ -2,7 +2,7 @@
 
 Every measured number in the page is computed here from the runs' JSON logs (the plugin's `--tah-log-json`) and the
 runner's meta files; the only constants are the papers' reported numbers (``PAPER_*``,
-from SPEC.md) and the targets the issue set (``TARGETS``). Sections whose runs are
+from the papers) and the targets set for them (``TARGETS``). Sections whose runs are
 missing say so instead of showing numbers.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from . import convergence, parity, plots, throughput
 from .runner import read_meta
 
-# The papers' numbers (SPEC.md): GPT2-XL, 8 stages, tokens/s (FP32, AQ-SGD, TAH-Quant).
+# The papers' numbers: GPT2-XL, 8 stages, tokens/s (FP32, AQ-SGD, TAH-Quant).
 PAPER_THROUGHPUT = {"1gbit": (2600, 4749, 5650), "500mbit": (2482, 4311, 5749), "300mbit": (1761, 4369, 5120),
                     "100mbit": (751, 3310, 4045)}
 PAPER_ABLATIONS = {"abl_tau0": 2.60, "tah": 2.55, "abl_tau4": 2.57, "abl_tauinf": 2.63,
@@ -137,7 +137,7 @@ def _mean_tokens(runs: list[dict]) -> float | None:
 
 
 def _auto_table(t: dict, checks: dict) -> list[str]:
-    """Issue 26's goal rows: auto against the best fixed codec of its pipeline at every rate."""
+    """The auto goal's rows: auto against the best fixed codec of its pipeline at every rate."""
     entries = [("unthrottled", t["compute"], t.get("compute_repeats") or {})]
     entries += [(rate, e["rows"], e.get("repeats") or {})
                 for rate, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"])]

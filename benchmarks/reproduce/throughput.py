@@ -72,7 +72,7 @@ CODECS = {
     "aqsgd": ("AQ-SGD 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
     "tah": ("TAH-Quant fwd, 6-bit bwd", ["--tah-forward-codec", "tah", *BACKWARD_6BIT]),
     "fp8": ("fp8 both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
-    # Issue 26: each link measures its rate and the candidates' costs and chooses (fp32 messages).
+    # auto: each link measures its rate and the candidates' costs and chooses (fp32 messages).
     "auto": ("auto (chosen per link)", ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"]),
     # ... and on a bf16 pipeline, compared with uncompressed bf16 (a bf16 pipeline also computes at another speed).
     "auto_bf16": ("auto (chosen per link), bf16 pipeline",
@@ -85,7 +85,7 @@ FIXED_FP32 = ("none", "fixedpoint4", "aqsgd", "tah", "fp8")
 REPEATED, REPEATS = ("none_bf16", "auto_bf16"), 3
 """Runs repeated at every rate but the paper regime's (``NAME_rep2``, ``NAME_rep3``, in pairs), and how many
 runs each then has: on the bf16 pipeline auto and uncompressed bf16 differ by less than single runs do."""
-"""The fixed codecs of the fp32 pipeline that ``auto`` is compared with (issue 26: >= 0.97x the best of those run)."""
+"""The fixed codecs of the fp32 pipeline that ``auto`` is compared with (the goal: >= 0.97x the best of those run)."""
 
 SIZES = {
     # PP 4, one layer per stage, 1024 tokens per micro-batch, 4 micro-batches per iteration.
