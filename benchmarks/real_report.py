@@ -11,7 +11,7 @@ does not decide it), and for each preset whether both its errors are at most Had
 bits (log-linear between the 3..6-bit points). Also the energy share of the message's top-k principal
 directions (``benchmarks.spectrum.energy_share``), with and without the message's first token.
 
-Writes ``docs/real_activations.json``, ``docs/real_activations.md`` and ``docs/real_activations.png``
+Writes ``docs/data/real_activations.json``, ``docs/real_activations.md`` and ``docs/data/real_activations.png``
 (error against bits per model and layer, each layer's frontier drawn through its Pareto-optimal rows).
 """
 
@@ -206,8 +206,9 @@ def plot(result: dict, png: Path) -> None:
 
 
 def write(result: dict, docs: Path, descriptions: dict[str, str] | None = None) -> list[Path]:
-    docs.mkdir(parents=True, exist_ok=True)
-    paths = [docs / "real_activations.json", docs / "real_activations.md", docs / "real_activations.png"]
+    (docs / "data").mkdir(parents=True, exist_ok=True)
+    paths = [docs / "data" / "real_activations.json", docs / "real_activations.md",
+             docs / "data" / "real_activations.png"]
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     paths[1].write_text(markdown(result, descriptions))
     plot(result, paths[2])
@@ -230,13 +231,13 @@ def main(models: list[str], tokens: int, docs: Path) -> int:
 
 
 def parity_section(docs: Path) -> list[str]:
-    """docs/PARITY.md's section on real activations and the spectrum (from ``docs/real_activations.json``
-    and ``docs/spectrum.json``; empty when neither was written)."""
+    """docs/PARITY.md's section on real activations and the spectrum (from ``docs/data/real_activations.json``
+    and ``docs/data/spectrum.json``; empty when neither was written)."""
     docs = Path(docs)
-    real_path, spec_path = docs / "real_activations.json", docs / "spectrum.json"
+    real_path, spec_path = docs / "data" / "real_activations.json", docs / "data" / "spectrum.json"
     if not real_path.is_file() and not spec_path.is_file():
         return []
-    lines = ["## Real activations and the spectrum of messages (issue 27)", ""]
+    lines = ["## Real activations and the spectrum of messages", ""]
     if real_path.is_file():
         result = json.loads(real_path.read_text())
         lines += ["Every codec and each preset's forward codec on hidden states of real pretrained models "
@@ -248,7 +249,7 @@ def parity_section(docs: Path) -> list[str]:
                   "per bit*: both at most Hadamard INT's at the same bits.", "", *summary_table(result)]
         lines += ["", "The forward error at which the low-noise protocol's gap reaches 0.5% is in *The forward's "
                   "gap against its bits* above; compare it with this table's errors."]
-        lines += ["", "![error against bits on real activations](real_activations.png)", ""]
+        lines += ["", "![error against bits on real activations](data/real_activations.png)", ""]
     if spec_path.is_file():
         data = json.loads(spec_path.read_text())
         lines += ["Energy share of a message's top 16 principal directions (what `lowrank` sends apart; "
@@ -269,5 +270,5 @@ def parity_section(docs: Path) -> list[str]:
                 body = data.get("real_without_first", {}).get(name, {}).get(layer, {}).get("16")
                 lines.append(f"| {name}, after layer {layer} | {share['8']:.3f} | {share['16']:.3f} | "
                              f"{'' if body is None else format(body, '.3f')} |")
-        lines += ["", "![top-16 energy share](spectrum.png)", ""]
+        lines += ["", "![top-16 energy share](data/spectrum.png)", ""]
     return lines

@@ -1,4 +1,4 @@
-"""When does lowrank help? The energy share of a message's top-k principal directions (issue 27 item 2).
+"""When does lowrank help? The energy share of a message's top-k principal directions.
 
 ``energy_share(x, ks)``: for a message ``x`` of shape ``[..., hidden]`` seen as a matrix ``M`` of
 ``rows x hidden`` (every token of every sample one row), the share of ``||M||_F^2`` that its top-k
@@ -11,8 +11,8 @@ protocol (``benchmarks.reproduce.convergence``: 4 layers, PP 4, 4096-id vocabula
 shrinks with it) in Megatron's loop, each stage process started through ``benchmarks.spectrum_hook``,
 which records the shares of the first activation message each stage sends in every ``--every``-th
 iteration (``runs/spectrum/h<hidden>/rank<r>.jsonl``). ``python -m benchmarks.spectrum plot`` draws
-those records beside the shares of the real models' hidden states (``docs/real_activations.json``,
-from ``python -m benchmarks.codec_report --real``) into ``docs/spectrum.png`` and ``docs/spectrum.json``.
+those records beside the shares of the real models' hidden states (``docs/data/real_activations.json``,
+from ``python -m benchmarks.codec_report --real``) into ``docs/data/spectrum.png`` and ``docs/data/spectrum.json``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--iters", type=int, default=150)
     r.add_argument("--every", type=int, default=10, help="record one message per stage every N iterations")
     r.add_argument("--out", type=Path, default=Path("runs/spectrum"))
-    g = sub.add_parser("plot", help="docs/spectrum.{png,json} from the runs and docs/real_activations.json")
+    g = sub.add_parser("plot", help="docs/data/spectrum.{png,json} from the runs and docs/data/real_activations.json")
     g.add_argument("--out", type=Path, default=Path("runs/spectrum"))
     g.add_argument("--docs", type=Path, default=Path("docs"))
     args = p.parse_args(argv)
@@ -161,12 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     runs = {int(f.name[1:]): read_records(f) for f in sorted(args.out.glob("h*")) if f.is_dir()}
     runs = {h: recs for h, recs in runs.items() if recs}
-    real_path = args.docs / "real_activations.json"
+    data_dir = args.docs / "data"
+    real_path = data_dir / "real_activations.json"
     real = json.loads(real_path.read_text()) if real_path.is_file() else None
     data = summary(runs, real)
-    (args.docs / "spectrum.json").write_text(json.dumps(data, indent=1) + "\n")
-    plot(data, args.docs / "spectrum.png")
-    print(args.docs / "spectrum.png")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "spectrum.json").write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, data_dir / "spectrum.png")
+    print(data_dir / "spectrum.png")
     return 0
 
 

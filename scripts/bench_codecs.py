@@ -44,7 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from megatron_tah.codecs import CodecError, get_codec  # noqa: E402
 from megatron_tah.codecs.samples import activation_like  # noqa: E402
 
-# The large message, the demo's (make demo: seq 64, micro-batch 4, hidden 128), GPT2-XL (seq 1024, mb 1).
+# The large message, the demo's (make demo: seq 64, micro-batch 4, hidden 128), GPT2-XL (seq 1024, mb 1).
 SHAPES = [(2048, 8, 8192), (64, 4, 128), (1024, 1, 1600)]
 QUICK_SHAPES = [(64, 1, 256), (32, 2, 320)]
 # label -> (codec name, config); aqsgd is timed with a sender and a receiver object in step.

@@ -3,7 +3,7 @@
 # benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, the
 # static kernel report for comparison, and the pipeline table (scripts/gpu_pipeline.sh: training
 # runs at PP 2 and 4 sharing the GPU over slow links, docs/benchmarks/<gpu>-pipeline.{md,json,png};
-# about 15 minutes), and LAAQ at PP=1 with and without selective recompute (issue 25: iteration time and peak
+# about 15 minutes), and LAAQ at PP=1 with and without selective recompute (the LAAQ goal: iteration time and peak
 # memory, ~5 minutes).
 # Needs torch, triton, pytest and hypothesis; the pipeline step also megatron-core and the corpus.
 #
@@ -37,14 +37,14 @@ if [[ $STEP == all || $STEP == tests ]]; then
 fi
 
 if [[ $STEP == all || $STEP == bench ]]; then
-    # [2048, 8, 8192] bf16 (the issue's shape), the demo's [64, 4, 128], GPT2-XL's [1024, 1, 1600].
+    # [2048, 8, 8192] bf16 (the large shape), the demo's [64, 4, 128], GPT2-XL's [1024, 1, 1600].
     "$PY" scripts/bench_codecs.py --shapes 2048x8x8192 64x4x128 1024x1x1600 \
         --out "$OUT_DIR/$GPU.json" --markdown "$OUT_DIR/$GPU.md"
 fi
 
 if [[ $STEP == all || $STEP == profile ]]; then
     # Host vs device time per call, eager and replayed from a CUDA graph (codecs/graphs.py), at
-    # GPT-2 XL's [1024, 1, 1600] (issue 25's goal: tah <= 60 us, lowrank encode <= 300 us) and the large shape.
+    # GPT-2 XL's [1024, 1, 1600] (the host-cost goal: tah <= 60 us, lowrank encode <= 300 us) and the large shape.
     for shape in 1024x1x1600 2048x8x8192; do
         "$PY" scripts/profile_codecs.py --shape $shape --json "$OUT_DIR/$GPU-profile-$shape.json"
     done
@@ -56,12 +56,12 @@ if [[ $STEP == all || $STEP == report ]]; then
 fi
 
 if [[ $STEP == all || $STEP == pipeline ]]; then
-    # Issue 24's table: tokens/s of bf16, TAH-Quant, hadint4 and lowrank at 100 Mbit/s .. 10 Gbit/s.
+    # The pipeline table: tokens/s of bf16, TAH-Quant, hadint4 and lowrank at 100 Mbit/s .. 10 Gbit/s.
     PY="$PY" OUT_DIR="$OUT_DIR" scripts/gpu_pipeline.sh
 fi
 
 if [[ $STEP == all || $STEP == laaq ]]; then
-    # Issue 25's LAAQ goal configuration at PP=1: 8 local layers, hidden 1024, 16 heads, seq 1024, micro-batch 4,
+    # The LAAQ goal's configuration at PP=1: 8 local layers, hidden 1024, 16 heads, seq 1024, micro-batch 4,
     # bf16. Four runs: neither, LAAQ alone (attention's [b, heads, s, s] tensors kept), Megatron's selective
     # recompute alone, and both (the intended combination). Megatron's log gives the iteration time (the last
     # logged one of LAAQ_ITERS) and the peak allocated memory; the last lines compare each run with "none".

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24's throughput table on one GPU: GPT-2-XL-shaped stages (hidden 1600, 25 heads, seq 1024,
+# The pipeline throughput table on one GPU: GPT-2-XL-shaped stages (hidden 1600, 25 heads, seq 1024,
 # micro-batch 1, bf16, LAYERS_PER_STAGE layers each) at PP 2 and 4 sharing the GPU
 # (--tah-share-gpus), over links of 100 Mbit/s, 1 Gbit/s and 10 Gbit/s (tc in network namespaces
 # when root with iproute2, else the in-process emulation; the table says which), for uncompressed

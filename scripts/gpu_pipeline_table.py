@@ -121,7 +121,7 @@ def _f(value, fmt: str, missing: str = "-") -> str:
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """Issue 24's goals, each with its verdict from the rows."""
+    """The pipeline goals, each with its verdict from the rows."""
     out = []
     for pp in sorted({r["pp"] for r in rows}):
         tah = next((r for r in rows if r["pp"] == pp and r["codec"] == "tah" and parse_bandwidth(r["rate"]) == 1e8), None)
@@ -161,7 +161,7 @@ def markdown(rows: list[dict], calib: dict | None) -> str:
                     f"{_f(r['speedup'], '.2f')}x | {_f(r['bound'], '.2f')}x | {_f(r['of_bound'], '.0%')} | "
                     f"{r['wire_mb']:.1f} | {r['codec_ms']:.1f} | {r['link_ms']:.0f} | {peak} | "
                     f"{_f(r.get('projected_tokens_per_s'), '.0f')} |")
-    return "\n".join(head + ["", "## Goals (issue 24)", "", *goals(rows), ""])
+    return "\n".join(head + ["", "## Goals", "", *goals(rows), ""])
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> bool:

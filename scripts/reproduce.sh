@@ -12,7 +12,7 @@
 #   ablations    TAH-Quant tau / mix / tile / allocation / rounding; MXFP4, NVFP4 (15 runs)       ~45 min
 #   seeds        pretraining + fine-tuning of none, tah, direct 4/3-bit with 2 more seeds (16 runs) ~35 min
 #   long         pretraining of none, tah, direct 3-bit for 800 iterations (3 runs)               ~30 min
-#   parity       issue 12's study: candidate codecs x seeds 1234-1236 at hidden 128 (reuses the
+#   parity       the parity study: candidate codecs x seeds 1234-1236 at hidden 128 (reuses the
 #                convergence/seeds runs) and 256 (45 runs, 38 new; 7-15 min each, 2 at a time)  ~3.8 h
 #   parity-seeds none, TAH-Quant and the hadint4 preset with seeds 1237-1239 at both widths      ~1.6 h
 #                (18 runs; narrows the parity study's intervals; --seeds 1240,1241 --widths 128 and
@@ -26,9 +26,10 @@
 #   throughput   tokens/s per codec at 100M/1G/300M/500M/10Gbit + the paper regime (40 runs, one   ~20 min
 #                at a time, real network namespaces: needs root and iproute2; first waits up to
 #                15 min for a 1-minute load average < 3)
-#   report       docs/RESULTS.md and docs/*.png from runs/reproduce/                              ~1 min
-#   parity-report docs/PARITY.md: the parity study alone, from docs/parity_runs.json (the committed  ~1 min
-#                record of every parity run, refreshed from the logs here; seeds add up across machines)
+#   report       docs/RESULTS.md and docs/data/*.png from runs/reproduce/                         ~1 min
+#   parity-report docs/PARITY.md: the parity study alone, from docs/data/parity_runs.json (the       ~1 min
+#                committed record of every parity run, refreshed from the logs here; seeds add up across
+#                machines)
 #   all          everything above, in that order (seeds needs convergence's checkpoint)          ~10 h
 # Split into parts to stay under an hour each (parity: --only NAMES runs a subset). Results:
 # runs/reproduce/<part>/; finished runs are skipped when a part is rerun (--force reruns them). Options go to python -m benchmarks.reproduce

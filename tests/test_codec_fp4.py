@@ -201,7 +201,7 @@ def test_huge_magnitudes_up_to_max_abs_value(name, hadamard):
 @pytest.mark.parametrize("name,hadamard", KEYS, ids=IDS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e37])
 def test_non_finite_values_poison_only_their_block(name, hadamard, bad):
-    """The codecs' common rule for bad input (README, "Bad input, by design"): no host sync, the block
+    """The codecs' common rule for bad input (docs/CODECS.md, "Bad input, by design"): no host sync, the block
     decodes to all-NaN so Megatron's NaN check fires; every other block decodes as without it."""
     codec = make(name, hadamard)
     x = torch.randn(4, 2, 100)

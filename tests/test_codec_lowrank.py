@@ -244,7 +244,7 @@ def test_registered_in_codecs_flags_preset_and_report():
 
 # ----- the tracked subspace: quality, determinism, resume, no host sync ---------------------------
 def eigh_basis(x, k, iterations=3, oversampling=8):
-    """What lowrank sent before issue 25, for comparison: 3 power steps from the seeded start, then a
+    """What lowrank sent before its tracked basis, for comparison: 3 power steps from the seeded start, then a
     Rayleigh-Ritz step by ``eigh`` (a host sync on CUDA) keeping the top k."""
     from megatron_tah.codecs.lowrank import _start
 

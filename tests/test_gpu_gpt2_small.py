@@ -1,4 +1,4 @@
-"""Issue 27 item 3's GPU run: the commands it starts and its table, on synthetic logs (no GPU needed)."""
+"""The GPT-2-small GPU run: the commands it starts and its table, on synthetic logs (no GPU needed)."""
 
 import json
 

@@ -4,7 +4,7 @@ Every kernel the launchers make for the default configurations (tah G=64 4/3 wit
 allocation, tah G=128, fixedpoint G=32 6-bit and G=128, fp8 G=128, hadint G=64 4-bit with and without
 stochastic rounding; bf16 [2048, 8, 8192]) must compile
 with zero spill bytes, no local memory and fewer than 255 registers, and stay at or under 50 SASS
-instructions per element on sm_90 (the issue's bound for running at half of H100's copy bandwidth).
+instructions per element on sm_90 (the bound for running at half of H100's copy bandwidth).
 The report runs in a subprocess: it compiles for real, which the interpreter-mode test process cannot.
 """
 

@@ -160,7 +160,7 @@ def test_gaps_intervals_and_verdicts(tmp_path):
 
 def test_report_has_the_section_or_says_how_to_run_it(tmp_path):
     md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
-    assert "## 4. Convergence parity study (issue 12)" in md and "Not run yet (`bash scripts/reproduce.sh parity`)" in md
+    assert "## 4. Convergence parity study\n" in md and "Not run yet (`bash scripts/reproduce.sh parity`)" in md
 
 
 def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
@@ -176,8 +176,8 @@ def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
     docs.mkdir()
     md = "\n".join(parity.section(tmp_path / "convergence", "full", docs))
     assert "| 4 | +2.50% |" in md
-    assert "![same-seed gaps per candidate and width](parity_gaps.png)" in md
-    assert (docs / "parity_gaps.png").read_bytes()[:4] == b"\x89PNG"
+    assert "![same-seed gaps per candidate and width](data/parity_gaps.png)" in md
+    assert (docs / "data" / "parity_gaps.png").read_bytes()[:4] == b"\x89PNG"
     # Without two seeds of a compressed candidate there is nothing to plot.
     single = tmp_path / "single"
     _write(single / "convergence", "none", extra, 256, _records(4.0))
@@ -350,12 +350,12 @@ def test_parity_report_writes_the_page_from_the_record(tmp_path):
     docs = tmp_path / "docs"
     assert main(["parity-report", "--out", str(tmp_path), "--docs", str(docs)]) == 0
     page = (docs / parity.PAGE_NAME).read_text()
-    assert page.startswith("# Convergence parity study (issue 12)") and "\n### Hidden 128\n" in page
-    assert "| 3 | +0.20% |" in page and (docs / parity.PAGE_PLOT).is_file()
+    assert page.startswith("# Convergence parity study\n") and "\n### Hidden 128\n" in page
+    assert "| 3 | +0.20% |" in page and (docs / "data" / parity.PAGE_PLOT).is_file()
     assert "test CPU, 2 cores, torch ?, megatron-core ?: 6 runs." in page
-    assert not (docs / "parity_gaps.png").exists()  # RESULTS.md's plot is left alone
+    assert not (docs / "data" / "parity_gaps.png").exists()  # RESULTS.md's plot is left alone
     # On another machine (no logs), the page is the same, from the committed record.
-    (docs / parity.PAGE_PLOT).unlink()
+    (docs / "data" / parity.PAGE_PLOT).unlink()
     assert main(["parity-report", "--out", str(tmp_path / "elsewhere"), "--docs", str(docs)]) == 0
     assert (docs / parity.PAGE_NAME).read_text() == page
 
@@ -364,23 +364,23 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def test_committed_docs_regenerate_byte_identical_from_the_committed_record(tmp_path):
-    """parity-report, run on a machine with no logs, writes docs/PARITY.md, RESULTS.md's section 4b and the
-    plots byte for byte as committed; the record is left as it is; section 6 is docs/RESULTS_TACO_AGOQ.md's.
+    """parity-report, run on a machine with no logs, writes docs/PARITY.md, RESULTS.md's section 4b (a pointer to
+    PARITY.md) and the plots byte for byte as committed; the record is left as it is; section 6 is docs/RESULTS_TACO_AGOQ.md's.
     (RESULTS.md's other sections come from run logs that are not committed.)"""
     from benchmarks.reproduce.__main__ import main
 
     docs = tmp_path / "docs"
-    docs.mkdir()
-    for name in (parity.RECORD_NAME, "real_activations.json", "spectrum.json"):  # the last two: issue 27's section
+    (docs / "data").mkdir(parents=True)
+    for name in (parity.RECORD_NAME, "data/real_activations.json", "data/spectrum.json"):  # the last two: real activations
         (docs / name).write_bytes((DOCS / name).read_bytes())
     results = (DOCS / "RESULTS.md").read_text().split("\n")
     start = next(i for i, line in enumerate(results) if line.startswith(report.COMPACT_HEADING))
     end = next(i for i, line in enumerate(results) if line.startswith(report.NEXT_SECTION))
-    assert end - start > 50  # the section is there, and is removed before the regeneration
+    assert end - start >= 3  # the section (a pointer) is there, and is removed before the regeneration
     (docs / "RESULTS.md").write_text("\n".join(results[:start] + results[end:]))
     assert main(["parity-report", "--out", str(tmp_path / "runs"), "--docs", str(docs)]) == 0
-    for name in (parity.PAGE_NAME, "RESULTS.md", parity.RECORD_NAME, parity.PAGE_PLOT, "parity_compact_gaps.png",
-                 "parity_compact_gaps_vs_error.png"):
+    for name in (parity.PAGE_NAME, "RESULTS.md", parity.RECORD_NAME, f"data/{parity.PAGE_PLOT}",
+                 "data/parity_compact_gaps.png", "data/parity_compact_gaps_vs_error.png"):
         assert (docs / name).read_bytes() == (DOCS / name).read_bytes(), name
     assert "\n".join(report._places_section()) in (DOCS / "RESULTS.md").read_text()
 
@@ -491,16 +491,18 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert "gap against its bits" not in old
     assert "reaches 0.5%" not in bits  # 0.4% and 0.9% (lowrank's 0.2% is not a scalar codec's): not between them
     assert "the lowrank codec's forward (4.38 bits) has an error of 0.044 and a gap of +0.20%" in bits
-    assert (docs / "parity_compact_gaps.png").is_file() and (docs / parity.PAGE_PLOT).is_file()
-    # parity-report writes RESULTS.md's section 4b (the low-noise protocol) from the record, before section 5,
-    # and leaves the others, section 4 included (the full report writes that one from its machine's logs).
+    assert (docs / "data" / "parity_compact_gaps.png").is_file() and (docs / "data" / parity.PAGE_PLOT).is_file()
+    # parity-report writes RESULTS.md's section 4b (the low-noise protocol: a pointer to PARITY.md, the one page
+    # with its tables) before section 5, and leaves the others, section 4 included (the full report writes that
+    # one from its machine's logs).
     results = docs / "RESULTS.md"
     results.write_text("# R\n\n## 4. Convergence parity\nkept 4\n## 5. Memory\nkept 5\n")
     assert report.refresh_compact_section(docs) == results
     once = results.read_text()
     assert "kept 4" in once and once.endswith("## 5. Memory\nkept 5\n")
     assert once.index("## 4. Convergence parity\nkept 4") < once.index("## 4b. The low-noise") < once.index("## 5.")
-    assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.20% |" in once.split("## 4b.")[1]
+    pointer = once.split("## 4b.")[1].split("## 5.")[0]
+    assert "[PARITY.md](PARITY.md)" in pointer and "| TAH-Quant" not in pointer and "+1.20%" not in pointer
     assert report.refresh_compact_section(docs).read_text() == once  # replaced, not added again
     results.write_text("# R\n\n## 4. Convergence parity\n")
     with pytest.raises(ValueError, match="no '## 5.' section"):

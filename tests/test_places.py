@@ -147,9 +147,15 @@ def test_statistics_streams_and_log_fragment():
     assert torch.distributed.is_available()
 
 
-def test_readme_flag_table_is_the_generated_one():
+def test_the_flags_page_is_the_generated_one():
+    """docs/FLAGS.md is what ``scripts/write_flags.py`` writes: ``flags_markdown()``'s table under its intro."""
+    import importlib.util
     import pathlib
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    table = arguments.flags_markdown()
-    assert table in readme, "README's flag table differs from TahConfig: paste megatron_tah.megatron.arguments.flags_markdown()"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "write_flags.py"
+    spec = importlib.util.spec_from_file_location("write_flags", script)
+    write_flags = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(write_flags)
+    page = write_flags.PAGE.read_text()
+    assert arguments.flags_markdown() in page
+    assert page == write_flags.page(), "docs/FLAGS.md differs from TahConfig: run python scripts/write_flags.py"

@@ -295,7 +295,7 @@ def test_scripts_run_the_entry_or_a_checkout_through_the_launcher(tmp_path):
 
 
 def test_staged_pipeline_gives_the_plain_paths_losses(corpus, tmp_path):
-    """--tah-share-gpus on CPU (what CI can run of issue 24): every pipeline message goes through host staging;
+    """--tah-share-gpus on CPU (what CI can run of that mode): every pipeline message goes through host staging;
     forward tah and backward `none` give bit-identical losses, grad norms and wire bytes to the plain path."""
     common = ["--train-iters", "3", "--eval-interval", "100", "--tah-forward-codec", "tah",
               "--tah-backward-codec", "none"]

@@ -1,26 +1,53 @@
-"""The README's measured numbers come from files committed under docs/ (what a script in the repo wrote)."""
+"""The README and the docs pages written by hand: their measured numbers come from files a script in the repo
+wrote (committed under docs/), their tables are those files' numbers, and every file they point to exists."""
 
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
 DOCS = REPO / "docs"
+README = (REPO / "README.md").read_text()
+# Pages written by hand from the records: the guide (README) and the docs pages it links.
+GUIDES = ["README.md", "docs/DEMO.md", "docs/CODECS.md", "docs/KERNELS.md", "docs/USAGE.md", "docs/REPRODUCTION.md",
+          "docs/DESIGN.md", "docs/DOCKER.md"]
+FIGURE = re.compile(r"[+-]?\d+\.\d+(?:%|x)")
 
 
-def _committed_results() -> str:
+def _records() -> str:
+    """Every Markdown, text and JSON file under docs/ that is not a guide: generated pages, data files, the
+    demo's and the benchmarks' output, and the pages that are the first record of their measurements."""
+    guides = {REPO / g for g in GUIDES}
     return "\n".join(path.read_text(errors="replace") for path in sorted(DOCS.rglob("*"))
-                     if path.suffix in (".md", ".txt", ".json"))
+                     if path.suffix in (".md", ".txt", ".json") and path not in guides)
 
 
-def test_every_percentage_and_ratio_in_the_readme_is_in_a_committed_result():
-    """A figure such as ``+1.64%`` or ``1.33x`` must appear in some file under docs/ (the same text, a
-    leading ``+`` aside). It checks presence, not context: the check finds a number with no source."""
-    results = _committed_results()
-    figures = set(re.findall(r"[+-]?\d+\.\d+(?:%|x)", README))
-    assert len(figures) > 50  # the README's tables and summaries are read
-    unbacked = sorted(f for f in figures if f not in results and f.lstrip("+") not in results)
-    assert unbacked == [], f"README figures found in no file under docs/: {unbacked}"
+def test_the_guides_exist_and_the_readme_links_each():
+    for guide in GUIDES:
+        assert (REPO / guide).is_file(), guide
+        assert guide == "README.md" or f"]({guide})" in README, f"README does not link {guide}"
+
+
+@pytest.mark.parametrize("guide", GUIDES)
+def test_every_percentage_and_ratio_in_a_guide_is_in_a_record(guide):
+    """A figure such as ``+1.64%`` or ``1.33x`` must appear in some record under docs/ (the same text, a leading
+    ``+`` aside), not only in another guide. It checks presence, not context: it finds a number with no source."""
+    records = _records()
+    figures = set(FIGURE.findall((REPO / guide).read_text()))
+    unbacked = sorted(f for f in figures if f not in records and f.lstrip("+") not in records)
+    assert unbacked == [], f"{guide}: figures found in no record under docs/: {unbacked}"
+
+
+def test_the_checks_read_the_figures():
+    """The figure check has figures to check: the README's tables and the study pages' summaries."""
+    assert len(set(FIGURE.findall(README))) >= 10
+    assert sum(len(set(FIGURE.findall((REPO / g).read_text()))) for g in GUIDES) > 100
+
+
+def _table(text: str, header: str) -> str:
+    table = text[text.index(header):]
+    return table.split("\n\n")[0]
 
 
 def _table_rows(text: str, first_cell: str) -> dict[str, list[str]]:
@@ -33,31 +60,28 @@ def _table_rows(text: str, first_cell: str) -> dict[str, list[str]]:
 
 
 def test_the_codec_table_is_the_committed_codec_report():
-    """README's codec table: bits, ratios and relative error of each row as docs/codec_report.txt printed them."""
-    report = (DOCS / "codec_report.txt").read_text()
-    table = README[README.index("| codec | bits/element |"):]
-    table = table[:table.index("\n\n")]
-    readme_rows = _table_rows(table, "codec")
-    assert len(readme_rows) == 17
-    for label, cells in readme_rows.items():
+    """docs/CODECS.md's codec table: bits, ratios and relative error of each row as docs/data/codec_report.txt
+    printed them."""
+    report = (DOCS / "data" / "codec_report.txt").read_text()
+    rows = _table_rows(_table((DOCS / "CODECS.md").read_text(), "| codec | bits/element |"), "codec")
+    assert len(rows) == 17
+    for label, cells in rows.items():
         name = label.rstrip(" ¹²").strip()
         line = next((row for row in report.splitlines() if row.startswith(name + "  ")), None)
-        assert line is not None, f"{name} is not in docs/codec_report.txt"
+        assert line is not None, f"{name} is not in docs/data/codec_report.txt"
         printed = line[len(name):].split()[:4]
         assert cells == printed, (name, cells, printed)
 
 
 def test_kernel_table_is_the_committed_kernel_report():
-    """Registers and instructions per element of README's kernel table are in the committed sm_90 report."""
+    """Registers and instructions per element of docs/KERNELS.md's kernel table are in the committed sm_90 report."""
     import json
 
     report = json.loads((DOCS / "benchmarks" / "kernel-report-sm90-triton3.8.json").read_text())
     assert report["triton"].startswith("3.8")
     registers = {r["registers"] for r in report["results"] if r["target"] == "sm_90"}
     per_element = {f"{r['per_element']:.1f}" for r in report["results"] if r["target"] == "sm_90"}
-    table = README[README.index("| kernel | registers |"):]
-    table = table[:table.index("\n\n")]
-    rows = _table_rows(table, "kernel")
+    rows = _table_rows(_table((DOCS / "KERNELS.md").read_text(), "| kernel | registers |"), "kernel")
     assert len(rows) == 7
     for kernel, (regs, spills, instructions) in rows.items():
         assert {int(v) for v in re.findall(r"\d+", regs)} <= registers, kernel
@@ -65,12 +89,79 @@ def test_kernel_table_is_the_committed_kernel_report():
         assert set(re.findall(r"\d+\.\d", instructions)) <= per_element, kernel
 
 
+def test_the_readme_demo_table_is_the_committed_demo_table():
+    """The README's demo table is docs/demo/table.md with some columns left out."""
+    committed = _table((DOCS / "demo" / "table.md").read_text(), "| run |")
+    header = [c.strip() for c in committed.splitlines()[0].strip("|").split("|")]
+    full = _table_rows(committed, "run")
+    shown = _table(README, "| run | tokens/s |")
+    columns = [c.strip() for c in shown.splitlines()[0].strip("|").split("|")]
+    rows = _table_rows(shown, "run")
+    assert list(rows) == list(full)
+    for run, cells in rows.items():
+        assert cells == [full[run][header.index(column) - 1] for column in columns[1:]], run
+
+
+def test_the_presets_table_is_the_parity_study():
+    """Each preset's gaps in the README are its rows of docs/PARITY.md's low-noise protocol (hidden 128, 256)."""
+    parity = (DOCS / "PARITY.md").read_text().split("## Low-noise protocol")[1].split("\n## ")[0]
+    widths = [_table_rows(_table(parity.split(f"### Hidden {h}\n")[1], "| run |"), "run") for h in (128, 256)]
+    labels = {"`paper`": "TAH-Quant (4/3-bit fwd, 6-bit bwd)",
+              "`hadint4`": "Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each)",
+              "`lowrank`": next(r for r in widths[0] if r.endswith("--tah-preset lowrank")),
+              "`lowrank8`": next(r for r in widths[0] if r.endswith("--tah-preset lowrank8"))}
+    rows = _table_rows(_table(README, "| preset |"), "preset")
+    assert list(rows) == list(labels)
+    for preset, cells in rows.items():
+        fwd_bits, bwd_bits, gap = cells[1], cells[3], cells[4]
+        assert fwd_bits == " / ".join(w[labels[preset]][0] for w in widths), preset
+        assert bwd_bits == widths[0][labels[preset]][1], preset
+        assert gap == " / ".join(w[labels[preset]][3] for w in widths), preset
+
+
 def test_make_reproduce_needs_a_part():
-    """README states the behaviour of a bare `make reproduce`; the script does it (usage, exit status 2)."""
+    """docs/REPRODUCTION.md states the behaviour of a bare `make reproduce`; the script does it (usage, exit
+    status 2)."""
     import subprocess
 
-    assert "without one, `make reproduce` prints the parts with their durations and exits (status 2)" in README
+    page = (DOCS / "REPRODUCTION.md").read_text()
+    assert "without one, `make reproduce` prints the parts with their durations and exits (status 2)" in page
     result = subprocess.run(["bash", str(REPO / "scripts" / "reproduce.sh")], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2
     assert "about 10 hours" in result.stderr and "parity-report" in result.stderr and "~10 h" in result.stderr
+
+
+# ----- what the pages point to -----------------------------------------------------------------------------
+PAGES = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in DOCS.rglob("*.md") if "data" not in p.parts)]
+LINK = re.compile(r"\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
+# A repository path in backquotes: a top-level folder of the repo, then a path without placeholders.
+REPO_PATH = re.compile(r"`((?:docs|scripts|tests|benchmarks|megatron_tah|patches)/[\w./-]+)`")
+PENDING = " (pending)"  # a page another measurement will add, named as such
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_file_a_page_points_to_exists(page):
+    """Markdown links (relative to the page) and backquoted repository paths (relative to the repository root)
+    name files or folders that are in the repository; a path followed by ``(pending)`` is announced, not linked."""
+    text = (REPO / page).read_text()
+    base = (REPO / page).parent
+    missing = []
+    for match in LINK.finditer(text):
+        target = (match.group(1) or match.group(2)).split("#")[0]
+        if target and not re.match(r"[a-z]+:", target) and not (base / target).exists():
+            missing.append(target)
+    for match in REPO_PATH.finditer(text):
+        path = match.group(1).rstrip(".")
+        if not (REPO / path).exists() and not text[match.end():].startswith(PENDING):
+            missing.append(path)
+    assert missing == [], f"{page} points to files that are not in the repository: {missing}"
+
+
+ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w&/#])#\d+\b")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_issue_numbers_in_the_docs(page):
+    """Issue numbers point into a tracker a reader of the repository does not have."""
+    assert ISSUE_NUMBER.findall((REPO / page).read_text()) == [], page

@@ -116,8 +116,8 @@ def test_capture_cuts_at_pipeline_boundaries_and_caches(tiny_model, tmp_path):
 
 def test_real_report_measures_every_row_and_preset(tiny_model, tmp_path):
     assert codec_report.main(["--real", "--models", "tiny", "--tokens", "256", "--docs", str(tmp_path / "d")]) == 0
-    result = json.loads((tmp_path / "d" / "real_activations.json").read_text())
-    assert (tmp_path / "d" / "real_activations.png").stat().st_size > 1000
+    result = json.loads((tmp_path / "d" / "data" / "real_activations.json").read_text())
+    assert (tmp_path / "d" / "data" / "real_activations.png").stat().st_size > 1000
     md = (tmp_path / "d" / "real_activations.md").read_text()
     assert "## tiny" in md and "| lowrank | tiny |" in md
     (model,) = result["models"]
@@ -162,10 +162,10 @@ def test_parity_section_reads_both_records(tiny_model, tmp_path):
     codec_report.main(["--real", "--models", "tiny", "--tokens", "256", "--docs", str(docs)])
     records = [{"iteration": it, "rank": 0, "shape": [4, 1, 8], "share": {"8": 0.5, "16": 0.25 + it / 100}}
                for it in (0, 10, 20)]
-    (docs / "spectrum.json").write_text(json.dumps(spectrum.summary({128: records}, json.loads(
-        (docs / "real_activations.json").read_text()))))
+    (docs / "data" / "spectrum.json").write_text(json.dumps(spectrum.summary({128: records}, json.loads(
+        (docs / "data" / "real_activations.json").read_text()))))
     text = "\n".join(real_report.parity_section(docs))
-    assert "| lowrank | tiny |" in text and "real_activations.png" in text and "spectrum.png" in text
+    assert "| lowrank | tiny |" in text and "data/real_activations.png" in text and "data/spectrum.png" in text
     assert "| study, hidden 128, second half of training, every boundary | 0.500 to 0.500 | 0.350 to 0.450 | |" in text
     assert "| tiny, after layer 2 |" in text
 

@@ -164,7 +164,7 @@ def test_report_from_logs_states_met_and_missed_targets(tmp_path):
     # paper regime: 2500 ms vs 500 ms per iteration -> 5.00x, above 4.3x
     assert "| paper regime: TAH-Quant >= 4.3x faster than fp32 | 5.00x | **met** |" in md
     for png in ("throughput.png", "loss_pretrain.png", "loss_finetune.png"):
-        path = tmp_path / "docs" / png
+        path = tmp_path / "docs" / "data" / png
         assert path.is_file() and 1000 < path.stat().st_size < 200_000
     _fake_results(tmp_path, tah_loss=4.2)  # 5% worse: the page must say the target is missed
     md = report.write(tmp_path, tmp_path / "docs", size="tiny").read_text()
@@ -304,7 +304,7 @@ def test_the_throughput_part_rewrites_only_section_1_the_machine_and_its_summary
 
 
 def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
-    """Issue 26's goal rows: auto / best fixed fp32 codec and auto (bf16 pipeline) / uncompressed bf16 per rate,
+    """The auto goal's rows: auto / best fixed fp32 codec and auto (bf16 pipeline) / uncompressed bf16 per rate,
     the codecs each auto run ended with, and a summary row that is met only when every rate is >= 0.97x."""
     _fake_results(tmp_path, tah_loss=4.02)
     tput = tmp_path / "throughput"

@@ -2,8 +2,8 @@
 
 PART: data, throughput, convergence, ablations, seeds, long, parity, parity-seeds, parity-compact, memory, report,
 parity-report
-(issue 12's study alone, from the committed run record ``docs/parity_runs.json`` and the logs here: docs/PARITY.md, and
-section 4b of an existing docs/RESULTS.md, whose other sections need every part's logs). ``--size tiny`` is the CI
+(the parity study alone, from the committed run record ``docs/data/parity_runs.json`` and the logs here: docs/PARITY.md,
+and section 4b of an existing docs/RESULTS.md, a pointer to it; the other sections need every part's logs). ``--size tiny`` is the CI
 smoke configuration (seconds per run; its report goes to ``OUT/docs`` unless ``--docs``).
 Exit status 0 when the part completed, 1 when a run failed, 2 on bad arguments.
 """
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                     else parity.write_page(root / "convergence", docs, args.size))
             say(f"wrote {path}")
             if args.part == "parity-report" and report.refresh_compact_section(docs, args.size):
-                say(f"rewrote section 4b (the low-noise parity protocol) of {docs / 'RESULTS.md'}")
+                say(f"rewrote section 4b (the low-noise protocol: a pointer to PARITY.md) of {docs / 'RESULTS.md'}")
     except ReproduceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

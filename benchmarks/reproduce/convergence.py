@@ -40,7 +40,7 @@ CODECS = {
                     ["--tah-forward-codec", "tah", "--tah-backward-codec", "none"]),
     "aqsgd": ("AQ-SGD 4-bit deltas, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
     "mxfp4": ("MXFP4 fwd (4.25 bits), 6-bit bwd", ["--tah-forward-codec", "mxfp4", *BACKWARD_6BIT]),
-    # Issue 12's parity study (part `parity`, module parity.py).
+    # The parity study (part `parity`, module parity.py).
     "bwd6_only": ("uncompressed fwd, 6-bit bwd (diagnostic)", ["--tah-forward-codec", "none", *BACKWARD_6BIT]),
     "hadint4": ("Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd", ["--tah-forward-codec", "hadint", *BACKWARD_6BIT]),
     "hadint4_bwd4sr": ("Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each)",
@@ -92,7 +92,7 @@ FINETUNE_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3", "aqsgd", "fp8")
 DEFAULT_SEED = 1234  # Megatron's --seed default
 EXTRA_SEEDS = (1235, 1236)
 SEED_CODECS = ("none", "tah", "fixedpoint4", "fixedpoint3")  # rerun with EXTRA_SEEDS, pretraining and fine-tuning
-SEED_PRETRAIN_ONLY = ("mxfp4",)  # rerun with EXTRA_SEEDS, pretraining only (issue 12's best single-seed candidate)
+SEED_PRETRAIN_ONLY = ("mxfp4",)  # rerun with EXTRA_SEEDS, pretraining only (parity: best single seed)
 LONG_CODECS = ("none", "tah", "fixedpoint3")
 
 
@@ -130,7 +130,7 @@ ABLATIONS = {
         ("tah", "to nearest (default)", []),
         ("abl_stochastic", "stochastic", ["--tah-stochastic-rounding"]),
     ],
-    # Issue 12's candidates: standard 4-bit float formats in TAH-Quant's place (same 6-bit backward codec).
+    # The parity study's candidates: standard 4-bit float formats in TAH-Quant's place (same 6-bit backward codec).
     "forward 4-bit float format": [
         ("tah", "TAH-Quant (default)", []),
         ("cand_mxfp4", "MXFP4: E2M1, E8M0 scale per 32 (4.25 bits)", ["--tah-forward-codec", "mxfp4", *BACKWARD_6BIT]),
@@ -157,7 +157,7 @@ SIZES = {
 PROTOCOLS = {
     # Pretraining as in RESULTS.md sections 2-4: GPT-2's 50257 ids, 8 sequences per iteration.
     "gpt2": {},
-    # Issue 12's low-noise protocol: a compact vocabulary (``data.py --vocab-limit``), so that the
+    # The parity study's low-noise protocol: a compact vocabulary (``data.py --vocab-limit``), so that the
     # model's compute and parameters sit in the transformer body rather than in a 50257-row embedding
     # and output layer; twice the batch at half the learning rate; 300 iterations; larger evaluations.
     "compact": {"full": {"vocab_limit": 4096, "flags": {"--global-batch-size": "16", "--micro-batch-size": "4",

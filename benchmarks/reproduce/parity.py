@@ -1,4 +1,4 @@
-"""Issue 12's convergence-parity study (part ``parity``): candidate codecs x paired seeds x two widths.
+"""The convergence-parity study (part ``parity``): candidate codecs x paired seeds x two widths.
 
 Protocol: the convergence part's pretraining (4 layers, PP 4, 200 iterations, AdamW, cosine
 schedule; ``convergence.pretrain_runs``) at hidden sizes :data:`WIDTHS`, every codec of
@@ -18,12 +18,12 @@ the sampled round-trip error of each pipeline link (``link_rel_error``: stage bo
 direction), over the first and the second half of training; TAH-Quant's rotated-tile fraction.
 Gaps are same-seed relative gaps to ``none``; intervals are Student-t 95% intervals of their mean.
 
-Goal (issue 12): forward <= 4.5 bits with a mean gap <= 0.5% whose interval excludes 1%, at both
+Goal: forward <= 4.5 bits with a mean gap <= 0.5% whose interval excludes 1%, at both
 widths; backward <= 5 bits adding <= 0.1%.
 
 Resolving 0.5% takes more paired seeds than one machine-session runs, and logs stay on the machine
 that wrote them, so every run's summary (:func:`run_row`, a few KB) goes into the committed record
-``docs/parity_runs.json`` (:func:`update_record`, one line per run, with the host it ran on); the
+``docs/data/parity_runs.json`` (:func:`update_record`, one line per run, with the host it ran on); the
 tables read the record plus whatever logs are present (``python -m benchmarks.reproduce
 parity-report`` writes ``docs/PARITY.md`` from them). ``parity-seeds --seeds S,S --widths W`` runs
 further seeds. Runs re-made after their codec changed keep the earlier measurement in the record
@@ -39,6 +39,7 @@ from pathlib import Path
 
 from . import convergence
 from .convergence import _mean  # (None-tolerant mean)
+from .plots import DATA
 from .runner import Run, read_log, read_meta
 
 WIDTHS = (128, 256)
@@ -64,7 +65,7 @@ COMPACT_BACKWARD = ("bwd4sr_only", "bwd4t16_only")
 SHOWN = tuple(dict.fromkeys(CANDIDATES + COMPACT_CANDIDATES + COMPACT_DIAGNOSTICS + COMPACT_BACKWARD))  # table rows
 GOAL_FWD_BITS, GOAL_FWD_GAP, GOAL_FWD_UPPER = 4.5, 0.005, 0.01
 GOAL_BOTH_RATIO = 1.3  # both directions: at least this many times fewer bytes than the default, at no larger gap
-STRETCH_FWD = (4.0, 0.01, 0.015)  # bits, mean gap, interval's upper end: the issue's stretch, the goal's margin
+STRETCH_FWD = (4.0, 0.01, 0.015)  # bits, mean gap, interval's upper end: the goal's stretch and margin
 GOAL_BWD_BITS, GOAL_BWD_ADDED, GOAL_BWD_UPPER = 5.0, 0.001, 0.002  # upper end: twice the goal, as forward
 RESOLUTION = GOAL_FWD_UPPER - GOAL_FWD_GAP  # interval half-width at which a mean at the goal has its upper end at 1%
 LATE_FRACTION = 0.25  # the last quarter of training
@@ -204,7 +205,7 @@ def collect(out: Path | None, size: str, widths=WIDTHS, candidates=SHOWN,
 
 
 # ----------------------------------------------------------------------------- the committed record
-RECORD_NAME = "parity_runs.json"
+RECORD_NAME = f"{DATA}/parity_runs.json"  # under docs/
 """The study's runs, one entry each (what :func:`run_row` keeps of its log, a few KB), committed next to
 the docs: logs stay on the machine that ran them, so the seeds of different machines and sessions
 add up only through this file."""
@@ -379,10 +380,11 @@ def noise_floor(table: dict, hidden: int, control: str = "int8_both") -> tuple[f
 
 
 def section(out: Path | None, size: str, docs: Path | None = None, recorded: dict | None = None,
-            title: str = "## 4. Convergence parity study (issue 12)", plot: str = "parity_gaps.png",
+            title: str = "## 4. Convergence parity study", plot: str = "parity_gaps.png",
             protocol: str = "gpt2") -> list[str]:
     """The parity study's section of RESULTS.md (``title``, headings one level down) from the runs of
-    ``protocol`` under ``out`` and the ``recorded`` ones; with ``docs``, its plot (file name ``plot``) goes there."""
+    ``protocol`` under ``out`` and the ``recorded`` ones; with ``docs``, its plot (file name ``plot``) goes to
+    ``docs/data/``."""
     table = collect(out, size, recorded=recorded, protocol=protocol)
     lines = [title, ""]
     if not any(len(t.get("none", {})) for t in table.values()):
@@ -448,7 +450,7 @@ def section(out: Path | None, size: str, docs: Path | None = None, recorded: dic
                       f"{_frac(first)} of tiles rotated in the first quarter of training, "
                       f"{_frac(last)} in the last quarter (mean over seeds).", ""]
     if docs is not None:
-        lines += _plot(table, Path(docs) / plot)
+        lines += _plot(table, Path(docs) / DATA / plot)
     stretch_bits, stretch_gap, stretch_upper = STRETCH_FWD
     lines += ["### Verdict against the goal", "",
               "| candidate | " + " | ".join(f"hidden {h}" for h in WIDTHS) + " | forward goal, both widths | "
@@ -462,7 +464,7 @@ def section(out: Path | None, size: str, docs: Path | None = None, recorded: dic
               "*unresolved*: neither (too few seeds for an interval, or an interval straddling the goal, or no run at "
               f"some width). Stretch: the same test at <= {stretch_bits:g} bits, mean gap <= "
               f"{_pct(stretch_gap, 'g')}, upper end below {_pct(stretch_upper, 'g')}, per width.", ""]
-    error_png = None if docs is None else Path(docs) / plot.replace(".png", "_vs_error.png")
+    error_png = None if docs is None else Path(docs) / DATA / plot.replace(".png", "_vs_error.png")
     return (lines + _default_reading(table) + _backward_reading(table) + _bits_reading(table, error_png)
             + _evaluation_reading(table) + remeasured_reading(recorded or {}, table, protocol))
 
@@ -483,7 +485,7 @@ def _plot(table: dict, png: Path) -> list[str]:
     if not points:
         return []
     png = plots.parity_gaps(points, png, GOAL_FWD_GAP, GOAL_FWD_UPPER)
-    return [f"![same-seed gaps per candidate and width]({png.name})", ""]
+    return [f"![same-seed gaps per candidate and width]({plots.link(png)})", ""]
 
 
 def _forward_error(row: dict) -> float | None:
@@ -588,7 +590,7 @@ def _default_reading(table: dict, default: str = "tah") -> list[str]:
         return []
     return ["### Against the default", "",
             f"Same-seed loss of each candidate relative to the default ({convergence.CODECS[default][0]}): the "
-            f"issue asks for at least {GOAL_BOTH_RATIO:g}x fewer bytes than the default at an equal or smaller gap: "
+            f"goal asks for at least {GOAL_BOTH_RATIO:g}x fewer bytes than the default at an equal or smaller gap: "
             "*met* when the bytes are and the interval lies below zero, *not met* when the bytes are not or the "
             "interval lies above zero, else *unresolved* (equal within the interval).", "",
             "| candidate | width | seeds | bits, both directions | fewer bytes than the default | "
@@ -686,7 +688,7 @@ def _bits_reading(table: dict, png: Path | None = None) -> list[str]:
         from . import plots
 
         png = plots.gap_against_error(plotted, {h: e for h, (e, _) in crossings.items()}, png, GOAL_FWD_GAP)
-        picture = [f"![forward gap against forward error]({png.name})", ""]
+        picture = [f"![forward gap against forward error]({plots.link(png)})", ""]
     return ["### The forward's gap against its bits", "",
             "Runs whose backward is uncompressed, so that the gap is the forward codec's alone, fewest forward bits "
             "first (forward error: mean relative round-trip error over the forward links and the run).", "",
@@ -848,15 +850,15 @@ PAGE_SECTIONS = {COMPACT: ("## Low-noise protocol (compact vocabulary): part par
 
 
 def write_page(out: Path, docs: Path, size: str = "full") -> Path:
-    """Refresh ``docs/parity_runs.json`` from the logs under ``out`` and write ``docs/PARITY.md`` (and its
-    plot ``parity_record_gaps.png``) from the record: the study alone, which needs no other part's logs."""
+    """Refresh ``docs/data/parity_runs.json`` from the logs under ``out`` and write ``docs/PARITY.md`` (and its
+    plot ``docs/data/parity_record_gaps.png``) from the record: the study alone, which needs no other part's logs."""
     docs = Path(docs)
     recorded = update_record(out, size, docs / RECORD_NAME)
-    intro = ["# Convergence parity study (issue 12)", "",
+    intro = ["# Convergence parity study", "",
              f"Generated by `python -m benchmarks.reproduce parity-report` from `{RECORD_NAME}` (one entry per "
              "run, committed, so that seeds run on different machines add up) and the logs under "
-             "`runs/reproduce/convergence/`; do not edit by hand. The low-noise protocol's tables are section 4b of "
-             "RESULTS.md (rewritten there by the same command). Two protocols: the low-noise one "
+             "`runs/reproduce/convergence/`; do not edit by hand. This page is the study's only write-up of the "
+             "low-noise protocol (section 4b of RESULTS.md points here). Two protocols: the low-noise one "
              "(compact vocabulary, larger batches), whose same-seed gaps spread little enough to resolve 0.5%, "
              "and the earlier GPT-2-vocabulary one, whose trajectories drift apart by more than the codecs' effect."]
     hosts: dict[str, int] = {}
@@ -871,7 +873,7 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
     body = intro + [""]
     for protocol, (title, plot) in PAGE_SECTIONS.items():
         body += section(None, size, docs, recorded=recorded, title=title, plot=plot, protocol=protocol)
-    from ..real_report import parity_section  # issue 27: the codecs on real activations, the spectrum
+    from ..real_report import parity_section  # the codecs on real activations, the spectrum
 
     body += parity_section(docs)
     path = docs / PAGE_NAME

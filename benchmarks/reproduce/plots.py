@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+DATA = "data"
+"""The folder under docs/ that holds the plots (and the parity record): a page in docs/ links ``data/<name>``."""
+
 COLORS = {"none": "black", "none_bf16": "tab:gray", "tah": "tab:red", "tah_bf16": "tab:pink",
           "fixedpoint4": "tab:blue", "fixedpoint3": "tab:cyan", "aqsgd": "tab:green", "fp8": "tab:purple"}
+
+
+def link(path: Path) -> str:
+    """The Markdown target of ``path`` (a file in docs/data/) from a page in docs/."""
+    return f"{DATA}/{Path(path).name}"
+
+
+def _save(fig, path: Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 def _pyplot():
@@ -49,7 +62,7 @@ def loss_curves(rows: dict[str, dict], path: Path, title: str, prefix: str = "")
         axes[1].set_ylim(lo - 0.1 * (hi - lo + 1e-3) - 0.02, hi + 0.6 * (hi - lo + 1e-3) + 0.02)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -89,7 +102,7 @@ def throughput(table: dict, path: Path, labels: dict[str, str]) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -120,7 +133,7 @@ def parity_gaps(points: dict[int, list[tuple[str, list[float], tuple[float, floa
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle("same-seed gaps: seeds (blue), mean and 95% interval (black)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -150,6 +163,6 @@ def gap_against_error(points: dict[int, list[tuple[str, float, float]]], crossin
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path

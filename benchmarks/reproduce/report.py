@@ -2,7 +2,7 @@
 
 Every measured number in the page is computed here from the runs' JSON logs (the plugin's `--tah-log-json`) and the
 runner's meta files; the only constants are the papers' reported numbers (``PAPER_*``,
-from SPEC.md) and the targets the issue set (``TARGETS``). Sections whose runs are
+from the papers) and the targets set for them (``TARGETS``). Sections whose runs are
 missing say so instead of showing numbers.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from . import convergence, parity, plots, throughput
 from .runner import read_meta
 
-# The papers' numbers (SPEC.md): GPT2-XL, 8 stages, tokens/s (FP32, AQ-SGD, TAH-Quant).
+# The papers' numbers: GPT2-XL, 8 stages, tokens/s (FP32, AQ-SGD, TAH-Quant).
 PAPER_THROUGHPUT = {"1gbit": (2600, 4749, 5650), "500mbit": (2482, 4311, 5749), "300mbit": (1761, 4369, 5120),
                     "100mbit": (751, 3310, 4045)}
 PAPER_ABLATIONS = {"abl_tau0": 2.60, "tah": 2.55, "abl_tau4": 2.57, "abl_tauinf": 2.63,
@@ -100,8 +100,8 @@ def _throughput_section(t: dict, docs: Path, size: str) -> tuple[list[str], dict
                   "codecs are of the order of the codecs' own CPU time (column *codec ms*) and of the run-to-run "
                   "noise (compare the fp32 rows at 500 Mbit/s-10 Gbit/s, whose link time is small)."]
     lines.append("")
-    png = plots.throughput(t, docs / "throughput.png", labels)
-    lines += [f"![tokens/s vs link rate]({png.name})", ""]
+    png = plots.throughput(t, docs / plots.DATA / "throughput.png", labels)
+    lines += [f"![tokens/s vs link rate]({plots.link(png)})", ""]
     lines += _auto_table(t, checks)
     lines += _paper_comparison(t)
     lines += _paper_regime(t, checks)
@@ -137,7 +137,7 @@ def _mean_tokens(runs: list[dict]) -> float | None:
 
 
 def _auto_table(t: dict, checks: dict) -> list[str]:
-    """Issue 26's goal rows: auto against the best fixed codec of its pipeline at every rate."""
+    """The auto goal's rows: auto against the best fixed codec of its pipeline at every rate."""
     entries = [("unthrottled", t["compute"], t.get("compute_repeats") or {})]
     entries += [(rate, e["rows"], e.get("repeats") or {})
                 for rate, e in sorted(t["rates"].items(), key=lambda kv: kv[1]["rate_bps"])]
@@ -172,7 +172,7 @@ def _auto_table(t: dict, checks: dict) -> list[str]:
     for key, values in (("auto_vs_best", vs_best), ("auto_vs_bf16", vs_bf16)):
         checks[key] = all(v >= target for v in values.values()) if values else None
         checks[f"_{key}"] = min(values.items(), key=lambda kv: kv[1]) if values else None
-    return ["**auto against the fixed codecs** (issue 26: at every rate, auto's tokens/s >= "
+    return ["**auto against the fixed codecs** (the goal: at every rate, auto's tokens/s >= "
             f"{target}x the best fixed codec's and never below {target}x uncompressed bf16's). Auto on the fp32 "
             "pipeline is compared with the fixed codecs run on it (the paper regime ran only fp32 and TAH-Quant), "
             "auto on a bf16 pipeline with uncompressed bf16 (a bf16 pipeline also computes at another speed; "
@@ -218,7 +218,7 @@ def _paper_regime(t: dict, checks: dict) -> list[str]:
     lines += [f"Rate computed from the unthrottled fp32 run: c = {p['c_ms']:.1f} ms, fp32 bytes on the busiest "
               f"link {p['critical_raw_bytes'] / 1e6:.3f} MB per iteration, so rate = bytes * 8 / "
               f"({throughput.PAPER_REGIME_FACTOR:.0f} c) = **{p['rate_bps'] / 1e6:.3f} Mbit/s** (`{p['rate']}`). "
-              f"The issue asks for a rate where fp32 traffic takes at least 20x c; "
+              f"The goal asks for a rate where fp32 traffic takes at least 20x c; "
               f"{throughput.PAPER_REGIME_FACTOR:.0f}x is the rate used. With the serialization factor measured "
               f"at this rate (k = {p['k']:.2f}), the fp32 run spent "
               f"{(p['rows']['none']['ms'] / 1e3 - p['c_s']) / p['c_s'] if p['rows'].get('none') else float('nan'):.0f}"
@@ -366,8 +366,8 @@ def _convergence_section(root: Path, docs: Path, size: str) -> tuple[list[str], 
     if any(len(st["losses"]) > 1 for st in pre_seeds.values()):
         lines += [f"Over seeds (final validation loss; *same-seed gaps*: each seed's run vs the uncompressed run "
                   f"with the same seed, seeds {seeds} in order):", ""] + _seed_table(pre_seeds)
-    png = plots.loss_curves(pre, docs / "loss_pretrain.png", "pretraining, Shakespeare")
-    lines += [f"![pretraining loss curves]({png.name})", ""]
+    png = plots.loss_curves(pre, docs / plots.DATA / "loss_pretrain.png", "pretraining, Shakespeare")
+    lines += [f"![pretraining loss curves]({plots.link(png)})", ""]
     if ft:
         info = next(iter(ft.values()))["meta"].get("info", {})
         lines += ["### Fine-tuning (State of the Union)", "",
@@ -379,8 +379,9 @@ def _convergence_section(root: Path, docs: Path, size: str) -> tuple[list[str], 
             lines += [f"Not run in this reproduction (time budget): {'; '.join(skipped)}.", ""]
         if any(len(st["losses"]) > 1 for st in ft_seeds.values()):
             lines += ["Over seeds (data order; every run starts from the same checkpoint):", ""] + _seed_table(ft_seeds)
-        png = plots.loss_curves(ft, docs / "loss_finetune.png", "fine-tuning, State of the Union", prefix="ft_")
-        lines += [f"![fine-tuning loss curves]({png.name})", ""]
+        png = plots.loss_curves(ft, docs / plots.DATA / "loss_finetune.png", "fine-tuning, State of the Union",
+                                prefix="ft_")
+        lines += [f"![fine-tuning loss curves]({plots.link(png)})", ""]
     _convergence_checks("pretraining", pre_seeds, pre, "none", checks)
     _convergence_checks("fine-tuning", ft_seeds, ft, "ft_none", checks)
     lines += _convergence_discussion(pre, ft, pre_seeds, ft_seeds, checks)
@@ -407,9 +408,9 @@ def _long_section(out: Path, docs: Path, size: str) -> list[str]:
             lines.append(f"{rows[name]['meta'].get('label') or name}: gap vs uncompressed at each validation point "
                          "(iteration: gap): " + ", ".join(f"{it}: {_pct(g, '+.2f')}" for it, g in series) + ".")
             lines.append("")
-    png = plots.loss_curves(rows, docs / "loss_long.png", f"pretraining, {cfg['long_iters']} iterations",
+    png = plots.loss_curves(rows, docs / plots.DATA / "loss_long.png", f"pretraining, {cfg['long_iters']} iterations",
                             prefix="long_")
-    return lines + [f"![long pretraining loss curves]({png.name})", ""]
+    return lines + [f"![long pretraining loss curves]({plots.link(png)})", ""]
 
 
 def _gap(rows: dict, name: str, ref: str) -> float | None:
@@ -743,9 +744,13 @@ NEXT_SECTION = "## 5. "  # the heading section 4b comes before
 
 
 def _compact_section(size: str, docs: Path, recorded: dict) -> list[str]:
-    """Section 4b, the low-noise parity protocol, from the record alone (it holds the logs' runs)."""
-    return parity.section(None, size, docs, recorded=recorded, protocol=parity.COMPACT, title=COMPACT_TITLE,
-                          plot="parity_compact_gaps.png")
+    """Section 4b, the low-noise parity protocol: a pointer to PARITY.md, which holds its tables (written from the
+    same record by ``parity-report``), so that the two pages never disagree."""
+    title = parity.PAGE_SECTIONS[parity.COMPACT][0].removeprefix("## ")
+    return [COMPACT_TITLE, "",
+            f"Its tables, verdicts and plots are on [{parity.PAGE_NAME}]({parity.PAGE_NAME}), section *{title}*, "
+            f"written from the committed record `{parity.RECORD_NAME}` by `python -m benchmarks.reproduce "
+            "parity-report`.", ""]
 
 
 def refresh_compact_section(docs: Path, size: str = "full", recorded: dict | None = None) -> Path | None:
@@ -782,7 +787,7 @@ def write(root: Path, docs: Path, size: str = "full") -> Path:
     text = ["# Reproducing the TAH-Quant and AQ-SGD claims at small scale", "",
             "Generated by `python -m benchmarks.reproduce report` from the run logs under `runs/reproduce/` "
             f"(size `{size}`); do not edit by hand. Papers: TAH-Quant (arXiv 2506.01352), AQ-SGD (arXiv 2206.01299); "
-            "their numbers are quoted from SPEC.md.", ""]
+            "their numbers are quoted from the papers.", ""]
     text += _summary(checks) + _machine(t) + tput_lines + conv_lines + _ablation_section(root)
     recorded = parity.update_record(root / "convergence", size, docs / parity.RECORD_NAME)
     text += parity.section(None, size, docs, recorded=recorded)  # the record holds the logs' runs

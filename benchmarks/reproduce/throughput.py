@@ -51,7 +51,7 @@ MODEL_TEXT = (
     "serialization factor `k = (T_fp32 - c) / (raw bytes * 8 / rate)` (at least 1) is measured on the "
     "uncompressed fp32 run at the same rate and applied to every codec at that rate: at 100 Mbit/s and in "
     "the paper regime the fp32 run spends more than bytes/rate on the link, at 300 Mbit/s-1 Gbit/s it spends "
-    "less than bytes/rate beyond `c` (part of the transfer overlaps compute), where `k = 1` (the issue's "
+    "less than bytes/rate beyond `c` (part of the transfer overlaps compute), where `k = 1` (the goal's "
     "bytes-only formula) is used. Compute and communication are taken as not overlapping (gloo's p2p waits "
     "block the stage), so an iteration takes `c + t`, with `c` the measured iteration time of the "
     "uncompressed fp32 run on an unthrottled loopback link. The speed-up bound of a codec is "
@@ -72,7 +72,7 @@ CODECS = {
     "aqsgd": ("AQ-SGD 4-bit fwd, 6-bit bwd", ["--tah-forward-codec", "aqsgd", "--tah-forward-bits", "4", *BACKWARD_6BIT]),
     "tah": ("TAH-Quant fwd, 6-bit bwd", ["--tah-forward-codec", "tah", *BACKWARD_6BIT]),
     "fp8": ("fp8 both ways", ["--tah-forward-codec", "fp8", "--tah-backward-codec", "fp8"]),
-    # Issue 26: each link measures its rate and the candidates' costs and chooses (fp32 messages).
+    # auto: each link measures its rate and the candidates' costs and chooses (fp32 messages).
     "auto": ("auto (chosen per link)", ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"]),
     # ... and on a bf16 pipeline, compared with uncompressed bf16 (a bf16 pipeline also computes at another speed).
     "auto_bf16": ("auto (chosen per link), bf16 pipeline",
@@ -85,7 +85,7 @@ FIXED_FP32 = ("none", "fixedpoint4", "aqsgd", "tah", "fp8")
 REPEATED, REPEATS = ("none_bf16", "auto_bf16"), 3
 """Runs repeated at every rate but the paper regime's (``NAME_rep2``, ``NAME_rep3``, in pairs), and how many
 runs each then has: on the bf16 pipeline auto and uncompressed bf16 differ by less than single runs do."""
-"""The fixed codecs of the fp32 pipeline that ``auto`` is compared with (issue 26: >= 0.97x the best of those run)."""
+"""The fixed codecs of the fp32 pipeline that ``auto`` is compared with (the goal: >= 0.97x the best of those run)."""
 
 SIZES = {
     # PP 4, one layer per stage, 1024 tokens per micro-batch, 4 micro-batches per iteration.
