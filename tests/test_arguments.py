@@ -129,7 +129,7 @@ def test_ring_exchange_with_a_pipeline_codec_fails_validation_naming_the_flag(mo
 def test_presets_set_their_fields_and_refuse_a_conflicting_flag(monkeypatch, installed):
     from megatron_tah.config import PRESETS
 
-    # "paper" is TAH-Quant as SPEC.md specifies it, with the 6-bit backward codec: the codecs' own defaults.
+    # "paper" is TAH-Quant as its paper specifies it, with the 6-bit backward codec: the codecs' own defaults.
     assert dataclasses.replace(TahConfig(tah_preset="paper"), tah_preset="none") == TahConfig(
         tah_forward_codec="tah", tah_backward_codec="fixedpoint")
     args = parse(monkeypatch, gpt_argv(2, "--tah-preset", "hadint4", "--tah-log-json", "x.jsonl"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 PRESETS = {
     "none": {},
-    # TAH-Quant exactly as SPEC.md specifies it, with the 6-bit tile-32 backward codec.
+    # TAH-Quant as its paper and the authors' code specify it (docs/CODECS.md), with the 6-bit tile-32 backward codec.
     "paper": {"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint", "tah_tile_size": 64,
               "tah_high_bits": 4, "tah_low_bits": 3, "tah_high_ratio": 0.8, "tah_outlier_threshold": 2.0,
               "tah_allocation": "token", "tah_backward_bits": 6, "tah_backward_tile_size": 32},

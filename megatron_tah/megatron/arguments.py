@@ -46,7 +46,7 @@ def _choices(field: dataclasses.Field) -> tuple:
 
 
 def _values(field: dataclasses.Field) -> str:
-    """A field's valid values for the README: its choices, a codec option's declared range, or nothing."""
+    """A field's valid values for the flag table: its choices, a codec option's declared range, or nothing."""
     option = field.metadata.get("option")
     if option is not None:
         return option.values()
@@ -54,13 +54,14 @@ def _values(field: dataclasses.Field) -> str:
 
 
 def flags_markdown() -> str:
-    """The README's flag table (``| flag | default | values | meaning |``), generated from ``TahConfig``."""
+    """The flag table of docs/FLAGS.md (``| flag | default | values | meaning |``), generated from ``TahConfig``."""
     docs = TahConfig.field_docs()
     rows = ["| flag | default | values | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(TahConfig):
         default = field.default
         shown = ("on" if default else "off") if isinstance(default, bool) else "off" if default is None else default
-        rows.append(f"| `{flag_name(field.name)}` | {shown} | {_values(field)} | {docs.get(field.name, '')} |")
+        meaning = docs.get(field.name, "").replace("|", "\\|")  # a table cell: '|' would end it
+        rows.append(f"| `{flag_name(field.name)}` | {shown} | {_values(field)} | {meaning} |")
     return "\n".join(rows)
 
 
