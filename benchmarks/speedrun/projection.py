@@ -117,10 +117,10 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
     rows = []
     for name, fields in codecs.items():
         cfg = TahConfig(**fields)
-        enc_f, enc_b = cfg.forward_codec(), cfg.backward_codec()
-        fwd_bytes = enc_f.wire_nbytes(SHAPE, torch.bfloat16)
-        bwd_bytes = enc_b.wire_nbytes(SHAPE, torch.bfloat16)
-        t_f, t_b = codec_time(enc_f, SHAPE, measurements), codec_time(enc_b, SHAPE, measurements)
+        fwd_codec, bwd_codec = cfg.forward_codec(), cfg.backward_codec()
+        fwd_bytes = fwd_codec.wire_nbytes(SHAPE, torch.bfloat16)
+        bwd_bytes = bwd_codec.wire_nbytes(SHAPE, torch.bfloat16)
+        t_f, t_b = codec_time(fwd_codec, SHAPE, measurements), codec_time(bwd_codec, SHAPE, measurements)
         fwd_s, bwd_s = _stage_times(t_f, t_b)
         args = (SETUP.stages, SETUP.micro_batches)
         link = (fwd_bytes, bwd_bytes, simulate.BANDWIDTH_BPS, simulate.LATENCY_S)

@@ -258,14 +258,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speedrun.simulate", description=__doc__.split("\n")[0])
     parser.add_argument("--project", action="store_true", help="print each codec's projection beside the records")
     parser.add_argument("--steps-multiplier", nargs="*", default=[], metavar="CODEC=X",
-                        help="steps to target as a multiple of the bf16 record's 2925 (default 1: at equal steps)")
+                        help="steps to target as a multiple of the bf16 record's 2925 (default 1: at equal "
+                             "steps); implies --project")
     args = parser.parse_args(argv)
     print("Calibration: simulated against published s/step (inputs: the records' bytes, micro-batches, "
           "step time without the slow link)")
     for row in calibration_rows():
         print(f"  {row['record']:<12} published {row['published_s']:8.3f}  simulated {row['simulated_s']:8.3f} "
               f"({row['error']:+.2%}; sends not blocking: {row['simulated_nonblocking_s']:.3f})")
-    if args.project:
+    if args.project or args.steps_multiplier:
         from .projection import format_table, project, record_rows
 
         print()
