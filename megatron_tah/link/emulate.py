@@ -54,3 +54,56 @@ class LinkEmulator:
         self.sleep(wait)
         self.total_delay_s += wait
         return wait
+
+
+class InboundWire:
+    """One rank's inbound wire, shared by the messages of both neighbours (a receiver-side meter).
+
+    Model (the WAN yardstick's meter): a message of ``nbytes`` sent at ``sent_at`` (the sender's
+    clock, which travels with the message) starts on the wire at ``max(wire free, sent_at)`` and
+    holds it for ``nbytes * 8 / bandwidth_bps + latency_s`` -- the latency occupies the wire too;
+    the receiver may use the message only when that ends. Messages are metered in the order the
+    receiver takes them (``arrival`` / ``receive`` calls), activations from the previous stage and
+    gradients from the next on the same wire. ``nbytes`` is what is billed: pass the bytes the
+    message actually uses (the wire bytes of a codec), not a padded buffer's size.
+
+    ``sent_at`` must be read from the same clock as ``clock`` (``time.monotonic`` is system-wide on
+    Linux, so processes on one host agree). ``clock`` and ``sleep`` are injectable for tests.
+    """
+
+    def __init__(self, bandwidth_bps: float, latency_s: float = 0.0, clock=time.monotonic, sleep=time.sleep):
+        if not bandwidth_bps > 0:
+            raise ValueError(f"bandwidth_bps must be > 0, got {bandwidth_bps!r}")
+        if not latency_s >= 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s!r}")
+        self.bandwidth_bps = float(bandwidth_bps)
+        self.latency_s = float(latency_s)
+        self.clock = clock
+        self.sleep = sleep
+        self.free_at = float("-inf")  # when the last metered message has arrived
+        self.billed_bytes = 0
+        self.total_delay_s = 0.0  # time spent sleeping in ``receive``
+        self._lock = threading.Lock()
+
+    def occupancy_seconds(self, nbytes: int) -> float:
+        """How long one message of ``nbytes`` holds the wire: serialisation plus latency."""
+        return nbytes * 8.0 / self.bandwidth_bps + self.latency_s
+
+    def arrival(self, sent_at: float, nbytes: int) -> float:
+        """Meter the next message; returns when it has arrived (pure: no clock read, no sleep)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+        with self._lock:
+            start = max(self.free_at, float(sent_at))
+            self.free_at = start + self.occupancy_seconds(nbytes)
+            self.billed_bytes += int(nbytes)
+            return self.free_at
+
+    def receive(self, sent_at: float, nbytes: int) -> float:
+        """Meter the next message and block until it has arrived; returns the seconds slept."""
+        wait = self.arrival(sent_at, nbytes) - self.clock()
+        if wait <= 0:
+            return 0.0
+        self.sleep(wait)
+        self.total_delay_s += wait
+        return wait
