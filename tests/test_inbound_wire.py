@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_tah.megatron.emulate import InboundWire
+from megatron_tah.link.emulate import InboundWire
 
 
 class _FakeClock:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_tah.megatron.emulate import InboundWire
+from megatron_tah.link.emulate import InboundWire
 
 BANDWIDTH_BPS = 200e6  # the reference's link: 200 Mb/s ...
 LATENCY_S = 0.05  # ... and 50 ms at every stage boundary
