@@ -195,11 +195,11 @@ def test_codec_time_takes_the_nearest_measured_shape_scaled_by_element_count():
 
 
 def test_cli_prints_calibration_projection_and_records(capsys):
-    assert simulate.main(["--project", "--steps-multiplier", "paper=1.5"]) == 0
+    assert projection.main(["--project", "--steps-multiplier", "paper=1.5"]) == 0
     out = capsys.readouterr().out
     assert "dense bf16" in out and "ReparamSSN" in out and "100.475" in out and "19.889" in out
     for name in projection.CODECS:
         assert f"\n{name} " in out
     assert "at equal steps" in out and "given multiplier" in out
     with pytest.raises(SystemExit, match="CODEC=X"):
-        simulate.main(["--project", "--steps-multiplier", "paper"])
+        projection.main(["--project", "--steps-multiplier", "paper"])

@@ -2,5 +2,5 @@
 
 * ``simulate`` -- a discrete-event model of Megatron's 1F1B under the inbound-wire link model,
   calibrated on the two published ProtocolNanoGPT records, and the projection of each codec's
-  seconds per step and time to target on that setup (``python -m benchmarks.speedrun.simulate``).
+  seconds per step and time to target on that setup (``python -m benchmarks.speedrun.projection``).
 """

@@ -12,6 +12,7 @@ so. Steps = the bf16 record's 2925 x a steps multiplier per codec (default 1: at
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import importlib.util
@@ -178,3 +179,35 @@ def format_table(rows: list[dict], records: list[dict]) -> str:
                    f"{r['simulated_s_per_step']:>9.3f}"
                    f"{r['steps']:>8}{r['T']:>10.0f}")
     return "\n".join(out)
+
+
+def _multipliers(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--steps-multiplier takes CODEC=X, got {item!r}")
+        out[name] = float(value)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speedrun.projection", description=__doc__.split("\n")[0])
+    parser.add_argument("--project", action="store_true", help="print each codec's projection beside the records")
+    parser.add_argument("--steps-multiplier", nargs="*", default=[], metavar="CODEC=X",
+                        help="steps to target as a multiple of the bf16 record's 2925 (default 1: at equal "
+                             "steps); implies --project")
+    args = parser.parse_args(argv)
+    print("Calibration: simulated against published s/step (inputs: the records' bytes, micro-batches, "
+          "step time without the slow link)")
+    for row in simulate.calibration_rows():
+        print(f"  {row['record']:<12} published {row['published_s']:8.3f}  simulated {row['simulated_s']:8.3f} "
+              f"({row['error']:+.2%}; sends not blocking: {row['simulated_nonblocking_s']:.3f})")
+    if args.project or args.steps_multiplier:
+        print()
+        print(format_table(project(_multipliers(args.steps_multiplier)), record_rows()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

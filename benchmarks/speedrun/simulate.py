@@ -34,7 +34,6 @@ do); the result is the makespan divided by ``steps``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from megatron_tah.link.emulate import InboundWire
@@ -242,37 +241,3 @@ def calibration_rows(*, steps: int = 1) -> list[dict]:
                          error=sim / rec.published_s_per_step - 1.0, simulated_nonblocking_s=eager,
                          error_nonblocking=eager / rec.published_s_per_step - 1.0))
     return rows
-
-
-def _multipliers(items: list[str]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--steps-multiplier takes CODEC=X, got {item!r}")
-        out[name] = float(value)
-    return out
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speedrun.simulate", description=__doc__.split("\n")[0])
-    parser.add_argument("--project", action="store_true", help="print each codec's projection beside the records")
-    parser.add_argument("--steps-multiplier", nargs="*", default=[], metavar="CODEC=X",
-                        help="steps to target as a multiple of the bf16 record's 2925 (default 1: at equal "
-                             "steps); implies --project")
-    args = parser.parse_args(argv)
-    print("Calibration: simulated against published s/step (inputs: the records' bytes, micro-batches, "
-          "step time without the slow link)")
-    for row in calibration_rows():
-        print(f"  {row['record']:<12} published {row['published_s']:8.3f}  simulated {row['simulated_s']:8.3f} "
-              f"({row['error']:+.2%}; sends not blocking: {row['simulated_nonblocking_s']:.3f})")
-    if args.project or args.steps_multiplier:
-        from .projection import format_table, project, record_rows
-
-        print()
-        print(format_table(project(_multipliers(args.steps_multiplier)), record_rows()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
