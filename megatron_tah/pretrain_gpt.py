@@ -44,10 +44,30 @@ def add_script_arguments(parser):
     group.add_argument("--fixed-epoch-samples", action="store_true",
                        help="Revisit one epoch of fixed samples every epoch (new order), each with a stable "
                             "sample id; implied by --tah-forward-codec aqsgd.")
+    group.add_argument("--fixed-validation", action="store_true",
+                       help="Every evaluation reads the same eval-iters x global-batch-size validation samples "
+                            "(the first ones of the validation split), so that validation losses of one run, "
+                            "and of runs with the same seed, compare on the same tokens.")
     return parser
 
 
 # ----- data ----------------------------------------------------------------------------------
+class RepeatedSamples(torch.utils.data.Dataset):
+    """``num_samples`` items cycling over the first ``period`` items of ``samples`` (``--fixed-validation``)."""
+
+    def __init__(self, samples, num_samples: int, period: int):
+        if period > len(samples):
+            raise ValueError(f"--fixed-validation needs {period} validation samples (eval-iters x global-batch-size), "
+                             f"the validation split has {len(samples)}")
+        self.samples, self.num_samples, self.period = samples, int(num_samples), int(period)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[int(index) % self.period]
+
+
 class RevisitedSamples(torch.utils.data.Dataset):
     """``num_samples`` items drawn epoch by epoch from one epoch of ``samples``, in a new seeded order
     per epoch; every item gets ``"sample_ids"`` = its index in ``samples`` + ``id_base``."""
@@ -105,9 +125,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     sizes = [None, None, train_val_test_num_samples[2]] if fixed else train_val_test_num_samples
     built = BlendedMegatronDatasetBuilder(
         GPTDataset, sizes, lambda: mpu.get_tensor_model_parallel_rank() == 0, _dataset_config(args)).build()
-    if not fixed:
-        return built
     train, valid, test = built
+    if getattr(args, "fixed_validation", False) and valid is not None:
+        valid = RepeatedSamples(valid, len(valid), args.eval_iters * args.global_batch_size)
+        print_rank_0(f"> --fixed-validation: every evaluation reads the same {valid.period} validation samples")
+    if not fixed:
+        return train, valid, test
     if train is not None:
         print_rank_0(f"> --fixed-epoch-samples: {len(train)} training samples revisited every epoch, "
                      f"{len(valid) if valid is not None else 0} validation samples")

@@ -67,3 +67,45 @@ def test_only_the_bytes_passed_are_billed_and_bad_inputs_are_refused():
         InboundWire(0)
     with pytest.raises(ValueError, match="latency"):
         InboundWire(1e6, latency_s=-0.1)
+
+
+def test_the_transport_meters_each_receive_on_the_inbound_wire_from_the_senders_stamp():
+    """``--tah-emulate-wire inbound``: a receive waits until its message has crossed this rank's one inbound
+    wire, from the send time its trailer carries; only the codec's bytes are billed (the stamp's trailer is
+    not traffic), activations and gradients queue on the same wire, and the decode is unchanged."""
+    import torch
+
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.message import Message
+    from megatron_tah.link.transport import PipelineTransport
+    from megatron_tah.link.wire import TRAILER_NBYTES, Trailer, append_trailer
+    from megatron_tah.megatron.places import STREAMS
+    from megatron_tah.megatron.stats import Stats
+
+    config = TahConfig(tah_forward_codec="fixedpoint", tah_forward_bits=8, tah_emulate_bandwidth="8mbit",
+                       tah_emulate_latency_ms=500, tah_emulate_wire="inbound")
+    transport = PipelineTransport(config, Stats(STREAMS))
+    assert transport.emulator is None and transport.trailer_nbytes == TRAILER_NBYTES
+    clock = _FakeClock()
+    clock.now = 100.0
+    transport.inbound = InboundWire(8e6, 0.5, clock=clock, sleep=clock.sleep)
+
+    def receive(direction, sent_at, x):
+        link = transport.link(direction, "recv", 0)
+        codec = transport.codec(link)
+        message = append_trailer(codec.encode(x), Trailer(None, sent_at, None))
+        target = torch.empty_like(x)
+        m = Message(link, message, target=target, codec=codec, extra_nbytes=TRAILER_NBYTES, stages=(0, 1))
+        m.completed_at = 0.0
+        transport.finish(m)
+        return codec.wire_nbytes(x.shape, x.dtype), target
+
+    x = torch.randn(64, 2, 128)
+    nbytes, decoded = receive("forward", 99.9, x)  # sent 0.1 s ago, the wire idle: arrives at 99.9 + bytes/rate + 0.5
+    first = 99.9 + nbytes * 8 / 8e6 + 0.5
+    assert clock.now == pytest.approx(first)
+    assert torch.allclose(decoded, x, atol=0.05 * x.abs().max().item())
+    g = 1e-5 * torch.randn(64, 2, 128)
+    grad_nbytes, _ = receive("backward", 100.0, g)  # sent before the wire was free: it queues behind the activation
+    assert clock.now == pytest.approx(first + grad_nbytes * 8 / 8e6 + 0.5)
+    assert transport.inbound.billed_bytes == nbytes + grad_nbytes

@@ -260,6 +260,26 @@ def _emulated(build, bandwidth):
     return elapsed, max(links.values(), default=0), slept
 
 
+def _inbound(build, bandwidth="2mbit", latency_ms=20.0):
+    """One iteration over the emulated inbound wire: (elapsed s, billed bytes, messages received, slept s)."""
+    import time
+
+    import megatron_tah
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
+
+    chunks = build()
+    megatron_tah.install(tah_forward_codec="fixedpoint", tah_backward_codec="fixedpoint", tah_emulate_bandwidth=bandwidth,
+                         tah_emulate_latency_ms=latency_ms, tah_emulate_wire="inbound")
+    start = time.monotonic()
+    _train(chunks, 1)
+    elapsed = time.monotonic() - start
+    transport = installed_transport()
+    received = sum(link.messages for link in transport.links.values() if link.role == "recv")
+    result = (elapsed, transport.inbound.billed_bytes, received, transport.inbound.total_delay_s)
+    megatron_tah.uninstall()
+    return result
+
+
 def _scenarios(rank, world_size, schedules, lossy=(), iterations=20, extras=(), exact_iterations=2):
     """Runs inside every rank: the scenarios of one test, in one process group.
 
@@ -282,6 +302,8 @@ def _scenarios(rank, world_size, schedules, lossy=(), iterations=20, extras=(), 
         results["mismatch"] = _mismatch(rank, build_1f1b)
     if "emulate" in extras:
         results["emulate"] = _emulated(build_1f1b, "2mbit")
+    if "inbound" in extras:
+        results["inbound"] = _inbound(build_1f1b)
     return results
 
 
@@ -342,7 +364,8 @@ def _check_lossy(results, world_size, name, codec):
 
 def test_pp2_all_schedules_exact_wire_bytes_lossy_mismatch_emulation():
     lossy = [(name, LOSSY_FORWARD) for name, *_ in SCHEDULES]
-    results = run_distributed(_scenarios, 2, SCHEDULES, lossy, 20, ("mismatch", "emulate"), env=ENV, timeout=900)
+    results = run_distributed(_scenarios, 2, SCHEDULES, lossy, 20, ("mismatch", "emulate", "inbound"), env=ENV,
+                              timeout=900)
     _check_exact_and_wire(results, 2, SCHEDULES, 2)
     for name, codec in lossy:
         _check_lossy(results, 2, name, codec)
@@ -355,6 +378,12 @@ def test_pp2_all_schedules_exact_wire_bytes_lossy_mismatch_emulation():
     for rank in range(2):
         elapsed, busiest, slept = results[rank]["emulate"]
         assert elapsed >= busiest * 8 / 2e6 and slept > 0, (elapsed, busiest, slept)
+    # The inbound wire: every received message held this rank's one wire for its codec bytes / rate plus the
+    # 20 ms latency, one after the other, so the iteration lasted at least their sum; the stamp is not billed.
+    for rank in range(2):
+        elapsed, billed, received, slept = results[rank]["inbound"]
+        assert received == MICRO_BATCHES and billed > 0 and slept > 0, (billed, received, slept)
+        assert elapsed >= billed * 8 / 2e6 + received * 0.020, (elapsed, billed, received)
 
 
 def test_pp4_all_schedules_exact_wire_bytes_and_aqsgd_sample_ids():

@@ -38,6 +38,7 @@ TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
+EMULATED_WIRES = ("link", "inbound")
 
 
 def _codec_options() -> dict[str, Option]:
@@ -147,6 +148,9 @@ class TahConfig:
     tah_emulate_latency_ms: float = 0.0
     """Extra one-way latency per message in milliseconds, with --tah-emulate-bandwidth."""
 
+    tah_emulate_wire: str = dataclasses.field(default="link", metadata={"choices": EMULATED_WIRES})
+    """How --tah-emulate-bandwidth meters messages: link (each directed link between two stages is its own pipe; the latency delays a message without holding the pipe) or inbound (each rank has one inbound wire shared by the activations from the previous stage and the gradients from the next; a message holds it from max(wire free, its sender's send time, carried in a 24-byte trailer that is not billed) for its bytes / rate plus the latency, then the receiver may use it: the WAN speedrun's meter)."""
+
     tah_log_json: str | None = None
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
@@ -216,6 +220,9 @@ class TahConfig:
                                      "use auto or torch")
         if self.tah_emulate_bandwidth is not None:
             parse_bandwidth(self.tah_emulate_bandwidth)
+        if self.tah_emulate_wire != "link" and self.tah_emulate_bandwidth is None:
+            raise ValueError(f"tah_emulate_wire = {self.tah_emulate_wire!r} meters the emulated link: it needs "
+                             "tah_emulate_bandwidth")
         if self.tah_emulate_latency_ms < 0:
             raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.

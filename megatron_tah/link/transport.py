@@ -39,7 +39,9 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
   measured encode time into that table (``auto.py``); a replayed current codec would skew the choice.
 * Statistics go to the sink the transport is given (``record_send``, ``record_codec_time``,
   ``record_auto``: ``megatron/stats.py``'s ``Stats``); ``tah_emulate_bandwidth`` delays message
-  completion (``emulate.LinkEmulator``).
+  completion: per directed link (``emulate.LinkEmulator``), or with ``tah_emulate_wire = "inbound"`` on
+  the receiver's one inbound wire (``emulate.InboundWire``), from the sender's send time that every
+  message then carries in the trailer (``wire.py``; not billed unless auto sends it anyway).
 * Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
   (gloo's send/recv read host memory) or with ``--tah-share-gpus`` (on CPU too: how CI runs this path),
   a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
@@ -65,7 +67,7 @@ from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, ti
 from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
 from .auto import AutoEnd
-from .emulate import LinkEmulator
+from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .measure import MIN_SECONDS
 from .message import Handle, Message
@@ -121,11 +123,18 @@ class PipelineTransport:
         self.config = config
         self.stats = stats
         self.iteration, self.virtual_stages = iteration, virtual_stages
-        bandwidth = config.emulated_bandwidth_bps
-        self.emulator = None if bandwidth is None else LinkEmulator(bandwidth, config.tah_emulate_latency_ms / 1e3)
+        bandwidth, latency = config.emulated_bandwidth_bps, config.tah_emulate_latency_ms / 1e3
+        self.emulator = self.inbound = None
+        if bandwidth is not None and config.tah_emulate_wire == "inbound":
+            self.inbound = InboundWire(bandwidth, latency, clock=time.time)  # the trailer's stamps are wall time
+        elif bandwidth is not None:
+            self.emulator = LinkEmulator(bandwidth, latency)
         self.links: dict[tuple[str, str, int], Link] = {}
         auto = config.is_auto("forward") or config.is_auto("backward")
-        self.trailer_nbytes = message_extra_nbytes(auto)  # the trailer after every message (wire.py)
+        self.auto = auto
+        # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
+        self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
+        self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
         self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
@@ -253,7 +262,8 @@ class PipelineTransport:
                 self.stats.record_auto(link.peer, link.auto.current,
                                        rate.rate_bps if rate else None, rate.spread_bps if rate else None)
         link.messages += 1
-        self.stats.record_send(link.direction, x.numel() * x.element_size(), buf.numel(), link.peer,
+        wire_nbytes = buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes  # (the inbound wire's stamp: not traffic)
+        self.stats.record_send(link.direction, x.numel() * x.element_size(), wire_nbytes, link.peer,
                                rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated", None))
         return buf
 
@@ -305,13 +315,18 @@ class PipelineTransport:
         m.done = True
         link = m.link
         trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
+        done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
         if self.emulator is not None:
             me = torch.distributed.get_rank()
             pair = (link.peer, me) if m.is_recv else (me, link.peer)
             self.emulator.complete(pair, m.buf.numel(), m.completed_at, receiver=m.is_recv)
-        if trailer is not None:
-            done_at = m.completed_at if self.emulator is None else self.emulator.last_finish
-            self.received_trailer(link, trailer, m.buf.numel(), wall_seconds(done_at))
+            done_at = wall_seconds(self.emulator.last_finish)
+        if self.inbound is not None and trailer is not None:
+            billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes
+            self.inbound.receive(decode_trailer(trailer).sent_at, billed)
+            done_at = self.inbound.free_at
+        if trailer is not None and self.auto:
+            self.received_trailer(link, trailer, m.buf.numel(), done_at)
         if m.is_recv:
             self._decode(m)
         m.release()

@@ -1,0 +1,106 @@
+"""Pipeline boundaries emulated in one process: Megatron's loop at pipeline depth 1 with the pipeline's codecs
+after chosen transformer layers.
+
+A boundary after layer ``k`` makes layer ``k``'s output what the next stage of a pipeline split there would
+receive: the forward codec's ``decode(encode(x))``; and the gradient flowing back through it what the
+previous stage would receive: the backward codec's ``decode(encode(g))`` -- the same tensors, the same codec
+calls (one codec object per boundary and direction, as one per link end) and the same order of micro-batches
+as a real pipeline of that depth, without one process per stage. Boundaries after layers ``1..7`` of an
+8-layer model are a pipeline of 8 stages of one layer. Not the same bits as a real pipeline: Megatron seeds
+each pipeline rank's initialisation differently.
+
+``Boundaries.install()`` wraps ``megatron.core.transformer.transformer_layer.TransformerLayer.forward`` (looked
+up at call time by every layer) through ``megatron_tah.megatron.patching.Patches``; ``restore()`` undoes it.
+Every ``sample_every``-th call of a boundary and direction appends ``{"boundary", "direction", "call",
+"rel_error", "rms"}`` (the codec's relative round-trip error on that message and the message's rms) to
+``log``, a JSON-lines file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_tah.config import TahConfig
+from megatron_tah.megatron.patching import Patches
+
+LAYER_MODULE = "megatron.core.transformer.transformer_layer"
+
+
+def _iteration() -> int:
+    from megatron.training.global_vars import get_args
+
+    return int(getattr(get_args(), "curr_iteration", 0) or 0)
+
+
+class _RoundTrip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, boundaries, layer):
+        ctx.boundaries, ctx.layer = boundaries, layer
+        return boundaries.round_trip(layer, "forward", x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.boundaries.round_trip(ctx.layer, "backward", grad.contiguous()), None, None
+
+
+class Boundaries:
+    """Boundaries after ``layers`` (1-based layer numbers) with the forward codec of ``TahConfig(**forward)``
+    and the backward codec of ``TahConfig(**backward)``; ``per_boundary`` {layer: TahConfig fields} overrides
+    the forward codec at single boundaries; the first ``warmup_iters`` training iterations (Megatron's
+    ``args.curr_iteration``) send uncompressed, as ``--tah-warmup-iters`` does."""
+
+    def __init__(self, layers, forward: dict, backward: dict, log: str | Path | None = None, sample_every: int = 10,
+                 per_boundary: dict | None = None, warmup_iters: int = 0):
+        self.layers = frozenset(int(k) for k in layers)
+        self.configs = {"forward": TahConfig(**forward), "backward": TahConfig(**backward)}
+        self.per_boundary = {int(k): TahConfig(**v) for k, v in (per_boundary or {}).items()}
+        self.warmup_iters = int(warmup_iters)
+        self.codecs: dict[tuple[int, str], object] = {}
+        self.calls: dict[tuple[int, str], int] = {}
+        self.log, self.sample_every = (None if log is None else Path(log)), sample_every
+        self.patches = Patches()
+
+    def codec(self, layer: int, direction: str):
+        key = (layer, direction)
+        if key not in self.codecs:
+            config = self.per_boundary.get(layer, self.configs[direction]) if direction == "forward" \
+                else self.configs[direction]
+            self.codecs[key] = config.forward_codec() if direction == "forward" else config.backward_codec()
+        return self.codecs[key]
+
+    def round_trip(self, layer: int, direction: str, x: torch.Tensor) -> torch.Tensor:
+        codec = self.codec(layer, direction)
+        if codec.name == "none" or (self.warmup_iters and _iteration() < self.warmup_iters):
+            return x
+        x = x.detach()
+        y = codec.decode(codec.encode(x), x.shape, x.dtype)
+        key = (layer, direction)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.log is not None and self.calls[key] % self.sample_every == 1:
+            xf = x.float()
+            record = {"boundary": layer, "direction": direction, "call": self.calls[key],
+                      "rel_error": float((y.float() - xf).norm() / xf.norm().clamp_min(1e-30)),
+                      "rms": float(xf.pow(2).mean().sqrt())}
+            with open(self.log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return y
+
+    def install(self) -> None:
+        boundaries = self
+
+        def make(original):
+            def forward(layer, *args, **kwargs):
+                out, context = original(layer, *args, **kwargs)
+                if layer.layer_number in boundaries.layers:
+                    out = _RoundTrip.apply(out, boundaries, layer.layer_number)
+                return out, context
+
+            return forward
+
+        self.patches.wrap(f"{LAYER_MODULE}:TransformerLayer", "forward", make)
+
+    def restore(self) -> None:
+        self.patches.restore()

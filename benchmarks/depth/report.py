@@ -1,0 +1,156 @@
+"""The depth study's page: tables and plots from the runs of ``python -m benchmarks.depth``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+from ..reproduce.runner import read_log
+
+GROUPS = {
+    "depth": "Depth: the paper's configuration at 1, 3 and 7 boundaries (pipeline depth 2, 4, 8)",
+    "direction": "Direction: forward codec alone, backward codec alone (pipeline depth 8)",
+    "boundary": "Position: the paper's forward codec at a single boundary",
+    "forward": "Forward codecs at pipeline depth 8 (gradients uncompressed)",
+    "backward": "Backward codecs at pipeline depth 8 (activations uncompressed)",
+    "remedy": "Remedies at pipeline depth 8 (both directions)",
+    "seeds": "Second seed",
+}
+
+
+def summarize(study, out: Path) -> dict:
+    """Final validation loss, the sampled round-trip errors and rms per boundary (last quarter of the run)."""
+    records = read_log(out / f"{study.name}.jsonl")
+    validations = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
+    errors: dict[str, dict[int, list]] = {"forward": {}, "backward": {}}
+    path = out / f"{study.name}.errors.jsonl"
+    samples = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    last = {d: max((s["call"] for s in samples if s["direction"] == d), default=0) for d in errors}
+    for s in samples:
+        if s["call"] >= 0.75 * last[s["direction"]]:
+            errors[s["direction"]].setdefault(s["boundary"], []).append(s)
+    per_boundary = {d: {k: {"rel_error": statistics.fmean(x["rel_error"] for x in v),
+                            "rms": statistics.fmean(x["rms"] for x in v)} for k, v in sorted(by.items())}
+                    for d, by in errors.items()}
+    return {"name": study.name, "group": study.group, "label": study.label, "seed": study.seed,
+            "final_loss": validations[-1][1], "validations": validations, "per_boundary": per_boundary}
+
+
+def _mean(values):
+    values = list(values)
+    return statistics.fmean(values) if values else None
+
+
+def build(studies, out: Path, host: dict) -> dict:
+    done = [s for s in studies if (out / f"{s.name}.done").is_file()]
+    rows = {s.name: summarize(s, out) for s in done}
+    base = {r["seed"]: r["final_loss"] for r in rows.values() if r["name"].startswith("none")}
+    for r in rows.values():
+        r["gap"] = r["final_loss"] - base[r["seed"]] if r["seed"] in base else None
+        fwd = r["per_boundary"]["forward"]
+        r["forward_error"] = _mean(v["rel_error"] for v in fwd.values())
+        r["backward_error"] = _mean(v["rel_error"] for v in r["per_boundary"]["backward"].values())
+        r["last_rms"] = fwd[max(fwd)]["rms"] if fwd else None
+    return {"date": datetime.date.today().isoformat(), "host": host, "rows": rows}
+
+
+def _fmt(value, digits=3, signed=False):
+    if value is None:
+        return "–"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def tables(result: dict) -> str:
+    parts = []
+    for group, title in GROUPS.items():
+        rows = [r for r in result["rows"].values() if r["group"] == group]
+        if not rows:
+            continue
+        parts.append(f"### {title}\n\n| run | final loss | gap | fwd error | bwd error | rms at the last boundary |\n"
+                     "|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            parts.append(f"| {r['label']} (`{r['name']}`) | {r['final_loss']:.4f} | {_fmt(r['gap'], 4, True)} | "
+                         f"{_fmt(r['forward_error'])} | {_fmt(r['backward_error'])} | {_fmt(r['last_rms'], 2)} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plots(result: dict, data: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = {}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family, marker in (("fixedpoint", "o"), ("hadint", "s"), ("channel", "^")):
+        pts = sorted((r["forward_error"], r["gap"], r["name"]) for r in rows.values()
+                     if r["group"] == "forward" and r["name"].startswith(family) and "sr" not in r["name"]
+                     and r["gap"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=family)
+    for r in rows.values():
+        if r["name"] in ("paper_fwd_pp8", "hadint4sr_pp8", "tah_norotation_pp8") and r["gap"] is not None:
+            ax.scatter([r["forward_error"]], [r["gap"]], marker="x")
+            ax.annotate(r["name"], (r["forward_error"], r["gap"]), fontsize=7)
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xlabel("relative round-trip error of the forward codec (sampled, last quarter of training)")
+    ax.set_ylabel("final validation loss - uncompressed")
+    ax.set_title("Forward codecs at pipeline depth 8")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(data / "depth_gap_vs_error.png", dpi=110)
+    plt.close(fig)
+    names["gap_vs_error"] = "data/depth_gap_vs_error.png"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("none", "paper_pp2", "paper_pp4", "paper_pp8", "channel4_fixedpoint4sr_pp8"):
+        if name in rows:
+            its, losses = zip(*rows[name]["validations"])
+            ax.plot(its, losses, label=rows[name]["label"])
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("validation loss (fixed batches, through the codecs)")
+    ax.set_ylim(min(r["final_loss"] for r in rows.values()) - 0.1, 6.8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(data / "depth_curves.png", dpi=110)
+    plt.close(fig)
+    names["curves"] = "data/depth_curves.png"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("fixedpoint8_pp8", "channel4_pp8", "fixedpoint4_pp8", "hadint4_pp8", "paper_fwd_pp8", "hadint4sr_pp8"):
+        if name in rows and rows[name]["per_boundary"]["forward"]:
+            fwd = rows[name]["per_boundary"]["forward"]
+            ax.plot(list(fwd), [v["rms"] for v in fwd.values()], marker="o", label=rows[name]["label"])
+    ax.set_yscale("log")
+    ax.set_xlabel("boundary (after layer k)")
+    ax.set_ylabel("rms of the activations sent (last quarter of training)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(data / "depth_rms.png", dpi=110)
+    plt.close(fig)
+    names["rms"] = "data/depth_rms.png"
+    return names
+
+
+def write_page(studies, out: Path, page: Path, host: dict) -> None:
+    result = build(studies, out, host)
+    page = Path(page)
+    data = page.parent / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "depth.json").write_text(json.dumps(result, indent=1) + "\n")
+    images = plots(result, data)
+    rows = result["rows"]
+
+    def gap(name):
+        return _fmt(rows[name]["gap"], 3, True) if name in rows and rows[name]["gap"] is not None else "–"
+
+    def value(name, key, digits=3):
+        return _fmt(rows[name][key], digits) if name in rows else "–"
+
+    template = (Path(__file__).parent / "page.md").read_text()
+    page.write_text(template.format(
+        date=result["date"], cpu=host["cpu"], cores=host["cores"], tables=tables(result), **images,
+        **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
+        **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}))

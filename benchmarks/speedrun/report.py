@@ -1,0 +1,176 @@
+"""The speedrun's numbers per codec (``build``) and its page (``write_page``: markdown, JSON, plot)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from . import projection, runs, score
+
+PROJECTION_NAMES = {"bf16": "none"}  # speedrun codec -> projection.CODECS name, where they differ
+
+
+def _steps_by_seed(losses: dict, codec: str, target: float) -> tuple[dict[int, int], dict[int, int]]:
+    """{seed: steps to target} (the shortest schedule that reached it) and {seed: longest schedule run}
+    of ``codec``'s loss runs."""
+    reached, longest = {}, {}
+    for run in sorted((r for r in losses.values() if r["codec"] == codec), key=lambda r: r["iters"]):
+        seed = run["seed"]
+        longest[seed] = run["iters"]
+        steps = score.steps_to_target(run["validations"], target)
+        if steps is not None and seed not in reached:
+            reached[seed] = steps
+    return reached, longest
+
+
+def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
+    """Bits per value each way and bytes per token (both directions, one boundary) from the base schedule's
+    wire bytes (every link and micro-batch of an iteration summed)."""
+    run = min((r for r in losses.values() if r["codec"] == codec), key=lambda r: (r["iters"], r["seed"]))
+    fwd, bwd = run["bytes"]
+    messages = (size.stages - 1) * size.micro_batches
+    seq, mb, hidden = size.message_shape
+    values, tokens = seq * mb * hidden, seq * mb
+    return {"forward_bits": 8 * fwd / (messages * values), "backward_bits": 8 * bwd / (messages * values),
+            "bytes_per_token": (fwd + bwd) / (messages * tokens)}
+
+
+def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
+          host: dict) -> dict:
+    """Everything the page shows: the setup, one row per codec, the curves and the projection."""
+    base_steps, _ = _steps_by_seed(losses, "bf16", target)
+    base_T = None
+    rows = []
+    for codec in [c for c in runs.CODECS if c in steady]:
+        reached, longest = _steps_by_seed(losses, codec, target)
+        seeds = sorted(longest)
+        row = {"codec": codec, "seeds": seeds, **_bits(losses, codec, size),
+               "s_per_step": steady[codec]["seconds"], "steady": steady[codec]["steady"],
+               "steps_by_seed": {str(s): reached.get(s) for s in seeds},
+               "schedule_by_seed": {str(s): longest[s] for s in seeds}}
+        if len(reached) == len(seeds):
+            steps = score.mean_interval([reached[s] for s in seeds])
+            ratio = score.paired_ratio(reached, base_steps)
+            row.update(steps=steps.mean, steps_low=steps.low, steps_high=steps.high,
+                       multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high,
+                       T=steps.mean * row["s_per_step"])
+            if codec == "bf16":
+                base_T = row["T"]
+        else:
+            row.update(steps=None, multiplier=None, T=None)
+        rows.append(row)
+    for row in rows:
+        row["T_vs_bf16"] = row["T"] / base_T if row["T"] and base_T else None
+    measured = {PROJECTION_NAMES.get(r["codec"], r["codec"]): r["multiplier"] for r in rows
+                if r["multiplier"] is not None and PROJECTION_NAMES.get(r["codec"], r["codec"]) in projection.CODECS}
+    curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"]}
+              for name, r in losses.items()}
+    return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name,
+            "setup": {"stages": size.stages, "hidden": size.hidden, "seq": size.seq, "micro_batch": size.micro_batch,
+                      "micro_batches": size.micro_batches, "iters": size.iters, "eval_interval": size.eval_interval,
+                      "eval_iters": size.eval_iters},
+            "target": target, "compute_s_per_step": compute_s,
+            "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
+            "table": rows, "curves": curves,
+            "projection": projection.project(measured, multiplier_label="measured at CPU scale"),
+            "records": projection.record_rows()}
+
+
+def _fmt(value, digits=2, suffix=""):
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _steps_text(row: dict) -> str:
+    if row["steps"] is None:
+        missed = [s for s, v in row["steps_by_seed"].items() if v is None]
+        return f"missed (seed {', '.join(missed)}; schedule {max(row['schedule_by_seed'].values())})"
+    if len(row["seeds"]) == 1:
+        return f"{row['steps']:.0f} (one seed)"
+    return f"{row['steps']:.0f} [{row['steps_low']:.0f}, {row['steps_high']:.0f}]"
+
+
+def _multiplier_text(row: dict) -> str:
+    if row["multiplier"] is None:
+        return "–"
+    if len(row["seeds"]) == 1:
+        return f"{row['multiplier']:.2f}x"
+    return f"{row['multiplier']:.2f}x [{row['multiplier_low']:.2f}, {row['multiplier_high']:.2f}]"
+
+
+def table_markdown(result: dict) -> str:
+    rows = ["| codec | fwd bits | bwd bits | bytes/token | steps to target | steps vs bf16 | s/step | T (s) | T vs bf16 |",
+            "|---|---:|---:|---:|---|---|---:|---:|---:|"]
+    for r in result["table"]:
+        steady = "" if r["steady"] else " (not steady)"
+        rows.append(f"| {r['codec']} | {r['forward_bits']:.2f} | {r['backward_bits']:.2f} | {r['bytes_per_token']:.1f} | "
+                    f"{_steps_text(r)} | {_multiplier_text(r)} | {r['s_per_step']:.3f}{steady} | {_fmt(r['T'], 0)} | "
+                    f"{_fmt(r['T_vs_bf16'], 3, 'x')} |")
+    return "\n".join(rows)
+
+
+def projection_markdown(result: dict) -> str:
+    rows = ["| codec | fwd bits | bwd bits | bytes/token | s/step | steps (multiplier) | T (s) | T vs bf16 record |",
+            "|---|---:|---:|---:|---:|---|---:|---:|"]
+    bf16_record = result["records"][0]["T"]
+    for r in result["projection"]:
+        rows.append(f"| {r['codec']} | {r['forward_bits']:.2f} | {r['backward_bits']:.2f} | {r['bytes_per_token']:.0f} | "
+                    f"{r['s_per_step']:.2f} | {r['steps']:.0f} ({r['steps_multiplier']:.2f}x, {r['steps_label']}) | "
+                    f"{r['T']:,.0f} | {r['T'] / bf16_record:.3f}x |")
+    for rec in result["records"]:
+        rows.append(f"| record: {rec['record']} | | | {rec['bytes_per_token']:.0f} | {rec['published_s_per_step']:.2f} "
+                    f"(model: {rec['simulated_s_per_step']:.2f}) | {rec['steps']} (published) | {rec['T']:,.0f} | "
+                    f"{rec['T'] / bf16_record:.3f}x |")
+    return "\n".join(rows)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Validation loss against simulated wall-clock time (iteration x the codec's steady s/step), one line per
+    codec (its first seed, every schedule it ran), the target as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seconds = {r["codec"]: r["s_per_step"] for r in result["table"]}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for codec in seconds:
+        curves = [c for c in result["curves"].values() if c["codec"] == codec]
+        if not curves:
+            continue
+        first = min(c["seed"] for c in curves)
+        for c in sorted((c for c in curves if c["seed"] == first), key=lambda c: c["iters"]):
+            its, losses = zip(*c["validations"])
+            ax.plot([i * seconds[codec] / 3600 for i in its], losses, label=f"{codec} ({c['iters']} steps)")
+    ax.axhline(result["target"], color="black", linestyle=":", label=f"target {result['target']:.3f}")
+    ax.set_xlabel("simulated wall-clock time (h): iteration x steady s/step behind the emulated wire")
+    ax.set_ylabel("validation loss (fixed batches, through the codec)")
+    ax.set_ylim(result["target"] - 0.3, result["target"] + 1.2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_page(result: dict, page: Path) -> None:
+    """``page`` (markdown), with its JSON and plot under ``docs/data/`` beside it."""
+    page = Path(page)
+    data = page.parent / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    stem = page.stem.lower()
+    (data / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, data / f"{stem}.png")
+    template = (Path(__file__).parent / "page.md").read_text()
+    scored = [r for r in result["table"] if r["T_vs_bf16"] is not None and r["codec"] != "bf16"]
+    best = min(scored, key=lambda r: r["T"], default=None)
+    headline = ("No codec reached the target." if best is None else
+                f"**Best: `{best['codec']}`, T = {best['T_vs_bf16']:.3f}x bf16's** ({best['forward_bits']:.2f} + "
+                f"{best['backward_bits']:.2f} bits per value, steps {_multiplier_text(best)} bf16's).")
+    link, setup = result["link"], result["setup"]
+    page.write_text(template.format(
+        headline=headline, date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
+        target=f"{result['target']:.3f}", compute=f"{result['compute_s_per_step']:.3f}",
+        rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",
+        iters=setup["iters"], eval_interval=setup["eval_interval"], eval_iters=setup["eval_iters"],
+        micro_batches=setup["micro_batches"], table=table_markdown(result), projection=projection_markdown(result),
+        plot=f"data/{stem}.png", json=f"data/{stem}.json"))

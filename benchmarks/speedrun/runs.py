@@ -1,0 +1,145 @@
+"""The CPU speedrun's runs: the model, the codecs, the loss runs and the timing runs (Megatron's own loop).
+
+Every run is ``python -m megatron_tah.pretrain_gpt`` at pipeline depth 8, one transformer layer per
+stage (``benchmarks.reproduce.runner``: torchrun, gloo, the CPU flags), on the shipped Shakespeare corpus
+tokenized with GPT-2's BPE and its ids compacted to the 8190 most frequent plus ``<unk>`` and the
+end-of-document (``python -m megatron_tah.data --vocab-limit 8192``: the output layer of the full
+50257-id vocabulary was 80% of this model's compute). Input embedding and output layer are untied, as in
+the reference model: tied, Megatron all-reduces their gradients between the first and the last stage
+every iteration, outside the pipeline.
+
+* A **loss run** trains without a slow link (a codec's numerics do not depend on the link), validating
+  every ``eval_interval`` iterations on the same ``eval_iters`` batches each time (``--fixed-validation``)
+  through the codecs (``--tah-eval-traffic codec``, as the reference evaluates).
+* A **timing run** trains ``timing_iters`` iterations of the same model behind the emulated inbound wire
+  (``--tah-emulate-wire inbound``: one wire per rank, the WAN yardstick's meter) and never validates; its
+  per-iteration wall times give the steady seconds per step (``score.steady_seconds``).
+* ``auto`` chooses its codecs from the link it measures, so its loss run runs behind the same emulated
+  wire as its timing run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from ..reproduce.runner import Run
+
+CODECS: dict[str, list[str]] = {
+    "bf16": [],  # uncompressed: megatron_tah's none codec (the raw bf16 message behind a 16-byte header)
+    "paper": ["--tah-preset", "paper"],
+    "hadint4": ["--tah-preset", "hadint4"],
+    "lowrank": ["--tah-preset", "lowrank"],
+    "fixedpoint4": ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4", "--tah-tile-size", "64",
+                    "--tah-backward-codec", "fixedpoint", "--tah-backward-bits", "6",
+                    "--tah-backward-tile-size", "32"],
+    "auto": ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"],
+}
+"""Codec name -> the ``--tah-*`` flags of its runs."""
+
+NEEDS_LINK = ("auto",)
+"""Codecs whose loss runs must see the emulated link (their choice depends on it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One speedrun size: the model, the schedule, validation and timing."""
+
+    name: str
+    hidden: int = 128
+    heads: int = 4
+    seq: int = 64
+    micro_batch: int = 1
+    micro_batches: int = 16
+    iters: int = 500
+    eval_interval: int = 10
+    eval_iters: int = 8
+    timing_iters: int = 60
+    lr: float = 1e-3
+    stages: int = 8
+
+    @property
+    def message_shape(self) -> tuple[int, int, int]:
+        return (self.seq, self.micro_batch, self.hidden)
+
+    def model_flags(self, iters: int) -> list[str]:
+        warmup = max(1, min(10, iters // 10))
+        return ["--num-layers", str(self.stages), "--hidden-size", str(self.hidden),
+                "--num-attention-heads", str(self.heads), "--seq-length", str(self.seq),
+                "--max-position-embeddings", str(self.seq), "--micro-batch-size", str(self.micro_batch),
+                "--global-batch-size", str(self.micro_batch * self.micro_batches), "--train-iters", str(iters),
+                "--lr", str(self.lr), "--lr-warmup-iters", str(warmup), "--lr-decay-style", "cosine",
+                "--weight-decay", "0.01", "--clip-grad", "1.0", "--bf16", "--untie-embeddings-and-output-weights"]
+
+
+SIZES = {
+    "full": Size("full"),
+    # CI: the same machinery and rules, a few iterations of a 2-stage, narrower model.
+    "tiny": Size("tiny", hidden=64, heads=2, seq=32, micro_batches=4, iters=12, eval_interval=3, eval_iters=1,
+                 timing_iters=12, stages=2),
+}
+
+
+def data_flags(prefix: Path, vocab: int) -> list[str]:
+    return ["--train-data-path", f"{prefix}_train_text_document", "--valid-data-path", f"{prefix}_valid_text_document",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The emulated inbound wire of the timing runs (and auto's loss runs)."""
+
+    rate_bps: float
+    latency_s: float
+
+    def flags(self) -> list[str]:
+        return ["--tah-emulate-bandwidth", f"{self.rate_bps / 1e3:.3f}kbit",
+                "--tah-emulate-latency-ms", f"{1e3 * self.latency_s:.3f}", "--tah-emulate-wire", "inbound"]
+
+
+def loss_run_name(codec: str, seed: int, iters: int, size: Size) -> str:
+    return f"loss_{codec}_s{seed}_{iters}" if iters != size.iters else f"loss_{codec}_s{seed}"
+
+
+def loss_run(codec: str, seed: int, size: Size, data: list[str], iters: int | None = None,
+             link: Link | None = None) -> Run:
+    """A loss run of ``codec`` with ``seed`` over a schedule of ``iters`` (default: the size's)."""
+    iters = iters or size.iters
+    flags = [*size.model_flags(iters), *data, "--seed", str(seed), "--eval-interval", str(size.eval_interval),
+             "--eval-iters", str(size.eval_iters), "--fixed-validation", "--log-interval", str(size.eval_interval),
+             *CODECS[codec]]
+    if codec in NEEDS_LINK:
+        if link is None:
+            raise ValueError(f"{codec}'s loss run needs the emulated link (its choice depends on it)")
+        flags += link.flags()
+    return Run(loss_run_name(codec, seed, iters, size), flags, size.stages, label=codec,
+               info={"codec": codec, "seed": seed, "iters": iters, "kind": "loss"})
+
+
+def timing_run(codec: str, size: Size, data: list[str], link: Link | None, seed: int = 1234) -> Run:
+    """``timing_iters`` iterations of ``codec`` behind ``link`` (None: no slow link), no validation."""
+    flags = [*size.model_flags(size.timing_iters), *data, "--seed", str(seed), "--eval-iters", "0",
+             "--eval-interval", str(10 * size.timing_iters), "--log-interval", "10", *CODECS[codec]]
+    if link is not None:
+        flags += link.flags()
+    name = f"time_{codec}" if link is not None else f"time_{codec}_nolink"
+    return Run(name, flags, size.stages, label=codec, info={"codec": codec, "kind": "timing"})
+
+
+def validations(records: list[dict]) -> list[tuple[int, float]]:
+    """(iteration, validation loss) of a loss run's records (``runner.read_log``)."""
+    return [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r and math.isfinite(r["valid_loss"])]
+
+
+def step_seconds(records: list[dict]) -> list[float]:
+    """Wall seconds of each training iteration after the first (``ms`` of the records)."""
+    return [r["ms"] / 1e3 for r in records if r.get("ms") is not None]
+
+
+def bytes_per_iteration(records: list[dict], skip: int = 2) -> tuple[float, float]:
+    """Mean (forward, backward) wire bytes per iteration, all links summed, after ``skip`` iterations."""
+    rest = records[skip:] or records
+    fwd = sum(r.get("fwd_wire_bytes", 0) for r in rest) / len(rest)
+    bwd = sum(r.get("bwd_wire_bytes", 0) for r in rest) / len(rest)
+    return fwd, bwd
