@@ -79,7 +79,7 @@ class Boundaries:
         y = codec.decode(codec.encode(x), x.shape, x.dtype)
         key = (layer, direction)
         self.calls[key] = self.calls.get(key, 0) + 1
-        if self.log is not None and self.calls[key] % self.sample_every == 1:
+        if self.log is not None and (self.calls[key] - 1) % self.sample_every == 0:
             xf = x.float()
             record = {"boundary": layer, "direction": direction, "call": self.calls[key],
                       "rel_error": float((y.float() - xf).norm() / xf.norm().clamp_min(1e-30)),
