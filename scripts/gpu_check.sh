@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU: the kernel tests compiled for real (no interpreter), the codec
-# benchmark (docs/benchmarks/<gpu>.json and .md), a profile of where each call's time goes, the
-# static kernel report for comparison, and the pipeline table (scripts/gpu_pipeline.sh: training
-# runs at PP 2 and 4 sharing the GPU over slow links, docs/benchmarks/<gpu>-pipeline.{md,json,png};
-# about 15 minutes), and LAAQ at PP=1 with and without selective recompute (the LAAQ goal: iteration time and peak
-# memory, ~5 minutes).
-# Needs torch, triton, pytest and hypothesis; the pipeline step also megatron-core and the corpus.
+# On a machine with a CUDA GPU, one command, no judgement needed:
 #
-#   scripts/gpu_check.sh            # all six steps
-#   scripts/gpu_check.sh tests      # or: bench, profile, report, pipeline, laaq
+#   scripts/gpu_check.sh                 # the self-check (~19 min on an H100, never more than 25 min)
+#   scripts/gpu_check.sh benchmarks      # the measurements: bench, profile, report, pipeline, laaq (~40 min)
+#   scripts/gpu_check.sh all             # both
+#   scripts/gpu_check.sh sync            # or one step: a self-check step (kernels, graphs, sync, staging,
+#                                        # sanitizer, share, interleaved, auto, laaq-layer) or a measurement
+#                                        # (tests = kernels + graphs, bench, profile, report, pipeline, laaq)
 #   PY=python3 OUT_DIR=/tmp/out scripts/gpu_check.sh bench
+#
+# The self-check (scripts/gpu_selfcheck.py: what each step checks, and how its 25 minutes were sized)
+# prints PASS or FAIL per step and writes docs/benchmarks/<gpu>-selfcheck.{json,md}; each step runs under
+# its own time limit, so a hang is a FAIL. The measurements write docs/benchmarks/<gpu>.json and .md
+# (codec benchmark), <gpu>-profile-<shape>.json (where each call's time goes), <gpu>-kernel-report.json
+# (the static report for comparison), <gpu>-pipeline.{md,json,png} (scripts/gpu_pipeline.sh: training at
+# PP 2 and 4 sharing the GPU over slow links, ~15 min) and <gpu>-laaq.txt (LAAQ at PP=1 with and without
+# selective recompute, ~5 min).
+# Needs torch, triton, pytest and hypothesis; the training steps also megatron-core and the corpus.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT_DIR=${OUT_DIR:-docs/benchmarks}
-STEP=${1:-all}
+STEP=${1:-selfcheck}
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
@@ -26,23 +33,26 @@ print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, tr
 EOF
 GPU=$("$PY" -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')
 mkdir -p "$OUT_DIR"
+status=0
 
-if [[ $STEP == all || $STEP == tests ]]; then
-    # Byte-exactness against the torch references, compiled for this GPU.
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_fixedpoint.py tests/test_kernels_fp8.py \
-        tests/test_kernels_tah.py tests/test_kernels_hadint.py tests/test_kernels_laaq.py tests/test_codec_lowrank.py \
-        -k "not lowrank or triton or sync"
-    # The codecs replayed from real CUDA graphs, as the pipeline's links and the TP/DP collectives call them.
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_codec_graphs.py -k "gpu"
-fi
+case $STEP in
+    selfcheck|all) "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" || status=$? ;;
+    tests) "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" --steps kernels,graphs || status=$? ;;
+    kernels|graphs|sync|staging|sanitizer|share|interleaved|auto)
+        "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" --steps "$STEP" || status=$? ;;
+    laaq-layer) "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" --steps laaq || status=$? ;;
+    benchmarks|bench|profile|report|pipeline|laaq) ;;
+    *) echo "gpu_check: unknown step '$STEP' (selfcheck, benchmarks, all, or a step named above)" >&2; exit 2 ;;
+esac
+[[ $STEP == all ]] && STEP=benchmarks
 
-if [[ $STEP == all || $STEP == bench ]]; then
+if [[ $STEP == benchmarks || $STEP == bench ]]; then
     # [2048, 8, 8192] bf16 (the large shape), the demo's [64, 4, 128], GPT2-XL's [1024, 1, 1600].
     "$PY" scripts/bench_codecs.py --shapes 2048x8x8192 64x4x128 1024x1x1600 \
         --out "$OUT_DIR/$GPU.json" --markdown "$OUT_DIR/$GPU.md"
 fi
 
-if [[ $STEP == all || $STEP == profile ]]; then
+if [[ $STEP == benchmarks || $STEP == profile ]]; then
     # Host vs device time per call, eager and replayed from a CUDA graph (codecs/graphs.py), at
     # GPT-2 XL's [1024, 1, 1600] (the host-cost goal: tah <= 60 us, lowrank encode <= 300 us) and the large shape.
     for shape in 1024x1x1600 2048x8x8192; do
@@ -50,18 +60,18 @@ if [[ $STEP == all || $STEP == profile ]]; then
     done
 fi
 
-if [[ $STEP == all || $STEP == report ]]; then
+if [[ $STEP == benchmarks || $STEP == report ]]; then
     # The static numbers beside the measured ones (same Triton as the benchmark).
     "$PY" scripts/kernel_report.py --targets 90,80 --json "$OUT_DIR/$GPU-kernel-report.json"
 fi
 
-if [[ $STEP == all || $STEP == pipeline ]]; then
-    # The pipeline table: tokens/s of bf16, TAH-Quant, hadint4 and lowrank at 100 Mbit/s .. 10 Gbit/s.
+if [[ $STEP == benchmarks || $STEP == pipeline ]]; then
+    # Issue 24's table: tokens/s of bf16, TAH-Quant, hadint4 and lowrank at 100 Mbit/s .. 10 Gbit/s.
     PY="$PY" OUT_DIR="$OUT_DIR" scripts/gpu_pipeline.sh
 fi
 
-if [[ $STEP == all || $STEP == laaq ]]; then
-    # The LAAQ goal's configuration at PP=1: 8 local layers, hidden 1024, 16 heads, seq 1024, micro-batch 4,
+if [[ $STEP == benchmarks || $STEP == laaq ]]; then
+    # Issue 25's LAAQ goal configuration at PP=1: 8 local layers, hidden 1024, 16 heads, seq 1024, micro-batch 4,
     # bf16. Four runs: neither, LAAQ alone (attention's [b, heads, s, s] tensors kept), Megatron's selective
     # recompute alone, and both (the intended combination). Megatron's log gives the iteration time (the last
     # logged one of LAAQ_ITERS) and the peak allocated memory; the last lines compare each run with "none".
@@ -95,3 +105,4 @@ if "none" in runs:
               f"{100 * (ms / base_ms - 1):+.1f} % (goal for laaq-selective: >= 40 % lower at <= +10 %)")
 EOF
 fi
+exit $status

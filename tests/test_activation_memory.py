@@ -179,3 +179,136 @@ def test_pp1_megatron_loop_laaq_with_selective_recompute_drops_attention_tensors
         ours = [r["lm_loss"] for r in records[name]]
         assert max(abs(a - b) for a, b in zip(off, ours)) < 0.01, (name, off, ours)
         assert ours[-1] < ours[0], (name, ours)
+
+
+# ----- what is kept, at real sizes (s x b >= MIN_NUMEL): decided per tensor on the CPU ------------------------------
+S, B, H, HEADS, D = 2048, 2, 1024, 8, 128  # 4096 tokens: statistics have MIN_NUMEL elements
+
+
+def _decisions(fn, *inputs):
+    """Run ``fn(*inputs)`` under LAAQ's hooks (4 bits, torch backend): [(type, dtype, shape, packed?)] per saved
+    tensor that is not a parameter, in saving order; then backward (the unpacked values are used)."""
+    from megatron_tah.megatron.activation_memory import _hooks, _Quantized
+
+    place = _place(True)
+    pack_hook, unpack_hook = _hooks(place, quantize=True)
+    seen = []
+
+    def recording(t):
+        packed = pack_hook(t)
+        if packed is not t:
+            seen.append((type(t).__name__, t.dtype, tuple(t.shape), isinstance(packed, _Quantized)))
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(recording, unpack_hook):
+        out = fn(*inputs)
+    out.float().square().mean().backward()
+    return seen
+
+
+def test_norm_statistics_are_kept_at_real_sizes_and_the_activations_packed():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(S, B, H, generator=g, requires_grad=True)
+    w, b = torch.nn.Parameter(torch.ones(H)), torch.nn.Parameter(torch.zeros(H))
+    layer_norm = _decisions(lambda v: torch.nn.functional.layer_norm(v * 1.0, (H,), w, b), x)
+    packed = [shape for _, _, shape, q in layer_norm if q]
+    kept = [shape for _, _, shape, q in layer_norm if not q]
+    assert packed == [(S, B, H)]  # the norm's input
+    assert kept == [(S, B, 1), (S, B, 1)]  # mean and rstd, fp32, one per token
+    rms = _decisions(lambda v: torch.nn.functional.rms_norm(v * 1.0, (H,), w), x)
+    assert all(q for _, _, shape, q in rms if shape[-1] != 1) and any(shape == (S, B, 1) for _, _, shape, _ in rms)
+    assert not any(q for _, _, shape, q in rms if shape[-1] == 1), rms
+
+
+def test_rotary_tables_are_kept_and_the_rotated_tensor_is_not_saved():
+    """megatron-core's unfused rotary embedding saves cos and sin ([s, 1, 1, d], the batch and heads broadcast)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=D, rotary_percent=1.0, use_cpu_initialization=True,
+                           cp_group=_NoContextParallel())
+    half = rope.get_freqs_non_repeated(S)  # get_emb's steps without its move to the GPU
+    freqs = torch.cat((half, half), dim=-1)[:, None, None, :]
+    assert freqs.shape == (S, 1, 1, D) and freqs.numel() >= 4096
+    q = torch.randn(S, B, HEADS, D, requires_grad=True)
+    seen = _decisions(lambda t: _apply_rotary_pos_emb_bshd(t * 1.0, freqs), q)
+    tables = [entry for entry in seen if entry[2] == (S, 1, 1, D)]
+    assert len(tables) == 2 and not any(q for *_, q in tables), seen
+
+
+def test_one_dim_statistics_and_tensor_subclasses_are_kept():
+    """As Transformer Engine's layer-norm-linear saves them: ln_out [s * b, h] (packed), mu and rsigma [s * b]
+    fp32 (kept), and an FP8 tensor that reports bf16 (a subclass: kept, never viewed as bf16)."""
+
+    class Float8Like(torch.Tensor):
+        pass
+
+    class LayerNormLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            mu, rsigma = x.mean(-1), x.var(-1).add(1e-5).rsqrt()
+            ln_out = (x - mu[:, None]) * rsigma[:, None]
+            fp8 = ln_out.to(torch.bfloat16).as_subclass(Float8Like)
+            ctx.save_for_backward(ln_out, mu, rsigma, fp8)
+            return ln_out * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            ln_out, mu, rsigma, fp8 = ctx.saved_tensors
+            assert type(fp8) is Float8Like and fp8.dtype == torch.bfloat16
+            return grad * 2 * rsigma[:, None]
+
+    x = torch.randn(S * B, H, requires_grad=True)
+    seen = _decisions(LayerNormLinear.apply, x)
+    assert seen == [("Tensor", torch.float32, (S * B, H), True), ("Tensor", torch.float32, (S * B,), False),
+                    ("Tensor", torch.float32, (S * B,), False), ("Float8Like", torch.bfloat16, (S * B, H), False)]
+
+
+class _NoContextParallel:
+    def size(self):
+        return 1
+
+
+def test_a_saved_cuda_tensor_is_held_for_the_pack_stream_and_a_capture_keeps_it(monkeypatch, caplog):
+    """The pack reads the tensor on the current stream; made on another stream, its memory could be reused
+    there before the read (record_stream). Under a CUDA graph capture the hooks would run once: kept."""
+    import logging
+
+    from fake_cuda import FakeCuda
+
+    from megatron_tah.megatron.activation_memory import _hooks, _Kept, _Quantized
+
+    cuda = FakeCuda(monkeypatch)
+    x = torch.randn(64, 128)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.data_ptr() == x.data_ptr()))
+    held = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: held.append((self.data_ptr(), stream)))
+    place = _place(True)
+    pack_hook, _ = _hooks(place, quantize=True)
+    side = cuda.Stream(0)
+    with cuda.stream(side):
+        assert isinstance(pack_hook(x), _Quantized)
+    assert held == [(x.data_ptr(), side)]
+    cuda.capturing[cuda.current_stream()] = (0, 1)
+    with caplog.at_level(logging.WARNING, logger="megatron_tah.megatron.activation_memory"):
+        assert isinstance(pack_hook(x), _Kept) and isinstance(pack_hook(x), _Kept)
+    assert len(caplog.records) == 1 and "CUDA graph capture" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("flags, named", [({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+                                          ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
+                                          ({"cuda_graph_impl": "transformer_engine", "external_cuda_graph": True},
+                                           "--cuda-graph-impl transformer_engine, --external-cuda-graph")])
+def test_megatron_cuda_graphs_are_refused_on_the_first_layer_call(flags, named):
+    import types
+
+    from megatron_tah.megatron.activation_memory import _stage_setup
+
+    layer = types.SimpleNamespace(config=types.SimpleNamespace(recompute_granularity="selective", **flags))
+    with pytest.raises(ValueError, match=f"laaq.*CUDA graphs \\({named}\\)"):
+        _stage_setup(_place(True), layer)
+    plain = types.SimpleNamespace(config=types.SimpleNamespace(recompute_granularity="selective",
+                                                               cuda_graph_impl="none"))
+    place = _place(True)
+    _stage_setup(place, plain)
+    assert place.state["ready"]

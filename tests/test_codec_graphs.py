@@ -135,6 +135,23 @@ def test_deferred_checks_still_count_bad_buffers_under_replay():
 def test_the_host_read_checker_can_fail():
     with no_host_reads(), pytest.raises(HostRead):
         bool(torch.ones(1))
+    with no_host_reads(), pytest.raises(HostRead, match="built on the host"):
+        torch.tensor(3, dtype=torch.int16)
+    assert torch.tensor(3).item() == 3  # restored
+
+
+def test_bf16_metadata_bits_build_nothing_on_the_host():
+    """The NaN bits of bad tiles' metadata come from a fill, not a host-built tensor: lowrank's residual
+    (through hadint) reaches this in every encode, and a pageable copy there cannot be captured."""
+    from megatron_tah import geometry
+    from megatron_tah.codecs.common import bf16_bits
+
+    values = torch.tensor([1.0, -2.5, 0.0, 3.0])
+    nan = torch.tensor([False, True, False, True])
+    with no_host_reads():
+        bits = bf16_bits(values, nan)
+    assert bits.dtype == torch.int16
+    assert bits.tolist() == [0x3F80, geometry.BF16_NAN_BITS, 0, geometry.BF16_NAN_BITS]
 
 
 def test_the_wrapper_stands_where_its_codec_stood():
@@ -189,6 +206,161 @@ def test_tah_keeps_its_rotated_fraction_in_place_so_replays_refresh_it():
         kept = wrapped.codec._rotated if kept is None else kept
         assert wrapped.codec._rotated is kept  # one buffer, written in place (what a graph replays into)
     assert wrapped.graphs.replays == 2
+
+
+# ----- CudaGraphs.capture against a fake CUDA runtime (tests/fake_cuda.py): streams, syncs, pools ----------------
+CUDA0 = torch.device("cuda", 0)
+
+
+def _capture_calls(results):
+    """A call for ``CudaGraphs.capture``: returns (or raises) the next of ``results`` each time."""
+    calls = iter(results)
+
+    def fn():
+        result = next(calls)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return fn
+
+
+def test_a_capture_does_not_wait_for_the_device_and_captures_on_the_warm_up_stream(monkeypatch):
+    """torch.cuda.graph synchronises the device and empties the caches on entry: mid-schedule, with NCCL
+    kernels posted on other streams, a stall or a hang. The capture here makes the device wait, not the host."""
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(monkeypatch)
+    replay = CudaGraphs.capture(_capture_calls([torch.ones(2), torch.ones(2)]), CUDA0)
+    (graph,) = cuda.graphs
+    assert (cuda.syncs, cuda.empties) == (0, 0)
+    assert cuda.on_default_streams() and not cuda.capturing and not cuda.routing
+    assert graph.mode == "thread_local" and graph.captured and replay == graph.replay
+    default = cuda.current[0]
+    assert graph.stream.waited == [default] and default.waited == [graph.stream]  # ordered on the device
+
+
+@pytest.mark.parametrize("where", ["capture_end", "the captured call"])
+def test_a_failed_capture_restores_the_stream_ends_the_capture_and_frees_its_pool(monkeypatch, where):
+    """torch.cuda.graph's exit skips restoring the stream when capture_end raises: every later kernel of the
+    thread would run on its side stream. And torch leaves the pool's allocation routing on (capture_end
+    raises before endAllocateToPool): the allocator would stop recycling blocks used across streams."""
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(monkeypatch)
+    cuda.fail_capture_end = "CUDA error: operation failed due to a previous error during capture"
+    broken = "operation not permitted when stream is capturing"
+    if where == "capture_end":
+        fn, match = _capture_calls([torch.ones(2), torch.ones(2)]), "previous error during capture"
+    else:  # the call raises; capture_end then raises too (the capture is invalidated): fn's error is reported
+        fn, match = _capture_calls([torch.ones(2), RuntimeError(broken)]), broken
+    with pytest.raises(RuntimeError, match=match):
+        CudaGraphs.capture(fn, CUDA0)
+    (graph,) = cuda.graphs
+    assert cuda.on_default_streams(), cuda.current
+    assert not cuda.capturing and not cuda.routing and cuda.released == [graph.pool]
+    assert (cuda.syncs, cuda.empties) == (0, 0)
+
+
+def test_a_captured_call_that_raises_before_the_device_leaves_the_pool_to_its_graph(monkeypatch):
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(monkeypatch)
+    with pytest.raises(CodecError, match="bad input"):
+        CudaGraphs.capture(_capture_calls([torch.ones(2), CodecError("bad input")]), CUDA0)
+    (graph,) = cuda.graphs
+    assert cuda.on_default_streams() and not cuda.capturing and not cuda.routing
+    assert graph.captured and cuda.released == []  # the graph owns its pool (released when it is dropped)
+
+
+def test_a_failed_capture_turns_the_op_eager_for_every_shape_and_keeps_the_other_op(caplog):
+    class FailsEncode(FakeGraphs):
+        attempts = 0
+
+        def capture(self, fn, device):
+            if self.current == "encode":
+                fn()
+                self.attempts += 1
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return super().capture(fn, device)
+
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    graphs = FailsEncode()
+    wrapped = graphed("hadint", graphs)
+    eager_codec = get_codec("hadint", backend="torch").defer_checks()
+    for shape in (SHAPE, (8, 1, 64), (4, 2, 32)):
+        x = activation_like(shape, dtype=torch.float32, seed=0)
+        graphs.current = "encode"
+        buf = wrapped.encode(x)
+        assert torch.equal(buf, eager_codec.encode(x))
+        graphs.current = "decode"
+        wrapped.decode(buf, shape, torch.float32)
+    assert graphs.attempts == 1
+    assert [key[0] for key in wrapped.eager_reasons] == ["encode"] * 3
+    assert [key[0] for key in wrapped.captured] == ["decode"] * 3
+    lines = [r.getMessage() for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(lines) == 1 and " encode runs eagerly" in lines[0]
+    wrapped.defer_checks()  # a new check mode may capture: try again
+    graphs.current = "encode"
+    wrapped.encode(activation_like(SHAPE, dtype=torch.float32, seed=0))
+    assert graphs.attempts == 2
+
+
+def test_a_capture_keeps_only_its_static_buffers_not_the_warm_up_result():
+    """The warm-up's result is the first call's result: the caller owns it, the capture must not hold it."""
+    import gc
+    import weakref
+
+    class TwoCalls(FakeGraphs):  # as torch's: the warm-up call, then the captured one
+        def capture(self, fn, device):
+            fn()
+            return super().capture(fn, device)
+
+    wrapped = graphed("fixedpoint", TwoCalls())
+    x = activation_like(SHAPE, dtype=torch.float32, seed=0)
+    first = wrapped.encode(x)
+    gone = weakref.ref(first)
+    assert wrapped.captured == [("encode", SHAPE, torch.float32, "cpu")]
+    del first
+    gc.collect()
+    assert gone() is None
+    assert torch.equal(wrapped.encode(x), wrapped.codec.encode(x))  # the replay's static output is still there
+
+
+@pytest.fixture(autouse=True)
+def _stream_state_after_each_test():
+    """On a GPU: after each test the thread is back on the default stream and nothing is capturing."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            stream = torch.cuda.current_stream(index)
+            assert stream == torch.cuda.default_stream(index), f"left on {stream} of cuda:{index}"
+        assert not torch.cuda.is_current_stream_capturing()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh tests)")
+def test_real_capture_that_syncs_fails_cleanly_on_a_gpu():
+    """A call that reads the device on the host fails to capture: the thread is back on its stream, the
+    allocator recycles memory again, no device sync, and the eager result stands."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(1024, device=device)
+
+    def syncs():
+        y = x * 2
+        if float(y.sum()) > 1e30:  # a host read: refused while capturing
+            y += 1
+        return y
+
+    with pytest.raises(Exception):
+        CudaGraphs.capture(syncs, device)
+    assert torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    assert not torch.cuda.is_current_stream_capturing()
+    z = torch.empty(1 << 20, device=device)  # allocations work and come from the ordinary pool
+    z.fill_(1.0)
+    assert float(z.sum()) == float(1 << 20)
+    wrapped = GraphedCodec(get_codec("hadint").defer_checks())
+    v = activation_like(SHAPE, dtype=torch.bfloat16, seed=0).to(device)
+    assert torch.equal(wrapped.encode(v), get_codec("hadint").defer_checks().encode(v))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh tests)")

@@ -479,6 +479,26 @@ def test_timing_helpers_keep_values_pending():
     assert timing.relative_error(x, x * 1.1).item() == pytest.approx(0.1)
 
 
+def test_events_are_recorded_on_the_stream_of_the_tensors_device(monkeypatch):
+    """The work of a tensor on cuda:1 runs on cuda:1's current stream whichever device is current (cuda:0
+    here): an event recorded on the current device's stream would time, or wait for, other work."""
+    from fake_cuda import FakeCuda
+
+    from megatron_tah.codecs import timing
+    from megatron_tah.codecs.base import DeferredErrors
+
+    cuda = FakeCuda(monkeypatch, devices=2)
+    on_1 = cuda.Stream(1)
+    with cuda.stream(on_1):  # cuda:1's current stream is a side stream; the current device stays 0
+        watch = timing.Stopwatch("cuda:1")
+        interval = watch.stop()
+        errors = DeferredErrors(torch.device("cpu"))  # (no CUDA here: made on the CPU, then pointed at cuda:1)
+        errors.device, errors._cuda = torch.device("cuda", 1), True
+        errors.seen()
+    assert [stream for _, stream in cuda.events] == [on_1, on_1, on_1]
+    assert isinstance(interval, timing.Interval)
+
+
 def test_rotated_fraction_stays_a_tensor_until_read():
     codec = get_codec("tah", outlier_threshold=0.0, tile_size=32)
     assert codec.last_rotated is None and codec.last_rotated_fraction is None

@@ -1,4 +1,4 @@
-"""Ranks sharing a GPU: the device assignment, the mode's decision and its shims (fake device counts)."""
+"""Ranks sharing a GPU: the device assignment, the decision from device identities and the shims (fake GPUs)."""
 
 import argparse
 import logging
@@ -9,7 +9,7 @@ import torch
 
 from megatron_tah.megatron import share_gpus
 from megatron_tah.megatron.patching import Patches
-from megatron_tah.megatron.share_gpus import decide, device_for
+from megatron_tah.megatron.share_gpus import device_for
 
 
 @pytest.mark.parametrize("local_rank, count, device", [(0, 1, 0), (3, 1, 0), (3, 2, 1), (5, 4, 1), (2, 8, 2)])
@@ -23,16 +23,31 @@ def test_device_for_rejects_bad_input(local_rank, count):
         device_for(local_rank, count)
 
 
-@pytest.mark.parametrize("requested, ranks, count, on", [
-    (False, 2, 2, False), (False, 4, 1, True), (True, 2, 2, True), (True, 4, 0, False), (False, 1, 0, False)])
-def test_decide_and_its_one_log_line(caplog, requested, ranks, count, on):
-    with caplog.at_level(logging.WARNING, logger=share_gpus.__name__):
-        assert decide(requested, ranks, count) is on
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == (1 if on else 0)
-    if on:
-        assert f"{ranks} local ranks share {count} GPU(s)" in lines[0]
-        assert ("--tah-share-gpus" if requested else f"{ranks} local ranks > {count} GPUs") in lines[0]
+@pytest.mark.parametrize("identities, pair", [
+    (["GPU-a", "GPU-b", "GPU-c", "GPU-d"], None),  # one GPU each (CUDA_VISIBLE_DEVICES per rank: each sees "0")
+    (["GPU-a", "GPU-a", "GPU-a", "GPU-a"], (0, 1, "GPU-a")),
+    (["GPU-a", "GPU-b", "GPU-c", "GPU-b"], (1, 3, "GPU-b")),
+    (["GPU-a"], None)])
+def test_sharing_is_decided_by_device_identities(identities, pair):
+    assert share_gpus.sharing(identities) == pair
+
+
+def test_identities_are_exchanged_through_the_store_by_every_rank():
+    import threading
+
+    store = torch.distributed.HashStore()
+    names = ["GPU-x", "GPU-y", "GPU-x"]
+    results = [None] * 3
+
+    def rank(r):
+        results[r] = share_gpus.exchange_identities(store, r, 3, names[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == [names] * 3
 
 
 @pytest.mark.parametrize("backend, result", [("gloo", "gloo"), ("nccl", "gloo")])
@@ -45,22 +60,37 @@ def test_other_backends_are_refused():
         share_gpus.shared_backend("ucc")
 
 
-def _fake_gpus(monkeypatch, count):
-    calls = {"set_device": [], "init": []}
+def _fake_gpus(monkeypatch, count, others=None, mine=None):
+    """``count`` visible fake GPUs (UUID ``GPU-<index>`` unless ``mine`` names this rank's) and a rendezvous store
+    holding ``others``: ``{rank: identity}`` of the other ranks, as they would have set them."""
+    calls = {"set_device": [], "init": [], "rendezvous": 0}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls["set_device"].append(d))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(uuid=mine if mine is not None else f"GPU-{d}"))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls["init"].append(kw))
+    store = torch.distributed.HashStore()
+    for rank, identity in (others or {}).items():
+        torch.distributed.PrefixStore("default_pg", store).set(share_gpus.IDENTITY_KEY.format(rank=rank), identity)
+
+    def rendezvous(url, rank, world_size, timeout=None):
+        assert url == "env://"
+        calls["rendezvous"] += 1
+        yield store, rank, world_size
+
+    monkeypatch.setattr(torch.distributed, "rendezvous", rendezvous)
     return calls
 
 
-def _megatron_args(monkeypatch, local_rank, backend, **tah):
+def _megatron_args(monkeypatch, local_rank, backend, pipeline=None, **tah):
     from megatron.training import global_vars
 
     args = types.SimpleNamespace(**tah, local_rank=local_rank, distributed_backend=backend, rank=local_rank, world_size=4,
                                  distributed_timeout_minutes=1, fake_process_group=False, inprocess_restart=False,
-                                 cuda_graph_impl="none", flight_recorder_dump_path=None)
+                                 cuda_graph_impl="none", flight_recorder_dump_path=None,
+                                 pipeline_model_parallel_comm_backend=pipeline)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.delenv(var, raising=False)
@@ -74,76 +104,130 @@ def _initialize():
     initialize._initialize_distributed(None, None, None, skip_model_parallel_init=True)
 
 
-@pytest.mark.parametrize("requested, local_rank, count, device", [
-    (False, 3, 1, 0), (False, 3, 2, 1), (True, 3, 4, 3), (True, 1, 2, 1)])
-def test_shim_sets_the_shared_device_and_gloo_when_on(monkeypatch, requested, local_rank, count, device):
-    """On when asked for (--tah-share-gpus, read from Megatron's parsed args at call time) or when the
-    4 local ranks outnumber the GPUs: the shared device and gloo; local_rank restored afterwards."""
+def _run_wrapped(monkeypatch, caplog=None):
+    """Megatron's ``_initialize_distributed`` through the wrapper; its log lines; the wrapper removed after."""
     from megatron.training import initialize
 
     original = initialize._initialize_distributed
-    calls = _fake_gpus(monkeypatch, count)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    args = _megatron_args(monkeypatch, local_rank, "nccl", tah_share_gpus=requested)
     patches = Patches()
     try:
         share_gpus.install(patches)
-        assert initialize._initialize_distributed is not original
-        _initialize()
+        share_gpus.install(patches)  # twice: one wrapper
+        assert initialize._initialize_distributed.__wrapped__ is original
+        with caplog.at_level(logging.WARNING, logger=share_gpus.__name__) if caplog else _nothing():
+            _initialize()
     finally:
         patches.restore()
     assert initialize._initialize_distributed is original
+    return [r.getMessage() for r in caplog.records] if caplog else []
+
+
+class _nothing:
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
+
+
+# Rank 3 of 4 local ranks; the other ranks' devices as they put them in the store.
+SAME_GPU = {0: "GPU-0", 1: "GPU-0", 2: "GPU-0"}
+OWN_GPUS = {0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}
+
+
+@pytest.mark.parametrize("requested, count, others, device", [
+    (False, 1, SAME_GPU, 0),  # 4 ranks, 1 GPU: every rank on GPU-0
+    (False, 2, {0: "GPU-0", 1: "GPU-1", 2: "GPU-0"}, 1),  # 4 ranks, 2 GPUs
+    (True, 4, None, 3),  # asked for: no exchange
+    (True, 2, None, 1)])
+def test_shim_sets_the_shared_device_and_gloo_when_on(monkeypatch, requested, count, others, device):
+    """On when asked for (--tah-share-gpus, read from Megatron's parsed args at call time) or when two ranks'
+    devices are one GPU: the shared device and gloo; local_rank restored afterwards; one rendezvous."""
+    calls = _fake_gpus(monkeypatch, count, others)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    args = _megatron_args(monkeypatch, 3, "nccl", tah_share_gpus=requested)
+    _run_wrapped(monkeypatch)
     assert calls["set_device"] == [device]
     assert calls["init"][0]["backend"] == "gloo"
-    assert args.local_rank == local_rank  # restored after the call
+    assert args.local_rank == 3  # restored after the call
+    assert calls["rendezvous"] == (0 if requested else 1)
+    if not requested:  # the store the identities went through is the one the world is made with
+        assert calls["init"][0]["store"].get(share_gpus.IDENTITY_KEY.format(rank=3)) == f"GPU-{device}".encode()
+
+
+def test_ranks_given_one_gpu_each_keep_nccl_and_get_device_0(monkeypatch, caplog):
+    """CUDA_VISIBLE_DEVICES per rank: each of the 4 local ranks sees one device, 0, but they are four GPUs.
+    Counting devices (1 < 4 local ranks) would switch them all to gloo; their UUIDs say nothing is shared."""
+    calls = _fake_gpus(monkeypatch, 1, OWN_GPUS, mine="GPU-d")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    args = _megatron_args(monkeypatch, 3, "nccl", pipeline="nccl")
+    lines = _run_wrapped(monkeypatch, caplog)
+    assert calls["set_device"] == [0] and calls["init"][0]["backend"] == "nccl"
+    assert args.pipeline_model_parallel_comm_backend == "nccl" and args.local_rank == 3
+    assert len(lines) == 1 and "every rank has its own GPU (3), backend unchanged" in lines[0], lines
 
 
 def test_the_wrapper_leaves_megatron_alone_when_every_rank_has_a_gpu(monkeypatch, caplog):
-    from megatron.training import initialize
-
-    original = initialize._initialize_distributed
-    calls = _fake_gpus(monkeypatch, 4)
+    calls = _fake_gpus(monkeypatch, 4, {0: "GPU-0", 1: "GPU-1", 2: "GPU-2"})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     _megatron_args(monkeypatch, 3, "nccl")  # no tah_share_gpus attribute (flags not added): off
+    lines = _run_wrapped(monkeypatch, caplog)
+    assert calls["set_device"] == [3] and calls["init"][0]["backend"] == "nccl" and not lines
+
+
+def test_the_shared_mode_drops_an_nccl_pipeline_backend_and_says_which_ranks_share(monkeypatch, caplog):
+    """--pipeline-model-parallel-comm-backend nccl would build an NCCL pipeline group on the shared GPU."""
+    _fake_gpus(monkeypatch, 1, SAME_GPU)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    args = _megatron_args(monkeypatch, 3, "nccl", pipeline="nccl")
+    lines = _run_wrapped(monkeypatch, caplog)
+    assert args.distributed_backend == "gloo" and args.pipeline_model_parallel_comm_backend is None
+    assert "ranks 0 and 1 are both on GPU GPU-0" in lines[0]
+    assert any("--pipeline-model-parallel-comm-backend nccl dropped" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("backend, pipeline, match", [
+    ("ucc", None, "--distributed-backend ucc.*gloo"),
+    ("nccl", "ucc", "--pipeline-model-parallel-comm-backend ucc.*gloo")])
+def test_the_mode_refuses_backends_other_than_gloo_or_nccl(monkeypatch, backend, pipeline, match):
+    _fake_gpus(monkeypatch, 1, SAME_GPU)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _megatron_args(monkeypatch, 3, backend, pipeline=pipeline)
+    with pytest.raises(ValueError, match=match):
+        _run_wrapped(monkeypatch)
+
+
+def test_variable_sequence_lengths_are_refused_in_the_mode_and_the_refusal_removed_with_the_wrapper(monkeypatch):
+    """megatron-core sends variable shapes as CUDA tensors over the (gloo) pipeline group itself."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    original = P2PCommunicator.__dict__["_communicate_shapes"]
+    _fake_gpus(monkeypatch, 1, SAME_GPU)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _megatron_args(monkeypatch, 3, "nccl")
+    from megatron.training import initialize
+
     patches = Patches()
     share_gpus.install(patches)
-    share_gpus.install(patches)  # twice: one wrapper
-    assert initialize._initialize_distributed.__wrapped__ is original
-    with caplog.at_level(logging.WARNING, logger=share_gpus.__name__):
+    try:
         _initialize()
-    patches.restore()
-    assert initialize._initialize_distributed is original
-    assert calls["set_device"] == [3] and calls["init"][0]["backend"] == "nccl" and not caplog.records
+        with pytest.raises(RuntimeError, match="cannot exchange variable sequence lengths.*gloo"):
+            P2PCommunicator._communicate_shapes(object(), None, None, True, False)
+    finally:
+        patches.restore()
+    assert P2PCommunicator.__dict__["_communicate_shapes"] is original
+    assert not hasattr(initialize._initialize_distributed, "__wrapped__")
 
 
 def test_asking_without_cuda_runs_on_the_cpu_and_says_so(monkeypatch, caplog):
     calls = _fake_gpus(monkeypatch, 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     _megatron_args(monkeypatch, 1, "gloo", tah_share_gpus=True)
-    patches = Patches()
-    share_gpus.install(patches)
-    try:
-        with caplog.at_level(logging.WARNING, logger=share_gpus.__name__):
-            _initialize()
-    finally:
-        patches.restore()
-    assert calls["set_device"] == [] and calls["init"][0]["backend"] == "gloo"
-    lines = [r.getMessage() for r in caplog.records]
+    lines = _run_wrapped(monkeypatch, caplog)
+    assert calls["set_device"] == [] and calls["init"][0]["backend"] == "gloo" and calls["rendezvous"] == 0
     assert len(lines) == 1 and "without a CUDA device" in lines[0] and "staged" in lines[0]
-    assert not share_gpus.enabled(False)  # CPU runs: off, silently
-
-
-def test_the_mode_refuses_a_backend_other_than_gloo_or_nccl(monkeypatch):
-    _fake_gpus(monkeypatch, 1)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    _megatron_args(monkeypatch, 1, "ucc")
-    patches = Patches()
-    share_gpus.install(patches)
-    try:
-        with pytest.raises(ValueError, match="ucc.*gloo"):
-            _initialize()
-    finally:
-        patches.restore()
+    assert calls["init"][0]["store"] is None  # CPU runs: Megatron's own rendezvous
 
 
 def test_the_plugin_installs_the_wrapper_and_removes_it():

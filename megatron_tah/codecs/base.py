@@ -185,9 +185,9 @@ class DeferredErrors:
         if self._event is None or self._event.query():
             if self._event is not None:  # the count only grows: an older copy never lowers it
                 self._host_value = max(self._host_value, int(self._host))
-            self._host.copy_(self.count, non_blocking=True)
+            self._host.copy_(self.count, non_blocking=True)  # queued on the count's device's current stream
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self.device))  # that stream, not the current device's
         return self._host_value
 
 

@@ -273,10 +273,13 @@ def round_bf16(x: torch.Tensor, direction: int) -> torch.Tensor:
 
 
 def bf16_bits(values: torch.Tensor, nan: torch.Tensor | None = None) -> torch.Tensor:
-    """int16 bits of bf16-representable fp32 ``values``; ``BF16_NAN_BITS`` where ``nan`` is set."""
+    """int16 bits of bf16-representable fp32 ``values``; ``BF16_NAN_BITS`` where ``nan`` is set.
+
+    The NaN bits are a fill value, not a tensor built on the host: on a GPU that would be a copy from
+    pageable memory per call (a sync, and refused inside a CUDA graph capture)."""
     bits = (values.contiguous().view(torch.int32) >> 16).to(torch.int16)
     if nan is not None:
-        bits = torch.where(nan, torch.tensor(geometry.BF16_NAN_BITS, dtype=torch.int16, device=bits.device), bits)
+        bits = bits.masked_fill(nan, geometry.BF16_NAN_BITS)
     return bits
 
 

@@ -2,9 +2,11 @@
 
 Pipeline shapes are static, so the launches of one encode (or decode) are the same every message;
 ``GraphedCodec(codec)`` runs the first call of each (op, shape, dtype, device) eagerly on a side
-stream (torch's warm-up rule; its result is that call's result), captures the same call once into a
-``torch.cuda.CUDAGraph`` with static input and output buffers, and from then on copies the input in,
-replays, and copies the output out: no Python work per tile or section, a few launches per call.
+stream (torch's warm-up rule; its result is that call's result), captures the same call once on that
+stream into a ``torch.cuda.CUDAGraph`` with static input and output buffers, and from then on copies the
+input in, replays, and copies the output out: no Python work per tile or section, a few launches per
+call. A capture never waits for the device (``CudaGraphs.capture``): it may happen mid-schedule, with
+this rank's NCCL sends and receives in flight.
 
 What a replay costs beyond the kernels: one device copy of the input into the static buffer and one
 of the output out of it (the caller owns what it gets back; the static buffers are overwritten by the
@@ -20,7 +22,8 @@ given one ``logged`` set, as the pipeline's link ends are, log each reason once 
 * stochastic rounding (``codec.stateful`` for a codec with ``rounding_noise``): each encode draws a new
   seed on the host, which a replay would repeat;
 * decode with ``checks == "full"``: the header is read on the host, a sync per call (``defer_checks()``);
-* a capture that raises (a host sync nobody declared): the error's first line is logged.
+* a capture that raises (a host sync nobody declared): the error's first line is logged, and that op
+  stays eager for every shape of the codec; the thread's stream and the allocator are left as before.
 
 A ``GraphedCodec`` stands where its codec stood: every attribute it does not define is the codec's
 (``wire_nbytes``, ``checksum``, ``raise_deferred_errors``, ``state_dict``, ``last_rotated``, ...), and
@@ -59,31 +62,85 @@ class CudaGraphs:
         return None
 
     @staticmethod
-    def capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
-        """Warm ``fn`` up once on a side stream, capture it, return the graph's ``replay``."""
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
+    def capture(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+        """Run ``fn`` once on a side stream (the warm-up), capture a second call of it on that stream, and
+        return the graph's ``replay``.
+
+        Not ``torch.cuda.graph``, for two reasons found in its source (torch 2.11-2.14): entering it runs
+        ``torch.cuda.synchronize()`` and ``empty_cache()``, a device-wide stall per new (op, shape) that,
+        mid-schedule, waits for this rank's posted NCCL kernels (a hang when their peers wait on us); and
+        when ``capture_end`` raises, its exit skips restoring the stream, so the thread stays on the side
+        stream. Here nothing waits for the device (the caller's stream waits for the warm-up, on the
+        device), the thread's stream is restored however the capture ends, and a failed capture is ended
+        and its memory pool handed back before the error propagates (``_end_failed_capture``). The
+        warm-up's result, allocated on the side stream, is marked as used by the caller's stream.
+        """
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            warm_up = fn()
+        current.wait_stream(side)  # the caller reads the warm-up's result after it, on the device
+        if isinstance(warm_up, torch.Tensor) and warm_up.is_cuda:
+            warm_up.record_stream(current)  # made on the side stream, freed by the caller
         graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
         # thread_local: only this thread's calls are checked; a training run's other threads (NCCL's watchdog
         # querying events, gloo, data loaders) may keep calling CUDA while this one captures.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            fn()
+        with torch.cuda.stream(side):  # restores the thread's stream on every way out
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            except BaseException:
+                _end_failed_capture(graph, pool, device)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                _release_pool(pool, device)
+                raise
         return graph.replay
 
 
+def _end_failed_capture(graph, pool, device: torch.device) -> None:
+    """End the capture that ``fn`` broke (the stream stays in capture mode until then) and free its pool.
+
+    ``capture_end`` on an invalidated capture raises (``cudaErrorStreamCaptureInvalidated``) after ending
+    it; that error is dropped here, the caller re-raises ``fn``'s own. When it succeeds instead (``fn``
+    raised before touching the device), the graph owns the pool and releases it when it is dropped."""
+    try:
+        graph.capture_end()
+    except Exception:  # noqa: BLE001 - the capture is broken; fn's error is the one to report
+        _release_pool(pool, device)
+
+
+def _release_pool(pool, device: torch.device) -> None:
+    """Undo ``capture_begin``'s routing of allocations to ``pool`` when ``capture_end`` failed before undoing it.
+
+    torch's ``CUDAGraph::capture_end`` raises at ``cudaStreamEndCapture`` before ``endAllocateToPool``, and
+    its ``reset`` releases the pool only after a capture that ended: left alone, the caching allocator
+    keeps a capture "underway" and stops recycling blocks used across streams (``process_events`` is
+    skipped while captures are underway), so memory grows until an out-of-memory flush. When
+    ``endAllocateToPool`` says nothing is routed any more, ``capture_end`` got past it and the graph
+    owns the pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return
+    torch._C._cuda_releasePool(index, pool)
+
+
 class _Capture:
-    """Static buffers of one captured call and the replay that refills them."""
+    """Static buffers of one captured call and the replay that refills them.
 
-    def __init__(self, inputs: torch.Tensor, outputs: list[torch.Tensor], replay: Callable[[], None]):
-        self.inputs, self.outputs, self.replay = inputs, outputs, replay
+    ``output`` is the static output a replay writes (what the captured call returned); the warm-up's
+    result is the first call's and goes to that call's caller, not kept here."""
 
-    @property
-    def output(self) -> torch.Tensor:
-        """The static output a replay writes (the one the capture returned)."""
-        return self.outputs[-1]
+    def __init__(self, inputs: torch.Tensor):
+        self.inputs = inputs
+        self.output: torch.Tensor | None = None
+        self.replay: Callable[[], None] | None = None
 
 
 class GraphedCodec:
@@ -102,6 +159,7 @@ class GraphedCodec:
         self.max_numel = int(max_numel)
         self._captures: dict[tuple, _Capture] = {}
         self.eager_reasons: dict[tuple, str] = {}
+        self._failed: dict[str, str] = {}  # op -> why its capture failed: that op stays eager for every shape
         self._logged: set[str] = set() if logged is None else logged  # the reasons logged
 
     def __getattr__(self, name):
@@ -121,6 +179,7 @@ class GraphedCodec:
         self.codec.defer_checks(mode)
         self._captures.clear()
         self.eager_reasons.clear()
+        self._failed.clear()
         return self
 
     # ----- when to capture -----------------------------------------------------------------------
@@ -130,6 +189,8 @@ class GraphedCodec:
         reason = self.graphs.unavailable(device)
         if reason:
             return reason
+        if op in self._failed:
+            return self._failed[op]
         if isinstance(codec, NoneCodec):
             return "one copy each way: a replay would add a copy in and a copy out"
         if not type(codec).graph_capturable:
@@ -161,25 +222,38 @@ class GraphedCodec:
                 self._eager(key, reason)
         return None
 
-    def _capture(self, key: tuple, inputs: torch.Tensor, run: Callable[[], torch.Tensor], device) -> list:
-        """Capture ``run`` (reads ``inputs``, returns the static output); log and stay eager if that fails.
+    def _capture(self, key: tuple, inputs: torch.Tensor, run: Callable[[], torch.Tensor],
+                 device) -> torch.Tensor | None:
+        """Capture ``run`` (reads ``inputs``, returns the static output) after its warm-up; log and stay eager
+        if that fails. Returns the warm-up's result (this call's result; None when the warm-up did not finish).
 
-        Returns what the calls of ``run`` returned: the first is the warm-up's result (when it got that far)."""
-        outputs: list[torch.Tensor] = []
+        A failed capture turns ``key``'s op eager for every shape of this codec: what breaks a capture (a host
+        sync, a pageable copy) is in the op's code, and each new shape would fail again, one warm-up and one
+        broken capture each."""
+        capture = _Capture(inputs)
+        warm_up: list[torch.Tensor] = []  # the first call's result, until it is returned
+        calls = [0]
 
         def fn():
-            outputs.append(run())
+            result = run()
+            calls[0] += 1
+            if calls[0] == 1:
+                warm_up.append(result)
+            else:
+                capture.output = result  # the capture's call: the buffer a replay writes
+            return result
 
         if len(self._captures) >= MAX_GRAPHS:  # shapes that keep changing: start over
             self._captures.clear()
         try:
-            replay = self.graphs.capture(fn, device)
+            capture.replay = self.graphs.capture(fn, device)
         except Exception as error:  # noqa: BLE001 - any capture failure means eager, said once
             first_line = (str(error).splitlines() or [""])[0][:200]
-            self._eager(key, f"capture failed: {type(error).__name__}: {first_line}")
-            return outputs
-        self._captures[key] = _Capture(inputs, outputs, replay)
-        return outputs
+            self._failed[key[0]] = f"capture failed: {type(error).__name__}: {first_line}"
+            self._eager(key, self._failed[key[0]])
+        else:
+            self._captures[key] = capture
+        return warm_up.pop() if warm_up else None  # (not kept: the caller owns it)
 
     # ----- the codec's contract --------------------------------------------------------------------
     def encode(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -203,9 +277,9 @@ class GraphedCodec:
         check_shape(x.shape)
         check_dtype(x.dtype)
         static_x = x.detach().clone(memory_format=torch.contiguous_format)
-        outputs = self._capture(key, static_x, lambda: self.codec.encode(static_x), x.device)
+        result = self._capture(key, static_x, lambda: self.codec.encode(static_x), x.device)
         # The warm-up encoded x (its buffer is this call's result): encoding it again would advance a codec's state.
-        return outputs[0] if outputs else self.codec.encode(x)
+        return result if result is not None else self.codec.encode(x)
 
     def decode(self, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,11 +302,11 @@ class GraphedCodec:
             check_dtype(dtype)
             static_buf = buf.detach().clone()
             static_out = torch.empty(shape, dtype=dtype, device=buf.device)
-            outputs = self._capture(key, static_buf, lambda: codec.decode_on_device(static_buf, shape, dtype, static_out),
-                                    buf.device)
-            if not outputs:
+            run = lambda: codec.decode_on_device(static_buf, shape, dtype, static_out)  # noqa: E731
+            result = self._capture(key, static_buf, run, buf.device)
+            if result is None:
                 return codec.decode(buf, shape, dtype, out=out)
-            result = outputs[0]  # the warm-up decoded buf into the static output
+            # (result: the warm-up decoded buf into the static output)
         else:
             capture.inputs.copy_(buf)
             capture.replay()

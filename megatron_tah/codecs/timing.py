@@ -4,8 +4,8 @@ On a GPU a codec call returns as soon as its kernels are queued, so ``time.perf_
 around it measures the launch, and turning a device tensor into a float waits for every queued
 kernel. The helpers here keep such numbers pending and resolve them when a log line needs them:
 
-* ``Stopwatch(device)`` times a call: CUDA events on a CUDA device (the kernels' own time on the
-  stream), ``perf_counter`` elsewhere. ``stop()`` returns the elapsed seconds as a float on the
+* ``Stopwatch(device)`` times a call: CUDA events on a CUDA device (the kernels' own time on that
+  device's current stream, whichever device is current), ``perf_counter`` elsewhere. ``stop()`` returns the elapsed seconds as a float on the
   CPU, or as a pending ``Interval`` on CUDA.
 * ``relative_error(x, y)``: ``||x - y|| / ||x||`` as a 0-d device tensor (0 for ``x = 0``).
 * ``add(total, value)`` sums floats, 0-d tensors and intervals without waiting (a ``Pending``
@@ -34,11 +34,11 @@ class Stopwatch:
     """``Stopwatch(device)`` then ``stop()``: seconds since construction (float, or ``Interval`` on CUDA)."""
 
     def __init__(self, device: torch.device | str):
-        device = torch.device(device)
-        self.cuda = device.type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
+            self.start.record(torch.cuda.current_stream(self.device))
         else:
             self.start = time.perf_counter()
 
@@ -46,7 +46,7 @@ class Stopwatch:
         if not self.cuda:
             return time.perf_counter() - self.start
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         return Interval(self.start, end)
 
 

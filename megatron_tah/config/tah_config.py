@@ -167,7 +167,7 @@ class TahConfig:
     """auto: after a switch the new codec keeps the link only if its first this-many iterations ran faster than the ones before the switch; else the link goes back and the codec waits 4 measurements before it is tried again (0: no probation)."""
 
     tah_share_gpus: bool = False
-    """Run several pipeline ranks per GPU (device = local rank mod the GPU count; on automatically when a node's local ranks outnumber its GPUs): the process groups use gloo (NCCL refuses two ranks on one GPU) and every pipeline message goes through pinned host memory after encoding (megatron/share_gpus.py, link/staging.py). Without a CUDA device the ranks run on the CPU and the messages are staged all the same."""
+    """Run several pipeline ranks per GPU (device = local rank mod the GPU count; on automatically when two ranks' devices are one GPU (device UUIDs exchanged at the rendezvous)): the process groups use gloo (NCCL refuses two ranks on one GPU) and every pipeline message goes through pinned host memory after encoding (megatron/share_gpus.py, link/staging.py). Without a CUDA device the ranks run on the CPU and the messages are staged all the same."""
 
     # ----- the codecs' own options: default, help and range from each codec's DECLARATION --------------------
     tah_high_bits: int = codec_option("tah_high_bits")

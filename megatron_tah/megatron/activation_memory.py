@@ -3,14 +3,26 @@
 ``install(place)`` wraps megatron-core's ``TransformerLayer.forward`` so that each layer's
 forward pass runs under ``torch.autograd.graph.saved_tensors_hooks``:
 
-* **pack**: a floating-point tensor (fp32, fp16, bf16) of at least ``MIN_NUMEL`` elements that is
-  not a parameter (or a view of one) is packed by ``pack`` into one uint8 buffer -- blockwise
+* **pack**: a saved activation -- a plain ``torch.Tensor``, fp32, fp16 or bf16, of at least ``MIN_NUMEL``
+  elements, not a parameter (or a view of one) and none of what ``keep_reason`` keeps -- is packed by
+  ``pack`` into one uint8 buffer -- blockwise
   asymmetric quantization, one bf16 scale and zero per ``tah_laaq_block_size`` consecutive elements,
   no header (format: ``kernels/laaq.py``) -- at this pipeline stage's bit width
   (``TahConfig.laaq_stage_bits``: bits grow with the stage, since early stages of a 1F1B schedule
   hold more micro-batches). One fused launch on CUDA (``backend`` auto/triton), the torch reference
   (``codecs/common``'s quantizer, the same bytes) otherwise; no host sync either way. The
-  full-precision tensor is then free to go. Everything else is kept as it is.
+  full-precision tensor is then free to go: it is marked as used by the pack's stream
+  (``record_stream``), since it may have been made on another one. Everything else is kept as it is.
+* **kept at any size** (``keep_reason``; a few bits would cost accuracy and save little):
+  per-token statistics -- 1-D tensors (Transformer Engine's and Apex's layer-norm mean and rsigma,
+  ``[s * b]``) and tensors whose last dimension is 1 (torch's layer-norm / RMS-norm mean and rstd,
+  ``[s, b, 1]``); tables broadcast over a dimension that need no gradient (the rotary cos/sin,
+  ``[s, 1, 1, d]``); anything that is not a plain ``torch.Tensor`` (Transformer Engine's FP8 tensors
+  report bf16 while holding bytes and scales, so a ``view`` of them is wrong).
+* **CUDA graphs**: hooks are Python that a replayed graph does not run, so a layer whose config asks
+  for megatron-core's CUDA graphs (``--cuda-graph-impl``, ``--enable-cuda-graph``,
+  ``--external-cuda-graph``) is refused on its first call; a tensor saved while any other capture is
+  under way is kept (one warning).
 * **unpack** (in backward): one launch back to the original shape and dtype (contiguous).
 * **attention's own tensors are kept**: the layer's ``self_attention.core_attention`` (whatever class
   the layer spec chose) runs under hooks that keep what it saves (query, key, value and, unless
@@ -50,7 +62,7 @@ from ..kernels import laaq as kernels
 from .place import PlaceSpec, direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
-MIN_NUMEL = 4096  # smaller saved tensors (norm statistics, masks) are kept
+MIN_NUMEL = 4096  # smaller saved tensors are kept: a launch per tensor would cost more than it saves
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +178,37 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
+def keep_reason(t: torch.Tensor) -> str | None:
+    """Why LAAQ keeps ``t`` (a saved tensor, not a parameter) at full precision, or None: it is packed.
+
+    Decided from the tensor alone, so at every sequence length and batch size: statistics have as many
+    elements as tokens (``MIN_NUMEL`` alone keeps them only while ``s * b`` is small)."""
+    if type(t) is not torch.Tensor:
+        return f"{type(t).__name__}: not a plain tensor (its dtype need not describe its bytes)"
+    if t.dtype not in SUPPORTED_DTYPES:
+        return f"{t.dtype}: not a floating-point activation"
+    if t.numel() < MIN_NUMEL:
+        return f"{t.numel()} elements < {MIN_NUMEL}"
+    if t.dim() <= 1:
+        return "1-D: per-token statistics (layer-norm mean/rsigma of Transformer Engine or Apex) or a bias"
+    if t.shape[-1] == 1:
+        return f"shape {tuple(t.shape)}: per-token statistics (torch's layer-norm / RMS-norm mean and rstd)"
+    if not t.requires_grad and t.grad_fn is None and 1 in t.shape[:-1]:
+        return f"shape {tuple(t.shape)}: a table broadcast over a dimension, no gradient (rotary cos/sin)"
+    return None
+
+
+def _capturing(t: torch.Tensor, place) -> bool:
+    """Whether ``t``'s pack would be recorded into a CUDA graph (warned once per place): kept then."""
+    if not t.is_cuda or not torch.cuda.is_current_stream_capturing():
+        return False
+    if not place.state.get("warned_capture"):
+        place.state["warned_capture"] = True
+        logger.warning("megatron_tah: LAAQ keeps tensors saved during a CUDA graph capture at full precision "
+                       "(its hooks would run at capture only, not at each replay)")
+    return True
+
+
 def _hooks(place, quantize: bool):
     memory: SavedTensorMemory = place.state["memory"]
     bits, block, backend = memory.bits, place.config.tah_laaq_block_size, place.config.tah_backend
@@ -173,8 +216,10 @@ def _hooks(place, quantize: bool):
     def pack_hook(t):
         if _is_parameter(t):
             return t
-        if quantize and t.dtype in SUPPORTED_DTYPES and t.numel() >= MIN_NUMEL:
+        if quantize and keep_reason(t) is None and not _capturing(t, place):
             with torch.no_grad():
+                if t.is_cuda:  # made on any stream, read by the pack on this one: not reused before that
+                    t.record_stream(torch.cuda.current_stream(t.device))
                 buf = pack(t, bits, block, backend)
             return _Quantized(buf, t.shape, t.dtype, t.numel() * t.element_size(), memory)
         return _Kept(t, memory)
@@ -196,6 +241,7 @@ def _stage_setup(place, layer) -> None:
         return
     from megatron.core import parallel_state
 
+    _refuse_cuda_graphs(getattr(layer, "config", None))
     if getattr(getattr(layer, "config", None), "recompute_granularity", None) is None:
         logger.warning("megatron_tah: LAAQ keeps the core attention's saved tensors at full precision (with unfused "
                        "attention, [b, heads, s, s] each); --recompute-granularity selective recomputes them instead")
@@ -206,6 +252,19 @@ def _stage_setup(place, layer) -> None:
         stages = parallel_state.get_pipeline_model_parallel_world_size()
     place.state["memory"].bits = place.config.laaq_stage_bits(stage, stages)
     place.state["ready"] = True
+
+
+def _refuse_cuda_graphs(config) -> None:
+    """megatron-core's CUDA graphs replay a layer without running Python: LAAQ's hooks would pack at capture
+    only (and count memory once). Refused, naming the flags."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    asked = [f"--cuda-graph-impl {impl}"] if impl != "none" else []
+    asked += [f"--{name.replace('_', '-')}" for name in ("enable_cuda_graph", "external_cuda_graph")
+              if getattr(config, name, False)]
+    if asked:
+        raise ValueError(f"--tah-activation-memory laaq cannot run with megatron-core's CUDA graphs "
+                         f"({', '.join(asked)}): its saved-tensor hooks run in Python at each forward, "
+                         "which a replayed graph skips")
 
 
 def _saving(place, quantize):

@@ -16,7 +16,8 @@ idempotently and before Megatron parses its arguments:
   Opt-in: when every ``--tah-*`` flag is at its default nothing is installed, the log-line wrappers
   are taken off again, and one ``OFF_MESSAGE`` line says how to turn compression on;
 - wraps Megatron's ``_initialize_distributed`` for several ranks per GPU (``share_gpus.py``): on with
-  ``--tah-share-gpus`` or when a node's local ranks outnumber its GPUs, decided once the flags are parsed;
+  ``--tah-share-gpus`` or when two ranks' devices are one GPU (their UUIDs, exchanged through the
+  rendezvous store), decided once the flags are parsed;
 - runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (logging's wrapper of it), so
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with

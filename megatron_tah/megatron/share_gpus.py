@@ -1,21 +1,33 @@
-"""Several pipeline ranks on one GPU: ``local_rank % device_count``.
+"""Several pipeline ranks on one GPU: ``local_rank % device_count``, gloo, host-staged pipeline traffic.
 
-When a node has fewer GPUs than local ranks (``LOCAL_WORLD_SIZE``), rank ``r`` uses device
-``device_for(r, torch.cuda.device_count())``. The mode is on when asked for (the ``--tah-share-gpus``
-flag, ``TahConfig.tah_share_gpus``) or, automatically, when the local ranks outnumber the devices
-(Megatron would fail at ``set_device`` otherwise); ``decide()`` logs one line saying which.
+Rank ``r`` uses device ``device_for(local_rank, torch.cuda.device_count())`` of the devices it sees.
+The mode is on when asked for (the ``--tah-share-gpus`` flag, ``TahConfig.tah_share_gpus``) or,
+automatically, when two ranks' devices are one GPU: every rank puts the UUID of its device into the
+rendezvous store and reads everyone's (``exchange_identities``) before any process group exists, so
+ranks given one GPU each through ``CUDA_VISIBLE_DEVICES`` (each sees one device, numbered 0, while
+``LOCAL_WORLD_SIZE`` says 4) keep NCCL: only their device index is remapped. One log line says which.
 
 What megatron.training needs to accept it (shims, line numbers of megatron-core 0.19.2): the plugin
 wraps ``_initialize_distributed`` (``install()``, undone exactly by ``Patches.restore()``); the wrapper,
-which runs after Megatron parsed the flags, decides (``enabled()``) and applies these only in this mode:
+which runs after Megatron parsed the flags, decides and applies:
 
 1. ``initialize.py:282-283`` ``torch.cuda.set_device(args.local_rank)`` and
    ``device_id = torch.device(f'cuda:{args.local_rank}')``: ``_initialize_distributed`` runs with
-   ``args.local_rank`` set to the shared device index (restored when it returns), so both lines
-   name a device that exists.
-2. ``initialize.py:336`` ``'backend': args.distributed_backend``: NCCL refuses two ranks on one
-   GPU (``ncclInvalidUsage: Duplicate GPU detected``), so a requested ``nccl`` becomes ``gloo``
-   (one log line); ``gloo`` is kept; any other backend raises ``ValueError``.
+   ``args.local_rank`` set to the device index (restored when it returns) whenever it differs from
+   the local rank, so both lines name a device that exists -- shared or not.
+2. The store: on a GPU, unless the world is up already or fake, the wrapper makes the rendezvous
+   store that ``init_process_group`` would make from ``env://`` (``torch.distributed.rendezvous``,
+   prefixed ``default_pg`` as torch does), exchanges the identities through it and passes it on as
+   Megatron's ``store`` argument: one rendezvous. A store Megatron was given (in-process restart) is used.
+3. In the mode only: ``initialize.py:336`` ``'backend': args.distributed_backend``: NCCL refuses two
+   ranks on one GPU (``ncclInvalidUsage: Duplicate GPU detected``), so a requested ``nccl`` becomes
+   ``gloo`` (one log line); ``gloo`` is kept; any other backend raises ``ValueError``.
+   ``--pipeline-model-parallel-comm-backend nccl`` (``initialize.py:374``, a separate NCCL group for the
+   pipeline) is dropped so the pipeline groups inherit gloo (one log line); ``ucc`` raises ``ValueError``.
+4. In the mode only: megatron-core's ``P2PCommunicator._communicate_shapes`` (variable sequence lengths,
+   ``config.variable_seq_lengths`` or a standalone MTP stage) sends CUDA shape tensors over the gloo
+   pipeline group itself, outside the compressing transport, which gloo cannot read (``Bad address``):
+   it is replaced by a call that raises, naming the cause, at the first such exchange.
 
 Which backend carries what in this mode (every group Megatron creates inherits the world's
 default backend, ``gloo``):
@@ -29,13 +41,15 @@ default backend, ``gloo``):
   ``allgather``, ``reduce``, ``gather`` and ``scatter`` for CUDA tensors by copying through pinned
   host memory (``AsyncAllreduceCUDAWork`` etc. in ``ProcessGroupGloo.cpp``), and
   ``reduce_scatter_tensor`` (DDP with data parallelism) through an all-reduce. Known from torch's
-  source; not yet run on a GPU in this project (no GPU in the session that wrote this).
+  source; ``scripts/gpu_check.sh share`` runs it at PP 4 and PP 2 x DP 2 on one GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
+from typing import Sequence
 
 import torch
 
@@ -44,7 +58,9 @@ from .patching import Patches
 logger = logging.getLogger(__name__)
 
 INITIALIZE = "megatron.training.initialize"
+P2P_COMMUNICATOR = "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator"
 SHARED_BACKEND = "gloo"
+IDENTITY_KEY = "megatron_tah/share_gpus/device/{rank}"
 
 
 def device_for(local_rank: int, device_count: int) -> int:
@@ -65,20 +81,41 @@ def local_world_size() -> int:
         raise ValueError(f"LOCAL_WORLD_SIZE = {value!r} is not an integer") from None
 
 
-def decide(requested: bool, local_ranks: int, device_count: int) -> bool:
-    """Whether the mode is on; logs one line when it is (and why). No CUDA device: always off."""
-    if device_count < 1:
-        return False
-    automatic = local_ranks > device_count
-    if not (requested or automatic):
-        return False
-    why = "--tah-share-gpus" if requested else f"{local_ranks} local ranks > {device_count} GPUs"
-    logger.warning("megatron_tah: %d local ranks share %d GPU(s), device = local_rank %% %d (%s); "
-                   "pipeline traffic over gloo through pinned host memory", local_ranks, device_count,
-                   device_count, why)
-    return True
+# ----- deciding from device identities ------------------------------------------------------------
+def device_identity(index: int) -> str:
+    """The GPU behind device ``index`` of this process: its UUID, the same whatever ``CUDA_VISIBLE_DEVICES``
+    numbered it and unique across machines."""
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def exchange_identities(store, rank: int, world_size: int, identity: str) -> list[str]:
+    """Every rank's device identity, by rank: a collective over ``store`` (each rank sets its own key and
+    waits for all ``world_size`` of them, within the store's timeout)."""
+    store.set(IDENTITY_KEY.format(rank=rank), identity)
+    keys = [IDENTITY_KEY.format(rank=r) for r in range(world_size)]
+    store.wait(keys)
+    return [value.decode() for value in store.multi_get(keys)]
+
+
+def sharing(identities: Sequence[str]) -> tuple[int, int, str] | None:
+    """The first two ranks whose devices are one GPU, ``(rank, rank, identity)``; None when every rank has its own."""
+    first: dict[str, int] = {}
+    for rank, identity in enumerate(identities):
+        if identity in first:
+            return first[identity], rank, identity
+        first[identity] = rank
+    return None
+
+
+def rendezvous_store(margs):
+    """The store ``init_process_group`` makes from ``env://`` (prefixed as torch prefixes it), made early."""
+    timeout = timedelta(minutes=margs.distributed_timeout_minutes)
+    store, _, _ = next(torch.distributed.rendezvous("env://", margs.rank, margs.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return torch.distributed.PrefixStore("default_pg", store)
+
+
+# ----- what the mode changes ------------------------------------------------------------------------
 def shared_backend(requested: str) -> str:
     """The process-group backend in this mode: ``gloo`` (NCCL refuses two ranks on one GPU)."""
     if requested == SHARED_BACKEND:
@@ -89,31 +126,80 @@ def shared_backend(requested: str) -> str:
     raise ValueError(f"--distributed-backend {requested}: ranks sharing a GPU need gloo (or nccl, replaced by gloo)")
 
 
-def enabled(requested: bool) -> bool:
-    """Whether this rank runs in the mode, per ``decide`` with this node's local ranks and CUDA devices.
-
-    Asked for (``--tah-share-gpus``) where no CUDA device is visible: the ranks run on the CPU, so there
-    is no device to share; one log line says so and the mode's shims stay off (the pipeline transport
-    still stages its messages through host buffers: ``TahConfig.tah_share_gpus``, what CI runs).
-    """
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested and count < 1:
-        logger.warning("megatron_tah: --tah-share-gpus without a CUDA device: the ranks run on the CPU; "
-                       "pipeline messages are staged through host buffers as with shared GPUs")
-        return False
-    return decide(requested, local_world_size(), count)
+def shared_pipeline_backend(requested: str | None) -> None:
+    """``--pipeline-model-parallel-comm-backend`` in this mode: none (the pipeline groups inherit gloo)."""
+    if requested is None:
+        return None
+    if requested == "nccl":
+        logger.warning("megatron_tah: --pipeline-model-parallel-comm-backend nccl dropped: ranks sharing a GPU "
+                       "send pipeline traffic over gloo through pinned host memory")
+        return None
+    raise ValueError(f"--pipeline-model-parallel-comm-backend {requested}: ranks sharing a GPU send pipeline "
+                     "traffic over gloo; leave the flag unset (or nccl, dropped)")
 
 
-def _sharing_gpus_when_on(original):
-    def _initialize_distributed(*args, **kwargs):
+def _refusing_variable_shapes(original):
+    def _communicate_shapes(*args, **kwargs):
+        raise RuntimeError(
+            "megatron_tah: ranks sharing a GPU (--tah-share-gpus, or two ranks on one GPU) cannot exchange "
+            "variable sequence lengths: megatron-core sends the shapes as CUDA tensors over the gloo pipeline "
+            "group (config.variable_seq_lengths, or a standalone MTP stage in --pipeline-model-parallel-layout), "
+            "which gloo cannot read. Use a fixed sequence length, or one GPU per rank.")
+
+    return _communicate_shapes
+
+
+# ----- the wrapper -------------------------------------------------------------------------------------
+def _visible_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _decide(margs, requested: bool, device: int, store):
+    """(why the mode is on, or None; the store to hand to Megatron)."""
+    if requested:
+        return "--tah-share-gpus", store
+    if store is None:
+        store = rendezvous_store(margs)
+    pair = sharing(exchange_identities(store, margs.rank, margs.world_size, device_identity(device)))
+    if pair is None:
+        return None, store
+    return f"ranks {pair[0]} and {pair[1]} are both on GPU {pair[2]}", store
+
+
+def _sharing_gpus_when_on(original, patches: Patches):
+    def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store=None, *args, **kwargs):
+        def call(with_store):
+            return original(get_embedding_ranks, get_position_embedding_ranks, with_store, *args, **kwargs)
+
         margs = resolve_args()
-        if not enabled(bool(getattr(margs, "tah_share_gpus", False))):
-            return original(*args, **kwargs)
+        requested = bool(getattr(margs, "tah_share_gpus", False))
+        count = _visible_devices()
+        if count < 1:
+            if requested:
+                logger.warning("megatron_tah: --tah-share-gpus without a CUDA device: the ranks run on the CPU; "
+                               "pipeline messages are staged through host buffers as with shared GPUs")
+            return call(store)
+        if torch.distributed.is_initialized() or getattr(margs, "fake_process_group", False):
+            return call(store)  # nothing to decide: the world is up (or fake)
         local_rank = margs.local_rank
-        margs.distributed_backend = shared_backend(margs.distributed_backend)
-        margs.local_rank = device_for(local_rank, torch.cuda.device_count())
+        device = device_for(local_rank, count)
+        why, store = _decide(margs, requested, device, store)
+        if why is not None:
+            logger.warning("megatron_tah: ranks share GPUs (%s): %d local ranks, %d GPU(s) seen, device = "
+                           "local_rank %% %d; gloo, pipeline traffic through pinned host memory",
+                           why, local_world_size(), count, count)
+            margs.distributed_backend = shared_backend(margs.distributed_backend)
+            margs.pipeline_model_parallel_comm_backend = shared_pipeline_backend(
+                getattr(margs, "pipeline_model_parallel_comm_backend", None))
+            if hasattr(resolve_p2p_communicator(), "_communicate_shapes"):
+                patches.wrap(P2P_COMMUNICATOR, "_communicate_shapes", _refusing_variable_shapes)
+        elif device != local_rank:
+            logger.warning("megatron_tah: local_rank %d sees %d GPU(s), device %d; every rank has its own GPU "
+                           "(%s), backend unchanged", local_rank, count, device,
+                           os.environ.get("CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES unset"))
+        margs.local_rank = device
         try:
-            return original(*args, **kwargs)
+            return call(store)
         finally:
             margs.local_rank = local_rank
 
@@ -126,12 +212,19 @@ def resolve_args():
     return get_args()
 
 
+def resolve_p2p_communicator():
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return P2PCommunicator
+
+
 def install(patches: Patches) -> None:
-    """Wrap Megatron's ``_initialize_distributed`` through ``patches`` (``restore()`` removes it).
+    """Wrap Megatron's ``_initialize_distributed`` through ``patches`` (``restore()`` removes it, and the
+    variable-shape refusal the mode adds).
 
     It runs inside ``initialize_megatron`` after the arguments are parsed, so the wrapper reads
-    ``--tah-share-gpus`` (``args.tah_share_gpus``) there and asks ``enabled``; when the mode is off it
-    calls Megatron's function unchanged, when on it applies the shims of the module docstring.
-    Installed by the plugin (``plugin.install_megatron_lm_plugin``); idempotent.
+    ``--tah-share-gpus`` (``args.tah_share_gpus``) there; when no rank shares a GPU it calls Megatron's
+    function with the device index and the store it made, when they do it applies the shims of the module
+    docstring. Installed by the plugin (``plugin.install_megatron_lm_plugin``); idempotent.
     """
-    patches.wrap(INITIALIZE, "_initialize_distributed", _sharing_gpus_when_on)
+    patches.wrap(INITIALIZE, "_initialize_distributed", lambda original: _sharing_gpus_when_on(original, patches))
