@@ -100,17 +100,6 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-def _import(*modules: str):
-    """The first of ``modules`` that imports (a module the package may have moved)."""
-    errors = []
-    for module in modules:
-        try:
-            return importlib.import_module(module)
-        except ImportError as err:
-            errors.append(f"{module}: {err}")
-    raise ImportError("; ".join(errors))
-
-
 # ----- the report ------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Result:
@@ -311,7 +300,7 @@ def _staging_rank(rank: int, store_path: str, device_name_: str, messages: int, 
     from megatron_tah.codecs import get_codec
     from megatron_tah.codecs.samples import activation_like
 
-    staging_module = _import("megatron_tah.link.staging", "megatron_tah.megatron.staging")
+    staging_module = importlib.import_module("megatron_tah.link.staging")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     device = torch.device(device_name_)
     cuda = device.type == "cuda"
@@ -483,7 +472,7 @@ def _latency_rank(rank: int, store_path: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    handshake = _import("megatron_tah.link.handshake", "megatron_tah.megatron.handshake")
+    handshake = importlib.import_module("megatron_tah.link.handshake")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     latency = handshake.link_latency(dist.group.WORLD, torch.device("cuda", 0))
     Path(out).write_text(json.dumps({str(k): v for k, v in latency.items()}))
@@ -536,7 +525,7 @@ def laaq_layer_check(cuda: bool) -> tuple[bool, str, list[dict]]:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config_module = _import("megatron_tah.config")
+    config_module = importlib.import_module("megatron_tah.config")
     from megatron_tah.megatron import activation_memory
     from megatron_tah.megatron.patching import Patches
 

@@ -40,3 +40,13 @@ def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path):
     text = page.read_text()
     assert "| fixedpoint4 |" in text and f"{result['target']:.3f}" in text
     assert (tmp_path / "docs" / "data" / "speedrun.png").stat().st_size > 1000
+
+
+def test_a_missed_run_gets_a_schedule_long_enough_for_the_loss_it_reached():
+    base = {"validations": [(100, 6.0), (200, 5.6), (300, 5.4), (400, 5.3), (500, 5.25)]}
+    # the codec ended at 5.6, where bf16 was at 200 of 500: 2.5x the steps, 15% more, rounded to the interval
+    codec = {"validations": [(250, 5.9), (500, 5.6)]}
+    assert speedrun.longer_schedule(codec, base, 500, 10) == 1440
+    # nearly there: at least 1.25x; far off: at most MAX_FACTOR
+    assert speedrun.longer_schedule({"validations": [(500, 5.26)]}, base, 500, 10) == 630
+    assert speedrun.longer_schedule({"validations": [(500, 7.0)]}, base, 500, 10) == int(speedrun.MAX_FACTOR * 500)

@@ -14,7 +14,8 @@ What it does, in order (runs already complete under ``--out`` are not run again)
    makes bf16's step ``LINK_BOUND`` times its compute, both solved with the schedule simulator
    (``simulate.py``) from the measured compute and bf16's exact message bytes;
 4. runs every codec's loss runs; a codec that misses the target runs a longer schedule of the same shape
-   (``LONGER``), and its steps count in that schedule;
+   (``longer_schedule``: long enough for the loss it reached, at most ``MAX_FACTOR`` times), and its steps
+   count in that schedule;
 5. times every codec behind the emulated wire (``score.steady_seconds``);
 6. scores T = steps to target x steady s/step, with intervals over seeds, projects the ProtocolNanoGPT
    setup with the measured steps multipliers (``projection.py``) and, with ``--write``, writes the page,
@@ -33,7 +34,7 @@ from . import projection, runs, score, simulate
 
 LINK_BOUND = 8.0  # bf16's step behind the emulated wire / its compute step (the issue asks >= 5)
 LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50 ms of 100.475 s at the reference
-LONGER = (1.5, 2.0, 3.0)  # schedule factors tried, in order, for a codec that misses the target
+MAX_FACTOR = 4.0  # the longest schedule a codec that misses the target runs, in schedules of bf16
 DEFAULT_SEEDS = (1234, 1235, 1236)
 DEFAULT_CODECS = ("bf16", "paper", "hadint4", "lowrank", "fixedpoint4", "auto")
 
@@ -79,19 +80,34 @@ def loss_results(run_list, out: Path) -> dict:
     return results
 
 
-def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None) -> dict:
-    """Every codec's loss runs; with ``target``, each run that missed it again over longer schedules
-    (``LONGER``, in order) until one reaches it."""
+def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: int) -> int:
+    """The schedule to try for a run that missed the target: the codec reached by the end of ``iters`` the loss
+    bf16 (same seed) had at some iteration i; it should reach bf16's target in about ``iters * iters / i``
+    steps; 15% more, a multiple of the validation interval, at most ``MAX_FACTOR`` times ``iters``."""
+    final = codec_run["validations"][-1][1]
+    reached = score.steps_to_target(base_run["validations"], final) or iters
+    factor = min(MAX_FACTOR, max(1.25, 1.15 * iters / reached))
+    return int(round(iters * factor / eval_interval)) * eval_interval
+
+
+def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None) -> dict:
+    """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
+    (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed."""
     todo = [runs.loss_run(c, s, size, data, link=link) for c in codecs for s in seeds_for(c)]
     execute_all(todo, out, jobs=jobs)
     results = loss_results(todo, out)
     missed = lambda run: score.steps_to_target(results[run.name]["validations"], target) is None  # noqa: E731
     pending = [r for r in todo if target is not None and missed(r)]
-    for factor in LONGER:
+    for attempt in range(2):
         if not pending:
             break
-        longer = [runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=round(size.iters * factor),
-                                link=link) for r in pending]
+        longer = []
+        for r in pending:
+            bf16 = base[runs.loss_run_name("bf16", r.info["seed"], size.iters, size)]
+            iters = longer_schedule(results[r.name], bf16, size.iters, size.eval_interval) if attempt == 0 \
+                else min(int(MAX_FACTOR * size.iters), int(round(1.5 * r.info["iters"] / size.eval_interval)) * size.eval_interval)
+            if iters > r.info["iters"]:
+                longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link))
         execute_all(longer, out, jobs=jobs)
         results.update(loss_results(longer, out))
         pending = [r for r in longer if missed(r)]
@@ -130,7 +146,7 @@ def main(argv=None) -> int:
         print(f"[speedrun] target loss {target:.3f}; compute {compute_s:.3f} s/step; emulated inbound wire "
               f"{link.rate_bps / 1e6:.4g} Mbit/s, {1e3 * link.latency_s:.2f} ms", flush=True)
         losses = {**base, **run_losses([c for c in codecs if c != "bf16"], seeds_for, size, data, out, args.jobs,
-                                       link, target)}
+                                       link, target, base)}
         timings = [runs.timing_run(c, size, data, link) for c in codecs]
         execute_all(timings, out, jobs=1)  # one at a time: they measure time
         steady = {}
