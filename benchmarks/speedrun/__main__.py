@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: 
     final = codec_run["validations"][-1][1]
     reached = score.steps_to_target(base_run["validations"], final) or iters
     factor = min(MAX_FACTOR, max(1.25, 1.15 * iters / reached))
-    return int(round(iters * factor / eval_interval)) * eval_interval
+    return math.ceil(iters * factor / eval_interval) * eval_interval
 
 
 def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None) -> dict:
