@@ -10,7 +10,7 @@ from benchmarks.speedrun import runs, simulate
 
 def test_the_link_makes_bf16_link_bound_by_the_factor_with_the_reference_latency_share():
     size = runs.SIZES["full"]
-    nbytes = speedrun.message_nbytes("bf16", size)
+    nbytes = runs.message_nbytes("bf16", size)[0]
     assert nbytes == 16 + 64 * 1 * 128 * 2  # the none codec: a 16-byte header and the raw bf16 message
     link = speedrun.scale_link(0.9, size, nbytes)
     f, b = simulate.compute_per_micro_batch(0.9, size.stages, size.micro_batches)
@@ -20,11 +20,42 @@ def test_the_link_makes_bf16_link_bound_by_the_factor_with_the_reference_latency
     assert link.flags()[-1] == "inbound"
 
 
+def test_codec_flags_and_bytes_come_from_one_declaration():
+    assert runs.codec_flags("fixedpoint4") == ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4",
+                                               "--tah-tile-size", "64", "--tah-backward-codec", "fixedpoint",
+                                               "--tah-backward-bits", "6", "--tah-backward-tile-size", "32"]
+    size = runs.SIZES["full"]
+    fwd, bwd = runs.message_nbytes("fixedpoint4", size)
+    values = 64 * 1 * 128
+    assert 4.0 < 8 * fwd / values < 5.0 and 6.0 < 8 * bwd / values < 7.5
+    with pytest.raises(ValueError, match="measures"):
+        runs.message_nbytes("auto", size)
+
+
+def test_an_emulated_loss_run_is_one_process_with_the_codec_at_every_stage_boundary(tmp_path):
+    run = runs.loss_run("paper", 1234, runs.SIZES["full"], [], emulated=True)
+    cmd = run.command(tmp_path)
+    assert run.pipeline == 1 and run.name == "emulated_paper_s1234"
+    assert cmd[1:5] == ["-m", "benchmarks.depth.run", "--boundaries", "1,2,3,4,5,6,7"]
+    assert json.loads(cmd[cmd.index("--forward") + 1]) == {"tah_preset": "paper"}
+    assert json.loads(cmd[cmd.index("--backward") + 1]) == {"tah_preset": "paper"}
+    assert not any(flag.startswith("--tah-preset") for flag in cmd[cmd.index("--"):])
+    with pytest.raises(ValueError, match="emulated boundaries"):
+        runs.loss_run("auto", 1234, runs.SIZES["full"], [], emulated=True)
+
+
+def test_auto_needs_the_pipeline_and_measured_timing():
+    with pytest.raises(SystemExit):
+        speedrun.main(["--codecs", "bf16,auto", "--loss-runs", "emulated"])
+
+
 @pytest.mark.distributed
-def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path):
+@pytest.mark.parametrize("modes", [["--loss-runs", "pipeline", "--timing", "measured"],
+                                   ["--loss-runs", "emulated", "--timing", "simulated"]], ids=["pipeline", "emulated"])
+def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path, modes):
     page = tmp_path / "docs" / "SPEEDRUN.md"
     status = speedrun.main(["--size", "tiny", "--out", str(tmp_path / "runs"), "--codecs", "bf16,fixedpoint4",
-                            "--seeds", "1234", "--jobs", "1", "--write", str(page)])
+                            "--seeds", "1234", "--jobs", "1", "--write", str(page), *modes])
     assert status == 0
     result = json.loads((tmp_path / "docs" / "data" / "speedrun.json").read_text())
     rows = {r["codec"]: r for r in result["table"]}
@@ -37,6 +68,9 @@ def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path):
     assert 16.0 < bf16["forward_bits"] < 16.3 and 16.0 < bf16["backward_bits"] < 16.3
     assert 4.4 < fp4["forward_bits"] < 4.8 and 6.9 < fp4["backward_bits"] < 7.3
     assert bf16["s_per_step"] > 0 and fp4["s_per_step"] > 0
+    assert fp4["s_per_step"] < bf16["s_per_step"]  # fewer bytes behind a link-bound wire (simulated or measured)
+    curves = {c["codec"]: c["validations"] for c in result["curves"].values()}
+    assert curves["fixedpoint4"] != curves["bf16"]  # the codec ran at the stage boundaries
     text = page.read_text()
     assert "| fixedpoint4 |" in text and f"{result['target']:.3f}" in text
     assert (tmp_path / "docs" / "data" / "speedrun.png").stat().st_size > 1000

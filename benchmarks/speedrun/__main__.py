@@ -64,20 +64,16 @@ def scale_link(compute_step_s: float, size: runs.Size, message_nbytes: int) -> r
     return runs.Link(rate_bps=high, latency_s=latency)
 
 
-def message_nbytes(codec: str, size: runs.Size) -> int:
-    import torch
-
-    from megatron_tah.config import TahConfig
-
-    return TahConfig().forward_codec().wire_nbytes(size.message_shape, torch.bfloat16) if codec == "bf16" else 0
-
-
-def loss_results(run_list, out: Path) -> dict:
+def loss_results(run_list, out: Path, size: runs.Size) -> dict:
+    """{run name: its info, validations and (forward, backward) wire bytes per iteration}: measured on the
+    pipeline's links, or the codecs' exact message bytes x messages per iteration for emulated boundaries."""
     results = {}
+    messages = (size.stages - 1) * size.micro_batches
     for r in run_list:
         records = read_log(out / f"{r.name}.jsonl")
-        results[r.name] = {**r.info, "validations": runs.validations(records),
-                           "bytes": runs.bytes_per_iteration(records)}
+        nbytes = tuple(messages * n for n in runs.message_nbytes(r.info["codec"], size)) if r.info["emulated"] \
+            else runs.bytes_per_iteration(records)
+        results[r.name] = {**r.info, "validations": runs.validations(records), "bytes": nbytes}
     return results
 
 
@@ -91,12 +87,12 @@ def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: 
     return math.ceil(iters * factor / eval_interval) * eval_interval
 
 
-def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None) -> dict:
+def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None, emulated=False) -> dict:
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
     (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed."""
-    todo = [runs.loss_run(c, s, size, data, link=link) for c in codecs for s in seeds_for(c)]
+    todo = [runs.loss_run(c, s, size, data, link=link, emulated=emulated) for c in codecs for s in seeds_for(c)]
     execute_all(todo, out, jobs=jobs)
-    results = loss_results(todo, out)
+    results = loss_results(todo, out, size)
     missed = lambda run: score.steps_to_target(results[run.name]["validations"], target) is None  # noqa: E731
     pending = [r for r in todo if target is not None and missed(r)]
     for attempt in range(2):
@@ -104,13 +100,14 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
             break
         longer = []
         for r in pending:
-            bf16 = base[runs.loss_run_name("bf16", r.info["seed"], size.iters, size)]
+            bf16 = base[runs.loss_run_name("bf16", r.info["seed"], size.iters, size, emulated)]
             iters = longer_schedule(results[r.name], bf16, size.iters, size.eval_interval) if attempt == 0 \
                 else min(int(MAX_FACTOR * size.iters), int(round(1.5 * r.info["iters"] / size.eval_interval)) * size.eval_interval)
             if iters > r.info["iters"]:
-                longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link))
+                longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
+                                            emulated=emulated))
         execute_all(longer, out, jobs=jobs)
-        results.update(loss_results(longer, out))
+        results.update(loss_results(longer, out, size))
         pending = [r for r in longer if missed(r)]
     return results
 
@@ -123,13 +120,24 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="seeds of bf16 and --multi-seed codecs")
     parser.add_argument("--multi-seed", default="paper", help="codecs besides bf16 run with every seed (comma list)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each is 8 processes)")
+    parser.add_argument("--loss-runs", choices=("emulated", "pipeline"), default="emulated",
+                        help="emulated: one process per run, the boundaries' codecs emulated (benchmarks/depth); "
+                             "pipeline: one process per stage (about 8x the CPU time)")
+    parser.add_argument("--timing", choices=("simulated", "measured"), default="simulated",
+                        help="simulated: the schedule simulator from the measured compute step and each codec's "
+                             "exact message bytes; measured: a timing run per codec behind the emulated wire")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plot under docs/data/)")
     args = parser.parse_args(argv)
     size = runs.SIZES[args.size]
+    emulated = args.loss_runs == "emulated"
     codecs = [c for c in args.codecs.split(",") if c]
     unknown = sorted(set(codecs) - set(runs.CODECS))
     if unknown or "bf16" not in codecs:
         parser.error(f"--codecs: unknown {unknown}" if unknown else "--codecs must include bf16 (the baseline)")
+    measured_only = sorted(set(codecs) & set(runs.NEEDS_LINK))
+    if measured_only and (emulated or args.timing == "simulated"):
+        parser.error(f"--codecs {','.join(measured_only)}: chooses its codecs from the links it measures; "
+                     f"it needs --loss-runs pipeline --timing measured")
     seeds = [int(s) for s in args.seeds.split(",")]
     multi = {"bf16", *args.multi_seed.split(",")}
     seeds_for = lambda codec: seeds if codec in multi else seeds[:1]  # noqa: E731
@@ -137,20 +145,20 @@ def main(argv=None) -> int:
     try:
         prefix, vocab = prepare_data(out, size)
         data = runs.data_flags(prefix, vocab)
-        base = run_losses(["bf16"], seeds_for, size, data, out, args.jobs, None)
+        base = run_losses(["bf16"], seeds_for, size, data, out, args.jobs, None, emulated=emulated)
         target = score.target_loss([r["validations"] for r in base.values()], size.iters)
         compute = runs.timing_run("bf16", size, data, None)
         execute_all([compute], out, jobs=1)
         compute_step = score.steady_seconds(runs.step_seconds(read_log(out / f"{compute.name}.jsonl")), skip=2)
         compute_s = compute_step.seconds if compute_step else _median_tail(out / f"{compute.name}.jsonl")
-        link = scale_link(compute_s, size, message_nbytes("bf16", size))
+        link = scale_link(compute_s, size, runs.message_nbytes("bf16", size)[0])
         print(f"[speedrun] target loss {target:.3f}; compute {compute_s:.3f} s/step; emulated inbound wire "
               f"{link.rate_bps / 1e6:.4g} Mbit/s, {1e3 * link.latency_s:.2f} ms", flush=True)
         losses = {**base, **run_losses([c for c in codecs if c != "bf16"], seeds_for, size, data, out, args.jobs,
-                                       link, target, base)}
-        timings = [runs.timing_run(c, size, data, link) for c in codecs]
+                                       link, target, base, emulated=emulated)}
+        steady = simulated_steps(codecs, size, compute_s, link) if args.timing == "simulated" else {}
+        timings = [runs.timing_run(c, size, data, link) for c in codecs if c not in steady]
         execute_all(timings, out, jobs=1)  # one at a time: they measure time
-        steady = {}
         for t in timings:
             times = runs.step_seconds(read_log(out / f"{t.name}.jsonl"))
             found = score.steady_seconds(times, skip=2)
@@ -161,12 +169,26 @@ def main(argv=None) -> int:
         return 1
     from .report import build, write_page
 
-    result = build(size, target, compute_s, link, losses, steady, host_info())
+    result = build(size, target, compute_s, link, losses, steady, host_info(),
+                   modes={"loss_runs": args.loss_runs, "timing": args.timing})
     print(json.dumps(result["table"], indent=1))
     if args.write:
         write_page(result, args.write)
         print(f"[speedrun] wrote {args.write}")
     return 0
+
+
+def simulated_steps(codecs, size: runs.Size, compute_s: float, link: runs.Link) -> dict:
+    """{codec: steady seconds per step} from the schedule simulator: bf16's measured compute per step, the
+    codec's exact message bytes each way, the emulated wire (codec compute not counted)."""
+    f, b = simulate.compute_per_micro_batch(compute_s, size.stages, size.micro_batches)
+    steady = {}
+    for codec in codecs:
+        fwd, bwd = runs.message_nbytes(codec, size)
+        seconds = simulate.simulate_step(size.stages, size.micro_batches, f, b, fwd, bwd, link.rate_bps,
+                                         link.latency_s)
+        steady[codec] = {"seconds": seconds, "steady": True, "times": [], "simulated": True}
+    return steady
 
 
 def _median_of_last(times: list[float], n: int = 30) -> float:

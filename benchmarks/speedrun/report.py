@@ -37,7 +37,7 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
 
 
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
-          host: dict) -> dict:
+          host: dict, modes: dict | None = None) -> dict:
     """Everything the page shows: the setup, one row per codec, the curves and the projection."""
     base_steps, _ = _steps_by_seed(losses, "bf16", target)
     base_T = None
@@ -66,7 +66,8 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
                 if r["multiplier"] is not None and PROJECTION_NAMES.get(r["codec"], r["codec"]) in projection.CODECS}
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"]}
               for name, r in losses.items()}
-    return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name,
+    modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
+    return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
             "setup": {"stages": size.stages, "hidden": size.hidden, "seq": size.seq, "micro_batch": size.micro_batch,
                       "micro_batches": size.micro_batches, "iters": size.iters, "eval_interval": size.eval_interval,
                       "eval_iters": size.eval_iters},
@@ -75,6 +76,26 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             "table": rows, "curves": curves,
             "projection": projection.project(measured, multiplier_label="measured at CPU scale"),
             "records": projection.record_rows()}
+
+
+LOSS_RUNS_TEXT = {
+    "emulated": "Each loss run is one process: Megatron's loop at pipeline depth 1 with the codecs applied after layers "
+                "1-7, where the 8-stage pipeline splits (`benchmarks/depth/boundaries.py`: the same codec calls on "
+                "the same tensors, forward and backward, one codec object per boundary and direction), about 8x "
+                "cheaper on this CPU than one process per stage; initialisation differs from the pipeline's (Megatron "
+                "seeds each pipeline rank differently), so its curves are statistically, not bitwise, the pipeline's "
+                "(`--loss-runs pipeline` runs the real pipeline).",
+    "pipeline": "Each loss run is the real pipeline: one process per stage over gloo.",
+}
+TIMING_TEXT = {
+    "simulated": "Seconds per step are the schedule simulator's (below) for the measured bf16 compute step and each "
+                 "codec's exact message bytes each way on that wire; codec compute is not counted (on this CPU the "
+                 "Triton interpreter, not a GPU, would run it). `--timing measured` runs a timing run per codec "
+                 "behind the emulated wire instead.",
+    "measured": "Seconds per step are measured: a timing run per codec behind the emulated wire. Steady: the first "
+                "three consecutive 10-step windows whose means agree within 1%, their median (the reference's rule; "
+                "\"not steady\": the median of the last 30 steps).",
+}
 
 
 def _fmt(value, digits=2, suffix=""):
@@ -167,7 +188,9 @@ def write_page(result: dict, page: Path) -> None:
                 f"**Best: `{best['codec']}`, T = {best['T_vs_bf16']:.3f}x bf16's** ({best['forward_bits']:.2f} + "
                 f"{best['backward_bits']:.2f} bits per value, steps {_multiplier_text(best)} bf16's).")
     link, setup = result["link"], result["setup"]
+    modes = result.get("modes", {"loss_runs": "pipeline", "timing": "measured"})
     page.write_text(template.format(
+        loss_runs=LOSS_RUNS_TEXT[modes["loss_runs"]], timing=TIMING_TEXT[modes["timing"]],
         headline=headline, date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
         target=f"{result['target']:.3f}", compute=f"{result['compute_s_per_step']:.3f}",
         rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",

@@ -21,25 +21,52 @@ every iteration, outside the pipeline.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import sys
 from pathlib import Path
 
 from ..reproduce.runner import Run
 
-CODECS: dict[str, list[str]] = {
-    "bf16": [],  # uncompressed: megatron_tah's none codec (the raw bf16 message behind a 16-byte header)
-    "paper": ["--tah-preset", "paper"],
-    "hadint4": ["--tah-preset", "hadint4"],
-    "lowrank": ["--tah-preset", "lowrank"],
-    "fixedpoint4": ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4", "--tah-tile-size", "64",
-                    "--tah-backward-codec", "fixedpoint", "--tah-backward-bits", "6",
-                    "--tah-backward-tile-size", "32"],
-    "auto": ["--tah-forward-codec", "auto", "--tah-backward-codec", "auto"],
+CODECS: dict[str, dict] = {
+    "bf16": {},  # uncompressed: megatron_tah's none codec (the raw bf16 message behind a 16-byte header)
+    "paper": {"tah_preset": "paper"},
+    "hadint4": {"tah_preset": "hadint4"},
+    "lowrank": {"tah_preset": "lowrank"},
+    "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
+                    "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
+    "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
-"""Codec name -> the ``--tah-*`` flags of its runs."""
+"""Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
 
 NEEDS_LINK = ("auto",)
 """Codecs whose loss runs must see the emulated link (their choice depends on it)."""
+
+
+def codec_flags(codec: str) -> list[str]:
+    """``CODECS[codec]`` as Megatron flags: ``tah_tile_size`` -> ``--tah-tile-size``; a true bool is its bare flag."""
+    flags = []
+    for field, value in CODECS[codec].items():
+        flag = "--" + field.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def message_nbytes(codec: str, size: "Size") -> tuple[int, int]:
+    """Wire bytes of one message of ``size`` (one micro-batch's activations at a boundary), (forward, backward):
+    the codecs' own ``wire_nbytes`` for a bf16 message."""
+    import torch
+
+    from megatron_tah.config import TahConfig
+
+    if codec in NEEDS_LINK:
+        raise ValueError(f"{codec} chooses its codecs from the link it measures: its bytes are measured, not known")
+    config = TahConfig(**CODECS[codec])
+    return (config.forward_codec().wire_nbytes(size.message_shape, torch.bfloat16),
+            config.backward_codec().wire_nbytes(size.message_shape, torch.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,29 +125,54 @@ class Link:
                 "--tah-emulate-latency-ms", f"{1e3 * self.latency_s:.3f}", "--tah-emulate-wire", "inbound"]
 
 
-def loss_run_name(codec: str, seed: int, iters: int, size: Size) -> str:
-    return f"loss_{codec}_s{seed}_{iters}" if iters != size.iters else f"loss_{codec}_s{seed}"
+def loss_run_name(codec: str, seed: int, iters: int, size: Size, emulated: bool = False) -> str:
+    stem = f"{'emulated' if emulated else 'loss'}_{codec}_s{seed}"
+    return f"{stem}_{iters}" if iters != size.iters else stem
+
+
+@dataclasses.dataclass
+class EmulatedRun(Run):
+    """A loss run in one process: Megatron's loop at pipeline depth 1 with the codecs at the layers after which
+    a pipeline of ``stages`` would split (``python -m benchmarks.depth.run``, ``benchmarks/depth/boundaries.py``):
+    the same codec calls on the same tensors as the pipeline, without one process per stage."""
+
+    stages: int = 8
+
+    def command(self, out_dir: Path, python: str = sys.executable) -> list[str]:
+        from megatron_tah.pretrain_gpt import CPU_FLAGS
+
+        fields = json.dumps(CODECS[self.info["codec"]])
+        return [python, "-m", "benchmarks.depth.run", "--boundaries", ",".join(map(str, range(1, self.stages))),
+                "--forward", fields, "--backward", fields, "--", *CPU_FLAGS, *self.flags,
+                "--tah-log-json", str(Path(out_dir) / f"{self.name}.jsonl")]
 
 
 def loss_run(codec: str, seed: int, size: Size, data: list[str], iters: int | None = None,
-             link: Link | None = None) -> Run:
-    """A loss run of ``codec`` with ``seed`` over a schedule of ``iters`` (default: the size's)."""
+             link: Link | None = None, emulated: bool = False) -> Run:
+    """A loss run of ``codec`` with ``seed`` over a schedule of ``iters`` (default: the size's); ``emulated``:
+    in one process with emulated boundaries (``EmulatedRun``) instead of one process per stage."""
     iters = iters or size.iters
     flags = [*size.model_flags(iters), *data, "--seed", str(seed), "--eval-interval", str(size.eval_interval),
-             "--eval-iters", str(size.eval_iters), "--fixed-validation", "--log-interval", str(size.eval_interval),
-             *CODECS[codec]]
+             "--eval-iters", str(size.eval_iters), "--fixed-validation", "--log-interval", str(size.eval_interval)]
+    info = {"codec": codec, "seed": seed, "iters": iters, "kind": "loss", "emulated": emulated}
+    name = loss_run_name(codec, seed, iters, size, emulated)
+    if emulated:
+        if codec in NEEDS_LINK:
+            raise ValueError(f"{codec}'s loss run needs the pipeline's links (its choice depends on them); "
+                             f"it cannot run with emulated boundaries")
+        return EmulatedRun(name, flags, 1, label=codec, info=info, stages=size.stages)
+    flags += codec_flags(codec)
     if codec in NEEDS_LINK:
         if link is None:
             raise ValueError(f"{codec}'s loss run needs the emulated link (its choice depends on it)")
         flags += link.flags()
-    return Run(loss_run_name(codec, seed, iters, size), flags, size.stages, label=codec,
-               info={"codec": codec, "seed": seed, "iters": iters, "kind": "loss"})
+    return Run(name, flags, size.stages, label=codec, info=info)
 
 
 def timing_run(codec: str, size: Size, data: list[str], link: Link | None, seed: int = 1234) -> Run:
     """``timing_iters`` iterations of ``codec`` behind ``link`` (None: no slow link), no validation."""
     flags = [*size.model_flags(size.timing_iters), *data, "--seed", str(seed), "--eval-iters", "0",
-             "--eval-interval", str(10 * size.timing_iters), "--log-interval", "10", *CODECS[codec]]
+             "--eval-interval", str(10 * size.timing_iters), "--log-interval", "10", *codec_flags(codec)]
     if link is not None:
         flags += link.flags()
     name = f"time_{codec}" if link is not None else f"time_{codec}_nolink"
