@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-fast demo reproduce bench real-models real-report clean
+.PHONY: setup test test-fast demo speedrun depth reproduce bench real-models real-report clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ test: setup
 
 demo: setup
 	$(PY) -m megatron_tah.demo
+
+# Time to a target loss per codec at pipeline depth 8 (docs/SPEEDRUN.md; ARGS e.g. --codecs bf16,channel).
+speedrun: setup
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.speedrun --write docs/SPEEDRUN.md $(ARGS)
+
+# Where the codecs' loss penalty comes from, by depth, direction, boundary and codec (docs/DEPTH.md).
+depth: setup
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.depth --write docs/DEPTH.md $(ARGS)
 
 # PART is required (make reproduce PART=parity-report); PART=all runs everything, about 10 h on 2 cores.
 reproduce: setup

@@ -150,7 +150,14 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
         return _fmt(rows[name][key], digits) if name in rows else "–"
 
     template = (Path(__file__).parent / "page.md").read_text()
-    page.write_text(template.format(
-        date=result["date"], cpu=host["cpu"], cores=host["cores"], tables=tables(result), **images,
-        **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
-        **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}))
+    fields = {"date": result["date"], "cpu": host["cpu"], "cores": host["cores"], "tables": tables(result), **images,
+              **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
+              **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}}
+    page.write_text(template.format_map(_Missing(fields)))
+
+
+class _Missing(dict):
+    """Template fields; a study not run (yet) reads as "not run"."""
+
+    def __missing__(self, key):
+        return "not run"
