@@ -37,7 +37,8 @@ LINK_BOUND = 8.0  # bf16's step behind the emulated wire / its compute step (the
 LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50 ms of 100.475 s at the reference
 MAX_FACTOR = 4.0  # the longest schedule a codec that misses the target runs, in schedules of bf16
 DEFAULT_SEEDS = (1234, 1235, 1236)
-DEFAULT_CODECS = ("bf16", "paper", "hadint4", "lowrank", "fixedpoint4", "auto")
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # loss runs side by side: torch's default threads each contend for the cores
+DEFAULT_CODECS = ("bf16", "paper", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
 
 
 def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
@@ -91,7 +92,7 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
     (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed."""
     todo = [runs.loss_run(c, s, size, data, link=link, emulated=emulated) for c in codecs for s in seeds_for(c)]
-    execute_all(todo, out, jobs=jobs)
+    execute_all(todo, out, jobs=jobs, env=ONE_THREAD)
     results = loss_results(todo, out, size)
     missed = lambda run: score.steps_to_target(results[run.name]["validations"], target) is None  # noqa: E731
     pending = [r for r in todo if target is not None and missed(r)]
@@ -106,7 +107,7 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
             if iters > r.info["iters"]:
                 longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
                                             emulated=emulated))
-        execute_all(longer, out, jobs=jobs)
+        execute_all(longer, out, jobs=jobs, env=ONE_THREAD)
         results.update(loss_results(longer, out, size))
         pending = [r for r in longer if missed(r)]
     return results
