@@ -31,6 +31,25 @@ DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 
 
+STEPS_MULTIPLIER: dict[int, dict[str, float]] = {}
+"""Measured steps to a target loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``
+(the speedrun, docs/SPEEDRUN.md, both directions compressed; ``tests/test_auto_depth.py`` checks these against
+its committed JSON)."""
+
+
+def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> float:
+    """How many times uncompressed training's steps ``candidate`` needs to reach the same loss in a pipeline of
+    ``depth`` stages, charged to the forward direction (the depth study, docs/DEPTH.md: at depth 8 the forward
+    codec carries the penalty; the backward direction is 1.0): the row of the deepest measured depth at or below
+    ``depth`` (none below it: 1.0, the parity study's gaps at depth 4 being within 2%); ``none`` is 1.0; a
+    candidate that row lacks takes the row's largest multiplier (unmeasured is not assumed free)."""
+    measured = [d for d in STEPS_MULTIPLIER if d <= depth]
+    if candidate == "none" or direction != "forward" or not measured:
+        return 1.0
+    row = STEPS_MULTIPLIER[max(measured)]
+    return row.get(candidate, max(row.values(), default=1.0))
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -74,8 +74,8 @@ class AutoEnd:
     """The auto codec of one link end: ``direction`` and ``role`` ("send" decides, "recv" follows); ``peer``: the
     other end's rank, for the log."""
 
-    def __init__(self, config: TahConfig, direction: str, role: str, peer: int | None = None):
-        self.config, self.direction, self.role, self.peer = config, direction, role, peer
+    def __init__(self, config: TahConfig, direction: str, role: str, peer: int | None = None, depth: int = 1):
+        self.config, self.direction, self.role, self.peer, self.depth = config, direction, role, peer, depth
         self.settings = config.auto_settings()
         self.codecs: dict[str, Codec] = {}
         for name in self.settings.candidates:
@@ -191,7 +191,7 @@ class AutoEnd:
                   for name in self.codecs}
         with torch.no_grad():
             self.table = CodecCostTable(makers, x.shape, x.dtype, x.device, sample=x.detach())
-        self.chooser = Chooser(self.table, self.settings)
+        self.chooser = Chooser(self.table, self.settings, depth=self.depth, direction=self.direction)
         if self._chooser_state is not None:
             self.chooser.load_state_dict(self._chooser_state)
             self._chooser_state = None

@@ -1,7 +1,9 @@
 """``auto``'s choice: which candidate codec a link direction sends with, from what ``measure.py`` measured.
 
 **Choice** (``Chooser``): predicted seconds per message ``(1 - overlap) * (encode + decode) +
-8 * wire_bytes / rate``; ``overlap`` is the share of codec time the schedule hides (default 0:
+8 * wire_bytes / rate``, times the candidate's measured steps multiplier at the pipeline's depth
+(``config.auto.steps_multiplier``: a codec that sends half the bytes but needs 2.6x the steps to the
+same loss is slower to target, not faster); ``overlap`` is the share of codec time the schedule hides (default 0:
 none hidden, the conservative case for a synchronous 1F1B schedule). Among candidates whose
 error is at most the floor (``max_error``; by default the error of the default TAH-Quant
 codec, candidate ``paper``, on the same tensor, so auto never sends less accurately than the
@@ -39,7 +41,7 @@ announced in every message's trailer (``wire.py``, carried by ``auto.AutoEnd``).
 from __future__ import annotations
 
 from ..config import AutoSettings
-from ..config.auto import FLOOR_REFERENCE
+from ..config.auto import FLOOR_REFERENCE, steps_multiplier
 from .measure import CandidateCost, CodecCostTable, LinkRate
 from .wire import AutoDecision
 
@@ -53,13 +55,14 @@ class Chooser:
     """Picks the codec of one link direction from measured rates (see the module docstring).
 
     ``current`` is the codec the link starts with (the handshake's); None lets the first
-    measurement choose freely.
+    measurement choose freely. ``depth`` (the pipeline's stages) and ``direction`` pick the steps multipliers.
     """
 
-    def __init__(self, table: CodecCostTable, settings: AutoSettings, current: str | None = None):
+    def __init__(self, table: CodecCostTable, settings: AutoSettings, current: str | None = None, depth: int = 1,
+                 direction: str = "forward"):
         if current is not None and current not in table.costs:
             raise ValueError(f"current = {current!r} is not a measured candidate ({', '.join(table.costs)})")
-        self.table, self.settings = table, settings
+        self.table, self.settings, self.depth, self.direction = table, settings, int(depth), direction
         self.current, self.streak = current, 0
         self.predicted: dict[str, float] = {}
         self.measurements = 0  # rates taken so far
@@ -91,6 +94,7 @@ class Chooser:
                            if self.measurements - item[1] < self.settings.memory}
         floor = self.floor()
         self.predicted = {name: predicted_seconds(cost, self.rate_for(cost, rate_bps), self.settings.overlap)
+                          * steps_multiplier(name, self.depth, self.direction)
                           for name, cost in self.table.costs.items() if cost.error <= floor}
         if not self.predicted:
             raise RuntimeError(f"auto codec: no candidate within the error floor {floor:.3g} "

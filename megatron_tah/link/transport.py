@@ -116,13 +116,14 @@ class PipelineTransport:
 
     ``iteration()``: the current training iteration, the same on every stage (None: unknown, e.g.
     outside a training loop; the warm-up and auto need it). ``virtual_stages()``: the interleaved
-    schedule's virtual stages (None: not interleaved)."""
+    schedule's virtual stages (None: not interleaved). ``depth()``: the pipeline's stages (auto's steps
+    multipliers; None: 1)."""
 
     def __init__(self, config: TahConfig, stats, iteration: Callable[[], int | None] = _unknown,
-                 virtual_stages: Callable[[], int | None] = _unknown):
+                 virtual_stages: Callable[[], int | None] = _unknown, depth: Callable[[], int | None] = _unknown):
         self.config = config
         self.stats = stats
-        self.iteration, self.virtual_stages = iteration, virtual_stages
+        self.iteration, self.virtual_stages, self.depth = iteration, virtual_stages, depth
         bandwidth, latency = config.emulated_bandwidth_bps, config.tah_emulate_latency_ms / 1e3
         self.emulator = self.inbound = None
         if bandwidth is not None and config.tah_emulate_wire == "inbound":
@@ -154,7 +155,7 @@ class PipelineTransport:
         key = (direction, role, int(peer))
         if key not in self.links:
             if self.config.is_auto(direction):
-                auto = AutoEnd(self.config, direction, role, int(peer))
+                auto = AutoEnd(self.config, direction, role, int(peer), depth=self.depth() or 1)
                 self.links[key] = Link(direction, role, int(peer), auto.codec, auto=auto)
                 return self.links[key]
             codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()

@@ -63,6 +63,13 @@ def virtual_stages() -> int | None:
     return parallel_state.get_virtual_pipeline_model_parallel_world_size()
 
 
+def pipeline_depth() -> int | None:
+    """The pipeline's stages (None: not initialised): ``auto``'s steps multipliers depend on it."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
 def check_ring_exchange(config: TahConfig, args=None) -> None:
     """Raise ``ValueError`` when Megatron sends pipeline traffic by ring exchange (``--use-ring-exchange-p2p``,
     which bypasses the two transports) while a pipeline direction has a codec other than ``none``."""
@@ -97,7 +104,7 @@ def install(place) -> None:
     check_installed()  # the transports' contract, before anything is replaced
     check_ring_exchange(place.config)
     transport = PipelineTransport(place.config, place.stats, iteration=megatron_iteration,
-                                  virtual_stages=virtual_stages)
+                                  virtual_stages=virtual_stages, depth=pipeline_depth)
     place.transport = transport
     for name in TRANSPORTS:
         place.patches.wrap(P2P_MODULE, name, _replacing(transport, name))

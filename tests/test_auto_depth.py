@@ -1,0 +1,52 @@
+"""auto at pipeline depth: a codec's measured steps penalty counts against its byte savings."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_tah.config import AutoSettings
+from megatron_tah.config import auto as auto_config
+from megatron_tah.link.choice import Chooser
+from megatron_tah.link.measure import CandidateCost, CodecCostTable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _costs():
+    # wire bytes of a [64, 1, 128] message: none (bf16), paper's forward (4.4 bits), fixed point 4-bit (4.5)
+    return [CandidateCost("none", 0, 0, 0.0, 0.0, 16400, 0.0), CandidateCost("paper", 1, 1, 0.0, 0.0, 4550, 0.05),
+            CandidateCost("fixedpoint4", 2, 2, 0.0, 0.0, 4620, 0.04)]
+
+
+def test_steps_multiplier_rows_by_depth(monkeypatch):
+    monkeypatch.setattr(auto_config, "STEPS_MULTIPLIER", {8: {"paper": 2.6, "fixedpoint4": 1.05}})
+    m = auto_config.steps_multiplier
+    assert m("paper", 8) == 2.6 and m("paper", 16) == 2.6  # deeper: the deepest measured row below
+    assert m("paper", 4) == 1.0 and m("none", 8) == 1.0 and m("paper", 8, "backward") == 1.0
+    assert m("hadint4", 8) == 2.6  # unmeasured at a measured depth: the row's largest, not free
+
+
+@pytest.mark.parametrize("depth, expected", [(2, "paper"), (8, "fixedpoint4")])
+def test_auto_leaves_a_codec_whose_steps_penalty_makes_it_slower_to_target(monkeypatch, depth, expected):
+    # paper sends the fewest bytes, so at a depth with no penalty it wins; at depth 8 its 2.6x steps make
+    # 2.6 x 4550 bytes' time worse than fixedpoint4's 1.05 x 4620 (and than none's 16400 x 1.0)
+    monkeypatch.setattr(auto_config, "STEPS_MULTIPLIER", {8: {"paper": 2.6, "fixedpoint4": 1.05}})
+    settings = AutoSettings(candidates=("none", "paper", "fixedpoint4"), max_error=1.0, patience=1)
+    chooser = Chooser(CodecCostTable.from_costs(_costs()), settings, current="none", depth=depth)
+    assert chooser.update(1e6) == expected
+    backward = Chooser(CodecCostTable.from_costs(_costs()), settings, current="none", depth=depth,
+                       direction="backward")
+    assert backward.update(1e6) == "paper"  # gradients: no steps penalty charged
+
+
+def test_the_transports_auto_links_know_the_pipelines_depth():
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.transport import PipelineTransport
+    from megatron_tah.megatron.places import STREAMS
+    from megatron_tah.megatron.stats import Stats
+
+    config = TahConfig(tah_forward_codec="auto", tah_backward_codec="auto")
+    transport = PipelineTransport(config, Stats(STREAMS), depth=lambda: 8)
+    assert transport.link("forward", "send", 1).auto.depth == 8
+    assert PipelineTransport(config, Stats(STREAMS)).link("backward", "send", 1).auto.depth == 1
