@@ -26,6 +26,8 @@ from megatron_tah.codecs import get_codec
 from megatron_tah.config import TahConfig
 
 from . import simulate
+from .runs import CODECS as RUN_CODECS
+from .runs import NEEDS_LINK
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASUREMENTS = ROOT / "docs" / "benchmarks" / "nvidia-h100-80gb-hbm3.json"
@@ -33,16 +35,10 @@ SETUP = simulate.RECORDS[0]  # dense bf16: the setup every codec is projected on
 HIDDEN = 1024
 SHAPE = (SETUP.seq, SETUP.micro_batch, HIDDEN)
 
-# name -> TahConfig fields; "none" is megatron_tah's uncompressed path (raw bf16 behind a 16-byte header).
-CODECS = {
-    "none": {},
-    "paper": {"tah_preset": "paper"},
-    "hadint4": {"tah_preset": "hadint4"},
-    "lowrank": {"tah_preset": "lowrank"},
-    "lowrank8": {"tah_preset": "lowrank8"},
-    "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
-                    "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
-}
+# name -> TahConfig fields: the speedrun's codecs (``runs.CODECS``; "none" is its bf16, megatron_tah's uncompressed
+# path: raw bf16 behind a 16-byte header) but those that choose per link, and the 8-direction lowrank preset.
+CODECS = {"none": {}, **{name: fields for name, fields in RUN_CODECS.items() if name != "bf16" and name not in NEEDS_LINK},
+          "lowrank8": {"tah_preset": "lowrank8"}}
 
 
 @dataclasses.dataclass(frozen=True)
