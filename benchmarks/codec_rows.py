@@ -19,5 +19,7 @@ STATELESS_ROWS = [
     ("hadint 4b/64", "hadint", {"bits": 4, "tile_size": 64}),
     ("hadint 4b/64 stochastic", "hadint", {"bits": 4, "tile_size": 64, "stochastic_rounding": True}),
     ("lowrank r16 c6 + hadint 3b/64", "lowrank", {"bits": 3, "tile_size": 64, "rank": 16, "coef_bits": 6}),
+    ("channel 4b", "channel", {"bits": 4}),
+    ("channel 3b", "channel", {"bits": 3}),
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}

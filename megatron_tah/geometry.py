@@ -173,6 +173,17 @@ def hadint_sections(shape: Sequence[int], bits: int, tile_size: int) -> list[tup
     return [("scale", 2 * tiles), ("codes", packed_nbytes(tiles * tile_size, bits))]
 
 
+# ----- channel ------------------------------------------------------------------------------------
+def channel_code_count(shape: Sequence[int]) -> int:
+    """Codes the ``channel`` codec packs for ``shape``: every element, padded with zero codes to a multiple of 8."""
+    return cdiv(num_tokens(shape) * int(shape[-1]), 8) * 8
+
+
+def channel_sections(shape: Sequence[int], bits: int) -> list[tuple[str, int]]:
+    h = int(shape[-1])
+    return [("scale", 2 * h), ("zero", 2 * h), ("codes", packed_nbytes(channel_code_count(shape), bits))]
+
+
 # ----- lowrank ------------------------------------------------------------------------------------
 def lowrank_rank(h: int, rank: int) -> int:
     """Directions the lowrank codec sends for a last dim of ``h``: ``min(rank, h)``."""

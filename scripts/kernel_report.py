@@ -10,7 +10,9 @@ encode/decode path (``.item()``, ``.tolist()``) fails the run.
 Per kernel variant it reports registers, spill bytes, local memory, shared memory and the SASS
 instructions of the main path (from the entry to the last ``EXIT``; the slow-path subroutines of
 IEEE division after it are not counted) per element the program handles. The kernels are loop-free,
-so that is what every element costs; a variant with a backward branch is flagged ``loop``. The small
+so that is what every element costs; a variant with a backward branch is flagged ``loop``. A kernel that
+loops over its elements by design (``channel_range``: a channel block's rows) is counted by its loop body
+per element of one iteration (prologue and epilogue are spread over all its iterations). The small
 per-unit steps between them (tah's bit allocation, the header check) have no per-element count. An H100
 issues about 29.6e12 thread-instructions per second, so ``bound`` = 29.6e12 / (instructions per
 element) * (bytes moved per element) is the most a kernel could move: a static bound, not a timing.
@@ -57,6 +59,8 @@ DEFAULT_CONFIGS = [
     ("fp8 G128", "fp8", {"group_size": 128}),
     ("hadint G64 4b", "hadint", {"tile_size": 64, "bits": 4}),
     ("hadint G64 4b SR", "hadint", {"tile_size": 64, "bits": 4, "stochastic_rounding": True}),
+    ("channel 4b", "channel", {"bits": 4}),
+    ("channel 4b SR", "channel", {"bits": 4, "stochastic_rounding": True}),
 ]
 
 
@@ -89,6 +93,10 @@ def all_configs() -> list[tuple[str, str, dict]]:
                         configs.append((f"tah G{g} {hb}/{lb} {alloc}{' SR' if sr else ''} tau={tau}", "tah",
                                         {"tile_size": g, "high_bits": hb, "low_bits": lb, "allocation": alloc,
                                          "stochastic_rounding": sr, "outlier_threshold": tau}))
+    for bits in range(2, 9):
+        for sr in (False, True):
+            configs.append((f"channel {bits}b{' SR' if sr else ''}", "channel",
+                            {"bits": bits, "stochastic_rounding": sr}))
     return configs
 
 
@@ -169,9 +177,10 @@ def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
     return out
 
 
-def main_path(instructions) -> tuple[list[str], bool]:
-    """Opcodes from the entry to the last EXIT before the first subroutine return (NOPs dropped), and
-    whether a backward branch (a loop) lies on that path."""
+def main_path(instructions) -> tuple[list[str], bool, list[str]]:
+    """Opcodes from the entry to the last EXIT before the first subroutine return (NOPs dropped), whether
+    a backward branch (a loop) lies on that path, and the opcodes of the widest loop's body (from the
+    branch's target to the branch; empty without a loop)."""
     end = len(instructions)
     for i, (_, op, _) in enumerate(instructions):
         if op == "RET":
@@ -179,12 +188,14 @@ def main_path(instructions) -> tuple[list[str], bool]:
             break
     last_exit = max((i for i in range(end) if instructions[i][1] == "EXIT"), default=end - 1)
     path = instructions[: last_exit + 1]
-    loop = False
+    body: list[str] = []
     for address, op, operands in path:
         target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
         if target and int(target.group(1), 16) < address:
-            loop = True
-    return [op for _, op, _ in path if op != "NOP"], loop
+            start = int(target.group(1), 16)
+            loop_ops = [o for a, o, _ in path if start <= a <= address and o != "NOP"]
+            body = max(body, loop_ops, key=len)
+    return [op for _, op, _ in path if op != "NOP"], bool(body), body
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -215,6 +226,8 @@ class Result:
     bytes_per_element: float = 0.0
     bound_tbps: float = 0.0
     loop: bool = False
+    loops_by_design: bool = False  # the launcher says the kernel loops over its elements (counted by its loop body)
+    loop_instructions: int = 0
     top: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
 
@@ -244,11 +257,14 @@ def compile_one(config: str, moved: float, launch, driver, capability: int, sass
     result.registers = usage.get("registers", 0)
     result.local = usage.get("local", 0)
     result.shared = int(getattr(compiled.metadata, "shared", 0))
-    ops, result.loop = main_path(sass_instructions(cubin))
+    ops, result.loop, body = main_path(sass_instructions(cubin))
     threads = 32 * launch.kwargs.get("num_warps", 4)
     result.main_instructions = len(ops)
+    result.loop_instructions = len(body)
+    result.loops_by_design = bool(getattr(launch, "loops", False))
     if launch.elements:  # an elementwise kernel (the others: small per-unit steps, e.g. tah's bit allocation)
-        result.per_element = round(len(ops) * threads / launch.elements, 2)
+        counted = body if result.loops_by_design and body else ops  # a looping kernel: one iteration's elements
+        result.per_element = round(len(counted) * threads / launch.elements, 2)
         result.bound_tbps = round(ISSUE_RATE / result.per_element * moved / 1e12, 2)
     result.top = dict(collections.Counter(ops).most_common(10))
     if sass_dir is not None:
@@ -268,7 +284,9 @@ def format_table(results: list[Result]) -> str:
         if not r.compiles:
             lines.append(f"{r.kernel:44} {r.target:6} FAILED: {r.error.splitlines()[0][:120]}")
             continue
-        notes = " ".join(n for n, on in (("loop", r.loop), ("per-unit step", not r.per_element)) if on)
+        notes = " ".join(n for n, on in (("loop", r.loop and not r.loops_by_design),
+                                         (f"loop body {r.loop_instructions}", r.loops_by_design),
+                                         ("per-unit step", not r.per_element)) if on)
         per_element = f"{r.per_element:8.1f}" if r.per_element else f"{'-':>8}"
         bound = f"{r.bound_tbps:10.2f}" if r.per_element else f"{'-':>10}"
         lines.append(f"{r.kernel:44} {r.target:6} {r.registers:4d} {r.spill_stores + r.spill_loads:8d} {r.local:5d} "

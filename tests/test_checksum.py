@@ -230,7 +230,7 @@ def test_the_option_reaches_the_pipeline_codecs_only(on):
     assert not config.laaq_codec(0, 1).checksum
 
 
-@pytest.mark.parametrize("name", ["tah", "fixedpoint", "fp8", "hadint"])
+@pytest.mark.parametrize("name", ["tah", "fixedpoint", "fp8", "hadint", "channel"])
 def test_the_triton_path_writes_and_checks_the_same_checksum(name, message):
     from megatron_tah.kernels.common import kernel_device, why_no_kernels
 

@@ -17,7 +17,7 @@ from megatron_tah.codecs.samples import activation_like
 SHAPE = (16, 2, 128)
 # Every codec with rounding to nearest (stochastic rounding and none are eager fallbacks, tested below).
 CAPTURABLE = {"fixedpoint": {}, "tah": {}, "fp8": {}, "int8": {}, "mxfp4": {}, "nvfp4": {},
-              "hadint": {}, "lowrank": {"rank": 4}}
+              "hadint": {}, "lowrank": {"rank": 4}, "channel": {}}
 
 
 # tah's torch reference branches on the host (outliers; codes scattered by a boolean mask): a CUDA graph

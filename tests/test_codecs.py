@@ -338,7 +338,7 @@ def test_codec_id_mismatch_names_the_sender():
 
 # Every codec's id (byte 3 of the header): a wire constant, so the table is written out here.
 CODEC_IDS = {"none": 0, "fixedpoint": 1, "tah": 2, "fp8": 3, "aqsgd": 4, "int8": 5, "mxfp4": 6, "nvfp4": 7,
-             "hadint": 8, "lowrank": 9}
+             "hadint": 8, "lowrank": 9, "channel": 10}
 
 
 def test_every_codec_has_its_own_id_and_a_duplicate_is_an_error_at_import():

@@ -17,6 +17,9 @@ from dist_utils import run_distributed
 HIDDEN, HEADS, SEQ, VOCAB, MICRO_BATCH, MICRO_BATCHES = 64, 4, 32, 128, 2, 4
 HAVE_TAH = (pathlib.Path(__file__).parents[1] / "megatron_tah" / "codecs" / "tah.py").exists()
 LOSSY_FORWARD = "tah" if HAVE_TAH else "fixedpoint"
+# A lossy run is named by its forward codec (gradients as fixedpoint), or here by its options.
+LOSSY_OPTIONS = {"channel": {"tah_forward_codec": "channel", "tah_forward_bits": 4, "tah_backward_codec": "channel",
+                             "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True}}
 ENV = {"TRITON_INTERPRET": "1"}
 
 pytestmark = pytest.mark.distributed
@@ -195,8 +198,8 @@ def _lossy(build, iterations, forward_codec):
     from megatron_tah.megatron.stats import reduce_to_last_rank
 
     base, _ = _train(build(), iterations, lr=3e-3)
-    megatron_tah.install(tah_forward_codec=forward_codec, tah_backward_codec="fixedpoint", tah_backend="torch",
-                         tah_error_sample_interval=4)
+    options = LOSSY_OPTIONS.get(forward_codec, dict(tah_forward_codec=forward_codec, tah_backward_codec="fixedpoint"))
+    megatron_tah.install(**options, tah_backend="torch", tah_error_sample_interval=4)
     sent, restore = _spy_aqsgd_sends() if forward_codec == "aqsgd" else ({}, lambda: None)
     lossy, _ = _train(build(), iterations, lr=3e-3)
     restore()
@@ -346,7 +349,7 @@ def _check_lossy(results, world_size, name, codec):
         assert reduced[d]["raw_bytes"] > reduced[d]["wire_bytes"]
     merged = {k: v for s in per_rank for k, v in s["links"].items()}
     assert reduced["links"] == merged
-    assert reduced["backward"]["ratio"] > 4.0  # fixedpoint 6-bit tile 32: 7 bits per fp32 element
+    assert reduced["backward"]["ratio"] > 4.0  # fixedpoint 6-bit tile 32: 7 bits per fp32 element (channel: 3.5)
     if codec != "aqsgd":
         assert 0 < reduced["forward"]["rel_error"] < 0.3 and reduced["forward"]["ratio"] > 4.0
     assert all(results[k][name][codec]["pending_ids"] == 0 for k in range(world_size))
@@ -363,7 +366,8 @@ def _check_lossy(results, world_size, name, codec):
 
 
 def test_pp2_all_schedules_exact_wire_bytes_lossy_mismatch_emulation():
-    lossy = [(name, LOSSY_FORWARD) for name, *_ in SCHEDULES]
+    # Per-channel 4-bit activations and 3-bit stochastically rounded gradients, on one schedule.
+    lossy = [(name, LOSSY_FORWARD) for name, *_ in SCHEDULES] + [(SCHEDULES[0][0], "channel")]
     results = run_distributed(_scenarios, 2, SCHEDULES, lossy, 20, ("mismatch", "emulate", "inbound"), env=ENV,
                               timeout=900)
     _check_exact_and_wire(results, 2, SCHEDULES, 2)

@@ -22,7 +22,7 @@ from megatron_tah.kernels import common as kcommon
 SHAPE = (4, 2, 96)  # [s, b, h]; h is not a whole number of 64-channel tiles (the padding paths)
 STATELESS = {
     "none": {}, "fixedpoint": {}, "tah": {}, "fp8": {"group_size": 32}, "int8": {"block_size": 32},
-    "mxfp4": {"hadamard": True}, "nvfp4": {}, "hadint": {}, "lowrank": {"rank": 4},
+    "mxfp4": {"hadamard": True}, "nvfp4": {}, "hadint": {}, "lowrank": {"rank": 4}, "channel": {},
 }
 TRITON = [name for name in STATELESS if get_codec(name).has_triton_path()]
 
@@ -65,7 +65,7 @@ def stateless_case(name, backend, dtype):
 
 def test_every_codec_is_covered():
     assert set(STATELESS) | {"aqsgd"} == set(CODECS)
-    assert TRITON == ["fixedpoint", "tah", "fp8", "hadint", "lowrank"]
+    assert TRITON == ["fixedpoint", "tah", "fp8", "hadint", "lowrank", "channel"]
 
 
 def test_the_counter_sees_a_clone_and_not_a_view():

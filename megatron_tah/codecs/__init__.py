@@ -26,6 +26,7 @@ CODECS = {
     "nvfp4": "nvfp4:NvFp4Codec",
     "hadint": "hadint:HadIntCodec",
     "lowrank": "lowrank:LowRankCodec",
+    "channel": "channel:ChannelCodec",
 }
 
 

@@ -97,16 +97,16 @@ class TahConfig:
     """Channels per tile of the backward codec."""
 
     tah_forward_bits: int = 4
-    """Bits of the forward codec when it is fixedpoint, aqsgd or hadint (lowrank: of its residual)."""
+    """Bits of the forward codec when it is fixedpoint, aqsgd, hadint or channel (lowrank: of its residual)."""
 
     tah_backward_bits: int = 6
-    """Bits of the backward codec when it is fixedpoint or hadint (lowrank: of its residual)."""
+    """Bits of the backward codec when it is fixedpoint, hadint or channel (lowrank: of its residual)."""
 
     tah_stochastic_rounding: bool = False
-    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint)."""
+    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint, channel)."""
 
     tah_backward_stochastic_rounding: bool = False
-    """Round stochastically in the backward codec only (fixedpoint, tah, hadint): unbiased activation gradients."""
+    """Round stochastically in the backward codec only (fixedpoint, tah, hadint, channel): unbiased activation gradients."""
 
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""

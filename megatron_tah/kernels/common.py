@@ -95,7 +95,8 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: dict
-    elements: int  # tensor elements one program handles (for instructions per element)
+    elements: int  # tensor elements one program handles (for instructions per element); with loops, one iteration's
+    loops: bool = False  # the kernel loops over its elements by design (its count per element is its loop body's)
 
 
 @dataclasses.dataclass
@@ -122,10 +123,17 @@ def recording(capability: int = 90):
         _RECORDER = previous
 
 
-def launch(label: str, kernel, grid: tuple, args: tuple, kwargs: dict, elements: int) -> None:
-    """Run ``kernel[grid](*args, **kwargs)``, or record it inside ``recording()``."""
+def recording_active() -> bool:
+    """True inside ``recording()``: launchers then block for the compiled kernels even under the interpreter."""
+    return _RECORDER is not None
+
+
+def launch(label: str, kernel, grid: tuple, args: tuple, kwargs: dict, elements: int, loops: bool = False) -> None:
+    """Run ``kernel[grid](*args, **kwargs)``, or record it inside ``recording()`` (``elements``: what one program
+    handles, or one iteration of its loop when it ``loops`` over its elements)."""
     if _RECORDER is not None:
-        _RECORDER.launches.append(Launch(label, kernel, tuple(grid), tuple(args), dict(kwargs), int(elements)))
+        _RECORDER.launches.append(Launch(label, kernel, tuple(grid), tuple(args), dict(kwargs), int(elements),
+                                         bool(loops)))
         return
     if is_interpreted(kernel):
         import numpy as np
