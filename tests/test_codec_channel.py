@@ -237,3 +237,22 @@ def test_registered_in_codecs_flags_config_and_report():
     with pytest.raises(ValueError, match="tah_forward_codec = 'channel'.*bits"):
         TahConfig(tah_forward_codec="channel", tah_forward_bits=9)
     assert [name for _, name, _ in report.STATELESS_ROWS].count("channel") == 2
+
+
+@pytest.mark.parametrize("preset, backward_bits", [("channel", 3), ("channel6", 2)])
+def test_the_channel_presets_bits_both_ways(preset, backward_bits):
+    """Per-channel 4-bit activations, per-channel stochastically rounded gradients: bits + 32 / rows per value
+    (a bf16 scale and zero per channel) plus the 16-byte header, exactly."""
+    from megatron_tah.config import TahConfig
+
+    config = TahConfig(tah_preset=preset)
+    fwd, bwd = config.forward_codec(), config.backward_codec()
+    assert (fwd.name, bwd.name) == ("channel", "channel")
+    for shape in ((1024, 8, 1024), (64, 1, 128)):
+        rows, hidden = shape[0] * shape[1], shape[2]
+        values = rows * hidden
+        for codec, bits in ((fwd, 4), (bwd, backward_bits)):
+            nbytes = codec.wire_nbytes(shape, torch.bfloat16)
+            assert nbytes == 16 + 4 * hidden + values * bits // 8
+    big = 8 * sum(c.wire_nbytes((1024, 8, 1024), torch.bfloat16) for c in (fwd, bwd)) / (1024 * 8 * 1024)
+    assert big == pytest.approx(4 + backward_bits, abs=0.01)

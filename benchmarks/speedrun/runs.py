@@ -35,6 +35,8 @@ CODECS: dict[str, dict] = {
     "lowrank": {"tah_preset": "lowrank"},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
+    "channel": {"tah_preset": "channel"},
+    "channel6": {"tah_preset": "channel6"},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""

@@ -24,4 +24,12 @@ PRESETS = {
                  "tah_lowrank_rank": 8, "tah_lowrank_coef_bits": 6,
                  "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                  "tah_backward_stochastic_rounding": True},
+    # For deep pipelines: per-channel 4-bit activations (one asymmetric min/max per hidden channel over the
+    # message's tokens, rounded to nearest) and per-channel 3-bit stochastically rounded gradients; 7.01 bits
+    # both ways at [1024, 8, 1024] (8.03 at [64, 1, 128]). Steps to target at depth 8: docs/SPEEDRUN.md.
+    "channel": {"tah_forward_codec": "channel", "tah_forward_bits": 4,
+                "tah_backward_codec": "channel", "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
+    # The same with 2-bit gradients: 6.01 bits both ways at [1024, 8, 1024].
+    "channel6": {"tah_forward_codec": "channel", "tah_forward_bits": 4,
+                 "tah_backward_codec": "channel", "tah_backward_bits": 2, "tah_backward_stochastic_rounding": True},
 }
