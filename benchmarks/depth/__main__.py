@@ -138,17 +138,18 @@ def execute(studies: list[Study], out: Path, data: list[str], jobs: int) -> None
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.depth", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/depth"))
-    parser.add_argument("--only", help="comma list of study names (default: all)")
+    parser.add_argument("--only", help="comma list of study names, run in that order (default: all)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plots under docs/data/)")
     args = parser.parse_args(argv)
     studies = STUDIES
     if args.only:
-        names = set(args.only.split(","))
-        unknown = names - {s.name for s in STUDIES}
+        names = [name for name in args.only.split(",") if name]
+        by_name = {s.name: s for s in STUDIES}
+        unknown = sorted(set(names) - set(by_name))
         if unknown:
-            parser.error(f"--only: unknown studies {sorted(unknown)}")
-        studies = [s for s in STUDIES if s.name in names]
+            parser.error(f"--only: unknown studies {unknown}")
+        studies = [by_name[name] for name in dict.fromkeys(names)]  # in the order given
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     from ..speedrun.__main__ import prepare_data
