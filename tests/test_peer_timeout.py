@@ -141,6 +141,10 @@ def test_the_bound_is_a_validated_option():
 
 
 # ----- the real transport, two gloo processes ------------------------------------------------------------
+class _Died(Exception):
+    """Stage 1's end in the "dead" scenario."""
+
+
 def _silent_or_dead_peer(rank, world_size, fate, bound):
     """Two exchanges; then stage 1 goes silent (sleeps), dies (its process exits) or goes quiet for less than the bound, while
     stage 0 posts its third exchange at iteration 7. Returns (what stage 0 raised, seconds its wait took)."""
@@ -159,8 +163,8 @@ def _silent_or_dead_peer(rank, world_size, fate, bound):
             _exchange(rank, True, x, x)
         args.curr_iteration = 7
         if rank == 1:
-            if fate == "dead":  # its process ends: the kernel closes its connections, as when it is killed
-                return "exited"
+            if fate == "dead":  # its process ends at once (the harness's os._exit after an error, no orderly
+                raise _Died()  # shutdown of the process group): the kernel closes its connections, as when killed
             time.sleep({"silent": bound + 8.0, "outage": bound / 3}[fate])
             if fate == "silent":
                 return "slept"
@@ -184,6 +188,8 @@ def test_a_silent_or_dead_peer_stops_the_transport_within_the_bound(fate):
     results = run_distributed(_silent_or_dead_peer, 2, fate, bound, timeout=240, grace=30, return_exceptions=True)
     stage0 = results[0]
     assert not isinstance(stage0, RankFailure), stage0
+    if fate == "dead":
+        assert isinstance(results[1], RankFailure) and results[1].type_name == "_Died", results[1]
     if fate == "outage":  # stage 1 was quiet for bound / 3: ridden out
         assert stage0[0] == "no error" and bound / 3 - 0.5 <= stage0[1] < bound, stage0
         return
