@@ -30,6 +30,10 @@
 #   OUT          run directory (default runs/<task>_pp<PP>): ckpt/, tensorboard/, log.jsonl
 #   SAVE, LOAD   checkpoint to write (default $OUT/ckpt; none: no checkpoint) / to start from; FINETUNE=1 loads its weights
 #                only (Megatron's --finetune)
+#   RESTARTS     restart a failed run this many times (default 3; 0: never), each from the latest checkpoint
+#                the run wrote to SAVE (--load SAVE), through `python -m megatron_tah.restart`, which prints the
+#                time lost; RESTART_DELAY seconds between attempts (default 5). No restart with SAVE=none.
+#   SAVE_INTERVAL  iterations between checkpoints (default: GPUs 1000, CPU the whole run)
 #   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
 #   DRY_RUN=1    print the command instead of running it (and do not tokenize)
 #   DEVICE       gpu | cpu (default: gpu when torch sees CUDA); DRY_RUN=1 DEVICE=gpu prints a GPU command
@@ -56,14 +60,20 @@ OUT="${OUT:-runs/${TASK}_pp${PP}}"
 SAVE="${SAVE:-$OUT/ckpt}"
 LOAD="${LOAD:-}"
 FINETUNE="${FINETUNE:-0}"
-launch() {  # run "$@" (replacing this shell), or print it with DRY_RUN=1
+RESTARTS="${RESTARTS:-3}"
+launch() {  # run "$@" (replacing this shell) under the restart loop, or print it with DRY_RUN=1
+    local cmd=("$@")
+    if [[ "$RESTARTS" != 0 && "$SAVE" != none ]]; then  # a failed run resumes from its checkpoint in $SAVE
+        cmd=("$PYTHON" -m megatron_tah.restart --restarts "$RESTARTS" --delay-s "${RESTART_DELAY:-5}" --save "$SAVE"
+             --log-json "$OUT/log.jsonl" -- "$@")
+    fi
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
-        printf '%q ' "$@"
+        printf '%q ' "${cmd[@]}"
         echo
         exit 0
     fi
     set -x
-    exec "$@"
+    exec "${cmd[@]}"
 }
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$root/.venv/bin/python" ]]; then PYTHON="$root/.venv/bin/python"; else PYTHON=python3; fi
@@ -174,7 +184,7 @@ megatron_args=(--pipeline-model-parallel-size "$PP" --num-layers "$((PP > 4 ? PP
                --micro-batch-size "${MICRO_BATCH:-4}" --global-batch-size "${GLOBAL_BATCH:-16}"
                --train-iters "$iters" --lr "${LR:-$def_lr}" --lr-warmup-iters "$(( iters / 10 < 10 ? iters / 10 : 10 ))" --lr-decay-style cosine
                --weight-decay 0.01 --clip-grad 1.0 --eval-interval 50 --eval-iters 4 --log-interval 10
-               --save-interval "$iters" --transformer-impl local --distributed-backend gloo
+               --save-interval "${SAVE_INTERVAL:-$iters}" --transformer-impl local --distributed-backend gloo
                --no-gradient-accumulation-fusion --no-persist-layer-norm "${data_args[@]}" "${ckpt_args[@]}" "${tah_args[@]}" "$@")
 [[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p "$OUT"
 use_netns=0

@@ -85,6 +85,14 @@ def test_link_rate_uses_the_large_messages_and_needs_enough_of_them():
     assert meter.measure() is None  # two large messages are too few; nothing consumed
     meter.record(1_000_000, 0.08)
     assert meter.measure().rate_bps == pytest.approx(100 * MBIT)
+    # The messages shrank (a codec switch): the last large ones do not stall the meter a second time.
+    for _ in range(2):
+        meter.record(1_000_000, 0.08)
+    for _ in range(4):
+        meter.record(100_000, 0.008)
+    assert meter.measure() is None and len(meter.window) == 6
+    assert meter.measure().rate_bps == pytest.approx(100 * MBIT) and meter.window == []
+    assert meter.state_dict()["stalled"] is False
 
 
 def test_link_rate_unlimited_and_bad_input():

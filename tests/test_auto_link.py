@@ -296,3 +296,66 @@ def test_an_unlimited_link_chooses_none_and_a_slow_one_compresses(transit, expec
         _deliver(rank0, rank1, "forward", 0, 1, 80_000, sent_at=10.0 + k, done_at=10.0 + k + transit)
         _deliver(rank1, rank0, "backward", 1, 0, 80_000, sent_at=10.5 + k, done_at=10.6 + k)
     assert sender.auto.next == expected, (sender.auto.rate, sender.auto.chooser.predicted)  # (announced)
+
+
+def test_after_the_rate_drops_the_link_switches_to_fewer_bytes_and_back_when_it_recovers():
+    """A scripted 10x rate drop on the emulated link (``link/emulate.py``, fake clock): 10 Gbit/s, 1 Gbit/s from
+    iteration 8, 10 Gbit/s again from iteration 20. The candidates' wire bytes and errors are measured, their
+    times fixed (fp8 20 us, paper 40 us per encode and per decode: at 10 Gbit/s none is fastest, at 1 Gbit/s paper);
+    two messages an iteration, each billed its codec's wire bytes; the receiver switches with the sender throughout.
+
+    The drop: within ``bound`` iterations the choice is a codec with fewer wire bytes (the meter's window must
+    hold only transfers at the new rate: one interval, plus the report's one-message lag; the chooser's patience,
+    2 measurements: 2 more intervals; the choice takes effect at the next boundary). The recovery takes longer by
+    design: the compressed messages are smaller, and a small message's rate says nothing of a large one's (a token
+    bucket carries small messages at its burst rate), so the slow rate measured on the uncompressed size is kept
+    for ``memory`` (4) measurements before the current rate stands in for it (``choice.py``): ``bound_back``."""
+    import dataclasses
+
+    from megatron_tah.link.emulate import LinkEmulator
+
+    interval, fast, slow = 2, 1e10, 1e9
+    bound = 3 * interval + 2
+    bound_back = (4 + 3) * interval + 2
+    rank0, rank1 = _transport_pair({"tah_forward_codec": "auto", "tah_backward_codec": "fixedpoint",
+                                    "tah_auto_interval": interval, "tah_auto_probation": 0})
+    sender, receiver = rank0.link("forward", "send", 1), rank1.link("forward", "recv", 0)
+    x = torch.randn(SHAPE)
+    sender.auto.prepare(x)
+    seconds = {"none": 0.0, "fp8": 20e-6, "paper": 40e-6}
+    table = CodecCostTable.from_costs([dataclasses.replace(cost, encode_s=seconds[name], decode_s=seconds[name])
+                                       for name, cost in sender.auto.table.costs.items()])
+    sender.auto.table, sender.auto.chooser = table, Chooser(table, sender.auto.settings)
+    clock = [1000.0]
+    emulator = LinkEmulator(fast, latency_s=1e-3, clock=lambda: clock[0], sleep=lambda s: None)
+    rank0.latency[1] = 1e-3  # (the handshake's ping)
+    rate_at = {k: (slow if 8 <= k < 20 else fast) for k in range(40)}
+    chosen = []
+    for k in range(40):
+        emulator.bandwidth_bps = rate_at[k]
+        sender.auto.begin(k)
+        receiver.auto.begin(k)
+        assert receiver.auto.current == sender.auto.current  # lockstep
+        codec_name = sender.auto.current
+        chosen.append(codec_name)
+        nbytes = sender.auto.codec.wire_nbytes(SHAPE, x.dtype) + TRAILER_NBYTES
+        for _ in range(2):  # two micro-batches: the peer computes 0.5 s between messages
+            encode_s = sender.auto.table.costs[codec_name].encode_s
+            announcement = sender.auto.sent(encode_s)
+            report, sender.report = sender.report, None
+            sent_at = clock[0]
+            done_at = emulator.finish_time((0, 1), nbytes, sent_at, receiver=True)
+            rank1.received_trailer(receiver, encode_trailer(Trailer(announcement, sent_at, report)), nbytes, done_at)
+            clock[0] = done_at + 0.5
+            back = rank1.link("backward", "send", 0)  # the gradient, on a fast fixed direction, carries the report
+            report, back.report = back.report, None
+            rank0.received_trailer(rank0.link("backward", "recv", 1), encode_trailer(Trailer(None, clock[0], report)),
+                                   10_000, clock[0] + 1e-3)
+            clock[0] += 0.5
+    wire = {name: sender.auto.table.costs[name].wire_nbytes for name in sender.auto.table.costs}
+    before, during, after = chosen[:8], chosen[8:20], chosen[20:]
+    assert set(before[1:]) == {"none"}, chosen  # at 10 Gbit/s the codecs' time outweighs the bytes they save
+    switched = next(k for k, name in enumerate(during) if wire[name] < wire["none"])
+    assert switched <= bound and all(wire[name] < wire["none"] for name in during[switched:]), (chosen, wire)
+    back_at = next(k for k, name in enumerate(after) if name == "none")
+    assert back_at <= bound_back and set(after[back_at:]) == {"none"}, chosen

@@ -2,7 +2,7 @@
 
 The layers, lowest first (``LAYERS``): ``geometry`` / ``units`` <- ``kernels`` <- ``codecs`` <- ``config``
 <- ``link`` <- ``megatron`` (the Megatron patches) <- the entry points (``pretrain_gpt``, ``launch``,
-``demo``, ``data``, ``slow_link``, the package's ``__init__``) <- ``benchmarks`` / ``scripts``. A module
+``demo``, ``data``, ``slow_link``, ``restart``, the package's ``__init__``) <- ``benchmarks`` / ``scripts``. A module
 may import its own layer and the ones below. Every import counts: module-level, inside functions,
 under ``TYPE_CHECKING``, and the names given to ``importlib.import_module`` / ``__import__`` (a string,
 a module-level string constant, or ``f"{__name__}.{...}"``: every module of that package).
@@ -29,7 +29,7 @@ LAYERS = (
     ("config",),
     ("link",),
     ("megatron",),
-    ("pretrain_gpt", "launch", "demo", "data", "slow_link", "__init__"),  # "__init__": the package itself
+    ("pretrain_gpt", "launch", "demo", "data", "slow_link", "restart", "__init__"),  # "__init__": the package itself
     ("benchmarks", "scripts"),
 )
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

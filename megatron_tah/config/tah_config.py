@@ -136,6 +136,9 @@ class TahConfig:
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
     """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError naming the link and iteration instead of reaching the model silently. Both stages must agree. Off by default (the rule: on when it costs under 2% of the codec's time): on CPU it costs more than that for the 6-bit fixedpoint backward codec (scripts/bench_codecs.py --checksum; docs/benchmarks/cpu-checksum.json, pct_of_codec); the GPU's cost is not measured yet."""
 
+    tah_peer_timeout_s: float = 120.0
+    """Stop the run when a neighbouring pipeline stage stays silent this long (seconds; 0: Megatron's own timeouts only). A wait for a pipeline message longer than this raises PeerTimeoutError naming the link (stage i -> j), the iteration and when data from that stage last arrived; a dead peer raises PeerLostError at once; an outage shorter than this is ridden out. The same bound applies to every other collective after the first iteration (it sets Megatron's --distributed-timeout-seconds-after-init unless that is given; checkpoint saves keep --distributed-timeout-minutes), and the first iteration after a start waits up to --distributed-timeout-minutes (kernel compilation, auto's cost table). The default, 120 s, exceeds a whole step of the slowest WAN record (dense bf16 at 200 Mbit/s: 100 s per step; a wait lasts part of one) and is 5x shorter than Megatron's 10-minute default. gloo waits are bounded by the transport itself; NCCL's by the process group's timeout (its watchdog)."""
+
     tah_eager_codecs: bool = False
     """Call the codecs eagerly on GPUs. By default the pipeline's link ends and the TP/DP collectives capture each codec call once per message shape as a CUDA graph and replay it (fewer launches; one log line per reason a call stays eager: CPU tensors, the none codec, AQ-SGD, stochastic rounding, a failed capture); this turns that off, to compare or to rule it out."""
 
@@ -223,6 +226,9 @@ class TahConfig:
         if self.tah_emulate_wire != "link" and self.tah_emulate_bandwidth is None:
             raise ValueError(f"tah_emulate_wire = {self.tah_emulate_wire!r} meters the emulated link: it needs "
                              "tah_emulate_bandwidth")
+        if not self.tah_peer_timeout_s >= 0:
+            raise ValueError(f"tah_peer_timeout_s = {self.tah_peer_timeout_s!r}: must be >= 0 seconds (0: no bound "
+                             "of its own, Megatron's timeouts)")
         if self.tah_emulate_latency_ms < 0:
             raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.

@@ -6,7 +6,8 @@
    ``auto.py``); every ``interval`` iterations (and at the handshake) ``measure()`` turns the transfers
    since the last measurement into a rate and its spread. A transit can only include extra time (the
    receiver posting late, scheduling), never less, so the estimate is an upper order statistic of the
-   per-transfer rates of the window's large messages (those of at least half the largest size):
+   per-transfer rates of the window's large messages (those of at least half the largest size; too few
+   of them twice in a row, as after a switch to a codec with smaller messages, and they are dropped):
    the upper quartile by default, and the spread is the interquartile range (``quantile`` picks
    another: the pipeline transport reads the fastest transfer, 1.0). The first ``skip_first``
    transfers of a meter are ignored (connection set-up, allocator and kernel warm-up).
@@ -70,6 +71,7 @@ class LinkRateMeter:
         self.quantile = quantile
         self.seen = 0
         self.window: list[tuple[int, float]] = []
+        self.stalled = False  # the last measure() found too few large messages
 
     def record(self, nbytes: int, seconds: float) -> None:
         """One real transfer of ``nbytes`` bytes that took ``seconds`` (post to completion)."""
@@ -84,13 +86,24 @@ class LinkRateMeter:
         return iteration % self.interval == 0
 
     def measure(self) -> LinkRate | None:
-        """The rate from the transfers since the last measurement (which it consumes); None with too few."""
-        if not self.window:
-            return None
-        largest = max(nbytes for nbytes, _ in self.window)
-        rates = [8.0 * nbytes / seconds for nbytes, seconds in self.window if 2 * nbytes >= largest]
-        if len(rates) < self.min_transfers:
-            return None
+        """The rate from the transfers since the last measurement (which it consumes); None with too few.
+
+        Too few large messages keep the window as it is (more may come), but not twice in a row beside smaller
+        ones: after a codec switch the messages shrink and the last large ones would stall the meter for good,
+        so on the second such call they are dropped and the smaller ones measured."""
+        while True:
+            if not self.window:
+                return None
+            largest = max(nbytes for nbytes, _ in self.window)
+            rates = [8.0 * nbytes / seconds for nbytes, seconds in self.window if 2 * nbytes >= largest]
+            if len(rates) >= self.min_transfers:
+                break
+            smaller = [(nbytes, seconds) for nbytes, seconds in self.window if 2 * nbytes < largest]
+            if not smaller or not self.stalled:
+                self.stalled = bool(smaller)
+                return None
+            self.window = smaller
+        self.stalled = False
         fastest: dict[int, float] = {}
         for nbytes, seconds in self.window:
             fastest[nbytes] = max(fastest.get(nbytes, 0.0), 8.0 * nbytes / seconds)
@@ -102,11 +115,12 @@ class LinkRateMeter:
         return LinkRate(rate_bps=high, spread_bps=high - low, transfers=len(rates), by_size=tuple(sorted(fastest.items())))
 
     def state_dict(self) -> dict:
-        return {"seen": self.seen, "window": [list(item) for item in self.window]}
+        return {"seen": self.seen, "window": [list(item) for item in self.window], "stalled": self.stalled}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = int(state["seen"])
         self.window = [(int(nbytes), float(seconds)) for nbytes, seconds in state["window"]]
+        self.stalled = bool(state.get("stalled", False))  # (absent from checkpoints written before it)
 
 
 # ----- the codecs -----------------------------------------------------------------------------

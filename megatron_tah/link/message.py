@@ -27,6 +27,7 @@ class Message:
         self.staging, self.extra_nbytes = staging, extra_nbytes
         self.stages, self.last_stage = stages, last_stage
         self.work = None
+        self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
         self.done = False
         self.completed_at: float | None = None
 
@@ -86,16 +87,17 @@ class Message:
 
 
 class Handle:
-    """What the unbatched transport returns in place of a ``Work``: ``wait()`` waits, then ``finish``es."""
+    """What the unbatched transport returns in place of a ``Work``: ``wait()`` waits (through ``wait``, the
+    transport's bounded wait), then ``finish``es."""
 
-    def __init__(self, message: Message, finish: Callable[[Message], None]):
-        self.message, self._finish = message, finish
+    def __init__(self, message: Message, finish: Callable[[Message], None], wait: Callable[[Message], None]):
+        self.message, self._finish, self._wait = message, finish, wait
 
     def wait(self, timeout=None):
         msg = self.message
         if not msg.done:
             msg.poll()
-            msg.work.wait()
+            self._wait(msg)
             if msg.completed_at is None:
                 msg.completed_at = time.monotonic()
             self._finish(msg)

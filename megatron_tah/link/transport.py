@@ -50,6 +50,10 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
   and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
+* A silent or dead peer: every wait goes through ``peer.PeerWatch`` (``self.peers``), which bounds it by
+  ``--tah-peer-timeout-s`` on gloo groups once the peer has been heard from and raises ``PeerTimeoutError``
+  / ``PeerLostError`` naming the link, the iteration and when the peer's data last arrived; on NCCL groups
+  the process group's timeout bounds it (``peer.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .measure import MIN_SECONDS
 from .message import Handle, Message
+from .peer import PeerWatch
 from .staging import HostStaging
 from .wire import Trailer, append_trailer, decode_trailer, message_extra_nbytes, wall_seconds
 
@@ -141,6 +146,7 @@ class PipelineTransport:
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
         self.outstanding: list[Message] = []  # unbatched messages not yet finished (completion stamps)
+        self.peers = PeerWatch(config.tah_peer_timeout_s)  # when each neighbour was last heard from; bounded waits
         self.checked_groups: set[int] = set()
         self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
@@ -329,8 +335,18 @@ class PipelineTransport:
         if trailer is not None and self.auto:
             self.received_trailer(link, trailer, m.buf.numel(), done_at)
         if m.is_recv:
+            self.peers.arrived(link.peer)
             self._decode(m)
         m.release()
+
+    def wait(self, m: Message) -> None:
+        """Wait for ``m``'s transfer (posted: ``m.work``), bounded as ``peer.PeerWatch.wait`` says; a timeout or a
+        lost peer raises a ``peer.LinkError`` naming the link and the iteration."""
+        me = torch.distributed.get_rank()
+        ranks = (m.link.peer, me) if m.is_recv else (me, m.link.peer)
+        what = "activations" if m.link.direction == "forward" else "activation gradients"
+        self.peers.wait(m.work, peer=m.link.peer, stages=m.stages, ranks=ranks, receiving=m.is_recv, what=what,
+                        iteration=self.iteration(), bounded=m.bounded)
 
     def _decode(self, m: Message) -> None:
         """Decode a received message into Megatron's receive tensor; a checksum failure names the link and
@@ -362,8 +378,10 @@ class PipelineTransport:
         for m in messages.values():
             m.stamp()
         works = dist.batch_isend_irecv(ops)
+        bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
         for m, work in zip(messages.values(), works):  # each stamped when it is done (auto's rate meter)
-            work.wait()
+            m.work, m.bounded = work, bounded
+            self.wait(m)
             m.completed_at = time.monotonic()
         now = time.monotonic()  # (a backend may return one work for the whole batch)
         for m in messages.values():
@@ -384,6 +402,7 @@ class PipelineTransport:
         send_group, recv_group = (group, other) if even else (other, group)
         order = (("send_next", "recv_prev", "send_prev", "recv_next") if even
                  else ("recv_prev", "send_next", "recv_next", "send_prev"))
+        bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
         handles = {}
         for name in order:
             if name not in messages:
@@ -392,8 +411,9 @@ class PipelineTransport:
             post = dist.irecv if m.is_recv else dist.isend
             m.stamp()
             m.work = post(m.buf, m.link.peer, group=recv_group if m.is_recv else send_group)
+            m.bounded = bounded
             self.outstanding.append(m)
-            handles[name] = Handle(m, self.finish)
+            handles[name] = Handle(m, self.finish, self.wait)
         return handles
 
     # ----- codec state (checkpoints) ---------------------------------------------------------

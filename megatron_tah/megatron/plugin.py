@@ -22,6 +22,8 @@ idempotently and before Megatron parses its arguments:
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
+- bounds every wait on another stage by ``--tah-peer-timeout-s`` after the first training step, and names
+  the stage and iteration of a collective that fails (``peer_timeout.py``);
 - the dataset helpers (``dataset_helpers.py``): skipped when compiled (megatron-core's wheel ships
   ``helpers_cpp`` without the Makefile Megatron runs ``make`` on), else a checkout's are compiled by
   this interpreter (its pybind11, its extension suffix), whatever ``python3`` is on ``PATH``;
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec_state, cpu_shims, places, share_gpus
+from . import codec_state, cpu_shims, peer_timeout, places, share_gpus
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .dataset_helpers import compiling_with_this_python
 from .logging import install_logging, uninstall_logging
@@ -85,6 +87,7 @@ def install_megatron_lm_plugin() -> None:
             patches.wrap(module, "initialize_megatron", _initializing_then_installing)
         share_gpus.install(patches)
         codec_state.install(patches)
+        peer_timeout.install(patches)
         patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
         cpu_shims.hold_cpu_shims("plugin")
     except Exception:
@@ -98,6 +101,7 @@ def uninstall_megatron_lm_plugin() -> None:
         places.uninstall()
         REGISTRY.plugin_installed_places = False
     REGISTRY.plugin.restore()
+    REGISTRY.bounded_groups = None
     uninstall_logging()
     uninstall_arguments()
     cpu_shims.release_cpu_shims("plugin")

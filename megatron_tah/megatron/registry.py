@@ -47,6 +47,9 @@ class Registry:
     """The plugin's other hooks: initialization, codec checkpoints, dataset helpers (``plugin.py``)."""
     plugin_installed_places: bool = False
     """Whether the plugin's initialization hook ran ``megatron_tah.install`` (its uninstall undoes it)."""
+    bounded_groups: float | None = None
+    """The timeout (seconds) ``peer_timeout.py`` gave the process groups after the first training step (None:
+    Megatron's own timeouts)."""
 
 
 REGISTRY = Registry()

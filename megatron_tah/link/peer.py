@@ -1,0 +1,118 @@
+"""A pipeline rank's neighbours: when data last arrived from each, and waits bounded by ``--tah-peer-timeout-s``.
+
+``PeerWatch.wait(work, ...)`` is how the transport waits for one posted message (``message.Message``).
+
+* **Bounded** (``bounded=True``: gloo, whose waits block the host anyway): once data has arrived from the
+  peer at least once, the wait passes ``timeout = --tah-peer-timeout-s`` to ``Work.wait``; gloo then raises
+  after that long without the message, and the wait raises :class:`PeerTimeoutError`. Before the first
+  message from the peer (start-up: kernel compilation, auto's cost table, data loading) the wait is
+  Megatron's, bounded by the process group's own timeout (``--distributed-timeout-minutes``).
+* **Unbounded** (``bounded=False``: NCCL, where ``Work.wait()`` only makes the current stream wait and a
+  timeout would turn it into a host-blocking wait): the process group's timeout bounds the operation
+  instead (NCCL's watchdog; the Megatron plugin sets it to the same bound after the first iteration).
+* A wait that fails for another reason -- the peer's process died and its connections closed (gloo:
+  ``Connection closed by peer``) -- raises :class:`PeerLostError`.
+
+Both name the link (``link stage 1 -> stage 0``, the stages of ``codecs.base.link_text``), the world ranks,
+the iteration and when data from the peer last arrived, and are raised from the backend's error. The
+clocks are injectable (``clock``: seconds for durations, ``wall``: the time of day shown), for tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Callable
+
+from ..codecs.base import link_text
+
+TIMEOUT_MARKERS = ("timed out", "timeout")  # what gloo's and NCCL's timeout messages say (lower case)
+
+
+class LinkError(RuntimeError):
+    """A pipeline link failed while this rank waited on another stage. ``link`` (sender stage, receiver stage)
+    and ``ranks`` (sender, receiver world ranks): None when the wait was a collective, not a pipeline message
+    (``megatron/peer_timeout.py``); ``iteration`` (None outside the training loop); ``waited_s`` (how long the
+    wait lasted, None: unknown); ``last_heard_s`` (seconds since data last arrived from the peer; None: never)."""
+
+    def __init__(self, message: str, *, link: tuple[int, int] | None, ranks: tuple[int, int] | None,
+                 iteration: int | None, waited_s: float | None, last_heard_s: float | None):
+        super().__init__(message)
+        self.link, self.ranks, self.iteration = link, ranks, iteration
+        self.waited_s, self.last_heard_s = waited_s, last_heard_s
+
+
+class PeerTimeoutError(LinkError):
+    """No message arrived on a link within the bound: the peer is frozen, cut off or far behind."""
+
+
+class PeerLostError(LinkError):
+    """A link's connection failed (its peer's process died, or the backend gave up on it)."""
+
+
+class PeerWatch:
+    """Per peer (world rank): the time data last arrived from it; waits bounded by ``timeout_s`` (0: unbounded)."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s = {timeout_s!r}: must be >= 0 (0: no bound of its own)")
+        self.timeout_s = float(timeout_s)
+        self.clock, self.wall = clock, wall
+        self.heard: dict[int, tuple[float, float]] = {}  # peer -> (clock, wall) of the last message from it
+
+    def arrived(self, peer: int) -> None:
+        """A message from ``peer`` has completed."""
+        self.heard[int(peer)] = (self.clock(), self.wall())
+
+    def last_heard(self, peer: int) -> str:
+        """``"16:42:03 (61.2 s ago)"``, or ``"never"``."""
+        if peer not in self.heard:
+            return "never"
+        at, wall = self.heard[peer]
+        return f"{time.strftime('%H:%M:%S', time.localtime(wall))} ({self.clock() - at:.1f} s ago)"
+
+    def wait(self, work, *, peer: int, stages: tuple[int, int], ranks: tuple[int, int], receiving: bool,
+             what: str, iteration: int | None, bounded: bool = True) -> None:
+        """Wait for ``work`` (a posted message to or from ``peer``); raise a :class:`LinkError` naming the link
+        (``stages``, ``ranks``: sender and receiver) when it times out or fails. ``what``: the message's
+        content for the error ("activations", "activation gradients")."""
+        limit = self.timeout_s if bounded and self.timeout_s > 0 and peer in self.heard else None
+        start = self.clock()
+        try:
+            if limit is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=limit))
+        except LinkError:
+            raise
+        except Exception as err:  # noqa: BLE001 (the backend's error, named and chained)
+            waited = self.clock() - start
+            timed_out = (limit is not None and waited >= 0.99 * limit) or any(
+                marker in str(err).lower() for marker in TIMEOUT_MARKERS)
+            raise self._error(err, timed_out, peer, stages, ranks, receiving, what, iteration, waited,
+                              limit) from err
+        if receiving:
+            self.arrived(peer)
+
+    def _error(self, err, timed_out: bool, peer, stages, ranks, receiving: bool, what: str, iteration,
+               waited: float, limit: float | None) -> LinkError:
+        where = f"{link_text(*stages, iteration)} (world rank {ranks[0]} -> {ranks[1]})"
+        heard = f"data from stage {stages[0] if receiving else stages[1]} last arrived {self.last_heard(peer)}"
+        verb = "no" if receiving else "could not send the"
+        if timed_out:
+            bound = (f"within --tah-peer-timeout-s {limit:g} s" if limit is not None else
+                     "within the process group's timeout (Megatron's --distributed-timeout-minutes: no data had "
+                     "arrived from this peer yet, so --tah-peer-timeout-s did not apply)")
+            text = (f"megatron_tah: {where}: {verb} {what} {'arrived ' if receiving else ''}{bound}; {heard}. "
+                    "The peer stage is frozen, cut off or far behind; this rank stops so that the job can be "
+                    "restarted from its last checkpoint")
+            cls = PeerTimeoutError
+        else:
+            text = (f"megatron_tah: {where}: the link failed after {waited:.1f} s waiting for {what} "
+                    f"({type(err).__name__}: {str(err).strip()}); {heard}. The peer stage's process has likely "
+                    "died; this rank stops so that the job can be restarted from its last checkpoint")
+            cls = PeerLostError
+        last = None if peer not in self.heard else self.clock() - self.heard[peer][0]
+        return cls(text, link=tuple(stages), ranks=tuple(ranks), iteration=iteration, waited_s=waited,
+                   last_heard_s=last)
