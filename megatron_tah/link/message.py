@@ -29,6 +29,7 @@ class Message:
         self.work = None
         self.done = False
         self.completed_at: float | None = None
+        self.timed = False  # ``work`` times itself (NCCL, ``completion.time_works``)
 
     @classmethod
     def send(cls, link, message: torch.Tensor, host: HostStaging | None, **kwargs) -> "Message":
