@@ -322,8 +322,6 @@ class PipelineTransport:
         link = m.link
         trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
-        emulated = self.emulator is not None or self.inbound is not None  # (then the link's time is the emulator's)
-        seconds = work_seconds(m.work) if m.timed and not emulated else None  # NCCL: the receive's device time
         if self.emulator is not None:
             me = torch.distributed.get_rank()
             pair = (link.peer, me) if m.is_recv else (me, link.peer)
@@ -334,6 +332,8 @@ class PipelineTransport:
             self.inbound.receive(decode_trailer(trailer).sent_at, billed)
             done_at = self.inbound.free_at
         if trailer is not None and self.auto:
+            emulated = self.emulator is not None or self.inbound is not None  # (the link's time is the emulator's)
+            seconds = work_seconds(m.work) if m.timed and not emulated else None  # NCCL: the receive's device time
             self.received_trailer(link, trailer, m.buf.numel(), done_at, seconds)
         if m.is_recv:
             self._decode(m)
