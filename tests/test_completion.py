@@ -53,10 +53,20 @@ class _Group:
         self.timing = True
 
 
-def test_wait_completed_polls_until_the_transfer_is_done_then_waits():
-    work = _Work(polls_left=3)
+class _GlooRecv(_Work):
+    """A gloo receive: complete only once ``wait()`` has been called (which returns when the data is there)."""
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+
+def test_wait_completed_waits_then_polls_until_the_transfer_is_done():
+    work = _Work(polls_left=3)  # NCCL-like: wait() returns at once, the kernel completes three polls later
     completion.wait_completed(work)
     assert work.polls_left == -1 and work.waited
+    gloo = _GlooRecv()
+    completion.wait_completed(gloo)  # (a poll before the wait would never end)
+    assert gloo.waited
 
 
 def test_only_nccl_groups_time_their_works_and_an_untimed_work_has_no_duration(monkeypatch):

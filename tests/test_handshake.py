@@ -1,12 +1,12 @@
 """``link/handshake.py``'s ``link_latency`` against a NCCL-like backend: works that are queued at once and
-complete later (a fake ``torch.distributed`` and a fake clock). The gloo path with real processes runs in
-``test_auto_pipeline.py``."""
+complete later (a fake ``torch.distributed`` and a fake clock); and on gloo, with 3 real processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dist_utils import run_distributed
 from megatron_tah.link import handshake
 
 ROUND_TRIP = 0.004  # seconds: the fake link's
@@ -64,3 +64,21 @@ def test_the_latency_is_half_the_completed_round_trip_not_the_time_to_queue_it(m
     latency = handshake.link_latency(_Group(), torch.device("cpu"), rounds=3)
     assert list(latency) == [1]
     assert latency[1] == pytest.approx(ROUND_TRIP / 2, abs=TICK)
+
+
+def _gloo_latency(rank, world_size):
+    return handshake.link_latency(torch.distributed.group.WORLD, torch.device("cpu"))
+
+
+@pytest.mark.distributed
+def test_gloo_ranks_each_read_their_neighbours_latency():
+    """Three gloo processes (a ring of 3 pairs): each rank learns both neighbours' latency, the same number
+    at both ends of a pair, positive and well under a second on one machine (a gloo receive reads as complete
+    only once waited for: a poll alone would never end)."""
+    latency = run_distributed(_gloo_latency, 3, timeout=120)
+    for rank, measured in enumerate(latency):
+        assert set(measured) == {(rank - 1) % 3, (rank + 1) % 3}
+        assert all(0 < s < 1.0 for s in measured.values()), measured
+    for a in range(3):
+        b = (a + 1) % 3
+        assert latency[a][b] == latency[b][a]

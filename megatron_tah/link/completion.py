@@ -3,12 +3,12 @@
 A NCCL ``Work``'s ``wait()`` returns once its kernel is queued (it only makes the current stream wait
 for the NCCL stream), so a host clock read around it times the launch; and a later host read of the
 received data waits for everything queued before it on the current stream too (the receiver's
-compute). A gloo ``Work``'s ``wait()`` returns when the transfer is done. Two ways to the transfer's
-own time on both:
+compute). A gloo ``Work``'s ``wait()`` returns when the transfer is done (and a gloo receive reads as
+complete only once waited for). Two ways to the transfer's own time on both:
 
-* ``wait_completed(work)`` polls ``is_completed()`` (NCCL: the work's end event on the device; gloo:
-  the transfer is done) until it is, then calls ``wait()`` (which raises the work's error, if any):
-  a host clock read right after it is the completion time, to within one poll.
+* ``wait_completed(work)`` calls ``wait()`` (gloo: the transfer is done; it raises the work's error, if
+  any), then polls ``is_completed()`` (NCCL: the work's end event on the device) until it is: a host
+  clock read right after it is the completion time, to within one poll.
 * ``time_works(group)`` turns on a NCCL group's own timing of its works
   (``ProcessGroup._enable_collectives_timing``: a CUDA event before and after each kernel on the NCCL
   stream; it applies to works posted afterwards); ``work_seconds(work)`` reads a complete timed work's
@@ -26,11 +26,11 @@ __all__ = ["time_works", "wait_completed", "work_seconds"]
 
 
 def wait_completed(work) -> None:
-    """Return once ``work``'s transfer is complete on every backend (polling ``is_completed()``); raises
-    the work's error as ``wait()`` does."""
+    """Return once ``work``'s transfer is complete, whatever the backend: ``wait()`` (gloo), then
+    ``is_completed()`` polled (NCCL); raises the work's error as ``wait()`` does."""
+    work.wait()
     while not work.is_completed():
         time.sleep(0)  # (lets other Python threads run; the poll itself is a CUDA event query on NCCL)
-    work.wait()
 
 
 def time_works(group) -> bool:
