@@ -176,3 +176,100 @@ def test_the_transport_stages_every_message_and_delivers_the_plain_paths_bytes()
             assert plain_bytes == staged_bytes and plain_bytes[rank] > 0, (rank, case)  # (sends are counted)
             assert set(r["plain_allocations"].values()) == {None}
             assert {key[1]: n for key, n in r["staged_allocations"].items()} == {"send": 1, "recv": 2}, (rank, case)
+
+
+# ----- when a staged send waits for its host copy ------------------------------------------------------
+class _RecordingStaging:
+    """A link end's staging that records when a copy is queued and when its host buffer is awaited."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, events: list, name: str):
+        self.events, self.name, self.hosts = events, name, []
+
+    def stage_send(self, wire):
+        self.events.append(("copy", self.name))
+        events, name, host = self.events, self.name, wire.clone()
+        self.hosts.append(host)
+
+        class _Staged:
+            def host(self):
+                events.append(("host", name))
+                return host
+
+            def release(self):
+                pass
+
+        return _Staged()
+
+
+class _Group:
+    def rank(self) -> int:
+        return 1
+
+    def size(self) -> int:
+        return 3
+
+
+class _Done:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["p2p_ops", "batched"])
+def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overlaps_it(monkeypatch, batched):
+    """A middle stage sending both ways in one call (the interleaved schedule's exchange): the second
+    message's encode is queued before the first message's device-to-host copy is awaited (each is awaited
+    only when its message is posted), and the bytes posted are the encodes' own."""
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.transport import PipelineTransport
+    from megatron_tah.megatron.places import STREAMS
+    from megatron_tah.megatron.stats import Stats
+
+    dist = torch.distributed
+    transport = PipelineTransport(TahConfig(tah_forward_codec="fixedpoint", tah_backward_codec="fixedpoint",
+                                            tah_backend="torch"), Stats(STREAMS))
+    group, events, encoded, sent = _Group(), [], {}, {}
+    transport.checked_groups.add(id(group))
+    monkeypatch.setattr(transport, "staged", lambda group, device: True)
+    staging = {0: _RecordingStaging(events, "send_prev"), 2: _RecordingStaging(events, "send_next")}
+    transport.link("backward", "send", 0).staging, transport.link("forward", "send", 2).staging = staging.values()
+    encode = transport.encode
+
+    def recording_encode(link, x):
+        buf = encode(link, x)
+        events.append(("encode", link.direction))
+        encoded[link.peer] = buf.clone()
+        return buf
+
+    def isend(buf, dst, group=None):
+        events.append(("isend", dst))
+        sent[dst] = buf
+        return _Done()
+
+    monkeypatch.setattr(transport, "encode", recording_encode)
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)  # (the peer watch names the sending rank)
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None: (op, tensor, peer, group))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [op(t, p, group=g) for op, t, p, g in ops])
+    gen = torch.Generator().manual_seed(3)
+    call = dict(tensor_send_prev=torch.randn(SHAPE, generator=gen), tensor_recv_prev=None,
+                tensor_send_next=torch.randn(SHAPE, generator=gen), tensor_recv_next=None,
+                group=group, prev_pipeline_rank=0, next_pipeline_rank=2)
+    if batched:
+        transport.batched_p2p_ops(**call)
+    else:
+        for handle in transport.p2p_ops(**call).values():
+            handle.wait()
+    assert events.index(("encode", "forward")) < events.index(("host", "send_prev")), events
+    last_encode = max(i for i, (what, _) in enumerate(events) if what == "encode")
+    assert all(i > last_encode for i, (what, _) in enumerate(events) if what == "host"), events
+    for name, peer in (("send_prev", 0), ("send_next", 2)):
+        assert events.index(("host", name)) < events.index(("isend", peer)), events
+    assert sent.keys() == encoded.keys() == {0, 2}
+    assert all(sent[peer] is staging[peer].hosts[0] for peer in sent)  # the host copy is what is posted
+    assert all(torch.equal(sent[peer], encoded[peer]) for peer in sent)

@@ -22,6 +22,7 @@ import torch
 
 from ..codecs.base import crc32_of
 from ..config import TahConfig
+from .completion import wait_completed
 
 HANDSHAKE_NBYTES = 1024
 
@@ -104,7 +105,8 @@ def link_latency(group, device: torch.device, rounds: int = 5) -> dict[int, floa
     ``rounds`` round trips of an 8-byte message (what a message costs whatever its size: propagation and
     the backend's own overhead; ``auto`` subtracts it from transits to get the rate). A collective over
     ``group``: the pairs (i, i + 1 mod size) go in order of i, each timed by its lower stage and told to
-    the other, so no rank waits on one that waits on it."""
+    the other, so no rank waits on one that waits on it. A round trip ends when the reply's receive is
+    complete (``completion.wait_completed``: on NCCL a ``wait()`` returns once the transfer is queued)."""
     dist = torch.distributed
     me, size = group.rank(), group.size()
     if size < 2:
@@ -121,12 +123,14 @@ def link_latency(group, device: torch.device, rounds: int = 5) -> dict[int, floa
             continue
         peer = dist.get_global_rank(group, second if me == first else first)
         if me == first:
-            best = float("inf")
+            best, pong = float("inf"), torch.zeros_like(ping)
             for _ in range(rounds):
                 start = time.perf_counter()
-                dist.send(ping, peer, group=group)
-                dist.recv(ping, peer, group=group)
+                sent = dist.isend(ping, peer, group=group)
+                reply = dist.irecv(pong, peer, group=group)
+                wait_completed(reply)  # the reply is here: the round trip is over (not merely queued, on NCCL)
                 best = min(best, time.perf_counter() - start)
+                sent.wait()
             ping.fill_(best / 2)
             dist.send(ping, peer, group=group)
         else:

@@ -1,7 +1,7 @@
 """One posted message of the pipeline transport, and the handle the unbatched transport returns for it.
 
 A :class:`Message` is data: which link end it is on, what is posted (``buf``: the message of
-``wire.py``, or with host staging its host copy), the ``Work`` and the time the transfer completed;
+``wire.py``, or with host staging its host copy from when it is posted), the ``Work`` and the time the transfer completed;
 a receive also holds the codec it decodes with and Megatron's receive tensor (``target``). The
 transport (``transport.PipelineTransport.finish``) acts on it once the transfer is complete.
 """
@@ -30,14 +30,14 @@ class Message:
         self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
         self.done = False
         self.completed_at: float | None = None
+        self.timed = False  # ``work`` times itself (NCCL, ``completion.time_works``)
 
     @classmethod
     def send(cls, link, message: torch.Tensor, host: HostStaging | None, **kwargs) -> "Message":
-        """A send of ``message`` (on the device); with ``host`` it is posted from a pinned host copy."""
-        staging = None
-        if host is not None:
-            staging = host.stage_send(message)
-            message = staging.host()  # waits for the device-to-host copy: gloo reads it
+        """A send of ``message`` (on the device); with ``host`` it is posted from a pinned host copy, whose
+        device-to-host copy ``stamp`` waits for when the message is posted: encodes queued in between
+        (the call's other send) overlap it."""
+        staging = None if host is None else host.stage_send(message)
         return cls(link, message, staging=staging, **kwargs)
 
     @classmethod
@@ -57,7 +57,10 @@ class Message:
         return self.target is not None
 
     def stamp(self) -> None:
-        """Just before posting: a send's trailer gets the time it is sent (``wire.stamp_sent_at``)."""
+        """Just before posting: a staged send's ``buf`` becomes its host copy, once complete (gloo reads it);
+        a send's trailer gets the time it is sent (``wire.stamp_sent_at``)."""
+        if not self.is_recv and self.staging is not None:
+            self.buf = self.staging.host()
         if not self.is_recv and self.extra_nbytes:
             stamp_sent_at(self.buf)
 

@@ -71,6 +71,7 @@ from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, ti
 from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
 from .auto import AutoEnd
+from .completion import time_works, work_seconds
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .measure import MIN_SECONDS
@@ -222,11 +223,15 @@ class PipelineTransport:
         report, link.report = link.report, None
         return append_trailer(buf, Trailer(announcement, wall_seconds(), report))
 
-    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float) -> None:
+    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float,
+                         seconds: float | None = None) -> None:
         """The trailer ``raw`` of a message of ``nbytes`` received on ``link``, complete at wall time ``done_at``:
         its announcement goes to the auto receiver, its transit to the report for the peer (on this rank's
         send end of the other direction to the same peer), the peer's report, less the link's latency
-        (``handshake.link_latency``), to that send end's rate meter."""
+        (``handshake.link_latency``), to that send end's rate meter. The transit is ``done_at`` less the
+        sent-at stamp or, when the backend timed the receive on the device (``seconds``: NCCL), the smaller
+        of the two: both bound the link's time from above, and on NCCL ``done_at`` is a host read that
+        waited for the receiver's queued compute too."""
         trailer = decode_trailer(raw)
         if link.auto is not None:
             link.auto.received(trailer.announcement)
@@ -235,7 +240,8 @@ class PipelineTransport:
                                   f"but this rank's {link.direction} codec is fixed")
         other = "backward" if link.direction == "forward" else "forward"
         reply = self.link(other, "send", link.peer)
-        transit = max(done_at - trailer.sent_at, MIN_SECONDS)
+        transit = done_at - trailer.sent_at if seconds is None else min(seconds, done_at - trailer.sent_at)
+        transit = max(transit, MIN_SECONDS)
         if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
             reply.report = (nbytes, transit)
         if trailer.report is not None and reply.auto is not None:
@@ -333,7 +339,9 @@ class PipelineTransport:
             self.inbound.receive(decode_trailer(trailer).sent_at, billed)
             done_at = self.inbound.free_at
         if trailer is not None and self.auto:
-            self.received_trailer(link, trailer, m.buf.numel(), done_at)
+            emulated = self.emulator is not None or self.inbound is not None  # (the link's time is the emulator's)
+            seconds = work_seconds(m.work) if m.timed and not emulated else None  # NCCL: the receive's device time
+            self.received_trailer(link, trailer, m.buf.numel(), done_at, seconds)
         if m.is_recv:
             self.peers.arrived(link.peer)
             self._decode(m)
@@ -373,10 +381,11 @@ class PipelineTransport:
                                   group, prev_pipeline_rank, next_pipeline_rank)
         if not messages:
             return []
-        ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
-               for m in messages.values()]
+        timed = time_works(group)
         for m in messages.values():
             m.stamp()
+        ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
+               for m in messages.values()]
         works = dist.batch_isend_irecv(ops)
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
         for m, work in zip(messages.values(), works):  # each stamped when it is done (auto's rate meter)
@@ -386,6 +395,7 @@ class PipelineTransport:
         now = time.monotonic()  # (a backend may return one work for the whole batch)
         for m in messages.values():
             m.completed_at = now if m.completed_at is None else m.completed_at
+            m.work, m.timed = m.work or (works[-1] if works else None), timed
             self.finish(m)
         return []
 
@@ -408,9 +418,10 @@ class PipelineTransport:
             if name not in messages:
                 continue
             m = messages[name]
-            post = dist.irecv if m.is_recv else dist.isend
+            post, post_group = (dist.irecv, recv_group) if m.is_recv else (dist.isend, send_group)
             m.stamp()
-            m.work = post(m.buf, m.link.peer, group=recv_group if m.is_recv else send_group)
+            m.timed = time_works(post_group)
+            m.work = post(m.buf, m.link.peer, group=post_group)
             m.bounded = bounded
             self.outstanding.append(m)
             handles[name] = Handle(m, self.finish, self.wait)
