@@ -84,3 +84,16 @@ def test_a_missed_run_gets_a_schedule_long_enough_for_the_loss_it_reached():
     # nearly there: at least 1.25x; far off: at most MAX_FACTOR
     assert speedrun.longer_schedule({"validations": [(500, 5.26)]}, base, 500, 10) == 630
     assert speedrun.longer_schedule({"validations": [(500, 7.0)]}, base, 500, 10) == int(speedrun.MAX_FACTOR * 500)
+
+
+def test_a_codec_that_missed_gets_a_lower_bound_on_its_steps_multiplier():
+    from benchmarks.speedrun import report
+
+    size = runs.SIZES["full"]
+    bf16 = {"codec": "bf16", "seed": 1, "iters": 500, "validations": [(100, 6.0), (200, 5.6), (400, 5.3), (500, 5.2)]}
+    paper = {"codec": "paper", "seed": 1, "iters": 500, "validations": [(250, 5.9), (500, 5.6)]}
+    losses = {"b": bf16, "p": paper}
+    # paper ended at 5.6, bf16's loss at step 200: its 500 steps did what bf16 did in 200, > 2.5x
+    assert report._missed_bound(losses, "paper", {}, {1: 500}, size) == pytest.approx(2.5)
+    assert report._missed_bound(losses, "paper", {1: 480}, {1: 500}, size) is None  # it reached the target
+    assert speedrun.longer_schedule({"validations": [(500, 5.6)]}, bf16, 500, 10, max_factor=1.0) == 500

@@ -78,19 +78,22 @@ def loss_results(run_list, out: Path, size: runs.Size) -> dict:
     return results
 
 
-def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: int) -> int:
+def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: int,
+                    max_factor: float = MAX_FACTOR) -> int:
     """The schedule to try for a run that missed the target: the codec reached by the end of ``iters`` the loss
     bf16 (same seed) had at some iteration i; it should reach bf16's target in about ``iters * iters / i``
-    steps; 15% more, a multiple of the validation interval, at most ``MAX_FACTOR`` times ``iters``."""
+    steps; 15% more, a multiple of the validation interval, at most ``max_factor`` times ``iters``."""
     final = codec_run["validations"][-1][1]
     reached = score.steps_to_target(base_run["validations"], final) or iters
-    factor = min(MAX_FACTOR, max(1.25, 1.15 * iters / reached))
+    factor = min(max_factor, max(1.25, 1.15 * iters / reached))
     return math.ceil(iters * factor / eval_interval) * eval_interval
 
 
-def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None, emulated=False) -> dict:
+def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None, emulated=False,
+               max_factor=MAX_FACTOR) -> dict:
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
-    (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed."""
+    (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed,
+    never beyond ``max_factor`` schedules (1: no longer schedules)."""
     todo = [runs.loss_run(c, s, size, data, link=link, emulated=emulated) for c in codecs for s in seeds_for(c)]
     execute_all(todo, out, jobs=jobs, env=ONE_THREAD)
     results = loss_results(todo, out, size)
@@ -102,9 +105,9 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
         longer = []
         for r in pending:
             bf16 = base[runs.loss_run_name("bf16", r.info["seed"], size.iters, size, emulated)]
-            iters = longer_schedule(results[r.name], bf16, size.iters, size.eval_interval) if attempt == 0 \
-                else min(int(MAX_FACTOR * size.iters), int(round(1.5 * r.info["iters"] / size.eval_interval)) * size.eval_interval)
-            if iters > r.info["iters"]:
+            iters = longer_schedule(results[r.name], bf16, size.iters, size.eval_interval, max_factor) if attempt == 0 \
+                else min(int(max_factor * size.iters), int(round(1.5 * r.info["iters"] / size.eval_interval)) * size.eval_interval)
+            if iters > r.info["iters"] and max_factor > 1:
                 longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
                                             emulated=emulated))
         execute_all(longer, out, jobs=jobs, env=ONE_THREAD)
@@ -127,6 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timing", choices=("simulated", "measured"), default="simulated",
                         help="simulated: the schedule simulator from the measured compute step and each codec's "
                              "exact message bytes; measured: a timing run per codec behind the emulated wire")
+    parser.add_argument("--max-factor", type=float, default=MAX_FACTOR,
+                        help="longest schedule a codec that misses the target runs, in bf16's schedules (1: none)")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plot under docs/data/)")
     args = parser.parse_args(argv)
     size = runs.SIZES[args.size]
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
         print(f"[speedrun] target loss {target:.3f}; compute {compute_s:.3f} s/step; emulated inbound wire "
               f"{link.rate_bps / 1e6:.4g} Mbit/s, {1e3 * link.latency_s:.2f} ms", flush=True)
         losses = {**base, **run_losses([c for c in codecs if c != "bf16"], seeds_for, size, data, out, args.jobs,
-                                       link, target, base, emulated=emulated)}
+                                       link, target, base, emulated=emulated, max_factor=args.max_factor)}
         steady = simulated_steps(codecs, size, compute_s, link) if args.timing == "simulated" else {}
         timings = [runs.timing_run(c, size, data, link) for c in codecs if c not in steady]
         execute_all(timings, out, jobs=1)  # one at a time: they measure time

@@ -100,12 +100,14 @@ def _stage_times(fwd_time: CodecTime, bwd_time: CodecTime) -> tuple[list[float],
 
 def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, dict] | None = None,
             measurements: dict | None = None, base_steps: int = SETUP.steps_to_target,
-            multiplier_label: str = "given multiplier") -> list[dict]:
+            multiplier_label: str = "given multiplier", labels: dict[str, str] | None = None) -> list[dict]:
     """One row per codec: bits, bytes per token, codec time, s/step, steps and T on the setup.
 
     ``steps_multiplier[name]`` scales the bf16 record's steps to target; a codec without one gets
-    1.0, labelled "at equal steps", the others ``multiplier_label`` (say where they were measured).
+    1.0, labelled "at equal steps", the others ``labels[name]`` or else ``multiplier_label`` (say where they
+    were measured).
     """
+    labels = labels or {}
     steps_multiplier = steps_multiplier or {}
     codecs = CODECS if codecs is None else codecs
     if measurements is None:
@@ -134,7 +136,7 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
             codec_time_source=f"forward {t_f.source}; backward {t_b.source}",
             s_per_step=step, s_per_step_without_codec_time=step_no_codec,
             steps_multiplier=1.0 if mult is None else mult,
-            steps_label="at equal steps" if mult is None else multiplier_label,
+            steps_label="at equal steps" if mult is None else labels.get(name, multiplier_label),
             steps=steps, T=steps * step))
     base = next((r["T"] for r in rows if r["codec"] == "none"), None)
     for r in rows:

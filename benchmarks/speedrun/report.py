@@ -58,12 +58,15 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             if codec == "bf16":
                 base_T = row["T"]
         else:
-            row.update(steps=None, multiplier=None, T=None)
+            row.update(steps=None, multiplier=None, T=None,
+                       multiplier_at_least=_missed_bound(losses, codec, reached, longest, size))
         rows.append(row)
     for row in rows:
         row["T_vs_bf16"] = row["T"] / base_T if row["T"] and base_T else None
-    measured = {PROJECTION_NAMES.get(r["codec"], r["codec"]): r["multiplier"] for r in rows
-                if r["multiplier"] is not None and PROJECTION_NAMES.get(r["codec"], r["codec"]) in projection.CODECS}
+    name = lambda r: PROJECTION_NAMES.get(r["codec"], r["codec"])  # noqa: E731
+    measured = {name(r): r["multiplier"] for r in rows if r["multiplier"] is not None and name(r) in projection.CODECS}
+    bounds = {name(r): r["multiplier_at_least"] for r in rows
+              if r.get("multiplier_at_least") and name(r) in projection.CODECS}
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"]}
               for name, r in losses.items()}
     modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
@@ -74,7 +77,8 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             "target": target, "compute_s_per_step": compute_s,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
             "table": rows, "curves": curves,
-            "projection": projection.project(measured, multiplier_label="measured at CPU scale"),
+            "projection": projection.project({**measured, **bounds}, multiplier_label="measured at CPU scale",
+                                             labels={n: "at least: missed the target at CPU scale" for n in bounds}),
             "records": projection.record_rows()}
 
 
@@ -98,6 +102,23 @@ TIMING_TEXT = {
 }
 
 
+def _missed_bound(losses: dict, codec: str, reached: dict, longest: dict, size: runs.Size) -> float | None:
+    """A lower bound on the steps multiplier of a codec that missed the target with some seed: its longest
+    schedule over the step where bf16 (same seed) had the loss the codec ended at; the smallest over the
+    seeds that missed."""
+    bounds = []
+    for seed, iters in longest.items():
+        if seed in reached:
+            continue
+        run = max((r for r in losses.values() if r["codec"] == codec and r["seed"] == seed), key=lambda r: r["iters"])
+        base = next((r for r in losses.values() if r["codec"] == "bf16" and r["seed"] == seed
+                     and r["iters"] == size.iters), None)
+        at = score.steps_to_target(base["validations"], run["validations"][-1][1]) if base else None
+        if at:
+            bounds.append(iters / at)
+    return min(bounds) if bounds else None
+
+
 def _fmt(value, digits=2, suffix=""):
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
@@ -105,7 +126,8 @@ def _fmt(value, digits=2, suffix=""):
 def _steps_text(row: dict) -> str:
     if row["steps"] is None:
         missed = [s for s, v in row["steps_by_seed"].items() if v is None]
-        return f"missed (seed {', '.join(missed)}; schedule {max(row['schedule_by_seed'].values())})"
+        bound = f"; > {row['multiplier_at_least']:.1f}x bf16's" if row.get("multiplier_at_least") else ""
+        return f"missed (seed {', '.join(missed)}; schedule {max(row['schedule_by_seed'].values())}{bound})"
     if len(row["seeds"]) == 1:
         return f"{row['steps']:.0f} (one seed)"
     return f"{row['steps']:.0f} [{row['steps_low']:.0f}, {row['steps_high']:.0f}]"
