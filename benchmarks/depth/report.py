@@ -78,18 +78,34 @@ def tables(result: dict) -> str:
 
 
 def plots(result: dict, data: Path) -> dict[str, str]:
+    """The page's plots from the runs there are: the curves by depth always; gap against forward error and the
+    rms along the pipeline when forward-codec studies ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    names = {}
+    names = {"curves": "data/depth_curves.png"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("none", "paper_pp2", "paper_pp4", "paper_pp8", "paper_fwd_pp8", "paper_bwd_pp8"):
+        if name in rows:
+            its, losses = zip(*rows[name]["validations"])
+            ax.plot(its, losses, label=rows[name]["label"])
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("validation loss (fixed batches, through the codecs)")
+    ax.set_ylim(min(r["final_loss"] for r in rows.values()) - 0.1, 6.8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(data / names["curves"].split("/")[1], dpi=110)
+    plt.close(fig)
+    forward = [r for r in rows.values() if r["group"] == "forward" and r["gap"] is not None]
+    if not forward:
+        return names
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for family, marker in (("fixedpoint", "o"), ("hadint", "s"), ("channel", "^")):
-        pts = sorted((r["forward_error"], r["gap"], r["name"]) for r in rows.values()
-                     if r["group"] == "forward" and r["name"].startswith(family) and "sr" not in r["name"]
-                     and r["gap"] is not None)
+        pts = sorted((r["forward_error"], r["gap"]) for r in forward
+                     if r["name"].startswith(family) and "sr" not in r["name"])
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=family)
     for r in rows.values():
@@ -105,19 +121,6 @@ def plots(result: dict, data: Path) -> dict[str, str]:
     fig.savefig(data / "depth_gap_vs_error.png", dpi=110)
     plt.close(fig)
     names["gap_vs_error"] = "data/depth_gap_vs_error.png"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in ("none", "paper_pp2", "paper_pp4", "paper_pp8", "channel4_fixedpoint4sr_pp8"):
-        if name in rows:
-            its, losses = zip(*rows[name]["validations"])
-            ax.plot(its, losses, label=rows[name]["label"])
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("validation loss (fixed batches, through the codecs)")
-    ax.set_ylim(min(r["final_loss"] for r in rows.values()) - 0.1, 6.8)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(data / "depth_curves.png", dpi=110)
-    plt.close(fig)
-    names["curves"] = "data/depth_curves.png"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in ("fixedpoint8_pp8", "channel4_pp8", "fixedpoint4_pp8", "hadint4_pp8", "paper_fwd_pp8", "hadint4sr_pp8"):
         if name in rows and rows[name]["per_boundary"]["forward"]:
@@ -150,7 +153,11 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
         return _fmt(rows[name][key], digits) if name in rows else "–"
 
     template = (Path(__file__).parent / "page.md").read_text()
+    not_run = [st.name for st in studies if st.name not in rows]
     fields = {"date": result["date"], "cpu": host["cpu"], "cores": host["cores"], "tables": tables(result), **images,
+              "not_run": ", ".join(f"`{name}`" for name in not_run) or "none",
+              "gap_none_s1235_vs": (_fmt(rows["none_s1235"]["final_loss"] - rows["none"]["final_loss"], 3, True)
+                                    if "none" in rows and "none_s1235" in rows else "not run"),
               **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
               **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}}
     page.write_text(template.format_map(_Missing(fields)))
