@@ -31,3 +31,28 @@ def test_the_patch_wraps_only_the_chosen_layers_and_restores_exactly():
     assert TransformerLayer.forward is not original
     boundaries.restore()
     assert TransformerLayer.forward is original
+
+
+def test_the_page_shows_the_runs_there_are_and_names_the_studies_not_run(tmp_path):
+    """``report.write_page``: gaps against the same seed's uncompressed run; a study without a complete run is
+    listed as not run, and its numbers read "not run"."""
+    import json
+
+    from benchmarks.depth.__main__ import STUDIES
+    from benchmarks.depth.report import write_page
+
+    out = tmp_path / "runs"
+    out.mkdir()
+    for name, final in (("none", 5.40), ("paper_pp8", 5.65), ("paper_fwd_pp8", 5.70)):
+        lines = [{"iteration": i, "lm_loss": 6.0} for i in (25, 50)] + \
+                [{"iteration": 25, "valid_loss": 6.5}, {"iteration": 50, "valid_loss": final}]
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (out / f"{name}.done").write_text("{}\n")
+    page = tmp_path / "docs" / "DEPTH.md"
+    write_page(STUDIES, out, page, {"cpu": "test cpu", "cores": 2})
+    text = page.read_text()
+    assert "+0.250 at PP 8" in text and "alone (gradients uncompressed): +0.300" in text
+    assert "not run at PP 2" in text
+    assert "`paper_pp2`" in text.split("but not run for this page")[1]  # listed among the studies not run
+    assert (tmp_path / "docs" / "data" / "depth_curves.png").stat().st_size > 1000
+    assert not (tmp_path / "docs" / "data" / "depth_rms.png").exists()  # no forward-codec study ran
