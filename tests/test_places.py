@@ -98,6 +98,9 @@ def test_install_replaces_each_place_idempotently_and_uninstall_is_exact(origina
     assert all(replaced[k] is not originals[k] for k in originals), [k for k in originals if replaced[k] is originals[k]]
     assert all(getattr(v, "_megatron_tah", False) and _under_ledger(v.__wrapped__) is originals[k]
                for k, v in replaced.items())
+    # each place's own function sits in front, not the ledger's counting one (a place does not wrap what is ours)
+    assert not [k for k, v in replaced.items() if v.__module__ == "megatron_tah.megatron.ledger"]
+    assert list(places.PLACES)[-1] == "wan"
     assert {places.installed(n).codec.name if places.installed(n).codec else None for n in places.PLACES} == \
         {"fp8", "int8", None}
     megatron_tah.install(**ALL_ON)  # same config: nothing wrapped twice
