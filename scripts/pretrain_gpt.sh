@@ -24,6 +24,12 @@
 #   RATE         slow link between stages, e.g. 100mbit, 1gbit (default: none, the real network)
 #   LINK         how to make RATE: auto (default: network namespaces + tc when root on CPU; else the
 #                in-process emulation, --tah-emulate-bandwidth), netns, emulate
+#   EMBEDDINGS   word embedding and output layer: untied (default when RATE is set:
+#                --untie-embeddings-and-output-weights), tied (Megatron's default, the default without
+#                RATE: every iteration all-reduces the vocabulary x hidden gradient between the first and
+#                the last stage, uncompressed -- on a slow link more bytes than the whole pipeline), or
+#                codec (tied, that all-reduce through --tah-embedding-codec int8). A fine-tuning run loads a
+#                checkpoint of the same kind: set EMBEDDINGS as its pretraining had it
 #   DATA_PREFIX  tokenized corpus prefix (default data/$CORPUS; made with python -m megatron_tah.data)
 #   CORPUS       corpus to tokenize when DATA_PREFIX is missing (default shakespeare)
 #   TRAIN_ITERS, LR, MICRO_BATCH, GLOBAL_BATCH   training length and batch sizes
@@ -54,6 +60,7 @@ CODEC="${CODEC:-tah}"
 BWD_CODEC="${BWD_CODEC:-fixedpoint}"
 RATE="${RATE:-}"
 LINK="${LINK:-auto}"
+if [[ -n "$RATE" ]]; then EMBEDDINGS="${EMBEDDINGS:-untied}"; else EMBEDDINGS="${EMBEDDINGS:-tied}"; fi
 CORPUS="${CORPUS:-shakespeare}"
 DATA_PREFIX="${DATA_PREFIX:-data/$CORPUS}"
 OUT="${OUT:-runs/${TASK}_pp${PP}}"
@@ -98,6 +105,12 @@ fi
 data_args=(--train-data-path "${DATA_PREFIX}_train_text_document" --valid-data-path "${DATA_PREFIX}_valid_text_document"
            --tokenizer-type NullTokenizer --vocab-size 50257)
 tah_args=(--tah-forward-codec "$CODEC" --tah-backward-codec "$BWD_CODEC" --tah-log-json "$OUT/log.jsonl")
+case "$EMBEDDINGS" in
+    tied) ;;
+    untied) tah_args+=(--untie-embeddings-and-output-weights) ;;
+    codec) [[ "$PP" -ge 2 ]] && tah_args+=(--tah-embedding-codec int8) ;;  # one stage: nothing crosses
+    *) echo "pretrain_gpt: error: EMBEDDINGS=$EMBEDDINGS: choose untied, tied or codec" >&2; exit 2 ;;
+esac
 ckpt_args=(--save "$SAVE" --tensorboard-dir "$OUT/tensorboard")
 [[ "$SAVE" == none ]] && ckpt_args=(--tensorboard-dir "$OUT/tensorboard")  # SAVE=none: no checkpoint
 if [[ -n "$LOAD" ]]; then

@@ -111,6 +111,26 @@ def test_statistics_are_appended_to_the_real_iteration_line(megatron_state, caps
     assert not [name for name in wandb.logged if name.startswith(("tah/tp_", "tah/dp_"))]
 
 
+def test_the_wan_ledger_leads_the_line_and_goes_to_the_writers_and_the_json_log(megatron_state, capsys, monkeypatch,
+                                                                                  tmp_path):
+    """What crossed a stage boundary (the WAN ledger) starts the items, with the share that went through a codec;
+    TensorBoard gets the total, the codec bytes and each category; the JSON record the same per iteration."""
+    tah_logging.install_logging()
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setattr(megatron_state.args, "tah_log_json", str(log))
+    REGISTRY.stats.record_wan("embedding", 25_000_000)
+    REGISTRY.stats.record_wan("pipeline", 1_000_000, codec=True)
+    call_training_log(iteration=2)
+    line = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line][0]
+    assert line.endswith(" iterations:   0 | wan MB/iter: 26.000 | wan compressed: 3.8% |")
+    scalars = megatron_state.writer.scalars
+    assert scalars["tah/wan_bytes_per_iter"] == (26e6, 2) and scalars["tah/wan_codec_bytes_per_iter"] == (1e6, 2)
+    assert scalars["tah/wan_embedding_bytes_per_iter"] == (25e6, 2) and scalars["tah/wan_dp_bytes_per_iter"] == (0, 2)
+    record = json.loads(log.read_text().splitlines()[-1])
+    assert (record["wan_bytes"], record["wan_codec_bytes"]) == (26_000_000, 1_000_000)
+    assert record["wan"]["embedding"] == {"ops": 1, "bytes": 25_000_000, "codec_bytes": 0}
+
+
 def test_other_iterations_pass_through_without_collecting(megatron_state, capsys):
     tah_logging.install_logging()
     record_traffic()

@@ -4,6 +4,7 @@ replaces exactly what each place names, idempotent, restored exactly; statistics
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from megatron_tah.megatron import arguments, places, stats
 from megatron_tah.megatron.pipeline_parallel import installed_transport
 from megatron_tah.megatron.registry import REGISTRY
 
-ALL_ON = {"tah_tp_codec": "fp8", "tah_dp_codec": "int8", "tah_activation_memory": "laaq"}
+ALL_ON = {"tah_tp_codec": "fp8", "tah_dp_codec": "int8", "tah_embedding_codec": "int8", "tah_activation_memory": "laaq"}
 
 
 def _targets():
@@ -29,7 +30,16 @@ def _targets():
         "linear_with_frozen_weight")})
     found["start_grad_sync"] = _ParamAndGradBucketGroup.__dict__["start_grad_sync"]
     found["TransformerLayer.forward"] = TransformerLayer.__dict__["forward"]
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package's name is its function
+    found["_allreduce_word_embedding_grads"] = finalize._allreduce_word_embedding_grads
     return found
+
+
+def _under_ledger(value):
+    """What the always-on WAN ledger's counting function in front of ``value`` calls (``value`` itself when it is
+    not one): the ledger counts what megatron-core bound by name as well."""
+    is_ledger = getattr(value, "_megatron_tah", False) and value.__module__ == "megatron_tah.megatron.ledger"
+    return value.__wrapped__ if is_ledger else value
 
 
 @pytest.fixture
@@ -76,24 +86,30 @@ def test_stage_bits_follow_the_list():
 
 def test_off_by_default_nothing_replaced(originals):
     megatron_tah.install()
-    assert _targets() == originals
-    assert all(places.installed(name) is None for name in places.PLACES if name != "pp")
+    assert {k: _under_ledger(v) for k, v in _targets().items()} == originals  # only counted
+    assert all(places.installed(name) is None for name in places.PLACES if name not in ("pp", "wan"))
     assert places.installed("pp").transport is installed_transport() is not None  # the pipeline: always
+    assert places.installed("wan") is not None  # the WAN ledger: always
 
 
 def test_install_replaces_each_place_idempotently_and_uninstall_is_exact(originals):
     megatron_tah.install(**ALL_ON)
     replaced = _targets()
     assert all(replaced[k] is not originals[k] for k in originals), [k for k in originals if replaced[k] is originals[k]]
-    assert all(getattr(v, "_megatron_tah", False) and v.__wrapped__ is originals[k] for k, v in replaced.items())
+    assert all(getattr(v, "_megatron_tah", False) and _under_ledger(v.__wrapped__) is originals[k]
+               for k, v in replaced.items())
+    # each place's own function sits in front, not the ledger's counting one (a place does not wrap what is ours)
+    assert not [k for k, v in replaced.items() if v.__module__ == "megatron_tah.megatron.ledger"]
+    assert list(places.PLACES)[-1] == "wan"
     assert {places.installed(n).codec.name if places.installed(n).codec else None for n in places.PLACES} == \
         {"fp8", "int8", None}
     megatron_tah.install(**ALL_ON)  # same config: nothing wrapped twice
     assert _targets() == replaced
     megatron_tah.install(tah_tp_codec="fp8")  # another config: the others are restored
     now = _targets()
-    assert now["start_grad_sync"] is originals["start_grad_sync"]
+    assert _under_ledger(now["start_grad_sync"]) is originals["start_grad_sync"]
     assert now["TransformerLayer.forward"] is originals["TransformerLayer.forward"]
+    assert now["_allreduce_word_embedding_grads"] is originals["_allreduce_word_embedding_grads"]
     assert now["mappings._reduce"] is not originals["mappings._reduce"]
     megatron_tah.uninstall()
     assert _targets() == originals

@@ -294,6 +294,29 @@ def test_scripts_run_the_entry_or_a_checkout_through_the_launcher(tmp_path):
     assert f"--load {ckpt} --finetune" in out and "sotu" in out
 
 
+def test_scripts_untie_embeddings_on_a_slow_link_unless_told_otherwise():
+    """RATE set: --untie-embeddings-and-output-weights (the tied gradient's all-reduce would cross the slow link
+    uncompressed); EMBEDDINGS=tied keeps Megatron's default, EMBEDDINGS=codec compresses that all-reduce."""
+    def flags(pp="2", **env):
+        run = subprocess.run(["bash", "scripts/pretrain_gpt.sh", pp], cwd=REPO, capture_output=True, text=True,
+                             env=dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, LINK="emulate", **env))
+        return run.returncode, run.stdout + run.stderr
+
+    untie, codec = "--untie-embeddings-and-output-weights", "--tah-embedding-codec int8"
+    rc, out = flags()
+    assert rc == 0 and untie not in out and codec not in out  # no RATE: Megatron's tied default
+    rc, out = flags(RATE="20mbit")
+    assert rc == 0 and untie in out and codec not in out and "--tah-emulate-bandwidth 20mbit" in out
+    rc, out = flags(RATE="20mbit", EMBEDDINGS="tied")
+    assert rc == 0 and untie not in out and codec not in out
+    rc, out = flags(RATE="20mbit", EMBEDDINGS="codec")
+    assert rc == 0 and untie not in out and codec in out
+    rc, out = flags("1", EMBEDDINGS="codec")
+    assert rc == 0 and codec not in out  # one stage: nothing crosses, no flag (it would be an error)
+    rc, out = flags(EMBEDDINGS="shared")
+    assert rc == 2 and "EMBEDDINGS=shared: choose untied, tied or codec" in out
+
+
 def test_staged_pipeline_gives_the_plain_paths_losses(corpus, tmp_path):
     """--tah-share-gpus on CPU (what CI can run of that mode): every pipeline message goes through host staging;
     forward tah and backward `none` give bit-identical losses, grad norms and wire bytes to the plain path."""

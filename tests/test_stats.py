@@ -77,6 +77,7 @@ def _reduce_body(rank, world_size):
         sink.record_send("backward", 80, 20, peer=1, rotated_fraction=0.4)
     sink.record_codec_time("forward", encode_seconds=0.001 * (rank + 1))
     sink.buffer_source = lambda: 1000 * (rank + 1)
+    sink.record_wan("embedding", 7 * (rank + 1), codec=rank == 0)
     # An explicit group (WORLD) keeps megatron-core out of these processes; the pipeline tests
     # cover the default (megatron-core's pipeline group).
     return stats.reduce_to_last_rank(sink.collect(), group=torch.distributed.group.WORLD)
@@ -93,6 +94,7 @@ def test_reduce_to_last_rank_sums_over_the_group():
     assert last["links"] == {(0, 1): 10, (1, 2): 20, (2, 0): 30, (2, 1): 20}
     assert last["forward"]["encode_seconds"] == pytest.approx(0.006) and last["buffer_bytes"] == 6000
     assert results[0]["links"] == {(0, 1): 10}  # other ranks keep their own numbers
+    assert last["wan"]["embedding"] == {"ops": 3, "bytes": 42, "codec_bytes": 7} and last["wan"]["other"]["ops"] == 0
 
 
 def test_format_for_log_per_iteration_and_streams(sink):
@@ -128,3 +130,29 @@ def test_apart_counts_a_block_on_its_own_and_keeps_the_counts_from_before(sink):
         sink.record_send("forward", 10, 5, peer=1)
         raise RuntimeError
     assert sink.collect()["forward"]["wire_bytes"] == 5
+
+
+def test_wan_ledger_counts_bytes_and_the_compressed_share(sink):
+    """The WAN ledger's counters: bytes per category, the codec share (a compressing place's block, pipeline
+    messages smaller than their tensor), counted apart in a block, merged, and first in the log fragment."""
+    sink.record_wan("embedding", 25_000_000)
+    with sink.codec_traffic():
+        assert sink.in_codec_traffic
+        sink.record_wan("embedding", 6_000_000)
+    assert not sink.in_codec_traffic
+    sink.record_send("forward", 4000, 1000, peer=1)  # compressed: its bytes are codec bytes of the pipeline
+    sink.record_send("backward", 4000, 4016, peer=1)  # the none codec (header): not compressed
+    sink.record_wan("pipeline", 5016)  # what the ledger counts for those two sends
+    with sink.apart():
+        sink.record_wan("other", 8)
+        assert sink.collect()["wan"]["other"] == {"ops": 1, "bytes": 8, "codec_bytes": 0}
+    s = sink.collect()
+    assert s["wan"]["embedding"] == {"ops": 2, "bytes": 31_000_000, "codec_bytes": 6_000_000}
+    assert s["wan"]["pipeline"] == {"ops": 1, "bytes": 5016, "codec_bytes": 1000} and s["wan"]["other"]["ops"] == 0
+    assert stats.wan_totals(s) == (31_005_016, 6_001_000)
+    assert sink.format_for_log(s, 2).startswith(" wan MB/iter: 15.503 | wan compressed: 19.4% | tah fwd MB/iter:")
+    merged = stats.merge(s, s)
+    assert stats.wan_totals(merged) == (62_010_032, 12_002_000)
+    assert stats.wan_totals(sink.collect()) == (0, 0) and "wan" not in sink.format_for_log(sink.collect())
+    with pytest.raises(ValueError, match="WAN category"):
+        sink.record_wan("sideways", 1)

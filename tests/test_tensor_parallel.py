@@ -29,6 +29,12 @@ def _patched_attributes():
     return {(module.__name__, name): getattr(module, name) for module, names_ in names.items() for name in names_}
 
 
+def _under_ledger(value):
+    """What the WAN ledger's counting function in front of ``value`` calls (``value`` when it is not one)."""
+    is_ledger = getattr(value, "_megatron_tah", False) and value.__module__ == "megatron_tah.megatron.ledger"
+    return value.__wrapped__ if is_ledger else value
+
+
 def _scenarios(rank, world_size, sp):
     import megatron_tah
     from megatron_tah.codecs import get_codec
@@ -43,7 +49,8 @@ def _scenarios(rank, world_size, sp):
     base = tiny_gpt.train(build(), EXACT_ITERATIONS)
 
     megatron_tah.install(TahConfig(tah_tp_codec="none"))
-    out["flag_none_untouched"] = _patched_attributes() == originals
+    # only the always-on WAN ledger's counting functions in front of megatron-core's (test_places._under_ledger)
+    out["flag_none_untouched"] = {k: _under_ledger(v) for k, v in _patched_attributes().items()} == originals
     off = tiny_gpt.train(build(), EXACT_ITERATIONS)
     megatron_tah.uninstall()
 

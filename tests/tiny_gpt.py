@@ -52,8 +52,9 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def build(tp: int = 1, pp: int = 1, sp: bool = False, layers: int = 2, seed: int = 7):
-    """A GPTModel on this rank's share of ``tp`` x ``pp`` (data parallel: the remaining ranks)."""
+def build(tp: int = 1, pp: int = 1, sp: bool = False, layers: int = 2, seed: int = 7, tied: bool = False):
+    """A GPTModel on this rank's share of ``tp`` x ``pp`` (data parallel: the remaining ranks); ``tied``: the
+    output layer shares the word embedding (Megatron-LM's default; megatron-core's ``GPTModel`` unties)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -77,7 +78,7 @@ def build(tp: int = 1, pp: int = 1, sp: bool = False, layers: int = 2, seed: int
         spec.submodules = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelNorm,
                                               pre_mlp_layernorm=SequenceParallelNorm)
         spec = TransformerBlockSubmodules(layer_specs=[spec] * (layers // pp), layer_norm=SequenceParallelNorm)
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage())
 

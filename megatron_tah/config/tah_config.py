@@ -36,6 +36,7 @@ BACKWARD_CODECS = tuple(name for name in CODECS if not codec_declaration(name).f
 ROUNDING_CODECS = tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
 TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
+EMBEDDING_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 EMULATED_WIRES = ("link", "inbound")
@@ -113,6 +114,9 @@ class TahConfig:
 
     tah_dp_codec: str = dataclasses.field(default="none", metadata={"choices": DP_CODECS})
     """Data-parallel gradient reduction (AGoQ QuanGrad): none (megatron-core's own) or int8 (all-to-all of 8-bit shards, fp32 sums, all-gather of 8-bit sums)."""
+
+    tah_embedding_codec: str = dataclasses.field(default="none", metadata={"choices": EMBEDDING_CODECS})
+    """Tied word-embedding gradient between the first and the last pipeline stage (megatron-core all-reduces vocabulary x hidden elements each way every iteration): none (megatron-core's own all-reduce) or int8 (the first stage sends the rows of tokens in the batch exactly, with their indices; the last stage its dense output-layer gradient as blockwise int8; both add them in fp32 in the same order, so both copies of the weight stay identical). Needs tied embeddings and two or more stages (an error otherwise); scripts/pretrain_gpt.sh unties instead when RATE is set."""
 
     tah_activation_memory: str = dataclasses.field(default="none", metadata={"choices": ACTIVATION_MEMORY})
     """Tensors transformer layers save for backward (AGoQ LAAQ): none (kept as they are) or laaq (blockwise low-bit, attention inputs kept)."""
@@ -214,7 +218,8 @@ class TahConfig:
                              f"{self.tah_forward_codec!r}: its per-sample state follows every message of a sample; "
                              "evaluate through the codec")
         if self.tah_backend == "triton":
-            for field in ("tah_forward_codec", "tah_backward_codec", "tah_tp_codec", "tah_dp_codec"):
+            for field in ("tah_forward_codec", "tah_backward_codec", "tah_tp_codec", "tah_dp_codec",
+                          "tah_embedding_codec"):
                 name = getattr(self, field)
                 if name == AUTO:
                     continue  # its candidates are checked when they are built
@@ -233,7 +238,7 @@ class TahConfig:
             raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.
         for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec),
-                            ("tp", self.tp_codec), ("dp", self.dp_codec)):
+                            ("tp", self.tp_codec), ("dp", self.dp_codec), ("embedding", self.embedding_codec)):
             try:
                 build()
             except CodecError as err:
@@ -347,6 +352,13 @@ class TahConfig:
     def dp_codec(self) -> Codec | None:
         """The data-parallel gradient codec (None: megatron-core's reduction is left alone)."""
         return None if self.tah_dp_codec == "none" else self._codec(self.tah_dp_codec, 8, self.tah_int8_block_size)
+
+    def embedding_codec(self) -> Codec | None:
+        """The codec of the last stage's output-layer gradient in the tied-embedding exchange (None: megatron-core's
+        all-reduce is left alone)."""
+        if self.tah_embedding_codec == "none":
+            return None
+        return self._codec(self.tah_embedding_codec, 8, self.tah_int8_block_size)
 
     def laaq_bits(self) -> tuple[int, ...]:
         """``tah_laaq_bits`` as integers (ValueError naming the flag when it does not parse)."""

@@ -12,7 +12,8 @@ runs them and names the offending flag.
 ``install_arguments()`` wraps ``megatron.training.arguments.add_megatron_arguments`` (looked up by
 name inside ``parse_args``) so that every Megatron-LM parser also has the tah flags, and wraps
 ``validate_args`` so bad tah values (a ``--tah-log-json`` that cannot be written, a pipeline codec with
-``--use-ring-exchange-p2p``) fail while arguments are validated. ``uninstall_arguments()`` puts both originals back. The
+``--use-ring-exchange-p2p``, ``--tah-embedding-codec`` with untied embeddings or one stage) fail while
+arguments are validated. ``uninstall_arguments()`` puts both originals back. The
 ``add_megatron_arguments`` wrapper also repairs an upstream help string that makes ``--help`` crash
 (``escape_percent_in_upstream_help``).
 """
@@ -27,6 +28,7 @@ import sys
 from typing import Any
 
 from ..config import TahConfig
+from .embedding import check_embedding_codec
 from .logging import check_log_json
 from .patching import is_ours
 from .pipeline_parallel import check_ring_exchange
@@ -180,7 +182,9 @@ def _validating_tah_arguments(original):
     def validate_args(args, *rest, **kwargs):
         if hasattr(args, dataclasses.fields(TahConfig)[0].name):
             try:  # before Megatron's own checks: nothing is built yet, and the message is one line
-                check_ring_exchange(tah_config_from_args(args), args)
+                config = tah_config_from_args(args)
+                check_ring_exchange(config, args)
+                check_embedding_codec(config, args)
                 check_log_json(getattr(args, "tah_log_json", None))
             except ValueError as err:
                 print(f"error: {err}", file=sys.stderr, flush=True)

@@ -15,13 +15,17 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
         "fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes", "compression_ratio",
         "codec_ms", "buffer_bytes", "tah": {stream: {...reduced statistics...}},
         "link_rel_error": {"src->dst": mean sampled round-trip error of that pipeline link}, "saved_memory",
-        "auto": {"src->dst": {"codec", "rate_bps", "spread_bps"}: auto's codec and measured rate per link}}
+        "auto": {"src->dst": {"codec", "rate_bps", "spread_bps"}: auto's codec and measured rate per link},
+        "wan_bytes", "wan_codec_bytes", "wan": {category: {"ops", "bytes", "codec_bytes"}}}
 
    ``lm_loss`` is this iteration's loss (Megatron's printed value averages since the last reset),
    ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
    ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages
    (``fwd_*``/``bwd_*`` and ``compression_ratio``: the pipeline's; ``tah`` has every stream of
-   ``places.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it);
+   ``places.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it); ``wan_bytes`` the WAN
+   ledger's bytes (everything that crossed a stage boundary, summed over the pipeline's stages: ``ledger.py``
+   says how each operation is billed), ``wan_codec_bytes`` the part that went through a codec, ``wan`` per
+   category (``stats.WAN_CATEGORIES``);
 2. on printing iterations, appends ``stats.format_for_log`` of the training traffic since the
    previous line, per iteration (``tah fwd MB/iter``, ``tah codec ms/iter``: divided by the
    iterations since that line, as Megatron divides its own items; like Megatron's, the first
@@ -29,7 +33,9 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
    the same as scalars to the TensorBoard and wandb writers: ``tah/<stream>_<count>_per_iter``
    (messages, raw_bytes, wire_bytes) and ``tah/<stream>_<mean>`` (ratio, rel_error,
    rotated_fraction). Streams of the pipeline always; ``tp_*`` / ``dp_*`` only while that place is
-   installed (``REGISTRY.places``).
+   installed (``REGISTRY.places``). The line starts with the WAN ledger (`` wan MB/iter: 25.918 | wan
+   compressed: 0.7% |``) and the scalars carry it as ``tah/wan_bytes_per_iter``,
+   ``tah/wan_codec_bytes_per_iter`` and ``tah/wan_<category>_bytes_per_iter``.
 
 ``evaluate`` / ``evaluate_and_print_results``: an evaluation's traffic is counted apart
 (``Stats.apart``), never in the training items: the last rank prints it as its own line
@@ -123,6 +129,12 @@ def scalars(reduced: dict, iterations: int = 1, streams: tuple[str, ...] = STREA
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 name = f"tah/{stream}_{key}_per_iter" if key in PER_ITERATION_KEYS else f"tah/{stream}_{key}"
                 out[name] = float(value) / iterations if key in PER_ITERATION_KEYS else float(value)
+    wan, codec = stats.wan_totals(reduced)
+    if "wan" in reduced:
+        out["tah/wan_bytes_per_iter"] = wan / iterations
+        out["tah/wan_codec_bytes_per_iter"] = codec / iterations
+        for category, sums in reduced["wan"].items():
+            out[f"tah/wan_{category}_bytes_per_iter"] = sums["bytes"] / iterations
     return out
 
 
@@ -164,6 +176,8 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
         "link_rel_error": stats.link_rel_errors(reduced),
         "saved_memory": {str(rank): peaks for rank, peaks in reduced.get("saved_memory", {}).items()},
         "auto": {f"{src}->{dst}": item for (src, dst), item in sorted(reduced.get("auto", {}).items())},
+        "wan_bytes": stats.wan_totals(reduced)[0], "wan_codec_bytes": stats.wan_totals(reduced)[1],
+        "wan": reduced.get("wan", {}),
     }
 
 

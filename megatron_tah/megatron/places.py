@@ -7,12 +7,17 @@ place                  option (``TahConfig``)            what it replaces (modul
                        and ``tah_backward_*``
 ``tp`` (TACO)          ``tah_tp_codec``: fp8             tensor-parallel collectives (``tensor_parallel``)
 ``dp`` (QuanGrad)      ``tah_dp_codec``: int8            gradient reduction (``data_parallel``)
+``embedding``          ``tah_embedding_codec``: int8     tied word-embedding gradient all-reduce (``embedding``)
 ``activation_memory``  ``tah_activation_memory``: laaq   tensors saved for backward (``activation_memory``)
+``wan`` (ledger)       always                            counts bytes that cross a stage (``ledger``)
 =====================  ================================  ===============================================
 
 Each place declares itself at the end of its module (``PLACE``, a ``place.PlaceSpec``: its option,
 codec, statistics streams, settings text, install and uninstall); ``PLACES`` is the table of those
-declarations, in install order, and ``STREAMS`` their statistics streams.
+declarations, in install order, and ``STREAMS`` their statistics streams. The ledger comes last: the
+other places patch megatron-core's functions as they found them (``Patches.wrap`` leaves a function that
+is already ours alone, so a counting function in front would keep a place out), and what they send goes
+through ``torch.distributed``, looked up at call time, where the ledger counts it.
 
 ``install(config, **overrides)`` applies the CPU shims when CUDA is absent (``cpu_shims``), then
 checks that every rank was given the same settings for the collective places: when
@@ -44,14 +49,15 @@ import logging
 import torch
 
 from ..config import TahConfig
-from . import activation_memory, cpu_shims, data_parallel, pipeline_parallel, tensor_parallel
+from . import activation_memory, cpu_shims, data_parallel, embedding, ledger, pipeline_parallel, tensor_parallel
 from .place import Place, PlaceSpec
 from .registry import REGISTRY
 
 logger = logging.getLogger(__name__)
 
 PLACES: dict[str, PlaceSpec] = {spec.name: spec for spec in (
-    pipeline_parallel.PLACE, tensor_parallel.PLACE, data_parallel.PLACE, activation_memory.PLACE)}
+    pipeline_parallel.PLACE, tensor_parallel.PLACE, data_parallel.PLACE, embedding.PLACE, activation_memory.PLACE,
+    ledger.PLACE)}
 STREAMS = tuple(stream for spec in PLACES.values() for stream in spec.streams)
 """Every place's statistics streams, in ``PLACES`` order (what ``REGISTRY.stats`` counts)."""
 

@@ -13,6 +13,9 @@ idempotently and before Megatron parses its arguments:
   built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
   transports and installs the tensor-parallel, data-parallel and activation-memory places that
   the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``.
+  A run with a pipeline codec, tied embeddings and no ``--tah-embedding-codec`` gets one line naming the
+  bytes the embedding all-reduce sends uncompressed per iteration and the two remedies
+  (``embedding.tied_embedding_warning``);
   Opt-in: when every ``--tah-*`` flag is at its default nothing is installed, the log-line wrappers
   are taken off again, and one ``OFF_MESSAGE`` line says how to turn compression on;
 - wraps Megatron's ``_initialize_distributed`` for several ranks per GPU (``share_gpus.py``): on with
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec_state, cpu_shims, peer_timeout, places, share_gpus
+from . import codec_state, cpu_shims, embedding, peer_timeout, places, share_gpus
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .dataset_helpers import compiling_with_this_python
 from .logging import install_logging, uninstall_logging
@@ -70,6 +73,9 @@ def _initializing_then_installing(original):
         on = {place: value for place, value in places.settings(config).items() if value != "none"}
         if on:
             print_rank_0("> megatron_tah: " + ", ".join(f"{place} via {value}" for place, value in on.items()))
+        warning = embedding.tied_embedding_warning(config, get_args())
+        if warning:
+            print_rank_0(warning)
         return result
 
     return initialize_megatron

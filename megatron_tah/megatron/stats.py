@@ -17,7 +17,17 @@ collect, i.e. one iteration when the training log collects every iteration::
      "link_errors": {(src_global_rank, dst_global_rank): (rel_error_sum, rel_error_samples)},
      "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now,
      "saved_memory": {global_rank: {"bits", "raw_bytes", "stored_bytes"}},
-     "auto": {(src_global_rank, dst_global_rank): {"codec", "rate_bps", "spread_bps"}}}
+     "auto": {(src_global_rank, dst_global_rank): {"codec", "rate_bps", "spread_bps"}},
+     "wan": {category: {"ops", "bytes", "codec_bytes"}}}
+
+``wan`` is the WAN ledger (``ledger.py`` records it): bytes this rank handed to operations that cross a
+pipeline-stage boundary, per ``WAN_CATEGORIES`` (``pipeline``: point-to-point sends to another stage, the
+pipeline's messages; ``embedding``: the embedding group's traffic, the tied word-embedding gradient;
+``dp``: data-parallel groups that span stages; ``other``: every other collective whose group spans stages --
+loss, grad norm, timers, the statistics' own reduction), ``ops`` the operations counted and
+``codec_bytes`` the part of ``bytes`` that went through a megatron_tah codec: pipeline messages smaller
+than their tensor (``record_send``: a codec other than ``none``) and what a compressing place sends inside
+``codec_traffic()``.
 
 ``auto`` (``--tah-*-codec auto``): per pipeline link, the codec its sender used last and the last
 measured rate and spread of the link (None before the first measurement); a level, not a count.
@@ -61,7 +71,10 @@ _MEMORY = ("bits", "raw_bytes", "stored_bytes")
 # Per stream, in this order, in the reduction tensor.
 _SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
          "rotated_sum", "rotated_samples", "encode_seconds", "decode_seconds")
-_NOT_STREAMS = ("links", "link_errors", "auto", "buffer_bytes", "saved_memory")  # collect()'s other keys
+_NOT_STREAMS = ("links", "link_errors", "auto", "buffer_bytes", "saved_memory", "wan")  # collect()'s other keys
+WAN_CATEGORIES = ("pipeline", "embedding", "dp", "other")
+"""The WAN ledger's categories (``wan`` in ``collect()``), in the reduction's order."""
+_WAN_SUMS = ("ops", "bytes", "codec_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +95,16 @@ def stream_keys(stats: dict) -> list[str]:
 
 def _empty(streams) -> dict:
     return {key: dict.fromkeys(_SUMS, 0.0) for key in streams}
+
+
+def _empty_wan() -> dict:
+    return {category: dict.fromkeys(_WAN_SUMS, 0) for category in WAN_CATEGORIES}
+
+
+def wan_totals(stats: dict) -> tuple[int, int]:
+    """(bytes, codec bytes) of a result's WAN ledger, over every category ((0, 0) without one)."""
+    wan = stats.get("wan") or {}
+    return sum(c["bytes"] for c in wan.values()), sum(c["codec_bytes"] for c in wan.values())
 
 
 def _this_rank() -> int:
@@ -107,6 +130,8 @@ class Stats:
         self._links: dict[tuple[int, int], int] = {}  # (src, dst) -> wire bytes
         self._link_errors: dict[tuple[int, int], tuple] = {}  # (src, dst) -> (sum of sampled rel. errors, samples)
         self._auto: dict[tuple[int, int], dict] = {}  # (src, dst) -> auto's codec and measured rate
+        self._wan = _empty_wan()  # category -> ops, bytes, codec bytes crossing a stage boundary
+        self._codec_traffic = threading.local()  # .depth: inside codec_traffic() on this thread
         self.buffer_source = None
         self.memory_source = None
 
@@ -148,6 +173,8 @@ class Stats:
             if rotated_fraction is not None:
                 t["rotated_sum"] = timing.add(t["rotated_sum"], rotated_fraction)
                 t["rotated_samples"] += 1
+            if wire_nbytes < raw_nbytes:  # through a codec that compresses (not none): its bytes cross a stage
+                self._wan["pipeline"]["codec_bytes"] += int(wire_nbytes)
             key = (_this_rank(), int(peer))
             self._links[key] = self._links.get(key, 0) + int(wire_nbytes)
             if rel_error is not None:
@@ -176,6 +203,33 @@ class Stats:
             t["encode_seconds"] = timing.add(t["encode_seconds"], encode_seconds)
             t["decode_seconds"] = timing.add(t["decode_seconds"], decode_seconds)
 
+    def record_wan(self, category: str, nbytes: int, codec: bool = False) -> None:
+        """Count one operation of this rank that crosses a pipeline-stage boundary: ``nbytes`` billed to it
+        (``ledger.py`` says how); they are codec bytes when ``codec`` or sent inside ``codec_traffic()``."""
+        if category not in self._wan:
+            raise ValueError(f"WAN category must be one of {', '.join(WAN_CATEGORIES)}, got {category!r}")
+        codec = codec or self.in_codec_traffic
+        with self._lock:
+            sums = self._wan[category]
+            sums["ops"] += 1
+            sums["bytes"] += int(nbytes)
+            if codec:
+                sums["codec_bytes"] += int(nbytes)
+
+    @contextlib.contextmanager
+    def codec_traffic(self) -> Iterator[None]:
+        """What this thread sends inside the block is a codec's buffers (for the WAN ledger's compressed share)."""
+        self._codec_traffic.depth = getattr(self._codec_traffic, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._codec_traffic.depth -= 1
+
+    @property
+    def in_codec_traffic(self) -> bool:
+        """Whether this thread is inside ``codec_traffic()``."""
+        return getattr(self._codec_traffic, "depth", 0) > 0
+
     def record_codec_time(self, direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
         """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank
         (``direction``: a declared stream's key; seconds as floats or pending ``codecs.timing.Stopwatch`` intervals)."""
@@ -192,15 +246,18 @@ class Stats:
         peak keeps measuring across the block). On leaving, the counters from before the block are
         added back to whatever the block left uncollected: nothing is lost or counted twice."""
         with self._lock:
-            before = self._totals, self._links, self._link_errors
+            before = self._totals, self._links, self._link_errors, self._wan
             memory_source, self.memory_source = self.memory_source, None
-            self._totals, self._links, self._link_errors = _empty(self.streams), {}, {}
+            self._totals, self._links, self._link_errors, self._wan = _empty(self.streams), {}, {}, _empty_wan()
         try:
             yield self
         finally:
             with self._lock:
                 self.memory_source = memory_source
-                totals, links, link_errors = before
+                totals, links, link_errors, wan = before
+                for category, sums in wan.items():
+                    for key, value in sums.items():
+                        self._wan[category][key] += value
                 for stream, sums in totals.items():
                     for key, value in sums.items():
                         self._totals[stream][key] = timing.add(self._totals[stream][key], value)
@@ -221,11 +278,13 @@ class Stats:
             result["links"] = dict(self._links)
             result["link_errors"] = {k: (timing.to_float(v), n) for k, (v, n) in self._link_errors.items()}
             result["auto"] = {k: dict(v) for k, v in self._auto.items()}
+            result["wan"] = {category: dict(sums) for category, sums in self._wan.items()}
             result["buffer_bytes"] = int(self.buffer_source()) if self.buffer_source is not None else 0
             memory = self.memory_source(reset) if self.memory_source is not None else None
             result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
             if reset:
                 self._totals, self._links, self._link_errors, self._auto = _empty(self.streams), {}, {}, {}
+                self._wan = _empty_wan()
         return result
 
 
@@ -281,6 +340,12 @@ def merge(total: dict | None, more: dict) -> dict:
         memory[rank] = dict(peaks) if old is None or peaks["stored_bytes"] >= old["stored_bytes"] else old
     result["saved_memory"] = memory
     result["auto"] = {**total.get("auto", {}), **more.get("auto", {})}
+    wan = _empty_wan()
+    for part in (total, more):
+        for category, sums in (part.get("wan") or {}).items():
+            for key, value in sums.items():
+                wan[category][key] += value
+    result["wan"] = wan
     return result
 
 
@@ -330,8 +395,10 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
         if src in index and dst in index:
             auto[:, index[src] * size + index[dst]] = torch.tensor(
                 [CANDIDATES.index(item["codec"]) + 1, item["rate_bps"] or 0.0, item["spread_bps"] or 0.0])
+    wan = stats.get("wan") or _empty_wan()
+    ledger = torch.tensor([float(wan[c][k]) for c in WAN_CATEGORIES for k in _WAN_SUMS], dtype=torch.float64)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory, auto.reshape(-1)]).to(device)
+    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory, auto.reshape(-1), ledger]).to(device)
     last = ranks[-1]
     dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group)
     if me != size - 1:
@@ -348,11 +415,14 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     start = len(scalars) + 3 * size * size
     peaks = packed[start:start + size * len(_MEMORY)].reshape(size, len(_MEMORY)).tolist()
     result["saved_memory"] = {ranks[i]: dict(zip(_MEMORY, map(int, row))) for i, row in enumerate(peaks) if row[0]}
-    codec, rate, spread = packed[start + size * len(_MEMORY):].reshape(3, size, size)
+    start += size * len(_MEMORY)
+    codec, rate, spread = packed[start:start + 3 * size * size].reshape(3, size, size)
     result["auto"] = {(ranks[s], ranks[t]): {"codec": CANDIDATES[int(codec[s, t]) - 1],
                                              "rate_bps": float(rate[s, t]) or None,
                                              "spread_bps": float(spread[s, t]) if rate[s, t] else None}
                       for s, t in codec.nonzero().tolist()}
+    ledger = packed[start + 3 * size * size:].reshape(len(WAN_CATEGORIES), len(_WAN_SUMS)).tolist()
+    result["wan"] = {c: {k: int(v) for k, v in zip(_WAN_SUMS, row)} for c, row in zip(WAN_CATEGORIES, ledger)}
     return result
 
 
@@ -372,6 +442,8 @@ def format_for_log(stats: dict, labels: dict[str, str], iterations: int | None =
     ``iterations``: the training iterations ``stats`` cover; the counts are divided by it, as Megatron's own
     items are (`` tah fwd MB/iter: 1.234 | tah fwd ratio: 3.62x | ... | tah codec ms/iter: 2.0 |``).
     None: the totals (`` tah fwd MB: ... | tah codec ms: ...``, e.g. an evaluation's).
+    ``wan MB`` (first, when anything crossed a stage boundary) is the WAN ledger's bytes, all categories, and
+    ``wan compressed`` the share of them that went through a codec (``wan`` in the module docstring).
     ``tah codec ms`` is encode + decode time summed over the ranks reduced (not a critical path);
     ``tah buffer MB`` (a level) appears when a per-sample buffer (AQ-SGD) holds data, ``tah saved MB`` (peak
     bytes saved for backward, as stored / as they would have been, summed over stages) with LAAQ.
@@ -382,6 +454,10 @@ def format_for_log(stats: dict, labels: dict[str, str], iterations: int | None =
     streams = stream_keys(stats) if streams is None else streams
     shown = [d for d in streams if stats[d]["messages"]]
     parts = []
+    wan, codec = wan_totals(stats)
+    if wan:
+        parts.append(f"wan MB{unit}: {wan / per / 1e6:.3f}")
+        parts.append(f"wan compressed: {100 * codec / wan:.1f}%")
     for d in shown:
         s, short = stats[d], labels[d]
         parts.append(f"tah {short} MB{unit}: {s['wire_bytes'] / per / 1e6:.3f}")
