@@ -68,7 +68,8 @@ class Boundaries:
         if key not in self.codecs:
             config = self.per_boundary.get(layer, self.configs[direction]) if direction == "forward" \
                 else self.configs[direction]
-            self.codecs[key] = config.forward_codec() if direction == "forward" else config.backward_codec()
+            codec = config.forward_codec() if direction == "forward" else config.backward_codec()
+            self.codecs[key] = codec.salt_rounding(f"{direction}:{layer}")  # as a pipeline's link ends: own noise
         return self.codecs[key]
 
     def round_trip(self, layer: int, direction: str, x: torch.Tensor) -> torch.Tensor:

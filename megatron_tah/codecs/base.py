@@ -257,6 +257,14 @@ class Codec:
         noise = getattr(self, "rounding_noise", None)
         return bool(noise is not None and noise.enabled)
 
+    def salt_rounding(self, salt: str) -> "Codec":
+        """Give this codec's stochastic rounding its own noise stream, named by ``salt`` (the link end: direction,
+        this rank, the peer); rounding to nearest is unaffected. Returns the codec."""
+        noise = getattr(self, "rounding_noise", None)
+        if noise is not None and noise.enabled:
+            self.rounding_noise = noise.salted(salt)
+        return self
+
     def state_dict(self) -> dict:
         """What a resumed run needs to continue this codec's message sequence exactly ({} when stateless)."""
         noise = getattr(self, "rounding_noise", None)

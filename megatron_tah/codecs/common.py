@@ -12,6 +12,7 @@ bytes on every device.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -326,6 +327,13 @@ class RoundingNoise:
         start = torch.tensor([((self.seed << 16) + self.calls) & 0xFFFFFFFF], dtype=torch.int64)
         self.calls += 1
         return int(hash32(start)[0])
+
+    def salted(self, salt: str) -> "RoundingNoise":
+        """A fresh generator whose seed mixes this one's with ``salt`` (a link end's name): codecs built alike at
+        different link ends must not draw the same noise for their k-th messages, or the errors of one
+        micro-batch's gradients at successive pipeline boundaries add up coherently instead of averaging."""
+        mixed = zlib.crc32(f"{self.seed}:{salt}".encode()) & 0xFFFF  # (seeds are 16 bits: next_seed's layout)
+        return RoundingNoise(self.enabled, mixed)
 
     def state_dict(self) -> dict:
         """The call counter: a resumed codec continues the same sequence of seeds."""

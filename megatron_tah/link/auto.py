@@ -73,6 +73,15 @@ from .wire import AutoDecision, decode_announcement, encode_announcement
 logger = logging.getLogger(__name__)
 
 
+def link_salt(direction: str, role: str, peer: int | None) -> str:
+    """The name of a link end (direction, sender -> receiver ranks) that salts its codecs' stochastic rounding
+    (``Codec.salt_rounding``): every sender draws its own noise."""
+    dist = torch.distributed
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    sender, receiver = (me, peer) if role == "send" else (peer, me)
+    return f"{direction}:{sender}->{receiver}"
+
+
 class AutoEnd:
     """The auto codec of one link end: ``direction`` and ``role`` ("send" decides, "recv" follows); ``peer``: the
     other end's rank, for the log."""
@@ -83,7 +92,8 @@ class AutoEnd:
         self.codecs: dict[str, Codec] = {}
         for name in self.settings.candidates:
             try:
-                self.codecs[name] = config.auto_candidate_codec(name, direction).defer_checks()
+                self.codecs[name] = config.auto_candidate_codec(name, direction).defer_checks().salt_rounding(
+                    link_salt(direction, role, peer))
             except Exception as err:  # noqa: BLE001 (the candidate is left out, with its reason)
                 warnings.warn(f"auto codec: candidate {name!r} dropped ({type(err).__name__}: {err})",
                               RuntimeWarning, stacklevel=2)

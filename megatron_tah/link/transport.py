@@ -70,7 +70,7 @@ import torch
 from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
 from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
-from .auto import AutoEnd
+from .auto import AutoEnd, link_salt
 from .completion import time_works, work_seconds
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
@@ -166,6 +166,7 @@ class PipelineTransport:
                 self.links[key] = Link(direction, role, int(peer), auto.codec, auto=auto)
                 return self.links[key]
             codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
+            codec.salt_rounding(link_salt(direction, role, int(peer)))  # each sender its own rounding noise
             # Only used after check_group compared the link's configs: headers are checked on the device.
             codec = place_codec(codec, self.config.tah_eager_codecs, self.graphs, self.graph_log)
             self.links[key] = Link(direction, role, int(peer), codec)
