@@ -1,10 +1,12 @@
 """The README and the docs pages written by hand: their measured numbers come from files a script in the repo
 wrote (committed under docs/), their tables are those files' numbers, and every file they point to exists."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -111,8 +113,24 @@ def test_the_presets_table_is_the_parity_study():
               "`lowrank`": next(r for r in widths[0] if r.endswith("--tah-preset lowrank")),
               "`lowrank8`": next(r for r in widths[0] if r.endswith("--tah-preset lowrank8"))}
     rows = _table_rows(_table(README, "| preset |"), "preset")
-    assert list(rows) == list(labels)
-    for preset, cells in rows.items():
+    assert list(rows)[:len(labels)] == list(labels)
+    from megatron_tah.config import PRESETS, TahConfig
+
+    assert set(rows) == {f"`{name}`" for name in PRESETS if name != "none"}  # every preset has its row
+    for preset in list(rows)[len(labels):]:  # presets the parity study did not run: their bits, computed
+        config, cells = TahConfig(tah_preset=preset.strip("`")), rows[preset]
+        bits = [8 * codec.wire_nbytes((128, 4, h), torch.bfloat16) / (512 * h)
+                for codec, h in ((config.forward_codec(), 128), (config.forward_codec(), 256))]
+        assert cells[1] == " / ".join(f"{b:.2f}" for b in bits) and cells[4] == "not run", preset
+        bwd = 8 * config.backward_codec().wire_nbytes((128, 4, 128), torch.bfloat16) / (512 * 128)
+        assert cells[3] == f"{bwd:.2f}", preset
+    # the depth column: the committed depth study's and speedrun's lower bounds
+    depth = json.loads((DOCS / "data" / "depth.json").read_text())["rows"]
+    speedrun = {r["codec"]: r for r in json.loads((DOCS / "data" / "speedrun.json").read_text())["table"]}
+    assert rows["`paper`"][5] == f">= {depth['paper_pp8']['multiplier_at_least']:.2f}x (docs/DEPTH.md)"
+    assert rows["`channel`"][5] == f">= {speedrun['channel']['multiplier_at_least']:.2f}x (docs/SPEEDRUN.md)"
+    for preset in list(labels):
+        cells = rows[preset]
         fwd_bits, bwd_bits, gap = cells[1], cells[3], cells[4]
         assert fwd_bits == " / ".join(w[labels[preset]][0] for w in widths), preset
         assert bwd_bits == widths[0][labels[preset]][1], preset
@@ -165,3 +183,17 @@ ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w&/#])#\d+\b")
 def test_no_issue_numbers_in_the_docs(page):
     """Issue numbers point into a tracker a reader of the repository does not have."""
     assert ISSUE_NUMBER.findall((REPO / page).read_text()) == [], page
+
+
+def test_the_first_screens_time_to_target_is_the_speedruns():
+    """The README's headline: the speedrun's lower bounds for `channel` and the projection, as committed."""
+    result = json.loads((DOCS / "data" / "speedrun.json").read_text())
+    rows = {r["codec"]: r for r in result["table"]}
+    channel, bf16 = rows["channel"], rows["bf16"]
+    m = channel["multiplier_at_least"]
+    first_screen = README.split("## Install")[0]
+    assert f"at least {m:.2f}x the steps, so its T is at least {m * channel['s_per_step'] / bf16['s_per_step']:.2f}x" \
+        in " ".join(first_screen.split())
+    projected = {r["codec"]: r["T"] for r in result["projection"]}
+    text = " ".join(first_screen.split())
+    assert f"T >= {projected['channel']:,.0f} s for `channel` and >= {projected['paper']:,.0f} s for `paper`" in text

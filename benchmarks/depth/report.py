@@ -47,8 +47,13 @@ def build(studies, out: Path, host: dict) -> dict:
     done = [s for s in studies if (out / f"{s.name}.done").is_file()]
     rows = {s.name: summarize(s, out) for s in done}
     base = {r["seed"]: r["final_loss"] for r in rows.values() if r["name"].startswith("none")}
+    curves = {r["seed"]: r["validations"] for r in rows.values() if r["name"].startswith("none")}
     for r in rows.values():
         r["gap"] = r["final_loss"] - base[r["seed"]] if r["seed"] in base else None
+        # the uncompressed run (same seed) first validated at or below this run's final loss at step `at`:
+        # this run needed at least schedule / at times its steps for that loss
+        at = next((i for i, loss in curves.get(r["seed"], []) if loss <= r["final_loss"]), None)
+        r["multiplier_at_least"] = r["validations"][-1][0] / at if at and r["gap"] and r["gap"] > 0 else None
         fwd = r["per_boundary"]["forward"]
         r["forward_error"] = _mean(v["rel_error"] for v in fwd.values())
         r["backward_error"] = _mean(v["rel_error"] for v in r["per_boundary"]["backward"].values())
@@ -68,10 +73,11 @@ def tables(result: dict) -> str:
         rows = [r for r in result["rows"].values() if r["group"] == group]
         if not rows:
             continue
-        parts.append(f"### {title}\n\n| run | final loss | gap | fwd error | bwd error | rms at the last boundary |\n"
-                     "|---|---:|---:|---:|---:|---:|")
+        parts.append(f"### {title}\n\n| run | final loss | gap | steps vs uncompressed | fwd error | bwd error | "
+                     "rms at the last boundary |\n|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            parts.append(f"| {r['label']} (`{r['name']}`) | {r['final_loss']:.4f} | {_fmt(r['gap'], 4, True)} | "
+            steps = f">= {r['multiplier_at_least']:.2f}x" if r.get("multiplier_at_least") else "–"
+            parts.append(f"| {r['label']} (`{r['name']}`) | {r['final_loss']:.4f} | {_fmt(r['gap'], 4, True)} | {steps} | "
                          f"{_fmt(r['forward_error'])} | {_fmt(r['backward_error'])} | {_fmt(r['last_rms'], 2)} |")
         parts.append("")
     return "\n".join(parts)
@@ -154,7 +160,13 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
 
     template = (Path(__file__).parent / "page.md").read_text()
     not_run = [st.name for st in studies if st.name not in rows]
-    fields = {"date": result["date"], "cpu": host["cpu"], "cores": host["cores"], "tables": tables(result), **images,
+    def steps(name):
+        m = rows.get(name, {}).get("multiplier_at_least")
+        return f"{m:.2f}" if m else "not run"
+
+    at_pp8 = rows.get("paper_pp8", {}).get("multiplier_at_least")
+    fields = {"date": result["date"], **{f"steps_{n}": steps(n) for n in rows},
+              "steps_at_pp8": f"{rows['paper_pp8']['validations'][-1][0] / at_pp8:.0f}" if at_pp8 else "not run", "cpu": host["cpu"], "cores": host["cores"], "tables": tables(result), **images,
               "not_run": ", ".join(f"`{name}`" for name in not_run) or "none",
               "gap_none_s1235_vs": (_fmt(rows["none_s1235"]["final_loss"] - rows["none"]["final_loss"], 3, True)
                                     if "none" in rows and "none_s1235" in rows else "not run"),

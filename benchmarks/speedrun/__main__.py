@@ -1,7 +1,8 @@
 """``python -m benchmarks.speedrun``: time to a target loss over a WAN, on this machine, per codec.
 
-    python -m benchmarks.speedrun                         # the full size (about 3 hours on 2 cores, see docs/SPEEDRUN.md)
-    python -m benchmarks.speedrun --size tiny --out /tmp/s  # the same machinery in about 5 minutes
+    python -m benchmarks.speedrun                         # the full size: 500-step loss runs, two at a time
+                                                          # (25-35 minutes a pair on the 2-core machine)
+    python -m benchmarks.speedrun --size tiny --out /tmp/s  # the same machinery in about 2 minutes
     python -m benchmarks.speedrun --write docs/SPEEDRUN.md  # run what is missing, then write the page
 
 What it does, in order (runs already complete under ``--out`` are not run again):
@@ -38,7 +39,7 @@ LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50
 MAX_FACTOR = 4.0  # the longest schedule a codec that misses the target runs, in schedules of bf16
 DEFAULT_SEEDS = (1234, 1235, 1236)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # loss runs side by side: torch's default threads each contend for the cores
-DEFAULT_CODECS = ("bf16", "paper", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
+DEFAULT_CODECS = ("bf16", "paper", "channel", "channel6", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
 
 
 def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/speedrun"))
     parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma list of " + ", ".join(runs.CODECS))
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="seeds of bf16 and --multi-seed codecs")
-    parser.add_argument("--multi-seed", default="paper", help="codecs besides bf16 run with every seed (comma list)")
+    parser.add_argument("--multi-seed", default="paper,channel", help="codecs besides bf16 run with every seed (comma list)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each is 8 processes)")
     parser.add_argument("--loss-runs", choices=("emulated", "pipeline"), default="emulated",
                         help="emulated: one process per run, the boundaries' codecs emulated (benchmarks/depth); "
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     from .report import build, write_page
 
     result = build(size, target, compute_s, link, losses, steady, host_info(),
-                   modes={"loss_runs": args.loss_runs, "timing": args.timing})
+                   modes={"loss_runs": args.loss_runs, "timing": args.timing, "max_factor": args.max_factor})
     print(json.dumps(result["table"], indent=1))
     if args.write:
         write_page(result, args.write)

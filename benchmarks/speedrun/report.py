@@ -67,6 +67,10 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
     measured = {name(r): r["multiplier"] for r in rows if r["multiplier"] is not None and name(r) in projection.CODECS}
     bounds = {name(r): r["multiplier_at_least"] for r in rows
               if r.get("multiplier_at_least") and name(r) in projection.CODECS}
+    from megatron_tah.config.auto import STEPS_MULTIPLIER
+
+    elsewhere = {codec: m for codec, m in STEPS_MULTIPLIER.get(size.stages, {}).items()
+                 if codec in projection.CODECS and codec not in measured and codec not in bounds}
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"]}
               for name, r in losses.items()}
     modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
@@ -77,8 +81,9 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             "target": target, "compute_s_per_step": compute_s,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
             "table": rows, "curves": curves,
-            "projection": projection.project({**measured, **bounds}, multiplier_label="measured at CPU scale",
-                                             labels={n: "at least: missed the target at CPU scale" for n in bounds}),
+            "projection": projection.project({**elsewhere, **measured, **bounds}, multiplier_label="measured at CPU scale",
+                                             labels={**{n: "at least: missed the target at CPU scale" for n in bounds},
+                                                     **{n: "at least: the depth study, docs/DEPTH.md" for n in elsewhere}}),
             "records": projection.record_rows()}
 
 
@@ -206,13 +211,23 @@ def write_page(result: dict, page: Path) -> None:
     template = (Path(__file__).parent / "page.md").read_text()
     scored = [r for r in result["table"] if r["T_vs_bf16"] is not None and r["codec"] != "bf16"]
     best = min(scored, key=lambda r: r["T"], default=None)
-    headline = ("No codec reached the target." if best is None else
+    missed = [r for r in result["table"] if r.get("multiplier_at_least")]
+    headline = (("No codec reached the target within bf16's schedule. " + "; ".join(
+        f"`{r['codec']}` ({r['forward_bits']:.2f} + {r['backward_bits']:.2f} bits per value) missed it: its final "
+        f"loss is bf16's at 1/{r['multiplier_at_least']:.2f} of bf16's schedule, so it needs at least "
+        f"{r['multiplier_at_least']:.2f}x bf16's steps, and its T is at least "
+        f"{r['multiplier_at_least'] * r['s_per_step'] / base['s_per_step']:.2f}x bf16's"
+        for r in missed for base in [next(b for b in result['table'] if b['codec'] == 'bf16')]) + ".")
+                if best is None else
                 f"**Best: `{best['codec']}`, T = {best['T_vs_bf16']:.3f}x bf16's** ({best['forward_bits']:.2f} + "
                 f"{best['backward_bits']:.2f} bits per value, steps {_multiplier_text(best)} bf16's).")
     link, setup = result["link"], result["setup"]
     modes = result.get("modes", {"loss_runs": "pipeline", "timing": "measured"})
     page.write_text(template.format(
         loss_runs=LOSS_RUNS_TEXT[modes["loss_runs"]], timing=TIMING_TEXT[modes["timing"]],
+        max_factor=f"{modes.get('max_factor', 4.0):g}",
+        seeds=", ".join(sorted({str(s) for r in result["table"] for s in r["seeds"]})),
+        not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}) or "none",
         headline=headline, date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
         target=f"{result['target']:.3f}", compute=f"{result['compute_s_per_step']:.3f}",
         rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",
