@@ -197,6 +197,9 @@ def test_the_start_up_line_of_a_tied_run_names_its_bytes_and_the_two_remedies():
                                                             accumulate_allreduce_grads_in_fp32=True))
     assert "50304 x 1600" in gpt2_xl and "643.9 MB per iteration (321.9 MB each way)" in gpt2_xl
     assert "(161.0 MB each way)" in embedding.tied_embedding_warning(paper, _args(hidden_size=1600, bf16=True))
+    # A vocabulary the tokenizer sets later (no --vocab-size yet): the line without the sizes.
+    unsized = embedding.tied_embedding_warning(paper, _args(vocab_size=None, padded_vocab_size=None))
+    assert "all-reduces the word-embedding gradient" in unsized and "MB" not in unsized
     # No line: untied, one stage, the embedding codec on, or no pipeline codec at all.
     assert embedding.tied_embedding_warning(paper, _args(untie_embeddings_and_output_weights=True)) is None
     assert embedding.tied_embedding_warning(paper, _args(pipeline_model_parallel_size=1)) is None

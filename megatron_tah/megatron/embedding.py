@@ -281,12 +281,15 @@ def tied_embedding_warning(config: TahConfig, args) -> str | None:
             or config.tah_embedding_codec != "none"
             or (config.tah_forward_codec == "none" and config.tah_backward_codec == "none")):
         return None
-    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    remedy = ("compress it with --tah-embedding-codec int8 or untie with --untie-embeddings-and-output-weights")
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    if vocab is None:  # (the tokenizer sets it later: the size is not known yet)
+        return ("> megatron_tah: warning: tied embeddings: every iteration all-reduces the word-embedding gradient "
+                f"between the first and the last stage uncompressed, beside the compressed pipeline; {remedy}")
     each = vocab * args.hidden_size * _gradient_element_size(args)
     return (f"> megatron_tah: warning: tied embeddings: every iteration all-reduces the {vocab} x {args.hidden_size} "
             f"word-embedding gradient between the first and the last stage uncompressed, {2 * each / 1e6:.1f} MB "
-            f"per iteration ({each / 1e6:.1f} MB each way) beside the compressed pipeline; compress it with "
-            "--tah-embedding-codec int8 or untie with --untie-embeddings-and-output-weights")
+            f"per iteration ({each / 1e6:.1f} MB each way) beside the compressed pipeline; {remedy}")
 
 
 PLACE = PlaceSpec(
