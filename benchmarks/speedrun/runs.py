@@ -47,9 +47,11 @@ NEEDS_LINK = ("auto",)
 
 def codec_flags(codec: str) -> list[str]:
     """``CODECS[codec]`` as Megatron flags: ``tah_tile_size`` -> ``--tah-tile-size``; a true bool is its bare flag."""
+    from megatron_tah.megatron.arguments import flag_name
+
     flags = []
     for field, value in CODECS[codec].items():
-        flag = "--" + field.replace("_", "-")
+        flag = flag_name(field)
         if isinstance(value, bool):
             flags += [flag] if value else []
         else:
