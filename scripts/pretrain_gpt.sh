@@ -155,6 +155,10 @@ if [[ "$DEVICE" == gpu ]]; then
         impl+=(--no-gradient-accumulation-fusion)  # Apex's fused wgrad kernel is missing
     fi
     if ! "$PYTHON" -c 'import apex' >/dev/null 2>&1; then impl+=(--no-persist-layer-norm); fi
+    if [[ ${impl[1]} == local ]] && ! "$PYTHON" -c 'import scaled_masked_softmax_cuda' >/dev/null 2>&1; then
+        # Megatron's fused softmax imports this CUDA extension for bf16 (megatron/core/fusions/fused_softmax.py)
+        impl+=(--no-masked-softmax-fusion)
+    fi
     gpu_netns=0
     if [[ -n "$RATE" && "$PP" -ge 2 ]] && netns_ok; then
         if (( NUM_NODES != 1 || GPUS_PER_NODE != PP )); then

@@ -159,6 +159,8 @@ def test_training_runs_use_the_small_model_and_share_the_gpu(selfcheck, tmp_path
     assert dry.returncode == 0, dry.stderr
     assert "--nproc_per_node 4" in dry.stdout and "--pipeline-model-parallel-size 2" in dry.stdout
     assert "--tah-emulate-bandwidth 200mbit" in dry.stdout and "--hidden-size 512" in dry.stdout
+    if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:  # Megatron's fused softmax needs it in bf16
+        assert "--no-masked-softmax-fusion" in dry.stdout
 
 
 @pytest.mark.distributed
@@ -173,3 +175,15 @@ def test_the_cpu_steps_pass_end_to_end(tmp_path):
     saved = json.loads((tmp_path / "cpu-selfcheck" / "laaq" / "saved-tensors.json").read_text())
     assert any(e["packed"] for e in saved) and any(e["kept_because"] == "attention's own" for e in saved)
     assert not any(e["packed"] and e["shape"][-1] == 1 for e in saved)
+
+
+def test_the_kernel_step_runs_every_kernel_test_file(selfcheck):
+    """A new codec's kernel tests must not be left out of the compiled run on a GPU."""
+    files = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_kernels_*.py")}
+    assert files and files <= set(selfcheck.KERNEL_TESTS)
+
+
+def test_pp4_on_a_shared_gpu_must_train(selfcheck):
+    assert selfcheck.judge_pp4([10.9, 10.9, 9.8, 9.6, 9.57, 9.54], 6)[0]
+    for bad in ([10.9, 9.8], [10.9, float("nan"), 9.8, 9.6, 9.5, 9.4], [9.5, 9.6, 9.7, 9.8, 9.9, 10.0]):
+        assert not selfcheck.judge_pp4(bad, 6)[0]

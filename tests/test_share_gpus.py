@@ -3,6 +3,7 @@
 import argparse
 import logging
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +252,65 @@ def test_tah_share_gpus_is_an_opt_in_flag():
     parser = add_tah_arguments(argparse.ArgumentParser())
     assert parser.parse_args([]).tah_share_gpus is False and TahConfig().tah_share_gpus is False
     assert parser.parse_args(["--tah-share-gpus"]).tah_share_gpus is True
+
+
+def _collectives_rank(rank: int, store_path: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        a, b = torch.full((5,), rank + 1.0), torch.arange(3.0) * (rank + 1)
+        with share_gpus.one_collective_at_a_time(dist.group.WORLD) as manager:  # sync: done at exit
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        c = torch.full((4,), 10.0 * (rank + 1))
+        gathered = torch.empty(8)
+        with share_gpus.one_collective_at_a_time(dist.group.WORLD, async_ops=True) as async_manager:
+            dist.all_reduce(c, async_op=True)
+            dist.all_gather_into_tensor(gathered, torch.full((4,), float(rank)), async_op=True)
+        async_manager.wait()
+        Path(out).write_text(json.dumps({"a": a.tolist(), "b": b.tolist(), "c": c.tolist(), "g": gathered.tolist(),
+                                         "sync_works": len(manager.works), "async_works": len(async_manager.works)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _collectives_main(rank, store_path, outs):
+    _collectives_rank(rank, store_path, outs[rank])
+
+
+@pytest.mark.distributed
+def test_one_collective_at_a_time_gives_the_coalesced_results(tmp_path):
+    """The shared mode's stand-in for ``_coalescing_manager`` (gloo has no coalesced collectives on CUDA
+    tensors): the same sums and gathers, issued at the block's exit; async handles held by the manager."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    mp.start_processes(_collectives_main, args=(str(tmp_path / "store"), outs), nprocs=2, join=True,
+                       start_method="spawn")
+    for out in outs:
+        got = json.loads(Path(out).read_text())
+        assert got["a"] == [3.0] * 5 and got["b"] == [0.0, 3.0, 6.0]
+        assert got["c"] == [30.0] * 4 and got["g"] == [0.0] * 4 + [1.0] * 4
+        assert got["sync_works"] == 0 and got["async_works"] == 2
+
+
+def test_the_shared_mode_replaces_ddps_coalescing_manager_until_restored():
+    from megatron.core.distributed import param_and_grad_buffer
+
+    original = param_and_grad_buffer._coalescing_manager
+    patches = Patches()
+    share_gpus.share_collectives(patches)
+    share_gpus.share_collectives(patches)  # twice: one replacement
+    try:
+        assert param_and_grad_buffer._coalescing_manager is share_gpus.one_collective_at_a_time
+        with pytest.raises(ValueError, match="device-style"):
+            with share_gpus.one_collective_at_a_time(object(), device=torch.device("cpu")):
+                pass
+    finally:
+        patches.restore()
+    assert param_and_grad_buffer._coalescing_manager is original

@@ -121,6 +121,8 @@ class HostStaging:
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(f"HostStaging({self.device}): CUDA is not available here")
+        if self.cuda and self.device.index is None:  # "cuda": the current device, as tensors on it name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._host = _Pool(torch.device("cpu"), pin=self.cuda)
         self._device = _Pool(self.device, pin=False)
         self._side = torch.cuda.Stream(self.device) if self.cuda else None

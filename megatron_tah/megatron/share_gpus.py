@@ -24,7 +24,12 @@ which runs after Megatron parsed the flags, decides and applies:
    ``gloo`` (one log line); ``gloo`` is kept; any other backend raises ``ValueError``.
    ``--pipeline-model-parallel-comm-backend nccl`` (``initialize.py:374``, a separate NCCL group for the
    pipeline) is dropped so the pipeline groups inherit gloo (one log line); ``ucc`` raises ``ValueError``.
-4. In the mode only: megatron-core's ``P2PCommunicator._communicate_shapes`` (variable sequence lengths,
+4. In the mode only (on the CPU too, so that CI runs the same path): ``param_and_grad_buffer.py:702``
+   (and ``:504``, ``:737``) wrap DDP's gradient collectives in ``torch.distributed._coalescing_manager``,
+   which issues ``allreduce_coalesced`` -- a CPU-only call in gloo (``ProcessGroupGloo::allreduce_coalesced:
+   unsupported device type cuda``, seen on an H100 at the first iteration's gradient sync). That module's
+   ``_coalescing_manager`` becomes :func:`one_collective_at_a_time`: the same collectives, one by one.
+5. In the mode only: megatron-core's ``P2PCommunicator._communicate_shapes`` (variable sequence lengths,
    ``config.variable_seq_lengths`` or a standalone MTP stage) sends CUDA shape tensors over the gloo
    pipeline group itself, outside the compressing transport, which gloo cannot read (``Bad address``):
    it is replaced by a call that raises, naming the cause, at the first such exchange.
@@ -39,13 +44,13 @@ default backend, ``gloo``):
   the grad-norm all-reduce (``clip_grads.py``), the tied-embedding gradient all-reduce, timers'
   all-gather, broadcasts: torch's ``ProcessGroupGloo`` implements ``allreduce``, ``broadcast``,
   ``allgather``, ``reduce``, ``gather`` and ``scatter`` for CUDA tensors by copying through pinned
-  host memory (``AsyncAllreduceCUDAWork`` etc. in ``ProcessGroupGloo.cpp``), and
-  ``reduce_scatter_tensor`` (DDP with data parallelism) through an all-reduce. Known from torch's
-  source; ``scripts/gpu_check.sh share`` runs it at PP 4 and PP 2 x DP 2 on one GPU.
+  host memory (``AsyncAllreduceCUDAWork`` etc. in ``ProcessGroupGloo.cpp``), but not their
+  ``*_coalesced`` forms (item 4). ``scripts/gpu_check.sh share`` runs PP 4 and PP 2 x DP 2 on one GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -58,6 +63,7 @@ from .patching import Patches
 logger = logging.getLogger(__name__)
 
 INITIALIZE = "megatron.training.initialize"
+GRAD_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 P2P_COMMUNICATOR = "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator"
 SHARED_BACKEND = "gloo"
 IDENTITY_KEY = "megatron_tah/share_gpus/device/{rank}"
@@ -149,6 +155,47 @@ def _refusing_variable_shapes(original):
     return _communicate_shapes
 
 
+@contextlib.contextmanager
+def one_collective_at_a_time(group=None, device=None, async_ops=False):
+    """``torch.distributed._coalescing_manager`` without the coalesced call gloo lacks for CUDA tensors.
+
+    Collectives called inside are recorded as torch records them (``pg_coalesce_state``) and issued on
+    exit one by one -- ``all_reduce(t)``, ``all_gather_into_tensor(out, in)``, ``reduce_scatter_tensor(out,
+    in)`` -- each a single collective that gloo runs on CUDA tensors through host memory. Same results
+    as the coalesced call; with ``async_ops`` the yielded manager holds every handle (``wait()`` waits for
+    all), otherwise each call has finished when the block exits. ``device`` (the old per-call style) is
+    not supported with gloo and is refused."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if device is not None:
+        raise ValueError("megatron_tah: a device-style coalescing block on a shared GPU (gloo) is not supported")
+    group = group if group is not None else c10d._get_default_group()
+    state = c10d._world.pg_coalesce_state
+    if state.get(group):
+        raise RuntimeError("megatron_tah: a coalescing block opened inside another on the same group")
+    state[group] = []
+    manager = c10d._CoalescingManager()
+    try:
+        yield manager
+    finally:
+        recorded = state.pop(group, [])
+    for op in recorded:
+        if op.dst_tensor is None:  # all_reduce
+            work = op.op(op.tensor, op=op.redop, group=group, async_op=async_ops)
+        elif op.redop is None:  # all-gather into a tensor
+            work = op.op(op.dst_tensor, op.tensor, group=group, async_op=async_ops)
+        else:  # reduce-scatter into a tensor
+            work = op.op(op.dst_tensor, op.tensor, op=op.redop, group=group, async_op=async_ops)
+        if async_ops:
+            manager.append(work)
+
+
+def share_collectives(patches: Patches) -> None:
+    """DDP's gradient collectives one at a time (item 4 of the module docstring); ``restore()`` undoes it."""
+    if patches.original(GRAD_BUFFER, "_coalescing_manager") is not one_collective_at_a_time:
+        patches.replace(GRAD_BUFFER, "_coalescing_manager", one_collective_at_a_time)
+
+
 # ----- the wrapper -------------------------------------------------------------------------------------
 def _visible_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -178,6 +225,7 @@ def _sharing_gpus_when_on(original, patches: Patches):
             if requested:
                 logger.warning("megatron_tah: --tah-share-gpus without a CUDA device: the ranks run on the CPU; "
                                "pipeline messages are staged through host buffers as with shared GPUs")
+                share_collectives(patches)
             return call(store)
         if torch.distributed.is_initialized() or getattr(margs, "fake_process_group", False):
             return call(store)  # nothing to decide: the world is up (or fake)
@@ -191,6 +239,7 @@ def _sharing_gpus_when_on(original, patches: Patches):
             margs.distributed_backend = shared_backend(margs.distributed_backend)
             margs.pipeline_model_parallel_comm_backend = shared_pipeline_backend(
                 getattr(margs, "pipeline_model_parallel_comm_backend", None))
+            share_collectives(patches)
             if hasattr(resolve_p2p_communicator(), "_communicate_shapes"):
                 patches.wrap(P2P_COMMUNICATOR, "_communicate_shapes", _refusing_variable_shapes)
         elif device != local_rank:
