@@ -97,3 +97,27 @@ def test_a_codec_that_missed_gets_a_lower_bound_on_its_steps_multiplier():
     assert report._missed_bound(losses, "paper", {}, {1: 500}, size) == pytest.approx(2.5)
     assert report._missed_bound(losses, "paper", {1: 480}, {1: 500}, size) is None  # it reached the target
     assert speedrun.longer_schedule({"validations": [(500, 5.6)]}, bf16, 500, 10, max_factor=1.0) == 500
+
+
+def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
+    """``--from-page``: each curve of the page's JSON becomes a complete run under ``--out`` (the same
+    validations read back), its compute step is returned; a page of another size is refused."""
+    from benchmarks.reproduce.runner import ReproduceError, is_complete
+
+    size = runs.SIZES["tiny"]
+    curve = [[i, 6.0 - i / 100] for i in range(size.eval_interval, size.iters + 1, size.eval_interval)]
+    page = {"size": size.name, "setup": size.setup(), "compute_s_per_step": 1.25,
+            "curves": {runs.loss_run_name("bf16", 7, size.iters, size, True):
+                       {"codec": "bf16", "seed": 7, "iters": size.iters, "validations": curve}}}
+    path = tmp_path / "page.json"
+    path.write_text(json.dumps(page))
+    out = tmp_path / "out"
+    assert speedrun.restore_from_page(path, out, size) == 1.25
+    reused = runs.loss_run("bf16", 7, size, [], emulated=True)
+    new = runs.loss_run("bf16", 8, size, [], emulated=True)
+    assert is_complete(reused, out) and not is_complete(new, out)
+    got = speedrun.loss_results([reused], out, size)[reused.name]
+    assert [list(v) for v in got["validations"]] == curve and got["codec"] == "bf16"
+    path.write_text(json.dumps({**page, "size": "full", "setup": runs.SIZES["full"].setup()}))
+    with pytest.raises(ReproduceError, match="run without --from-page"):
+        speedrun.restore_from_page(path, tmp_path / "other", size)

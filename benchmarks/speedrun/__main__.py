@@ -4,6 +4,8 @@
                                                           # (25-35 minutes a pair on the 2-core machine)
     python -m benchmarks.speedrun --size tiny --out /tmp/s  # the same machinery in about 2 minutes
     python -m benchmarks.speedrun --write docs/SPEEDRUN.md  # run what is missing, then write the page
+    python -m benchmarks.speedrun --from-page docs/data/speedrun.json --codecs bf16,channel_f6 --write ...
+                                                          # the page's runs reused: only channel_f6 runs
 
 What it does, in order (runs already complete under ``--out`` are not run again):
 
@@ -50,6 +52,29 @@ def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
         max_tokens = None if size.name == "full" else 40_000
         prepare("shakespeare", prefix, vocab_limit=vocab, max_tokens=max_tokens)
     return prefix, vocab
+
+
+def restore_from_page(page: Path, out: Path, size: runs.Size) -> float:
+    """The loss runs a written page already holds, made complete runs under ``out`` again (each curve of its
+    JSON as a log of validation records, its meta marked ``from_page``), so that only new runs run; returns
+    the page's measured compute seconds per step (no new compute run: every codec's s/step stays comparable).
+    Refused when the page was made at another size or setup."""
+    data = json.loads(Path(page).read_text())
+    setup = size.setup()
+    if data.get("size") != size.name or data.get("setup") != setup:
+        raise ReproduceError(f"{page}: made at size {data.get('size')} with {data.get('setup')}, not {size.name} "
+                             f"with {setup}; run without --from-page")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, curve in data["curves"].items():
+        log, meta = out / f"{name}.jsonl", out / f"{name}.meta.json"
+        if meta.is_file():
+            continue  # a run of this machine wins
+        log.write_text("".join(json.dumps({"iteration": i, "lm_loss": None, "valid_loss": v}) + "\n"
+                               for i, v in curve["validations"]))
+        info = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
+                "emulated": name.startswith("emulated_")}
+        meta.write_text(json.dumps({"name": name, "status": 0, "from_page": str(page), "info": info}, indent=1))
+    return float(data["compute_s_per_step"])
 
 
 def scale_link(compute_step_s: float, size: runs.Size, message_nbytes: int) -> runs.Link:
@@ -134,6 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-factor", type=float, default=MAX_FACTOR,
                         help="longest schedule a codec that misses the target runs, in bf16's schedules (1: none)")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plot under docs/data/)")
+    parser.add_argument("--from-page", type=Path,
+                        help="a page's JSON (docs/data/speedrun.json): its loss runs and compute step are reused, "
+                             "only runs it lacks run")
     args = parser.parse_args(argv)
     size = runs.SIZES[args.size]
     emulated = args.loss_runs == "emulated"
@@ -150,14 +178,18 @@ def main(argv=None) -> int:
     seeds_for = lambda codec: seeds if codec in multi else seeds[:1]  # noqa: E731
     out = args.out.resolve()
     try:
+        page_compute_s = restore_from_page(args.from_page, out, size) if args.from_page else None
         prefix, vocab = prepare_data(out, size)
         data = runs.data_flags(prefix, vocab)
         base = run_losses(["bf16"], seeds_for, size, data, out, args.jobs, None, emulated=emulated)
         target = score.target_loss([r["validations"] for r in base.values()], size.iters)
-        compute = runs.timing_run("bf16", size, data, None)
-        execute_all([compute], out, jobs=1)
-        compute_step = score.steady_seconds(runs.step_seconds(read_log(out / f"{compute.name}.jsonl")), skip=2)
-        compute_s = compute_step.seconds if compute_step else _median_tail(out / f"{compute.name}.jsonl")
+        if page_compute_s is not None:
+            compute_s = page_compute_s
+        else:
+            compute = runs.timing_run("bf16", size, data, None)
+            execute_all([compute], out, jobs=1)
+            compute_step = score.steady_seconds(runs.step_seconds(read_log(out / f"{compute.name}.jsonl")), skip=2)
+            compute_s = compute_step.seconds if compute_step else _median_tail(out / f"{compute.name}.jsonl")
         link = scale_link(compute_s, size, runs.message_nbytes("bf16", size)[0])
         print(f"[speedrun] target loss {target:.3f}; compute {compute_s:.3f} s/step; emulated inbound wire "
               f"{link.rate_bps / 1e6:.4g} Mbit/s, {1e3 * link.latency_s:.2f} ms", flush=True)

@@ -75,9 +75,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
               for name, r in losses.items()}
     modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
     return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
-            "setup": {"stages": size.stages, "hidden": size.hidden, "seq": size.seq, "micro_batch": size.micro_batch,
-                      "micro_batches": size.micro_batches, "iters": size.iters, "eval_interval": size.eval_interval,
-                      "eval_iters": size.eval_iters},
+            "setup": size.setup(),
             "target": target, "compute_s_per_step": compute_s,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
             "table": rows, "curves": curves,

@@ -37,6 +37,11 @@ CODECS: dict[str, dict] = {
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},
     "channel6": {"tah_preset": "channel6"},
+    # channel's gradients with more forward precision: the forward codec carries the PP 8 penalty (docs/DEPTH.md)
+    "channel_f5": {"tah_forward_codec": "channel", "tah_forward_bits": 5, "tah_backward_codec": "channel",
+                   "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
+    "channel_f6": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_backward_codec": "channel",
+                   "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
@@ -89,6 +94,12 @@ class Size:
     timing_iters: int = 60
     lr: float = 1e-3
     stages: int = 8
+
+    def setup(self) -> dict:
+        """What a page records of this size (and ``--from-page`` checks)."""
+        return {"stages": self.stages, "hidden": self.hidden, "seq": self.seq, "micro_batch": self.micro_batch,
+                "micro_batches": self.micro_batches, "iters": self.iters, "eval_interval": self.eval_interval,
+                "eval_iters": self.eval_iters}
 
     @property
     def message_shape(self) -> tuple[int, int, int]:
