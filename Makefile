@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-fast demo speedrun depth reproduce bench real-models real-report clean
+.PHONY: setup test test-fast demo speedrun depth faults reproduce bench real-models real-report clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ demo: setup
 # Time to a target loss per codec at pipeline depth 8 (docs/SPEEDRUN.md; ARGS e.g. --codecs bf16,channel).
 speedrun: setup
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.speedrun --write docs/SPEEDRUN.md $(ARGS)
+
+# What a WAN's faults do to a run: each a real run, resumed or not, losses against an uninterrupted one (docs/RELIABILITY.md).
+faults: setup
+	$(PY) -m benchmarks.faults --write docs/RELIABILITY.md $(ARGS)
 
 # Where the codecs' loss penalty comes from, by depth, direction, boundary and codec (docs/DEPTH.md).
 depth: setup
