@@ -242,9 +242,9 @@ def test_registered_in_codecs_flags_config_and_report():
     assert [name for _, name, _ in report.STATELESS_ROWS].count("channel") == 2
 
 
-@pytest.mark.parametrize("preset, backward_bits", [("channel", 3), ("channel6", 2)])
-def test_the_channel_presets_bits_both_ways(preset, backward_bits):
-    """Per-channel 4-bit activations, per-channel stochastically rounded gradients: bits + 32 / rows per value
+@pytest.mark.parametrize("preset, forward_bits, backward_bits", [("channel", 4, 3), ("channel6", 4, 2), ("channel9", 6, 3)])
+def test_the_channel_presets_bits_both_ways(preset, forward_bits, backward_bits):
+    """Per-channel activations, per-channel stochastically rounded gradients: bits + 32 / rows per value
     (a bf16 scale and zero per channel) plus the 16-byte header, exactly."""
     from megatron_tah.config import TahConfig
 
@@ -254,8 +254,9 @@ def test_the_channel_presets_bits_both_ways(preset, backward_bits):
     for shape in ((1024, 8, 1024), (64, 1, 128)):
         rows, hidden = shape[0] * shape[1], shape[2]
         values = rows * hidden
-        for codec, bits in ((fwd, 4), (bwd, backward_bits)):
+        for codec, bits in ((fwd, forward_bits), (bwd, backward_bits)):
             nbytes = codec.wire_nbytes(shape, torch.bfloat16)
             assert nbytes == 16 + 4 * hidden + values * bits // 8
     big = 8 * sum(c.wire_nbytes((1024, 8, 1024), torch.bfloat16) for c in (fwd, bwd)) / (1024 * 8 * 1024)
-    assert big == pytest.approx(4 + backward_bits, abs=0.01)
+    assert big == pytest.approx(forward_bits + backward_bits, abs=0.01)
+    assert bwd.stochastic_rounding and not fwd.stochastic_rounding

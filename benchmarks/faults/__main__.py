@@ -44,6 +44,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2"
         "--eval-interval", "1000", "--log-interval", "1", "--tah-stochastic-rounding"]
 ERROR = re.compile(r"(PeerTimeoutError|PeerLostError|PayloadChecksumError|LinkError)\b:? ?(.*)")
 WHERE = re.compile(r"(link stage \d+ -> stage \d+, iteration \d+|world rank \d+, iteration \d+)")
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*: (\d+).*?exitcode\s*: (-?\d+)"
+                        r"(?: \(pid: \d+\))?\s*(\(SIG\w+\))?", re.S)  # torchrun's summary: a worker died first
 BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
 
 
@@ -100,7 +102,6 @@ def stage_pid(out: Path, rank: int) -> int | None:
 
 def run_scenario(s: Scenario, out: Path, data_prefix: str, port: int, deadline_s: float = DEADLINE_S) -> dict:
     """Run ``s`` into ``out`` (emptied first); the raw facts: wall seconds, exit status, output, records."""
-    from megatron_tah.megatron.logging import read_records
     from megatron_tah.restart import TRACKER
 
     shutil.rmtree(out, ignore_errors=True)
@@ -145,9 +146,18 @@ def run_scenario(s: Scenario, out: Path, data_prefix: str, port: int, deadline_s
     wall = time.monotonic() - start
     if s.fault and (out / "fault.done").exists():
         injected = (None, None)
+    (out / "facts.json").write_text(json.dumps({"wall_s": wall, "status": proc.returncode, "hang": hang,
+                                                "injected": injected is not None}))
+    return read_facts(out)
+
+
+def read_facts(out: Path) -> dict:
+    """A finished scenario's facts from its directory (``--rejudge`` reads them without running again)."""
+    from megatron_tah.megatron.logging import read_records
+
+    facts = json.loads((out / "facts.json").read_text())
     records = read_records(out / "log.jsonl") if (out / "log.jsonl").exists() else []
-    return {"wall_s": wall, "status": proc.returncode, "hang": hang, "injected": injected is not None,
-            "output": output_path.read_text(errors="replace"), "records": records}
+    return {**facts, "output": (out.parent / f"{out.name}.out").read_text(errors="replace"), "records": records}
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -176,6 +186,10 @@ def judge(name: str, facts: dict, reference: dict | None) -> dict:
     errors = list(ERROR.finditer(output))  # the first that names its link, else the first
     error = next((m for m in errors if WHERE.search(m.group(2))), errors[0] if errors else None)
     where = WHERE.search(error.group(2)) if error else None
+    error_name, where_text = (error.group(1) if error else None), (where.group(1) if where else None)
+    if error is None and (root := ROOT_CAUSE.search(output)):  # killed: torchrun stopped the job first
+        error_name = "torchrun: a worker died"
+        where_text = f"rank {root.group(1)}, exit code {root.group(2)}" + (f" {root.group(3)}" if root.group(3) else "")
     losses = [r.get("lm_loss") for r in facts["records"]]
     iterations = [r["iteration"] for r in facts["records"]]
     complete = iterations == list(range(1, ITERS + 1))
@@ -190,15 +204,27 @@ def judge(name: str, facts: dict, reference: dict | None) -> dict:
     equal = None
     if reference is not None and complete:
         equal = losses == [r.get("lm_loss") for r in reference["records"]]
-    lost = facts["wall_s"] - reference["wall_s"] if reference is not None else 0.0
-    named = bool(where) if attempts > 1 else True
+    lost = time_lost(facts, reference, output)
+    named = bool(where_text) if attempts > 1 else True
     ok = outcome in ("continued", "stopped, resumed by the script") and complete and equal is not False and named
     step_ms = statistics.median(ms) if (ms := [r["ms"] for r in facts["records"][2:] if r.get("ms")]) else None
     return {"scenario": name, "injected": facts["injected"], "outcome": outcome, "attempts": attempts,
-            "error": error.group(1) if error else None, "where": where.group(1) if where else None,
+            "error": error_name, "where": where_text,
             "message": (error.group(0)[:240] if error else None), "status": facts["status"],
             "wall_s": round(facts["wall_s"], 1), "time_lost_s": round(lost, 1), "iterations": len(iterations),
             "losses_equal": equal, "step_ms": step_ms, "ok": ok}
+
+
+def time_lost(facts: dict, reference: dict | None, output: str) -> float:
+    """Seconds the fault cost: the restart loop's own account when the run restarted (work redone, the
+    wait, the new attempt's start-up), else the iterations' summed time over the reference's (start-up,
+    which a loaded machine makes vary by tens of seconds, left out)."""
+    if m := re.search(r"time lost to failures: ([0-9.]+) s", output):
+        return float(m.group(1))
+    if reference is None:
+        return 0.0
+    total = lambda records: sum(r.get("ms") or 0.0 for r in records) / 1e3  # noqa: E731
+    return total(facts["records"]) - total(reference["records"])
 
 
 # ----- the page -----------------------------------------------------------------------------------------
@@ -229,8 +255,9 @@ def write_page(result: dict, page: Path) -> None:
         f"Measured by `python -m benchmarks.faults --write {page.as_posix()}` ({result['date']}, {result['cpu']}, "
         f"{result['cores']} cores): `scripts/pretrain_gpt.sh 2` on a tiny model, {ITERS} iterations, a checkpoint "
         f"every {SAVE_INTERVAL}, `--tah-peer-timeout-s {BOUND_S:g}`, `RESTARTS=2`; the fault once the run is past "
-        f"its first checkpoint (in-process faults at iteration {FAULT_ITERATION}). Time lost: wall time against "
-        f"the uninterrupted run (start-up of a restarted attempt included).",
+        f"its first checkpoint (in-process faults at iteration {FAULT_ITERATION}). Time lost: the restart loop's "
+        f"own account when the run restarted (work redone since the checkpoint, the wait, the new attempt's "
+        f"start-up), else the iterations' time over the uninterrupted run's.",
         "",
         table_markdown(result["rows"]),
         END])
@@ -248,6 +275,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/faults"))
     parser.add_argument("--write", type=Path, help="the page whose measured block is replaced (docs/RELIABILITY.md)")
     parser.add_argument("--port", type=int, default=29700)
+    parser.add_argument("--rejudge", action="store_true", help="judge the runs already under --out, run nothing")
     args = parser.parse_args(argv)
     names = [n for n in (args.only or ",".join(s.name for s in SCENARIOS)).split(",") if n]
     chosen = [scenario("reference")] + [scenario(n) for n in names if n != "reference"]
@@ -256,12 +284,13 @@ def main(argv=None) -> int:
 
     out = args.out.resolve()
     prefix = out / "data" / "shk"
-    if not Path(f"{prefix}_valid_text_document.idx").is_file():
+    if not args.rejudge and not Path(f"{prefix}_valid_text_document.idx").is_file():
         prepare("shakespeare", prefix, max_docs=6, max_tokens=20_000)
     rows, reference = [], None
     for i, s in enumerate(chosen):
         print(f"[faults {time.strftime('%H:%M:%S')}] {s.name}: {s.what}", flush=True)
-        facts = run_scenario(s, out / s.name, str(prefix), args.port + 10 * i)
+        facts = read_facts(out / s.name) if args.rejudge else run_scenario(s, out / s.name, str(prefix),
+                                                                            args.port + 10 * i)
         if s.name == "reference":
             reference = facts
         row = judge(s.name, facts, reference)

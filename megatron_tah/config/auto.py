@@ -63,7 +63,7 @@ def _is_int(value) -> bool:
 class AutoSettings:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     """Codecs auto chooses among: none, fp8, fixedpoint4 or a preset's codec for the direction (paper, hadint4,
-    lowrank, lowrank8, channel, channel6); a comma-separated string is split."""
+    lowrank, lowrank8, channel, channel6, channel9); a comma-separated string is split."""
 
     max_error: float | None = None
     """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error."""

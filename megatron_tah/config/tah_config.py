@@ -83,7 +83,7 @@ class TahConfig:
     --tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""
 
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
-    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages) or channel6 (the same with 2-bit gradients, 6.01 bits). A flag set to neither its default nor the preset's value is an error."""
+    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) or channel9 (channel with 6-bit activations, 9.01 bits: about bf16's steps at depth 8). A flag set to neither its default nor the preset's value is an error."""
 
     tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": (*FORWARD_CODECS, AUTO)})
     """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed; auto: chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
@@ -162,7 +162,7 @@ class TahConfig:
     """Append one JSON record per iteration and per evaluation (loss, time, bytes on the wire, codec time) to this file."""
 
     tah_auto_candidates: str = ",".join(AUTO_DEFAULTS.candidates)
-    """Codecs a direction set to auto chooses among (comma list): none, fp8, fixedpoint4 (direct 4-bit activations, the paper's 6-bit gradients) or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8, channel, channel6). Links start with none (else paper, else the first) until the link is measured."""
+    """Codecs a direction set to auto chooses among (comma list): none, fp8, fixedpoint4 (direct 4-bit activations, the paper's 6-bit gradients) or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8, channel, channel6, channel9). Links start with none (else paper, else the first) until the link is measured."""
 
     tah_auto_max_error: float | None = AUTO_DEFAULTS.max_error
     """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, so auto never sends less accurately than the default)."""
