@@ -112,7 +112,8 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
     path = tmp_path / "page.json"
     path.write_text(json.dumps(page))
     out = tmp_path / "out"
-    assert speedrun.restore_from_page(path, out, size) == 1.25
+    compute, reused = speedrun.restore_from_page(path, out, size)
+    assert compute == 1.25 and reused["runs"] == [runs.loss_run_name("bf16", 7, size.iters, size, True)]
     reused = runs.loss_run("bf16", 7, size, [], emulated=True)
     new = runs.loss_run("bf16", 8, size, [], emulated=True)
     assert is_complete(reused, out) and not is_complete(new, out)

@@ -239,7 +239,8 @@ def table_markdown(rows: list[dict]) -> str:
         else:
             losses = {True: "equal, bit for bit", False: "**differ**", None: "n/a"}[r["losses_equal"]]
             lost = f"{r['time_lost_s']:+.0f} s"
-        outcome = r["outcome"] + ("" if r["injected"] or r["scenario"] == "reference" else " (fault not injected)")
+        s = scenario(r["scenario"])
+        outcome = r["outcome"] + ("" if r["injected"] or not (s.signal or s.fault) else " (fault not injected)")
         step = f"{r['step_ms']:.0f} ms" if r.get("step_ms") else "-"
         lines.append(f"| {r['scenario']} | {what} | {outcome} | {err} | {lost} | {losses} | {step} |")
     return "\n".join(lines)
@@ -257,7 +258,8 @@ def write_page(result: dict, page: Path) -> None:
         f"every {SAVE_INTERVAL}, `--tah-peer-timeout-s {BOUND_S:g}`, `RESTARTS=2`; the fault once the run is past "
         f"its first checkpoint (in-process faults at iteration {FAULT_ITERATION}). Time lost: the restart loop's "
         f"own account when the run restarted (work redone since the checkpoint, the wait, the new attempt's "
-        f"start-up), else the iterations' time over the uninterrupted run's.",
+        f"start-up), else the iterations' time over the uninterrupted run's; on a machine shared with other "
+        f"jobs both carry its load's noise (the median step column shows how much).",
         "",
         table_markdown(result["rows"]),
         END])

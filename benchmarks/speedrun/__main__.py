@@ -54,10 +54,11 @@ def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
     return prefix, vocab
 
 
-def restore_from_page(page: Path, out: Path, size: runs.Size) -> float:
+def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, dict]:
     """The loss runs a written page already holds, made complete runs under ``out`` again (each curve of its
     JSON as a log of validation records, its meta marked ``from_page``), so that only new runs run; returns
-    the page's measured compute seconds per step (no new compute run: every codec's s/step stays comparable).
+    the page's measured compute seconds per step (no new compute run: every codec's s/step stays comparable)
+    and where they came from (the page, the date and machine of their measurement, the runs restored).
     Refused when the page was made at another size or setup."""
     data = json.loads(Path(page).read_text())
     setup = size.setup()
@@ -65,6 +66,7 @@ def restore_from_page(page: Path, out: Path, size: runs.Size) -> float:
         raise ReproduceError(f"{page}: made at size {data.get('size')} with {data.get('setup')}, not {size.name} "
                              f"with {setup}; run without --from-page")
     out.mkdir(parents=True, exist_ok=True)
+    restored = []
     for name, curve in data["curves"].items():
         log, meta = out / f"{name}.jsonl", out / f"{name}.meta.json"
         if meta.is_file():
@@ -74,7 +76,11 @@ def restore_from_page(page: Path, out: Path, size: runs.Size) -> float:
         info = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
                 "emulated": name.startswith("emulated_")}
         meta.write_text(json.dumps({"name": name, "status": 0, "from_page": str(page), "info": info}, indent=1))
-    return float(data["compute_s_per_step"])
+        restored.append(name)
+    earlier = data.get("reused", {})  # a page that reused an older one: the measurements' own date and machine
+    provenance = {"page": Path(page).as_posix(), "date": earlier.get("date", data.get("date")),
+                  "cpu": earlier.get("cpu", data.get("host", {}).get("cpu")), "runs": restored}
+    return float(data["compute_s_per_step"]), provenance
 
 
 def scale_link(compute_step_s: float, size: runs.Size, message_nbytes: int) -> runs.Link:
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
     seeds_for = lambda codec: seeds if codec in multi else seeds[:1]  # noqa: E731
     out = args.out.resolve()
     try:
-        page_compute_s = restore_from_page(args.from_page, out, size) if args.from_page else None
+        page_compute_s, reused = restore_from_page(args.from_page, out, size) if args.from_page else (None, None)
         prefix, vocab = prepare_data(out, size)
         data = runs.data_flags(prefix, vocab)
         base = run_losses(["bf16"], seeds_for, size, data, out, args.jobs, None, emulated=emulated)
@@ -210,6 +216,8 @@ def main(argv=None) -> int:
 
     result = build(size, target, compute_s, link, losses, steady, host_info(),
                    modes={"loss_runs": args.loss_runs, "timing": args.timing, "max_factor": args.max_factor})
+    if reused:
+        result["reused"] = reused
     print(json.dumps(result["table"], indent=1))
     if args.write:
         write_page(result, args.write)

@@ -144,6 +144,14 @@ def _multiplier_text(row: dict) -> str:
     return f"{row['multiplier']:.2f}x [{row['multiplier_low']:.2f}, {row['multiplier_high']:.2f}]"
 
 
+def _reused_text(reused: dict | None) -> str:
+    if not reused:
+        return ""
+    names = ", ".join(f"`{n}`" for n in reused["runs"]) or "none"
+    return (f", except what it reused with `--from-page {reused['page']}`: the compute step and the loss runs "
+            f"{names}, measured on {reused['date']} ({reused['cpu']})")
+
+
 def table_markdown(result: dict) -> str:
     rows = ["| codec | fwd bits | bwd bits | bytes/token | steps to target | steps vs bf16 | s/step | T (s) | T vs bf16 |",
             "|---|---:|---:|---:|---|---|---:|---:|---:|"]
@@ -227,6 +235,7 @@ def write_page(result: dict, page: Path) -> None:
         seeds=", ".join(sorted({str(s) for r in result["table"] for s in r["seeds"]})),
         not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}) or "none",
         headline=headline, date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
+        reused=_reused_text(result.get("reused")),
         target=f"{result['target']:.3f}", compute=f"{result['compute_s_per_step']:.3f}",
         rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",
         iters=setup["iters"], eval_interval=setup["eval_interval"], eval_iters=setup["eval_iters"],
