@@ -122,3 +122,20 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
     path.write_text(json.dumps({**page, "size": "full", "setup": runs.SIZES["full"].setup()}))
     with pytest.raises(ReproduceError, match="run without --from-page"):
         speedrun.restore_from_page(path, tmp_path / "other", size)
+
+
+def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch):
+    """``--longer``: a codec that missed the target runs a longer schedule only when named; the others keep
+    their one schedule (the page shows their lower bound)."""
+    size = runs.SIZES["tiny"]
+    started = []
+    monkeypatch.setattr(speedrun, "execute_all", lambda todo, *a, **k: started.extend(r.name for r in todo))
+    curve = [(i, 6.0 - i / 1000) for i in range(size.eval_interval, 4 * size.iters + 1, size.eval_interval)]
+    monkeypatch.setattr(speedrun, "loss_results", lambda todo, out, size_: {
+        r.name: {**r.info, "validations": [v for v in curve if v[0] <= r.info["iters"]], "bytes": (0, 0)}
+        for r in todo})
+    base = {runs.loss_run_name("bf16", 1, size.iters, size, True): {"validations": [(size.iters, 5.0)]}}
+    speedrun.run_losses(["channel", "channel9"], lambda c: [1], size, [], None, 1, None, target=5.0, base=base,
+                        emulated=True, max_factor=2, longer_for={"channel9"})
+    longer = [n for n in started if n.count("_") == 3]  # emulated_<codec>_s<seed>_<iters>
+    assert longer and all(n.startswith("emulated_channel9_s1_") for n in longer), started

@@ -4,8 +4,8 @@
                                                           # (25-35 minutes a pair on the 2-core machine)
     python -m benchmarks.speedrun --size tiny --out /tmp/s  # the same machinery in about 2 minutes
     python -m benchmarks.speedrun --write docs/SPEEDRUN.md  # run what is missing, then write the page
-    python -m benchmarks.speedrun --from-page docs/data/speedrun.json --codecs bf16,channel_f6 --write ...
-                                                          # the page's runs reused: only channel_f6 runs
+    python -m benchmarks.speedrun --from-page docs/data/speedrun.json --codecs bf16,channel9 --write ...
+                                                          # the page's runs reused: only channel9 runs
 
 What it does, in order (runs already complete under ``--out`` are not run again):
 
@@ -41,7 +41,7 @@ LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50
 MAX_FACTOR = 4.0  # the longest schedule a codec that misses the target runs, in schedules of bf16
 DEFAULT_SEEDS = (1234, 1235, 1236)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # loss runs side by side: torch's default threads each contend for the cores
-DEFAULT_CODECS = ("bf16", "paper", "channel", "channel6", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
+DEFAULT_CODECS = ("bf16", "paper", "channel", "channel6", "channel9", "channel_f5", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
 
 
 def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
@@ -122,15 +122,16 @@ def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: 
 
 
 def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None, emulated=False,
-               max_factor=MAX_FACTOR) -> dict:
+               max_factor=MAX_FACTOR, longer_for=None) -> dict:
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
     (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed,
-    never beyond ``max_factor`` schedules (1: no longer schedules)."""
+    never beyond ``max_factor`` schedules (1: no longer schedules); only codecs in ``longer_for`` (None: all)."""
     todo = [runs.loss_run(c, s, size, data, link=link, emulated=emulated) for c in codecs for s in seeds_for(c)]
     execute_all(todo, out, jobs=jobs, env=ONE_THREAD)
     results = loss_results(todo, out, size)
     missed = lambda run: score.steps_to_target(results[run.name]["validations"], target) is None  # noqa: E731
-    pending = [r for r in todo if target is not None and missed(r)]
+    pending = [r for r in todo if target is not None and missed(r)
+               and (longer_for is None or r.info["codec"] in longer_for)]
     for attempt in range(2):
         if not pending:
             break
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/speedrun"))
     parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma list of " + ", ".join(runs.CODECS))
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="seeds of bf16 and --multi-seed codecs")
-    parser.add_argument("--multi-seed", default="paper,channel", help="codecs besides bf16 run with every seed (comma list)")
+    parser.add_argument("--multi-seed", default="paper,channel,channel9", help="codecs besides bf16 run with every seed (comma list)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each is 8 processes)")
     parser.add_argument("--loss-runs", choices=("emulated", "pipeline"), default="emulated",
                         help="emulated: one process per run, the boundaries' codecs emulated (benchmarks/depth); "
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
                              "exact message bytes; measured: a timing run per codec behind the emulated wire")
     parser.add_argument("--max-factor", type=float, default=MAX_FACTOR,
                         help="longest schedule a codec that misses the target runs, in bf16's schedules (1: none)")
+    parser.add_argument("--longer", help="codecs that run longer schedules when they miss (comma list; default: all)")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plot under docs/data/)")
     parser.add_argument("--from-page", type=Path,
                         help="a page's JSON (docs/data/speedrun.json): its loss runs and compute step are reused, "
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
         print(f"[speedrun] target loss {target:.3f}; compute {compute_s:.3f} s/step; emulated inbound wire "
               f"{link.rate_bps / 1e6:.4g} Mbit/s, {1e3 * link.latency_s:.2f} ms", flush=True)
         losses = {**base, **run_losses([c for c in codecs if c != "bf16"], seeds_for, size, data, out, args.jobs,
-                                       link, target, base, emulated=emulated, max_factor=args.max_factor)}
+                                       link, target, base, emulated=emulated, max_factor=args.max_factor,
+                                       longer_for=set(args.longer.split(",")) if args.longer else None)}
         steady = simulated_steps(codecs, size, compute_s, link) if args.timing == "simulated" else {}
         timings = [runs.timing_run(c, size, data, link) for c in codecs if c not in steady]
         execute_all(timings, out, jobs=1)  # one at a time: they measure time
@@ -215,7 +218,8 @@ def main(argv=None) -> int:
     from .report import build, write_page
 
     result = build(size, target, compute_s, link, losses, steady, host_info(),
-                   modes={"loss_runs": args.loss_runs, "timing": args.timing, "max_factor": args.max_factor})
+                   modes={"loss_runs": args.loss_runs, "timing": args.timing, "max_factor": args.max_factor,
+                          **({"longer": args.longer.split(",")} if args.longer else {})})
     if reused:
         result["reused"] = reused
     print(json.dumps(result["table"], indent=1))

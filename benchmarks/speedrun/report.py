@@ -232,6 +232,8 @@ def write_page(result: dict, page: Path) -> None:
     page.write_text(template.format(
         loss_runs=LOSS_RUNS_TEXT[modes["loss_runs"]], timing=TIMING_TEXT[modes["timing"]],
         max_factor=f"{modes.get('max_factor', 4.0):g}",
+        longer=(f", for {', '.join(f'`{c}`' for c in modes['longer'])} only: the others that missed show a lower "
+                f"bound" if modes.get("longer") else ""),
         seeds=", ".join(sorted({str(s) for r in result["table"] for s in r["seeds"]})),
         not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}) or "none",
         headline=headline, date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],

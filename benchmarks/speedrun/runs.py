@@ -37,10 +37,9 @@ CODECS: dict[str, dict] = {
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},
     "channel6": {"tah_preset": "channel6"},
-    # channel's gradients with more forward precision: the forward codec carries the PP 8 penalty (docs/DEPTH.md)
+    "channel9": {"tah_preset": "channel9"},
+    # between channel and channel9: 5-bit activations (the forward codec carries the PP 8 penalty, docs/DEPTH.md)
     "channel_f5": {"tah_forward_codec": "channel", "tah_forward_bits": 5, "tah_backward_codec": "channel",
-                   "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
-    "channel_f6": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_backward_codec": "channel",
                    "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
