@@ -125,8 +125,8 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
 
 
 def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch):
-    """``--longer``: a codec that missed the target runs a longer schedule only when named; the others keep
-    their one schedule (the page shows their lower bound)."""
+    """``--longer``: a codec that missed the target runs a longer schedule only when named, and bf16 with it;
+    the others keep their one schedule (the page shows their lower bound)."""
     size = runs.SIZES["tiny"]
     started = []
     monkeypatch.setattr(speedrun, "execute_all", lambda todo, *a, **k: started.extend(r.name for r in todo))
@@ -138,4 +138,25 @@ def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch):
     speedrun.run_losses(["channel", "channel9"], lambda c: [1], size, [], None, 1, None, target=5.0, base=base,
                         emulated=True, max_factor=2, longer_for={"channel9"})
     longer = [n for n in started if n.count("_") == 3]  # emulated_<codec>_s<seed>_<iters>
-    assert longer and all(n.startswith("emulated_channel9_s1_") for n in longer), started
+    codec_runs = [n for n in longer if n.startswith("emulated_channel9_s1_")]
+    assert codec_runs and not any(n.startswith("emulated_channel_s1_") for n in longer), started
+    # bf16 runs every longer schedule too, same seed: steps are compared on the same schedule
+    assert {n.replace("channel9", "bf16") for n in codec_runs} <= set(longer), started
+
+
+def test_a_longer_schedule_counts_against_bf16_on_the_same_schedule():
+    """Seed 2 reached the target only on a 740-step schedule: its steps there are paired with bf16's on 740
+    steps (a longer cosine alone reaches a loss sooner), not bf16's on the base schedule."""
+    from benchmarks.speedrun import report
+
+    size = runs.SIZES["full"]
+    curve = lambda iters, hit: [(i, 5.0 if i >= hit else 6.0) for i in range(10, iters + 1, 10)]  # noqa: E731
+    losses = {f"{c}_{s}_{n}": {"codec": c, "seed": s, "iters": n, "validations": curve(n, hit), "bytes": (1, 1)}
+              for c, s, n, hit in (("bf16", 1, 500, 300), ("bf16", 2, 500, 400), ("bf16", 2, 740, 350),
+                                   ("channel9", 1, 500, 330), ("channel9", 2, 500, 10_000), ("channel9", 2, 740, 380))}
+    steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", "channel9")}
+    result = report.build(size, 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
+    row = next(r for r in result["table"] if r["codec"] == "channel9")
+    assert row["multiplier"] == pytest.approx((330 / 300 + 380 / 350) / 2)
+    assert row["bf16_schedule_by_seed"] == {"1": 500, "2": 740}
+    assert row["T_vs_bf16"] == pytest.approx(row["multiplier"])

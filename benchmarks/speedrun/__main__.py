@@ -17,8 +17,8 @@ What it does, in order (runs already complete under ``--out`` are not run again)
    makes bf16's step ``LINK_BOUND`` times its compute, both solved with the schedule simulator
    (``simulate.py``) from the measured compute and bf16's exact message bytes;
 4. runs every codec's loss runs; a codec that misses the target runs a longer schedule of the same shape
-   (``longer_schedule``: long enough for the loss it reached, at most ``MAX_FACTOR`` times), and its steps
-   count in that schedule;
+   (``longer_schedule``: long enough for the loss it reached, at most ``MAX_FACTOR`` times), and so does
+   bf16 with the same seed: the codec's steps there count against bf16's on the same schedule;
 5. times every codec behind the emulated wire (``score.steady_seconds``);
 6. scores T = steps to target x steady s/step, with intervals over seeds, projects the ProtocolNanoGPT
    setup with the measured steps multipliers (``projection.py``) and, with ``--write``, writes the page,
@@ -143,6 +143,9 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
             if iters > r.info["iters"] and max_factor > 1:
                 longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
                                             emulated=emulated))
+                same = runs.loss_run("bf16", r.info["seed"], size, data, iters=iters, emulated=emulated)
+                if same.name not in {x.name for x in longer}:  # bf16 on the same schedule: the fair comparison
+                    longer.append(same)
         execute_all(longer, out, jobs=jobs, env=ONE_THREAD)
         results.update(loss_results(longer, out, size))
         pending = [r for r in longer if missed(r)]

@@ -11,17 +11,23 @@ from . import projection, runs, score
 PROJECTION_NAMES = {"bf16": "none"}  # speedrun codec -> projection.CODECS name, where they differ
 
 
-def _steps_by_seed(losses: dict, codec: str, target: float) -> tuple[dict[int, int], dict[int, int]]:
-    """{seed: steps to target} (the shortest schedule that reached it) and {seed: longest schedule run}
-    of ``codec``'s loss runs."""
-    reached, longest = {}, {}
+def _steps_by_seed(losses: dict, codec: str, target: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """{seed: steps to target} (the shortest schedule that reached it), {seed: longest schedule run} and
+    {seed: the schedule that reached it} of ``codec``'s loss runs."""
+    reached, longest, reached_on = {}, {}, {}
     for run in sorted((r for r in losses.values() if r["codec"] == codec), key=lambda r: r["iters"]):
         seed = run["seed"]
         longest[seed] = run["iters"]
         steps = score.steps_to_target(run["validations"], target)
         if steps is not None and seed not in reached:
-            reached[seed] = steps
-    return reached, longest
+            reached[seed], reached_on[seed] = steps, run["iters"]
+    return reached, longest, reached_on
+
+
+def _bf16_on(losses: dict, target: float, seed: int, iters: int) -> int | None:
+    """bf16's steps to target with ``seed`` on the schedule of ``iters`` steps (None: not run there, or missed)."""
+    run = next((r for r in losses.values() if r["codec"] == "bf16" and r["seed"] == seed and r["iters"] == iters), None)
+    return score.steps_to_target(run["validations"], target) if run else None
 
 
 def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
@@ -39,11 +45,11 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
           host: dict, modes: dict | None = None) -> dict:
     """Everything the page shows: the setup, one row per codec, the curves and the projection."""
-    base_steps, _ = _steps_by_seed(losses, "bf16", target)
-    base_T = None
+    base_steps, _, _ = _steps_by_seed(losses, "bf16", target)
+    base_mean = score.mean_interval(list(base_steps.values())).mean if base_steps else None
     rows = []
     for codec in [c for c in runs.CODECS if c in steady]:
-        reached, longest = _steps_by_seed(losses, codec, target)
+        reached, longest, reached_on = _steps_by_seed(losses, codec, target)
         seeds = sorted(longest)
         row = {"codec": codec, "seeds": seeds, **_bits(losses, codec, size),
                "s_per_step": steady[codec]["seconds"], "steady": steady[codec]["steady"],
@@ -51,16 +57,20 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
                "schedule_by_seed": {str(s): longest[s] for s in seeds}}
         if len(reached) == len(seeds):
             steps = score.mean_interval([reached[s] for s in seeds])
-            ratio = score.paired_ratio(reached, base_steps)
+            # against bf16 on the same schedule where bf16 ran it (the cosine follows the schedule: a longer one
+            # alone reaches a loss in fewer steps), else on its own
+            same = {s: _bf16_on(losses, target, s, reached_on[s]) for s in seeds}
+            paired = {s: same[s] or base_steps.get(s) for s in seeds}
+            ratio = score.paired_ratio(reached, {s: v for s, v in paired.items() if v})
             row.update(steps=steps.mean, steps_low=steps.low, steps_high=steps.high,
                        multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high,
-                       T=steps.mean * row["s_per_step"])
-            if codec == "bf16":
-                base_T = row["T"]
+                       bf16_schedule_by_seed={str(s): reached_on[s] if same[s] else size.iters for s in seeds},
+                       T=ratio.mean * base_mean * row["s_per_step"] if base_mean else None)
         else:
             row.update(steps=None, multiplier=None, T=None,
                        multiplier_at_least=_missed_bound(losses, codec, reached, longest, size))
         rows.append(row)
+    base_T = next((r["T"] for r in rows if r["codec"] == "bf16"), None)
     for row in rows:
         row["T_vs_bf16"] = row["T"] / base_T if row["T"] and base_T else None
     name = lambda r: PROJECTION_NAMES.get(r["codec"], r["codec"])  # noqa: E731
@@ -131,9 +141,11 @@ def _steps_text(row: dict) -> str:
         missed = [s for s, v in row["steps_by_seed"].items() if v is None]
         bound = f"; > {row['multiplier_at_least']:.1f}x bf16's" if row.get("multiplier_at_least") else ""
         return f"missed (seed {', '.join(missed)}; schedule {max(row['schedule_by_seed'].values())}{bound})"
+    longer = sorted({v for v in row.get("bf16_schedule_by_seed", {}).values()} - {min(row["schedule_by_seed"].values())})
+    on = f"; schedule {', '.join(map(str, longer))} for some seeds" if longer else ""
     if len(row["seeds"]) == 1:
-        return f"{row['steps']:.0f} (one seed)"
-    return f"{row['steps']:.0f} [{row['steps_low']:.0f}, {row['steps_high']:.0f}]"
+        return f"{row['steps']:.0f} (one seed{on})"
+    return f"{row['steps']:.0f} [{row['steps_low']:.0f}, {row['steps_high']:.0f}]{on}"
 
 
 def _multiplier_text(row: dict) -> str:
