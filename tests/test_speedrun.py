@@ -160,3 +160,9 @@ def test_a_longer_schedule_counts_against_bf16_on_the_same_schedule():
     assert row["multiplier"] == pytest.approx((330 / 300 + 380 / 350) / 2)
     assert row["bf16_schedule_by_seed"] == {"1": 500, "2": 740}
     assert row["T_vs_bf16"] == pytest.approx(row["multiplier"])
+
+
+def test_seeds_per_codec():
+    seeds_for = speedrun.seeds_by_codec([1, 2, 3], "channel9,channel=1+2")
+    assert seeds_for("bf16") == [1, 2, 3] and seeds_for("channel9") == [1, 2, 3]
+    assert seeds_for("channel") == [1, 2] and seeds_for("paper") == [1]

@@ -44,6 +44,15 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # loss runs side by side: torch's default
 DEFAULT_CODECS = ("bf16", "paper", "channel", "channel6", "channel9", "channel_f5", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
 
 
+def seeds_by_codec(seeds: list[int], multi_seed: str):
+    """codec -> its seeds: bf16 and the ``--multi-seed`` codecs every seed (``CODEC=S1+S2``: those), others the first."""
+    multi = {"bf16": list(seeds)}
+    for item in filter(None, multi_seed.split(",")):
+        name, _, named = item.partition("=")
+        multi[name] = [int(x) for x in named.split("+")] if named else list(seeds)
+    return lambda codec: multi.get(codec, list(seeds[:1]))
+
+
 def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
     from megatron_tah.data import prepare
 
@@ -158,7 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/speedrun"))
     parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma list of " + ", ".join(runs.CODECS))
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="seeds of bf16 and --multi-seed codecs")
-    parser.add_argument("--multi-seed", default="paper,channel,channel9", help="codecs besides bf16 run with every seed (comma list)")
+    parser.add_argument("--multi-seed", default="paper,channel,channel9",
+                        help="codecs besides bf16 run with every seed (comma list); CODEC=S1+S2 names its seeds")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each is 8 processes)")
     parser.add_argument("--loss-runs", choices=("emulated", "pipeline"), default="emulated",
                         help="emulated: one process per run, the boundaries' codecs emulated (benchmarks/depth); "
@@ -185,8 +195,7 @@ def main(argv=None) -> int:
         parser.error(f"--codecs {','.join(measured_only)}: chooses its codecs from the links it measures; "
                      f"it needs --loss-runs pipeline --timing measured")
     seeds = [int(s) for s in args.seeds.split(",")]
-    multi = {"bf16", *args.multi_seed.split(",")}
-    seeds_for = lambda codec: seeds if codec in multi else seeds[:1]  # noqa: E731
+    seeds_for = seeds_by_codec(seeds, args.multi_seed)
     out = args.out.resolve()
     try:
         page_compute_s, reused = restore_from_page(args.from_page, out, size) if args.from_page else (None, None)
