@@ -79,6 +79,8 @@ def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, di
     for name, curve in data["curves"].items():
         log, meta = out / f"{name}.jsonl", out / f"{name}.meta.json"
         if meta.is_file():
+            if json.loads(meta.read_text()).get("from_page"):
+                restored.append(name)  # restored by an earlier call
             continue  # a run of this machine wins
         log.write_text("".join(json.dumps({"iteration": i, "lm_loss": None, "valid_loss": v}) + "\n"
                                for i, v in curve["validations"]))
@@ -130,6 +132,20 @@ def longer_schedule(codec_run: dict, base_run: dict, iters: int, eval_interval: 
     return math.ceil(iters * factor / eval_interval) * eval_interval
 
 
+def already_run(out: Path, name: str, bf16_name: str, iters: int, most: int) -> int | None:
+    """The shortest longer schedule (over ``iters``, at most ``most`` steps) that run ``name`` and its bf16 twin
+    ``bf16_name`` already ran to completion under ``out`` (``<name>_<steps>``, an earlier call's choice): used,
+    not run again."""
+    done = []
+    for meta in Path(out).glob(f"{name}_*.meta.json"):
+        suffix = meta.name[len(name) + 1:-len(".meta.json")]
+        twin = Path(out) / f"{bf16_name}_{suffix}.meta.json"
+        if suffix.isdigit() and iters < int(suffix) <= most and twin.is_file() \
+                and all(json.loads(m.read_text()).get("status") == 0 for m in (meta, twin)):
+            done.append(int(suffix))
+    return min(done) if done else None
+
+
 def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base=None, emulated=False,
                max_factor=MAX_FACTOR, longer_for=None) -> dict:
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
@@ -149,6 +165,8 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
             bf16 = base[runs.loss_run_name("bf16", r.info["seed"], size.iters, size, emulated)]
             iters = longer_schedule(results[r.name], bf16, size.iters, size.eval_interval, max_factor) if attempt == 0 \
                 else min(int(max_factor * size.iters), int(round(1.5 * r.info["iters"] / size.eval_interval)) * size.eval_interval)
+            iters = already_run(out, r.name, runs.loss_run_name("bf16", r.info["seed"], size.iters, size, emulated),
+                                r.info["iters"], int(max_factor * size.iters)) or iters
             if iters > r.info["iters"] and max_factor > 1:
                 longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
                                             emulated=emulated))

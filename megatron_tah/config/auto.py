@@ -33,7 +33,7 @@ FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the defau
 
 STEPS_MULTIPLIER: dict[int, dict[str, float]] = {
     4: {"paper": 1.43},
-    8: {"paper": 2.63, "channel": 1.32, "channel6": 1.79},
+    8: {"paper": 2.63, "channel": 1.32, "channel6": 1.79, "channel9": 1.077},
 }
 """Measured steps to a loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``, both
 directions compressed: depth 4 from the depth study (docs/DEPTH.md: a lower bound, the final loss against the

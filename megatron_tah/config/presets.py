@@ -33,7 +33,7 @@ PRESETS = {
     "channel6": {"tah_forward_codec": "channel", "tah_forward_bits": 4,
                  "tah_backward_codec": "channel", "tah_backward_bits": 2, "tah_backward_stochastic_rounding": True},
     # The same with 6-bit activations: 9.01 bits both ways at [1024, 8, 1024]. At depth 8 the forward codec
-    # carries the steps penalty (docs/DEPTH.md); two more forward bits bring channel's steps to about bf16's.
+    # carries the steps penalty (docs/DEPTH.md); two more forward bits: 1.08x bf16's steps (docs/SPEEDRUN.md).
     "channel9": {"tah_forward_codec": "channel", "tah_forward_bits": 6,
                  "tah_backward_codec": "channel", "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
 }
