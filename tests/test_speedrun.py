@@ -124,7 +124,7 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
         speedrun.restore_from_page(path, tmp_path / "other", size)
 
 
-def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch):
+def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch, tmp_path):
     """``--longer``: a codec that missed the target runs a longer schedule only when named, and bf16 with it;
     the others keep their one schedule (the page shows their lower bound)."""
     size = runs.SIZES["tiny"]
@@ -135,7 +135,7 @@ def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch):
         r.name: {**r.info, "validations": [v for v in curve if v[0] <= r.info["iters"]], "bytes": (0, 0)}
         for r in todo})
     base = {runs.loss_run_name("bf16", 1, size.iters, size, True): {"validations": [(size.iters, 5.0)]}}
-    speedrun.run_losses(["channel", "channel9"], lambda c: [1], size, [], None, 1, None, target=5.0, base=base,
+    speedrun.run_losses(["channel", "channel9"], lambda c: [1], size, [], tmp_path, 1, None, target=5.0, base=base,
                         emulated=True, max_factor=2, longer_for={"channel9"})
     longer = [n for n in started if n.count("_") == 3]  # emulated_<codec>_s<seed>_<iters>
     codec_runs = [n for n in longer if n.startswith("emulated_channel9_s1_")]
