@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.faults.__main__ import stage_pid
 from megatron_tah import restart
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,18 +124,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2"
         "--eval-interval", "1000", "--log-interval", "1", "--tah-stochastic-rounding"]
 
 
-def _stage_pid(out: Path, rank: int) -> int | None:
-    """The training process of pipeline rank ``rank`` of the run writing to ``out``."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (b"megatron_tah.pretrain_gpt" in cmdline and b"torch.distributed.run" not in cmdline
-                and any(str(out).encode() in arg for arg in cmdline) and f"RANK={rank}".encode() in environ):
-            return int(pid)
-    return None
+_stage_pid = stage_pid  # the fault harness's: the training process of a pipeline rank of a run
 
 
 def _script(corpus: str, out: Path, port: int, **env) -> tuple[subprocess.Popen, Path]:
