@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from ..reproduce.runner import ReproduceError, execute_all, host_info, read_log
-from . import projection, runs, score, simulate
+from . import runs, score, simulate
 
 LINK_BOUND = 8.0  # bf16's step behind the emulated wire / its compute step (the issue asks >= 5)
 LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50 ms of 100.475 s at the reference
