@@ -152,6 +152,8 @@ def train_flags(args, name: str, prefix: str, out: Path, link: str) -> list[str]
         flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if link == "emulate" and args.rate != UNLIMITED:
         flags += ["--tah-emulate-bandwidth", args.rate]
+    if args.rate != UNLIMITED and name != COMPUTE_RUN:  # a slow link: payload checksums on, as the scripts have them
+        flags += ["--tah-wire-checksum"]
     return flags
 
 

@@ -22,6 +22,9 @@
 #   CODEC, BWD_CODEC   forward codec (tah | none | fixedpoint | fp8 | aqsgd; default tah) and backward
 #                      codec (fixedpoint | none | tah | fp8; default fixedpoint, 6-bit as in the paper)
 #   RATE         slow link between stages, e.g. 100mbit, 1gbit (default: none, the real network)
+#   CHECKSUM     1: a checksum on every pipeline message's payload, checked on receipt (--tah-wire-checksum; a
+#                corrupted message stops the run naming the link, and the restart loop resumes it); default 1
+#                with RATE (on a slow link it costs under 0.05% of a step: docs/RELIABILITY.md), else 0
 #   LINK         how to make RATE: auto (default: network namespaces + tc when root on CPU; else the
 #                in-process emulation, --tah-emulate-bandwidth), netns, emulate
 #   EMBEDDINGS   word embedding and output layer: untied (default when RATE is set:
@@ -61,6 +64,7 @@ BWD_CODEC="${BWD_CODEC:-fixedpoint}"
 RATE="${RATE:-}"
 LINK="${LINK:-auto}"
 if [[ -n "$RATE" ]]; then EMBEDDINGS="${EMBEDDINGS:-untied}"; else EMBEDDINGS="${EMBEDDINGS:-tied}"; fi
+if [[ -n "$RATE" ]]; then CHECKSUM="${CHECKSUM:-1}"; else CHECKSUM="${CHECKSUM:-0}"; fi
 CORPUS="${CORPUS:-shakespeare}"
 DATA_PREFIX="${DATA_PREFIX:-data/$CORPUS}"
 OUT="${OUT:-runs/${TASK}_pp${PP}}"
@@ -105,6 +109,11 @@ fi
 data_args=(--train-data-path "${DATA_PREFIX}_train_text_document" --valid-data-path "${DATA_PREFIX}_valid_text_document"
            --tokenizer-type NullTokenizer --vocab-size 50257)
 tah_args=(--tah-forward-codec "$CODEC" --tah-backward-codec "$BWD_CODEC" --tah-log-json "$OUT/log.jsonl")
+case "$CHECKSUM" in
+    1) tah_args+=(--tah-wire-checksum) ;;
+    0) ;;
+    *) echo "pretrain_gpt: error: CHECKSUM=$CHECKSUM: choose 1 or 0" >&2; exit 2 ;;
+esac
 case "$EMBEDDINGS" in
     tied) ;;
     untied) tah_args+=(--untie-embeddings-and-output-weights) ;;

@@ -44,14 +44,15 @@ def break_even(a: CandidateCost, b: CandidateCost) -> float:
 def test_settings_defaults_and_validation():
     settings = AutoSettings()
     assert settings.candidates == DEFAULT_CANDIDATES == ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")
-    assert (settings.max_error, settings.interval, settings.gain, settings.patience, settings.overlap,
-            settings.probation) == (None, 50, 0.05, 2, 0.0, 2)
+    assert (settings.max_error, settings.interval, settings.gain, settings.patience, settings.jump, settings.overlap,
+            settings.probation) == (None, 50, 0.05, 2, 0.5, 0.0, 2)
     assert AutoSettings(candidates="none, fp8,paper").candidates == ("none", "fp8", "paper")
     for bad, match in [({"candidates": ()}, "empty"), ({"candidates": ("none", "zip")}, "zip"),
                        ({"candidates": ("none", "none", "paper")}, "twice"),
                        ({"candidates": ("none", "fp8")}, "paper"), ({"max_error": -0.1}, "max_error"),
                        ({"max_error": float("nan")}, "max_error"), ({"interval": 0}, "interval"),
-                       ({"gain": 1.0}, "gain"), ({"patience": 0}, "patience"), ({"overlap": 1.5}, "overlap"),
+                       ({"gain": 1.0}, "gain"), ({"patience": 0}, "patience"),
+                       ({"jump": 1.0}, "jump"), ({"gain": 0.2, "jump": 0.1}, "jump"), ({"overlap": 1.5}, "overlap"),
                        ({"probation": -1}, "probation")]:
         with pytest.raises(ValueError, match=match):
             AutoSettings(**bad)
@@ -168,15 +169,33 @@ def test_no_flapping_under_noise():
 
 
 def test_switching_needs_two_consecutive_measurements():
+    """A gain of at least ``gain`` but under ``jump`` needs ``patience`` measurements in a row (jump set out of the
+    way here: 1 Mbit/s against an unlimited link is a gain of >99%)."""
     slow, fast = 1 * MBIT, UNLIMITED
-    c = chooser(current="none")
+    c = chooser(current="none", jump=0.999)
     picks = [c.update(r) for r in (slow, fast, slow, fast, slow, slow, slow, fast, fast)]
     assert picks == ["none"] * 5 + ["lowrank"] * 3 + ["none"]
-    assert chooser(current="none", patience=3).update(slow) == "none"
+    assert chooser(current="none", patience=3, jump=0.999).update(slow) == "none"
     # a gain under 5% never switches, however often it is seen
     near = chooser([FAKE[0], dataclasses.replace(FAKE[0], name="paper", codec_id=2, config_digest=0x22,
                                                  wire_nbytes=3_200_000)], current="none")
     assert [near.update(1 * MBIT) for _ in range(5)] == ["none"] * 5
+
+
+def test_a_large_predicted_gain_switches_at_the_first_measurement():
+    """``jump`` (50%): a rate that fell far (a 10x drop) switches at once; a moderate gain (hadint4 predicted at 70%
+    of none's time) still needs ``patience``."""
+    none, hadint4 = FAKE[0], FAKE[3]
+    codec_s = lambda c: c.encode_s + c.decode_s  # noqa: E731
+    # the rate where hadint4's message takes 0.7 of none's: codec_h + 8 b_h / r = 0.7 (codec_n + 8 b_n / r)
+    moderate = 8 * (hadint4.wire_nbytes - 0.7 * none.wire_nbytes) / (0.7 * codec_s(none) - codec_s(hadint4))
+    c = chooser(current="none")
+    assert c.update(moderate) == "none" and c.predicted["hadint4"] == pytest.approx(0.7 * c.predicted["none"])
+    assert c.update(moderate) == "hadint4"  # the second measurement in a row
+    dropped = chooser(current="none")
+    assert dropped.update(UNLIMITED) == "none"
+    assert dropped.update(1 * MBIT) == "lowrank"  # at once
+    assert dropped.predicted["lowrank"] <= 0.5 * dropped.predicted["none"]
 
 
 def test_a_dropped_or_too_lossy_current_codec_is_left_at_once():
@@ -312,7 +331,8 @@ def test_lockstep_switch_decodes_every_message():
     costs = [CandidateCost(name, codec.codec_id, codec.config_digest(), 1e-5 if name == "none" else 1e-4, 1e-4,
                            codec.wire_nbytes(shape, dtype), 0.0 if name == "none" else 0.05)
              for name, codec in sender_codecs.items()]
-    c = Chooser(CodecCostTable.from_costs(costs), AutoSettings(candidates=names), current="none")
+    c = Chooser(CodecCostTable.from_costs(costs), AutoSettings(candidates=names, jump=0.999),  # (patience's path)
+                current="none")
     rates = [UNLIMITED, 1e3, 1e3, 1e3, UNLIMITED, UNLIMITED, UNLIMITED, 1e3, 1e3, 1e3]
     sender_active = receiver_active = "none"  # agreed at the handshake
     used = []
@@ -360,8 +380,9 @@ def test_a_rate_read_on_small_messages_is_not_extrapolated_to_larger_ones():
     burst = LinkRate(6e8, 0.0, 4, by_size=((18_024, 6e8),))
     assert [chooser.update(burst) for _ in range(2)] == ["paper", "paper"]  # none still predicted at 1 Mbit/s
     assert chooser.predicted["none"] == pytest.approx(8 * 64_000 / 1e6)
-    # The large size's rate is 3 measurements old now: the current one stands in, and none wins twice.
-    assert [chooser.update(burst) for _ in range(2)] == ["paper", "none"]
+    # The large size's rate is 3 measurements old now: the current one stands in, and none wins by far
+    # (0.9 ms against paper's 20 ms: over ``jump``), at once.
+    assert chooser.update(burst) == "none"
     state = chooser.state_dict()
     again = Chooser(CodecCostTable.from_costs(costs), settings)
     again.load_state_dict(state)

@@ -82,3 +82,101 @@ def test_a_worker_killed_before_any_stage_reports_is_named_by_torchruns_summary(
               "[restart] finished after 2 attempts (1 failed)")
     row = faults.judge("killed", _facts(output), _facts(wall=50.0))
     assert row["ok"] and row["where"] == "rank 1, exit code -9 (SIGKILL)" and row["error"].startswith("torchrun")
+
+
+# ----- the rate drop ------------------------------------------------------------------------------------
+def _rd_records(codecs_by_iteration, ms_by_iteration):
+    """Auto-run records: per iteration each link's codec (fwd, bwd) and its wire bytes (a stand-in size per codec)."""
+    size = {"none": 1000, "fp8": 500, "paper": 300, "fixedpoint4": 200, "hadint4": 250}
+    return [{"iteration": k, "ms": ms_by_iteration(k), "fwd_wire_bytes": size[f], "bwd_wire_bytes": size[b],
+             "auto": {"0->1": {"codec": f}, "1->0": {"codec": b}}}
+            for k, (f, b) in enumerate(codecs_by_iteration, start=1)]
+
+
+def test_the_rate_drop_row_reads_the_lag_the_return_and_tokens_per_second():
+    from benchmarks.faults import ratedrop
+
+    first, last = ratedrop.DROP
+    codecs = []
+    for k in range(1, ratedrop.ITERS + 1):
+        fwd = "fixedpoint4" if first + 4 <= k <= last + 6 else "none"  # 4 iterations late, 6 more after the drop
+        bwd = "paper" if first + 2 <= k <= last + 3 else "none"
+        codecs.append((fwd, bwd))
+    slow_ms = lambda k: 500.0 if first <= k <= last else 100.0  # noqa: E731
+    fixed = {name: [{"status": 0, "records": [{"iteration": k, "ms": ms + 10 * rep}
+                                              for k in range(1, ratedrop.FIXED_ITERS + 1)]} for rep in (-1, 1)]
+             for name, ms in (("none", 900.0), ("paper", 520.0), ("fixedpoint4", 505.0))}  # pooled median: ms
+    output = ("INFO:megatron_tah.link.auto:megatron_tah: auto forward to rank 1: none's fastest iteration took 761 ms, "
+              "fixedpoint4's 332 ms: back to fixedpoint4; none is left out for 4 measurements\n"
+              "UserWarning: Falling back to Torch optimizers.")
+    auto = {"status": 0, "records": _rd_records(codecs, slow_ms), "output": output}
+    row = ratedrop.judge({"auto": [auto, dict(auto, output="")], "fixed": fixed})
+    assert row["links"]["0->1"]["lag_down"] == 4 and row["links"]["1->0"]["lag_down"] == 2
+    assert row["links"]["0->1"]["lag_up"] == 6 and row["links"]["1->0"]["lag_up"] == 3
+    assert row["links"]["0->1"]["before"] == "none" and row["links"]["0->1"]["during"] == "fixedpoint4"
+    assert row["best_fixed"] == "fixedpoint4" and row["ratio_steady"] == pytest.approx(505.0 / 500.0)
+    assert row["tokens_per_s"]["steady"] == pytest.approx(ratedrop.GLOBAL * ratedrop.SEQ / 0.5)
+    assert row["lag_down_intervals"] == pytest.approx(4 / ratedrop.INTERVAL)
+    assert len(row["probation"]) == 1 and row["ok"] and row["tokens_goal_met"]  # "Falling back to" is no verdict
+    stuck = ratedrop.judge({"auto": [{"status": 0, "records": _rd_records([("none", "none")] * ratedrop.ITERS,
+                                                                          slow_ms), "output": ""}], "fixed": fixed})
+    assert stuck["links"]["0->1"]["lag_down"] is None and stuck["ratio_steady"] is None and not stuck["ok"]
+    assert not stuck["tokens_goal_met"]
+    text = ratedrop.markdown(row)
+    assert "| stage 0 -> 1 (activations), run 2 | none | fixedpoint4 | none | 4 | 6 |" in text and "1.010x" in text
+
+
+def test_the_rate_drop_fault_changes_the_emulated_rate_of_its_iterations_only(tmp_path):
+    """``site/sitecustomize.py``'s ``ratedrop``, loaded as Python loads it at start-up, on a transport's emulator."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import types\n"
+             "from megatron_tah.config import TahConfig\n"
+             "from megatron_tah.link.transport import PipelineTransport\n"
+             "from megatron_tah.megatron.stats import Stats\n"
+             "from megatron_tah.megatron.places import STREAMS\n"
+             "k = [0]\n"
+             "t = PipelineTransport(TahConfig(tah_emulate_bandwidth='1gbit'), Stats(STREAMS), iteration=lambda: k[0])\n"
+             "rates = []\n"
+             "for k[0] in range(6):\n"
+             "    t.finish(types.SimpleNamespace(done=True))\n"
+             "    rates.append(t.emulator.bandwidth_bps)\n"
+             "print(rates)\n")
+    env = dict(os.environ, TAH_FAULT="ratedrop:*:2:3:10", RANK="0",
+               PYTHONPATH=os.pathsep.join([str(faults.SITE), str(faults.ROOT)]))
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str([1e9, 1e9, 1e8, 1e8, 1e9, 1e9])
+
+
+def test_the_checksum_cost_is_a_share_of_the_measured_step():
+    from benchmarks.faults import checksum_cost
+
+    demo = checksum_cost.demo_setting()
+    assert demo["runs"]["paper"]["step_s"] > 0 and demo["shape"] == (64, 4, 128)
+    speedrun = checksum_cost.speedrun_setting()
+    assert speedrun["stages"] == 8 and set(speedrun["runs"]) <= set(checksum_cost.SPEEDRUN_CODECS)
+    tiny = {"name": "tiny", "stages": 4, "shape": (8, 1, 32), "micro_batches": 2,
+            "runs": {"paper": {"fields": {"tah_preset": "paper"}, "step_s": 1.0}}}
+    two = dict(tiny, stages=2)
+    (deep,), (shallow,) = checksum_cost.measure([tiny]), checksum_cost.measure([two])
+    assert deep["messages_per_step"] == 8 and shallow["messages_per_step"] == 4
+    assert 0 < deep["share"] == pytest.approx(deep["checksum_ms_per_step"] / 1e3) and deep["share"] < 0.01
+    assert "| tiny | paper | [8x1x32] bf16 | 8 |" in checksum_cost.table_markdown([deep])
+
+
+def test_the_page_keeps_the_parts_not_run_this_time(tmp_path):
+    page = tmp_path / "RELIABILITY.md"
+    page.write_text("a\n<!-- faults:begin -->\nold\n<!-- faults:end -->\nb\n<!-- ratedrop:begin -->\nold rd\n"
+                    "<!-- ratedrop:end -->\nc\n<!-- checksum:begin -->\nold cc\n<!-- checksum:end -->\n")
+    stamp = {"date": "2026-11-27", "cpu": "cpu", "cores": 2}
+    rows = [{"setting": "demo", "codec": "paper", "shape": [64, 4, 128], "messages_per_step": 8,
+             "checksum_ms_per_step": 0.4, "step_s": 1.0, "share": 0.0004}]
+    faults.write_page({"checksum_cost": {**stamp, "rows": rows}}, page)
+    text = page.read_text()
+    assert "old\n" in text and "old rd" in text and "old cc" not in text and "| 0.040% |" in text
+    reference = faults.judge("reference", _facts(wall=50.0), None)
+    faults.write_page({**stamp, "rows": [reference]}, page)
+    text = page.read_text()
+    assert "old\n" not in text and "| 0.040% |" in text  # the checksum block kept from the JSON

@@ -317,6 +317,22 @@ def test_scripts_untie_embeddings_on_a_slow_link_unless_told_otherwise():
     assert rc == 2 and "EMBEDDINGS=shared: choose untied, tied or codec" in out
 
 
+def test_the_script_checks_payloads_behind_a_slow_link():
+    """CHECKSUM: on by default with RATE (a slow link, where it costs under 0.05% of a step), off without; 0 / 1
+    override; anything else is an error."""
+    def flags(**env):
+        run = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "2"], cwd=REPO, capture_output=True, text=True,
+                             env=dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, LINK="emulate", **env))
+        return run.returncode, run.stdout + run.stderr
+
+    assert flags(RATE="20mbit") == (0, flags(RATE="20mbit")[1]) and "--tah-wire-checksum" in flags(RATE="20mbit")[1]
+    assert "--tah-wire-checksum" not in flags()[1]
+    assert "--tah-wire-checksum" not in flags(RATE="20mbit", CHECKSUM="0")[1]
+    assert "--tah-wire-checksum" in flags(CHECKSUM="1")[1]
+    rc, out = flags(CHECKSUM="yes")
+    assert rc == 2 and "CHECKSUM=yes: choose 1 or 0" in out
+
+
 def test_staged_pipeline_gives_the_plain_paths_losses(corpus, tmp_path):
     """--tah-share-gpus on CPU (what CI can run of that mode): every pipeline message goes through host staging;
     forward tah and backward `none` give bit-identical losses, grad norms and wire bytes to the plain path."""

@@ -14,8 +14,15 @@ end). Each row says what happened (continued / stopped with the message naming t
 iteration, then resumed by the script / failed / hang), the time lost against the uninterrupted run,
 and whether every iteration's loss equals the uninterrupted run's, bit for bit.
 
-Not here: a rate that drops and comes back (``auto``'s switch is tested with an emulated link and a fake
-clock, ``tests/test_auto_link.py``), faults on GPU links.
+Two more parts, run with the scenarios (or alone: ``--only ratedrop``, ``--only checksum-cost``):
+
+* ``ratedrop`` (``ratedrop.py``): the emulated link's rate falls 10x and comes back with ``auto`` on both
+  directions -- which codec each link takes, how many iterations it takes to follow, and tokens/s during the
+  drop against every candidate run fixed at the dropped rate;
+* ``checksum-cost`` (``checksum_cost.py``): the payload checksum's time per step against the demo's and the
+  speedrun's measured steps.
+
+Not here: faults on GPU links, ``tc`` (this kernel has no ``netem``).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ WHERE = re.compile(r"(link stage \d+ -> stage \d+, iteration \d+|world rank \d+,
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*: (\d+).*?exitcode\s*: (-?\d+)"
                         r"(?: \(pid: \d+\))?\s*(\(SIG\w+\))?", re.S)  # torchrun's summary: a worker died first
 BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
+PARTS = ("ratedrop", "checksum-cost")  # besides the scenarios (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +89,7 @@ def scenario(name: str) -> Scenario:
     for s in SCENARIOS:
         if s.name == name:
             return s
-    raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(s.name for s in SCENARIOS)}")
+    raise ValueError(f"unknown scenario {name!r}; choose from {', '.join([*(s.name for s in SCENARIOS), *PARTS])}")
 
 
 # ----- one run ------------------------------------------------------------------------------------------
@@ -245,13 +253,8 @@ def table_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_page(result: dict, page: Path) -> None:
-    """The measured block of ``page`` (between its markers) and ``docs/data/faults.json`` beside it."""
-    data = page.parent / "data" / "faults.json"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text(json.dumps(result, indent=1) + "\n")
-    block = "\n".join([
-        BEGIN,
+def faults_block(result: dict, page: Path) -> str:
+    return "\n".join([
         f"Measured by `python -m benchmarks.faults --write {page.as_posix()}` ({result['date']}, {result['cpu']}, "
         f"{result['cores']} cores): `scripts/pretrain_gpt.sh 2` on a tiny model, {ITERS} iterations, a checkpoint "
         f"every {SAVE_INTERVAL}, `--tah-peer-timeout-s {BOUND_S:g}`, `RESTARTS=2`; the fault once the run is past "
@@ -260,13 +263,39 @@ def write_page(result: dict, page: Path) -> None:
         f"start-up), else the iterations' time over the uninterrupted run's; on a machine shared with other "
         f"jobs both carry its load's noise (the median step column shows how much).",
         "",
-        table_markdown(result["rows"]),
-        END])
+        table_markdown(result["rows"])])
+
+
+def _replace(text: str, name: str, block: str) -> str:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in text or end not in text:
+        raise ValueError(f"the page has no {begin} ... {end} block to replace")
+    return text[:text.index(begin)] + "\n".join([begin, block, end]) + text[text.index(end) + len(end):]
+
+
+def write_page(result: dict, page: Path) -> None:
+    """The measured blocks of ``page`` (between their markers) and ``docs/data/faults.json`` beside it; parts
+    not run this time keep the JSON's earlier measurement."""
+    from . import checksum_cost, ratedrop
+
+    data = page.parent / "data" / "faults.json"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    merged = json.loads(data.read_text()) if data.exists() else {}
+    merged.update({k: v for k, v in result.items() if v is not None})
+    data.write_text(json.dumps(merged, indent=1) + "\n")
     text = page.read_text()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        raise ValueError(f"{page} has no {BEGIN} ... {END} block to replace")
+    if merged.get("rows"):
+        text = _replace(text, "faults", faults_block(merged, page))
+    if merged.get("ratedrop"):
+        rd = merged["ratedrop"]
+        text = _replace(text, "ratedrop", f"Measured by `python -m benchmarks.faults --only ratedrop --write "
+                        f"{page.as_posix()}` ({rd['date']}, {rd['cpu']}, {rd['cores']} cores): "
+                        + ratedrop.markdown(rd))
+    if merged.get("checksum_cost"):
+        cc = merged["checksum_cost"]
+        text = _replace(text, "checksum", f"Measured by `python -m benchmarks.faults --only checksum-cost --write "
+                        f"{page.as_posix()}` ({cc['date']}, {cc['cpu']}, {cc['cores']} cores, one thread):\n\n"
+                        + checksum_cost.table_markdown(cc["rows"]))
     page.write_text(text)
 
 
@@ -278,14 +307,20 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--rejudge", action="store_true", help="judge the runs already under --out, run nothing")
     args = parser.parse_args(argv)
-    names = [n for n in (args.only or ",".join(s.name for s in SCENARIOS)).split(",") if n]
-    chosen = [scenario("reference")] + [scenario(n) for n in names if n != "reference"]
+    names = [n for n in (args.only or ",".join([*(s.name for s in SCENARIOS), *PARTS])).split(",") if n]
+    parts = [n for n in names if n in PARTS]
+    faults = [scenario(n) for n in names if n not in PARTS and n != "reference"]
+    chosen = [scenario("reference")] + faults if faults or "reference" in names else []
     from benchmarks.reproduce.runner import host_info
     from megatron_tah.data import prepare
 
+    from . import checksum_cost, ratedrop
+
     out = args.out.resolve()
+    host = host_info()
+    stamp = {"date": time.strftime("%Y-%m-%d"), "cpu": host["cpu"], "cores": host["cores"]}
     prefix = out / "data" / "shk"
-    if not args.rejudge and not Path(f"{prefix}_valid_text_document.idx").is_file():
+    if chosen and not args.rejudge and not Path(f"{prefix}_valid_text_document.idx").is_file():
         prepare("shakespeare", prefix, max_docs=6, max_tokens=20_000)
     rows, reference = [], None
     for i, s in enumerate(chosen):
@@ -298,15 +333,25 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"[faults] {s.name}: {row['outcome']}, {row['error'] or 'no error'} {row['where'] or ''}, "
               f"{row['time_lost_s']:+.1f} s, losses equal: {row['losses_equal']}", flush=True)
-    host = host_info()
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": host["cpu"], "cores": host["cores"], "bound_s": BOUND_S,
-              "iters": ITERS, "save_interval": SAVE_INTERVAL, "rows": rows}
-    print(table_markdown(rows))
+    result = {**stamp, "bound_s": BOUND_S, "iters": ITERS, "save_interval": SAVE_INTERVAL, "rows": rows} if rows else {}
+    ok = all(r["ok"] for r in rows if r["scenario"] not in {"corrupt-unchecked"})  # silent by design: the row shows it
+    if rows:
+        print(table_markdown(rows))
+    if "ratedrop" in parts:
+        print(f"[faults {time.strftime('%H:%M:%S')}] ratedrop: the link's rate falls {ratedrop.FACTOR:g}x, auto "
+              "follows; then each candidate fixed at the dropped rate", flush=True)
+        facts = (ratedrop.read(out) if args.rejudge
+                 else ratedrop.measure(out, ratedrop.prepare_data(out), args.port + 10 * len(SCENARIOS) + 10))
+        result["ratedrop"] = {**stamp, **ratedrop.judge(facts)}
+        print(ratedrop.markdown(result["ratedrop"]))
+        ok = ok and result["ratedrop"]["ok"]
+    if "checksum-cost" in parts and not args.rejudge:
+        result["checksum_cost"] = {**stamp, "rows": checksum_cost.measure()}
+        print(checksum_cost.table_markdown(result["checksum_cost"]["rows"]))
     if args.write:
         write_page(result, args.write)
         print(f"[faults] wrote {args.write}")
-    expected_bad = {"corrupt-unchecked"}  # silent by design without checksums: the row shows it
-    return 0 if all(r["ok"] for r in rows if r["scenario"] not in expected_bad) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -30,13 +30,13 @@ PRIME = 2**32 - 5
 CHUNK = 1 << 15  # words per row: weights within a row stay below 2**15, so row sums stay below 2**62
 
 ENABLED_BY_DEFAULT = False
-"""Default of ``Codec(checksum=...)`` and ``--tah-wire-checksum``; the rule: on when the checksum's own work
-(sender + receiver) costs under 2% of the codec's encode + decode. Measured on CPU only (no GPU here; the
-GPU's cost is not measured), single-threaded on a shared 2-core machine, two runs of
-``OMP_NUM_THREADS=1 python scripts/bench_codecs.py --device cpu --checksum --backends torch
---shapes 64x4x128 1024x1x1600 --ref-iters 15``: 58-80 us at the demo's 64x4x128 bf16, 1.9-4.0 ms at
-1024x1x1600 bf16, i.e. tah 0.9-3.3%, fixedpoint 6-bit (the default backward codec) 4.9-9.9%, hadint 4-bit
-2.3-5.7% of those codecs' torch time. Over 2% for the default pair: off."""
+"""Default of ``Codec(checksum=...)`` and ``--tah-wire-checksum``. The yardstick is the step, not the codec: on a
+slow link a message's link time is 100-1000x its checksum's, and there the checksum costs under 0.05% of a step
+(``python -m benchmarks.faults.checksum_cost``: the demo at 1 Mbit/s, the depth-8 speedrun), so the scripts turn it
+on whenever they run behind one (``scripts/pretrain_gpt.sh`` with ``RATE``, the demo). Off by default here, where
+the link may be fast: on CPU it costs 58-80 us at the demo's 64x4x128 bf16 and 1.9-4.0 ms at 1024x1x1600 bf16,
+0.9-9.9% of a codec's own time (``OMP_NUM_THREADS=1 python scripts/bench_codecs.py --device cpu --checksum
+--backends torch --shapes 64x4x128 1024x1x1600 --ref-iters 15``); the GPU's cost is not measured."""
 
 
 

@@ -77,6 +77,10 @@ class AutoSettings:
     patience: int = 2
     """Consecutive measurements that must show that gain before the codec switches."""
 
+    jump: float = 0.5
+    """Predicted speed-up that switches at the first measurement showing it, without ``patience`` (0.5: the new
+    codec's message time <= half the current one's; a rate that fell this far is not a measurement's noise)."""
+
     overlap: float = 0.0
     """Share of encode + decode time the schedule hides behind compute (0: none, 1: all)."""
 
@@ -108,6 +112,8 @@ class AutoSettings:
             raise ValueError(f"interval = {self.interval!r}: must be an integer >= 1")
         if not 0.0 <= self.gain < 1.0:
             raise ValueError(f"gain = {self.gain!r}: must lie in [0, 1)")
+        if not self.gain <= self.jump < 1.0:
+            raise ValueError(f"jump = {self.jump!r}: must lie in [gain = {self.gain!r}, 1)")
         if not _is_int(self.patience) or self.patience < 1:
             raise ValueError(f"patience = {self.patience!r}: must be an integer >= 1")
         if not _is_int(self.memory) or self.memory < 1:

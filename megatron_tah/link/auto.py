@@ -43,7 +43,8 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   extra time, never less, so the fastest one is the closest to the link's rate; the first transfers,
   connection set-up included, are not skipped: the slowest never counts), folds the mean
   encode time of the current codec since the last measurement into the table
-  (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2 measurements in a row);
+  (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2
+  measurements in a row, or 2x on one);
   the choice is announced from then on and takes effect at the next boundary. A switch is on
   probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
   iterations were not faster than the previous codec's, the sender announces the previous one again

@@ -16,8 +16,9 @@ rate, so a rate read on small compressed messages must not be extrapolated to un
 (measured: 629 Mbit/s read on a 1 Mbit/s tbf link with a 32 KiB burst). Once the large size's
 rate is older than ``memory`` measurements, the current rate stands in for it, so a link that
 got faster is found again. Hysteresis: leaving the current codec needs the
-best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements; a
-current codec that was dropped or no longer meets the floor is left at once.
+best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements, or ``>= jump``
+(50%, e.g. a rate that fell 10x) faster on one; a current codec that was dropped or no longer meets the
+floor is left at once.
 
 **Probation** (``Probation``): the prediction adds link time and codec time, but a schedule hides
 part of the link time behind other stages' compute, and stages that share cores lose to a codec's
@@ -107,7 +108,8 @@ class Chooser:
             self.current, self.streak = best, 0
         elif best != self.current and self.predicted[best] <= (1 - self.settings.gain) * self.predicted[self.current]:
             self.streak += 1
-            if self.streak >= self.settings.patience:
+            jump = self.predicted[best] <= (1 - self.settings.jump) * self.predicted[self.current]
+            if self.streak >= self.settings.patience or jump:
                 self.current, self.streak = best, 0
         else:
             self.streak = 0

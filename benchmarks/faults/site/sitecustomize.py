@@ -8,6 +8,10 @@ has acted, so a restarted attempt runs clean):
 * ``outage``: the message leaves SECONDS late -- to the next stage its link is silent that long, what a
   link that is down looks like from the receiving end (no ``tc`` here; the sender waits with it);
 * ``corrupt``: one byte of the message's payload is flipped after encoding, as a faulty path would.
+
+``TAH_FAULT=ratedrop:*:FIRST:LAST:FACTOR`` divides the emulated link's rate (``--tah-emulate-bandwidth``) by
+FACTOR for the messages of iterations FIRST to LAST, in every rank (both ends of a link apply the model), then
+gives it back: a rate that drops and recovers.
 """
 
 import os
@@ -21,7 +25,7 @@ if _SPEC and os.environ.get("RANK") is not None:
 
     _kind, _rank, _iteration, *_rest = _SPEC.split(":")
     _seconds = float(_rest[0]) if _rest else 0.0
-    _done = Path(os.environ["TAH_FAULT_DONE"])
+    _done = Path(os.environ.get("TAH_FAULT_DONE", os.devnull + ".absent"))
     _encode = _transport.PipelineTransport.encode
 
     def _faulty_encode(self, link, x):
@@ -35,4 +39,20 @@ if _SPEC and os.environ.get("RANK") is not None:
                 buf[buf.numel() // 2] ^= 0x10
         return buf
 
-    _transport.PipelineTransport.encode = _faulty_encode
+    if _kind == "ratedrop":
+        _last, _factor = int(_rest[0]), float(_rest[1])
+        _finish = _transport.PipelineTransport.finish
+
+        def _rate_dropping_finish(self, m):
+            meter = self.emulator if self.emulator is not None else self.inbound
+            if meter is not None:
+                if not hasattr(meter, "base_bps"):
+                    meter.base_bps = meter.bandwidth_bps
+                iteration = self.iteration()
+                dropped = iteration is not None and int(_iteration) <= iteration <= _last
+                meter.bandwidth_bps = meter.base_bps / _factor if dropped else meter.base_bps
+            return _finish(self, m)
+
+        _transport.PipelineTransport.finish = _rate_dropping_finish
+    else:
+        _transport.PipelineTransport.encode = _faulty_encode
