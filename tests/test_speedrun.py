@@ -144,6 +144,25 @@ def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch, tmp_path):
     assert {n.replace("channel9", "bf16") for n in codec_runs} <= set(longer), started
 
 
+def test_a_seed_that_ran_only_a_longer_schedule_is_not_run_again_on_the_base_one(monkeypatch, tmp_path):
+    """A codec's seed whose longer schedule ran to completion with its bf16 twin (and whose base schedule never ran)
+    stands on that run: nothing new starts, the pair is read."""
+    size = runs.SIZES["tiny"]
+    longer = 2 * size.iters
+    for codec in ("lowrank", "bf16"):
+        (tmp_path / f"{runs.loss_run_name(codec, 1, longer, size, True)}.meta.json").write_text('{"status": 0}')
+    started = []
+    monkeypatch.setattr(speedrun, "execute_all", lambda todo, *a, **k: started.append([r.name for r in todo]))
+    monkeypatch.setattr(speedrun, "loss_results", lambda todo, out, size_: {
+        r.name: {**r.info, "validations": [(r.info["iters"], 4.0)], "bytes": (0, 0)} for r in todo})
+    results = speedrun.run_losses(["lowrank", "paper"], lambda c: [1], size, [], tmp_path, 1, None, target=5.0,
+                                  base={}, emulated=True, max_factor=2)
+    assert started[0] == [runs.loss_run_name("lowrank", 1, longer, size, True),
+                          runs.loss_run_name("bf16", 1, longer, size, True),
+                          runs.loss_run_name("paper", 1, size.iters, size, True)]
+    assert set(results) == set(started[0]) and len(started) == 1  # all reached the target: no longer schedules
+
+
 def test_a_longer_schedule_counts_against_bf16_on_the_same_schedule():
     """Seed 2 reached the target only on a 740-step schedule: its steps there are paired with bf16's on 740
     steps (a longer cosine alone reaches a loss sooner), not bf16's on the base schedule."""

@@ -151,11 +151,23 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
     (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed,
     never beyond ``max_factor`` schedules (1: no longer schedules); only codecs in ``longer_for`` (None: all)."""
-    todo = [runs.loss_run(c, s, size, data, link=link, emulated=emulated) for c in codecs for s in seeds_for(c)]
+    todo = []
+    for c in codecs:
+        for s in seeds_for(c):
+            run = runs.loss_run(c, s, size, data, link=link, emulated=emulated)
+            bf16_name = runs.loss_run_name("bf16", s, size.iters, size, emulated)
+            longer = None if c == "bf16" or (Path(out) / f"{run.name}.meta.json").is_file() \
+                else already_run(out, run.name, bf16_name, size.iters, int(max_factor * size.iters))
+            if longer is None:
+                todo.append(run)
+            else:  # only a longer schedule ran (with its bf16 twin): it stands for this seed, the twin beside it
+                twin = runs.loss_run("bf16", s, size, data, iters=longer, emulated=emulated)
+                todo += [runs.loss_run(c, s, size, data, iters=longer, link=link, emulated=emulated)]
+                todo += [twin] if twin.name not in {r.name for r in todo} else []
     execute_all(todo, out, jobs=jobs, env=ONE_THREAD)
     results = loss_results(todo, out, size)
     missed = lambda run: score.steps_to_target(results[run.name]["validations"], target) is None  # noqa: E731
-    pending = [r for r in todo if target is not None and missed(r)
+    pending = [r for r in todo if target is not None and r.info["codec"] != "bf16" and missed(r)
                and (longer_for is None or r.info["codec"] in longer_for)]
     for attempt in range(2):
         if not pending:
