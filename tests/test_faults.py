@@ -58,7 +58,7 @@ def test_the_page_block_is_replaced_between_its_markers(tmp_path):
 
 
 def test_unknown_scenarios_are_named():
-    with pytest.raises(ValueError, match="choose from reference, checksum, killed"):
+    with pytest.raises(ValueError, match="choose from reference, unchecked, killed"):
         faults.scenario("flood")
 
 

@@ -1,12 +1,12 @@
 """``python -m benchmarks.faults``: each fault a real run, and what the run did.
 
-    python -m benchmarks.faults                              # every scenario (9 runs, ~15 minutes on 2 cores)
+    python -m benchmarks.faults                              # everything (~25 minutes on 2 cores)
     python -m benchmarks.faults --only killed,corrupt --out /tmp/f
     python -m benchmarks.faults --write docs/RELIABILITY.md  # the page's measured table (docs/data/faults.json)
 
-Every scenario runs ``scripts/pretrain_gpt.sh 2`` on the CPU -- the script users run: the restart loop,
-checkpoints every ``SAVE_INTERVAL`` iterations, the peer timeout (``--tah-peer-timeout-s``, here
-``BOUND_S``) -- on a tiny model for ``ITERS`` iterations, and injects one fault once the run is past its
+Every scenario runs ``scripts/pretrain_gpt.sh 2`` on the CPU behind an emulated slow link (``RATE``) -- the
+script users run, with its defaults for a slow link: the restart loop, checkpoints every ``SAVE_INTERVAL``
+iterations, payload checksums on, the peer timeout (``--tah-peer-timeout-s``, here ``BOUND_S``) -- on a tiny model for ``ITERS`` iterations, and injects one fault once the run is past its
 first checkpoint: signals to stage 1's process (kill, freeze), or in-process faults on the link stage 0 ->
 stage 1 (``site/sitecustomize.py``: a message held back, a payload byte flipped; this kernel has no
 ``netem``, and a frozen or killed peer is what a cut link or a dead machine look like from the other
@@ -64,12 +64,13 @@ class Scenario:
     resume_after_s: float | None = None  # SIGCONT this long after SIGSTOP (None: never)
     fault: str | None = None  # TAH_FAULT (site/sitecustomize.py)
     flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # the script's variables besides the harness's
 
 
 SCENARIOS = (
     Scenario("reference", "no fault"),
-    Scenario("checksum", "no fault, --tah-wire-checksum on both stages (its cost per step)",
-             flags=("--tah-wire-checksum",)),
+    Scenario("unchecked", "no fault, payload checksums off (CHECKSUM=0: the step without them)",
+             env=(("CHECKSUM", "0"),)),
     Scenario("killed", "stage 1 killed (SIGKILL): a dead machine", signal="kill"),
     Scenario("frozen-short", f"stage 1 frozen (SIGSTOP) for {0.4 * BOUND_S:g} s, then resumed", signal="stop",
              resume_after_s=0.4 * BOUND_S),
@@ -78,11 +79,12 @@ SCENARIOS = (
              fault=f"outage:0:{FAULT_ITERATION}:{0.4 * BOUND_S:g}"),
     Scenario("outage", f"link stage 0 -> 1 silent for {2 * BOUND_S:g} s, past the bound (in-process)",
              fault=f"outage:0:{FAULT_ITERATION}:{2 * BOUND_S:g}"),
-    Scenario("corrupt", "one payload byte flipped on link 0 -> 1, with --tah-wire-checksum",
-             fault=f"corrupt:0:{FAULT_ITERATION}", flags=("--tah-wire-checksum",)),
-    Scenario("corrupt-unchecked", "the same byte flipped, checksums off (the default)",
+    Scenario("corrupt", "one payload byte flipped on link 0 -> 1 (checksums on: the script's default on a slow link)",
              fault=f"corrupt:0:{FAULT_ITERATION}"),
+    Scenario("corrupt-unchecked", "the same byte flipped, checksums off (CHECKSUM=0)",
+             fault=f"corrupt:0:{FAULT_ITERATION}", env=(("CHECKSUM", "0"),)),
 )
+RATE = "1gbit"  # every run behind an emulated slow link: the script's defaults for one (checksums on)
 
 
 def scenario(name: str) -> Scenario:
@@ -115,9 +117,11 @@ def run_scenario(s: Scenario, out: Path, data_prefix: str, port: int, deadline_s
     out.mkdir(parents=True)
     env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", OUT=str(out), DATA_PREFIX=data_prefix,
                TRAIN_ITERS=str(ITERS), SAVE_INTERVAL=str(SAVE_INTERVAL), RESTART_DELAY="1", RESTARTS="2",
-               MASTER_PORT=str(port), RATE="", LR="2e-3", PYTHONPATH=os.pathsep.join(
-                   [str(SITE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    env.pop("TAH_FAULT", None)
+               MASTER_PORT=str(port), RATE=RATE, LINK="emulate", LR="2e-3", **dict(s.env),
+               PYTHONPATH=os.pathsep.join([str(SITE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for name in ("TAH_FAULT", "CHECKSUM"):
+        if name not in dict(s.env):
+            env.pop(name, None)
     if s.fault:
         env.update(TAH_FAULT=s.fault, TAH_FAULT_DONE=str(out / "fault.done"))
     command = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), "2", *TINY, "--tah-peer-timeout-s", f"{BOUND_S:g}",
@@ -256,7 +260,8 @@ def table_markdown(rows: list[dict]) -> str:
 def faults_block(result: dict, page: Path) -> str:
     return "\n".join([
         f"Measured by `python -m benchmarks.faults --write {page.as_posix()}` ({result['date']}, {result['cpu']}, "
-        f"{result['cores']} cores): `scripts/pretrain_gpt.sh 2` on a tiny model, {ITERS} iterations, a checkpoint "
+        f"{result['cores']} cores): `scripts/pretrain_gpt.sh 2` behind an emulated {RATE} link (`RATE`, "
+        f"`LINK=emulate`: the script's defaults for a slow link, checksums on) on a tiny model, {ITERS} iterations, a checkpoint "
         f"every {SAVE_INTERVAL}, `--tah-peer-timeout-s {BOUND_S:g}`, `RESTARTS=2`; the fault once the run is past "
         f"its first checkpoint (in-process faults at iteration {FAULT_ITERATION}). Time lost: the restart loop's "
         f"own account when the run restarted (work redone since the checkpoint, the wait, the new attempt's "
