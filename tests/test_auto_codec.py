@@ -460,3 +460,38 @@ def test_chooser_leaves_a_rejected_codec_out_for_memory_measurements():
     assert d.update(1e5) == "paper" == c.update(1e5)  # 2 measurements later paper is back (and beats fp8)
     with pytest.raises(ValueError, match="not a measured candidate"):
         c.reject("paper", "zip")
+
+
+def test_a_collapse_is_the_latest_transfers_far_under_the_last_rate_at_their_size():
+    """``LinkRateMeter.collapsed``: the latest ``min_transfers`` transfers, all of a size the last measurement saw,
+    each under half its rate then; ``measure(recent=...)`` reads only those (the older ones are the old rate's)."""
+    from megatron_tah.link.measure import LinkRateMeter
+
+    meter = LinkRateMeter(interval=50, skip_first=0, quantile=1.0)
+    for _ in range(4):
+        meter.record(1_000_000, 8e-3)  # 1 Gbit/s
+    last = meter.measure()
+    assert last.rate_bps == pytest.approx(1e9) and dict(last.by_size) == {1_000_000: pytest.approx(1e9)}
+    for _ in range(3):
+        meter.record(1_000_000, 8e-3)  # still 1 Gbit/s
+    assert not meter.collapsed(last)
+    for _ in range(2):
+        meter.record(1_000_000, 80e-3)  # 100 Mbit/s
+    assert not meter.collapsed(last)  # two slow ones are not yet min_transfers (3)
+    meter.record(1_000_000, 80e-3)
+    assert meter.collapsed(last)
+    assert meter.measure(recent=3).rate_bps == pytest.approx(1e8) and not meter.window
+    for _ in range(3):
+        meter.record(100_000, 80e-3)  # a size the last measurement did not see: never a collapse
+    assert not meter.collapsed(last)
+    for _ in range(3):
+        meter.record(1_000_000, 12e-3)  # 667 Mbit/s: slower, not under half
+    assert not meter.collapsed(last)
+
+
+def test_a_measurement_taken_on_a_collapse_switches_on_a_small_gain_at_once():
+    none, hadint4 = FAKE[0], FAKE[3]
+    codec_s = lambda c: c.encode_s + c.decode_s  # noqa: E731
+    moderate = 8 * (hadint4.wire_nbytes - 0.7 * none.wire_nbytes) / (0.7 * codec_s(none) - codec_s(hadint4))
+    assert chooser(current="none").update(moderate) == "none"  # patience: a second measurement needed
+    assert chooser(current="none").update(moderate, collapse=True) == "hadint4"

@@ -37,7 +37,7 @@ def _fake(end: AutoEnd, rates: list[float]) -> None:
         for name, (seconds, nbytes) in costs.items()])
     end.table, end.chooser = table, Chooser(table, end.settings)
     script = iter(rates)
-    end.meter.measure = lambda: LinkRate(next(script), 0.0, 10)
+    end.meter.measure = lambda recent=None: LinkRate(next(script), 0.0, 10)
 
 
 def _exchange(sender: AutoEnd, receiver: AutoEnd, iteration: int, x: torch.Tensor, messages: int = 2):
@@ -86,7 +86,7 @@ def test_a_switch_that_made_iterations_slower_is_undone_and_that_codec_waits(mon
     sender.prepare(x)
     _fake(sender, [])
     rates = iter([None, None] + [1e6] * 20)  # the meter has nothing for iterations 0 and 1
-    sender.meter.measure = lambda: (lambda rate: rate and LinkRate(rate, 0.0, 10))(next(rates))
+    sender.meter.measure = lambda recent=None: (lambda rate: rate and LinkRate(rate, 0.0, 10))(next(rates))
     seconds = {"none": 1.0, "paper": 1.5, "fp8": 0.8}
     clock = [0.0]
     monkeypatch.setattr(auto_link.time, "monotonic", lambda: clock[0])
@@ -306,10 +306,11 @@ def test_after_the_rate_drops_the_link_switches_to_fewer_bytes_and_back_when_it_
     times fixed (fp8 20 us, paper 40 us per encode and per decode: at 10 Gbit/s none is fastest, at 1 Gbit/s paper);
     two messages an iteration, each billed its codec's wire bytes; the receiver switches with the sender throughout.
 
-    The drop: within ``bound`` iterations the choice is a codec with fewer wire bytes (the meter's window must
-    hold only transfers at the new rate: one interval, plus the report's one-message lag; a 10x drop predicts the
-    smaller codec far faster, over ``jump``: the next measurement, one more interval, switches without waiting for
-    ``patience``; the choice takes effect at the next boundary). The recovery takes longer by
+    The drop: within ``bound`` iterations, less than one interval, the choice is a codec with fewer wire bytes:
+    once the latest 3 transfers (2 iterations of 2 messages, the report lagging one message) are all under half
+    the rate last measured at their size, the meter measures at that boundary from them alone
+    (``LinkRateMeter.collapsed``), a gain of 5% switches without waiting for ``patience``, and the choice takes
+    effect at the next boundary. The recovery takes longer by
     design: the compressed messages are smaller, and a small message's rate says nothing of a large one's (a token
     bucket carries small messages at its burst rate), so the slow rate measured on the uncompressed size is kept
     for ``memory`` (4) measurements before the current rate stands in for it (``choice.py``): ``bound_back``."""
@@ -317,8 +318,8 @@ def test_after_the_rate_drops_the_link_switches_to_fewer_bytes_and_back_when_it_
 
     from megatron_tah.link.emulate import LinkEmulator
 
-    interval, fast, slow = 2, 1e10, 1e9
-    bound = 2 * interval + 2
+    interval, fast, slow = 4, 1e10, 1e9
+    bound = 3  # < interval: within one interval
     bound_back = (4 + 3) * interval + 2
     rank0, rank1 = _transport_pair({"tah_forward_codec": "auto", "tah_backward_codec": "fixedpoint",
                                     "tah_auto_interval": interval, "tah_auto_probation": 0})

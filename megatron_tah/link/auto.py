@@ -45,7 +45,9 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   encode time of the current codec since the last measurement into the table
   (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2
   measurements in a row, or 2x on one);
-  the choice is announced from then on and takes effect at the next boundary. A switch is on
+  the choice is announced from then on and takes effect at the next boundary. At every boundary in
+  between, a collapse (the latest transfers all under half the rate last measured at their size) measures
+  at once from those transfers, and a predicted gain of 5% then switches without waiting for ``patience``. A switch is on
   probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
   iterations were not faster than the previous codec's, the sender announces the previous one again
   (logged) and leaves the new one out for 4 measurements. The receiver's
@@ -139,16 +141,17 @@ class AutoEnd:
             return
         if self.probation is not None and self._probation_failed():
             return
-        if not (self.chooser.current is None or self.meter.due(iteration)):
+        collapse = self.rate is not None and self.meter.collapsed(self.rate)  # far slower: measure now
+        if not (self.chooser.current is None or self.meter.due(iteration) or collapse):
             return
-        rate = self.meter.measure()
+        rate = self.meter.measure(recent=self.meter.min_transfers if collapse else None)
         if rate is None:
             return
         if self._encodes and self.current in self.table.costs:
             self.table.observe(self.current, encode_s=timing.to_float(self._encode_seconds) / self._encodes)
         self._encode_seconds, self._encodes = 0.0, 0
         self.rate = rate
-        self.next = self.chooser.update(rate)
+        self.next = self.chooser.update(rate, collapse=collapse)
         if self.probation is not None and self.next != self.current:
             self.probation.switched(self.current, self.next, iteration + 1)
 

@@ -17,8 +17,10 @@ rate, so a rate read on small compressed messages must not be extrapolated to un
 rate is older than ``memory`` measurements, the current rate stands in for it, so a link that
 got faster is found again. Hysteresis: leaving the current codec needs the
 best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements, or ``>= jump``
-(50%, e.g. a rate that fell 10x) faster on one; a current codec that was dropped or no longer meets the
-floor is left at once.
+(50%) faster on one, or ``>= gain`` faster on a measurement taken early because the link collapsed (the
+latest transfers all under half the rate last measured at their size: ``LinkRateMeter.collapsed``, checked
+at every iteration boundary, not only every interval); a current codec that was dropped or no longer meets
+the floor is left at once.
 
 **Probation** (``Probation``): the prediction adds link time and codec time, but a schedule hides
 part of the link time behind other stages' compute, and stages that share cores lose to a codec's
@@ -83,8 +85,10 @@ class Chooser:
         larger = [rate for nbytes, (rate, _) in self.size_rates.items() if nbytes >= cost.wire_nbytes]
         return min(larger, default=rate_bps)
 
-    def update(self, rate: LinkRate | float) -> str:
-        """Take one measurement of the link; returns the codec chosen now (maybe unchanged)."""
+    def update(self, rate: LinkRate | float, collapse: bool = False) -> str:
+        """Take one measurement of the link; returns the codec chosen now (maybe unchanged). ``collapse``: the
+        measurement was taken early because the link got far slower (``LinkRateMeter.collapsed``): a gain of
+        ``gain`` switches at once, without ``patience``."""
         rate_bps = rate.rate_bps if isinstance(rate, LinkRate) else float(rate)
         if not rate_bps > 0:
             raise ValueError(f"link rate {rate_bps!r} bit/s: must be > 0")
@@ -109,7 +113,7 @@ class Chooser:
         elif best != self.current and self.predicted[best] <= (1 - self.settings.gain) * self.predicted[self.current]:
             self.streak += 1
             jump = self.predicted[best] <= (1 - self.settings.jump) * self.predicted[self.current]
-            if self.streak >= self.settings.patience or jump:
+            if self.streak >= self.settings.patience or jump or collapse:
                 self.current, self.streak = best, 0
         else:
             self.streak = 0

@@ -85,12 +85,27 @@ class LinkRateMeter:
         """Whether a measurement is due after ``iteration`` completed iterations (0: the handshake)."""
         return iteration % self.interval == 0
 
-    def measure(self) -> LinkRate | None:
+    def collapsed(self, last: LinkRate, factor: float = 0.5) -> bool:
+        """Whether the link got far slower since measurement ``last``: the latest ``min_transfers`` transfers are
+        all of one size that ``last`` measured and each is below ``factor`` times ``last``'s rate at that size
+        (the fastest then). A message size ``last`` did not see (after a codec switch) is never a collapse: a
+        small message's rate is not a large one's."""
+        recent = self.window[-self.min_transfers:]
+        sizes = {nbytes for nbytes, _ in recent}
+        if len(recent) < self.min_transfers or len(sizes) != 1:
+            return False
+        then = dict(last.by_size).get(sizes.pop())
+        return then is not None and all(8.0 * nbytes / seconds < factor * then for nbytes, seconds in recent)
+
+    def measure(self, recent: int | None = None) -> LinkRate | None:
         """The rate from the transfers since the last measurement (which it consumes); None with too few.
+        ``recent``: from the latest ``recent`` of them only (a collapse: the older ones are the old rate's).
 
         Too few large messages keep the window as it is (more may come), but not twice in a row beside smaller
         ones: after a codec switch the messages shrink and the last large ones would stall the meter for good,
         so on the second such call they are dropped and the smaller ones measured."""
+        if recent is not None:
+            self.window = self.window[-recent:]
         while True:
             if not self.window:
                 return None
