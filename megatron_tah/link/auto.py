@@ -46,9 +46,9 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   (``CodecCostTable.observe``) and ``Chooser.update``s (hysteresis: a switch needs a 5% predicted gain on 2
   measurements in a row, or 2x on one);
   the choice is announced from then on and takes effect at the next boundary. At every boundary in
-  between, a collapse (the latest transfers all under half the rate last measured at their size) measures
-  at once from those transfers, and a predicted gain of 5% then switches without waiting for ``patience``. A switch is on
-  probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
+  between, a collapse (the latest transfers all under half the rate last measured, its slower quartile,
+  at their size) measures at once from those transfers, and a predicted gain of 5% then switches without
+  waiting for ``patience``. A switch is on probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
   iterations were not faster than the previous codec's, the sender announces the previous one again
   (logged) and leaves the new one out for 4 measurements. The receiver's
   decode time is the sender's measurement of it. A candidate that fails to build or to run during

@@ -18,9 +18,9 @@ rate is older than ``memory`` measurements, the current rate stands in for it, s
 got faster is found again. Hysteresis: leaving the current codec needs the
 best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements, or ``>= jump``
 (50%) faster on one, or ``>= gain`` faster on a measurement taken early because the link collapsed (the
-latest transfers all under half the rate last measured at their size: ``LinkRateMeter.collapsed``, checked
-at every iteration boundary, not only every interval); a current codec that was dropped or no longer meets
-the floor is left at once.
+latest transfers all under half the rate last measured, its slower quartile, at their size:
+``LinkRateMeter.collapsed``, checked at every iteration boundary, not only every interval); a current codec
+that was dropped or no longer meets the floor is left at once.
 
 **Probation** (``Probation``): the prediction adds link time and codec time, but a schedule hides
 part of the link time behind other stages' compute, and stages that share cores lose to a codec's

@@ -87,15 +87,15 @@ class LinkRateMeter:
 
     def collapsed(self, last: LinkRate, factor: float = 0.5) -> bool:
         """Whether the link got far slower since measurement ``last``: the latest ``min_transfers`` transfers are
-        all of one size that ``last`` measured and each is below ``factor`` times ``last``'s rate at that size
-        (the fastest then). A message size ``last`` did not see (after a codec switch) is never a collapse: a
-        small message's rate is not a large one's."""
+        all of one size that ``last`` measured and each is below ``factor`` times ``last``'s slower quartile (its
+        rate less its spread: on a jittery link the usual transfer, not the luckiest). A message size ``last``
+        did not see (after a codec switch) is never a collapse: a small message's rate is not a large one's."""
         recent = self.window[-self.min_transfers:]
         sizes = {nbytes for nbytes, _ in recent}
-        if len(recent) < self.min_transfers or len(sizes) != 1:
+        if len(recent) < self.min_transfers or len(sizes) != 1 or sizes.pop() not in dict(last.by_size):
             return False
-        then = dict(last.by_size).get(sizes.pop())
-        return then is not None and all(8.0 * nbytes / seconds < factor * then for nbytes, seconds in recent)
+        usual = last.rate_bps - last.spread_bps
+        return usual > 0 and all(8.0 * nbytes / seconds < factor * usual for nbytes, seconds in recent)
 
     def measure(self, recent: int | None = None) -> LinkRate | None:
         """The rate from the transfers since the last measurement (which it consumes); None with too few.
