@@ -178,9 +178,9 @@ def judge(facts: dict) -> dict:
         whole += _ms(run_["records"], first, last)
         rounds.append({"status": run_["status"], "iterations": len(run_["records"]), "links": links,
                        "probation": PROBATION.findall(run_["output"]),
+                       # the way back is reported, not required: at the restored rate the codecs may nearly tie
                        "ok": (run_["status"] == 0 and len(run_["records"]) == ITERS and None not in switched
-                              and any(link["needs_switch"] for link in links.values())
-                              and all(link["lag_up"] is not None for link in links.values() if link["needs_switch"]))})
+                              and any(link["needs_switch"] for link in links.values()))})
     fixed = {name: statistics.median(ms) for name, runs in facts["fixed"].items()
              if (ms := [m for r in runs if r["status"] == 0 for m in _ms(r["records"], SKIP + 1, FIXED_ITERS)])}
     best = min(fixed, key=fixed.get, default=None)
