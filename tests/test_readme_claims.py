@@ -126,8 +126,11 @@ def test_the_presets_table_is_the_parity_study():
         assert cells[3] == f"{bwd:.2f}", preset
     # the depth column: the committed speedrun's lower bounds
     speedrun = {r["codec"]: r for r in json.loads((DOCS / "data" / "speedrun.json").read_text())["table"]}
-    for preset in ("paper", "channel", "channel6"):
+    for preset in ("paper", "hadint4", "channel", "channel6"):
         assert rows[f"`{preset}`"][5] == f">= {speedrun[preset]['multiplier_at_least']:.2f}x (docs/SPEEDRUN.md)"
+    for preset in ("lowrank", "channel9"):
+        row = speedrun[preset]
+        assert rows[f"`{preset}`"][5] == f"{row['multiplier']:.2f}x, {len(row['seeds'])} seeds (docs/SPEEDRUN.md)"
     for preset in list(labels):
         cells = rows[preset]
         fwd_bits, bwd_bits, gap = cells[1], cells[3], cells[4]
@@ -197,3 +200,8 @@ def test_the_first_screens_time_to_target_is_the_speedruns():
     assert f"`paper` needs at least {paper['multiplier_at_least']:.2f}x the steps there" in text
     projected = {r["codec"]: r["T"] for r in result["projection"]}
     assert f"T = {projected['channel9']:,.0f} s for `channel9`" in text and f">= {projected['paper']:,.0f} s for `paper`" in text
+    lowrank = rows["lowrank"]
+    assert (f"`lowrank` (16 principal directions + a 3-bit residual forward, 4-bit gradients) needs "
+            f"{lowrank['multiplier']:.2f}x (3 seeds, {lowrank['multiplier_low']:.2f}-{lowrank['multiplier_high']:.2f}), "
+            f"T {lowrank['T_vs_bf16']:.3f}x") in text
+    assert f"{projected['lowrank']:,.0f} s for `lowrank`" in text
