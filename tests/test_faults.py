@@ -147,7 +147,7 @@ def test_the_rate_drop_fault_changes_the_emulated_rate_of_its_iterations_only(tm
     env = dict(os.environ, TAH_FAULT="ratedrop:*:2:3:10", RANK="0",
                PYTHONPATH=os.pathsep.join([str(faults.SITE), str(faults.ROOT)]))
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str([1e9, 1e9, 1e8, 1e8, 1e9, 1e9])
+    assert json.loads(out) == pytest.approx([1e9, 1e9, 1e8, 1e8, 1e9, 1e9])
 
 
 def test_the_checksum_cost_is_a_share_of_the_measured_step():
