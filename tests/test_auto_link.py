@@ -363,3 +363,25 @@ def test_after_the_rate_drops_the_link_switches_to_fewer_bytes_and_back_when_it_
     assert switched <= bound and all(wire[name] < wire["none"] for name in during[switched:]), (chosen, wire)
     back_at = next(k for k, name in enumerate(after) if name == "none")
     assert back_at <= bound_back and set(after[back_at:]) == {"none"}, chosen
+
+
+def test_the_last_measurement_a_collapse_is_judged_against_survives_a_checkpoint():
+    """``AutoEnd.state_dict`` carries the last ``LinkRate``: a resumed run checks a collapse against the same rate
+    as the uninterrupted one (without it, the first boundaries after a resume could decide otherwise)."""
+    from megatron_tah.link.measure import LinkRate
+
+    cfg = _config()
+    sender = AutoEnd(cfg, "forward", "send")
+    sender.rate = LinkRate(1e9, 1e8, 4, by_size=((1_000_000, 1.1e9),))
+    state = sender.state_dict()
+    resumed = AutoEnd(cfg, "forward", "send")
+    resumed.load_state_dict(state)
+    assert resumed.rate == sender.rate
+    for end in (sender, resumed):
+        for _ in range(3):
+            end.meter.record(1_000_000, 0.08)  # 100 Mbit/s: under half of 0.9 Gbit/s
+    assert sender.meter.collapsed(sender.rate) and resumed.meter.collapsed(resumed.rate)
+    old = {k: v for k, v in state.items() if k != "rate"}  # a checkpoint written before the field
+    older = AutoEnd(cfg, "forward", "send")
+    older.load_state_dict(old)
+    assert older.rate is None

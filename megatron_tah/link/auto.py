@@ -54,13 +54,14 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   decode time is the sender's measurement of it. A candidate that fails to build or to run during
   the measurement is dropped with one warning.
 * **Checkpoints.** ``state_dict()`` holds the current and announced codecs, the chooser's
-  hysteresis state, the meter's window, the probation's iteration times and trial, and the candidates'
+  hysteresis state, the meter's window and its last measurement, the probation's iteration times and trial, and the candidates'
   own states (stochastic rounding), so a
   resumed run starts with the codec the interrupted one had announced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -219,6 +220,7 @@ class AutoEnd:
         chooser = self.chooser.state_dict() if self.chooser is not None else self._chooser_state
         return {"current": self.current, "next": self.next, "iteration": self.iteration,
                 "chooser": chooser, "meter": self.meter.state_dict(),
+                "rate": dataclasses.asdict(self.rate) if self.rate is not None else None,  # (a collapse is against it)
                 "probation": self.probation.state_dict() if self.probation is not None else None,
                 "codecs": {name: codec.state_dict() for name, codec in self.codecs.items() if codec.state_dict()}}
 
@@ -229,6 +231,9 @@ class AutoEnd:
                                  f"here ({', '.join(self.codecs)})")
         self.current, self.next, self.iteration = state["current"], state["next"], state["iteration"]
         self.meter.load_state_dict(state["meter"])
+        rate = state.get("rate")  # (absent from checkpoints written before collapses were checked)
+        self.rate = None if rate is None else LinkRate(rate["rate_bps"], rate["spread_bps"], rate["transfers"],
+                                                       tuple(tuple(item) for item in rate["by_size"]))
         if self.probation is not None and state.get("probation") is not None:
             self.probation.load_state_dict(state["probation"])
         if self.chooser is not None and state["chooser"] is not None:
