@@ -36,12 +36,10 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SITE = Path(__file__).resolve().parent / "site"
+from benchmarks.faults import ROOT, SITE, script_env  # noqa: F401  (SITE: the tests' too)
 BOUND_S = 10.0  # --tah-peer-timeout-s of every run (the default, 120 s, sized for a WAN, would only be slower)
 ITERS, SAVE_INTERVAL, FAULT_ITERATION = 16, 4, 6
 DEADLINE_S = 900.0  # a run still going after this is a hang
@@ -115,13 +113,8 @@ def run_scenario(s: Scenario, out: Path, data_prefix: str, port: int, deadline_s
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", OUT=str(out), DATA_PREFIX=data_prefix,
-               TRAIN_ITERS=str(ITERS), SAVE_INTERVAL=str(SAVE_INTERVAL), RESTART_DELAY="1", RESTARTS="2",
-               MASTER_PORT=str(port), RATE=RATE, LINK="emulate", LR="2e-3", **dict(s.env),
-               PYTHONPATH=os.pathsep.join([str(SITE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    for name in ("TAH_FAULT", "CHECKSUM"):
-        if name not in dict(s.env):
-            env.pop(name, None)
+    env = script_env(out, data_prefix, port, RATE, ITERS, SAVE_INTERVAL=str(SAVE_INTERVAL), RESTART_DELAY="1",
+                     RESTARTS="2", **dict(s.env))
     if s.fault:
         env.update(TAH_FAULT=s.fault, TAH_FAULT_DONE=str(out / "fault.done"))
     command = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), "2", *TINY, "--tah-peer-timeout-s", f"{BOUND_S:g}",

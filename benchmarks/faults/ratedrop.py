@@ -22,17 +22,14 @@ start. What is read from the logs (``log.jsonl``, one record per iteration):
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SITE = Path(__file__).resolve().parent / "site"
+from . import ROOT, script_env
 RATE, FACTOR = "10gbit", 10  # on 2 cores: none wins at 10 Gbit/s, a compressed codec at 1 Gbit/s
 INTERVAL = 3
 ITERS, DROP = 40, (12, 25)  # log iterations whose messages see the dropped rate
@@ -70,13 +67,8 @@ def run(out: Path, data_prefix: str, port: int, rate: str, iters: int, flags: li
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", OUT=str(out), DATA_PREFIX=data_prefix,
-               TRAIN_ITERS=str(iters), SAVE="none", RESTARTS="0", MASTER_PORT=str(port), RATE=rate, LINK="emulate",
-               LR="2e-3", PYTHONPATH=os.pathsep.join([str(SITE), str(ROOT),
-                                                      *filter(None, [os.environ.get("PYTHONPATH")])]))
-    env.pop("TAH_FAULT", None)
-    env.pop("TAH_FAULT_DONE", None)
-    env.update(CODEC=codec or "none", BWD_CODEC=codec or "none")  # (none: the flags' preset or codecs decide)
+    env = script_env(out, data_prefix, port, rate, iters, SAVE="none", RESTARTS="0",
+                     CODEC=codec or "none", BWD_CODEC=codec or "none")  # (none: the flags' preset or codecs decide)
     if fault:
         env["TAH_FAULT"] = fault
     output = out.parent / f"{out.name}.out"
