@@ -76,6 +76,12 @@ CODECS = {
     "bwd5_only": ("uncompressed fwd, Hadamard INT5 bwd (5.25 bits) (diagnostic)",
                   ["--tah-forward-codec", "none", "--tah-backward-codec", "hadint", "--tah-backward-bits", "5",
                    "--tah-backward-tile-size", "64"]),
+    "channel": ("channel: per-channel 4-bit fwd, per-channel 3-bit bwd with stochastic rounding: --tah-preset channel",
+                ["--tah-preset", "channel"]),
+    "channel6": ("channel6: per-channel 4-bit fwd, per-channel 2-bit bwd with stochastic rounding: --tah-preset "
+                 "channel6", ["--tah-preset", "channel6"]),
+    "channel9": ("channel9: per-channel 6-bit fwd, per-channel 3-bit bwd with stochastic rounding: --tah-preset "
+                 "channel9", ["--tah-preset", "channel9"]),
     "int8_both": ("8-bit blockwise both ways, noise-floor control (diagnostic)",
                   ["--tah-forward-codec", "int8", "--tah-backward-codec", "int8"]),
     "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",
