@@ -36,9 +36,8 @@ HIDDEN = 1024
 SHAPE = (SETUP.seq, SETUP.micro_batch, HIDDEN)
 
 # name -> TahConfig fields: the speedrun's codecs (``runs.CODECS``; "none" is its bf16, megatron_tah's uncompressed
-# path: raw bf16 behind a 16-byte header) but those that choose per link, and the 8-direction lowrank preset.
-CODECS = {"none": {}, **{name: fields for name, fields in RUN_CODECS.items() if name != "bf16" and name not in NEEDS_LINK},
-          "lowrank8": {"tah_preset": "lowrank8"}}
+# path: raw bf16 behind a 16-byte header) but those that choose per link.
+CODECS = {"none": {}, **{name: fields for name, fields in RUN_CODECS.items() if name != "bf16" and name not in NEEDS_LINK}}
 
 
 @dataclasses.dataclass(frozen=True)
