@@ -185,3 +185,30 @@ def test_seeds_per_codec():
     seeds_for = speedrun.seeds_by_codec([1, 2, 3], "channel9,channel=1+2")
     assert seeds_for("bf16") == [1, 2, 3] and seeds_for("channel9") == [1, 2, 3]
     assert seeds_for("channel") == [1, 2] and seeds_for("paper") == [1]
+
+
+def test_the_frontier_keeps_the_codecs_no_other_beats_in_both_bits_and_steps():
+    from benchmarks.speedrun import report
+
+    def row(codec, bits, mult=None, bound=None, seeds=(1, 2, 3)):
+        return {"codec": codec, "seeds": list(seeds), "forward_bits": bits / 2 + 0.5, "backward_bits": bits / 2 + 0.5,
+                "multiplier": mult, "multiplier_low": mult and mult - 0.1, "multiplier_high": mult and mult + 0.1,
+                "multiplier_at_least": bound}
+
+    table = [row("bf16", 32, 1.0), row("a", 8, 1.09), row("b", 9, 1.2, seeds=(1,)), row("c", 10, 1.05),
+             row("d", 6, bound=1.8, seeds=(1,)), row("e", 11, bound=1.5, seeds=(1,))]
+    projection = [{"codec": "none" if r["codec"] == "bf16" else r["codec"], "forward_bits": r["forward_bits"] - 0.5,
+                   "backward_bits": r["backward_bits"] - 0.5, "T": 1000.0 * (r["multiplier"] or r["multiplier_at_least"])}
+                  for r in table]
+    result = {"table": table, "projection": projection}
+    rows = {r["codec"]: r for r in report.frontier(result)}
+    assert [r["codec"] for r in report.frontier(result)] == ["d", "a", "b", "c", "e", "bf16"]  # by bits
+    assert rows["a"]["bits"] == pytest.approx(8) and rows["a"]["bits_cpu"] == pytest.approx(9)
+    assert rows["a"]["on_frontier"] and rows["c"]["on_frontier"] and rows["bf16"]["on_frontier"]
+    assert rows["b"]["on_frontier"] is False  # a: fewer bits, fewer steps
+    assert rows["e"]["on_frontier"] is False  # missed at >= 1.5x; a has fewer bits and 1.09x
+    assert rows["d"]["on_frontier"] is None  # missed, and nothing with <= 6 bits was measured
+    text = report.frontier_markdown(result)
+    assert "| b | 9.00 | 10.00 | 1.20x (one seed) | 1 |" in text and "| d | 6.00 | 7.00 | >= 1.80x (missed)" in text
+    assert "lowest projected T is `c`" in report._frontier_best(result)
+    assert "no codec measured here is in the goal's corner" in report._frontier_best(result)

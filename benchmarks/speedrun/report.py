@@ -190,6 +190,98 @@ def projection_markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
+def frontier(result: dict) -> list[dict]:
+    """Round-trip bits against the steps multiplier, one row per codec of the page, by bits at the reference's
+    message shape. ``on_frontier``: True when no other codec has at most its bits and a lower multiplier; for a
+    codec that missed the target, False when another with at most its bits is at most its lower bound, else
+    None (unknown)."""
+    projected = {r["codec"]: r for r in result["projection"]}
+    rows = []
+    for r in result["table"]:
+        ref = projected.get(PROJECTION_NAMES.get(r["codec"], r["codec"]))
+        if ref is None:
+            continue
+        rows.append({"codec": r["codec"], "seeds": len(r["seeds"]), "bits_cpu": r["forward_bits"] + r["backward_bits"],
+                     "bits": ref["forward_bits"] + ref["backward_bits"], "multiplier": r["multiplier"],
+                     "multiplier_low": r.get("multiplier_low"), "multiplier_high": r.get("multiplier_high"),
+                     "multiplier_at_least": r.get("multiplier_at_least"), "projected_T": ref["T"]})
+    for row in rows:
+        measured, bound = row["multiplier"], row["multiplier_at_least"]
+        beaten = any(other is not row and other["multiplier"] is not None and other["bits"] <= row["bits"]
+                     and (other["multiplier"] < measured if measured is not None else other["multiplier"] <= (bound or 0))
+                     for other in rows)
+        row["on_frontier"] = False if beaten else (True if measured is not None else None)
+    return sorted(rows, key=lambda r: r["bits"])
+
+
+FRONTIER_TEXT = {True: "yes", False: "no: dominated", None: "unknown (missed)"}
+
+
+def frontier_markdown(result: dict) -> str:
+    rows = ["| codec | bits both ways, `[1024, 8, 1024]` | at `[64, 1, 128]` | steps vs bf16 | seeds | "
+            "projected T (s) | on the frontier |",
+            "|---|---:|---:|---|---:|---:|---|"]
+    for r in frontier(result):
+        if r["multiplier"] is None:
+            steps = f">= {r['multiplier_at_least']:.2f}x (missed)" if r["multiplier_at_least"] else "missed"
+        elif r["seeds"] > 1:
+            steps = f"{r['multiplier']:.2f}x [{r['multiplier_low']:.2f}, {r['multiplier_high']:.2f}]"
+        else:
+            steps = f"{r['multiplier']:.2f}x (one seed)"
+        rows.append(f"| {r['codec']} | {r['bits']:.2f} | {r['bits_cpu']:.2f} | {steps} | {r['seeds']} | "
+                    f"{'>= ' if r['multiplier'] is None else ''}{r['projected_T']:,.0f} | {FRONTIER_TEXT[r['on_frontier']]} |")
+    return "\n".join(rows)
+
+
+def _frontier_best(result: dict) -> str:
+    points = [r for r in frontier(result) if r["on_frontier"] and r["codec"] != "bf16"]
+    if not points:
+        return "No compressed codec reached the target: the frontier is bf16 alone."
+    best = min(points, key=lambda r: r["projected_T"])
+    goal = [r for r in points if r["bits"] <= 6.0 and r["multiplier"] <= 1.05]
+    return (f"The frontier's point with the lowest projected T is `{best['codec']}` ({best['bits']:.2f} bits, "
+            f"{best['multiplier']:.2f}x the steps, {best['projected_T']:,.0f} s); "
+            + (f"in the goal's corner: {', '.join(f'`{r['codec']}`' for r in goal)}." if goal else
+               "no codec measured here is in the goal's corner."))
+
+
+def plot_frontier(result: dict, path: Path) -> None:
+    """Steps multiplier against round-trip bits at the reference's shape: intervals as bars, a codec that
+    missed as an upward arrow from its lower bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in frontier(result):
+        if r["multiplier"] is not None:
+            low, high = r["multiplier_low"], r["multiplier_high"]
+            err = [[r["multiplier"] - low], [high - r["multiplier"]]] if r["seeds"] > 1 else None
+            ax.errorbar([r["bits"]], [r["multiplier"]], yerr=err, fmt="o" if r["on_frontier"] else "s",
+                        color="C0" if r["on_frontier"] else "C7", capsize=3)
+            y = r["multiplier"]
+        elif r["multiplier_at_least"]:
+            y = r["multiplier_at_least"]
+            ax.plot([r["bits"]], [y], marker="^", color="C3")
+        else:
+            continue
+        ax.annotate(r["codec"], (r["bits"], y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.fill_between([0, 6.0], 0, 1.05, color="C2", alpha=0.15, label="goal: <= 6 bits, <= 1.05x")
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(4, 40)
+    ax.set_xticks([4, 6, 8, 12, 16, 32], ["4", "6", "8", "12", "16", "32"])
+    ax.set_ylim(0.8, None)
+    ax.set_xlabel("wire bits per value, forward + backward, at [1024, 8, 1024]")
+    ax.set_ylabel("steps to target / bf16's, PP 8")
+    ax.set_title("bars: 95% interval over seeds; triangles: missed the target (lower bound)", fontsize=8)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(result: dict, path: Path) -> None:
     """Validation loss against simulated wall-clock time (iteration x the codec's steady s/step), one line per
     codec (its first seed, every schedule it ran), the target as a horizontal line."""
@@ -226,6 +318,7 @@ def write_page(result: dict, page: Path) -> None:
     stem = page.stem.lower()
     (data / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, data / f"{stem}.png")
+    plot_frontier(result, data / f"{stem}_frontier.png")
     template = (Path(__file__).parent / "page.md").read_text()
     scored = [r for r in result["table"] if r["T_vs_bf16"] is not None and r["codec"] != "bf16"]
     best = min(scored, key=lambda r: r["T"], default=None)
@@ -254,4 +347,6 @@ def write_page(result: dict, page: Path) -> None:
         rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",
         iters=setup["iters"], eval_interval=setup["eval_interval"], eval_iters=setup["eval_iters"],
         micro_batches=setup["micro_batches"], table=table_markdown(result), projection=projection_markdown(result),
+        frontier=frontier_markdown(result), frontier_plot=f"data/{stem}_frontier.png",
+        frontier_best=_frontier_best(result),
         plot=f"data/{stem}.png", json=f"data/{stem}.json"))
