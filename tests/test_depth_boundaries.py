@@ -56,3 +56,35 @@ def test_the_page_shows_the_runs_there_are_and_names_the_studies_not_run(tmp_pat
     assert "`paper_pp2`" in text.split("but not run for this page")[1]  # listed among the studies not run
     assert (tmp_path / "docs" / "data" / "depth_curves.png").stat().st_size > 1000
     assert not (tmp_path / "docs" / "data" / "depth_rms.png").exists()  # no forward-codec study ran
+
+
+def test_the_page_tabulates_each_boundary_and_quotes_the_speedruns_remedies(tmp_path):
+    """Per boundary: the sampled forward error (last quarter of the run), the rms sent and their product; the
+    remedies' steps to target come from the speedrun's committed JSON, interval and seeds included."""
+    import json
+
+    from benchmarks.depth.__main__ import STUDIES
+    from benchmarks.depth.report import boundary_table, build, remedies
+
+    out = tmp_path / "runs"
+    out.mkdir()
+    lines = [{"iteration": 50, "lm_loss": 6.0}, {"iteration": 50, "valid_loss": 5.6}]
+    (out / "paper_pp8.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (out / "paper_pp8.done").write_text("{}\n")
+    samples = [{"call": c, "direction": "forward", "boundary": b, "rel_error": e, "rms": rms}
+               for c, b, e, rms in ((0, 1, 0.9, 9.0), (8, 1, 0.1, 2.0), (10, 1, 0.1, 2.0), (10, 7, 0.08, 12.0))]
+    samples.append({"call": 10, "direction": "backward", "boundary": 7, "rel_error": 0.02, "rms": 1e-6})
+    (out / "paper_pp8.errors.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    table = boundary_table(build(STUDIES, out, {"cpu": "test", "cores": 2}))
+    # call 0 is before the last quarter (calls >= 7.5): left out
+    assert "| 1 | 0.100 | 2.00 | 0.200 | – |" in table and "| 7 | 0.080 | 12.00 | 0.960 | 0.020 |" in table
+    assert boundary_table({"rows": {}}) == "(`paper_pp8` not run)"
+    speedrun = tmp_path / "speedrun.json"
+    assert "has not been written" in remedies(speedrun)
+    speedrun.write_text(json.dumps({"table": [
+        {"codec": "channel9", "seeds": [1, 2, 3], "multiplier": 1.08, "multiplier_low": 1.01, "multiplier_high": 1.14},
+        {"codec": "channel_f5", "seeds": [1], "multiplier": 1.22},
+        {"codec": "channel", "seeds": [1], "multiplier": None, "multiplier_at_least": 1.32}]}))
+    text = remedies(speedrun)
+    assert ">= 1.32x; 1.22x (one seed); 1.08x [1.01, 1.14] (3 seeds) bf16's steps" in text
+    assert "`lowrank` (the message's 16 principal directions apart, the residual at 3 bits): not run" in text

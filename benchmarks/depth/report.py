@@ -83,6 +83,23 @@ def tables(result: dict) -> str:
     return "\n".join(parts)
 
 
+def boundary_table(result: dict, name: str = "paper_pp8") -> str:
+    """Per boundary of one run: the forward codec's relative round-trip error, the rms of what it sent (so the
+    absolute error, their product), and the backward codec's relative error (last quarter of training)."""
+    row = result["rows"].get(name)
+    if row is None or not row["per_boundary"]["forward"]:
+        return f"(`{name}` not run)"
+    fwd, bwd = row["per_boundary"]["forward"], row["per_boundary"]["backward"]
+    lines = [f"Per boundary of `{name}` ({row['label']}), last quarter of training:", "",
+             "| boundary (after layer) | fwd error | rms sent | fwd error x rms | bwd error |",
+             "|---:|---:|---:|---:|---:|"]
+    for k in sorted(fwd, key=int):
+        v = fwd[k]
+        lines.append(f"| {k} | {v['rel_error']:.3f} | {v['rms']:.2f} | {v['rel_error'] * v['rms']:.3f} | "
+                     f"{_fmt(bwd.get(k, {}).get('rel_error'))} |")
+    return "\n".join(lines)
+
+
 def plots(result: dict, data: Path) -> dict[str, str]:
     """The page's plots from the runs there are: the curves by depth always; gap against forward error and the
     rms along the pipeline when forward-codec studies ran."""
@@ -171,8 +188,31 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
               "gap_none_s1235_vs": (_fmt(rows["none_s1235"]["final_loss"] - rows["none"]["final_loss"], 3, True)
                                     if "none" in rows and "none_s1235" in rows else "not run"),
               **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
-              **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}}
+              **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}, "per_boundary": boundary_table(result),
+              "remedies": remedies(page.parent / "data" / "speedrun.json")}
     page.write_text(template.format_map(_Missing(fields)))
+
+
+def remedies(speedrun_json: Path) -> str:
+    """The remedies' steps to target at depth 8, as the speedrun measured them (its committed JSON)."""
+    if not speedrun_json.is_file():
+        return "(the speedrun's page, docs/SPEEDRUN.md, has not been written)"
+    rows = {r["codec"]: r for r in json.loads(speedrun_json.read_text())["table"]}
+
+    def steps(codec):
+        r = rows.get(codec)
+        if r is None:
+            return "not run"
+        if r.get("multiplier") is None:
+            return f">= {r['multiplier_at_least']:.2f}x" if r.get("multiplier_at_least") else "missed"
+        interval = (f" [{r['multiplier_low']:.2f}, {r['multiplier_high']:.2f}] ({len(r['seeds'])} seeds)"
+                    if len(r["seeds"]) > 1 else " (one seed)")
+        return f"{r['multiplier']:.2f}x{interval}"
+
+    return (f"per-channel activations at 4, 5 and 6 bits (3-bit stochastically rounded gradients: `channel`, "
+            f"`channel_f5`, `channel9`): {steps('channel')}; {steps('channel_f5')}; {steps('channel9')} bf16's "
+            f"steps; `lowrank` (the message's 16 principal directions apart, the residual at 3 bits): "
+            f"{steps('lowrank')}; `paper`: {steps('paper')}; `hadint4`: {steps('hadint4')}")
 
 
 class _Missing(dict):
