@@ -42,11 +42,11 @@ CODECS: dict[str, dict] = {
     # between channel and channel9: 5-bit activations (the forward codec carries the PP 8 penalty, docs/DEPTH.md)
     "channel_f5": {"tah_forward_codec": "channel", "tah_forward_bits": 5, "tah_backward_codec": "channel",
                    "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
-    # lowrank's activations with 2-bit per-channel stochastically rounded gradients: 5.38 bits both ways at
-    # [1024, 8, 1024], the candidate for <= 6 bits (lowrank's forward kept its steps at depth 8)
-    "lowrank_g2": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                   "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "channel",
-                   "tah_backward_bits": 2, "tah_backward_stochastic_rounding": True},
+    # lowrank's activations with per-channel stochastically rounded gradients (as channel9's): 3 bits, 6.38 bits
+    # both ways at [1024, 8, 1024]; 2 bits, 5.38 (the candidate for <= 6 bits)
+    **{f"lowrank_g{bits}": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
+                            "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "channel",
+                            "tah_backward_bits": bits, "tah_backward_stochastic_rounding": True} for bits in (3, 2)},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
