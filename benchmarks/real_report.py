@@ -25,10 +25,11 @@ from typing import Callable
 import torch
 
 from megatron_tah.codecs import Codec, get_codec, load_all_codecs
+from megatron_tah.config.presets import PRESETS as _ALL
 
 from .spectrum import energy_share
 
-PRESETS = ("paper", "hadint4", "lowrank", "lowrank8")
+PRESETS = tuple(name for name in _ALL if name != "none")  # every preset's forward codec
 HADINT_BITS = (3, 4, 5, 6)
 ERRORS = ("rel_error", "token_rel_error")
 
