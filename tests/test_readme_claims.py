@@ -139,6 +139,31 @@ def test_the_presets_table_is_the_parity_study():
         assert gap == " / ".join(w[labels[preset]][3] for w in widths), preset
 
 
+def test_the_codecs_pages_preset_table_is_the_committed_real_activation_run():
+    """docs/CODECS.md's presets on real activations: bits, token error and the per-bit verdict of each preset
+    per model, as docs/data/real_activations.json holds them; every preset has its row."""
+    from benchmarks.real_report import _range, preset_summary
+    from megatron_tah.config import PRESETS
+
+    result = json.loads((DOCS / "data" / "real_activations.json").read_text())
+    by_model = [preset_summary({"models": [model]}) for model in result["models"]]
+    rows = _table_rows(_table((DOCS / "CODECS.md").read_text(), "| preset | forward bits, toy / real |"), "preset")
+    rows = {name.split()[0]: cells for name, cells in rows.items()}
+    assert set(rows) == {name for name in PRESETS if name != "none"}
+    for name, (bits, _gap, error, per_bit) in rows.items():
+        real_bits = [format(m[name]["bits"][0], ".2f") for m in by_model]
+        assert bits.split(" / ")[1] == (real_bits[0] if len(set(real_bits)) == 1 else ", ".join(real_bits)), name
+        assert error == " / ".join(_range(m[name]["token_rel_error"]) for m in by_model), name
+        if name != "hadint4":  # the reference itself
+            assert per_bit == " / ".join(f"{m[name]['as_good']} of {m[name]['layers']}" for m in by_model), name
+    smollm2 = by_model[0]
+    page = " ".join((DOCS / "CODECS.md").read_text().split())
+    assert (f"a token error of {_range(smollm2['channel']['token_rel_error'])} at 4 bits and "
+            f"{_range(smollm2['channel9']['token_rel_error'])} at 6 bits") in page
+    assert (f"without its first token: {_range(smollm2['channel']['token_rel_error_without_first'])} and "
+            f"{_range(smollm2['channel9']['token_rel_error_without_first'])}") in page
+
+
 def test_make_reproduce_needs_a_part():
     """docs/REPRODUCTION.md states the behaviour of a bare `make reproduce`; the script does it (usage, exit
     status 2)."""

