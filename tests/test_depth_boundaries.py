@@ -88,3 +88,19 @@ def test_the_page_tabulates_each_boundary_and_quotes_the_speedruns_remedies(tmp_
     text = remedies(speedrun)
     assert ">= 1.32x; 1.22x (one seed); 1.08x [1.01, 1.14] (3 seeds) bf16's steps" in text
     assert "`lowrank` (the message's 16 principal directions apart, the residual at 3 bits): not run" in text
+
+
+def test_the_one_boundary_runs_are_read_against_all_seven():
+    from benchmarks.depth.report import position_reading
+
+    def rows(b1, b4, b7, all7):
+        return {n: {"gap": g} for n, g in (("paper_fwd_b1", b1), ("paper_fwd_b4", b4), ("paper_fwd_b7", b7),
+                                           ("paper_fwd_pp8", all7))}
+
+    text = position_reading(rows(0.01, 0.02, 0.03, 0.30))  # 7 x 0.02 = 0.14 added, 0.30 together
+    assert "Seven times the mean one-boundary gap is +0.140, against +0.300" in text and "(2.1x)" in text
+    assert "they compound" in text and "after layer 7" in text
+    assert "about what their costs added" in position_reading(rows(0.02, 0.02, 0.02, 0.15))
+    assert "less together" in position_reading(rows(0.04, 0.05, 0.03, 0.10))
+    assert "costs nothing measurable" in position_reading(rows(-0.01, 0.0, 0.005, 0.2))
+    assert position_reading({}) == "The one-boundary runs have not run for this page."

@@ -111,7 +111,8 @@ def test_the_presets_table_is_the_parity_study():
     labels = {"`paper`": "TAH-Quant (4/3-bit fwd, 6-bit bwd)",
               "`hadint4`": "Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each)",
               "`lowrank`": next(r for r in widths[0] if r.endswith("--tah-preset lowrank")),
-              "`lowrank8`": next(r for r in widths[0] if r.endswith("--tah-preset lowrank8"))}
+              **{f"`{name}`": next(r for r in widths[0] if r.endswith(f"--tah-preset {name}"))
+                 for name in ("lowrank8", "channel", "channel6", "channel9")}}
     rows = _table_rows(_table(README, "| preset |"), "preset")
     assert list(rows)[:len(labels)] == list(labels)
     from megatron_tah.config import PRESETS, TahConfig
