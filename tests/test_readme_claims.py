@@ -231,3 +231,27 @@ def test_the_first_screens_time_to_target_is_the_speedruns():
             f"{lowrank['multiplier']:.2f}x (3 seeds, {lowrank['multiplier_low']:.2f}-{lowrank['multiplier_high']:.2f}), "
             f"T {lowrank['T_vs_bf16']:.3f}x") in text
     assert f"{projected['lowrank']:,.0f} s for `lowrank`" in text
+
+
+def test_the_deep_pipeline_recommendation_is_what_was_measured():
+    """The README's case for `lowrank` at depth 4 and more: its PP 4 gap against `paper`'s (the presets table),
+    the speedrun's PP 8 steps, the real-activation verdicts, and the frontier's best projected point."""
+    from benchmarks.real_report import preset_summary
+    from benchmarks.speedrun import report
+
+    text = " ".join(README.split("## Presets")[1].split("## Where the results live")[0].split())
+    rows = _table_rows(_table(README, "| preset |"), "preset")
+    gaps = {p: [float(g.strip("%")) for g in rows[f"`{p}`"][4].split(" / ")] for p in ("lowrank", "paper")}
+    assert "at PP 4 its gap is a sixth of `paper`'s" in text
+    assert all(1 / 7 < lo / pa < 1 / 5 for lo, pa in zip(gaps["lowrank"], gaps["paper"]))
+    result = json.loads((DOCS / "data" / "speedrun.json").read_text())
+    speedrun = {r["codec"]: r for r in result["table"]}
+    assert (f"at PP 8 it needs {speedrun['lowrank']['multiplier']:.2f}x bf16's steps where `paper` needs at least "
+            f"{speedrun['paper']['multiplier_at_least']:.2f}x") in text
+    real = json.loads((DOCS / "data" / "real_activations.json").read_text())
+    smollm2, minilm = (preset_summary({"models": [m]}) for m in real["models"])
+    assert (f"as good per bit as Hadamard INT at {smollm2['lowrank']['as_good']} of 3 SmolLM2 cuts and "
+            f"{minilm['lowrank']['as_good']} of 3 MiniLM cuts (`paper` at none)") in text
+    assert smollm2["paper"]["as_good"] == minilm["paper"]["as_good"] == 0
+    points = [r for r in report.frontier(result) if r["on_frontier"] and r["codec"] != "bf16"]
+    assert min(points, key=lambda r: r["projected_T"])["codec"] == "lowrank"
