@@ -132,6 +132,8 @@ def test_the_presets_table_is_the_parity_study():
     for preset in ("lowrank", "channel9"):
         row = speedrun[preset]
         assert rows[f"`{preset}`"][5] == f"{row['multiplier']:.2f}x, {len(row['seeds'])} seeds (docs/SPEEDRUN.md)"
+    assert speedrun["lowrank8"]["seeds"] == [1234]
+    assert rows["`lowrank8`"][5] == f"{speedrun['lowrank8']['multiplier']:.2f}x, one seed (docs/SPEEDRUN.md)"
     for preset in list(labels):
         cells = rows[preset]
         fwd_bits, bwd_bits, gap = cells[1], cells[3], cells[4]
@@ -215,7 +217,9 @@ def test_no_issue_numbers_in_the_docs(page):
 
 def test_the_first_screens_time_to_target_is_the_speedruns():
     """The README's headline: the speedrun's `channel9` multiplier, interval and T, the lower bounds of `channel`
-    and `paper`, and the projection, as committed."""
+    and `paper`, the projection, and the cheaper points of the frontier, as committed."""
+    from benchmarks.speedrun import report
+
     result = json.loads((DOCS / "data" / "speedrun.json").read_text())
     rows = {r["codec"]: r for r in result["table"]}
     c9, channel, paper = rows["channel9"], rows["channel"], rows["paper"]
@@ -231,6 +235,10 @@ def test_the_first_screens_time_to_target_is_the_speedruns():
             f"{lowrank['multiplier']:.2f}x (3 seeds, {lowrank['multiplier_low']:.2f}-{lowrank['multiplier_high']:.2f}), "
             f"T {lowrank['T_vs_bf16']:.3f}x") in text
     assert f"{projected['lowrank']:,.0f} s for `lowrank`" in text
+    g3, g2 = rows["lowrank_g3"], rows["lowrank_g2"]
+    bits = {r["codec"]: r["bits"] for r in report.frontier(result)}
+    assert (f"with 3-bit gradients ({bits['lowrank_g3']:.1f} bits) need {g3['multiplier']:.2f}x (one seed), with 2-bit "
+            f"gradients ({bits['lowrank_g2']:.1f} bits) at least {g2['multiplier_at_least']:.2f}x") in text
 
 
 def test_the_deep_pipeline_recommendation_is_what_was_measured():

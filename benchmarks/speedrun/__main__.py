@@ -41,7 +41,8 @@ LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50
 MAX_FACTOR = 4.0  # the longest schedule a codec that misses the target runs, in schedules of bf16
 DEFAULT_SEEDS = (1234, 1235, 1236)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # loss runs side by side: torch's default threads each contend for the cores
-DEFAULT_CODECS = ("bf16", "paper", "channel", "channel6", "channel9", "channel_f5", "hadint4", "lowrank", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
+DEFAULT_CODECS = ("bf16", "paper", "channel", "channel6", "channel9", "channel_f5", "hadint4", "lowrank", "lowrank8",
+                  "lowrank_g3", "lowrank_g2", "fixedpoint4")  # auto: --loss-runs pipeline --timing measured
 
 
 def seeds_by_codec(seeds: list[int], multi_seed: str):

@@ -246,37 +246,37 @@ def _frontier_best(result: dict) -> str:
 
 
 def plot_frontier(result: dict, path: Path) -> None:
-    """Steps multiplier against round-trip bits at the reference's shape: intervals as bars, a codec that
-    missed as an upward arrow from its lower bound."""
+    """Steps multiplier against round-trip bits at the reference's shape, one colour per codec (legend): circles
+    on the frontier, squares dominated, bars the interval over seeds, triangles a codec that missed the target
+    (at its lower bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in frontier(result):
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    colours = plt.get_cmap("tab20").colors
+    for i, r in enumerate(frontier(result)):
+        colour = colours[i % len(colours)]
         if r["multiplier"] is not None:
             low, high = r["multiplier_low"], r["multiplier_high"]
             err = [[r["multiplier"] - low], [high - r["multiplier"]]] if r["seeds"] > 1 else None
-            ax.errorbar([r["bits"]], [r["multiplier"]], yerr=err, fmt="o" if r["on_frontier"] else "s",
-                        color="C0" if r["on_frontier"] else "C7", capsize=3)
-            y = r["multiplier"]
+            ax.errorbar([r["bits"]], [r["multiplier"]], yerr=err, fmt="o" if r["on_frontier"] else "s", color=colour,
+                        capsize=3, label=f"{r['codec']} ({r['multiplier']:.2f}x)")
         elif r["multiplier_at_least"]:
-            y = r["multiplier_at_least"]
-            ax.plot([r["bits"]], [y], marker="^", color="C3")
-        else:
-            continue
-        ax.annotate(r["codec"], (r["bits"], y), textcoords="offset points", xytext=(5, 3), fontsize=7)
-    ax.axhline(1.0, color="black", linewidth=0.6)
+            ax.plot([r["bits"]], [r["multiplier_at_least"]], marker="^", linestyle="", color=colour,
+                    label=f"{r['codec']} (>= {r['multiplier_at_least']:.2f}x)")
     ax.fill_between([0, 6.0], 0, 1.05, color="C2", alpha=0.15, label="goal: <= 6 bits, <= 1.05x")
+    ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_xscale("log", base=2)
     ax.set_xlim(4, 40)
     ax.set_xticks([4, 6, 8, 12, 16, 32], ["4", "6", "8", "12", "16", "32"])
     ax.set_ylim(0.8, None)
     ax.set_xlabel("wire bits per value, forward + backward, at [1024, 8, 1024]")
     ax.set_ylabel("steps to target / bf16's, PP 8")
-    ax.set_title("bars: 95% interval over seeds; triangles: missed the target (lower bound)", fontsize=8)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("circles: on the frontier; squares: dominated; bars: 95% interval over seeds; "
+                 "triangles: missed (lower bound)", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
