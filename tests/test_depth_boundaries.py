@@ -1,5 +1,6 @@
 """The depth study's emulated boundaries: a codec round trip after the chosen layers, both directions."""
 
+import pytest
 import torch
 
 from benchmarks.depth.boundaries import Boundaries, _RoundTrip
@@ -104,3 +105,25 @@ def test_the_one_boundary_runs_are_read_against_all_seven():
     assert "less together" in position_reading(rows(0.04, 0.05, 0.03, 0.10))
     assert "costs nothing measurable" in position_reading(rows(-0.01, 0.0, 0.005, 0.2))
     assert position_reading({}) == "The one-boundary runs have not run for this page."
+
+
+def test_a_wider_run_is_measured_against_the_uncompressed_run_of_its_width(tmp_path):
+    import json
+
+    from benchmarks.depth.__main__ import STUDIES, command
+    from benchmarks.depth.report import build, width_reading
+
+    by_name = {s.name: s for s in STUDIES}
+    flags = command(by_name["paper_pp8_h512"], tmp_path, [])
+    assert flags[flags.index("--hidden-size") + 1] == "512" and flags[flags.index("--num-attention-heads") + 1] == "4"
+    out = tmp_path / "runs"
+    out.mkdir()
+    for name, final in (("none", 5.40), ("paper_pp8", 5.65), ("none_h256", 5.20), ("paper_pp8_h256", 5.30)):
+        lines = [{"iteration": 50, "lm_loss": 6.0}, {"iteration": 25, "valid_loss": 6.5},
+                 {"iteration": 50, "valid_loss": final}]
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (out / f"{name}.done").write_text("{}\n")
+    rows = build(STUDIES, out, {"cpu": "test", "cores": 2})["rows"]
+    assert rows["paper_pp8"]["gap"] == pytest.approx(0.25) and rows["paper_pp8_h256"]["gap"] == pytest.approx(0.10)
+    assert width_reading(rows) == "At PP 8 the gap shrinks with every doubling of the width (one seed each)."
+    assert width_reading({}) == "The wider runs have not run for this page."

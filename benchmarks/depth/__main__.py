@@ -61,6 +61,7 @@ class Study:
     seed: int = 1234
     per_boundary: dict = dataclasses.field(default_factory=dict)
     warmup_iters: int = 0
+    hidden: int = SIZE.hidden
 
 
 STUDIES = [
@@ -93,11 +94,15 @@ STUDIES = [
           backward("fixedpoint", 4)),
     Study("channel4_channel2sr_pp8", "remedy", "channel 4-bit, channel 2-bit SR gradients", PP8, channel(4),
           backward("channel", 2)),
+    *[study for hidden in (256, 512) for study in (
+        Study(f"none_h{hidden}", "width", f"uncompressed, hidden {hidden}", hidden=hidden),
+        Study(f"paper_pp4_h{hidden}", "width", f"paper, PP 4, hidden {hidden}", PP4, PAPER, PAPER, hidden=hidden),
+        Study(f"paper_pp8_h{hidden}", "width", f"paper, PP 8, hidden {hidden}", PP8, PAPER, PAPER, hidden=hidden))],
 ]
 
 
 def command(study: Study, out: Path, data: list[str]) -> list[str]:
-    flags = [*SIZE.model_flags(ITERS), *data, "--seed", str(study.seed), "--eval-interval", str(SIZE.eval_interval),
+    flags = [*dataclasses.replace(SIZE, hidden=study.hidden).model_flags(ITERS), *data, "--seed", str(study.seed), "--eval-interval", str(SIZE.eval_interval),
              "--eval-iters", str(SIZE.eval_iters), "--fixed-validation", "--log-interval", str(SIZE.eval_interval),
              "--tah-log-json", str(out / f"{study.name}.jsonl"),
              "--transformer-impl", "local", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",

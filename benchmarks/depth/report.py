@@ -17,6 +17,7 @@ GROUPS = {
     "backward": "Backward codecs at pipeline depth 8 (activations uncompressed)",
     "remedy": "Remedies at pipeline depth 8 (both directions)",
     "seeds": "Second seed",
+    "width": "Width: the paper's configuration at hidden 256 and 512 (4 heads; gaps against the same width's uncompressed run)",
 }
 
 
@@ -35,7 +36,8 @@ def summarize(study, out: Path) -> dict:
                             "rms": statistics.fmean(x["rms"] for x in v)} for k, v in sorted(by.items())}
                     for d, by in errors.items()}
     return {"name": study.name, "group": study.group, "label": study.label, "seed": study.seed,
-            "final_loss": validations[-1][1], "validations": validations, "per_boundary": per_boundary}
+            "hidden": study.hidden, "final_loss": validations[-1][1], "validations": validations,
+            "per_boundary": per_boundary}
 
 
 def _mean(values):
@@ -46,13 +48,14 @@ def _mean(values):
 def build(studies, out: Path, host: dict) -> dict:
     done = [s for s in studies if (out / f"{s.name}.done").is_file()]
     rows = {s.name: summarize(s, out) for s in done}
-    base = {r["seed"]: r["final_loss"] for r in rows.values() if r["name"].startswith("none")}
-    curves = {r["seed"]: r["validations"] for r in rows.values() if r["name"].startswith("none")}
+    # the uncompressed run of the same seed and width is each run's reference
+    base = {(r["seed"], r["hidden"]): r for r in rows.values() if r["name"].startswith("none")}
     for r in rows.values():
-        r["gap"] = r["final_loss"] - base[r["seed"]] if r["seed"] in base else None
-        # the uncompressed run (same seed) first validated at or below this run's final loss at step `at`:
+        ref = base.get((r["seed"], r["hidden"]))
+        r["gap"] = r["final_loss"] - ref["final_loss"] if ref else None
+        # the uncompressed run first validated at or below this run's final loss at step `at`:
         # this run needed at least schedule / at times its steps for that loss
-        at = next((i for i, loss in curves.get(r["seed"], []) if loss <= r["final_loss"]), None)
+        at = next((i for i, loss in (ref["validations"] if ref else []) if loss <= r["final_loss"]), None)
         r["multiplier_at_least"] = r["validations"][-1][0] / at if at and r["gap"] and r["gap"] > 0 else None
         fwd = r["per_boundary"]["forward"]
         r["forward_error"] = _mean(v["rel_error"] for v in fwd.values())
@@ -189,7 +192,8 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
                                     if "none" in rows and "none_s1235" in rows else "not run"),
               **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
               **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}, "per_boundary": boundary_table(result),
-              "remedies": remedies(page.parent / "data" / "speedrun.json"), "position": position_reading(rows)}
+              "remedies": remedies(page.parent / "data" / "speedrun.json"), "position": position_reading(rows),
+              "width": width_reading(rows)}
     page.write_text(template.format_map(_Missing(fields)))
 
 
@@ -210,6 +214,21 @@ def position_reading(rows: dict) -> str:
             f"all seven at once" + (f" ({ratio:.1f}x)" if ratio else "") + f": {verdict}; the costliest single "
             f"boundary is the one after layer {worst.rsplit('b', 1)[1]} (one seed each: a gap's own noise is "
             f"not measured here).")
+
+
+def width_reading(rows: dict) -> str:
+    """Whether the depth-8 gap shrinks with width (the runs at hidden 128, 256, 512)."""
+    names = ("paper_pp8", "paper_pp8_h256", "paper_pp8_h512")
+    gaps = [rows[n]["gap"] for n in names if n in rows and rows[n]["gap"] is not None]
+    if len(gaps) < 2:
+        return "The wider runs have not run for this page."
+    if all(b < a for a, b in zip(gaps, gaps[1:])):
+        trend = "shrinks with every doubling of the width"
+    elif all(b > a for a, b in zip(gaps, gaps[1:])):
+        trend = "grows with the width"
+    else:
+        trend = "does not move one way with the width"
+    return f"At PP 8 the gap {trend} (one seed each)."
 
 
 def remedies(speedrun_json: Path) -> str:
