@@ -53,6 +53,12 @@ def test_the_page_shows_the_runs_there_are_and_names_the_studies_not_run(tmp_pat
     write_page(STUDIES, out, page, {"cpu": "test cpu", "cores": 2})
     text = page.read_text()
     assert "+0.250 at PP 8" in text and "alone (gradients uncompressed): +0.300" in text
+    assert "gradients alone cost" not in text  # paper_bwd_pp8 did not run here
+    from benchmarks.depth.report import _share
+
+    rows = {"paper_bwd_pp8": {"gap": 0.01}, "paper_fwd_pp8": {"gap": 0.25}}
+    assert _share(rows, "paper_bwd_pp8", "paper_fwd_pp8") == ("The 6-bit gradients alone cost 4% of what the "
+                                                              "activations' codec alone costs.")
     assert "not run at PP 2" in text
     assert "`paper_pp2`" in text.split("but not run for this page")[1]  # listed among the studies not run
     assert (tmp_path / "docs" / "data" / "depth_curves.png").stat().st_size > 1000

@@ -193,7 +193,7 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
               **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
               **{f"rms_{n}": value(n, "last_rms", 2) for n in rows}, "per_boundary": boundary_table(result),
               "remedies": remedies(page.parent / "data" / "speedrun.json"), "position": position_reading(rows),
-              "width": width_reading(rows)}
+              "width": width_reading(rows), "bwd_share": _share(rows, "paper_bwd_pp8", "paper_fwd_pp8")}
     page.write_text(template.format_map(_Missing(fields)))
 
 
@@ -214,6 +214,14 @@ def position_reading(rows: dict) -> str:
             f"all seven at once" + (f" ({ratio:.1f}x)" if ratio else "") + f": {verdict}; the costliest single "
             f"boundary is the one after layer {worst.rsplit('b', 1)[1]} (one seed each: a gap's own noise is "
             f"not measured here).")
+
+
+def _share(rows: dict, part: str, whole: str) -> str:
+    """The backward codec's gap alone as a share of the forward codec's alone (empty without both)."""
+    if not all(n in rows and rows[n]["gap"] is not None for n in (part, whole)) or rows[whole]["gap"] <= 0:
+        return ""
+    share = max(rows[part]["gap"], 0.0) / rows[whole]["gap"]
+    return f"The 6-bit gradients alone cost {share:.0%} of what the activations' codec alone costs."
 
 
 def width_reading(rows: dict) -> str:
