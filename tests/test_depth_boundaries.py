@@ -133,3 +133,12 @@ def test_a_wider_run_is_measured_against_the_uncompressed_run_of_its_width(tmp_p
     assert rows["paper_pp8"]["gap"] == pytest.approx(0.25) and rows["paper_pp8_h256"]["gap"] == pytest.approx(0.10)
     assert width_reading(rows) == "At PP 8 the gap shrinks with every doubling of the width (one seed each)."
     assert width_reading({}) == "The wider runs have not run for this page."
+
+
+def test_a_gap_that_holds_across_widths_is_read_as_such():
+    from benchmarks.depth.report import width_reading
+
+    rows = {n: {"gap": g} for n, g in (("paper_pp8", 0.22), ("paper_pp8_h256", 0.19), ("paper_pp8_h512", 0.22))}
+    assert "stays about the same at every width (+0.190 to +0.220)" in width_reading(rows)
+    rows["paper_pp8_h512"]["gap"] = 0.30
+    assert "does not move one way with the width" in width_reading(rows)

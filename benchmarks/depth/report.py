@@ -230,7 +230,10 @@ def width_reading(rows: dict) -> str:
     gaps = [rows[n]["gap"] for n in names if n in rows and rows[n]["gap"] is not None]
     if len(gaps) < 2:
         return "The wider runs have not run for this page."
-    if all(b < a for a, b in zip(gaps, gaps[1:])):
+    lo, hi = min(gaps), max(gaps)
+    if hi - lo <= 0.25 * abs(statistics.fmean(gaps)):
+        trend = f"stays about the same at every width ({lo:+.3f} to {hi:+.3f}): it does not fade as the model widens"
+    elif all(b < a for a, b in zip(gaps, gaps[1:])):
         trend = "shrinks with every doubling of the width"
     elif all(b > a for a, b in zip(gaps, gaps[1:])):
         trend = "grows with the width"
