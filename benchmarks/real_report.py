@@ -94,13 +94,14 @@ def pareto(points: list[dict], key: str = "rel_error") -> list[dict]:
 def measure(models: dict[str, tuple[int, dict[int, torch.Tensor]]], table=None) -> dict:
     """``{"models": [{"name", "layers": int, ... "layers": [{layer, shape, share, rows, presets}]}]}``."""
     result = {"models": []}
+    table = table or rows()
+    presets_only = [(label, make) for label, make in table if label.startswith("preset ")]
     for name, (num_layers, messages) in models.items():
         layers = []
         for layer, x in sorted(messages.items()):
             measured = measure_message(x, table)
             # the presets again on the message without its first token (an attention sink in decoder LMs)
-            without = {p["label"]: p for p in measure_message(x[1:], [(label, make) for label, make in table or rows()
-                                                                      if label.startswith("preset ")])}
+            without = {p["label"]: p for p in measure_message(x[1:], presets_only)}
             presets = {}
             for p in measured:
                 if p["label"].startswith("preset "):

@@ -102,7 +102,8 @@ STUDIES = [
 
 
 def command(study: Study, out: Path, data: list[str]) -> list[str]:
-    flags = [*dataclasses.replace(SIZE, hidden=study.hidden).model_flags(ITERS), *data, "--seed", str(study.seed), "--eval-interval", str(SIZE.eval_interval),
+    size = dataclasses.replace(SIZE, hidden=study.hidden)
+    flags = [*size.model_flags(ITERS), *data, "--seed", str(study.seed), "--eval-interval", str(SIZE.eval_interval),
              "--eval-iters", str(SIZE.eval_iters), "--fixed-validation", "--log-interval", str(SIZE.eval_interval),
              "--tah-log-json", str(out / f"{study.name}.jsonl"),
              "--transformer-impl", "local", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
