@@ -40,6 +40,29 @@ def test_auto_leaves_a_codec_whose_steps_penalty_makes_it_slower_to_target(monke
     assert backward.update(1e6) == "paper"  # gradients: no steps penalty charged
 
 
+def test_a_candidate_measured_at_the_depth_is_judged_by_its_steps_not_the_default_error_floor(monkeypatch):
+    # lowrank's round-trip error is above paper's (the default floor) but its steps at depth 8 were measured
+    # (1.09x) and beat fixedpoint4's (2.0x at fewer bytes): it passes the floor there, and wins
+    monkeypatch.setattr(auto_config, "STEPS_MULTIPLIER", {8: {"paper": 2.6, "fixedpoint4": 2.0, "lowrank": 1.09}})
+    costs = _costs() + [CandidateCost("lowrank", 3, 3, 0.0, 0.0, 6400, 0.08), CandidateCost("hadint4", 4, 4, 0.0, 0.0,
+                                                                                           4400, 0.07)]
+    settings = AutoSettings(candidates=("none", "paper", "fixedpoint4", "lowrank", "hadint4"), patience=1)
+    deep = Chooser(CodecCostTable.from_costs(costs), settings, current="none", depth=8)
+    assert deep.update(1e6) == "lowrank" and "hadint4" not in deep.predicted  # hadint4: not measured, over the floor
+    assert auto_config.steps_measured("lowrank", 8) and auto_config.steps_measured("lowrank", 16)
+    assert not auto_config.steps_measured("lowrank", 4) and not auto_config.steps_measured("hadint4", 8)
+    # at depth 2 nothing is measured: the floor holds, and the fewest bytes within it win
+    shallow = Chooser(CodecCostTable.from_costs(costs), settings, current="none", depth=2)
+    assert shallow.update(1e6) == "paper" and set(shallow.predicted) == {"none", "paper", "fixedpoint4"}
+    # gradients at depth 8: no penalty charged, the measured candidates pass the floor, the fewest bytes win
+    backward = Chooser(CodecCostTable.from_costs(costs), settings, current="none", depth=8, direction="backward")
+    assert backward.update(1e6) == "paper"
+    # an explicit floor binds every candidate, measured or not
+    strict = Chooser(CodecCostTable.from_costs(costs), AutoSettings(candidates=settings.candidates, max_error=0.05,
+                                                                   patience=1), current="none", depth=8)
+    assert strict.update(1e6) == "fixedpoint4" and "lowrank" not in strict.predicted
+
+
 def test_the_transports_auto_links_know_the_pipelines_depth():
     from megatron_tah.config import TahConfig
     from megatron_tah.link.transport import PipelineTransport

@@ -44,9 +44,33 @@ def test_an_emulated_loss_run_is_one_process_with_the_codec_at_every_stage_bound
         runs.loss_run("auto", 1234, runs.SIZES["full"], [], emulated=True)
 
 
-def test_auto_needs_the_pipeline_and_measured_timing():
-    with pytest.raises(SystemExit):
-        speedrun.main(["--codecs", "bf16,auto", "--loss-runs", "emulated"])
+def test_auto_runs_the_pipeline_behind_the_link_while_the_others_emulate_their_boundaries(monkeypatch, tmp_path):
+    """With emulated loss runs, ``auto``'s loss run is still the real pipeline behind the emulated wire (its
+    choice depends on the link); the fixed codecs' runs are one process each, without the link."""
+    size, link = runs.SIZES["tiny"], runs.Link(1e6, 0.01)
+    started = []
+    monkeypatch.setattr(speedrun, "execute_all", lambda todo, *a, **k: started.extend(todo))
+    monkeypatch.setattr(speedrun, "loss_results", lambda todo, out, size_: {
+        r.name: {**r.info, "validations": [(size.iters, 4.0)], "bytes": (0, 0)} for r in todo})
+    speedrun.run_losses(["lowrank", "auto"], lambda c: [1], size, [], tmp_path, 1, link, target=5.0, base={},
+                        emulated=True)
+    by_codec = {r.info["codec"]: r for r in started}
+    assert isinstance(by_codec["lowrank"], runs.EmulatedRun) and by_codec["lowrank"].pipeline == 1
+    assert not isinstance(by_codec["auto"], runs.EmulatedRun) and by_codec["auto"].pipeline == size.stages
+    assert by_codec["auto"].name == runs.loss_run_name("auto", 1, size.iters, size, False)
+    assert set(link.flags()) <= set(by_codec["auto"].flags)
+    assert "--tah-emulate-wire" not in by_codec["lowrank"].flags
+
+
+def test_autos_bytes_are_its_settled_choices_and_its_choices_are_counted_per_direction():
+    auto = lambda f, b: {"0->1": {"codec": f}, "1->2": {"codec": f}, "1->0": {"codec": b}, "2->1": {"codec": b}}  # noqa: E731
+    records = [{"iteration": i, "fwd_wire_bytes": 1000 if i <= 2 else 300, "bwd_wire_bytes": 1000 if i <= 2 else 200,
+                "auto": auto("none", "none") if i <= 2 else auto("lowrank", "hadint4")} for i in range(1, 9)]
+    records.insert(4, {"iteration": 4, "valid_loss": 5.0})  # a validation: no bytes, not an iteration
+    assert runs.bytes_per_iteration(records, skip=4) == (300, 200)
+    assert runs.bytes_per_iteration(records, skip=0) == ((2 * 1000 + 6 * 300) / 8, (2 * 1000 + 6 * 200) / 8)
+    assert runs.auto_choices(records) == {"forward": {"lowrank": 0.75, "none": 0.25},
+                                          "backward": {"hadint4": 0.75, "none": 0.25}}
 
 
 @pytest.mark.distributed
@@ -54,12 +78,17 @@ def test_auto_needs_the_pipeline_and_measured_timing():
                                    ["--loss-runs", "emulated", "--timing", "simulated"]], ids=["pipeline", "emulated"])
 def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path, modes):
     page = tmp_path / "docs" / "SPEEDRUN.md"
-    status = speedrun.main(["--size", "tiny", "--out", str(tmp_path / "runs"), "--codecs", "bf16,fixedpoint4",
+    codecs = "bf16,fixedpoint4" + (",auto" if "emulated" in modes else "")  # auto: always a pipeline behind the link
+    status = speedrun.main(["--size", "tiny", "--out", str(tmp_path / "runs"), "--codecs", codecs,
                             "--seeds", "1234", "--jobs", "1", "--write", str(page), *modes])
     assert status == 0
     result = json.loads((tmp_path / "docs" / "data" / "speedrun.json").read_text())
     rows = {r["codec"]: r for r in result["table"]}
-    assert set(rows) == {"bf16", "fixedpoint4"}
+    assert set(rows) == set(codecs.split(","))
+    if "auto" in rows:  # it compressed once it measured the link, and the page says with what
+        assert rows["auto"]["forward_bits"] < 12 and set(rows["auto"]["choices"]) == {"forward", "backward"}
+        assert rows["auto"]["s_per_step"] < rows["bf16"]["s_per_step"]
+        assert "`auto` sent the activations with" in page.read_text()
     bf16, fp4 = rows["bf16"], rows["fixedpoint4"]
     # the baseline reaches its own target by construction (at or before 92% of its schedule)
     assert bf16["steps"] is not None and bf16["steps"] <= 0.92 * runs.SIZES["tiny"].iters
@@ -119,6 +148,15 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
     assert is_complete(reused, out) and not is_complete(new, out)
     got = speedrun.loss_results([reused], out, size)[reused.name]
     assert [list(v) for v in got["validations"]] == curve and got["codec"] == "bf16"
+    # a pipeline run's measured bytes and auto's choices travel with the page (its log keeps only validations)
+    auto_name = runs.loss_run_name("auto", 7, size.iters, size)
+    page["curves"][auto_name] = {"codec": "auto", "seed": 7, "iters": size.iters, "validations": curve,
+                                 "bytes": [640.0, 512.0], "choices": {"forward": {"lowrank": 1.0}}}
+    path.write_text(json.dumps(page))
+    speedrun.restore_from_page(path, tmp_path / "with_auto", size)
+    auto = speedrun.loss_results([runs.loss_run("auto", 7, size, [], link=runs.Link(1e6, 0.01))],
+                                 tmp_path / "with_auto", size)[auto_name]
+    assert auto["bytes"] == (640.0, 512.0) and auto["choices"] == {"forward": {"lowrank": 1.0}}
     path.write_text(json.dumps({**page, "size": "full", "setup": runs.SIZES["full"].setup()}))
     with pytest.raises(ReproduceError, match="run without --from-page"):
         speedrun.restore_from_page(path, tmp_path / "other", size)

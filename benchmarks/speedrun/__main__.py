@@ -87,7 +87,9 @@ def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, di
                                for i, v in curve["validations"]))
         info = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
                 "emulated": name.startswith("emulated_")}
-        meta.write_text(json.dumps({"name": name, "status": 0, "from_page": str(page), "info": info}, indent=1))
+        measured = {key: curve[key] for key in ("bytes", "choices") if key in curve}  # a pipeline run's, kept
+        meta.write_text(json.dumps({"name": name, "status": 0, "from_page": str(page), "info": info,
+                                    **({"measured": measured} if measured else {})}, indent=1))
         restored.append(name)
     earlier = data.get("reused", {})  # a page that reused an older one: the measurements' own date and machine
     provenance = {"page": Path(page).as_posix(), "date": earlier.get("date", data.get("date")),
@@ -116,9 +118,16 @@ def loss_results(run_list, out: Path, size: runs.Size) -> dict:
     messages = (size.stages - 1) * size.micro_batches
     for r in run_list:
         records = read_log(out / f"{r.name}.jsonl")
-        nbytes = tuple(messages * n for n in runs.message_nbytes(r.info["codec"], size)) if r.info["emulated"] \
-            else runs.bytes_per_iteration(records)
-        results[r.name] = {**r.info, "validations": runs.validations(records), "bytes": nbytes}
+        chooses = r.info["codec"] in runs.NEEDS_LINK  # its bytes once its choices settled: the run's second half
+        restored = json.loads((out / f"{r.name}.meta.json").read_text()).get("measured")  # --from-page: kept there
+        if r.info["emulated"]:
+            measured = {"bytes": tuple(messages * n for n in runs.message_nbytes(r.info["codec"], size))}
+        elif restored:
+            measured = {"bytes": tuple(restored["bytes"]), **({"choices": restored["choices"]} if chooses else {})}
+        else:
+            measured = {"bytes": runs.bytes_per_iteration(records, len(runs.step_records(records)) // 2 if chooses else 2),
+                        **({"choices": runs.auto_choices(records)} if chooses else {})}
+        results[r.name] = {**r.info, "validations": runs.validations(records), **measured}
     return results
 
 
@@ -154,8 +163,9 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
     never beyond ``max_factor`` schedules (1: no longer schedules); only codecs in ``longer_for`` (None: all)."""
     todo = []
     for c in codecs:
+        own = emulated and c not in runs.NEEDS_LINK  # a codec that chooses from the link runs the pipeline behind it
         for s in seeds_for(c):
-            run = runs.loss_run(c, s, size, data, link=link, emulated=emulated)
+            run = runs.loss_run(c, s, size, data, link=link, emulated=own)
             bf16_name = runs.loss_run_name("bf16", s, size.iters, size, emulated)
             longer = None if c == "bf16" or (Path(out) / f"{run.name}.meta.json").is_file() \
                 else already_run(out, run.name, bf16_name, size.iters, int(max_factor * size.iters))
@@ -163,7 +173,7 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
                 todo.append(run)
             else:  # only a longer schedule ran (with its bf16 twin): it stands for this seed, the twin beside it
                 twin = runs.loss_run("bf16", s, size, data, iters=longer, emulated=emulated)
-                todo += [runs.loss_run(c, s, size, data, iters=longer, link=link, emulated=emulated)]
+                todo += [runs.loss_run(c, s, size, data, iters=longer, link=link, emulated=own)]
                 todo += [twin] if twin.name not in {r.name for r in todo} else []
     execute_all(todo, out, jobs=jobs, env=ONE_THREAD)
     results = loss_results(todo, out, size)
@@ -182,7 +192,7 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
                                 r.info["iters"], int(max_factor * size.iters)) or iters
             if iters > r.info["iters"] and max_factor > 1:
                 longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
-                                            emulated=emulated))
+                                            emulated=r.info["emulated"]))
                 same = runs.loss_run("bf16", r.info["seed"], size, data, iters=iters, emulated=emulated)
                 if same.name not in {x.name for x in longer}:  # bf16 on the same schedule: the fair comparison
                     longer.append(same)
@@ -221,10 +231,6 @@ def main(argv=None) -> int:
     unknown = sorted(set(codecs) - set(runs.CODECS))
     if unknown or "bf16" not in codecs:
         parser.error(f"--codecs: unknown {unknown}" if unknown else "--codecs must include bf16 (the baseline)")
-    measured_only = sorted(set(codecs) & set(runs.NEEDS_LINK))
-    if measured_only and (emulated or args.timing == "simulated"):
-        parser.error(f"--codecs {','.join(measured_only)}: chooses its codecs from the links it measures; "
-                     f"it needs --loss-runs pipeline --timing measured")
     seeds = [int(s) for s in args.seeds.split(",")]
     seeds_for = seeds_by_codec(seeds, args.multi_seed)
     out = args.out.resolve()
@@ -247,7 +253,7 @@ def main(argv=None) -> int:
         losses = {**base, **run_losses([c for c in codecs if c != "bf16"], seeds_for, size, data, out, args.jobs,
                                        link, target, base, emulated=emulated, max_factor=args.max_factor,
                                        longer_for=set(args.longer.split(",")) if args.longer else None)}
-        steady = simulated_steps(codecs, size, compute_s, link) if args.timing == "simulated" else {}
+        steady = simulated_steps(codecs, size, compute_s, link, losses) if args.timing == "simulated" else {}
         timings = [runs.timing_run(c, size, data, link) for c in codecs if c not in steady]
         execute_all(timings, out, jobs=1)  # one at a time: they measure time
         for t in timings:
@@ -272,13 +278,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def simulated_steps(codecs, size: runs.Size, compute_s: float, link: runs.Link) -> dict:
+def simulated_steps(codecs, size: runs.Size, compute_s: float, link: runs.Link, losses: dict) -> dict:
     """{codec: steady seconds per step} from the schedule simulator: bf16's measured compute per step, the
-    codec's exact message bytes each way, the emulated wire (codec compute not counted)."""
+    codec's exact message bytes each way (a codec that chooses from the link: the mean bytes per message of the
+    second half of its first loss run, ``loss_results``), the emulated wire (codec compute not counted)."""
     f, b = simulate.compute_per_micro_batch(compute_s, size.stages, size.micro_batches)
+    messages = (size.stages - 1) * size.micro_batches
     steady = {}
     for codec in codecs:
-        fwd, bwd = runs.message_nbytes(codec, size)
+        if codec in runs.NEEDS_LINK:
+            first = min((r for r in losses.values() if r["codec"] == codec), key=lambda r: (r["iters"], r["seed"]))
+            fwd, bwd = (n / messages for n in first["bytes"])
+        else:
+            fwd, bwd = runs.message_nbytes(codec, size)
         seconds = simulate.simulate_step(size.stages, size.micro_batches, f, b, fwd, bwd, link.rate_bps,
                                          link.latency_s)
         steady[codec] = {"seconds": seconds, "steady": True, "times": [], "simulated": True}

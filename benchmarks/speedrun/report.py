@@ -51,7 +51,9 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
     for codec in [c for c in runs.CODECS if c in steady]:
         reached, longest, reached_on = _steps_by_seed(losses, codec, target)
         seeds = sorted(longest)
-        row = {"codec": codec, "seeds": seeds, **_bits(losses, codec, size),
+        chose = next((r["choices"] for r in sorted(losses.values(), key=lambda r: (r["iters"], r["seed"]))
+                      if r["codec"] == codec and r.get("choices")), None)
+        row = {"codec": codec, "seeds": seeds, **_bits(losses, codec, size), **({"choices": chose} if chose else {}),
                "s_per_step": steady[codec]["seconds"], "steady": steady[codec]["steady"],
                "steps_by_seed": {str(s): reached.get(s) for s in seeds},
                "schedule_by_seed": {str(s): longest[s] for s in seeds}}
@@ -81,7 +83,9 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
 
     elsewhere = {codec: m for codec, m in STEPS_MULTIPLIER.get(size.stages, {}).items()
                  if codec in projection.CODECS and codec not in measured and codec not in bounds}
-    curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"]}
+    curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"],
+                     **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
+                     **({"choices": r["choices"]} if r.get("choices") else {})}
               for name, r in losses.items()}
     modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
     return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
@@ -101,14 +105,16 @@ LOSS_RUNS_TEXT = {
                 "the same tensors, forward and backward, one codec object per boundary and direction), about 8x "
                 "cheaper on this CPU than one process per stage; initialisation differs from the pipeline's (Megatron "
                 "seeds each pipeline rank differently), so its curves are statistically, not bitwise, the pipeline's "
-                "(`--loss-runs pipeline` runs the real pipeline).",
+                "(`--loss-runs pipeline` runs the real pipeline). `auto`'s loss runs are the real pipeline, one process "
+                "per stage over gloo behind the emulated wire: its choice depends on the link.",
     "pipeline": "Each loss run is the real pipeline: one process per stage over gloo.",
 }
 TIMING_TEXT = {
     "simulated": "Seconds per step are the schedule simulator's (below) for the measured bf16 compute step and each "
                  "codec's exact message bytes each way on that wire; codec compute is not counted (on this CPU the "
-                 "Triton interpreter, not a GPU, would run it). `--timing measured` runs a timing run per codec "
-                 "behind the emulated wire instead.",
+                 "Triton interpreter, not a GPU, would run it); `auto`'s bytes are those it sent per message in the "
+                 "second half of its loss run, once its choices settled. `--timing measured` runs a timing run per "
+                 "codec behind the emulated wire instead.",
     "measured": "Seconds per step are measured: a timing run per codec behind the emulated wire. Steady: the first "
                 "three consecutive 10-step windows whose means agree within 1%, their median (the reference's rule; "
                 "\"not steady\": the median of the last 30 steps).",
@@ -154,6 +160,17 @@ def _multiplier_text(row: dict) -> str:
     if len(row["seeds"]) == 1:
         return f"{row['multiplier']:.2f}x"
     return f"{row['multiplier']:.2f}x [{row['multiplier_low']:.2f}, {row['multiplier_high']:.2f}]"
+
+
+def choices_text(result: dict) -> str:
+    """What a codec that chooses from the link sent with, per direction (its share of the run's iterations x links)."""
+    lines = []
+    for r in result["table"]:
+        for direction, shares in r.get("choices", {}).items():
+            listed = ", ".join(f"`{codec}` {100 * share:.0f}%" for codec, share in shares.items())
+            lines.append(f"`{r['codec']}` sent the {'activations' if direction == 'forward' else 'gradients'} with "
+                         f"{listed} of its iterations x links.")
+    return " ".join(lines)
 
 
 def _reused_text(reused: dict | None) -> str:
@@ -348,5 +365,5 @@ def write_page(result: dict, page: Path) -> None:
         iters=setup["iters"], eval_interval=setup["eval_interval"], eval_iters=setup["eval_iters"],
         micro_batches=setup["micro_batches"], table=table_markdown(result), projection=projection_markdown(result),
         frontier=frontier_markdown(result), frontier_plot=f"data/{stem}_frontier.png",
-        frontier_best=_frontier_best(result),
+        frontier_best=_frontier_best(result), choices=choices_text(result),
         plot=f"data/{stem}.png", json=f"data/{stem}.json"))

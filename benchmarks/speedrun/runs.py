@@ -209,9 +209,28 @@ def step_seconds(records: list[dict]) -> list[float]:
     return [r["ms"] / 1e3 for r in records if r.get("ms") is not None]
 
 
+def step_records(records: list[dict]) -> list[dict]:
+    """The training iterations' records of a run's log (not its validations)."""
+    return [r for r in records if "fwd_wire_bytes" in r and r.get("fwd_wire_bytes") is not None]
+
+
 def bytes_per_iteration(records: list[dict], skip: int = 2) -> tuple[float, float]:
     """Mean (forward, backward) wire bytes per iteration, all links summed, after ``skip`` iterations."""
-    rest = records[skip:] or records
+    steps = step_records(records)
+    rest = steps[skip:] or steps
     fwd = sum(r.get("fwd_wire_bytes", 0) for r in rest) / len(rest)
     bwd = sum(r.get("bwd_wire_bytes", 0) for r in rest) / len(rest)
     return fwd, bwd
+
+
+def auto_choices(records: list[dict]) -> dict[str, dict[str, float]]:
+    """What ``auto`` sent with: {direction: {codec: share of the (iteration, link) pairs of the run}}, from the
+    per-link choices each training record carries (``"i->j"``: forward when j > i)."""
+    counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for record in step_records(records):
+        for link, choice in (record.get("auto") or {}).items():
+            src, dst = (int(x) for x in link.split("->"))
+            direction = counts["forward" if dst > src else "backward"]
+            direction[choice["codec"]] = direction.get(choice["codec"], 0) + 1
+    return {d: {codec: n / sum(c.values()) for codec, n in sorted(c.items(), key=lambda kv: -kv[1])}
+            for d, c in counts.items() if c}

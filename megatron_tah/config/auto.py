@@ -56,6 +56,13 @@ def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> 
     return row.get(candidate, max(row.values(), default=1.0))
 
 
+def steps_measured(candidate: str, depth: int) -> bool:
+    """Whether ``candidate``'s steps to a loss were measured at ``depth`` (it is in the row ``steps_multiplier``
+    reads): then its time to target is known, and auto judges it by that, not by the default error floor."""
+    measured = [d for d in STEPS_MULTIPLIER if d <= depth]
+    return bool(measured) and candidate in STEPS_MULTIPLIER[max(measured)]
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -67,7 +74,8 @@ class AutoSettings:
     lowrank, lowrank8, channel, channel6, channel9); a comma-separated string is split."""
 
     max_error: float | None = None
-    """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error."""
+    """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error,
+    waived for a candidate whose steps were measured at the pipeline's depth (``steps_measured``)."""
 
     interval: int = 50
     """Measure the link and reconsider the codec every this many iterations (and at the handshake)."""

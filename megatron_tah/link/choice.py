@@ -8,7 +8,11 @@ none hidden, the conservative case for a synchronous 1F1B schedule). Among candi
 error is at most the floor (``max_error``; by default the error of the default TAH-Quant
 codec, candidate ``paper``, on the same tensor, so auto never sends less accurately than the
 default; ``none`` has error 0; if ``paper`` itself was dropped the floor is 0), the smallest
-prediction wins, ties to the earlier candidate. The rate a candidate is predicted with is the
+prediction wins, ties to the earlier candidate. The default floor is a proxy for steps to a loss; a
+candidate whose steps were measured at the pipeline's depth (``config.auto.steps_measured``: its multiplier
+is in the table) is judged by them instead and passes it (at depth 8, ``lowrank``'s larger round-trip error
+costs 1.09x the steps, ``fixedpoint4``'s smaller one 2.0x: docs/SPEEDRUN.md); an explicit ``max_error`` binds
+every candidate. The rate a candidate is predicted with is the
 slowest of the rates measured in the last ``memory`` (4) measurements on messages at least as
 large as its own, if any, else the current measurement: a link with a burst allowance (a token
 bucket, e.g. tc's tbf) carries messages smaller than its burst far faster than its sustained
@@ -44,7 +48,7 @@ announced in every message's trailer (``wire.py``, carried by ``auto.AutoEnd``).
 from __future__ import annotations
 
 from ..config import AutoSettings
-from ..config.auto import FLOOR_REFERENCE, steps_multiplier
+from ..config.auto import FLOOR_REFERENCE, steps_measured, steps_multiplier
 from .measure import CandidateCost, CodecCostTable, LinkRate
 from .wire import AutoDecision
 
@@ -78,6 +82,11 @@ class Chooser:
         reference = self.table.costs.get(self.table.aliases.get(FLOOR_REFERENCE, FLOOR_REFERENCE))
         return 0.0 if reference is None else reference.error
 
+    def within_floor(self, name: str, cost: CandidateCost, floor: float) -> bool:
+        """Whether ``name`` may be chosen: its error is at most ``floor``, or the floor is the default one and its
+        steps were measured at this depth (module docstring)."""
+        return cost.error <= floor or (self.settings.max_error is None and steps_measured(name, self.depth))
+
     def rate_for(self, cost: CandidateCost, rate_bps: float) -> float:
         """The rate to predict ``cost``'s messages with: the slowest recent rate measured on messages at least
         as large (a rate measured on small messages may be a burst allowance's, not the link's), else
@@ -100,7 +109,7 @@ class Chooser:
         floor = self.floor()
         self.predicted = {name: predicted_seconds(cost, self.rate_for(cost, rate_bps), self.settings.overlap)
                           * steps_multiplier(name, self.depth, self.direction)
-                          for name, cost in self.table.costs.items() if cost.error <= floor}
+                          for name, cost in self.table.costs.items() if self.within_floor(name, cost, floor)}
         if not self.predicted:
             raise RuntimeError(f"auto codec: no candidate within the error floor {floor:.3g} "
                                f"(dropped: {self.table.dropped or 'none'})")
