@@ -10,6 +10,7 @@ import torch
 
 from megatron_tah.codecs import WireFormatError
 from megatron_tah.config import TahConfig
+from megatron_tah.config.auto import steps_measured
 from megatron_tah.link.auto import AutoEnd
 from megatron_tah.link.choice import Chooser
 from megatron_tah.link.handshake import config_record
@@ -100,6 +101,37 @@ def test_a_switch_that_made_iterations_slower_is_undone_and_that_codec_waits(mon
     assert "auto forward to rank 1: paper's fastest iteration took 1500 ms, none's 1000 ms: back to none" in caplog.text
     # paper came back after 4 measurements (the model still prefers it) and is on probation again
     assert sender.probation.trial == ("fp8", "paper", 12) and sender.chooser.rejected == {}
+
+
+def test_the_sender_says_which_candidates_the_accuracy_floor_leaves_out(caplog):
+    """On its first message the sender measures the candidates and logs the floor (paper's error on that tensor)
+    with the candidates above it and their errors; at a depth where a candidate's steps were measured it passes
+    the floor and the line says so."""
+    import logging
+    import re
+
+    import megatron_tah.link.auto as auto_link
+
+    from megatron_tah.codecs.samples import activation_like
+
+    x = activation_like((64, 2, 128))  # outlier channels: fixed point's error is above paper's here
+    for depth in (1, 8):
+        caplog.clear()
+        sender = AutoEnd(_config(tah_auto_candidates="none,fp8,paper,hadint4,lowrank,fixedpoint4"), "forward", "send",
+                         peer=1, depth=depth)
+        with caplog.at_level(logging.INFO, logger=auto_link.__name__):
+            sender.prepare(x)
+        costs, floor = sender.table.costs, sender.chooser.floor()
+        assert floor == pytest.approx(costs["paper"].error) and floor > 0
+        line = next(r.getMessage() for r in caplog.records if "accuracy floor" in r.getMessage())
+        left_out = re.search(r"left out: ([^;]*)", line).group(1)
+        above = {name for name, cost in costs.items() if cost.error > floor}
+        assert above, {name: cost.error for name, cost in costs.items()}  # the floor leaves something out here
+        measured = {name for name in above if steps_measured(name, depth)}
+        assert {item.split()[0] for item in left_out.split(", ") if item != "nothing"} == above - measured
+        assert ("judged by their steps measured at depth 8" in line) == bool(measured)
+        sender.chooser.update(1e6)
+        assert set(sender.chooser.predicted) == set(costs) - (above - measured)
 
 
 def test_a_buffer_of_another_codec_than_the_announced_one_is_an_error():

@@ -124,6 +124,21 @@ def test_the_rate_drop_row_reads_the_lag_the_return_and_tokens_per_second():
     assert not stuck["tokens_goal_met"]
     text = ratedrop.markdown(row)
     assert "| stage 0 -> 1 (activations), run 2 | none | fixedpoint4 | none | 4 | 6 |" in text and "1.010x" in text
+    assert row["left_out"] == [] and row["best_allowed"] == "fixedpoint4" and row["rate"] == ratedrop.RATE
+    # a faster fixed codec that auto's accuracy floor left out: shown, but the goal is judged against what auto
+    # may choose
+    floor = ("INFO:megatron_tah.link.auto:megatron_tah: auto forward to rank 1: accuracy floor 0.156 (relative "
+             "round-trip error); left out: hadint4 0.2, lowrank 0.19\n"
+             "INFO:megatron_tah.link.auto:megatron_tah: auto backward to rank 0: accuracy floor 0.05 (relative "
+             "round-trip error); left out: nothing\n")
+    faster = {**fixed, "hadint4": [{"status": 0, "records": [{"iteration": k, "ms": 400.0}
+                                                             for k in range(1, ratedrop.FIXED_ITERS + 1)]}]}
+    floored = ratedrop.judge({"rate": "100mbit", "auto": [dict(auto, output=floor)], "fixed": faster})
+    assert floored["best_fixed"] == "hadint4" and floored["ratio_steady"] == pytest.approx(400.0 / 500.0)
+    assert floored["left_out"] == ["hadint4", "lowrank"] and floored["best_allowed"] == "fixedpoint4"
+    assert floored["ratio_allowed"] == pytest.approx(505.0 / 500.0) and floored["tokens_goal_met"]
+    text = ratedrop.markdown(floored)
+    assert "left out hadint4, lowrank" in text and "the emulated link at 100mbit" in text
 
 
 def test_the_rate_drop_fault_changes_the_emulated_rate_of_its_iterations_only(tmp_path):

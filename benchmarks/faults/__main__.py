@@ -286,7 +286,8 @@ def write_page(result: dict, page: Path) -> None:
         text = _replace(text, "faults", faults_block(merged, page))
     if merged.get("ratedrop"):
         rd = merged["ratedrop"]
-        text = _replace(text, "ratedrop", f"Measured by `python -m benchmarks.faults --only ratedrop --write "
+        rate = "" if rd.get("rate", ratedrop.RATE) == ratedrop.RATE else f" --ratedrop-rate {rd['rate']}"
+        text = _replace(text, "ratedrop", f"Measured by `python -m benchmarks.faults --only ratedrop{rate} --write "
                         f"{page.as_posix()}` ({rd['date']}, {rd['cpu']}, {rd['cores']} cores): "
                         + ratedrop.markdown(rd))
     if merged.get("checksum_cost"):
@@ -304,6 +305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--write", type=Path, help="the page whose measured block is replaced (docs/RELIABILITY.md)")
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--rejudge", action="store_true", help="judge the runs already under --out, run nothing")
+    parser.add_argument("--ratedrop-rate", default=None, help="ratedrop: the link's rate before the drop "
+                        "(default: ratedrop.RATE)")
     args = parser.parse_args(argv)
     names = [n for n in (args.only or ",".join([*(s.name for s in SCENARIOS), *PARTS])).split(",") if n]
     parts = [n for n in names if n in PARTS]
@@ -339,7 +342,8 @@ def main(argv=None) -> int:
         print(f"[faults {time.strftime('%H:%M:%S')}] ratedrop: the link's rate falls {ratedrop.FACTOR:g}x, auto "
               "follows; then each candidate fixed at the dropped rate", flush=True)
         facts = (ratedrop.read(out) if args.rejudge
-                 else ratedrop.measure(out, ratedrop.prepare_data(out), args.port + 10 * len(SCENARIOS) + 10))
+                 else ratedrop.measure(out, ratedrop.prepare_data(out), args.port + 10 * len(SCENARIOS) + 10,
+                                       args.ratedrop_rate or ratedrop.RATE))
         result["ratedrop"] = {**stamp, **ratedrop.judge(facts)}
         print(ratedrop.markdown(result["ratedrop"]))
         ok = ok and result["ratedrop"]["ok"]

@@ -210,9 +210,24 @@ class AutoEnd:
         with torch.no_grad():
             self.table = CodecCostTable(makers, x.shape, x.dtype, x.device, sample=x.detach())
         self.chooser = Chooser(self.table, self.settings, depth=self.depth, direction=self.direction)
+        self._log_floor()
         if self._chooser_state is not None:
             self.chooser.load_state_dict(self._chooser_state)
             self._chooser_state = None
+
+    def _log_floor(self) -> None:
+        """Say which candidates the accuracy floor leaves out of this link's choice, and which pass it by their
+        measured steps (``Chooser.within_floor``)."""
+        floor, costs = self.chooser.floor(), self.table.costs
+        out = [f"{name} {cost.error:.3g}" for name, cost in costs.items()
+               if not self.chooser.within_floor(name, cost, floor)]
+        waived = [f"{name} {cost.error:.3g}" for name, cost in costs.items()
+                  if cost.error > floor and self.chooser.within_floor(name, cost, floor)]
+        to = "" if self.peer is None else f" to rank {self.peer}"
+        logger.info(f"megatron_tah: auto {self.direction}{to}: accuracy floor {floor:.3g} (relative round-trip "
+                    f"error); left out: {', '.join(out) or 'nothing'}"
+                    + (f"; above it but judged by their steps measured at depth {self.depth}: {', '.join(waived)}"
+                       if waived else ""))
 
     # ----- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
