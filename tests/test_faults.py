@@ -195,3 +195,13 @@ def test_the_page_keeps_the_parts_not_run_this_time(tmp_path):
     faults.write_page({**stamp, "rows": [reference]}, page)
     text = page.read_text()
     assert "old\n" not in text and "| 0.040% |" in text  # the checksum block kept from the JSON
+    # rate drops from two rates: the default rate's block first, another rate's after it, each with its command
+    from benchmarks.faults import ratedrop
+
+    drop = {"rounds": [], "links": {}, "tokens_per_s": {"steady": None, "whole": None, "fixed": {}}, "best_fixed": None,
+            "ratio_steady": None, "ratio_whole": None, "probation": [], "ok": False, "tokens_goal_met": False}
+    faults.write_page({"ratedrop": {**stamp, **drop, "rate": ratedrop.RATE}}, page)
+    faults.write_page({"ratedrop@100mbit": {**stamp, **drop, "rate": "100mbit"}}, page)
+    text = page.read_text()
+    default, other = text.index(f"link at {ratedrop.RATE};"), text.index("link at 100mbit;")
+    assert "old rd" not in text and default < other and "--only ratedrop --ratedrop-rate 100mbit --write" in text

@@ -284,12 +284,14 @@ def write_page(result: dict, page: Path) -> None:
     text = page.read_text()
     if merged.get("rows"):
         text = _replace(text, "faults", faults_block(merged, page))
-    if merged.get("ratedrop"):
-        rd = merged["ratedrop"]
-        rate = "" if rd.get("rate", ratedrop.RATE) == ratedrop.RATE else f" --ratedrop-rate {rd['rate']}"
-        text = _replace(text, "ratedrop", f"Measured by `python -m benchmarks.faults --only ratedrop{rate} --write "
-                        f"{page.as_posix()}` ({rd['date']}, {rd['cpu']}, {rd['cores']} cores): "
-                        + ratedrop.markdown(rd))
+    drops = [merged[key] for key in ["ratedrop", *sorted(k for k in merged if k.startswith("ratedrop@"))]
+             if merged.get(key)]  # the default rate's, then each other rate's (--ratedrop-rate)
+    if drops:
+        text = _replace(text, "ratedrop", "\n\n".join(
+            f"Measured by `python -m benchmarks.faults --only ratedrop"
+            f"{'' if rd.get('rate', ratedrop.RATE) == ratedrop.RATE else ' --ratedrop-rate ' + rd['rate']} --write "
+            f"{page.as_posix()}` ({rd['date']}, {rd['cpu']}, {rd['cores']} cores): " + ratedrop.markdown(rd)
+            for rd in drops))
     if merged.get("checksum_cost"):
         cc = merged["checksum_cost"]
         text = _replace(text, "checksum", f"Measured by `python -m benchmarks.faults --only checksum-cost --write "
@@ -344,9 +346,10 @@ def main(argv=None) -> int:
         facts = (ratedrop.read(out) if args.rejudge
                  else ratedrop.measure(out, ratedrop.prepare_data(out), args.port + 10 * len(SCENARIOS) + 10,
                                        args.ratedrop_rate or ratedrop.RATE))
-        result["ratedrop"] = {**stamp, **ratedrop.judge(facts)}
-        print(ratedrop.markdown(result["ratedrop"]))
-        ok = ok and result["ratedrop"]["ok"]
+        row = {**stamp, **ratedrop.judge(facts)}
+        result["ratedrop" if row["rate"] == ratedrop.RATE else f"ratedrop@{row['rate']}"] = row  # a rate's own row
+        print(ratedrop.markdown(row))
+        ok = ok and row["ok"]
     if "checksum-cost" in parts and not args.rejudge:
         result["checksum_cost"] = {**stamp, "rows": checksum_cost.measure()}
         print(checksum_cost.table_markdown(result["checksum_cost"]["rows"]))
