@@ -54,7 +54,10 @@ def test_auto_runs_the_pipeline_behind_the_link_while_the_others_emulate_their_b
         r.name: {**r.info, "validations": [(size.iters, 4.0)], "bytes": (0, 0)} for r in todo})
     speedrun.run_losses(["lowrank", "auto"], lambda c: [1], size, [], tmp_path, 1, link, target=5.0, base={},
                         emulated=True)
-    by_codec = {r.info["codec"]: r for r in started}
+    by_codec = {(r.info["codec"], isinstance(r, runs.EmulatedRun)): r for r in started}
+    assert set(by_codec) == {("lowrank", True), ("auto", False), ("bf16", False)}  # auto's bf16 twin: a pipeline
+    assert set(link.flags()).isdisjoint(by_codec[("bf16", False)].flags)  # the twin runs without the link
+    by_codec = {codec: r for (codec, _), r in by_codec.items()}
     assert isinstance(by_codec["lowrank"], runs.EmulatedRun) and by_codec["lowrank"].pipeline == 1
     assert not isinstance(by_codec["auto"], runs.EmulatedRun) and by_codec["auto"].pipeline == size.stages
     assert by_codec["auto"].name == runs.loss_run_name("auto", 1, size.iters, size, False)
@@ -87,6 +90,12 @@ def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path, modes):
     assert set(rows) == set(codecs.split(","))
     if "auto" in rows:  # it compressed once it measured the link, and the page says with what
         assert rows["auto"]["forward_bits"] < 12 and set(rows["auto"]["choices"]) == {"forward", "backward"}
+        # its steps are paired with its bf16 pipeline twin's, bf16's own row stays on the emulated runs
+        twin = [c for c in result["curves"].values() if c["codec"] == "bf16" and c.get("pipeline")]
+        assert len(twin) == 1 and rows["bf16"]["seeds"] == [1234]
+        twin_steps = next(v for v in ([i for i, loss in twin[0]["validations"] if loss <= result["target"]] or [None]))
+        if twin_steps and rows["auto"]["steps"]:
+            assert rows["auto"]["multiplier"] == pytest.approx(rows["auto"]["steps"] / twin_steps)
         assert rows["auto"]["s_per_step"] < rows["bf16"]["s_per_step"]
         assert "`auto` sent the activations with" in page.read_text()
     bf16, fp4 = rows["bf16"], rows["fixedpoint4"]

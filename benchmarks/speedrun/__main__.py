@@ -160,19 +160,24 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
                max_factor=MAX_FACTOR, longer_for=None) -> dict:
     """Every codec's loss runs; with ``target``, each run that missed it once more over a longer schedule
     (``longer_schedule``, from the same seed's bf16 run in ``base``), and again 1.5x longer if that missed,
-    never beyond ``max_factor`` schedules (1: no longer schedules); only codecs in ``longer_for`` (None: all)."""
+    never beyond ``max_factor`` schedules (1: no longer schedules); only codecs in ``longer_for`` (None: all).
+    A codec that chooses from the link runs the real pipeline even when the others are emulated, and so does a
+    bf16 twin of each of its seeds (without the link): its steps count against bf16's of the same kind of run."""
     todo = []
     for c in codecs:
-        own = emulated and c not in runs.NEEDS_LINK  # a codec that chooses from the link runs the pipeline behind it
+        own = emulated and c not in runs.NEEDS_LINK
         for s in seeds_for(c):
             run = runs.loss_run(c, s, size, data, link=link, emulated=own)
-            bf16_name = runs.loss_run_name("bf16", s, size.iters, size, emulated)
+            if own != emulated:
+                pair = runs.loss_run("bf16", s, size, data, emulated=own)
+                todo += [pair] if pair.name not in {r.name for r in todo} else []
+            bf16_name = runs.loss_run_name("bf16", s, size.iters, size, own)
             longer = None if c == "bf16" or (Path(out) / f"{run.name}.meta.json").is_file() \
                 else already_run(out, run.name, bf16_name, size.iters, int(max_factor * size.iters))
             if longer is None:
                 todo.append(run)
             else:  # only a longer schedule ran (with its bf16 twin): it stands for this seed, the twin beside it
-                twin = runs.loss_run("bf16", s, size, data, iters=longer, emulated=emulated)
+                twin = runs.loss_run("bf16", s, size, data, iters=longer, emulated=own)
                 todo += [runs.loss_run(c, s, size, data, iters=longer, link=link, emulated=own)]
                 todo += [twin] if twin.name not in {r.name for r in todo} else []
     execute_all(todo, out, jobs=jobs, env=ONE_THREAD)
@@ -188,12 +193,13 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
             bf16 = base[runs.loss_run_name("bf16", r.info["seed"], size.iters, size, emulated)]
             iters = longer_schedule(results[r.name], bf16, size.iters, size.eval_interval, max_factor) if attempt == 0 \
                 else min(int(max_factor * size.iters), int(round(1.5 * r.info["iters"] / size.eval_interval)) * size.eval_interval)
-            iters = already_run(out, r.name, runs.loss_run_name("bf16", r.info["seed"], size.iters, size, emulated),
+            iters = already_run(out, r.name, runs.loss_run_name("bf16", r.info["seed"], size.iters, size,
+                                                                 r.info["emulated"]),
                                 r.info["iters"], int(max_factor * size.iters)) or iters
             if iters > r.info["iters"] and max_factor > 1:
                 longer.append(runs.loss_run(r.info["codec"], r.info["seed"], size, data, iters=iters, link=link,
                                             emulated=r.info["emulated"]))
-                same = runs.loss_run("bf16", r.info["seed"], size, data, iters=iters, emulated=emulated)
+                same = runs.loss_run("bf16", r.info["seed"], size, data, iters=iters, emulated=r.info["emulated"])
                 if same.name not in {x.name for x in longer}:  # bf16 on the same schedule: the fair comparison
                     longer.append(same)
         execute_all(longer, out, jobs=jobs, env=ONE_THREAD)

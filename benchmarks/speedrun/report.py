@@ -44,12 +44,19 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
 
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
           host: dict, modes: dict | None = None) -> dict:
-    """Everything the page shows: the setup, one row per codec, the curves and the projection."""
-    base_steps, _, _ = _steps_by_seed(losses, "bf16", target)
+    """Everything the page shows: the setup, one row per codec, the curves and the projection. A codec's steps
+    are paired with bf16's runs of its own kind (emulated boundaries or the real pipeline: ``kind_of``); bf16's
+    row and T's bf16 steps are the page's kind's."""
+    modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
+    emulated = modes["loss_runs"] == "emulated"
+    kind_of = lambda codec: emulated and codec not in runs.NEEDS_LINK  # noqa: E731
+    of_kind = lambda kind: {n: r for n, r in losses.items() if r.get("emulated", emulated) == kind}  # noqa: E731
+    base_steps, _, _ = _steps_by_seed(of_kind(emulated), "bf16", target)
     base_mean = score.mean_interval(list(base_steps.values())).mean if base_steps else None
     rows = []
     for codec in [c for c in runs.CODECS if c in steady]:
-        reached, longest, reached_on = _steps_by_seed(losses, codec, target)
+        same_kind = of_kind(kind_of(codec))
+        reached, longest, reached_on = _steps_by_seed(same_kind, codec, target)
         seeds = sorted(longest)
         chose = next((r["choices"] for r in sorted(losses.values(), key=lambda r: (r["iters"], r["seed"]))
                       if r["codec"] == codec and r.get("choices")), None)
@@ -61,8 +68,9 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             steps = score.mean_interval([reached[s] for s in seeds])
             # against bf16 on the same schedule where bf16 ran it (the cosine follows the schedule: a longer one
             # alone reaches a loss in fewer steps), else on its own
-            same = {s: _bf16_on(losses, target, s, reached_on[s]) for s in seeds}
-            paired = {s: same[s] or base_steps.get(s) for s in seeds}
+            same = {s: _bf16_on(same_kind, target, s, reached_on[s]) for s in seeds}
+            own_base, _, _ = _steps_by_seed(same_kind, "bf16", target)
+            paired = {s: same[s] or own_base.get(s) for s in seeds}
             ratio = score.paired_ratio(reached, {s: v for s, v in paired.items() if v})
             row.update(steps=steps.mean, steps_low=steps.low, steps_high=steps.high,
                        multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high,
@@ -70,7 +78,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
                        T=ratio.mean * base_mean * row["s_per_step"] if base_mean else None)
         else:
             row.update(steps=None, multiplier=None, T=None,
-                       multiplier_at_least=_missed_bound(losses, codec, reached, longest, size))
+                       multiplier_at_least=_missed_bound(same_kind, codec, reached, longest, size))
         rows.append(row)
     base_T = next((r["T"] for r in rows if r["codec"] == "bf16"), None)
     for row in rows:
@@ -84,10 +92,10 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
     elsewhere = {codec: m for codec, m in STEPS_MULTIPLIER.get(size.stages, {}).items()
                  if codec in projection.CODECS and codec not in measured and codec not in bounds}
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"],
+                     **({"pipeline": True} if r.get("emulated") is False and emulated else {}),
                      **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
                      **({"choices": r["choices"]} if r.get("choices") else {})}
               for name, r in losses.items()}
-    modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
     return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
             "setup": size.setup(),
             "target": target, "compute_s_per_step": compute_s,
@@ -106,7 +114,9 @@ LOSS_RUNS_TEXT = {
                 "cheaper on this CPU than one process per stage; initialisation differs from the pipeline's (Megatron "
                 "seeds each pipeline rank differently), so its curves are statistically, not bitwise, the pipeline's "
                 "(`--loss-runs pipeline` runs the real pipeline). `auto`'s loss runs are the real pipeline, one process "
-                "per stage over gloo behind the emulated wire: its choice depends on the link.",
+                "per stage over gloo behind the emulated wire (its choice depends on the link), and its steps are "
+                "paired with a bf16 pipeline run of the same seed without the link (the dashed line of the plot), so "
+                "that the pipeline's initialisation does not enter its multiplier.",
     "pipeline": "Each loss run is the real pipeline: one process per stage over gloo.",
 }
 TIMING_TEXT = {
@@ -316,7 +326,9 @@ def plot(result: dict, path: Path) -> None:
         first = min(c["seed"] for c in curves)
         for c in sorted((c for c in curves if c["seed"] == first), key=lambda c: c["iters"]):
             its, losses = zip(*c["validations"])
-            ax.plot([i * seconds[codec] / 3600 for i in its], losses, label=f"{codec} ({c['iters']} steps)")
+            kind = ", pipeline" if c.get("pipeline") and codec not in runs.NEEDS_LINK else ""  # auto's twin
+            ax.plot([i * seconds[codec] / 3600 for i in its], losses, label=f"{codec} ({c['iters']} steps{kind})",
+                    linestyle="--" if kind else "-")
     ax.axhline(result["target"], color="black", linestyle=":", label=f"target {result['target']:.3f}")
     ax.set_xlabel("simulated wall-clock time (h): iteration x steady s/step behind the emulated wire")
     ax.set_ylabel("validation loss (fixed batches, through the codec)")
