@@ -61,6 +61,8 @@ def test_the_page_shows_the_runs_there_are_and_names_the_studies_not_run(tmp_pat
                                                               "activations' codec alone costs.")
     assert "not run at PP 2" in text
     assert "`paper_pp2`" in text.split("but not run for this page")[1]  # listed among the studies not run
+    # the command that writes this page again: the studies it ran, in the study table's order
+    assert "`python -m benchmarks.depth --only none,paper_pp8,paper_fwd_pp8 --write docs/DEPTH.md`" in text
     assert (tmp_path / "docs" / "data" / "depth_curves.png").stat().st_size > 1000
     assert not (tmp_path / "docs" / "data" / "depth_rms.png").exists()  # no forward-codec study ran
 

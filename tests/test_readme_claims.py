@@ -140,6 +140,11 @@ def test_the_presets_table_is_the_parity_study():
         assert fwd_bits == " / ".join(w[labels[preset]][0] for w in widths), preset
         assert bwd_bits == widths[0][labels[preset]][1], preset
         assert gap == " / ".join(w[labels[preset]][3] for w in widths), preset
+    # docs/CODECS.md's presets table repeats the gaps: the same cells
+    codecs_page = _table_rows(_table((DOCS / "CODECS.md").read_text(), "| preset | forward bits, toy / real |"),
+                              "preset")
+    for name, cells in codecs_page.items():
+        assert cells[1] == rows[f"`{name.split()[0]}`"][4], name
 
 
 def test_the_codecs_pages_preset_table_is_the_committed_real_activation_run():

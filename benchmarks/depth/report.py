@@ -188,6 +188,7 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
     fields = {"date": result["date"], **{f"steps_{n}": steps(n) for n in rows},
               "steps_at_pp8": f"{rows['paper_pp8']['validations'][-1][0] / at_pp8:.0f}" if at_pp8 else "not run", "cpu": host["cpu"], "cores": host["cores"], "tables": tables(result), **images,
               "not_run": ", ".join(f"`{name}`" for name in not_run) or "none",
+              "only": (" --only " + ",".join(st.name for st in studies if st.name in rows)) if not_run else "",
               "gap_none_s1235_vs": (_fmt(rows["none_s1235"]["final_loss"] - rows["none"]["final_loss"], 3, True)
                                     if "none" in rows and "none_s1235" in rows else "not run"),
               **{f"gap_{n}": gap(n) for n in rows}, **{f"err_{n}": value(n, "forward_error") for n in rows},
