@@ -244,6 +244,14 @@ def test_the_first_screens_time_to_target_is_the_speedruns():
     bits = {r["codec"]: r["bits"] for r in report.frontier(result)}
     assert (f"with 3-bit gradients ({bits['lowrank_g3']:.1f} bits) need {g3['multiplier']:.2f}x (one seed), with 2-bit "
             f"gradients ({bits['lowrank_g2']:.1f} bits) at least {g2['multiplier_at_least']:.2f}x") in text
+    auto = rows["auto"]  # what it chose, its steps against its bf16 pipeline twin, and who beat it
+    assert auto["choices"]["forward"]["lowrank"] > 0.99 and auto["choices"]["backward"]["hadint4"] > 0.99
+    assert auto["seeds"] == [1234] and (f"{auto['multiplier']:.2f}x the steps of a bf16 pipeline run of the same seed "
+                                        f"(one seed), T {auto['T_vs_bf16']:.3f}x bf16's") in text
+    beaten_by = sorted((c for c, r in rows.items() if r["T"] and r["T"] < auto["T"] and c != "bf16"),
+                       key=lambda c: rows[c]["T"])
+    names = ", ".join(f"`{c}`" for c in beaten_by)
+    assert len(beaten_by) == 4 and f"four fixed codecs beat it ({names})" in text
 
 
 def test_the_deep_pipeline_recommendation_is_what_was_measured():

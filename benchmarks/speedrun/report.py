@@ -177,7 +177,8 @@ def choices_text(result: dict) -> str:
     lines = []
     for r in result["table"]:
         for direction, shares in r.get("choices", {}).items():
-            listed = ", ".join(f"`{codec}` {100 * share:.0f}%" for codec, share in shares.items())
+            listed = ", ".join(f"`{codec}` {'< 1' if share < 0.005 else f'{100 * share:.0f}'}%"
+                               for codec, share in shares.items())
             lines.append(f"`{r['codec']}` sent the {'activations' if direction == 'forward' else 'gradients'} with "
                          f"{listed} of its iterations x links.")
     return " ".join(lines)
@@ -319,6 +320,7 @@ def plot(result: dict, path: Path) -> None:
 
     seconds = {r["codec"]: r["s_per_step"] for r in result["table"]}
     fig, ax = plt.subplots(figsize=(8, 5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more codecs than the default cycle's 10 colours
     for codec in seconds:
         curves = [c for c in result["curves"].values() if c["codec"] == codec]
         if not curves:
