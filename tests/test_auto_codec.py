@@ -489,6 +489,19 @@ def test_a_collapse_is_the_latest_transfers_far_under_the_last_rate_at_their_siz
     assert not meter.collapsed(last)
 
 
+def test_a_measurement_fell_from_the_last_when_its_fastest_transfer_is_under_half_at_every_common_size():
+    """``LinkRate.fell_from``: compared size by size (a small message's rate says nothing of a large one's)."""
+    from megatron_tah.link.measure import LinkRate
+
+    last = LinkRate(1e9, 5e8, 8, by_size=((1_000_000, 1e9), (250_000, 8e8)))
+    assert LinkRate(1e8, 1e7, 8, by_size=((1_000_000, 1e8),)).fell_from(last)
+    assert not LinkRate(6e8, 1e7, 8, by_size=((1_000_000, 6e8),)).fell_from(last)  # slower, not under half
+    assert not LinkRate(1e8, 1e7, 8, by_size=((1_000_000, 1e8), (250_000, 7e8))).fell_from(last)  # one size did not
+    assert not LinkRate(1e7, 1e6, 8, by_size=((100_000, 1e7),)).fell_from(last)  # no size in common
+    assert LinkRate(1e8, 1e7, 8, by_size=((1_000_000, 1e8),)).fell_from(last, factor=0.2)
+    assert not LinkRate(3e8, 1e7, 8, by_size=((1_000_000, 3e8),)).fell_from(last, factor=0.2)
+
+
 def test_a_measurement_taken_on_a_collapse_switches_on_a_small_gain_at_once():
     none, hadint4 = FAKE[0], FAKE[3]
     codec_s = lambda c: c.encode_s + c.decode_s  # noqa: E731

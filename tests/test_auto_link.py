@@ -417,3 +417,40 @@ def test_the_last_measurement_a_collapse_is_judged_against_survives_a_checkpoint
     older = AutoEnd(cfg, "forward", "send")
     older.load_state_dict(old)
     assert older.rate is None
+
+
+def test_a_drop_hidden_from_the_collapse_check_by_a_late_receiver_switches_at_the_next_measurement(monkeypatch):
+    """Where the receiver posts late (a last stage between its forward and backward steps), most transits are
+    its wait, before a drop as after it, so the latest transfers are never all far under the last rate's slower
+    quartile (``LinkRateMeter.collapsed``). The next regular measurement's fastest transfer is under half the last
+    one's at the same size (``LinkRate.fell_from``), and a 5% predicted gain switches then, without
+    ``patience``: one measurement after the drop instead of two."""
+    import dataclasses
+
+    from megatron_tah.link.measure import LinkRate
+
+    interval, fast, slow = 4, 8e9, 8e8  # at 8e8 paper is ~37% faster than none: more than 5%, less than a jump
+    seconds = {"none": 0.0, "fp8": 20e-6, "paper": 40e-6}
+
+    def run() -> list[str]:
+        end = AutoEnd(_config(tah_auto_interval=interval), "forward", "send")
+        end.prepare(torch.randn(SHAPE))
+        table = CodecCostTable.from_costs([dataclasses.replace(cost, encode_s=seconds[name], decode_s=seconds[name])
+                                           for name, cost in end.table.costs.items()])
+        end.table, end.chooser = table, Chooser(table, end.settings, current="none")
+        nbytes = table.costs["none"].wire_nbytes
+        chosen = []
+        for k in range(20):
+            end.begin(k)
+            chosen.append(end.current)
+            rate = fast if k < 8 else slow
+            assert end.rate is None or not end.meter.collapsed(end.rate)  # the late posts hide the drop from it
+            for late in (2e-3, 2e-3, 2e-3, 0.0):  # one message of four finds the receiver posted
+                end.meter.record(nbytes, late + 8 * nbytes / rate)
+        return chosen
+
+    chosen = run()
+    assert set(chosen[:13]) == {"none"} and set(chosen[13:]) == {"paper"}, chosen  # measured at 12 (8-11's transfers)
+    monkeypatch.setattr(LinkRate, "fell_from", lambda self, last, factor=0.5: False)
+    without = run()
+    assert set(without[:17]) == {"none"} and set(without[17:]) == {"paper"}, without  # patience: 16's measurement too

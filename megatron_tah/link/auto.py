@@ -48,7 +48,8 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   the choice is announced from then on and takes effect at the next boundary. At every boundary in
   between, a collapse (the latest transfers all under half the rate last measured, its slower quartile,
   at their size) measures at once from those transfers, and a predicted gain of 5% then switches without
-  waiting for ``patience``. A switch is on probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
+  waiting for ``patience``; so does a regular measurement whose fastest transfer at a size fell under half
+  the last one's there (``LinkRate.fell_from``: a drop that a late-posting receiver hid from the collapse check). A switch is on probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
   iterations were not faster than the previous codec's, the sender announces the previous one again
   (logged) and leaves the new one out for 4 measurements. The receiver's
   decode time is the sender's measurement of it. A candidate that fails to build or to run during
@@ -151,8 +152,9 @@ class AutoEnd:
         if self._encodes and self.current in self.table.costs:
             self.table.observe(self.current, encode_s=timing.to_float(self._encode_seconds) / self._encodes)
         self._encode_seconds, self._encodes = 0.0, 0
+        fell = self.rate is not None and rate.fell_from(self.rate)  # a regular measurement that found a collapse
         self.rate = rate
-        self.next = self.chooser.update(rate, collapse=collapse)
+        self.next = self.chooser.update(rate, collapse=collapse or fell)
         if self.probation is not None and self.next != self.current:
             self.probation.switched(self.current, self.next, iteration + 1)
 

@@ -59,6 +59,16 @@ class LinkRate:
     def describe(self) -> str:
         return f"{self.rate_bps / 1e6:.4g} Mbit/s (IQR {self.spread_bps / 1e6:.3g}, {self.transfers} transfers)"
 
+    def fell_from(self, last: "LinkRate", factor: float = 0.5) -> bool:
+        """Whether the link got far slower since measurement ``last``: at every message size both measured, this
+        window's fastest transfer is below ``factor`` times ``last``'s. A window's fastest transfer is the one
+        least delayed by a late receiver, so a whole window of them under half is the link, not a late post
+        (which can hide a drop from ``LinkRateMeter.collapsed``: where a receiver posts late, as a last stage
+        between its forward and backward steps, every transit is slow, before the drop as after it)."""
+        mine, theirs = dict(self.by_size), dict(last.by_size)
+        common = mine.keys() & theirs.keys()
+        return bool(common) and all(mine[n] < factor * theirs[n] for n in common)
+
 
 class LinkRateMeter:
     """Rate of one link direction from the transfers it carries (see the module docstring, point 1)."""
