@@ -165,7 +165,7 @@ def run_losses(codecs, seeds_for, size, data, out, jobs, link, target=None, base
     bf16 twin of each of its seeds (without the link): its steps count against bf16's of the same kind of run."""
     todo = []
     for c in codecs:
-        own = emulated and c not in runs.NEEDS_LINK
+        own = runs.emulated_for(c, emulated)
         for s in seeds_for(c):
             run = runs.loss_run(c, s, size, data, link=link, emulated=own)
             if own != emulated:

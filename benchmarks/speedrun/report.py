@@ -45,17 +45,18 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
           host: dict, modes: dict | None = None) -> dict:
     """Everything the page shows: the setup, one row per codec, the curves and the projection. A codec's steps
-    are paired with bf16's runs of its own kind (emulated boundaries or the real pipeline: ``kind_of``); bf16's
-    row and T's bf16 steps are the page's kind's."""
+    are paired with bf16's runs of its own kind (emulated boundaries or the real pipeline:
+    ``runs.emulated_for``); bf16's row and T's bf16 steps are the page's kind's."""
     modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
     emulated = modes["loss_runs"] == "emulated"
-    kind_of = lambda codec: emulated and codec not in runs.NEEDS_LINK  # noqa: E731
-    of_kind = lambda kind: {n: r for n, r in losses.items() if r.get("emulated", emulated) == kind}  # noqa: E731
-    base_steps, _, _ = _steps_by_seed(of_kind(emulated), "bf16", target)
+    of_kind = {kind: {n: r for n, r in losses.items() if r.get("emulated", emulated) == kind} for kind in (False, True)}
+    bf16_steps = {kind: _steps_by_seed(runs_of_kind, "bf16", target)[0] for kind, runs_of_kind in of_kind.items()}
+    base_steps = bf16_steps[emulated]
     base_mean = score.mean_interval(list(base_steps.values())).mean if base_steps else None
     rows = []
     for codec in [c for c in runs.CODECS if c in steady]:
-        same_kind = of_kind(kind_of(codec))
+        kind = runs.emulated_for(codec, emulated)
+        same_kind = of_kind[kind]
         reached, longest, reached_on = _steps_by_seed(same_kind, codec, target)
         seeds = sorted(longest)
         chose = next((r["choices"] for r in sorted(losses.values(), key=lambda r: (r["iters"], r["seed"]))
@@ -69,8 +70,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             # against bf16 on the same schedule where bf16 ran it (the cosine follows the schedule: a longer one
             # alone reaches a loss in fewer steps), else on its own
             same = {s: _bf16_on(same_kind, target, s, reached_on[s]) for s in seeds}
-            own_base, _, _ = _steps_by_seed(same_kind, "bf16", target)
-            paired = {s: same[s] or own_base.get(s) for s in seeds}
+            paired = {s: same[s] or bf16_steps[kind].get(s) for s in seeds}
             ratio = score.paired_ratio(reached, {s: v for s, v in paired.items() if v})
             row.update(steps=steps.mean, steps_low=steps.low, steps_high=steps.high,
                        multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high,

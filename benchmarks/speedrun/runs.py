@@ -55,6 +55,13 @@ NEEDS_LINK = ("auto",)
 """Codecs whose loss runs must see the emulated link (their choice depends on it)."""
 
 
+def emulated_for(codec: str, emulated: bool) -> bool:
+    """Whether ``codec``'s loss runs use emulated boundaries when the page's do (``emulated``): a codec that
+    chooses from the link (``NEEDS_LINK``) runs the real pipeline even then, and so do the bf16 runs its steps
+    are paired with."""
+    return emulated and codec not in NEEDS_LINK
+
+
 def codec_flags(codec: str) -> list[str]:
     """``CODECS[codec]`` as Megatron flags: ``tah_tile_size`` -> ``--tah-tile-size``; a true bool is its bare flag."""
     from megatron_tah.megatron.arguments import flag_name

@@ -1,0 +1,185 @@
+"""``python -m benchmarks.lossless``: how many of each preset's wire bytes a lossless coder after it would save.
+
+A codec buffer has a fixed size (``wire_nbytes``), but its codes are not uniformly distributed, so an
+entropy coder after the codec would carry the same buffer in fewer bytes. Lossless: the decoded tensor is
+bit-identical, so a codec's steps to a target loss (docs/SPEEDRUN.md) would not change, only its bytes.
+Nothing of this is built (the transport posts fixed-size receives); this measures what it would be worth,
+on real models' messages (``benchmarks.real_activations``: SmolLM2-135M's hidden states after the layers
+where PP 4 cuts it, and the gradients of its language-model loss with respect to them), per preset and
+direction (the forward codec on the hidden state, the backward codec on its gradient):
+
+* ``order0``: the buffer's order-0 entropy section by section (``buffer_entropy_bits``): a packed-code
+  section as symbols of its codec's bits, every other section (scales, zero points, the basis) and the
+  header as bytes. What a static per-section entropy coder (Huffman, ANS) approaches, its tables excluded.
+* ``zlib``: the whole buffer through the standard library's ``zlib`` at level 9 (a byte-wise coder on
+  bit-packed codes: a library's result, not a bound).
+
+Prints a markdown table; ``--write PAGE`` puts it between ``<!-- lossless:begin -->`` and
+``<!-- lossless:end -->`` markers and writes ``docs/data/lossless.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import zlib
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from megatron_tah.codecs import Codec
+from megatron_tah.config import TahConfig
+from megatron_tah.config.presets import PRESETS
+
+from .real_activations import CACHE, MODELS, boundaries, corpus_text
+
+MODEL = "smollm2-135m"
+TOKENS = 1024
+DATA = Path("docs/data/lossless.json")
+BEGIN, END = "<!-- lossless:begin -->", "<!-- lossless:end -->"
+
+
+def code_bits(codec: Codec) -> dict[str, int]:
+    """The bit-packed code sections of ``codec``'s buffer: section name -> bits per code."""
+    config = codec.config()
+    if codec.name == "tah":
+        return {"high": config["high_bits"], "low": config["low_bits"]}
+    if codec.name == "lowrank":
+        return {"coef": config["coef_bits"], "codes": config["bits"]}
+    if codec.name in ("fixedpoint", "hadint", "channel"):
+        return {"codes": config["bits"]}
+    return {}
+
+
+def entropy_bits(symbols: torch.Tensor) -> float:
+    """Order-0 entropy of ``symbols`` (integers) in bits, all of them together: ``n * H(p)``, p their frequencies."""
+    counts = torch.bincount(symbols.reshape(-1).to(torch.int64)).double()
+    p = counts[counts > 0] / symbols.numel()
+    return float(-(p * p.log2()).sum() * symbols.numel())
+
+
+def buffer_entropy_bits(codec: Codec, buf: torch.Tensor, shape, dtype) -> float:
+    """Order-0 entropy of ``buf`` (``codec``'s buffer for ``shape``) section by section; the header and the
+    alignment between sections as bytes."""
+    from megatron_tah.codecs.common import unpack_bits
+
+    layout = codec.layout(shape, dtype)
+    packed = code_bits(codec)
+    total, covered = 0.0, torch.zeros(layout.nbytes, dtype=torch.bool)
+    for name, (start, size) in layout.offsets.items():
+        section = buf[start:start + size]
+        covered[start:start + size] = True
+        if name in packed:
+            bits = packed[name]
+            total += entropy_bits(unpack_bits(section, bits, size * 8 // bits))
+        else:
+            total += entropy_bits(section)
+    rest = buf[~covered]
+    return total + (entropy_bits(rest) if rest.numel() else 0.0)
+
+
+def messages(model: str = MODEL, tokens: int = TOKENS) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer: (hidden state, loss gradient)} as ``[tokens, 1, hidden]`` bf16 at ``model``'s PP 4 cuts: one
+    forward and backward of the causal language-model loss on the corpus (cached under ``CACHE``)."""
+    path = CACHE / f"{model}_{tokens}_grad.pt"
+    if path.is_file():
+        return torch.load(path)
+    entry = MODELS[model]
+    tokenizer, net = entry.load()
+    net.eval()
+    ids = tokenizer(corpus_text(), return_tensors="pt", add_special_tokens=False).input_ids[0, :tokens]
+    out = net(ids[None], labels=ids[None], output_hidden_states=True)
+    layers = len(out.hidden_states) - 1
+    cuts = boundaries(layers)
+    for i in cuts:
+        out.hidden_states[i].retain_grad()
+    (out.loss * tokens).backward()  # the gradient of the summed loss: per-token scale, as a pipeline sends it
+    found = {i: (out.hidden_states[i].detach()[0, :, None, :].to(torch.bfloat16).contiguous(),
+                 out.hidden_states[i].grad[0, :, None, :].to(torch.bfloat16).contiguous()) for i in cuts}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(found, path)
+    return found
+
+
+def measure(codec: Codec, x: torch.Tensor) -> dict:
+    """Wire bits per value of ``codec`` on ``x`` and what each lossless coder would send instead."""
+    buf = codec.encode(x)
+    values = x.numel()
+    return {"bits": 8 * buf.numel() / values,
+            "order0": buffer_entropy_bits(codec, buf, tuple(x.shape), x.dtype) / values,
+            "zlib": 8 * len(zlib.compress(buf.numpy().tobytes(), 9)) / values}
+
+
+def run(model: str = MODEL, presets=None) -> dict:
+    """Every preset's forward codec on the hidden states and backward codec on the gradients, every cut."""
+    found = messages(model)
+    rows = []
+    for preset in presets or [p for p in PRESETS if p != "none"]:
+        config = TahConfig(tah_preset=preset)
+        for direction, codec, index in (("forward", config.forward_codec(), 0),
+                                        ("backward", config.backward_codec(), 1)):
+            per_cut = {layer: measure(codec.salt_rounding(f"{preset}.{layer}"), pair[index])
+                       for layer, pair in found.items()}
+            bits = "/".join(str(b) for b in code_bits(codec).values())
+            rows.append({"preset": preset, "direction": direction, "codec": f"{codec.name} {bits}-bit",
+                         **{k: sum(m[k] for m in per_cut.values()) / len(per_cut) for k in ("bits", "order0", "zlib")},
+                         "by_layer": {str(layer): m for layer, m in per_cut.items()}})
+    return {"model": model, "tokens": TOKENS, "cuts": sorted(found), "rows": rows,
+            "date": date.today().isoformat(), "host": platform.processor() or platform.machine()}
+
+
+def table(result: dict) -> str:
+    """The measured block: how it was measured, one row per preset and direction, both directions summed."""
+    desc = MODELS[result["model"]].description
+    lines = [f"Measured by `python -m benchmarks.lossless --write docs/CODECS.md` ({result['date']}, after `make "
+             f"real-models`): {desc}, "
+             f"the first {result['tokens']} tokens of the shipped corpus; each preset's forward codec on the hidden "
+             f"state after layers {', '.join(map(str, result['cuts']))} and its backward codec on the language-model "
+             f"loss's gradient there (`[{result['tokens']}, 1, hidden]` bf16; means over the cuts). Bits per value; "
+             "*order-0*: each section's order-0 entropy (codes as symbols of their bits, the rest as bytes); "
+             "*zlib*: the buffer through zlib level 9.", "",
+             "| preset | direction | codec | wire bits | order-0 | saved | zlib | saved |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    both: dict[str, list[float]] = {}
+    for row in result["rows"]:
+        saved = lambda k: f"{1 - row[k] / row['bits']:.0%}"  # noqa: E731
+        lines.append(f"| {row['preset']} | {row['direction']} | {row['codec']} | {row['bits']:.2f} | "
+                     f"{row['order0']:.2f} | {saved('order0')} | {row['zlib']:.2f} | {saved('zlib')} |")
+        sums = both.setdefault(row["preset"], [0.0, 0.0])
+        sums[0] += row["bits"]
+        sums[1] += row["order0"]
+    lines += ["", "Both directions together (wire bits -> order-0): " + "; ".join(
+        f"{p} {b:.2f} -> {o:.2f} ({1 - o / b:.0%} fewer)" for p, (b, o) in both.items()) + "."]
+    return "\n".join(lines)
+
+
+def write_block(page: Path, block: str) -> None:
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{page} has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    page.write_text(head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=MODEL, choices=sorted(MODELS))
+    parser.add_argument("--presets", default=None, help="comma list (default: every preset)")
+    parser.add_argument("--write", type=Path, default=None, help="the page whose lossless block to replace")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    result = run(args.model, args.presets.split(",") if args.presets else None)
+    block = table(result)
+    print(block)
+    if args.write:
+        DATA.write_text(json.dumps(result, indent=1) + "\n")
+        write_block(args.write, block)
+    if not math.isfinite(sum(r["order0"] for r in result["rows"])):
+        raise SystemExit("a non-finite entropy: see the table")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""``benchmarks.lossless``: the order-0 entropy of a codec buffer, section by section."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.lossless import buffer_entropy_bits, code_bits, entropy_bits
+from megatron_tah.codecs.samples import activation_like
+from megatron_tah.config import TahConfig
+from megatron_tah.config.presets import PRESETS
+
+
+def test_order0_entropy_of_known_distributions():
+    assert entropy_bits(torch.zeros(1000, dtype=torch.uint8)) == 0.0
+    assert entropy_bits(torch.arange(16, dtype=torch.uint8).repeat(64)) == pytest.approx(4 * 1024)
+    assert entropy_bits(torch.tensor([0, 0, 0, 1] * 250, dtype=torch.uint8)) == pytest.approx(
+        1000 * (-(0.75 * torch.log2(torch.tensor(0.75)) + 0.25 * torch.log2(torch.tensor(0.25)))).item())
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "none"])
+def test_every_preset_codecs_packed_sections_are_named_and_their_entropy_is_at_most_the_wire(preset):
+    config = TahConfig(tah_preset=preset, tah_backend="torch")
+    x = activation_like((64, 1, 128), seed=3)
+    for codec in (config.forward_codec(), config.backward_codec()):
+        layout = codec.layout(tuple(x.shape), x.dtype)
+        assert code_bits(codec) and set(code_bits(codec)) <= set(layout.offsets), (codec.name, layout.offsets)
+        buf = codec.encode(x)
+        bits = buffer_entropy_bits(codec, buf, tuple(x.shape), x.dtype)
+        # a packed section's codes are at most its bits each, a byte section at most 8 bits a byte
+        assert 0 < bits <= 8 * buf.numel()
+        codes = sum(layout.offsets[name][1] for name in code_bits(codec))
+        assert bits < 8 * buf.numel() - 0.01 * 8 * codes  # activations' codes are not uniform: something saved
+
+
+def test_a_uniform_code_section_costs_its_bits():
+    """Codes drawn uniformly: the packed section's entropy is its bits per code (up to sampling)."""
+    config = TahConfig(tah_forward_codec="channel", tah_forward_bits=4, tah_backend="torch")
+    codec = config.forward_codec()
+    x = torch.rand(4096, 1, 8) * torch.arange(1, 9)  # uniform per channel: uniform codes
+    buf = codec.encode(x)
+    start, size = codec.layout(tuple(x.shape), x.dtype).offsets["codes"]
+    from megatron_tah.codecs.common import unpack_bits
+
+    codes = unpack_bits(buf[start:start + size], 4, size * 2)
+    assert entropy_bits(codes) == pytest.approx(4 * codes.numel(), rel=0.01)
