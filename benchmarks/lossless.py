@@ -131,6 +131,27 @@ def run(model: str = MODEL, presets=None) -> dict:
             "date": date.today().isoformat(), "host": platform.processor() or platform.machine()}
 
 
+def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json")) -> list[dict]:
+    """Each preset whose steps multiplier the speedrun measured (``speedrun``'s table), projected on the
+    ProtocolNanoGPT setup (``benchmarks.speedrun.projection``) as it is and with its wire bytes scaled per
+    direction by the order-0 share measured here (the coder's own time not counted)."""
+    from .speedrun import projection
+
+    measured = {row["codec"]: row["multiplier"] for row in json.loads(speedrun.read_text())["table"]
+                if row.get("multiplier") and row["codec"] in PRESETS}
+    share = {}
+    for row in result["rows"]:
+        share.setdefault(row["preset"], {})[row["direction"]] = row["order0"] / row["bits"]
+    codecs = {name: projection.CODECS[name] for name in measured if name in share and name in projection.CODECS}
+    scale = {name: (share[name]["forward"], share[name]["backward"]) for name in codecs}
+    as_is = {r["codec"]: r for r in projection.project(measured, codecs)}
+    coded = {r["codec"]: r for r in projection.project(measured, codecs, byte_scale=scale)}
+    return [{"preset": name, "multiplier": measured[name], "bits": as_is[name]["forward_bits"] + as_is[name]["backward_bits"],
+             "bits_coded": coded[name]["forward_bits"] + coded[name]["backward_bits"],
+             "s_per_step": as_is[name]["s_per_step"], "s_per_step_coded": coded[name]["s_per_step"],
+             "T": as_is[name]["T"], "T_coded": coded[name]["T"]} for name in codecs]
+
+
 def table(result: dict) -> str:
     """The measured block: how it was measured, one row per preset and direction, both directions summed."""
     desc = MODELS[result["model"]].description
@@ -153,6 +174,15 @@ def table(result: dict) -> str:
         sums[1] += row["order0"]
     lines += ["", "Both directions together (wire bits -> order-0): " + "; ".join(
         f"{p} {b:.2f} -> {o:.2f} ({1 - o / b:.0%} fewer)" for p, (b, o) in both.items()) + "."]
+    if result.get("projected"):
+        lines += ["", "On the ProtocolNanoGPT setup (docs/SPEEDRUN.md's projection: `[1024, 8, 1024]` messages, the "
+                  "steps multiplier the speedrun measured), each direction's wire bytes scaled by the order-0 share "
+                  "above (measured at 1024 x 576; the coder's time not counted):", "",
+                  "| preset | steps multiplier | bits both ways | with the coder | s/step | with the coder | T (s) | "
+                  "with the coder |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['preset']} | {r['multiplier']:.2f}x | {r['bits']:.2f} | {r['bits_coded']:.2f} | "
+                  f"{r['s_per_step']:.2f} | {r['s_per_step_coded']:.2f} | {r['T']:,.0f} | {r['T_coded']:,.0f} |"
+                  for r in result["projected"]]
     return "\n".join(lines)
 
 
@@ -172,6 +202,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     result = run(args.model, args.presets.split(",") if args.presets else None)
+    result["projected"] = projected(result)
     block = table(result)
     print(block)
     if args.write:

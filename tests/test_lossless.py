@@ -44,3 +44,22 @@ def test_a_uniform_code_section_costs_its_bits():
 
     codes = unpack_bits(buf[start:start + size], 4, size * 2)
     assert entropy_bits(codes) == pytest.approx(4 * codes.numel(), rel=0.01)
+
+
+def test_the_projection_with_the_coder_bills_the_measured_share_at_the_same_steps(tmp_path):
+    import json
+
+    from benchmarks.lossless import projected
+
+    speedrun = tmp_path / "speedrun.json"
+    speedrun.write_text(json.dumps({"table": [{"codec": "lowrank", "multiplier": 1.1}, {"codec": "paper"}]}))
+    result = {"rows": [{"preset": "lowrank", "direction": "forward", "bits": 4.0, "order0": 3.0},
+                       {"preset": "lowrank", "direction": "backward", "bits": 4.0, "order0": 2.0},
+                       {"preset": "paper", "direction": "forward", "bits": 4.0, "order0": 3.0},
+                       {"preset": "paper", "direction": "backward", "bits": 4.0, "order0": 3.0}]}
+    rows = projected(result, speedrun)
+    assert [r["preset"] for r in rows] == ["lowrank"]  # paper: no measured multiplier
+    row = rows[0]
+    assert row["multiplier"] == 1.1 and row["T_coded"] < row["T"] and row["s_per_step_coded"] < row["s_per_step"]
+    assert row["T"] / row["s_per_step"] == pytest.approx(row["T_coded"] / row["s_per_step_coded"])  # same steps
+    assert row["bits_coded"] < row["bits"]

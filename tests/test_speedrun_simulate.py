@@ -173,6 +173,15 @@ def test_projection_steps_are_the_records_times_the_multiplier_and_say_so(rows):
     assert rows["hadint4"]["forward_codec_s"] == 0 and "not measured" in rows["hadint4"]["codec_time_source"]
 
 
+def test_a_byte_scale_bills_that_share_of_the_wire_bytes_each_way(rows):
+    scaled = projection.project({"paper": 2.0}, {"paper": projection.CODECS["paper"]}, byte_scale={"paper": (0.5, 0.75)})
+    row, base = scaled[0], rows["paper"]
+    assert row["forward_bits"] == pytest.approx(base["forward_bits"] / 2, rel=1e-6)
+    assert row["backward_bits"] == pytest.approx(base["backward_bits"] * 0.75, rel=1e-6)
+    assert row["s_per_step"] < base["s_per_step"] and row["steps"] == base["steps"]
+    assert row["T"] == pytest.approx(row["steps"] * row["s_per_step"])
+
+
 def test_codec_time_takes_the_nearest_measured_shape_scaled_by_element_count():
     from megatron_tah.codecs import get_codec
 

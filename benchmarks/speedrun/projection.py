@@ -99,12 +99,14 @@ def _stage_times(fwd_time: CodecTime, bwd_time: CodecTime) -> tuple[list[float],
 
 def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, dict] | None = None,
             measurements: dict | None = None, base_steps: int = SETUP.steps_to_target,
-            multiplier_label: str = "given multiplier", labels: dict[str, str] | None = None) -> list[dict]:
+            multiplier_label: str = "given multiplier", labels: dict[str, str] | None = None,
+            byte_scale: dict[str, tuple[float, float]] | None = None) -> list[dict]:
     """One row per codec: bits, bytes per token, codec time, s/step, steps and T on the setup.
 
     ``steps_multiplier[name]`` scales the bf16 record's steps to target; a codec without one gets
     1.0, labelled "at equal steps", the others ``labels[name]`` or else ``multiplier_label`` (say where they
-    were measured).
+    were measured). ``byte_scale[name]``: (forward, backward) factors on the codec's wire bytes, a what-if
+    (``benchmarks.lossless``: an entropy coder after the codec).
     """
     labels = labels or {}
     steps_multiplier = steps_multiplier or {}
@@ -118,6 +120,8 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
         fwd_codec, bwd_codec = cfg.forward_codec(), cfg.backward_codec()
         fwd_bytes = fwd_codec.wire_nbytes(SHAPE, torch.bfloat16)
         bwd_bytes = bwd_codec.wire_nbytes(SHAPE, torch.bfloat16)
+        if byte_scale and name in byte_scale:
+            fwd_bytes, bwd_bytes = (round(n * f) for n, f in zip((fwd_bytes, bwd_bytes), byte_scale[name]))
         t_f, t_b = codec_time(fwd_codec, SHAPE, measurements), codec_time(bwd_codec, SHAPE, measurements)
         fwd_s, bwd_s = _stage_times(t_f, t_b)
         args = (SETUP.stages, SETUP.micro_batches)
