@@ -276,3 +276,15 @@ def test_the_deep_pipeline_recommendation_is_what_was_measured():
     assert smollm2["paper"]["as_good"] == minilm["paper"]["as_good"] == 0
     points = [r for r in report.frontier(result) if r["on_frontier"] and r["codec"] != "bf16"]
     assert min(points, key=lambda r: r["projected_T"])["codec"] == "lowrank"
+
+
+def test_the_first_screens_lossless_estimate_is_the_committed_measurement():
+    """The README's what-if for an entropy coder after `lowrank`: its share saved both ways on the real model's
+    messages and the projection with it, as `python -m benchmarks.lossless` wrote them."""
+    result = json.loads((DOCS / "data" / "lossless.json").read_text())
+    rows = [r for r in result["rows"] if r["preset"] == "lowrank"]
+    saved = 1 - sum(r["order0"] for r in rows) / sum(r["bits"] for r in rows)
+    coded = next(r for r in result["projected"] if r["preset"] == "lowrank")
+    text = " ".join(README.split("## Install")[0].split())
+    assert (f"would send {saved:.0%} fewer bytes for `lowrank` on a real model's messages at the same steps, "
+            f"projected {coded['T_coded']:,.0f} s") in text
