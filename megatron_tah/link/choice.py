@@ -2,7 +2,7 @@
 
 **Choice** (``Chooser``): predicted seconds per message ``(1 - overlap) * (encode + decode) +
 8 * wire_bytes / rate``, times the candidate's measured steps multiplier at the pipeline's depth
-(``config.auto.steps_multiplier``: a codec that sends half the bytes but needs 2.6x the steps to the
+(``config.auto.steps_multiplier``: a codec that sends half the bytes but needs 2.5x the steps to the
 same loss is slower to target, not faster); ``overlap`` is the share of codec time the schedule hides (default 0:
 none hidden, the conservative case for a synchronous 1F1B schedule). Among candidates whose
 error is at most the floor (``max_error``; by default the error of the default TAH-Quant
