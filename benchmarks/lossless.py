@@ -34,12 +34,12 @@ from megatron_tah.codecs import Codec
 from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
 
+from .pages import replace_block
 from .real_activations import CACHE, MODELS, boundaries, corpus_text
 
 MODEL = "smollm2-135m"
 TOKENS = 1024
 DATA = Path("docs/data/lossless.json")
-BEGIN, END = "<!-- lossless:begin -->", "<!-- lossless:end -->"
 
 
 def code_bits(codec: Codec) -> dict[str, int]:
@@ -186,14 +186,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_block(page: Path, block: str) -> None:
-    text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{page} has no {BEGIN} ... {END} block")
-    head, rest = text.split(BEGIN, 1)
-    page.write_text(head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1])
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=MODEL, choices=sorted(MODELS))
@@ -207,7 +199,7 @@ def main(argv=None) -> None:
     print(block)
     if args.write:
         DATA.write_text(json.dumps(result, indent=1) + "\n")
-        write_block(args.write, block)
+        args.write.write_text(replace_block(args.write.read_text(), "lossless", block))
     if not math.isfinite(sum(r["order0"] for r in result["rows"])):
         raise SystemExit("a non-finite entropy: see the table")
 

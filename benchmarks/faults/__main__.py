@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 
 from benchmarks.faults import ROOT, SITE, script_env  # noqa: F401  (SITE: the tests' too)
+from benchmarks.pages import replace_block
+
 BOUND_S = 10.0  # --tah-peer-timeout-s of every run (the default, 120 s, sized for a WAN, would only be slower)
 ITERS, SAVE_INTERVAL, FAULT_ITERATION = 16, 4, 6
 DEADLINE_S = 900.0  # a run still going after this is a hang
@@ -264,13 +266,6 @@ def faults_block(result: dict, page: Path) -> str:
         table_markdown(result["rows"])])
 
 
-def _replace(text: str, name: str, block: str) -> str:
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    if begin not in text or end not in text:
-        raise ValueError(f"the page has no {begin} ... {end} block to replace")
-    return text[:text.index(begin)] + "\n".join([begin, block, end]) + text[text.index(end) + len(end):]
-
-
 def write_page(result: dict, page: Path) -> None:
     """The measured blocks of ``page`` (between their markers) and ``docs/data/faults.json`` beside it; parts
     not run this time keep the JSON's earlier measurement."""
@@ -283,18 +278,18 @@ def write_page(result: dict, page: Path) -> None:
     data.write_text(json.dumps(merged, indent=1) + "\n")
     text = page.read_text()
     if merged.get("rows"):
-        text = _replace(text, "faults", faults_block(merged, page))
+        text = replace_block(text, "faults", faults_block(merged, page))
     drops = [merged[key] for key in ["ratedrop", *sorted(k for k in merged if k.startswith("ratedrop@"))]
              if merged.get(key)]  # the default rate's, then each other rate's (--ratedrop-rate)
     if drops:
-        text = _replace(text, "ratedrop", "\n\n".join(
+        text = replace_block(text, "ratedrop", "\n\n".join(
             f"Measured by `python -m benchmarks.faults --only ratedrop"
             f"{'' if rd.get('rate', ratedrop.RATE) == ratedrop.RATE else ' --ratedrop-rate ' + rd['rate']} --write "
             f"{page.as_posix()}` ({rd['date']}, {rd['cpu']}, {rd['cores']} cores): " + ratedrop.markdown(rd)
             for rd in drops))
     if merged.get("checksum_cost"):
         cc = merged["checksum_cost"]
-        text = _replace(text, "checksum", f"Measured by `python -m benchmarks.faults --only checksum-cost --write "
+        text = replace_block(text, "checksum", f"Measured by `python -m benchmarks.faults --only checksum-cost --write "
                         f"{page.as_posix()}` ({cc['date']}, {cc['cpu']}, {cc['cores']} cores, one thread):\n\n"
                         + checksum_cost.table_markdown(cc["rows"]))
     page.write_text(text)
