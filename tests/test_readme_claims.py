@@ -129,11 +129,10 @@ def test_the_presets_table_is_the_parity_study():
     speedrun = {r["codec"]: r for r in json.loads((DOCS / "data" / "speedrun.json").read_text())["table"]}
     for preset in ("paper", "hadint4", "channel", "channel6"):
         assert rows[f"`{preset}`"][5] == f">= {speedrun[preset]['multiplier_at_least']:.2f}x (docs/SPEEDRUN.md)"
-    for preset in ("lowrank", "channel9"):
+    for preset in ("lowrank", "channel9", "lowrank8"):
         row = speedrun[preset]
+        assert len(row["seeds"]) > 1
         assert rows[f"`{preset}`"][5] == f"{row['multiplier']:.2f}x, {len(row['seeds'])} seeds (docs/SPEEDRUN.md)"
-    assert speedrun["lowrank8"]["seeds"] == [1234]
-    assert rows["`lowrank8`"][5] == f"{speedrun['lowrank8']['multiplier']:.2f}x, one seed (docs/SPEEDRUN.md)"
     for preset in list(labels):
         cells = rows[preset]
         fwd_bits, bwd_bits, gap = cells[1], cells[3], cells[4]
