@@ -63,6 +63,38 @@ def test_a_candidate_measured_at_the_depth_is_judged_by_its_steps_not_the_defaul
     assert strict.update(1e6) == "fixedpoint4" and "lowrank" not in strict.predicted
 
 
+def test_a_lower_bound_waives_nothing_but_a_measured_alias_does(monkeypatch):
+    """Gradients at depth 8: ``channel6``'s 2-bit gradients (a codec that missed the target: its multiplier is a
+    lower bound) are held to the floor, so they are not sent for free; ``hadint4``'s 4-bit gradients, a lower bound
+    under their own name, are ``lowrank``'s too (left out as the same codec), whose steps were measured."""
+    monkeypatch.setattr(auto_config, "STEPS_MULTIPLIER", {8: {"paper": 2.5, "channel6": 1.79, "hadint4": 2.27,
+                                                              "lowrank": 1.09}})
+    monkeypatch.setattr(auto_config, "STEPS_AT_LEAST", {8: frozenset({"paper", "channel6", "hadint4"})})
+    assert auto_config.steps_measured("lowrank", 8) and not auto_config.steps_measured("channel6", 8)
+    costs = _costs() + [CandidateCost("hadint4", 4, 4, 0.0, 0.0, 4400, 0.07),
+                        CandidateCost("channel6", 5, 5, 0.0, 0.0, 2200, 0.30)]
+    settings = AutoSettings(candidates=("none", "paper", "fixedpoint4", "hadint4", "lowrank", "channel6"), patience=1)
+
+    def backward(aliases):
+        table = CodecCostTable.from_costs(costs)
+        table.aliases = aliases
+        chooser = Chooser(table, settings, current="none", depth=8, direction="backward")
+        return chooser.update(1e6), set(chooser.predicted)
+
+    chosen, allowed = backward({"lowrank": "hadint4"})
+    assert chosen == "hadint4" and "channel6" not in allowed  # fewest bytes among those allowed
+    chosen, allowed = backward({})  # without lowrank's measurement behind it, hadint4 is over the floor too
+    assert chosen == "paper" and allowed == {"none", "paper", "fixedpoint4"}
+
+
+def test_the_lower_bounds_are_the_committed_misses():
+    """``STEPS_AT_LEAST`` at depth 8 names exactly the speedrun's codecs that missed the target."""
+    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
+    missed = {row["codec"] for row in speedrun["table"] if row.get("multiplier_at_least")}
+    assert auto_config.STEPS_AT_LEAST[8] == missed & set(auto_config.STEPS_MULTIPLIER[8])
+    assert auto_config.STEPS_AT_LEAST[4] == set(auto_config.STEPS_MULTIPLIER[4])  # the depth study: all bounds
+
+
 def test_the_transports_auto_links_know_the_pipelines_depth():
     from megatron_tah.config import TahConfig
     from megatron_tah.link.transport import PipelineTransport

@@ -63,3 +63,9 @@ def test_the_projection_with_the_coder_bills_the_measured_share_at_the_same_step
     assert row["multiplier"] == 1.1 and row["T_coded"] < row["T"] and row["s_per_step_coded"] < row["s_per_step"]
     assert row["T"] / row["s_per_step"] == pytest.approx(row["T_coded"] / row["s_per_step_coded"])  # same steps
     assert row["bits_coded"] < row["bits"]
+    from benchmarks.speedrun import projection
+
+    split = projection.project({"lowrank": 1.1}, {"lowrank": projection.CODECS["lowrank"]}, byte_scale={
+        "lowrank": (0.75, 0.5)}, micro_batches=row["split"])[0]
+    assert row["split"] == 32 and row["T_coded_split"] == pytest.approx(split["T"])
+    assert row["T_coded_split"] < row["T_coded"]  # fewer, larger messages: latency held the wire less often

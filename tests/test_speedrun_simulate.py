@@ -182,6 +182,30 @@ def test_a_byte_scale_bills_that_share_of_the_wire_bytes_each_way(rows):
     assert row["T"] == pytest.approx(row["steps"] * row["s_per_step"])
 
 
+def test_a_split_into_fewer_micro_batches_keeps_the_tokens_and_bills_its_own_message_shape(rows):
+    import torch
+    from megatron_tah.config import TahConfig
+
+    split = {r["codec"]: r for r in projection.project({"paper": 2.0}, multiplier_label="test multiplier",
+                                                       micro_batches=32)}
+    assert projection.message_shape(32) == (1024, 16, 1024) and projection.message_shape(64) == projection.SHAPE
+    f64, b64 = projection.compute_at(64)
+    assert projection.compute_at(32) == pytest.approx((2 * f64, 2 * b64))  # twice the tokens per micro-batch
+    for name, fields in projection.CODECS.items():
+        fwd = TahConfig(**fields).forward_codec().wire_nbytes([1024, 16, 1024], torch.bfloat16)
+        assert split[name]["micro_batch"] == 16 and split[name]["micro_batches"] == 32
+        assert split[name]["forward_bytes_per_token"] == pytest.approx(fwd / (1024 * 16))
+        assert split[name]["steps"] == rows[name]["steps"]  # the same global batch: the same optimizer steps
+        assert split[name]["s_per_step_without_codec_time"] == pytest.approx(simulate.simulate_step(
+            8, 32, 2 * f64, 2 * b64, fwd, TahConfig(**fields).backward_codec().wire_nbytes([1024, 16, 1024],
+                                                                                          torch.bfloat16), 200e6, 0.05))
+    # uncompressed, the reference's 64 is the better split; a compressed message leaves latency a larger share
+    assert rows["none"]["s_per_step"] < split["none"]["s_per_step"]
+    assert split["lowrank"]["s_per_step"] < rows["lowrank"]["s_per_step"]
+    with pytest.raises(ValueError, match="do not split"):
+        projection.message_shape(48)
+
+
 def test_codec_time_takes_the_nearest_measured_shape_scaled_by_element_count():
     from megatron_tah.codecs import get_codec
 

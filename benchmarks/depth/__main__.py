@@ -158,9 +158,8 @@ def main(argv=None) -> int:
         studies = [by_name[name] for name in dict.fromkeys(names)]  # in the order given
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from ..speedrun.__main__ import prepare_data
 
-    prefix, vocab = prepare_data(out.parent / "speedrun", speedrun_runs.SIZES["full"])
+    prefix, vocab = speedrun_runs.prepare_data(out.parent / "speedrun", speedrun_runs.SIZES["full"])
     execute(studies, out, speedrun_runs.data_flags(prefix, vocab), args.jobs)
     if args.write:
         from .report import write_page

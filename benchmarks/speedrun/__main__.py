@@ -54,16 +54,6 @@ def seeds_by_codec(seeds: list[int], multi_seed: str):
     return lambda codec: multi.get(codec, list(seeds[:1]))
 
 
-def prepare_data(out: Path, size: runs.Size) -> tuple[Path, int]:
-    from megatron_tah.data import prepare
-
-    prefix, vocab = out / "data" / "speedrun", 8192
-    if not Path(f"{prefix}_valid_text_document.idx").is_file():
-        max_tokens = None if size.name == "full" else 40_000
-        prepare("shakespeare", prefix, vocab_limit=vocab, max_tokens=max_tokens)
-    return prefix, vocab
-
-
 def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, dict]:
     """The loss runs a written page already holds, made complete runs under ``out`` again (each curve of its
     JSON as a log of validation records, its meta marked ``from_page``), so that only new runs run; returns
@@ -242,7 +232,7 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     try:
         page_compute_s, reused = restore_from_page(args.from_page, out, size) if args.from_page else (None, None)
-        prefix, vocab = prepare_data(out, size)
+        prefix, vocab = runs.prepare_data(out, size)
         data = runs.data_flags(prefix, vocab)
         base = run_losses(["bf16"], seeds_for, size, data, out, args.jobs, None, emulated=emulated)
         target = score.target_loss([r["validations"] for r in base.values()], size.iters)

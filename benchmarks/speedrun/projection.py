@@ -87,10 +87,28 @@ def codec_time(codec, shape=SHAPE, measurements: dict | None = None) -> CodecTim
     return CodecTime(us["encode"] * 1e-6, us["decode"] * 1e-6, f"{label} ({best['backend']}), {where}")
 
 
-def _stage_times(fwd_time: CodecTime, bwd_time: CodecTime) -> tuple[list[float], list[float]]:
-    """Per-stage forward / backward seconds: the setup's compute plus each encode on its sender and
-    each decode on its receiver (activations go to ``s + 1``, gradients to ``s - 1``)."""
+def compute_at(micro_batches: int) -> tuple[float, float]:
+    """Forward / backward compute seconds of one micro-batch when the setup's global batch is split into
+    ``micro_batches``: the setup's (``simulate.compute_per_micro_batch``) scaled by the tokens per micro-batch
+    (linear in tokens: a larger micro-batch gets no efficiency credit)."""
     f, b = simulate.compute_per_micro_batch(SETUP.step_no_link_s, SETUP.stages, SETUP.micro_batches)
+    scale = SETUP.micro_batches / micro_batches
+    return f * scale, b * scale
+
+
+def message_shape(micro_batches: int) -> tuple[int, int, int]:
+    """``[seq, micro-batch, hidden]`` of one message when the setup's global batch is split into ``micro_batches``."""
+    sequences = SETUP.micro_batch * SETUP.micro_batches
+    if micro_batches < 1 or sequences % micro_batches:
+        raise ValueError(f"{micro_batches} micro-batches do not split the setup's {sequences} sequences per step")
+    return (SETUP.seq, sequences // micro_batches, HIDDEN)
+
+
+def _stage_times(fwd_time: CodecTime, bwd_time: CodecTime, micro_batches: int = SETUP.micro_batches
+                 ) -> tuple[list[float], list[float]]:
+    """Per-stage forward / backward seconds: the compute at ``micro_batches`` plus each encode on its sender and
+    each decode on its receiver (activations go to ``s + 1``, gradients to ``s - 1``)."""
+    f, b = compute_at(micro_batches)
     n = SETUP.stages
     fwd = [f + fwd_time.encode_s * (s < n - 1) + fwd_time.decode_s * (s > 0) for s in range(n)]
     bwd = [b + bwd_time.encode_s * (s > 0) + bwd_time.decode_s * (s < n - 1) for s in range(n)]
@@ -100,8 +118,10 @@ def _stage_times(fwd_time: CodecTime, bwd_time: CodecTime) -> tuple[list[float],
 def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, dict] | None = None,
             measurements: dict | None = None, base_steps: int = SETUP.steps_to_target,
             multiplier_label: str = "given multiplier", labels: dict[str, str] | None = None,
-            byte_scale: dict[str, tuple[float, float]] | None = None) -> list[dict]:
-    """One row per codec: bits, bytes per token, codec time, s/step, steps and T on the setup.
+            byte_scale: dict[str, tuple[float, float]] | None = None,
+            micro_batches: int = SETUP.micro_batches) -> list[dict]:
+    """One row per codec: bits, bytes per token, codec time, s/step, steps and T on the setup, its global batch
+    split into ``micro_batches`` (the setup's 64 by default; the steps do not change with the split).
 
     ``steps_multiplier[name]`` scales the bf16 record's steps to target; a codec without one gets
     1.0, labelled "at equal steps", the others ``labels[name]`` or else ``multiplier_label`` (say where they
@@ -113,26 +133,28 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
     codecs = CODECS if codecs is None else codecs
     if measurements is None:
         measurements = json.loads(MEASUREMENTS.read_text())
-    tokens = SETUP.seq * SETUP.micro_batch
+    shape = message_shape(micro_batches)
+    tokens = shape[0] * shape[1]
     rows = []
     for name, fields in codecs.items():
         cfg = TahConfig(**fields)
         fwd_codec, bwd_codec = cfg.forward_codec(), cfg.backward_codec()
-        fwd_bytes = fwd_codec.wire_nbytes(SHAPE, torch.bfloat16)
-        bwd_bytes = bwd_codec.wire_nbytes(SHAPE, torch.bfloat16)
+        fwd_bytes = fwd_codec.wire_nbytes(shape, torch.bfloat16)
+        bwd_bytes = bwd_codec.wire_nbytes(shape, torch.bfloat16)
         if byte_scale and name in byte_scale:
             fwd_bytes, bwd_bytes = (round(n * f) for n, f in zip((fwd_bytes, bwd_bytes), byte_scale[name]))
-        t_f, t_b = codec_time(fwd_codec, SHAPE, measurements), codec_time(bwd_codec, SHAPE, measurements)
-        fwd_s, bwd_s = _stage_times(t_f, t_b)
-        args = (SETUP.stages, SETUP.micro_batches)
+        t_f, t_b = codec_time(fwd_codec, shape, measurements), codec_time(bwd_codec, shape, measurements)
+        fwd_s, bwd_s = _stage_times(t_f, t_b, micro_batches)
+        args = (SETUP.stages, micro_batches)
         link = (fwd_bytes, bwd_bytes, simulate.BANDWIDTH_BPS, simulate.LATENCY_S)
         step = simulate.simulate_step(*args, fwd_s, bwd_s, *link)
-        f0, b0 = simulate.compute_per_micro_batch(SETUP.step_no_link_s, *args)
+        f0, b0 = compute_at(micro_batches)
         step_no_codec = simulate.simulate_step(*args, f0, b0, *link)
         mult = steps_multiplier.get(name)
         steps = base_steps * (1.0 if mult is None else mult)
         rows.append(dict(
-            codec=name, forward_bits=fwd_bytes * 8 / math.prod(SHAPE), backward_bits=bwd_bytes * 8 / math.prod(SHAPE),
+            codec=name, micro_batches=micro_batches, micro_batch=shape[1],
+            forward_bits=fwd_bytes * 8 / math.prod(shape), backward_bits=bwd_bytes * 8 / math.prod(shape),
             forward_bytes_per_token=fwd_bytes / tokens, backward_bytes_per_token=bwd_bytes / tokens,
             bytes_per_token=(fwd_bytes + bwd_bytes) / tokens,
             forward_codec_s=t_f.encode_s + t_f.decode_s, backward_codec_s=t_b.encode_s + t_b.decode_s,

@@ -6,9 +6,10 @@ import datetime
 import json
 from pathlib import Path
 
-from . import projection, runs, score
+from . import check, projection, runs, score
 
 PROJECTION_NAMES = {"bf16": "none"}  # speedrun codec -> projection.CODECS name, where they differ
+SPLITS = (16, 32, 64, 128)  # micro-batch counts the projection compares at the setup's global batch (64: its own)
 
 
 def _steps_by_seed(losses: dict, codec: str, target: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
@@ -91,6 +92,10 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
 
     elsewhere = {codec: m for codec, m in STEPS_MULTIPLIER.get(size.stages, {}).items()
                  if codec in projection.CODECS and codec not in measured and codec not in bounds}
+    project = lambda m: projection.project(  # noqa: E731
+        {**elsewhere, **measured, **bounds}, multiplier_label="measured at CPU scale", micro_batches=m,
+        labels={**{n: "at least: missed the target at CPU scale" for n in bounds},
+                **{n: "at least: the depth study, docs/DEPTH.md" for n in elsewhere}})
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"],
                      **({"pipeline": True} if r.get("emulated") is False and emulated else {}),
                      **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
@@ -101,9 +106,9 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             "target": target, "compute_s_per_step": compute_s,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
             "table": rows, "curves": curves,
-            "projection": projection.project({**elsewhere, **measured, **bounds}, multiplier_label="measured at CPU scale",
-                                             labels={**{n: "at least: missed the target at CPU scale" for n in bounds},
-                                                     **{n: "at least: the depth study, docs/DEPTH.md" for n in elsewhere}}),
+            "projection": project(projection.SETUP.micro_batches),
+            "projection_splits": {str(m): [{k: r[k] for k in ("codec", "micro_batch", "s_per_step", "steps", "T")}
+                                           for r in project(m)] for m in SPLITS},
             "records": projection.record_rows()}
 
 
@@ -216,6 +221,68 @@ def projection_markdown(result: dict) -> str:
                     f"(model: {rec['simulated_s_per_step']:.2f}) | {rec['steps']} (published) | {rec['T']:,.0f} | "
                     f"{rec['T'] / bf16_record:.3f}x |")
     return "\n".join(rows)
+
+
+def best_split(result: dict, codec: str) -> dict | None:
+    """``codec``'s projection at the micro-batch count with the lowest T (``projection_splits``), with
+    ``micro_batches`` and ``vs_setup`` (its T over the setup's own split's); None without splits or codec."""
+    at = {int(m): next((r for r in rows if r["codec"] == codec), None)
+          for m, rows in result.get("projection_splits", {}).items()}
+    at = {m: r for m, r in at.items() if r is not None}
+    own = at.get(projection.SETUP.micro_batches)
+    if not at or own is None:
+        return None
+    m = min(at, key=lambda k: at[k]["T"])
+    return {**at[m], "micro_batches": m, "vs_setup": at[m]["T"] / own["T"]}
+
+
+def splits_markdown(result: dict) -> str:
+    """s/step per codec at each micro-batch count of the setup's global batch, and the best split's T."""
+    splits = sorted(int(m) for m in result.get("projection_splits", {}))
+    if not splits:
+        return "(not computed for this page)"
+    rows = ["| codec | " + " | ".join(f"s/step at {m} x {projection.SETUP.micro_batch * projection.SETUP.micro_batches // m}"
+                                     for m in splits) + " | best split | T there (s) | vs 64 micro-batches |",
+            "|---|" + "---:|" * len(splits) + "---|---:|---:|"]
+    for r in result["projection"]:
+        best = best_split(result, r["codec"])
+        cells = [next(x for x in result["projection_splits"][str(m)] if x["codec"] == r["codec"])["s_per_step"]
+                 for m in splits]
+        rows.append(f"| {r['codec']} | " + " | ".join(f"{c:.2f}" for c in cells) +
+                    f" | {best['micro_batches']} x {best['micro_batch']} | {best['T']:,.0f} | {best['vs_setup']:.3f}x |")
+    return "\n".join(rows)
+
+
+def check_markdown(result: dict) -> str:
+    """The schedule simulator against timing runs (``check.py``'s committed result) and what it says of the best
+    projected split, or how to get it."""
+    checked = check.load()
+    if checked is None:
+        return "Not run for this page: `python -m benchmarks.speedrun.check --write` times the real pipeline."
+    return check.render(checked) + "\n\n" + split_verdict(result, checked)
+
+
+def split_verdict(result: dict, checked: dict) -> str:
+    """The lowest projected T's split against the simulator's error in the micro-batch dependence (``checked``)."""
+    best = min((b for r in result["projection"] if r["codec"] != "none"
+                for b in [best_split(result, r["codec"])] if b), key=lambda b: b["T"], default=None)
+    ratios = check.split_ratios(checked)
+    if best is None or not ratios:
+        return ""
+    own = projection.SETUP.micro_batches
+    if best["micro_batches"] == own:
+        return f"The lowest projected T, `{best['codec']}`'s, is at the setup's own {own} micro-batches."
+    gain, worst = 1 - best["vs_setup"], max(ratios, key=lambda r: abs(r["error"]))
+    favours = all(r["error"] < 0 for r in ratios if r["codec"] != "bf16")
+    return (f"The lowest projected T is `{best['codec']}`'s at {best['micro_batches']} micro-batches of "
+            f"{best['micro_batch']}: {best['T']:,.0f} s, {gain:.1%} under its {own}-micro-batch projection. In the "
+            f"timing runs the simulator's step ratio between micro-batch counts erred by up to "
+            f"{abs(worst['error']):.1%} (`{worst['codec']}`)"
+            + (", always in favour of fewer micro-batches for the compressed codecs (their compute behind the link "
+               "is uncertain where stages share 2 cores)" if favours else "")
+            + (f", so the split's gain is an estimate of that precision, not a recommendation: a GPU timing run "
+               f"settles it." if abs(worst["error"]) >= gain / 2 else
+               f"; the split's gain is larger than that error."))
 
 
 def frontier(result: dict) -> list[dict]:
@@ -378,6 +445,7 @@ def write_page(result: dict, page: Path) -> None:
         rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",
         iters=setup["iters"], eval_interval=setup["eval_interval"], eval_iters=setup["eval_iters"],
         micro_batches=setup["micro_batches"], table=table_markdown(result), projection=projection_markdown(result),
+        splits=splits_markdown(result), schedule_check=check_markdown(result),
         frontier=frontier_markdown(result), frontier_plot=f"data/{stem}_frontier.png",
         frontier_best=_frontier_best(result), choices=choices_text(result),
         plot=f"data/{stem}.png", json=f"data/{stem}.json"))

@@ -135,6 +135,17 @@ SIZES = {
 }
 
 
+def prepare_data(out: Path, size: Size) -> tuple[Path, int]:
+    """The shipped corpus tokenized with the speedrun's compact vocabulary under ``out/data`` (once): (prefix, vocab)."""
+    from megatron_tah.data import prepare
+
+    prefix, vocab = out / "data" / "speedrun", 8192
+    if not Path(f"{prefix}_valid_text_document.idx").is_file():
+        max_tokens = None if size.name == "full" else 40_000
+        prepare("shakespeare", prefix, vocab_limit=vocab, max_tokens=max_tokens)
+    return prefix, vocab
+
+
 def data_flags(prefix: Path, vocab: int) -> list[str]:
     return ["--train-data-path", f"{prefix}_train_text_document", "--valid-data-path", f"{prefix}_valid_text_document",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]

@@ -56,11 +56,24 @@ def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> 
     return row.get(candidate, max(row.values(), default=1.0))
 
 
+STEPS_AT_LEAST: dict[int, frozenset[str]] = {
+    4: frozenset({"paper"}),
+    8: frozenset({"paper", "channel", "channel6", "hadint4", "fixedpoint4"}),
+}
+"""The entries of ``STEPS_MULTIPLIER`` that are lower bounds, not steps to target: the codec missed the target (the
+speedrun) or its final loss was read against the uncompressed curve (the depth study). They are charged, but they
+do not tell how many steps the codec needs, so they waive nothing (``steps_measured``)."""
+
+
 def steps_measured(candidate: str, depth: int) -> bool:
     """Whether ``candidate``'s steps to a loss were measured at ``depth`` (it is in the row ``steps_multiplier``
-    reads): then its time to target is known, and auto judges it by that, not by the default error floor."""
+    reads, and not as a lower bound: ``STEPS_AT_LEAST``): then its time to target is known, and auto judges it by
+    that, not by the default error floor."""
     measured = [d for d in STEPS_MULTIPLIER if d <= depth]
-    return bool(measured) and candidate in STEPS_MULTIPLIER[max(measured)]
+    if not measured:
+        return False
+    row = max(measured)
+    return candidate in STEPS_MULTIPLIER[row] and candidate not in STEPS_AT_LEAST.get(row, frozenset())
 
 
 def _is_int(value) -> bool:

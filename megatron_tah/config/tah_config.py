@@ -165,7 +165,7 @@ class TahConfig:
     """Codecs a direction set to auto chooses among (comma list): none, fp8, fixedpoint4 (direct 4-bit activations, the paper's 6-bit gradients) or a preset's codec for the direction (paper, hadint4, lowrank, lowrank8, channel, channel6, channel9). Links start with none (else paper, else the first) until the link is measured."""
 
     tah_auto_max_error: float | None = AUTO_DEFAULTS.max_error
-    """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, waived for a candidate whose steps to a loss were measured at the pipeline's depth: it is judged by those; given, it binds every candidate)."""
+    """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, waived for a candidate whose steps to a loss were measured at the pipeline's depth, not as a lower bound: it is judged by those; given, it binds every candidate)."""
 
     tah_auto_interval: int = AUTO_DEFAULTS.interval
     """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""

@@ -10,9 +10,11 @@ codec, candidate ``paper``, on the same tensor, so auto never sends less accurat
 default; ``none`` has error 0; if ``paper`` itself was dropped the floor is 0), the smallest
 prediction wins, ties to the earlier candidate. The default floor is a proxy for steps to a loss; a
 candidate whose steps were measured at the pipeline's depth (``config.auto.steps_measured``: its multiplier
-is in the table) is judged by them instead and passes it (at depth 8, ``lowrank``'s larger round-trip error
-costs 1.09x the steps, ``fixedpoint4``'s smaller one 2.0x: docs/SPEEDRUN.md); an explicit ``max_error`` binds
-every candidate. The rate a candidate is predicted with is the
+is in the table as steps to target, not as a lower bound) is judged by them instead and passes it (at depth 8,
+``lowrank``'s larger round-trip error costs 1.09x the steps, ``fixedpoint4``'s smaller one at least 2.0x:
+docs/SPEEDRUN.md); so does a candidate left out as the same codec as a measured one (in the backward direction
+``lowrank``'s gradients are ``hadint4``'s). A lower bound waives nothing: ``channel6``'s 2-bit gradients, which
+cost steps, are held to the floor. An explicit ``max_error`` binds every candidate. The rate a candidate is predicted with is the
 slowest of the rates measured in the last ``memory`` (4) measurements on messages at least as
 large as its own, if any, else the current measurement: a link with a burst allowance (a token
 bucket, e.g. tc's tbf) carries messages smaller than its burst far faster than its sustained
@@ -84,9 +86,13 @@ class Chooser:
         return 0.0 if reference is None else reference.error
 
     def within_floor(self, name: str, cost: CandidateCost, floor: float) -> bool:
-        """Whether ``name`` may be chosen: its error is at most ``floor``, or the floor is the default one and its
-        steps were measured at this depth (module docstring)."""
-        return cost.error <= floor or (self.settings.max_error is None and steps_measured(name, self.depth))
+        """Whether ``name`` may be chosen: its error is at most ``floor``, or the floor is the default one and the
+        steps of ``name`` or of a candidate left out as the same codec (``aliases``) were measured at this depth
+        (module docstring)."""
+        if cost.error <= floor:
+            return True
+        same = [name, *(alias for alias, kept in self.table.aliases.items() if kept == name)]
+        return self.settings.max_error is None and any(steps_measured(n, self.depth) for n in same)
 
     def rate_for(self, cost: CandidateCost, rate_bps: float) -> float:
         """The rate to predict ``cost``'s messages with: the slowest recent rate measured on messages at least
