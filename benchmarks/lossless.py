@@ -4,6 +4,7 @@ A codec buffer has a fixed size (``wire_nbytes``), but its codes are not uniform
 entropy coder after the codec would carry the same buffer in fewer bytes. Lossless: the decoded tensor is
 bit-identical, so a codec's steps to a target loss (docs/SPEEDRUN.md) would not change, only its bytes.
 Nothing of this is built (the transport posts fixed-size receives); this measures what it would be worth,
+and what a coder on the host (``zlib``) would cost against it (``host_zlib``),
 on real models' messages (``benchmarks.real_activations``: SmolLM2-135M's hidden states after the layers
 where PP 4 cuts it, and the gradients of its language-model loss with respect to them), per preset and
 direction (the forward codec on the hidden state, the backward codec on its gradient):
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import zlib
 from datetime import date
 from pathlib import Path
@@ -35,11 +35,13 @@ from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
 
 from .pages import replace_block
+from .reproduce.runner import host_info
 from .real_activations import CACHE, MODELS, boundaries, corpus_text
 
 MODEL = "smollm2-135m"
 TOKENS = 1024
 DATA = Path("docs/data/lossless.json")
+HOST_PRESET = "lowrank"  # the preset whose messages the host coder's cost is measured on
 SPLIT = 32  # micro-batches of the setup's step the last projection column splits it into (docs/SPEEDRUN.md)
 
 
@@ -114,6 +116,36 @@ def measure(codec: Codec, x: torch.Tensor) -> dict:
             "zlib": 8 * len(zlib.compress(buf.numpy().tobytes(), 9)) / values}
 
 
+def host_zlib(found: dict, preset: str = HOST_PRESET, repeats: int = 3) -> dict:
+    """What zlib at level 1 (its fastest) costs on this machine's CPU against what it saves on the slow link, for
+    one ``preset`` message each way at the ProtocolNanoGPT shape: throughput (the best of ``repeats``) on the
+    preset's buffers of every cut (forward codec on the hidden states, backward on the gradients), and the share
+    it saved there."""
+    import time
+
+    from .speedrun import projection, simulate
+
+    config = TahConfig(tah_preset=preset)
+    out = {"preset": preset, "level": 1}
+    for direction, codec, index in (("forward", config.forward_codec(), 0), ("backward", config.backward_codec(), 1)):
+        data = b"".join(codec.salt_rounding(f"{preset}.{layer}").encode(pair[index]).numpy().tobytes()
+                        for layer, pair in found.items())
+        compress = decompress = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            packed = zlib.compress(data, 1)
+            middle = time.perf_counter()
+            zlib.decompress(packed)
+            compress, decompress = min(compress, middle - start), min(decompress, time.perf_counter() - middle)
+        nbytes = codec.wire_nbytes(projection.SHAPE, torch.bfloat16)
+        saved = 1 - len(packed) / len(data)
+        out[direction] = {"compress_mb_s": len(data) / compress / 1e6, "decompress_mb_s": len(data) / decompress / 1e6,
+                          "saved": saved, "message_bytes": nbytes,
+                          "coder_ms": 1e3 * nbytes * (compress + decompress) / len(data),
+                          "link_saved_ms": 1e3 * 8 * nbytes * saved / simulate.BANDWIDTH_BPS}
+    return out
+
+
 def run(model: str = MODEL, presets=None) -> dict:
     """Every preset's forward codec on the hidden states and backward codec on the gradients, every cut."""
     found = messages(model)
@@ -128,8 +160,8 @@ def run(model: str = MODEL, presets=None) -> dict:
             rows.append({"preset": preset, "direction": direction, "codec": f"{codec.name} {bits}-bit",
                          **{k: sum(m[k] for m in per_cut.values()) / len(per_cut) for k in ("bits", "order0", "zlib")},
                          "by_layer": {str(layer): m for layer, m in per_cut.items()}})
-    return {"model": model, "tokens": TOKENS, "cuts": sorted(found), "rows": rows,
-            "date": date.today().isoformat(), "host": platform.processor() or platform.machine()}
+    return {"model": model, "tokens": TOKENS, "cuts": sorted(found), "rows": rows, "host_zlib": host_zlib(found),
+            "date": date.today().isoformat(), "host": host_info()["cpu"]}
 
 
 def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json")) -> list[dict]:
@@ -188,7 +220,22 @@ def table(result: dict) -> str:
                   f"{r['T_coded_split']:,.0f} |" for r in result["projected"]]
         lines += ["", f"The last column also splits the step's 512 sequences into {SPLIT} micro-batches of "
                   f"{512 // SPLIT} instead of 64 of 8 (docs/SPEEDRUN.md, \"Fewer, larger micro-batches\")."]
+    if result.get("host_zlib"):
+        lines += ["", host_zlib_text(result["host_zlib"], result.get("host", "this CPU"))]
     return "\n".join(lines)
+
+
+def host_zlib_text(h: dict, host: str) -> str:
+    """The host coder's cost against its saving, one sentence per direction."""
+    parts = [f"{d} ({h[d]['message_bytes'] / 1e6:.2f} MB): zlib saves {h[d]['saved']:.0%}, "
+             f"{h[d]['link_saved_ms']:.0f} ms of the 200 Mb/s link, and costs {h[d]['coder_ms']:.0f} ms to compress "
+             f"({h[d]['compress_mb_s']:.0f} MB/s) and decompress ({h[d]['decompress_mb_s']:.0f} MB/s)"
+             for d in ("forward", "backward")]
+    pays = all(h[d]["coder_ms"] < h[d]["link_saved_ms"] for d in ("forward", "backward"))
+    return (f"A coder on the host {'pays' if pays else 'does not pay'}. zlib at level {h['level']} (its fastest) on "
+            f"one core of {host}, per `{h['preset']}` message at `[1024, 8, 1024]`: " + "; ".join(parts) + "."
+            + ("" if pays else " The coder has to run where the codec runs, on the GPU, at a rate far above the "
+               "link's (an ANS coder such as nvCOMP's), and the transport has to carry messages of varying size."))
 
 
 def main(argv=None) -> None:

@@ -69,3 +69,28 @@ def test_the_projection_with_the_coder_bills_the_measured_share_at_the_same_step
         "lowrank": (0.75, 0.5)}, micro_batches=row["split"])[0]
     assert row["split"] == 32 and row["T_coded_split"] == pytest.approx(split["T"])
     assert row["T_coded_split"] < row["T_coded"]  # fewer, larger messages: latency held the wire less often
+
+
+def test_the_host_coder_is_billed_its_time_and_credited_its_link_saving():
+    import torch
+
+    from benchmarks.lossless import host_zlib, host_zlib_text
+    from benchmarks.speedrun import projection
+    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.config import TahConfig
+
+    x = activation_like((64, 1, 256)).to(torch.bfloat16)
+    h = host_zlib({3: (x, (x * 1e-3).to(torch.bfloat16))}, "lowrank", repeats=1)
+    config = TahConfig(tah_preset="lowrank")
+    for direction, codec in (("forward", config.forward_codec()), ("backward", config.backward_codec())):
+        row = h[direction]
+        assert row["message_bytes"] == codec.wire_nbytes(projection.SHAPE, torch.bfloat16)
+        assert 0 < row["saved"] < 1 and row["compress_mb_s"] > 0 and row["decompress_mb_s"] > 0
+        assert row["link_saved_ms"] == pytest.approx(1e3 * 8 * row["message_bytes"] * row["saved"] / 200e6)
+        assert row["coder_ms"] == pytest.approx(row["message_bytes"] / 1e3 * (1 / row["compress_mb_s"]
+                                                                              + 1 / row["decompress_mb_s"]))
+    text = host_zlib_text(h, "test cpu")
+    assert "on one core of test cpu, per `lowrank` message" in text and f"saves {h['forward']['saved']:.0%}" in text
+    assert "does not pay" in text if h["forward"]["coder_ms"] > h["forward"]["link_saved_ms"] else "pays" in text
+    fast = {**h, **{d: {**h[d], "coder_ms": 0.0} for d in ("forward", "backward")}}
+    assert "A coder on the host pays." in host_zlib_text(fast, "test cpu")
