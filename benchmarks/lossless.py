@@ -218,8 +218,12 @@ def table(result: dict) -> str:
         lines += [f"| {r['preset']} | {r['multiplier']:.2f}x | {r['bits']:.2f} | {r['bits_coded']:.2f} | "
                   f"{r['s_per_step']:.2f} | {r['s_per_step_coded']:.2f} | {r['T']:,.0f} | {r['T_coded']:,.0f} | "
                   f"{r['T_coded_split']:,.0f} |" for r in result["projected"]]
-        lines += ["", f"The last column also splits the step's 512 sequences into {SPLIT} micro-batches of "
-                  f"{512 // SPLIT} instead of 64 of 8 (docs/SPEEDRUN.md, \"Fewer, larger micro-batches\")."]
+        from .speedrun.projection import SETUP as setup
+
+        sequences = setup.micro_batch * setup.micro_batches
+        lines += ["", f"The last column also splits the step's {sequences} sequences into {SPLIT} micro-batches of "
+                  f"{sequences // SPLIT} instead of {setup.micro_batches} of {setup.micro_batch} (docs/SPEEDRUN.md, "
+                  f"\"Fewer, larger micro-batches\")."]
     if result.get("host_zlib"):
         lines += ["", host_zlib_text(result["host_zlib"], result.get("host", "this CPU"))]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """``python -m benchmarks.speedrun.check``: the schedule simulator against timing runs behind the emulated wire.
 
-    python -m benchmarks.speedrun.check --write docs/SPEEDRUN.md  # bf16 and channel9 at 16 and 8 micro-batches
-                                                                  # (about 20 minutes on the 2-core machine)
+    python -m benchmarks.speedrun.check --write  # bf16 and channel9 at 16 and 8 micro-batches (about 15 minutes
+                                                 # on the 2-core machine); then regenerate the speedrun page
 
 The speedrun's seconds per step come from the schedule simulator (``simulate.py``). This checks it where it
 matters: the real pipeline (one process per stage, gloo, ``--tah-emulate-wire inbound`` at the speedrun page's

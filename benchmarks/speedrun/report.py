@@ -96,6 +96,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
         {**elsewhere, **measured, **bounds}, multiplier_label="measured at CPU scale", micro_batches=m,
         labels={**{n: "at least: missed the target at CPU scale" for n in bounds},
                 **{n: "at least: the depth study, docs/DEPTH.md" for n in elsewhere}})
+    own = project(projection.SETUP.micro_batches)
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"],
                      **({"pipeline": True} if r.get("emulated") is False and emulated else {}),
                      **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
@@ -106,9 +107,10 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
             "target": target, "compute_s_per_step": compute_s,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
             "table": rows, "curves": curves,
-            "projection": project(projection.SETUP.micro_batches),
+            "projection": own,
             "projection_splits": {str(m): [{k: r[k] for k in ("codec", "micro_batch", "s_per_step", "steps", "T")}
-                                           for r in project(m)] for m in SPLITS},
+                                           for r in (own if m == projection.SETUP.micro_batches else project(m))]
+                                  for m in SPLITS},
             "records": projection.record_rows()}
 
 
@@ -242,7 +244,7 @@ def splits_markdown(result: dict) -> str:
     if not splits:
         return "(not computed for this page)"
     rows = ["| codec | " + " | ".join(f"s/step at {m} x {projection.SETUP.micro_batch * projection.SETUP.micro_batches // m}"
-                                     for m in splits) + " | best split | T there (s) | vs 64 micro-batches |",
+                                     for m in splits) + f" | best split | T there (s) | vs {projection.SETUP.micro_batches} micro-batches |",
             "|---|" + "---:|" * len(splits) + "---|---:|---:|"]
     for r in result["projection"]:
         best = best_split(result, r["codec"])
@@ -263,7 +265,8 @@ def check_markdown(result: dict) -> str:
 
 
 def split_verdict(result: dict, checked: dict) -> str:
-    """The lowest projected T's split against the simulator's error in the micro-batch dependence (``checked``)."""
+    """The lowest projected T's split against the simulator's error in the micro-batch dependence (``checked``): a
+    gain less than twice the largest error in a measured step ratio is called an estimate, not a recommendation."""
     best = min((b for r in result["projection"] if r["codec"] != "none"
                 for b in [best_split(result, r["codec"])] if b), key=lambda b: b["T"], default=None)
     ratios = check.split_ratios(checked)
