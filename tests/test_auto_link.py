@@ -419,15 +419,18 @@ def test_the_last_measurement_a_collapse_is_judged_against_survives_a_checkpoint
     assert older.rate is None
 
 
-def test_a_drop_hidden_from_the_collapse_check_by_a_late_receiver_switches_at_the_next_measurement(monkeypatch):
+@pytest.mark.parametrize("drop", [8, 9])  # at a regular measurement's boundary; inside its window
+def test_a_drop_switches_one_iteration_after_it_even_inside_the_window_and_behind_a_late_receiver(monkeypatch, drop):
     """Where the receiver posts late (a last stage between its forward and backward steps), most transits are
     its wait, before a drop as after it, so the latest transfers are never all far under the last rate's slower
-    quartile (``LinkRateMeter.collapsed``). The next regular measurement's fastest transfer is under half the last
-    one's at the same size (``LinkRate.fell_from``), and a 5% predicted gain switches then, without
-    ``patience``: one measurement after the drop instead of two."""
+    quartile (``LinkRateMeter.collapsed``); and a window that began before the drop still holds a transfer at the old
+    rate, its fastest. But the first whole iteration at the dropped rate has its fastest transfer under half the last
+    measurement's at the same size (``LinkRateMeter.fell``): the sender measures from that iteration's transfers at
+    the next boundary, and a 5% predicted gain switches there, without ``patience``; the choice takes effect one
+    iteration later. Without the check, the drop waits for regular measurements and ``patience``."""
     import dataclasses
 
-    from megatron_tah.link.measure import LinkRate
+    from megatron_tah.link.measure import LinkRateMeter
 
     interval, fast, slow = 4, 8e9, 8e8  # at 8e8 paper is ~37% faster than none: more than 5%, less than a jump
     seconds = {"none": 0.0, "fp8": 20e-6, "paper": 40e-6}
@@ -440,17 +443,51 @@ def test_a_drop_hidden_from_the_collapse_check_by_a_late_receiver_switches_at_th
         end.table, end.chooser = table, Chooser(table, end.settings, current="none")
         nbytes = table.costs["none"].wire_nbytes
         chosen = []
-        for k in range(20):
+        for k in range(24):
             end.begin(k)
             chosen.append(end.current)
-            rate = fast if k < 8 else slow
+            rate = fast if k < drop else slow
             assert end.rate is None or not end.meter.collapsed(end.rate)  # the late posts hide the drop from it
             for late in (2e-3, 2e-3, 2e-3, 0.0):  # one message of four finds the receiver posted
                 end.meter.record(nbytes, late + 8 * nbytes / rate)
         return chosen
 
     chosen = run()
-    assert set(chosen[:13]) == {"none"} and set(chosen[13:]) == {"paper"}, chosen  # measured at 12 (8-11's transfers)
-    monkeypatch.setattr(LinkRate, "fell_from", lambda self, last, factor=0.5: False)
+    switch = drop + 2  # measured at boundary drop + 1 from iteration drop's transfers
+    assert set(chosen[:switch]) == {"none"} and set(chosen[switch:]) == {"paper"}, chosen
+    monkeypatch.setattr(LinkRateMeter, "fell", lambda self, last, factor=0.5: 0)
     without = run()
-    assert set(without[:17]) == {"none"} and set(without[17:]) == {"paper"}, without  # patience: 16's measurement too
+    later = {8: 17, 9: 21}[drop]  # regular measurements (12, 16, 20) with patience 2; at 9, 12's window is not all slow
+    assert set(without[:later]) == {"none"} and set(without[later:]) == {"paper"}, without
+
+
+def test_a_meter_finds_a_fall_in_its_latest_whole_iterations_and_measures_from_them_alone():
+    """``LinkRateMeter.fell``: the longest run of whole iterations whose fastest transfer is under half the last
+    measurement's at every common size; a suffix shorter than ``min_transfers``, another message size or a
+    slower-but-not-half iteration is no fall; a measurement resets the iterations; a checkpoint keeps them."""
+    from megatron_tah.link.measure import LinkRate, LinkRateMeter
+
+    last = LinkRate(8e9, 1e9, 12, by_size=((1000, 8e9),))
+    meter = LinkRateMeter(interval=4, skip_first=0, quantile=1.0)
+    for rate in (8e9, 8e9):  # one iteration at the old rate
+        meter.record(1000, 8 * 1000 / rate)
+    meter.iteration_done()
+    assert meter.fell(last) == 0  # the window's fastest is the old rate's; the new iteration is empty
+    for rate in (5e9, 5e9, 5e9):  # slower, not under half
+        meter.record(1000, 8 * 1000 / rate)
+    meter.iteration_done()
+    assert meter.fell(last) == 0
+    for rate in (1e9, 2e9):  # under half, but 2 transfers < min_transfers
+        meter.record(1000, 8 * 1000 / rate)
+    meter.iteration_done()
+    assert meter.fell(last) == 0
+    meter.record(500, 8 * 500 / 1e9)  # another size only: no size in common
+    meter.record(1000, 8 * 1000 / 1e9)
+    meter.iteration_done()
+    assert meter.fell(last) == 4  # the last two iterations: 4 transfers, under half at 1000 bytes
+    resumed = LinkRateMeter(interval=4, skip_first=0, quantile=1.0)
+    resumed.load_state_dict(meter.state_dict())
+    assert resumed.fell(last) == 4
+    rate = meter.measure(recent=meter.fell(last))
+    assert rate.rate_bps == pytest.approx(2e9) and dict(rate.by_size)[1000] == pytest.approx(2e9)
+    assert meter.marks == [0] and meter.fell(last) == 0

@@ -48,8 +48,10 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   the choice is announced from then on and takes effect at the next boundary. At every boundary in
   between, a collapse (the latest transfers all under half the rate last measured, its slower quartile,
   at their size) measures at once from those transfers, and a predicted gain of 5% then switches without
-  waiting for ``patience``; so does a regular measurement whose fastest transfer at a size fell under half
-  the last one's there (``LinkRate.fell_from``: a drop that a late-posting receiver hid from the collapse check). A switch is on probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
+  waiting for ``patience``; so does a fall: the latest whole iterations' fastest transfer at a size under half
+  the last measurement's there (``LinkRateMeter.fell``: a drop inside the window, which the window's fastest
+  transfer hides, and a drop that a late-posting receiver hid from the collapse check), measured from those
+  iterations' transfers alone. A switch is on probation (``choice.Probation``, ``--tah-auto-probation`` iterations): if the new codec's
   iterations were not faster than the previous codec's, the sender announces the previous one again
   (logged) and leaves the new one out for 4 measurements. The receiver's
   decode time is the sender's measurement of it. A candidate that fails to build or to run during
@@ -135,6 +137,7 @@ class AutoEnd:
             self.iteration = iteration
             self._announcement = None  # the announcement names the iteration
             if self.role == "send":
+                self.meter.iteration_done()
                 self._decide(iteration)
         return self.codecs[self.current]
 
@@ -143,18 +146,19 @@ class AutoEnd:
             return
         if self.probation is not None and self._probation_failed():
             return
-        collapse = self.rate is not None and self.meter.collapsed(self.rate)  # far slower: measure now
-        if not (self.chooser.current is None or self.meter.due(iteration) or collapse):
+        # far slower since the last measurement: measure now, from the transfers that show it
+        collapse = self.rate is not None and self.meter.collapsed(self.rate)
+        fell = 0 if self.rate is None or collapse else self.meter.fell(self.rate)
+        if not (self.chooser.current is None or self.meter.due(iteration) or collapse or fell):
             return
-        rate = self.meter.measure(recent=self.meter.min_transfers if collapse else None)
+        rate = self.meter.measure(recent=self.meter.min_transfers if collapse else fell or None)
         if rate is None:
             return
         if self._encodes and self.current in self.table.costs:
             self.table.observe(self.current, encode_s=timing.to_float(self._encode_seconds) / self._encodes)
         self._encode_seconds, self._encodes = 0.0, 0
-        fell = self.rate is not None and rate.fell_from(self.rate)  # a regular measurement that found a collapse
         self.rate = rate
-        self.next = self.chooser.update(rate, collapse=collapse or fell)
+        self.next = self.chooser.update(rate, collapse=collapse or bool(fell))
         if self.probation is not None and self.next != self.current:
             self.probation.switched(self.current, self.next, iteration + 1)
 

@@ -25,8 +25,9 @@ got faster is found again. Hysteresis: leaving the current codec needs the
 best one predicted ``>= gain`` (5%) faster on ``patience`` (2) consecutive measurements, or ``>= jump``
 (50%) faster on one, or ``>= gain`` faster on a measurement taken early because the link collapsed (the
 latest transfers all under half the rate last measured, its slower quartile, at their size:
-``LinkRateMeter.collapsed``, checked at every iteration boundary, not only every interval; or a regular
-measurement whose fastest transfer fell under half the last one's at the same size, ``LinkRate.fell_from``); a current codec
+``LinkRateMeter.collapsed``, checked at every iteration boundary, not only every interval; or the latest
+whole iterations' fastest transfer fell under half the last measurement's at the same size, ``LinkRateMeter.fell``,
+checked there too); a current codec
 that was dropped or no longer meets the floor is left at once.
 
 **Probation** (``Probation``): the prediction adds link time and codec time, but a schedule hides

@@ -82,6 +82,7 @@ class LinkRateMeter:
         self.seen = 0
         self.window: list[tuple[int, float]] = []
         self.stalled = False  # the last measure() found too few large messages
+        self.marks: list[int] = [0]  # where each iteration's transfers begin in the window (since the last measurement)
 
     def record(self, nbytes: int, seconds: float) -> None:
         """One real transfer of ``nbytes`` bytes that took ``seconds`` (post to completion)."""
@@ -90,6 +91,28 @@ class LinkRateMeter:
         self.seen += 1
         if self.seen > self.skip_first:
             self.window.append((int(nbytes), max(float(seconds), MIN_SECONDS)))
+
+    def iteration_done(self) -> None:
+        """An iteration boundary: the transfers recorded from here on are the next iteration's (``fell``)."""
+        self.marks.append(len(self.window))
+
+    def fell(self, last: LinkRate, factor: float = 0.5) -> int:
+        """How many of the window's latest transfers show the link far slower than measurement ``last``: the longest
+        run of whole iterations (at least ``min_transfers`` transfers) whose fastest transfer, at every message size
+        both saw, is below ``factor`` times ``last``'s fastest there (``LinkRate.fell_from``); 0 if none. A drop
+        inside the window shows here at the first boundary after it, where the window's fastest transfer is still
+        the old rate's; and where the receiver posts late, so that every transit includes its wait and the latest
+        transfers never look ``collapsed``, an iteration's fastest transfer still shows the link."""
+        for mark in self.marks:  # the longest suffix first
+            recent = self.window[mark:]
+            if len(recent) < self.min_transfers:
+                break
+            fastest: dict[int, float] = {}
+            for nbytes, seconds in recent:
+                fastest[nbytes] = max(fastest.get(nbytes, 0.0), 8.0 * nbytes / seconds)
+            if LinkRate(0.0, 0.0, len(recent), tuple(fastest.items())).fell_from(last, factor):
+                return len(recent)
+        return 0
 
     def due(self, iteration: int) -> bool:
         """Whether a measurement is due after ``iteration`` completed iterations (0: the handshake)."""
@@ -115,7 +138,7 @@ class LinkRateMeter:
         ones: after a codec switch the messages shrink and the last large ones would stall the meter for good,
         so on the second such call they are dropped and the smaller ones measured."""
         if recent is not None:
-            self.window = self.window[-recent:]
+            self.window, self.marks = self.window[-recent:], [0]
         while True:
             if not self.window:
                 return None
@@ -127,12 +150,12 @@ class LinkRateMeter:
             if not smaller or not self.stalled:
                 self.stalled = bool(smaller)
                 return None
-            self.window = smaller
+            self.window, self.marks = smaller, [0]
         self.stalled = False
         fastest: dict[int, float] = {}
         for nbytes, seconds in self.window:
             fastest[nbytes] = max(fastest.get(nbytes, 0.0), 8.0 * nbytes / seconds)
-        self.window = []
+        self.window, self.marks = [], [0]
         low, _, high = statistics.quantiles(rates, n=4, method="inclusive")
         if self.quantile != 0.75:
             ordered = sorted(rates)
@@ -140,12 +163,14 @@ class LinkRateMeter:
         return LinkRate(rate_bps=high, spread_bps=high - low, transfers=len(rates), by_size=tuple(sorted(fastest.items())))
 
     def state_dict(self) -> dict:
-        return {"seen": self.seen, "window": [list(item) for item in self.window], "stalled": self.stalled}
+        return {"seen": self.seen, "window": [list(item) for item in self.window], "stalled": self.stalled,
+                "marks": list(self.marks)}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = int(state["seen"])
         self.window = [(int(nbytes), float(seconds)) for nbytes, seconds in state["window"]]
         self.stalled = bool(state.get("stalled", False))  # (absent from checkpoints written before it)
+        self.marks = [int(mark) for mark in state.get("marks", [0])]  # (likewise)
 
 
 # ----- the codecs -----------------------------------------------------------------------------
