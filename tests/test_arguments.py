@@ -321,3 +321,17 @@ def test_the_reproduction_command_lines_say_which_codecs_they_run():
     assert "6-bit bwd" in convergence.CODECS["tah"][0]
     tah = tah_arguments.tah_config_from_args(parser.parse_known_args(convergence.CODECS["tah"][1])[0])
     assert tah.backward_codec().describe() == "fixedpoint(bits=6, tile_size=32, stochastic_rounding=False)"
+
+
+def test_one_layer_per_stage_leaves_megatron_neither_the_interleaved_schedule_nor_overlapped_p2p(monkeypatch, installed):
+    """The speedrun's shape (one transformer layer per stage, as the reference's): Megatron's validation makes the
+    virtual pipeline 1 (no interleaving: a stage's layers must divide into virtual stages) and turns off
+    ``overlap_p2p_comm`` (interleaved only), so neither is a lever under latency there (docs/SPEEDRUN.md)."""
+    args = parse(monkeypatch, gpt_argv(4, "--num-layers-per-virtual-pipeline-stage", "1"), world_size=4)
+    assert args.overlap_p2p_comm  # megatron-core's default
+    megatron_arguments.validate_args(args)
+    assert args.num_layers // args.pipeline_model_parallel_size == 1
+    assert args.virtual_pipeline_model_parallel_size is None and not args.overlap_p2p_comm
+    two = parse(monkeypatch, gpt_argv(2, "--num-layers-per-virtual-pipeline-stage", "1"), world_size=2)
+    megatron_arguments.validate_args(two)  # two layers per stage: interleaved, with overlapped p2p
+    assert two.virtual_pipeline_model_parallel_size == 2 and two.overlap_p2p_comm
