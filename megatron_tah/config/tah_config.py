@@ -168,7 +168,7 @@ class TahConfig:
     """auto: largest relative round-trip error a candidate may have (default: the paper codec's error on the link's first message, waived for a candidate whose steps to a loss were measured at the pipeline's depth, not as a lower bound: it is judged by those; given, it binds every candidate)."""
 
     tah_auto_interval: int = AUTO_DEFAULTS.interval
-    """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured)."""
+    """auto: measure each link's rate and reconsider its codec every this many iterations (and once as soon as the first iteration's transfers are measured); a rate that falls under half is measured at the first iteration boundary after whole iterations holding 3 transfers at the new rate, whatever the interval."""
 
     tah_auto_probation: int = AUTO_DEFAULTS.probation
     """auto: after a switch the new codec keeps the link only if its first this-many iterations ran faster than the ones before the switch; else the link goes back and the codec waits 4 measurements before it is tried again (0: no probation)."""
