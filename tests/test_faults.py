@@ -133,6 +133,16 @@ def test_the_rate_drop_row_reads_the_lag_the_return_and_tokens_per_second():
              "round-trip error); left out: nothing\n")
     faster = {**fixed, "hadint4": [{"status": 0, "records": [{"iteration": k, "ms": 400.0}
                                                              for k in range(1, ratedrop.FIXED_ITERS + 1)]}]}
+    assert row["pinned"] is None and "its one candidate" not in text  # no pinned runs: nothing said
+    # auto pinned to one candidate against that candidate fixed, per round (505 +- 10 ms against 525 and 545 ms)
+    pinned = [{"status": 0, "records": [{"iteration": k, "ms": ms} for k in range(1, ratedrop.FIXED_ITERS + 1)]}
+              for ms in (525.0, 545.0)]
+    priced = ratedrop.judge({"auto": [auto], "fixed": fixed, "pinned": pinned})["pinned"]
+    assert priced["codec"] == ratedrop.PINNED and priced["ratio"] == pytest.approx(505.0 / 535.0)
+    assert priced["rounds"] == pytest.approx([495.0 / 525.0, 515.0 / 545.0])
+    assert priced["tokens_per_s"] == pytest.approx(ratedrop.GLOBAL * ratedrop.SEQ / 0.535)
+    assert "its one candidate" in ratedrop.markdown({**row, "pinned": priced}) and "0.944x" in ratedrop.markdown(
+        {**row, "pinned": priced})
     floored = ratedrop.judge({"rate": "100mbit", "auto": [dict(auto, output=floor)], "fixed": faster})
     assert floored["best_fixed"] == "hadint4" and floored["ratio_steady"] == pytest.approx(400.0 / 500.0)
     assert floored["left_out"] == ["hadint4", "lowrank"] and floored["best_allowed"] == "fixedpoint4"

@@ -16,6 +16,8 @@ start. What is read from the logs (``log.jsonl``, one record per iteration):
   switched (``steady``) and over the whole drop (``whole``: the lag's iterations included), against the best
   fixed codec's tokens/s at the dropped rate (its iterations after the first ``SKIP``), every run ``REPEATS``
   times and pooled;
+* auto's own cost beyond its choice: auto with ``PINNED`` as its one candidate (its trailers, rate meter and
+  announcements running, nothing to choose) against ``PINNED`` fixed, both at the dropped rate, per round;
 * auto's probation verdicts (``back to``) from the output;
 * which candidates auto's accuracy floor left out (its ``accuracy floor`` lines): the tokens/s goal is judged
   against the best fixed codec auto may choose (``best_allowed``); the best of all is shown beside it.
@@ -49,6 +51,7 @@ FLOOR = re.compile(r"megatron_tah: auto (forward|backward)[^:]*: accuracy floor 
                    r"left out: ([^;\n]*)")
 DEADLINE_S = 900.0
 MIN_TOKENS_RATIO = 0.97  # auto's tokens/s during the drop (once switched) against the best fixed codec's
+PINNED = "fixedpoint4"  # auto's one candidate in the run that prices its machinery (the cheapest codec on a CPU)
 
 
 def dropped_rate(rate: str = RATE) -> str:
@@ -106,7 +109,9 @@ def read(out: Path) -> dict:
                      if (out / f"ratedrop-auto-{rep}" / "facts.json").exists()],
             "fixed": {name: [one(out / f"ratedrop-{name}-{rep}") for rep in range(REPEATS)
                              if (out / f"ratedrop-{name}-{rep}" / "facts.json").exists()]
-                      for name in DEFAULT_CANDIDATES}}
+                      for name in DEFAULT_CANDIDATES},
+            "pinned": [one(out / f"ratedrop-pinned-{rep}") for rep in range(REPEATS)
+                       if (out / f"ratedrop-pinned-{rep}" / "facts.json").exists()]}
 
 
 def prepare_data(out: Path) -> str:
@@ -122,11 +127,11 @@ def prepare_data(out: Path) -> str:
 
 def measure(out: Path, data_prefix: str, port: int, rate: str = RATE) -> dict:
     """``REPEATS`` rounds of: the auto run with the drop from ``rate``, then each default candidate fixed at the
-    dropped rate."""
+    dropped rate, then auto pinned to ``PINNED`` at the dropped rate."""
     from megatron_tah.config.auto import DEFAULT_CANDIDATES
 
     first, last = DROP
-    facts = {"rate": rate, "auto": [], "fixed": {name: [] for name in DEFAULT_CANDIDATES}}
+    facts = {"rate": rate, "auto": [], "fixed": {name: [] for name in DEFAULT_CANDIDATES}, "pinned": []}
     for rep in range(REPEATS):
         print(f"[faults {time.strftime('%H:%M:%S')}] ratedrop: auto, the rate {FACTOR:g}x lower from iteration "
               f"{first} to {last} (round {rep + 1} of {REPEATS})", flush=True)
@@ -138,6 +143,13 @@ def measure(out: Path, data_prefix: str, port: int, rate: str = RATE) -> dict:
                   flush=True)
             facts["fixed"][name].append(run(out / f"ratedrop-{name}-{rep}", data_prefix, port + 1 + i,
                                             dropped_rate(rate), FIXED_ITERS, candidate_flags(name)))
+        print(f"[faults {time.strftime('%H:%M:%S')}] ratedrop: auto pinned to {PINNED} at {dropped_rate(rate)} bit/s",
+              flush=True)
+        facts["pinned"].append(run(out / f"ratedrop-pinned-{rep}", data_prefix, port + 1 + len(DEFAULT_CANDIDATES),
+                                   dropped_rate(rate), FIXED_ITERS,
+                                   ["--tah-auto-candidates", PINNED, "--tah-auto-max-error", "1",  # (no floor)
+                                    "--tah-auto-interval", str(INTERVAL)],
+                                   codec="auto"))
     (out / "ratedrop.json").write_text(json.dumps({"rate": rate}))
     return facts
 
@@ -183,8 +195,13 @@ def judge(facts: dict) -> dict:
                        # the way back is reported, not required: at the restored rate the codecs may nearly tie
                        "ok": (run_["status"] == 0 and len(run_["records"]) == ITERS and None not in switched
                               and any(link["needs_switch"] for link in links.values()))})
-    fixed = {name: statistics.median(ms) for name, runs in facts["fixed"].items()
-             if (ms := [m for r in runs if r["status"] == 0 for m in _ms(r["records"], SKIP + 1, FIXED_ITERS)])}
+    kept = lambda runs: [m for r in runs if r["status"] == 0 for m in _ms(r["records"], SKIP + 1, FIXED_ITERS)]  # noqa: E731
+    fixed = {name: statistics.median(ms) for name, runs in facts["fixed"].items() if (ms := kept(runs))}
+    pinned = facts.get("pinned", [])
+    pinned_ms = statistics.median(kept(pinned)) if kept(pinned) else None
+    fixed_runs = facts["fixed"].get(PINNED, [])
+    pinned_rounds = [statistics.median(kept([fixed_run])) / statistics.median(kept([run_]))
+                     for fixed_run, run_ in zip(fixed_runs, pinned) if kept([fixed_run]) and kept([run_])]
     best = min(fixed, key=fixed.get, default=None)
     left_out = sorted({item.split()[0] for r in facts["auto"] for _, items in FLOOR.findall(r["output"])
                        for item in items.split(", ") if item.strip() and item != "nothing"})
@@ -202,6 +219,9 @@ def judge(facts: dict) -> dict:
             "best_fixed": best, "ratio_steady": ratio(median(steady)), "ratio_whole": ratio(median(whole)),
             "left_out": left_out, "best_allowed": best_allowed, "ratio_allowed": goal,
             "probation": [line for r in rounds for line in r["probation"]],
+            "pinned": None if pinned_ms is None or PINNED not in fixed else {
+                "codec": PINNED, "tokens_per_s": per_s(pinned_ms), "ratio": fixed[PINNED] / pinned_ms,
+                "rounds": pinned_rounds},
             "ok": bool(rounds) and all(r["ok"] for r in rounds),
             "tokens_goal_met": goal is not None and goal >= MIN_TOKENS_RATIO}
 
@@ -237,4 +257,10 @@ def markdown(row: dict) -> str:
               f"once switched: {'met' if row.get('tokens_goal_met') else 'not met'}); fixed codecs: {fixed}. "
               f"Probation verdicts: {len(row['probation'])}"
               + (f" (`{row['probation'][0]}`)" if row["probation"] else "") + "."]
+    if row.get("pinned"):
+        pin = row["pinned"]
+        lines[-1] += (f" Auto's own cost, its choice aside: auto with `{pin['codec']}` as its one candidate (trailers, "
+                      f"rate meter and announcements running) ran {fmt(pin['tokens_per_s'])} tokens/s at the dropped "
+                      f"rate, {ratio(pin['ratio'])} `{pin['codec']}` fixed (per round: "
+                      f"{', '.join(ratio(r) for r in pin['rounds'])}).")
     return "\n".join(lines)
