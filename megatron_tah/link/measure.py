@@ -103,16 +103,17 @@ class LinkRateMeter:
         inside the window shows here at the first boundary after it, where the window's fastest transfer is still
         the old rate's; and where the receiver posts late, so that every transit includes its wait and the latest
         transfers never look ``collapsed``, an iteration's fastest transfer still shows the link."""
-        for mark in self.marks:  # the longest suffix first
-            recent = self.window[mark:]
-            if len(recent) < self.min_transfers:
-                break
-            fastest: dict[int, float] = {}
-            for nbytes, seconds in recent:
+        theirs, fastest, found, end = dict(last.by_size), {}, 0, len(self.window)
+        for mark in reversed(self.marks):  # the shortest run first, each transfer read once
+            for nbytes, seconds in self.window[mark:end]:
                 fastest[nbytes] = max(fastest.get(nbytes, 0.0), 8.0 * nbytes / seconds)
-            if LinkRate(0.0, 0.0, len(recent), tuple(fastest.items())).fell_from(last, factor):
-                return len(recent)
-        return 0
+            end = mark
+            common = fastest.keys() & theirs.keys()
+            if any(fastest[n] >= factor * theirs[n] for n in common):
+                break  # a longer run holds this transfer too
+            if common and len(self.window) - mark >= self.min_transfers:
+                found = len(self.window) - mark
+        return found
 
     def due(self, iteration: int) -> bool:
         """Whether a measurement is due after ``iteration`` completed iterations (0: the handshake)."""
