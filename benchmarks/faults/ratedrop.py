@@ -197,8 +197,8 @@ def judge(facts: dict) -> dict:
                               and any(link["needs_switch"] for link in links.values()))})
     kept = lambda runs: [m for r in runs if r["status"] == 0 for m in _ms(r["records"], SKIP + 1, FIXED_ITERS)]  # noqa: E731
     fixed = {name: statistics.median(ms) for name, runs in facts["fixed"].items() if (ms := kept(runs))}
-    pinned = facts.get("pinned", [])
-    pinned_ms = statistics.median(kept(pinned)) if kept(pinned) else None
+    pinned, pinned_kept = facts.get("pinned", []), kept(facts.get("pinned", []))
+    pinned_ms = statistics.median(pinned_kept) if pinned_kept else None
     fixed_runs = facts["fixed"].get(PINNED, [])
     pinned_rounds = [statistics.median(kept([fixed_run])) / statistics.median(kept([run_]))
                      for fixed_run, run_ in zip(fixed_runs, pinned) if kept([fixed_run]) and kept([run_])]
