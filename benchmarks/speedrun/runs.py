@@ -34,6 +34,7 @@ CODECS: dict[str, dict] = {
     "hadint4": {"tah_preset": "hadint4"},
     "lowrank": {"tah_preset": "lowrank"},
     "lowrank8": {"tah_preset": "lowrank8"},
+    "lowrank2": {"tah_preset": "lowrank2"},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},

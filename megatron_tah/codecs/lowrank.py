@@ -27,8 +27,10 @@ Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(ran
    scale per row, exactly as ``hadint`` codes a tile (``hadint_encode_reference`` without the
    transform); ``C'`` their decoded values (0 for bad rows).
 4. Residual ``R = X - C' V`` (``X`` itself for bad rows), coded by ``hadint`` (``bits``,
-   ``tile_size``, its random-sign Hadamard): the quantization error of steps 2-3 lands in ``R``,
-   so only the residual's own rounding reaches the receiver.
+   ``tile_size``, its random-sign Hadamard; ``stochastic_rounding``: hadint's, with its noise stream):
+   the quantization error of steps 2-3 lands in ``R``, so only the residual's own rounding reaches the
+   receiver, and with stochastic rounding the decoded message is unbiased whatever the basis (for
+   gradients, whose energy also sits in a few directions: ``--tah-preset lowrank2``).
 
 Decode: ``x = C' V + hadint_decode(R)`` in fp32, cast to the output dtype. Error: that of
 ``hadint`` on ``R`` (``||R|| <= ||X||`` up to the coefficients' rounding), so a tile's error bound is
@@ -62,7 +64,7 @@ from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_referenc
 from .options import CodecDeclaration, Option
 
 DECLARATION = CodecDeclaration(
-    takes=("bits", "tile_size"),  # rounds to nearest: no stochastic rounding
+    takes=("bits", "tile_size", "stochastic_rounding"),  # the residual's rounding
     kernel=True,
     options=(
         Option("tah_lowrank_rank", "rank", int, 16, "lowrank codec: principal directions of each message sent apart "
@@ -117,14 +119,17 @@ class LowRankCodec(Codec):
     codec_id = 9
 
     def __init__(self, bits: int = 3, tile_size: int = 64, rank: int = 16, coef_bits: int = 6,
-                 hadamard_seed: int = 0, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
+                 hadamard_seed: int = 0, stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
+                 checksum: bool = CHECKSUM_DEFAULT):
         super().__init__(backend, checksum)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 256:
             raise CodecError(f"rank must be an integer in [1, 256], got {rank!r}")
         self.rank = rank
         self.coef_bits = common.check_bits(coef_bits, name="coef_bits", low=3)
-        self.residual = HadIntCodec(bits=bits, tile_size=tile_size, hadamard_seed=hadamard_seed, backend=backend)
+        self.residual = HadIntCodec(bits=bits, tile_size=tile_size, hadamard_seed=hadamard_seed,
+                                    stochastic_rounding=stochastic_rounding, seed=seed, backend=backend)
         self.bits, self.tile_size, self.hadamard_seed = self.residual.bits, self.residual.tile_size, hadamard_seed
+        self.stochastic_rounding = self.residual.stochastic_rounding
         self._subspaces: dict[int, torch.Tensor] = {}  # hidden size -> Q [h, k + OVERSAMPLING] fp32
 
     # ----- the tracked subspace (codec state) ---------------------------------------------------
@@ -133,12 +138,24 @@ class LowRankCodec(Codec):
         """The basis starts from the previous message's subspace: a sender's bytes depend on its history."""
         return True
 
+    @property
+    def rounding_noise(self) -> common.RoundingNoise:
+        """The residual's rounding noise (``Codec.salt_rounding`` and the graphs read it here)."""
+        return self.residual.rounding_noise
+
+    @rounding_noise.setter
+    def rounding_noise(self, noise: common.RoundingNoise) -> None:
+        self.residual.rounding_noise = noise
+
     def state_dict(self) -> dict:
-        """The tracked subspace per hidden size (a resumed sender then writes the same bytes)."""
-        return {"subspaces": {h: q.detach().cpu().clone() for h, q in self._subspaces.items()}}
+        """The tracked subspace per hidden size and the residual's rounding-noise counter (a resumed sender
+        then writes the same bytes)."""
+        state = {"subspaces": {h: q.detach().cpu().clone() for h, q in self._subspaces.items()}}
+        return {**state, **self.residual.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s subspaces; one already held is overwritten in place (a captured graph reads it)."""
+        self.residual.load_state_dict(state)
         for h, saved in state.get("subspaces", {}).items():
             width = min(geometry.lowrank_rank(int(h), self.rank) + OVERSAMPLING, int(h))
             if tuple(saved.shape) != (int(h), width) or saved.dtype != torch.float32:
@@ -165,7 +182,7 @@ class LowRankCodec(Codec):
 
     def config(self) -> dict:
         return {"bits": self.bits, "tile_size": self.tile_size, "rank": self.rank, "coef_bits": self.coef_bits,
-                "hadamard_seed": self.hadamard_seed}
+                "hadamard_seed": self.hadamard_seed, "stochastic_rounding": self.stochastic_rounding}
 
     def _sections(self, shape, dtype):
         return geometry.lowrank_sections(shape, self.bits, self.tile_size, self.rank, self.coef_bits)
