@@ -307,3 +307,32 @@ def test_the_first_screens_split_is_the_projection_and_the_check():
             f"ReparamSSN record runs), `lowrank` projects {best['T']:,.0f} s, and {coded['T_coded_split']:,.0f} s with "
             f"the coder as well; that split's gain, {1 - best['vs_setup']:.1%}, is about the simulator's error in the "
             f"micro-batch dependence checked on timing runs here ({worst:.1%})") in text
+
+
+def test_the_transfer_claims_are_the_committed_run():
+    """README's and docs/CODECS.md's sentences on whether the toy's errors carry over: docs/data/transfer.json's."""
+    data = json.loads((DOCS / "data" / "transfer.json").read_text())
+    rows = {r["codec"]: r for r in data["rows"]}
+    ratio = lambda codec, d: f"{rows[codec]['ratio'][d]:.1f}x"  # noqa: E731
+    readme = " ".join(README.split())
+    assert (f"`channel9`'s activations err {ratio('channel9', 'forward')} more than on the toy's and its 3-bit "
+            f"gradients {ratio('channel9', 'backward')} more, `lowrank`'s activations {ratio('lowrank', 'forward')} "
+            "more; only `paper` and `hadint4` err no more there than 1.5x") in readme
+    held = [c for c, r in rows.items() if max(r["ratio"].values()) <= 1.5]
+    assert held == ["paper", "hadint4"]
+    page = " ".join((DOCS / "CODECS.md").read_text().split())
+    err = lambda codec, d, where: f"{rows[codec][where + '_error'][d]:.2f}"  # noqa: E731
+    share = lambda where, d: f"{data[where + '_share16'][d]:.2f}"  # noqa: E731
+    assert (f"err {err('channel9', 'backward', 'real')} on SmolLM2's gradients against "
+            f"{err('channel9', 'backward', 'toy')} on the toy's") in page
+    assert f"errs {err('hadint4', 'backward', 'real')} on both" in page
+    assert err("hadint4", "backward", "toy") == err("hadint4", "backward", "real")
+    assert (f"the toy's gradients hold {share('toy', 'backward')} of their energy in 16 directions, SmolLM2's "
+            f"{share('real', 'backward')}, so its error is {err('lowrank2', 'backward', 'toy')} on the toy's and "
+            f"{err('lowrank2', 'backward', 'real')} on SmolLM2's") in page
+    assert (f"`lowrank`'s error on SmolLM2's is {ratio('lowrank', 'forward')} its error on the toy's "
+            f"({err('lowrank', 'forward', 'real')}: the toy's activations hold {share('toy', 'forward')} of their "
+            f"energy in 16 directions, SmolLM2's {share('real', 'forward')}), `channel9`'s "
+            f"{ratio('channel9', 'forward')}") in page
+    for codec in ("channel", "channel9", "channel_f5", "lowrank_g3"):
+        assert rows[codec]["real_error"]["backward"] == rows["channel9"]["real_error"]["backward"]

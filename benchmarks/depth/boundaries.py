@@ -13,7 +13,10 @@ each pipeline rank's initialisation differently.
 up at call time by every layer) through ``megatron_tah.megatron.patching.Patches``; ``restore()`` undoes it.
 Every ``sample_every``-th call of a boundary and direction appends ``{"boundary", "direction", "call",
 "rel_error", "rms"}`` (the codec's relative round-trip error on that message and the message's rms) to
-``log``, a JSON-lines file.
+``log``, a JSON-lines file. With ``capture`` (a folder), the first ``capture_per`` messages of each boundary
+and direction in each training iteration of ``capture_at`` are saved there as they enter the codec,
+``i<iteration>_b<layer>_<direction>_<n>.pt`` (``torch.save`` of the tensor: the study of how codecs' errors
+on this model compare with a real model's, ``benchmarks.transfer``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class Boundaries:
     ``args.curr_iteration``) send uncompressed, as ``--tah-warmup-iters`` does."""
 
     def __init__(self, layers, forward: dict, backward: dict, log: str | Path | None = None, sample_every: int = 10,
-                 per_boundary: dict | None = None, warmup_iters: int = 0):
+                 per_boundary: dict | None = None, warmup_iters: int = 0, capture: str | Path | None = None,
+                 capture_at=(), capture_per: int = 1):
         self.layers = frozenset(int(k) for k in layers)
         self.configs = {"forward": TahConfig(**forward), "backward": TahConfig(**backward)}
         self.per_boundary = {int(k): TahConfig(**v) for k, v in (per_boundary or {}).items()}
@@ -61,6 +65,8 @@ class Boundaries:
         self.codecs: dict[tuple[int, str], object] = {}
         self.calls: dict[tuple[int, str], int] = {}
         self.log, self.sample_every = (None if log is None else Path(log)), sample_every
+        self.capture, self.capture_at = (None if capture is None else Path(capture)), frozenset(map(int, capture_at))
+        self.capture_per, self.captured = int(capture_per), {}
         self.patches = Patches()
 
     def codec(self, layer: int, direction: str):
@@ -72,7 +78,18 @@ class Boundaries:
             self.codecs[key] = codec.salt_rounding(f"{direction}:{layer}")  # as a pipeline's link ends: own noise
         return self.codecs[key]
 
+    def _save(self, layer: int, direction: str, x: torch.Tensor) -> None:
+        iteration = _iteration()
+        key = (iteration, layer, direction)
+        n = self.captured.get(key, 0)
+        if iteration in self.capture_at and n < self.capture_per:
+            self.captured[key] = n + 1
+            self.capture.mkdir(parents=True, exist_ok=True)
+            torch.save(x.detach().cpu().clone(), self.capture / f"i{iteration}_b{layer}_{direction}_{n}.pt")
+
     def round_trip(self, layer: int, direction: str, x: torch.Tensor) -> torch.Tensor:
+        if self.capture is not None:
+            self._save(layer, direction, x)
         codec = self.codec(layer, direction)
         if codec.name == "none" or (self.warmup_iters and _iteration() < self.warmup_iters):
             return x

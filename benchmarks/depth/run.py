@@ -33,6 +33,9 @@ def main(argv=None) -> None:
     parser.add_argument("--log", help="JSON-lines file of sampled round-trip errors and message rms")
     parser.add_argument("--per-boundary", default="{}", help='forward codec at single boundaries, JSON {"7": {...}}')
     parser.add_argument("--warmup-iters", type=int, default=0, help="first N iterations uncompressed")
+    parser.add_argument("--capture", help="folder: save the messages entering the codecs in --capture-at iterations")
+    parser.add_argument("--capture-at", default="", help="training iterations to capture messages in, comma list")
+    parser.add_argument("--capture-per", type=int, default=1, help="messages per boundary, direction and iteration")
     args = parser.parse_args(ours)
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -41,7 +44,9 @@ def main(argv=None) -> None:
 
     layers = [int(k) for k in args.boundaries.split(",") if k.strip()]
     boundaries = Boundaries(layers, json.loads(args.forward), json.loads(args.backward), log=args.log,
-                            per_boundary=json.loads(args.per_boundary), warmup_iters=args.warmup_iters)
+                            per_boundary=json.loads(args.per_boundary), warmup_iters=args.warmup_iters,
+                            capture=args.capture, capture_at=[int(k) for k in args.capture_at.split(",") if k.strip()],
+                            capture_per=args.capture_per)
     boundaries.install()
     from megatron_tah import pretrain_gpt
 

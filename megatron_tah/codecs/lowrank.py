@@ -29,8 +29,10 @@ Encode, for ``X = x`` viewed as ``[rows, h]`` (``h`` the last dim, ``k = min(ran
 4. Residual ``R = X - C' V`` (``X`` itself for bad rows), coded by ``hadint`` (``bits``,
    ``tile_size``, its random-sign Hadamard; ``stochastic_rounding``: hadint's, with its noise stream):
    the quantization error of steps 2-3 lands in ``R``, so only the residual's own rounding reaches the
-   receiver, and with stochastic rounding the decoded message is unbiased whatever the basis (for
-   gradients, whose energy also sits in a few directions: ``--tah-preset lowrank2``).
+   receiver, and with stochastic rounding the decoded message is unbiased whatever the basis (gradients:
+   ``--tah-backward-codec lowrank --tah-backward-stochastic-rounding``; worth it only where their energy sits
+   in a few directions, as in the speedrun's toy model and not in SmolLM2: docs/CODECS.md, "Do the toy's errors
+   carry over?").
 
 Decode: ``x = C' V + hadint_decode(R)`` in fp32, cast to the output dtype. Error: that of
 ``hadint`` on ``R`` (``||R|| <= ||X||`` up to the coefficients' rounding), so a tile's error bound is

@@ -24,13 +24,6 @@ PRESETS = {
                  "tah_lowrank_rank": 8, "tah_lowrank_coef_bits": 6,
                  "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                  "tah_backward_stochastic_rounding": True},
-    # lowrank both ways: the gradients' 16 principal directions apart too (they hold about 0.88 of the
-    # gradients' energy in the speedrun's model), the residual as Hadamard INT3 rounded stochastically, so that
-    # the gradients stay unbiased: 3.38 bits each way at [1024, 8, 1024] (6.17 at [64, 1, 128]).
-    "lowrank2": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                 "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6,
-                 "tah_backward_codec": "lowrank", "tah_backward_bits": 3, "tah_backward_tile_size": 64,
-                 "tah_backward_stochastic_rounding": True},
     # For deep pipelines: per-channel 4-bit activations (one asymmetric min/max per hidden channel over the
     # message's tokens, rounded to nearest) and per-channel 3-bit stochastically rounded gradients; 7.01 bits
     # both ways at [1024, 8, 1024] (8.03 at [64, 1, 128]). Steps to target at depth 8: docs/SPEEDRUN.md.

@@ -83,7 +83,7 @@ class TahConfig:
     --tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""
 
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
-    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), lowrank2 (lowrank both ways, the gradients' residual rounded stochastically: 6.76 bits both ways at large messages), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) or channel9 (channel with 6-bit activations, 9.01 bits: 1.08x bf16's steps at depth 8). A flag set to neither its default nor the preset's value is an error."""
+    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) or channel9 (channel with 6-bit activations, 9.01 bits: 1.08x bf16's steps at depth 8). A flag set to neither its default nor the preset's value is an error."""
 
     tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": (*FORWARD_CODECS, AUTO)})
     """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed; auto: chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
@@ -104,10 +104,10 @@ class TahConfig:
     """Bits of the backward codec when it is fixedpoint, hadint or channel (lowrank: of its residual)."""
 
     tah_stochastic_rounding: bool = False
-    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint, channel)."""
+    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint, channel, lowrank's residual)."""
 
     tah_backward_stochastic_rounding: bool = False
-    """Round stochastically in the backward codec only (fixedpoint, tah, hadint, channel): unbiased activation gradients."""
+    """Round stochastically in the backward codec only (fixedpoint, tah, hadint, channel, lowrank's residual): unbiased activation gradients."""
 
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
