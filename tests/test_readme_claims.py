@@ -276,7 +276,12 @@ def test_the_deep_pipeline_recommendation_is_what_was_measured():
             f"{minilm['lowrank']['as_good']} of 3 MiniLM cuts (`paper` at none)") in text
     assert smollm2["paper"]["as_good"] == minilm["paper"]["as_good"] == 0
     points = [r for r in report.frontier(result) if r["on_frontier"] and r["codec"] != "bf16"]
-    assert min(points, key=lambda r: r["projected_T"])["codec"] == "lowrank"
+    from megatron_tah.config import PRESETS
+
+    assert min((r for r in points if r["codec"] in PRESETS), key=lambda r: r["projected_T"])["codec"] == "lowrank"
+    lowest = min(points, key=lambda r: r["projected_T"])["codec"]  # a toy-only codec, named as such
+    assert lowest == "lowrank" or (f"the speedrun's `{lowest}`, `lowrank` on the gradients too, projects lower, but "
+                                   "a real model's gradients do not hold their energy in a few directions") in text
 
 
 def test_the_first_screens_lossless_estimate_is_the_committed_measurement():
@@ -305,7 +310,8 @@ def test_the_first_screens_split_is_the_projection_and_the_check():
     assert (best["micro_batches"], best["micro_batch"]) == (coded["split"], 16)
     assert (f"Split into {best['micro_batches']} micro-batches of {best['micro_batch']} instead of 64 of 8 (as the "
             f"ReparamSSN record runs), `lowrank` projects {best['T']:,.0f} s, and {coded['T_coded_split']:,.0f} s with "
-            f"the coder as well; that split's gain, {1 - best['vs_setup']:.1%}, is about the simulator's error in the "
+            f"the coder as well; that split's T, {best['vs_setup']:.3f}x the 64-micro-batch one, gains about the "
+            f"simulator's error in the "
             f"micro-batch dependence checked on timing runs here ({worst:.1%})") in text
 
 
@@ -320,6 +326,8 @@ def test_the_transfer_claims_are_the_committed_run():
             "more; only `paper` and `hadint4` err no more there than 1.5x") in readme
     held = [c for c, r in rows.items() if max(r["ratio"].values()) <= 1.5]
     assert held == ["paper", "hadint4"]
+    speedrun_page = " ".join((DOCS / "SPEEDRUN.md").read_text().split())
+    assert "only `paper` and `hadint4` code the real model's as well in both directions" in speedrun_page
     page = " ".join((DOCS / "CODECS.md").read_text().split())
     err = lambda codec, d, where: f"{rows[codec][where + '_error'][d]:.2f}"  # noqa: E731
     share = lambda where, d: f"{data[where + '_share16'][d]:.2f}"  # noqa: E731
