@@ -291,7 +291,7 @@ def test_registered_in_codecs_flags_preset_and_report():
         TahConfig(tah_preset="lowrank", tah_lowrank_rank=8)
     # lowrank on gradients, its residual rounded stochastically (the speedrun's lowrank2)
     both = parser.parse_args(["--tah-backward-codec", "lowrank", "--tah-backward-bits", "3",
-                              "--tah-backward-stochastic-rounding"])
+                              "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"])
     assert arguments.tah_config_from_args(both).backward_codec().describe() == \
         "lowrank(bits=3, tile_size=64, rank=16, coef_bits=6, hadamard_seed=0, stochastic_rounding=True)"
     with pytest.raises(ValueError, match=r"tah_lowrank_rank = 0: must lie in \[1, 256\]"):

@@ -131,7 +131,6 @@ class LowRankCodec(Codec):
         self.residual = HadIntCodec(bits=bits, tile_size=tile_size, hadamard_seed=hadamard_seed,
                                     stochastic_rounding=stochastic_rounding, seed=seed, backend=backend)
         self.bits, self.tile_size, self.hadamard_seed = self.residual.bits, self.residual.tile_size, hadamard_seed
-        self.stochastic_rounding = self.residual.stochastic_rounding
         self._subspaces: dict[int, torch.Tensor] = {}  # hidden size -> Q [h, k + OVERSAMPLING] fp32
 
     # ----- the tracked subspace (codec state) ---------------------------------------------------
@@ -139,6 +138,11 @@ class LowRankCodec(Codec):
     def stateful(self) -> bool:
         """The basis starts from the previous message's subspace: a sender's bytes depend on its history."""
         return True
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether the residual rounds stochastically."""
+        return self.residual.stochastic_rounding
 
     @property
     def rounding_noise(self) -> common.RoundingNoise:
