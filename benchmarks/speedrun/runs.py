@@ -40,6 +40,11 @@ CODECS: dict[str, dict] = {
     "lowrank2": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
                  "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "lowrank",
                  "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
+    # lowrank's activations with Hadamard INT3 gradients rounded stochastically: 3.38 + 3.25 bits at
+    # [1024, 8, 1024]; a gradient codec that does not lean on a few directions (docs/CODECS.md).
+    "lowrank_h3": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
+                   "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint",
+                   "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},
