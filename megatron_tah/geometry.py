@@ -179,9 +179,17 @@ def channel_code_count(shape: Sequence[int]) -> int:
     return cdiv(num_tokens(shape) * int(shape[-1]), 8) * 8
 
 
-def channel_sections(shape: Sequence[int], bits: int) -> list[tuple[str, int]]:
-    h = int(shape[-1])
-    return [("scale", 2 * h), ("zero", 2 * h), ("codes", packed_nbytes(channel_code_count(shape), bits))]
+def channel_outliers(shape: Sequence[int], outlier_tokens: int) -> int:
+    """Rows the ``channel`` codec sends apart for ``shape``: ``outlier_tokens`` per sequence, a message
+    ``[s, b, ..., h]`` holding ``b * ...`` sequences (a 2-D one, one), at most ``rows - 1`` (one stays on the grids)."""
+    sequences = math.prod(int(d) for d in shape[1:-1])
+    return max(0, min(int(outlier_tokens) * sequences, num_tokens(shape) - 1))
+
+
+def channel_sections(shape: Sequence[int], bits: int, outlier_tokens: int = 0) -> list[tuple[str, int]]:
+    h, k = int(shape[-1]), channel_outliers(shape, outlier_tokens)
+    sections = [("scale", 2 * h), ("zero", 2 * h), ("codes", packed_nbytes(channel_code_count(shape), bits))]
+    return sections + ([("outlier_index", 4 * k), ("outlier_rows", 2 * k * h)] if k else [])
 
 
 # ----- lowrank ------------------------------------------------------------------------------------

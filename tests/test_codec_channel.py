@@ -260,3 +260,93 @@ def test_the_channel_presets_bits_both_ways(preset, forward_bits, backward_bits)
     big = 8 * sum(c.wire_nbytes((1024, 8, 1024), torch.bfloat16) for c in (fwd, bwd)) / (1024 * 8 * 1024)
     assert big == pytest.approx(forward_bits + backward_bits, abs=0.01)
     assert bwd.stochastic_rounding and not fwd.stochastic_rounding
+
+
+# ----- outlier tokens -------------------------------------------------------------------------------
+def sink_message(shape=(64, 2, 128), sinks=(0, 1), factor=60.0, seed=0):
+    """Gaussian rows with a few rows (attention sinks; rows 0 and 1: the first token of both sequences)
+    ``factor`` times larger."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    rows = x.view(-1, shape[-1])
+    rows[list(sinks)] *= factor
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape,tokens,rows", [((64, 2, 128), 1, 2), ((64, 2, 128), 3, 6), ((3, 1, 8), 5, 2),
+                                              ((1, 1, 8), 3, 0), ((6, 40), 2, 2), ((4, 3, 2, 8), 1, 6)])
+def test_outlier_tokens_per_sequence_and_the_wire_size(shape, tokens, rows):
+    codec = make(bits=4, outlier_tokens=tokens)
+    layout = codec.layout(shape, torch.bfloat16)
+    h, n = shape[-1], math.prod(shape)
+    grids = align_up(align_up(align_up(HEADER_NBYTES + 2 * h) + 2 * h) + -(-n // 8) * 4)
+    extra = align_up(align_up(grids + 4 * rows) + 2 * rows * h) - grids if rows else 0
+    assert codec.wire_nbytes(shape, torch.bfloat16) == grids + extra
+    assert layout.offsets.get("outlier_rows", (0, 0))[1] == 2 * rows * h
+    assert codec.encode(torch.randn(shape).bfloat16()).numel() == grids + extra
+
+
+def test_outlier_tokens_leave_the_grids_to_the_other_rows():
+    """The sinks decode to their bf16 values; every other row is coded on the grids of the other rows alone:
+    the same scale, zero and codes as a message whose sink rows hold a copy of an ordinary row."""
+    x = sink_message()
+    codec = make(bits=6, outlier_tokens=1)
+    buf = codec.encode(x)
+    y = codec.decode(buf, x.shape, x.dtype)
+    rows, got = x.view(-1, 128), y.view(-1, 128)
+    assert torch.equal(got[[0, 1]], rows[[0, 1]])
+    layout = codec.layout(x.shape, x.dtype)
+    assert sorted(layout.view(buf, "outlier_index", torch.int32).tolist()) == [0, 1]
+    plain = rows.clone()
+    size = rows.float().abs().amax(1)
+    size[[0, 1]] = -1
+    plain[[0, 1]] = rows[int(torch.argmax(size))]  # the next row in size order
+    reference = make(bits=6)
+    want = reference.encode(plain.view(x.shape))
+    for name in ("scale", "zero", "codes"):
+        assert torch.equal(layout.view(buf, name), reference.layout(x.shape, x.dtype).view(want, name)), name
+    others = list(range(2, 128))
+    assert rel_error(rows[others], got[others]) < 0.04  # 6 bits on Gaussian rows: about 5.4 sigma / 63 / sqrt(12)
+    without = reference.decode(reference.encode(x), x.shape, x.dtype).view(-1, 128)
+    assert rel_error(rows[others], without[others]) > 0.3  # the sinks' range
+
+
+def test_outlier_tokens_take_bad_rows_first_and_keep_them_in_their_row():
+    x = sink_message(shape=(128, 1, 128), sinks=(0,))
+    x.view(-1, 128)[9, 3] = float("nan")
+    x.view(-1, 128)[20, 7] = float("inf")
+    y = round_trip(make(bits=4, outlier_tokens=3), x)
+    assert y.view(-1, 128)[9, 3].isnan() and y.view(-1, 128)[20, 7] == float("inf")
+    assert y.isnan().sum() == 1 and y.isinf().sum() == 1  # the channels 3 and 7 stay on their grids
+    # one outlier token: the NaN row and the Inf row rank first (tie: the earlier row), the other poisons its channel
+    rows = round_trip(make(bits=4, outlier_tokens=1), x).view(-1, 128)
+    assert rows[9, 3].isnan() and not rows[9, 7].isnan()  # the outlier row, as sent
+    assert rows[[r for r in range(128) if r != 9], 7].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outlier_tokens_decode_into_out_and_fp16_clamps(dtype):
+    x = sink_message(shape=(8, 1, 16), sinks=(2,), factor=1.0)
+    x.view(-1, 16)[2, 0] = 1e6
+    codec = make(bits=4, outlier_tokens=1)
+    buf = codec.encode(x.to(dtype))
+    out = torch.empty(x.shape, dtype=dtype)
+    assert codec.decode(buf, x.shape, dtype, out=out) is out
+    big = out.view(-1, 16)[2, 0].item()
+    assert big == (torch.finfo(torch.float16).max if dtype == torch.float16 else x.view(-1, 16)[2, 0].float().item())
+
+
+def test_outlier_tokens_config_flags_and_mismatch():
+    x = sink_message(shape=(8, 1, 16), sinks=(2,))
+    assert make().config() == {"bits": 4, "stochastic_rounding": False}  # the wire of before, by default
+    with pytest.raises(WireFormatError):
+        make(outlier_tokens=1).decode(make(outlier_tokens=2).encode(x), x.shape, x.dtype)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(CodecError, match="outlier_tokens"):
+            make(outlier_tokens=bad)
+    with pytest.raises(ValueError, match="tah_channel_outlier_tokens"):
+        TahConfig(tah_forward_codec="channel", tah_channel_outlier_tokens=-2)
+    parser = arguments.add_tah_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--tah-forward-codec", "channel", "--tah-forward-bits", "6",
+                              "--tah-channel-outlier-tokens", "1"])
+    codec = arguments.tah_config_from_args(args).forward_codec()
+    assert codec.describe() == "channel(bits=6, stochastic_rounding=False, outlier_tokens=1)"

@@ -142,3 +142,18 @@ def test_launchers_without_triton_say_so(monkeypatch):
         kchannel.triton_channel_encode(x, sections, 4)
     with pytest.raises(RuntimeError, match="needs triton"):
         kchannel.triton_channel_decode(sections, x.shape, x.dtype, 4)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,outliers", [((64, 2, 128), 1), ((7, 3, 96), 2), ((4, 1, 40), 5)])  # 5: capped at 3 rows
+def test_outlier_tokens_are_the_references_bytes(shape, outliers, dtype, stochastic):
+    x = activation_like(shape, dtype=dtype, seed=outliers)
+    x.view(-1, shape[-1])[3] *= 40  # a sink row
+    x.view(-1, shape[-1])[-1, 5] = float("nan")  # a bad value: its row goes first
+    ref, tri = codecs(bits=3, stochastic_rounding=stochastic, outlier_tokens=outliers, seed=1)
+    for name in ("outlier_index", "outlier_rows"):
+        assert name in ref.layout(shape, dtype).offsets
+    for _ in range(2):
+        y = assert_bit_exact(x, ref, tri)
+    assert y.view(-1, shape[-1])[-1, 5].isnan() and y.isnan().sum() == 1

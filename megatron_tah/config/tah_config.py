@@ -189,6 +189,7 @@ class TahConfig:
     tah_fp4_hadamard: bool = codec_option("tah_fp4_hadamard")
     tah_lowrank_rank: int = codec_option("tah_lowrank_rank")
     tah_lowrank_coef_bits: int = codec_option("tah_lowrank_coef_bits")
+    tah_channel_outlier_tokens: int = codec_option("tah_channel_outlier_tokens")
 
     _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
 
