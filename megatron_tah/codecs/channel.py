@@ -37,8 +37,9 @@ larger than the others', and one such row sets every channel's range. ``k = outl
 sequence of the message (``geometry.channel_outliers``: a ``[s, b, h]`` message holds ``b``; at most
 ``rows - 1``), those with the largest ``max |x|`` over the whole message (rows holding NaN or +-Inf first;
 ties in row order), are sent apart as bf16 with their indices, and each is replaced, before the steps
-above, by the next row in that order, so the grids span the other rows only. Decode writes them back: those rows
-decode to their bf16 values (NaN and Inf included: a bad value among them stays in its row).
+above, by the next row in that order, so the grids span the other rows only (in torch before either
+path: a sort of the rows and a copy of the message). Decode writes them back: those rows decode to their
+bf16 values (NaN and Inf included: a bad value among them stays in its row).
 
 Wire (row-major, token-major and channel-minor; sizes in ``geometry.channel_sections``):
 header | ``scale``: bf16[h] | ``zero``: bf16[h] | ``codes``: rows*h codes of ``bits`` bits packed by
