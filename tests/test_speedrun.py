@@ -263,3 +263,19 @@ def test_the_frontier_keeps_the_codecs_no_other_beats_in_both_bits_and_steps():
     assert "| b | 9.00 | 10.00 | 1.20x (one seed) | 1 |" in text and "| d | 6.00 | 7.00 | >= 1.80x (missed)" in text
     assert "lowest projected T is `c`" in report._frontier_best(result)
     assert "no codec measured here is in the goal's corner" in report._frontier_best(result)
+
+
+def test_the_headline_is_the_best_codec_run_on_three_seeds_and_names_lower_ones_on_fewer():
+    from benchmarks.speedrun.report import headline_text
+
+    def row(codec, t, seeds, low=0.9, high=1.1):
+        return {"codec": codec, "T": t, "T_vs_bf16": t / 100, "seeds": list(range(seeds)), "forward_bits": 6.0,
+                "backward_bits": 4.0, "multiplier": 1.0, "multiplier_low": low, "multiplier_high": high}
+
+    table = [row("bf16", 100, 3), row("a", 50, 3), row("b", 40, 1), row("c", 45, 2), row("d", 60, 3)]
+    text = headline_text({"table": table})
+    assert text.startswith("**Best: `a`, T = 0.500x bf16's** (6.00 + 4.00 bits per value, steps 1.00x [0.90, 1.10]")
+    assert text.index("`b`, T = 0.400x") < text.index("`c`, T = 0.450x") and "one seed" in text and "2 seeds" in text
+    assert "`d`" not in text
+    # no codec with three seeds: the most seeds any has
+    assert headline_text({"table": [row("bf16", 100, 2), row("b", 40, 1), row("c", 45, 2)]}).startswith("**Best: `c`")
