@@ -47,7 +47,7 @@ CODECS: dict[str, dict] = {
                    "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
     # per-channel 6-bit activations with each sequence's largest token sent apart (a real model's attention
     # sink would set every channel's range), Hadamard INT4 gradients as hadint4's: 6.02 + 4.25 bits at
-    # [1024, 8, 1024]; both directions code a real model's messages about as well as the toy's (docs/CODECS.md).
+    # [1024, 8, 1024]; on a real model its gradients err as on the toy, its activations 1.7x more (docs/CODECS.md).
     "channel_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_channel_outlier_tokens": 1,
                    "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                    "tah_backward_stochastic_rounding": True},
