@@ -82,6 +82,8 @@ CODECS = {
                  "channel6", ["--tah-preset", "channel6"]),
     "channel9": ("channel9: per-channel 6-bit fwd, per-channel 3-bit bwd with stochastic rounding: --tah-preset "
                  "channel9", ["--tah-preset", "channel9"]),
+    "channel_h4": ("channel_h4: per-channel 6-bit fwd with each sequence's largest token apart, Hadamard INT4 bwd with "
+                   "stochastic rounding: --tah-preset channel_h4", ["--tah-preset", "channel_h4"]),
     "int8_both": ("8-bit blockwise both ways, noise-floor control (diagnostic)",
                   ["--tah-forward-codec", "int8", "--tah-backward-codec", "int8"]),
     "tah_warmup20": ("TAH-Quant, first 20 iterations uncompressed (--tah-warmup-iters 20)",

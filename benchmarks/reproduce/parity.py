@@ -56,7 +56,7 @@ WIDE_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr")  # at widths o
 # Part ``parity-compact``: the low-noise protocol (convergence.PROTOCOLS["compact"]) with a noise-floor control.
 COMPACT = "compact"
 COMPACT_CANDIDATES = ("none", "tah", "tah_bwd4sr", "hadint4_bwd4sr", "lowrank", "lowrank_r8", "int8_both", "channel9",
-                      "channel", "channel6")
+                      "channel", "channel6", "channel_h4")
 COMPACT_SEEDS = (1234, 1235, 1236)
 # With the first seed at the size's own width: which direction costs what, and the forward gap against bits.
 COMPACT_DIAGNOSTICS = ("tah_bwdnone", "lowrank_bwdnone", "bwd6_only", "hadint4_bwdnone", "hadint5_bwdnone",

@@ -34,7 +34,7 @@ FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the defau
 STEPS_MULTIPLIER: dict[int, dict[str, float]] = {
     4: {"paper": 1.43},
     8: {"paper": 2.50, "channel": 1.32, "channel6": 1.79, "channel9": 1.077, "hadint4": 2.27, "lowrank": 1.092,
-        "lowrank8": 1.215, "fixedpoint4": 2.00},
+        "lowrank8": 1.215, "fixedpoint4": 2.00, "channel_h4": 0.982},
 }
 """Measured steps to a loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``, both
 directions compressed: depth 4 from the depth study (docs/DEPTH.md: a lower bound, the final loss against the
@@ -84,7 +84,7 @@ def _is_int(value) -> bool:
 class AutoSettings:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     """Codecs auto chooses among: none, fp8, fixedpoint4 or a preset's codec for the direction (paper, hadint4,
-    lowrank, lowrank8, channel, channel6, channel9); a comma-separated string is split."""
+    lowrank, lowrank8, channel, channel6, channel9, channel_h4); a comma-separated string is split."""
 
     max_error: float | None = None
     """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error,
