@@ -32,6 +32,21 @@ def test_codec_flags_and_bytes_come_from_one_declaration():
         runs.message_nbytes("auto", size)
 
 
+def test_the_channel_h4_preset_is_the_codec_the_speedrun_measured():
+    """The preset sends exactly what the speedrun's ``channel_h4`` runs sent (same codecs, same wire), so the
+    steps measured under the explicit flags are the preset's."""
+    import torch
+
+    from megatron_tah.config import TahConfig
+
+    preset, measured = TahConfig(tah_preset="channel_h4"), TahConfig(**runs.CODECS["channel_h4"])
+    for build in ("forward_codec", "backward_codec"):
+        a, b = getattr(preset, build)(), getattr(measured, build)()
+        assert a.config() == b.config() and a.name == b.name
+        assert a.wire_nbytes((1024, 8, 1024), torch.bfloat16) == b.wire_nbytes((1024, 8, 1024), torch.bfloat16)
+    assert preset.forward_codec().config()["outlier_tokens"] == 1
+
+
 def test_an_emulated_loss_run_is_one_process_with_the_codec_at_every_stage_boundary(tmp_path):
     run = runs.loss_run("paper", 1234, runs.SIZES["full"], [], emulated=True)
     cmd = run.command(tmp_path)

@@ -55,10 +55,10 @@ CODECS: dict[str, dict] = {
     "channel5_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 5, "tah_channel_outlier_tokens": 1,
                     "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                     "tah_backward_stochastic_rounding": True},
-    # and 4-bit activations: 4.02 + 4.25 bits
-    "channel4_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 4, "tah_channel_outlier_tokens": 1,
-                    "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                    "tah_backward_stochastic_rounding": True},
+    # and 4-bit (4.02 + 4.25 bits) and 3-bit (3.02 + 4.25 bits) activations
+    **{f"channel{bits}_h4": {"tah_forward_codec": "channel", "tah_forward_bits": bits, "tah_channel_outlier_tokens": 1,
+                             "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                             "tah_backward_stochastic_rounding": True} for bits in (4, 3)},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},
