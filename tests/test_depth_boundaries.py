@@ -97,6 +97,7 @@ def test_the_page_tabulates_each_boundary_and_quotes_the_speedruns_remedies(tmp_
     text = remedies(speedrun)
     assert ">= 1.32x; 1.22x (one seed); 1.08x [1.01, 1.14] (3 seeds) bf16's steps" in text
     assert "`lowrank` (the message's 16 principal directions apart, the residual at 3 bits): not run" in text
+    assert "(`channel3_h4`, `channel4_h4`, `channel5_h4`, `channel_h4`): not run; not run; not run; not run;" in text
 
 
 def test_the_one_boundary_runs_are_read_against_all_seven():

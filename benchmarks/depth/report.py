@@ -261,8 +261,11 @@ def remedies(speedrun_json: Path) -> str:
 
     return (f"per-channel activations at 4, 5 and 6 bits (3-bit stochastically rounded gradients: `channel`, "
             f"`channel_f5`, `channel9`): {steps('channel')}; {steps('channel_f5')}; {steps('channel9')} bf16's "
-            f"steps; `lowrank` (the message's 16 principal directions apart, the residual at 3 bits): "
-            f"{steps('lowrank')}; `paper`: {steps('paper')}; `hadint4`: {steps('hadint4')}")
+            f"steps; the same at 3, 4, 5 and 6 bits with each sequence's largest token sent apart and Hadamard INT4 "
+            f"gradients (`channel3_h4`, `channel4_h4`, `channel5_h4`, `channel_h4`): {steps('channel3_h4')}; "
+            f"{steps('channel4_h4')}; {steps('channel5_h4')}; {steps('channel_h4')}; `lowrank` (the message's 16 "
+            f"principal directions apart, the residual at 3 bits): {steps('lowrank')}; `paper`: {steps('paper')}; "
+            f"`hadint4`: {steps('hadint4')}")
 
 
 class _Missing(dict):
