@@ -508,3 +508,17 @@ def test_a_measurement_taken_on_a_collapse_switches_on_a_small_gain_at_once():
     moderate = 8 * (hadint4.wire_nbytes - 0.7 * none.wire_nbytes) / (0.7 * codec_s(none) - codec_s(hadint4))
     assert chooser(current="none").update(moderate) == "none"  # patience: a second measurement needed
     assert chooser(current="none").update(moderate, collapse=True) == "hadint4"
+
+
+def test_the_channel_h4_candidate_sends_its_presets_codecs_and_shares_hadint4s_gradients():
+    """As an auto candidate, ``channel_h4`` is the preset's codec each way: per-channel activations with the
+    sequence's largest token apart, and on the gradients the very codec ``hadint4`` sends (one candidate there)."""
+    shape, dtype = (32, 2, 128), torch.bfloat16
+    settings = AutoSettings(candidates=("none", "paper", "hadint4", "channel_h4"))
+    forward = CodecCostTable.for_direction(settings, "forward", shape, dtype, backend="torch", calls=1)
+    assert "channel_h4" in forward.costs
+    codec = candidate_codec("channel_h4", "forward", backend="torch")
+    assert codec.name == "channel" and codec.config()["outlier_tokens"] == 1
+    assert forward.costs["channel_h4"].wire_nbytes == codec.wire_nbytes(shape, dtype)
+    backward = CodecCostTable.for_direction(settings, "backward", shape, dtype, backend="torch", calls=1)
+    assert backward.aliases == {"channel_h4": "hadint4"} and "channel_h4" not in backward.costs
