@@ -26,6 +26,8 @@ import math
 import sys
 from pathlib import Path
 
+from megatron_tah.config.presets import PRESETS
+
 from ..reproduce.runner import Run
 
 CODECS: dict[str, dict] = {
@@ -45,20 +47,13 @@ CODECS: dict[str, dict] = {
     "lowrank_h3": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
                    "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint",
                    "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
-    # per-channel 6-bit activations with each sequence's largest token sent apart (a real model's attention
-    # sink would set every channel's range), Hadamard INT4 gradients as hadint4's: 6.02 + 4.25 bits at
-    # [1024, 8, 1024]; on a real model its gradients err as on the toy, its activations 1.7x more (docs/CODECS.md).
-    "channel_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_channel_outlier_tokens": 1,
-                   "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                   "tah_backward_stochastic_rounding": True},
-    # the same with 5-bit activations: 5.02 + 4.25 bits
-    "channel5_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 5, "tah_channel_outlier_tokens": 1,
-                    "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                    "tah_backward_stochastic_rounding": True},
-    # and 4-bit (4.02 + 4.25 bits) and 3-bit (3.02 + 4.25 bits) activations
-    **{f"channel{bits}_h4": {"tah_forward_codec": "channel", "tah_forward_bits": bits, "tah_channel_outlier_tokens": 1,
-                             "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
-                             "tah_backward_stochastic_rounding": True} for bits in (4, 3)},
+    # the channel_h4 preset: per-channel 6-bit activations with each sequence's largest token sent apart (a real
+    # model's attention sink would set every channel's range), Hadamard INT4 gradients as hadint4's: 6.02 + 4.25
+    # bits at [1024, 8, 1024]; on a real model its gradients err as on the toy, its activations 1.7x more
+    # (docs/CODECS.md). Its runs name the fields, as they did before it was a preset.
+    "channel_h4": dict(PRESETS["channel_h4"]),
+    # the same with 5-, 4- and 3-bit activations: 5.02, 4.02 and 3.02 + 4.25 bits
+    **{f"channel{bits}_h4": {**PRESETS["channel_h4"], "tah_forward_bits": bits} for bits in (5, 4, 3)},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},
