@@ -273,10 +273,10 @@ def _corrupted_on_the_link(rank, world_size):
         encode = transport.encode
 
         def corrupting(link, x):
-            buf = encode(link, x)
+            buf, rest = encode(link, x)
             if link.direction == "forward" and args.curr_iteration == 3:
                 buf[-5] ^= 0x10
-            return buf
+            return buf, rest
 
         transport.encode = corrupting
         try:

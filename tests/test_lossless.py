@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.lossless import buffer_entropy_bits, code_bits, entropy_bits
+from benchmarks.lossless import buffer_entropy_bits, entropy_bits
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
@@ -24,12 +24,12 @@ def test_every_preset_codecs_packed_sections_are_named_and_their_entropy_is_at_m
     x = activation_like((64, 1, 128), seed=3)
     for codec in (config.forward_codec(), config.backward_codec()):
         layout = codec.layout(tuple(x.shape), x.dtype)
-        assert code_bits(codec) and set(code_bits(codec)) <= set(layout.offsets), (codec.name, layout.offsets)
+        assert codec.code_sections() and set(codec.code_sections()) <= set(layout.offsets), (codec.name, layout.offsets)
         buf = codec.encode(x)
         bits = buffer_entropy_bits(codec, buf, tuple(x.shape), x.dtype)
         # a packed section's codes are at most its bits each, a byte section at most 8 bits a byte
         assert 0 < bits <= 8 * buf.numel()
-        codes = sum(layout.offsets[name][1] for name in code_bits(codec))
+        codes = sum(layout.offsets[name][1] for name in codec.code_sections())
         assert bits < 8 * buf.numel() - 0.01 * 8 * codes  # activations' codes are not uniform: something saved
 
 
@@ -53,10 +53,10 @@ def test_the_projection_with_the_coder_bills_the_measured_share_at_the_same_step
 
     speedrun = tmp_path / "speedrun.json"
     speedrun.write_text(json.dumps({"table": [{"codec": "lowrank", "multiplier": 1.1}, {"codec": "paper"}]}))
-    result = {"rows": [{"preset": "lowrank", "direction": "forward", "bits": 4.0, "order0": 3.0},
-                       {"preset": "lowrank", "direction": "backward", "bits": 4.0, "order0": 2.0},
-                       {"preset": "paper", "direction": "forward", "bits": 4.0, "order0": 3.0},
-                       {"preset": "paper", "direction": "backward", "bits": 4.0, "order0": 3.0}]}
+    result = {"rows": [{"preset": "lowrank", "direction": "forward", "bits": 4.0, "coded": 3.0},
+                       {"preset": "lowrank", "direction": "backward", "bits": 4.0, "coded": 2.0},
+                       {"preset": "paper", "direction": "forward", "bits": 4.0, "coded": 3.0},
+                       {"preset": "paper", "direction": "backward", "bits": 4.0, "coded": 3.0}]}
     rows = projected(result, speedrun)
     assert [r["preset"] for r in rows] == ["lowrank"]  # paper: no measured multiplier
     row = rows[0]
@@ -94,3 +94,22 @@ def test_the_host_coder_is_billed_its_time_and_credited_its_link_saving():
     assert "does not pay" in text if h["forward"]["coder_ms"] > h["forward"]["link_saved_ms"] else "pays" in text
     fast = {**h, **{d: {**h[d], "coder_ms": 0.0} for d in ("forward", "backward")}}
     assert "A coder on the host pays." in host_zlib_text(fast, "test cpu")
+
+
+def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_time():
+    from benchmarks.lossless import host_entropy, host_entropy_text, measure
+
+    x = activation_like((256, 1, 128), seed=4).to(torch.bfloat16)
+    config = TahConfig(tah_preset="lowrank", tah_backend="torch")
+    for codec in (config.forward_codec(), config.backward_codec()):
+        m = measure(codec, x)
+        # Huffman is within a bit per symbol of the entropy; its tables and chunk lengths cost a little more
+        assert m["order0"] <= m["coded"] < m["bits"] and m["coded"] < m["order0"] + 0.35
+    h = host_entropy({3: (x, (x * 1e-3).to(torch.bfloat16))}, "lowrank", repeats=1)
+    for direction in ("forward", "backward"):
+        row = h[direction]
+        assert 0 < row["saved"] < 1 and row["compress_mb_s"] > 0 and row["decompress_mb_s"] > 0
+        assert row["coder_ms"] == pytest.approx(row["message_bytes"] / 1e3 * (1 / row["compress_mb_s"]
+                                                                              + 1 / row["decompress_mb_s"]))
+    text = host_entropy_text(h, "test cpu")
+    assert f"on test cpu (torch, {h['threads']} threads)" in text and f"it saves {h['forward']['saved']:.0%}" in text

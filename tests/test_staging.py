@@ -240,10 +240,10 @@ def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overl
     encode = transport.encode
 
     def recording_encode(link, x):
-        buf = encode(link, x)
+        buf, rest = encode(link, x)
         events.append(("encode", link.direction))
         encoded[link.peer] = buf.clone()
-        return buf
+        return buf, rest
 
     def isend(buf, dst, group=None):
         events.append(("isend", dst))

@@ -231,6 +231,11 @@ class Codec:
         """Options that change the bytes on the wire (the backend does not)."""
         raise NotImplementedError
 
+    def code_sections(self) -> dict[str, int]:
+        """The buffer's sections of bit-packed codes (``common.pack_bits``): name -> bits per code. What a
+        lossless coder after the codec reads as symbols (``entropy.py``); every other section is bytes."""
+        return {}
+
     def config_digest(self) -> int:
         items = ",".join(f"{k}={self.config()[k]!r}" for k in sorted(self.config()))
         return crc32_of(f"{self.name}({items})")

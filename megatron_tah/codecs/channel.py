@@ -137,6 +137,9 @@ class ChannelCodec(Codec):
         self.seed = int(seed)
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
 
+    def code_sections(self) -> dict[str, int]:
+        return {"codes": self.bits}
+
     def config(self) -> dict:
         # outlier_tokens only when set: without it the wire (and the digest) is the one from before it existed
         return {"bits": self.bits, "stochastic_rounding": self.stochastic_rounding,

@@ -35,6 +35,9 @@ class FixedPointCodec(Codec):
         self.seed = int(seed)
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
 
+    def code_sections(self) -> dict[str, int]:
+        return {"codes": self.bits}
+
     def config(self) -> dict:
         return {"bits": self.bits, "tile_size": self.tile_size, "stochastic_rounding": self.stochastic_rounding}
 

@@ -186,6 +186,9 @@ class LowRankCodec(Codec):
             q.copy_(track_subspace(x, q, WARM_ITERATIONS))
         return q[:, :k].T.contiguous()
 
+    def code_sections(self) -> dict[str, int]:
+        return {"coef": self.coef_bits, "codes": self.bits}
+
     def config(self) -> dict:
         return {"bits": self.bits, "tile_size": self.tile_size, "rank": self.rank, "coef_bits": self.coef_bits,
                 "hadamard_seed": self.hadamard_seed, "stochastic_rounding": self.stochastic_rounding}

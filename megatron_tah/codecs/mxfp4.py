@@ -101,6 +101,9 @@ class RotatedBlockCodec(Codec):
     def num_blocks(self, shape) -> int:
         return geometry.total_tiles(shape, self.block_size)
 
+    def code_sections(self) -> dict[str, int]:
+        return {"codes": self.code_bits}
+
     @property
     def code_bits(self) -> int:
         """Bits per code in the ``codes`` section (4: E2M1; hadint: its ``bits``)."""

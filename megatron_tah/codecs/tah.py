@@ -107,6 +107,9 @@ class TahCodec(Codec):
         self.rounding_noise = common.RoundingNoise(self.stochastic_rounding, self.seed)
         self._rotated: torch.Tensor | None = None  # the last encode's rotated fraction (0-d fp32, kept in place)
 
+    def code_sections(self) -> dict[str, int]:
+        return {"high": self.high_bits, "low": self.low_bits}
+
     def config(self) -> dict:
         return {
             "tile_size": self.tile_size, "high_bits": self.high_bits, "low_bits": self.low_bits,

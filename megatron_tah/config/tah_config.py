@@ -140,6 +140,9 @@ class TahConfig:
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
     """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError naming the link and iteration instead of reaching the model silently. Both stages must agree. Off by default here; on in scripts/pretrain_gpt.sh and the demo whenever they run behind a slow link (RATE, --rate), where it costs under 0.05% of a step (python -m benchmarks.faults.checksum_cost: the demo at 1 Mbit/s, the depth-8 speedrun). On a fast link it can cost 1-10% of a codec's CPU time (scripts/bench_codecs.py --checksum); its GPU cost is not measured."""
 
+    tah_entropy_coding: bool = False
+    """Code each pipeline message losslessly after its codec (a canonical Huffman code per section of its buffer, codecs/entropy.py): fewer bytes, the same decoded values, so the steps to a loss do not change. torch.distributed's sends have sizes fixed in advance, so both stages size each message from the coded sizes of the last 8 on its link plus 2% (link/frames.py); what does not fit follows as a second message. Costs the coder's time on both ends (its decode is a loop over each chunk's 512 codes, not a fused kernel; not timed on a GPU: python -m benchmarks.lossless times it on the CPU). Needs each link's messages in turn (not with --overlap-p2p-comm) and a fixed codec (not auto). Both stages must agree."""
+
     tah_peer_timeout_s: float = 120.0
     """Stop the run when a neighbouring pipeline stage stays silent this long (seconds; 0: Megatron's own timeouts only). A wait for a pipeline message longer than this raises PeerTimeoutError naming the link (stage i -> j), the iteration and when data from that stage last arrived; a dead peer raises PeerLostError at once; an outage shorter than this is ridden out. The same bound applies to every other collective after the first iteration (it sets Megatron's --distributed-timeout-seconds-after-init unless that is given; checkpoint saves keep --distributed-timeout-minutes), and the first iteration after a start waits up to --distributed-timeout-minutes (kernel compilation, auto's cost table). The default, 120 s, exceeds a whole step of the slowest WAN record (dense bf16 at 200 Mbit/s: 100 s per step; a wait lasts part of one) and is 5x shorter than Megatron's 10-minute default. gloo waits are bounded by the transport itself; NCCL's by the process group's timeout (its watchdog)."""
 
@@ -227,6 +230,9 @@ class TahConfig:
                 if not codec_declaration(name).kernel and (name != "none" or field in self._DIRECTIONS):
                     raise ValueError(f"tah_backend = 'triton' with {field} = {name!r}: it has no Triton kernel; "
                                      "use auto or torch")
+        if self.tah_entropy_coding and (self.is_auto("forward") or self.is_auto("backward")):
+            raise ValueError("tah_entropy_coding with an auto direction: auto chooses by the codecs' fixed message "
+                             "sizes; give both directions a codec or a preset")
         if self.tah_emulate_bandwidth is not None:
             parse_bandwidth(self.tah_emulate_bandwidth)
         if self.tah_emulate_wire != "link" and self.tah_emulate_bandwidth is None:

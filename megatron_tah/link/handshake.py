@@ -34,14 +34,15 @@ class CodecMismatchError(RuntimeError):
 def config_record(cfg: TahConfig) -> dict:
     """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
     warmup, evals, checksum = cfg.tah_warmup_iters, cfg.tah_eval_traffic, cfg.tah_wire_checksum
-    # The warm-up, the evaluations' traffic and the payload checksum change what is sent (the codec's
-    # config digest leaves the checksum out): part of both directions' record.
+    coded = cfg.tah_entropy_coding
+    # The warm-up, the evaluations' traffic, the payload checksum and the entropy coding change what is sent
+    # (the codec's config digest leaves them out): part of both directions' record.
     modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else "",
-                     "/checksum" if checksum else ""])
+                     "/checksum" if checksum else "", "/entropy" if coded else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
                        "both": ", evaluations through the codec and uncompressed"}[evals],
-                      ", payload checksum" if checksum else ""])
+                      ", payload checksum" if checksum else "", ", entropy-coded" if coded else ""])
     record = {}
     for direction in ("forward", "backward"):
         if cfg.is_auto(direction):

@@ -22,10 +22,16 @@ class Message:
     codec buffer (0: none); ``stages``: (sender, receiver) pipeline stages, for errors."""
 
     def __init__(self, link, buf: torch.Tensor, *, target: torch.Tensor | None = None, codec=None,
-                 staging=None, extra_nbytes: int = 0, stages=(None, None), last_stage: bool = False):
+                 staging=None, extra_nbytes: int = 0, stages=(None, None), last_stage: bool = False,
+                 rest: torch.Tensor | None = None, frame=None):
         self.link, self.buf, self.target, self.codec = link, buf, target, codec
         self.staging, self.extra_nbytes = staging, extra_nbytes
         self.stages, self.last_stage = stages, last_stage
+        # entropy coding (frames.py): ``frame`` = (key, capacity) of the message; ``rest``: the coded bytes that
+        # did not fit its frame (a send's, from the start; a receive's, once received)
+        self.rest, self.frame = rest, frame
+        self.coded_nbytes: int | None = None  # a receive's: the coded length its frame announced, once read
+        self.group = None  # the process group it was posted on (a receive's overflow follows on the same)
         self.work = None
         self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
         self.done = False
@@ -42,9 +48,11 @@ class Message:
 
     @classmethod
     def receive(cls, link, target: torch.Tensor, codec, extra_nbytes: int, host: HostStaging | None,
-                **kwargs) -> "Message":
-        """A receive of ``codec``'s buffer for ``target`` (plus ``extra_nbytes``), into a host buffer with ``host``."""
-        nbytes = codec.wire_nbytes(target.shape, target.dtype) + extra_nbytes
+                frame_nbytes: int | None = None, **kwargs) -> "Message":
+        """A receive of ``codec``'s buffer for ``target`` (or of an entropy-coded frame of ``frame_nbytes``) plus
+        ``extra_nbytes``, into a host buffer with ``host``."""
+        body = codec.wire_nbytes(target.shape, target.dtype) if frame_nbytes is None else frame_nbytes
+        nbytes = body + extra_nbytes
         if host is not None:
             staging = host.stage_recv(nbytes)
             return cls(link, staging.host, target=target, codec=codec, staging=staging, extra_nbytes=extra_nbytes,

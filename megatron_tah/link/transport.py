@@ -67,11 +67,12 @@ from typing import Callable
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
+from ..codecs import Codec, PayloadChecksumError, WireFormatError, entropy, get_codec, timing
 from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
 from .auto import AutoEnd, link_salt
 from .completion import time_works, work_seconds
+from . import frames
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .measure import MIN_SECONDS
@@ -89,6 +90,11 @@ def _unknown() -> None:
     return None
 
 
+def _rest_tag(direction: str) -> int:
+    """The tag of an entropy-coded message's overflow (gloo matches by it; NCCL by order)."""
+    return 1 if direction == "forward" else 2
+
+
 @dataclasses.dataclass
 class Link:
     """One end of one pipeline link: ``direction`` ("forward": activations, "backward": their
@@ -104,6 +110,8 @@ class Link:
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
     report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
+    frames: frames.FrameSizes = dataclasses.field(default_factory=frames.FrameSizes, repr=False)  # entropy coding
+    receiving: bool = False  # entropy coding, receive end: a receive is posted and not yet read
 
     def host_staging(self, device: torch.device) -> HostStaging:
         """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
@@ -137,6 +145,8 @@ class PipelineTransport:
         elif bandwidth is not None:
             self.emulator = LinkEmulator(bandwidth, latency)
         self.links: dict[tuple[str, str, int], Link] = {}
+        self.entropy = config.tah_entropy_coding  # every message entropy-coded in a frame (frames.py)
+        self.sent_rests: list = []  # (work, buffer) of overflows sent and maybe not yet complete
         auto = config.is_auto("forward") or config.is_auto("backward")
         self.auto = auto
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
@@ -250,8 +260,16 @@ class PipelineTransport:
             reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
 
     # ----- messages ------------------------------------------------------------------------
-    def encode(self, link: Link, x: torch.Tensor) -> torch.Tensor:
-        """Encode one outgoing tensor on ``link`` (the whole message: trailer included) and record its statistics."""
+    def frame_of(self, link: Link, codec, shape, dtype) -> tuple[tuple, int, int]:
+        """Entropy coding: (key, capacity, agreed size) of ``link``'s next message through ``codec`` (frames.py)."""
+        plain = eager(codec)
+        key = (plain.name, plain.config_digest(), tuple(shape), dtype)
+        capacity = entropy.capacity_nbytes(plain, shape, dtype) + frames.FRAME_HEADER_NBYTES
+        return key, capacity, link.frames.size(key, capacity)
+
+    def encode(self, link: Link, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encode one outgoing tensor on ``link`` (the whole message: trailer included) and record its statistics;
+        with entropy coding, also the coded bytes that did not fit the message's frame (None: none)."""
         if link.auto is not None:
             link.auto.prepare(x)
         codec = self.codec(link)
@@ -269,6 +287,12 @@ class PipelineTransport:
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
+            rest = None
+            if self.entropy:
+                key, _, size = self.frame_of(link, codec, x.shape, x.dtype)
+                coded = entropy.encode(eager(codec), buf, x.shape, x.dtype)
+                buf, rest = frames.frame(coded, size)
+                link.frames.record(key, coded.numel() + frames.FRAME_HEADER_NBYTES)
             if self.trailer_nbytes:
                 buf = self.with_trailer(link, buf, encode_seconds)
             if link.auto is not None:
@@ -277,9 +301,10 @@ class PipelineTransport:
                                        rate.rate_bps if rate else None, rate.spread_bps if rate else None)
         link.messages += 1
         wire_nbytes = buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes  # (the inbound wire's stamp: not traffic)
+        wire_nbytes += 0 if rest is None else rest.numel()
         self.stats.record_send(link.direction, x.numel() * x.element_size(), wire_nbytes, link.peer,
                                rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated", None))
-        return buf
+        return buf, rest
 
     def _messages(self, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                   group, prev_pipeline_rank, next_pipeline_rank) -> dict[str, Message]:
@@ -287,6 +312,7 @@ class PipelineTransport:
         encode the sends and allocate the receive buffers (Megatron's op order)."""
         if self.closed:
             raise RuntimeError("megatron_tah transport called while not installed; call megatron_tah.install()")
+        self.sent_rests[:] = [(work, buf) for work, buf in self.sent_rests if not work.is_completed()]
         self.outstanding[:] = [m for m in self.outstanding if not m.done]
         for m in self.outstanding:
             m.poll()
@@ -316,10 +342,54 @@ class PipelineTransport:
             host = link.host_staging((recv if send is None else send).device) if staged else None
             known = {"extra_nbytes": self.trailer_nbytes, "stages": link_stages, "last_stage": stage == stages - 1}
             if send is not None:
-                messages[name] = Message.send(link, self.encode(link, send), host, **known)
+                buf, rest = self.encode(link, send)
+                if rest is not None and staged:
+                    rest = rest.cpu()  # (gloo reads host memory)
+                messages[name] = Message.send(link, buf, host, rest=rest, **known)
+            elif self.entropy:
+                messages[name] = self.framed_receive(link, recv, host, known)
             else:
                 messages[name] = Message.receive(link, recv, self.codec(link), host=host, **known)
         return messages
+
+    # ----- entropy-coded frames --------------------------------------------------------------
+    def framed_receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
+        """A receive on ``link`` of the frame size both ends agree on; refused while the link's previous receive
+        has not been read (its coded size sizes this one)."""
+        if link.receiving:
+            raise RuntimeError(
+                f"megatron_tah: --tah-entropy-coding sizes each message from the ones before it on its link, but a "
+                f"{link.direction} receive from rank {link.peer} was posted before the previous one had been read: "
+                "this schedule posts receives ahead; turn the entropy coding off")
+        codec = self.codec(link)
+        key, capacity, size = self.frame_of(link, codec, target.shape, target.dtype)
+        link.receiving = True
+        return Message.receive(link, target, codec, host=host, frame_nbytes=size, frame=(key, capacity), **known)
+
+    def overflow_nbytes(self, m: Message) -> int:
+        """A complete entropy-coded receive: the bytes of its coded buffer that follow as a second message."""
+        frame = m.buf[: m.buf.numel() - m.extra_nbytes]
+        n = frames.coded_length(frame, m.frame[1])
+        m.coded_nbytes = n
+        return max(0, n + frames.FRAME_HEADER_NBYTES - frame.numel())
+
+    def rest_ops(self, messages) -> list:
+        """The overflows of one batched call, in one order on both ends (activations first, then gradients; gloo
+        also tags them by direction): the sends' posted as they are, the receives' into new buffers."""
+        dist = torch.distributed
+        ops = []
+        for direction in ("forward", "backward"):
+            for m in messages:
+                if m.link.direction != direction or m.group is None:
+                    continue
+                if m.is_recv and m.frame is not None:
+                    overflow = self.overflow_nbytes(m)
+                    if overflow:
+                        m.rest = torch.empty(overflow, dtype=torch.uint8, device=m.buf.device)
+                        ops.append(dist.P2POp(dist.irecv, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
+                elif not m.is_recv and m.rest is not None:
+                    ops.append(dist.P2POp(dist.isend, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
+        return ops
 
     def finish(self, m: Message) -> None:
         """A message whose transfer is complete: the emulated link's delay, the trailer, a receive's decode
@@ -328,15 +398,21 @@ class PipelineTransport:
             return
         m.done = True
         link = m.link
+        if m.is_recv and m.frame is not None and m.coded_nbytes is None:  # the unbatched path: its overflow now
+            overflow = self.overflow_nbytes(m)
+            if overflow:
+                m.rest = torch.empty(overflow, dtype=torch.uint8, device=m.buf.device)
+                torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
+        rest_nbytes = 0 if m.rest is None else m.rest.numel()
         trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
         if self.emulator is not None:
             me = torch.distributed.get_rank()
             pair = (link.peer, me) if m.is_recv else (me, link.peer)
-            self.emulator.complete(pair, m.buf.numel(), m.completed_at, receiver=m.is_recv)
+            self.emulator.complete(pair, m.buf.numel() + rest_nbytes, m.completed_at, receiver=m.is_recv)
             done_at = wall_seconds(self.emulator.last_finish)
         if self.inbound is not None and trailer is not None:
-            billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes
+            billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes + rest_nbytes
             self.inbound.receive(decode_trailer(trailer).sent_at, billed)
             done_at = self.inbound.free_at
         if trailer is not None and self.auto:
@@ -363,6 +439,11 @@ class PipelineTransport:
         codec, link, wire = m.codec, m.link, m.codec_buffer()
         clock = timing.Stopwatch(wire.device)
         with torch.no_grad():
+            if m.frame is not None:
+                coded = frames.unframe(wire, m.coded_nbytes, m.rest)
+                wire = entropy.decode(eager(codec), coded, m.target.shape, m.target.dtype)
+                link.frames.record(m.frame[0], m.coded_nbytes + frames.FRAME_HEADER_NBYTES)
+                link.receiving = False
             try:
                 codec.decode(wire, m.target.shape, m.target.dtype, out=m.target)
                 if codec.checksum:  # this message's count (CPU), or what has reached the host (CUDA: no sync)
@@ -385,6 +466,7 @@ class PipelineTransport:
         timed = time_works(group)
         for m in messages.values():
             m.stamp()
+            m.group = group
         ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
                for m in messages.values()]
         works = dist.batch_isend_irecv(ops)
@@ -397,6 +479,10 @@ class PipelineTransport:
         for m in messages.values():
             m.completed_at = now if m.completed_at is None else m.completed_at
             m.work, m.timed = m.work or (works[-1] if works else None), timed
+        rests = self.rest_ops(messages.values()) if self.entropy else []
+        for work in dist.batch_isend_irecv(rests) if rests else ():  # both ends post theirs, then wait
+            work.wait()
+        for m in messages.values():
             self.finish(m)
         return []
 
@@ -414,6 +500,11 @@ class PipelineTransport:
         order = (("send_next", "recv_prev", "send_prev", "recv_next") if even
                  else ("recv_prev", "send_next", "recv_next", "send_prev"))
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
+        received_from = [m.link.peer for m in messages.values() if m.is_recv]
+        if self.entropy and not bounded and len(received_from) != len(set(received_from)):
+            raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers receives two messages from "
+                               "one stage in one call here, whose overflows only gloo tells apart: use Megatron's "
+                               "batched transfers (--no-overlap-p2p-comm) or turn the entropy coding off")
         handles = {}
         for name in order:
             if name not in messages:
@@ -423,7 +514,10 @@ class PipelineTransport:
             m.stamp()
             m.timed = time_works(post_group)
             m.work = post(m.buf, m.link.peer, group=post_group)
-            m.bounded = bounded
+            m.bounded, m.group = bounded, post_group
+            if not m.is_recv and m.rest is not None:  # its overflow right behind it (the receiver asks once it read n)
+                work = dist.isend(m.rest, m.link.peer, group=post_group, tag=_rest_tag(m.link.direction))
+                self.sent_rests.append((work, m.rest))
             self.outstanding.append(m)
             handles[name] = Handle(m, self.finish, self.wait)
         return handles
