@@ -327,6 +327,13 @@ def test_the_first_screens_lossless_estimate_is_the_committed_measurement():
     assert all(r["coded"] - r["order0"] <= 0.15 for r in result["rows"] if r not in two_bit)
     host = result["host_entropy"]
     assert all(host[d]["coder_ms"] > host[d]["link_saved_ms"] for d in ("forward", "backward"))  # "costs far more"
+    from benchmarks.speedrun import check
+
+    (coded_row, base_row), = check.entropy_pairs(check.load())
+    (cf, cb), (bf, bb) = coded_row["message_nbytes"], base_row["message_nbytes"]
+    assert (f"`{base_row['codec']}` through it sent {cf / bf - 1:+.1%} bytes per activation message and "
+            f"{cb / bb - 1:+.1%} per gradient message, and took "
+            f"{coded_row['measured_s'] / base_row['measured_s'] - 1:+.1%} seconds per step") in codecs
 
 
 def test_the_first_screens_split_is_the_projection_and_the_check():

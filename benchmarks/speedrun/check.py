@@ -51,10 +51,18 @@ def measured_seconds(step_seconds: list[float], skip: int = SKIP) -> float:
     return statistics.median(rest)
 
 
-def simulated_seconds(codec: str, size: runs.Size, compute_s: float, link: runs.Link) -> float:
-    """The schedule simulator's step for ``codec`` at ``size`` behind ``link`` from a measured compute step."""
+def measured_message_nbytes(records: list[dict], size: runs.Size, skip: int = SKIP) -> tuple[float, float]:
+    """Mean (forward, backward) bytes of one message in a timing run's log after ``skip`` steps (all links)."""
+    messages = (size.stages - 1) * size.micro_batches
+    return tuple(n / messages for n in runs.bytes_per_iteration(records, skip))
+
+
+def simulated_seconds(codec: str, size: runs.Size, compute_s: float, link: runs.Link,
+                      nbytes: tuple[float, float] | None = None) -> float:
+    """The schedule simulator's step for ``codec`` at ``size`` behind ``link`` from a measured compute step, with
+    its exact message bytes (``nbytes``: measured ones, for an entropy-coded codec)."""
     f, b = simulate.compute_per_micro_batch(compute_s, size.stages, size.micro_batches)
-    fwd, bwd = runs.message_nbytes(codec, size)
+    fwd, bwd = runs.message_nbytes(codec, size) if nbytes is None else nbytes
     return simulate.simulate_step(size.stages, size.micro_batches, f, b, fwd, bwd, link.rate_bps, link.latency_s)
 
 
@@ -69,11 +77,13 @@ def run_check(codecs: list[str], micro_batches: list[int], size: runs.Size, link
         execute_all([nolink, *timed], out, jobs=1)  # one at a time: they measure time
         compute_s = measured_seconds(runs.step_seconds(read_log(out / f"{nolink.name}.jsonl")))
         for codec, run in zip(codecs, timed):
-            times = runs.step_seconds(read_log(out / f"{run.name}.jsonl"))
-            measured, simulated = measured_seconds(times), simulated_seconds(codec, at, compute_s, link)
+            records = read_log(out / f"{run.name}.jsonl")
+            times, nbytes = runs.step_seconds(records), measured_message_nbytes(records, at)
+            measured = measured_seconds(times)
+            simulated = simulated_seconds(codec, at, compute_s, link, nbytes if runs.entropy_coded(codec) else None)
             rows.append({"codec": codec, "micro_batches": m, "micro_batch": at.micro_batch, "compute_s": compute_s,
                          "measured_s": measured, "simulated_s": simulated, "error": simulated / measured - 1.0,
-                         "times": times})
+                         "message_nbytes": nbytes, "times": times})
     return rows
 
 
@@ -85,16 +95,45 @@ def render(result: dict) -> str:
     for r in rows:
         lines.append(f"| {r['codec']} | {r['micro_batches']} x {r['micro_batch']} | {r['compute_s']:.3f} | "
                      f"{r['measured_s']:.3f} | {r['simulated_s']:.3f} | {100 * r['error']:+.1f}% |")
-    worst = max(rows, key=lambda r: abs(r["error"]))
+    plain = [r for r in rows if not _coded(r)]
+    worst = max(plain, key=lambda r: abs(r["error"]))
     text = [f"Timing runs on {result['host']['cpu']} ({result['host']['cores']} cores), {result['date']}: the real "
             f"pipeline behind the page's emulated wire, {result['iters']} iterations each, the median step after the "
             f"first {result['skip']} (`python -m benchmarks.speedrun.check`). The simulator is within "
             f"{100 * abs(worst['error']):.1f}% of every run (worst: `{worst['codec']}` at {worst['micro_batches']} "
-            f"micro-batches){_bias(rows)}."]
+            f"micro-batches){_bias(plain)}."]
     for r in split_ratios(result):
         text.append(f"`{r['codec']}` at {r['fewer']} against {r['more']} micro-batches: measured "
                     f"{r['measured']:.3f}x, simulated {r['simulated']:.3f}x ({100 * r['error']:+.1f}%).")
+    text += [entropy_sentence(coded, base) for coded, base in entropy_pairs(result)]
     return "\n".join(lines) + "\n\n" + " ".join(text)
+
+
+def _coded(row: dict) -> bool:
+    return row["codec"] in runs.CODECS and runs.entropy_coded(row["codec"])
+
+
+def entropy_pairs(result: dict) -> list[tuple[dict, dict]]:
+    """(entropy-coded row, the same codec's row without the coder) at the same micro-batch count, from the same
+    session (the same compute step)."""
+    rows = result["rows"]
+    pairs = []
+    for coded in (r for r in rows if _coded(r)):
+        fields = {k: v for k, v in runs.CODECS[coded["codec"]].items() if k != "tah_entropy_coding"}
+        base = [r for r in rows if r["codec"] in runs.CODECS and runs.CODECS[r["codec"]] == fields
+                and r["micro_batches"] == coded["micro_batches"] and r["compute_s"] == coded["compute_s"]]
+        if base:
+            pairs.append((coded, base[0]))
+    return pairs
+
+
+def entropy_sentence(coded: dict, base: dict) -> str:
+    """What the lossless coder did to a codec's bytes and step in the timing runs."""
+    (cf, cb), (bf, bb) = coded["message_nbytes"], base["message_nbytes"]
+    return (f"`{coded['codec']}` (`{base['codec']}` through `--tah-entropy-coding`) sent {cf / bf - 1:+.1%} bytes per "
+            f"activation message and {cb / bb - 1:+.1%} per gradient message (the frames' margin and tables included) "
+            f"and measured {coded['measured_s'] / base['measured_s'] - 1:+.1%} seconds per step, the coder's time on "
+            "this CPU included (the simulated column counts no codec time).")
 
 
 def _bias(rows: list[dict]) -> str:
@@ -137,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--page", type=Path, default=PAGE_JSON, help="the speedrun page's JSON: its emulated wire")
     parser.add_argument("--out", type=Path, default=Path("runs/schedule_check"))
     parser.add_argument("--write", action="store_true", help=f"write {RESULT.relative_to(ROOT)}")
+    parser.add_argument("--add", action="store_true",
+                        help="with --write: keep the committed rows of other codecs and micro-batch counts")
     args = parser.parse_args(argv)
     codecs = [c for c in args.codecs.split(",") if c]
     bad = [c for c in codecs if c not in runs.CODECS or c in runs.NEEDS_LINK]
@@ -156,8 +197,12 @@ def main(argv=None) -> int:
     except (ReproduceError, ValueError) as err:
         print(f"speedrun.check: {err}", file=sys.stderr)
         return 1
+    kept = []
+    if args.add and load() is not None:
+        new = {(r["codec"], r["micro_batches"]) for r in rows}
+        kept = [r for r in load()["rows"] if (r["codec"], r["micro_batches"]) not in new]
     result = {"date": datetime.date.today().isoformat(), "host": host_info(), "size": args.size,
-              "link": page["link"], "iters": args.iters, "skip": SKIP, "rows": rows}
+              "link": page["link"], "iters": args.iters, "skip": SKIP, "rows": kept + rows}
     print(render(result))
     if args.write:
         RESULT.write_text(json.dumps(result, indent=1) + "\n")

@@ -461,7 +461,8 @@ def _page_fields(result: dict, stem: str) -> dict:
         longer=(f", for {', '.join(f'`{c}`' for c in modes['longer'])} only: the others that missed show a lower "
                 f"bound" if modes.get("longer") else ""),
         seeds=", ".join(sorted({str(s) for r in result["table"] for s in r["seeds"]})),
-        not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}) or "none",
+        not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}
+                          and not runs.entropy_coded(c)) or "none",
         date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
         reused=_reused_text(result.get("reused")),
         target=f"{result['target']:.3f}", compute=f"{result['compute_s_per_step']:.3f}",

@@ -54,6 +54,8 @@ CODECS: dict[str, dict] = {
     "channel_h4": dict(PRESETS["channel_h4"]),
     # the same with 5-, 4- and 3-bit activations: 5.02, 4.02 and 3.02 + 4.25 bits
     **{f"channel{bits}_h4": {**PRESETS["channel_h4"], "tah_forward_bits": bits} for bits in (5, 4, 3)},
+    # channel_h4 through the lossless coder (--tah-entropy-coding): the same values, fewer bytes
+    "channel_h4_ec": {**PRESETS["channel_h4"], "tah_entropy_coding": True},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
                     "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
     "channel": {"tah_preset": "channel"},
@@ -73,6 +75,11 @@ CODECS: dict[str, dict] = {
 
 NEEDS_LINK = ("auto",)
 """Codecs whose loss runs must see the emulated link (their choice depends on it)."""
+
+
+def entropy_coded(codec: str) -> bool:
+    """Whether ``codec``'s messages go through the lossless coder: their sizes vary, so they are measured."""
+    return bool(CODECS[codec].get("tah_entropy_coding"))
 
 
 def emulated_for(codec: str, emulated: bool) -> bool:
@@ -105,6 +112,8 @@ def message_nbytes(codec: str, size: "Size") -> tuple[int, int]:
 
     if codec in NEEDS_LINK:
         raise ValueError(f"{codec} chooses its codecs from the link it measures: its bytes are measured, not known")
+    if entropy_coded(codec):
+        raise ValueError(f"{codec}'s messages are entropy-coded: their bytes are measured, not known")
     config = TahConfig(**CODECS[codec])
     return (config.forward_codec().wire_nbytes(size.message_shape, torch.bfloat16),
             config.backward_codec().wire_nbytes(size.message_shape, torch.bfloat16))
