@@ -15,8 +15,8 @@ A coded buffer longer than its frame holds (an overflow) fills the frame, and it
 frame has told it ``n``. Both ends then record ``n + 4``, so the next size is the same on both.
 
 Both ends must see a link's messages in turn: a receive is sized once the one before it on that link has
-been read (Megatron's 1F1B and interleaved schedules without ``--overlap-p2p-comm``); the transport
-refuses otherwise.
+been read. Megatron's schedules do (1F1B batched and unbatched, interleaved with ``--overlap-p2p-communication``:
+tests/test_entropy_pipeline.py); the transport refuses a receive posted earlier.
 """
 
 from __future__ import annotations

@@ -47,6 +47,11 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
   a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
   posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
   bytes on the wire are the same; ``none`` goes the same way.
+* ``--tah-entropy-coding``: each codec buffer goes through the lossless coder (``codecs/entropy.py``) into a frame
+  whose size both ends of the link compute alike from its earlier messages (``frames.py``, ``Link.frame_sizes``);
+  what does not fit follows as a second message (batched: one more batch after the call's, activations first;
+  unbatched: right behind its frame, received once the frame is read). Statistics and the emulated links count
+  frames and overflows: the bytes that cross the network.
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
   and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
@@ -70,9 +75,9 @@ import torch
 from ..codecs import Codec, PayloadChecksumError, WireFormatError, entropy, get_codec, timing
 from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from ..config import TahConfig
+from . import frames
 from .auto import AutoEnd, link_salt
 from .completion import time_works, work_seconds
-from . import frames
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .measure import MIN_SECONDS
@@ -110,7 +115,7 @@ class Link:
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
     report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
-    frames: frames.FrameSizes = dataclasses.field(default_factory=frames.FrameSizes, repr=False)  # entropy coding
+    frame_sizes: frames.FrameSizes = dataclasses.field(default_factory=frames.FrameSizes, repr=False)  # entropy coding
     receiving: bool = False  # entropy coding, receive end: a receive is posted and not yet read
 
     def host_staging(self, device: torch.device) -> HostStaging:
@@ -265,7 +270,7 @@ class PipelineTransport:
         plain = eager(codec)
         key = (plain.name, plain.config_digest(), tuple(shape), dtype)
         capacity = entropy.capacity_nbytes(plain, shape, dtype) + frames.FRAME_HEADER_NBYTES
-        return key, capacity, link.frames.size(key, capacity)
+        return key, capacity, link.frame_sizes.size(key, capacity)
 
     def encode(self, link: Link, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode one outgoing tensor on ``link`` (the whole message: trailer included) and record its statistics;
@@ -292,7 +297,7 @@ class PipelineTransport:
                 key, _, size = self.frame_of(link, codec, x.shape, x.dtype)
                 coded = entropy.encode(eager(codec), buf, x.shape, x.dtype)
                 buf, rest = frames.frame(coded, size)
-                link.frames.record(key, coded.numel() + frames.FRAME_HEADER_NBYTES)
+                link.frame_sizes.record(key, coded.numel() + frames.FRAME_HEADER_NBYTES)
             if self.trailer_nbytes:
                 buf = self.with_trailer(link, buf, encode_seconds)
             if link.auto is not None:
@@ -442,7 +447,7 @@ class PipelineTransport:
             if m.frame is not None:
                 coded = frames.unframe(wire, m.coded_nbytes, m.rest)
                 wire = entropy.decode(eager(codec), coded, m.target.shape, m.target.dtype)
-                link.frames.record(m.frame[0], m.coded_nbytes + frames.FRAME_HEADER_NBYTES)
+                link.frame_sizes.record(m.frame[0], m.coded_nbytes + frames.FRAME_HEADER_NBYTES)
                 link.receiving = False
             try:
                 codec.decode(wire, m.target.shape, m.target.dtype, out=m.target)
@@ -504,7 +509,7 @@ class PipelineTransport:
         if self.entropy and not bounded and len(received_from) != len(set(received_from)):
             raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers receives two messages from "
                                "one stage in one call here, whose overflows only gloo tells apart: use Megatron's "
-                               "batched transfers (--no-overlap-p2p-comm) or turn the entropy coding off")
+                               "batched transfers (--no-overlap-p2p-communication) or turn the entropy coding off")
         handles = {}
         for name in order:
             if name not in messages:
