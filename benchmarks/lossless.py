@@ -33,6 +33,7 @@ import torch
 from megatron_tah.codecs import Codec, entropy
 from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
+from megatron_tah.link import frames
 
 from .pages import replace_block
 from .reproduce.runner import host_info
@@ -179,14 +180,17 @@ def run(model: str = MODEL, presets=None) -> dict:
 def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json")) -> list[dict]:
     """Each preset whose steps multiplier the speedrun measured (``speedrun``'s table), projected on the
     ProtocolNanoGPT setup (``benchmarks.speedrun.projection``) as it is and with its wire bytes scaled per
-    direction by the share ``megatron_tah.codecs.entropy`` kept of them here (the coder's own time not counted)."""
+    direction by the share ``megatron_tah.codecs.entropy`` kept of them here, plus the frames' margin
+    (``--tah-entropy-coding``'s frames hold the largest of a link's recent coded sizes plus ``frames.MARGIN``; the
+    coder's own time not counted)."""
+
     from .speedrun import projection
 
     measured = {row["codec"]: row["multiplier"] for row in json.loads(speedrun.read_text())["table"]
                 if row.get("multiplier") and row["codec"] in PRESETS}
     share = {}
     for row in result["rows"]:
-        share.setdefault(row["preset"], {})[row["direction"]] = row["coded"] / row["bits"]
+        share.setdefault(row["preset"], {})[row["direction"]] = row["coded"] / row["bits"] * (1 + frames.MARGIN)
     codecs = {name: projection.CODECS[name] for name in measured if name in share and name in projection.CODECS}
     scale = {name: (share[name]["forward"], share[name]["backward"]) for name in codecs}
     as_is = {r["codec"]: r for r in projection.project(measured, codecs)}
@@ -228,7 +232,8 @@ def table(result: dict) -> str:
     if result.get("projected"):
         lines += ["", "On the ProtocolNanoGPT setup (docs/SPEEDRUN.md's projection: `[1024, 8, 1024]` messages, the "
                   "steps multiplier the speedrun measured), each direction's wire bytes scaled by the coded share "
-                  "above (measured at 1024 x 576; the coder's time not counted):", "",
+                  f"above (measured at 1024 x 576) and the frames' {frames.MARGIN:.0%} margin; the coder's time not "
+                  "counted:", "",
                   "| preset | steps multiplier | bits both ways | with the coder | s/step | with the coder | T (s) | "
                   f"with the coder | with the coder, {SPLIT} micro-batches |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['preset']} | {r['multiplier']:.2f}x | {r['bits']:.2f} | {r['bits_coded']:.2f} | "

@@ -317,8 +317,10 @@ def test_the_first_screens_lossless_estimate_is_the_committed_measurement():
     saved = 1 - sum(r["coded"] for r in rows) / sum(r["bits"] for r in rows)
     coded = next(r for r in result["projected"] if r["preset"] == "lowrank")
     text = " ".join(README.split("## Install")[0].split())
-    assert (f"sends {saved:.0%} fewer bytes for `lowrank` on a real model's messages, projected "
-            f"{coded['T_coded']:,.0f} s if its own time were free") in text
+    from megatron_tah.link import frames
+
+    assert (f"codes `lowrank`'s messages of a real model in {saved:.0%} fewer bytes (its frames add "
+            f"{frames.MARGIN:.0%}), projected {coded['T_coded']:,.0f} s if its own time were free") in text
     codecs = " ".join((DOCS / "CODECS.md").read_text().split())
     assert ("the Huffman coder sends within 0.15 bits per value of each section's order-0 entropy, except on 2-bit "
             "codes") in codecs
@@ -335,7 +337,8 @@ def test_the_first_screens_lossless_estimate_is_the_committed_measurement():
         sums[0], sums[1] = sums[0] + r["bits"], sums[1] + r["coded"]
     shares = sorted(round(100 * (1 - c / b)) for b, c in both.values())
     usage = " ".join((DOCS / "USAGE.md").read_text().split())
-    assert f"It saves {shares[0]}-{shares[-1]}% of a preset's bytes on a real model's messages" in usage
+    assert (f"It codes a preset's messages of a real model in {shares[0]}-{shares[-1]}% fewer bytes (its frames add "
+            f"{frames.MARGIN:.0%})") in usage
     (coded_row, base_row), = check.entropy_pairs(check.load())
     (cf, cb), (bf, bb) = coded_row["message_nbytes"], base_row["message_nbytes"]
     assert (f"`{base_row['codec']}` through it sent {cf / bf - 1:+.1%} bytes per activation message and "
