@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU, one command, no judgement needed:
 #
-#   scripts/gpu_check.sh                 # the self-check (~19 min on an H100, never more than 25 min)
+#   scripts/gpu_check.sh                 # the self-check (~20 min on an H100, never more than 25 min)
 #   scripts/gpu_check.sh benchmarks      # the measurements: bench, profile, report, pipeline, laaq (~40 min)
 #   scripts/gpu_check.sh all             # both
 #   scripts/gpu_check.sh sync            # or one step: a self-check step (kernels, graphs, sync, staging,
-#                                        # sanitizer, share, interleaved, auto, laaq-layer) or a measurement
+#                                        # sanitizer, share, interleaved, auto, laaq-layer, entropy) or a measurement
 #                                        # (tests = kernels + graphs, bench, profile, report, pipeline, laaq)
 #   PY=python3 OUT_DIR=/tmp/out scripts/gpu_check.sh bench
 #
@@ -38,7 +38,7 @@ status=0
 case $STEP in
     selfcheck|all) "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" || status=$? ;;
     tests) "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" --steps kernels,graphs || status=$? ;;
-    kernels|graphs|sync|staging|sanitizer|share|interleaved|auto)
+    kernels|graphs|sync|staging|sanitizer|share|interleaved|auto|entropy)
         "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" --steps "$STEP" || status=$? ;;
     laaq-layer) "$PY" scripts/gpu_selfcheck.py --out "$OUT_DIR" --steps laaq || status=$? ;;
     benchmarks|bench|profile|report|pipeline|laaq) ;;

@@ -28,11 +28,14 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
               within [0.5, 1.1] x that rate; ``handshake.link_latency`` on the loopback below 5 ms.
 ``laaq``      one megatron-core layer (local spec, rotary, 4096 tokens): every saved tensor's type, dtype,
               shape and fate logged; only activations packed; input and weight gradients against LAAQ off.
+``entropy``   the lossless coder (``codecs/entropy.py``) on ``lowrank``'s and ``channel_h4``'s buffers of the
+              ProtocolNanoGPT message ``[1024, 8, 1024]``: decoded bit for bit; encode and decode timed (the
+              median of ``ENTROPY_REPEATS``) with their peak memory: what docs/CODECS.md has not measured.
 
-The sum of the estimates is about 19 minutes; the runner stops starting steps when the budget (25 minutes
+The sum of the estimates is about 20 minutes; the runner stops starting steps when the budget (25 minutes
 by default) could not hold the next one's estimate, and cuts each step's limit to what is left, so the
 whole check never takes more than the budget. ``--device cpu`` runs the steps that can run without a GPU
-(``staging``, ``laaq``) at small sizes: what the CPU test (``tests/test_gpu_selfcheck.py``) does.
+(``staging``, ``laaq``, ``entropy``) at small sizes: what the CPU test (``tests/test_gpu_selfcheck.py``) does.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ STEPS = (
     Step("interleaved", "interleaved schedule, overlapped p2p, CUDA graphs on, under a time limit", 120, 240),
     Step("auto", f"auto's rates against an emulated {AUTO_RATE} link; loopback latency", 150, 300),
     Step("laaq", "LAAQ on one layer: every saved tensor logged, gradients against LAAQ off", 60, 180, cpu=True),
+    Step("entropy", "the lossless coder (--tah-entropy-coding) bit-exact, timed at the speedrun's message", 60, 180,
+         cpu=True),
 )
 
 
@@ -641,9 +646,58 @@ def step_laaq(ctx: Context):
     return passed, detail
 
 
+# ----- entropy: the lossless coder on this device ----------------------------------------------------------------
+ENTROPY_SHAPE = (1024, 8, 1024)  # the ProtocolNanoGPT message (docs/SPEEDRUN.md's projection)
+ENTROPY_CPU_SHAPE = (64, 2, 128)
+ENTROPY_PRESETS = ("lowrank", "channel_h4")
+ENTROPY_REPEATS = 5
+
+
+def step_entropy(ctx: Context):
+    import statistics
+
+    import torch
+
+    from megatron_tah.codecs import entropy
+    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.config import TahConfig
+
+    shape = ENTROPY_SHAPE if ctx.cuda else ENTROPY_CPU_SHAPE
+    x = activation_like(shape, dtype=torch.bfloat16, seed=0).to(ctx.device)
+    sync = torch.cuda.synchronize if ctx.cuda else (lambda: None)
+    rows = []
+    for preset in ENTROPY_PRESETS:
+        config = TahConfig(tah_preset=preset)
+        for direction, codec, message in (("forward", config.forward_codec(), x),
+                                          ("backward", config.backward_codec(), x * 1e-3)):
+            buf = codec.encode(message)
+            times: dict[str, list[float]] = {"encode": [], "decode": []}
+            if ctx.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(ENTROPY_REPEATS):
+                sync()
+                start = time.perf_counter()
+                coded = entropy.encode(codec, buf, shape, message.dtype)
+                sync()
+                middle = time.perf_counter()
+                back = entropy.decode(codec, coded, shape, message.dtype)
+                sync()
+                times["encode"].append(middle - start)
+                times["decode"].append(time.perf_counter() - middle)
+            rows.append({"preset": preset, "direction": direction, "codec": codec.describe(), "shape": list(shape),
+                         "wire_nbytes": buf.numel(), "coded_nbytes": coded.numel(), "exact": torch.equal(back, buf),
+                         **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+                         "peak_memory_mb": torch.cuda.max_memory_allocated() / 1e6 if ctx.cuda else None})
+    (ctx.files("entropy") / "entropy.json").write_text(json.dumps(rows, indent=1))
+    detail = "; ".join(f"{r['preset']} {r['direction']}: {1 - r['coded_nbytes'] / r['wire_nbytes']:.0%} fewer bytes, "
+                       f"encode {r['encode_ms']:.1f} ms, decode {r['decode_ms']:.1f} ms"
+                       + ("" if r["exact"] else ", NOT bit-exact") for r in rows)
+    return all(r["exact"] for r in rows), f"{'x'.join(map(str, shape))}: {detail}"
+
+
 STEP_FUNCTIONS = {"kernels": step_kernels, "graphs": step_graphs, "sync": step_sync, "staging": step_staging,
                   "sanitizer": step_sanitizer, "share": step_share, "interleaved": step_interleaved,
-                  "auto": step_auto, "laaq": step_laaq}
+                  "auto": step_auto, "laaq": step_laaq, "entropy": step_entropy}
 
 
 # ----- command line --------------------------------------------------------------------------------------------

@@ -27,11 +27,12 @@ def selfcheck():
 
 def test_the_steps_are_the_issues_in_order_and_their_estimates_fit_25_minutes(selfcheck):
     names = [s.name for s in selfcheck.STEPS]
-    assert names == ["kernels", "graphs", "sync", "staging", "sanitizer", "share", "interleaved", "auto", "laaq"]
+    assert names == ["kernels", "graphs", "sync", "staging", "sanitizer", "share", "interleaved", "auto", "laaq",
+                     "entropy"]
     assert set(selfcheck.STEP_FUNCTIONS) == set(names)
     assert sum(s.estimate_s for s in selfcheck.STEPS) <= selfcheck.BUDGET_S == 25 * 60
     assert all(s.estimate_s < s.limit_s for s in selfcheck.STEPS)
-    assert [s.name for s in selfcheck.STEPS if s.cpu] == ["staging", "laaq"]
+    assert [s.name for s in selfcheck.STEPS if s.cpu] == ["staging", "laaq", "entropy"]
     assert dict(selfcheck.step("sanitizer").env) == {"TORCH_CUDA_SANITIZER": "1"}
     assert selfcheck.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
@@ -47,16 +48,16 @@ def test_gpu_check_runs_the_self_check_by_default_and_names_every_step(selfcheck
 
 def test_arguments(selfcheck, capsys):
     assert selfcheck.parse_args([]).steps == [s.name for s in selfcheck.STEPS]
-    assert selfcheck.parse_args(["--device", "cpu"]).steps == ["staging", "laaq"]
+    assert selfcheck.parse_args(["--device", "cpu"]).steps == ["staging", "laaq", "entropy"]
     assert selfcheck.parse_args(["--steps", "laaq, sync"]).steps == ["laaq", "sync"]
     with pytest.raises(ValueError, match="unknown step 'nope'.*kernels"):
         selfcheck.parse_args(["--steps", "nope"])
     with pytest.raises(SystemExit):
         selfcheck.parse_args(["--device", "cpu", "--steps", "sync"])
-    assert "runs only staging, laaq; not sync" in capsys.readouterr().err
+    assert "runs only staging, laaq, entropy; not sync" in capsys.readouterr().err
     assert selfcheck.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert "share" in out and "total ~19.0 min estimated, budget 25 min" in out
+    assert "share" in out and "total ~20.0 min estimated, budget 25 min" in out
 
 
 def _launch_writing(verdicts, calls, now):
@@ -165,16 +166,22 @@ def test_training_runs_use_the_small_model_and_share_the_gpu(selfcheck, tmp_path
 
 @pytest.mark.distributed
 def test_the_cpu_steps_pass_end_to_end(tmp_path):
-    """``--device cpu``: the staging loopback (2 processes, gloo) and LAAQ on one megatron-core layer."""
+    """``--device cpu``: the staging loopback (2 processes, gloo), LAAQ on one megatron-core layer and the
+    lossless coder at a small message."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((tmp_path / "cpu-selfcheck.json").read_text())
-    assert record["passed"] and [s["name"] for s in record["steps"]] == ["staging", "laaq"]
+    assert record["passed"] and [s["name"] for s in record["steps"]] == ["staging", "laaq", "entropy"]
     assert "bytes equal, buffers and memory constant" in record["steps"][0]["detail"]
     saved = json.loads((tmp_path / "cpu-selfcheck" / "laaq" / "saved-tensors.json").read_text())
     assert any(e["packed"] for e in saved) and any(e["kept_because"] == "attention's own" for e in saved)
     assert not any(e["packed"] and e["shape"][-1] == 1 for e in saved)
+    coded = json.loads((tmp_path / "cpu-selfcheck" / "entropy" / "entropy.json").read_text())
+    assert [(r["preset"], r["direction"]) for r in coded] == [(p, d) for p in ("lowrank", "channel_h4")
+                                                              for d in ("forward", "backward")]
+    assert all(r["exact"] and r["coded_nbytes"] < r["wire_nbytes"] and r["decode_ms"] > 0 for r in coded)
+    assert "64x2x128: lowrank forward:" in record["steps"][2]["detail"]
 
 
 def test_the_kernel_step_runs_every_kernel_test_file(selfcheck):
