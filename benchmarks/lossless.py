@@ -170,7 +170,8 @@ def run(model: str = MODEL, presets=None) -> dict:
                        for layer, pair in found.items()}
             bits = "/".join(str(b) for b in codec.code_sections().values())
             rows.append({"preset": preset, "direction": direction, "codec": f"{codec.name} {bits}-bit",
-                         **{k: sum(m[k] for m in per_cut.values()) / len(per_cut) for k in ("bits", "order0", "coded", "zlib")},
+                         **{k: sum(m[k] for m in per_cut.values()) / len(per_cut)
+                            for k in ("bits", "order0", "coded", "zlib")},
                          "by_layer": {str(layer): m for layer, m in per_cut.items()}})
     return {"model": model, "tokens": TOKENS, "cuts": sorted(found), "rows": rows, "host_zlib": host_zlib(found),
             "host_entropy": host_entropy(found),
@@ -276,7 +277,8 @@ def host_entropy_text(h: dict, host: str) -> str:
     """This project's coder's cost on the CPU against its saving, one sentence per direction."""
     pays = _pays(h)
     verdict = "pays" if pays else "does not pay either"
-    return (f"`megatron_tah.codecs.entropy` on {host} (torch, {h['threads']} threads) {verdict}, per `{h['preset']}` message at `[1024, 8, 1024]`: " + _cost_parts(h, "it") + ". Its decode "
+    return (f"`megatron_tah.codecs.entropy` on {host} (torch, {h['threads']} threads) {verdict}, per "
+            f"`{h['preset']}` message at `[1024, 8, 1024]`: " + _cost_parts(h, "it") + ". Its decode "
             f"has no loop over codes: it reads a code at every bit position of a section, then finds each code's "
             f"start with {entropy.CHUNK.bit_length() - 1} pointer-doubling gathers, fewer than 150 tensor operations "
             "per section whatever the message's size; on a GPU that is not timed here (no GPU).")
