@@ -186,3 +186,11 @@ def test_decoding_takes_the_same_few_tensor_operations_whatever_the_sections_siz
         assert torch.equal(decoded, symbols)
         counts.append(count.ops)
     assert counts[0] == counts[1] < 150, counts
+
+
+def test_a_section_too_large_for_int32_bit_positions_decodes_with_int64_ones(monkeypatch):
+    symbols = (torch.randn(3 * entropy.CHUNK, generator=torch.Generator().manual_seed(9)).abs() * 4).clamp(max=15)
+    coded = entropy.encode_symbols(symbols.long(), 4)
+    monkeypatch.setattr(entropy, "INT32_BITS", 64)  # every section here is "large"
+    decoded, used = entropy.decode_symbols(coded, symbols.numel(), 4)
+    assert used == coded.numel() and torch.equal(decoded, symbols.long())

@@ -46,6 +46,7 @@ __all__ = ["CHUNK", "MAX_CODE_BITS", "capacity_nbytes", "code_lengths", "decode"
 
 CHUNK = 512  # symbols per independently decodable chunk: 2 bytes of table each, 1/256 bit per 8-bit symbol
 MAX_CODE_BITS = 12  # longest code: the decode table has 2**12 entries; a code spans at most 3 bytes
+INT32_BITS = 2**31  # sections of fewer coded bits than this decode with int32 bit positions, larger ones int64
 RAW, HUFFMAN = 0, 1
 
 
@@ -161,35 +162,42 @@ def decode_symbols(data: torch.Tensor, n: int, bits: int) -> tuple[torch.Tensor,
     total = int(chunk_nbytes.sum())
     if data.numel() < head_nbytes + total:
         raise WireFormatError(f"entropy-coded section: {data.numel()} bytes, its chunks need {head_nbytes + total}")
-    payload = torch.cat([data[head_nbytes : head_nbytes + total].to(torch.int64),
-                         torch.zeros(3, dtype=torch.int64, device=device)])
-    symbol_at, size_at = _table(lengths, longest, device)
+    # int32 bit positions (int64 from 256 MiB of codes on) and uint8 symbols and lengths: the per-bit tensors are
+    # the decode's memory
+    position = torch.int32 if 8 * total < INT32_BITS else torch.int64
+    payload = torch.cat([data[head_nbytes : head_nbytes + total].to(position),
+                         torch.zeros(3, dtype=position, device=device)])
+    symbol_at, size_at = (t.to(torch.uint8) for t in _table(lengths, longest, device))
     # Decode at every bit position at once: the symbol and code length a code starting there would have.
-    bit = torch.arange(8 * total, dtype=torch.int64, device=device)
+    bit = torch.arange(8 * total, dtype=position, device=device)
     byte = bit >> 3
     window = payload[byte] << 16 | payload[byte + 1] << 8 | payload[byte + 2]
     index = (window >> (24 - longest - (bit & 7))) & ((1 << longest) - 1)
+    del byte, window
     symbols_at = torch.cat([symbol_at[index], symbol_at.new_zeros(1)])
     sizes_at = torch.cat([size_at[index], size_at.new_zeros(1)])  # the last position: past the end, no code
+    del index
     after = torch.clamp(torch.cat([bit + sizes_at[:-1], bit.new_full((1,), 8 * total)]), max=8 * total)
+    del bit
     # Code i of a chunk starts at after^i(the chunk's first bit): pointer doubling, log2(CHUNK) steps.
     starts = torch.cumsum(chunk_nbytes, 0) - chunk_nbytes
     step = torch.arange(CHUNK, device=device)
-    at = (starts * 8)[:, None].expand(chunks, CHUNK).clone()
+    at = (starts * 8).to(position)[:, None].expand(chunks, CHUNK).clone()
     jump = after
     for j in range(CHUNK.bit_length() - 1):
         at = torch.where(((step >> j) & 1).bool(), jump[at], at)
         jump = jump[jump]
+    del jump, after
     counts = torch.full((chunks,), CHUNK, dtype=torch.int64, device=device)
     counts[-1] = n - (chunks - 1) * CHUNK
     live = step < counts[:, None]
     bad = (live & (sizes_at[at] == 0)).any(dim=1)  # a window that is no code, or past the section's end
-    last = at.gather(1, (counts - 1)[:, None])[:, 0]
+    last = at.gather(1, (counts - 1)[:, None])[:, 0].long()
     end = last + sizes_at[last]
     bad |= (end - starts * 8 + 7) // 8 != chunk_nbytes
     if bool(bad.any()):
         raise WireFormatError(f"entropy-coded section: {int(bad.sum())} of {chunks} chunks are not valid codes")
-    out = symbols_at[at]
+    out = symbols_at[at].long()
     return out.reshape(-1)[:n], head_nbytes + total
 
 
