@@ -160,3 +160,19 @@ def test_a_frame_carries_its_length_and_an_overflow_the_rest():
         frames.unframe(short, 100, rest[:-1])
     with pytest.raises(WireFormatError, match="nothing follows"):
         frames.unframe(short, 100, None)
+
+
+def test_the_docs_and_the_flag_state_the_frames_sizing_rule():
+    """DESIGN.md, CODECS.md and the flag's help describe the sizing ``frames.py`` does."""
+    import pathlib
+
+    from megatron_tah.link import frames
+
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs"
+    design = " ".join((docs / "DESIGN.md").read_text().split())
+    assert (f"the largest coded size of the link's last {frames.WINDOW} messages of that codec and shape, plus "
+            f"{frames.MARGIN:.0%}, rounded up to {frames.ROUND} bytes") in design
+    codecs = " ".join((docs / "CODECS.md").read_text().split())
+    assert f"the coded sizes of the link's last {frames.WINDOW} messages plus {frames.MARGIN:.0%}" in codecs
+    flags = " ".join((docs / "FLAGS.md").read_text().split())  # the flag's help (scripts/write_flags.py --check)
+    assert f"the last {frames.WINDOW} on its link plus {frames.MARGIN:.0%}" in flags

@@ -113,3 +113,11 @@ def test_the_page_shows_each_codecs_best_split_against_the_setups_own():
     assert "erred by up to 4.0% (`lowrank`), always in favour of fewer" in verdict and "not a recommendation" in verdict
     checked = {"rows": [_row("lowrank", 16, 7.0, 7.0), _row("lowrank", 8, 7.0, 7.07)]}  # +1%: small against 6.7%
     assert "larger than that error" in report.split_verdict(result, checked)
+
+
+def test_the_speedrun_refuses_an_entropy_coded_codec_and_names_the_check(capsys):
+    from benchmarks.speedrun.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--codecs", "bf16,channel_h4_ec"])
+    assert "['channel_h4_ec'] entropy-code their messages" in capsys.readouterr().err

@@ -227,6 +227,10 @@ def main(argv=None) -> int:
     unknown = sorted(set(codecs) - set(runs.CODECS))
     if unknown or "bf16" not in codecs:
         parser.error(f"--codecs: unknown {unknown}" if unknown else "--codecs must include bf16 (the baseline)")
+    coded = [c for c in codecs if runs.entropy_coded(c)]
+    if coded:
+        parser.error(f"--codecs: {coded} entropy-code their messages: the same steps as their codec, bytes measured "
+                     "on the pipeline; time them with python -m benchmarks.speedrun.check")
     seeds = [int(s) for s in args.seeds.split(",")]
     seeds_for = seeds_by_codec(seeds, args.multi_seed)
     out = args.out.resolve()
