@@ -21,6 +21,11 @@ each compact id, so text can be read back. A small model then spends its paramet
 on the transformer body, whose activations the pipeline sends, rather than on a 50257-row
 embedding and output layer.
 
+A pretrained model's tokenizer (``--tokenizer DIR``, a Hugging Face tokenizer folder such as the ``tokenizer/``
+that ``python -m megatron_tah.hf_checkpoint import`` writes): its ``tokenizer.json`` run by ``tokenizers``,
+its full vocabulary, ``<|endoftext|>`` (or its ``eos_token``) between documents; train with the model's flags
+(``--vocab-size`` of its vocabulary).
+
 Tokenizer: the wheel's ``GPT2BPETokenizer`` goes through HuggingFace ``transformers``, which
 this project does not install, so :class:`Gpt2Bpe` runs the GPT-2 byte-level BPE with the
 ``tokenizers`` library (``ByteLevelBPETokenizer`` over GPT-2's ``encoder.json`` / ``vocab.bpe``):
@@ -88,8 +93,45 @@ def corpus_files(name: str) -> list[Path]:
     return files
 
 
-# ----- GPT-2 byte-level BPE -----------------------------------------------------------------
-class Gpt2Bpe:
+# ----- tokenizers ---------------------------------------------------------------------------
+class _Tokenizer:
+    """What every tokenizer here offers over a ``tokenizers`` object (``self._bpe``): ids of a text cut at a
+    pre-token boundary, the pieces of a text, and the text of ids. ``eod`` and ``vocab_size`` are set by
+    the subclass."""
+
+    eod: int
+    vocab_size: int
+
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Ids of ``text``; with ``max_tokens``, of its longest prefix of whole pre-tokens with at most that many."""
+        encoding = self._bpe.encode(text, add_special_tokens=False)
+        ids, words = encoding.ids, encoding.word_ids
+        if max_tokens is None or len(ids) <= max_tokens:
+            return ids
+        end = max(0, max_tokens)
+        while 0 < end and words[end] == words[end - 1]:  # do not split a pre-token
+            end -= 1
+        return ids[:end]
+
+    def iter_pieces(self, text: str) -> Iterator[tuple[str, list[int]]]:
+        """``(piece, ids)`` for each pre-token of ``text``; the pieces concatenate to ``text``."""
+        encoding = self._bpe.encode(text, add_special_tokens=False)
+        starts = [i for i, w in enumerate(encoding.word_ids) if i == 0 or w != encoding.word_ids[i - 1]]
+        bounds = [encoding.offsets[i][0] for i in starts] + [len(text)]
+        for k, first in enumerate(starts):
+            last = starts[k + 1] if k + 1 < len(starts) else len(encoding.ids)
+            yield text[bounds[k]:bounds[k + 1]], encoding.ids[first:last]
+
+    def detokenize(self, ids) -> str:
+        """Text of ``ids``; a byte sequence that is not UTF-8 decodes to U+FFFD."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not in the vocabulary (size {self.vocab_size})")
+        return self._bpe.decode(ids)
+
+
+class Gpt2Bpe(_Tokenizer):
     """GPT-2 BPE over ``vocab_json`` (token -> id) and ``merges_txt`` (ranked merges, one per line).
 
     ``tokenizers``' ``ByteLevelBPETokenizer`` (GPT-2's pre-tokenizer regex, byte-to-unicode map and
@@ -112,37 +154,45 @@ class Gpt2Bpe:
         self.eod: int = eod
         self.vocab_size: int = self._bpe.get_vocab_size()
 
-    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """Ids of ``text``; with ``max_tokens``, of its longest prefix of whole pre-tokens with at most that many."""
-        encoding = self._bpe.encode(text)
-        ids, words = encoding.ids, encoding.word_ids
-        if max_tokens is None or len(ids) <= max_tokens:
-            return ids
-        end = max(0, max_tokens)
-        while 0 < end and words[end] == words[end - 1]:  # do not split a pre-token
-            end -= 1
-        return ids[:end]
 
-    def iter_pieces(self, text: str) -> Iterator[tuple[str, list[int]]]:
-        """``(piece, ids)`` for each pre-token of ``text``; the pieces concatenate to ``text``."""
-        encoding = self._bpe.encode(text)
-        starts = [i for i, w in enumerate(encoding.word_ids) if i == 0 or w != encoding.word_ids[i - 1]]
-        bounds = [encoding.offsets[i][0] for i in starts] + [len(text)]
-        for k, first in enumerate(starts):
-            last = starts[k + 1] if k + 1 < len(starts) else len(encoding.ids)
-            yield text[bounds[k]:bounds[k + 1]], encoding.ids[first:last]
+class PretrainedTokenizer(_Tokenizer):
+    """A pretrained model's own tokenizer: the ``tokenizer.json`` of a Hugging Face tokenizer folder (as
+    ``python -m megatron_tah.hf_checkpoint import`` writes it), run by ``tokenizers`` without special-token
+    handling (a special token's text inside a document is plain text). End of document: ``<|endoftext|>``
+    when the vocabulary has it, else the folder's ``eos_token`` (``tokenizer_config.json``)."""
 
-    def detokenize(self, ids) -> str:
-        """Text of ``ids``; a byte sequence that is not UTF-8 decodes to U+FFFD."""
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is not in the vocabulary (size {self.vocab_size})")
-        return self._bpe.decode(ids)
+    def __init__(self, folder: str | Path):
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(f"{path} not found: --tokenizer takes a Hugging Face tokenizer folder (tokenizer.json)")
+        from tokenizers import Tokenizer
+
+        try:
+            self._bpe = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise DataError(f"cannot read {path}: {exc}") from None
+        self._bpe.no_truncation()
+        self._bpe.no_padding()
+        eod = self._bpe.token_to_id(EOD_TOKEN)
+        config = Path(folder) / "tokenizer_config.json"
+        if eod is None and config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token")
+            eod = self._bpe.token_to_id(eos if isinstance(eos, str) else (eos or {}).get("content", ""))
+        if eod is None:
+            raise DataError(f"{folder}: the vocabulary has no {EOD_TOKEN!r} and tokenizer_config.json names no "
+                            f"eos_token in it: no end-of-document token")
+        self.eod: int = eod
+        self.vocab_size: int = self._bpe.get_vocab_size(with_added_tokens=True)
 
 
-def load_tokenizer(vocab_file: str | Path | None = None, merge_file: str | Path | None = None) -> Gpt2Bpe:
-    """GPT-2 BPE tokenizer; missing paths default to :func:`default_vocab_files`."""
+def load_tokenizer(vocab_file: str | Path | None = None, merge_file: str | Path | None = None,
+                   folder: str | Path | None = None) -> _Tokenizer:
+    """A pretrained model's tokenizer from ``folder``, else GPT-2 BPE (missing paths default to
+    :func:`default_vocab_files`)."""
+    if folder is not None:
+        if vocab_file is not None or merge_file is not None:
+            raise DataError("give a tokenizer folder or GPT-2 vocab/merge files, not both")
+        return PretrainedTokenizer(folder)
     if vocab_file is None or merge_file is None:
         default_vocab, default_merges = default_vocab_files()
         vocab_file, merge_file = vocab_file or default_vocab, merge_file or default_merges
@@ -244,13 +294,15 @@ def read_documents(prefix: str | Path) -> list[list[int]]:
 
 def prepare(corpus: str | None, output_prefix: str | Path, valid_fraction: float = 0.05, vocab_file=None,
             merge_file=None, max_docs: int | None = None, max_tokens: int | None = None, seed: int = 1234,
-            vocab_limit: int | None = None, input_files: list[str | Path] | None = None) -> dict:
+            vocab_limit: int | None = None, input_files: list[str | Path] | None = None,
+            tokenizer: str | Path | None = None) -> dict:
     """Write ``{output_prefix}_{train,valid}_text_document.{bin,idx}`` from ``corpus`` (a name of
     :data:`CORPORA`) or, with ``corpus=None``, from ``input_files`` (one document each, in that order).
 
     ``max_docs`` keeps the first N files (sorted by name) before the split; ``max_tokens`` caps the
     tokens (EOD included) written per split, cutting a document at a pre-token boundary;
-    ``vocab_limit`` writes compact ids (module docstring) and ``{output_prefix}_vocab.json``. Returns
+    ``vocab_limit`` writes compact ids (module docstring) and ``{output_prefix}_vocab.json``; ``tokenizer``
+    (a Hugging Face tokenizer folder) tokenizes with a pretrained model's own vocabulary instead. Returns
     ``{"train": {...}, "valid": {...}, "vocab_size": int, "seconds": float}`` where each split holds
     ``prefix`` (pass to ``IndexedDataset``), ``documents``, ``tokens``, ``files`` (source paths) and
     ``unk_fraction`` (share of its tokens that became ``<unk>``; 0 without ``vocab_limit``).
@@ -260,11 +312,13 @@ def prepare(corpus: str | None, output_prefix: str | Path, valid_fraction: float
             raise DataError(f"{name} = {value}: must be >= 1")
     if vocab_limit is not None:
         _check_vocab_limit(vocab_limit)  # before the (slow) tokenization
+        if tokenizer is not None:
+            raise DataError("--vocab-limit compacts GPT-2 ids; a pretrained model's tokenizer keeps its vocabulary")
     if (corpus is None) == (input_files is None):
         raise DataError("give a corpus name or input files (one of the two)")
     if input_files is not None and not input_files:
         raise DataError("no input files given")
-    tokenizer = load_tokenizer(vocab_file, merge_file)
+    tokenizer = load_tokenizer(vocab_file, merge_file, tokenizer)
     files = (corpus_files(corpus) if corpus is not None else [Path(f) for f in input_files])[:max_docs]
     split_files = dict(zip(("train", "valid"), _split(files, valid_fraction, seed)))
     texts = {split: [read_text(path) for path in paths] for split, paths in split_files.items()}
@@ -302,10 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, help="cap on tokens written per split")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the train/valid document split")
     parser.add_argument("--vocab-limit", type=int, help="compact vocabulary of K ids (train with --vocab-size K)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="a pretrained model's Hugging Face tokenizer folder (tokenizer.json), e.g. the tokenizer/ "
+                             "of python -m megatron_tah.hf_checkpoint import, instead of GPT-2 BPE")
     args = parser.parse_args(argv)
     try:
         result = prepare(args.corpus, args.output_prefix, args.valid_fraction, args.vocab_file, args.merge_file,
-                         args.max_docs, args.max_tokens, args.seed, args.vocab_limit, input_files=args.input)
+                         args.max_docs, args.max_tokens, args.seed, args.vocab_limit, input_files=args.input,
+                         tokenizer=args.tokenizer)
     except (DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,11 +18,13 @@ adds to the loop, written here because the megatron-core wheel does not ship tha
 * the datasets: megatron-core's ``GPTDataset`` through ``BlendedMegatronDatasetBuilder`` from
   ``--data-path``/``--split`` or ``--{train,valid,test}-data-path``.
 
-``--fixed-epoch-samples`` (this script's one flag) cuts the training and validation splits into
+``--fixed-epoch-samples`` cuts the training and validation splits into
 one epoch of samples each and revisits the same samples every epoch in a new seeded order, each
 with a stable id: AQ-SGD (``--tah-forward-codec aqsgd``) keys its per-sample buffers by that id
 and turns the flag on. Without it the data are Megatron's (``GPTDataset`` reshuffles documents
-across epochs, so no window recurs).
+across epochs, so no window recurs). ``--fixed-validation`` evaluates on the same samples every time,
+``--eval-data-seed`` on the same samples whatever ``--seed`` is, and ``--eval-token-accuracy`` adds the greedy
+next-token accuracy to the evaluations' report.
 
 On a machine without CUDA pass ``--transformer-impl local --distributed-backend gloo``; the
 plugin applies the CPU shims (``megatron_tah.megatron.cpu_shims``). Pre-tokenized GPT-2 data
@@ -48,7 +50,24 @@ def add_script_arguments(parser):
                        help="Every evaluation reads the same eval-iters x global-batch-size validation samples "
                             "(the first ones of the validation split), so that validation losses of one run, "
                             "and of runs with the same seed, compare on the same tokens.")
+    group.add_argument("--eval-data-seed", type=int, default=None,
+                       help="Seed of the validation and test samples' order (default: --seed), so that runs with "
+                            "different seeds evaluate on the same samples; needs --valid-data-path / "
+                            "--test-data-path.")
+    group.add_argument("--eval-token-accuracy", action="store_true",
+                       help="Evaluations also report the share of tokens whose most likely next token is the label "
+                            "(greedy next-token accuracy, 'token accuracy'); the loss is then computed from the "
+                            "logits here (fp32 cross entropy). Tensor-parallel size 1 only.")
     return parser
+
+
+def validate_script_args(args) -> None:
+    """This script's flags against Megatron's (a ``ValueError`` naming them)."""
+    if args.eval_token_accuracy and args.tensor_model_parallel_size > 1:
+        raise ValueError("--eval-token-accuracy needs --tensor-model-parallel-size 1 (the logits are split over "
+                         f"{args.tensor_model_parallel_size} ranks)")
+    if args.eval_data_seed is not None and not (args.valid_data_path or args.test_data_path):
+        raise ValueError("--eval-data-seed needs --valid-data-path or --test-data-path (evaluation data of their own)")
 
 
 # ----- data ----------------------------------------------------------------------------------
@@ -92,14 +111,19 @@ class RevisitedSamples(torch.utils.data.Dataset):
         return item
 
 
-def _dataset_config(args):
+def _dataset_config(args, seed: int | None = None, splits: tuple[bool, bool, bool] = (True, True, True)):
+    """Megatron's GPT dataset config from the arguments; ``seed`` (default ``--seed``) orders the samples,
+    ``splits`` keeps the (train, valid, test) data paths given (``--{train,valid,test}-data-path``)."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
 
     blend, blend_per_split = get_blend_and_blend_per_split(args)
+    if blend_per_split is not None:
+        blend_per_split = [b if keep else None for b, keep in zip(blend_per_split, splits)]
     return GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        random_seed=args.seed if seed is None else seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split,
         split=args.split, tokenizer=build_tokenizer(args), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader, path_to_cache=args.data_cache_path,
@@ -123,9 +147,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     fixed = uses_fixed_epoch_samples(args)
     sizes = [None, None, train_val_test_num_samples[2]] if fixed else train_val_test_num_samples
-    built = BlendedMegatronDatasetBuilder(
-        GPTDataset, sizes, lambda: mpu.get_tensor_model_parallel_rank() == 0, _dataset_config(args)).build()
-    train, valid, test = built
+    on_rank = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
+    if args.eval_data_seed is None:
+        train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, on_rank, _dataset_config(args)).build()
+    else:  # the evaluation splits in an order of their own, the same for every --seed
+        train, _, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, sizes, on_rank, _dataset_config(args, splits=(True, False, False))).build()
+        _, valid, test = BlendedMegatronDatasetBuilder(
+            GPTDataset, sizes, on_rank, _dataset_config(args, args.eval_data_seed, (False, True, True))).build()
     if getattr(args, "fixed_validation", False) and valid is not None:
         valid = RepeatedSamples(valid, len(valid), args.eval_iters * args.global_batch_size)
         print_rank_0(f"> --fixed-validation: every evaluation reads the same {valid.period} validation samples")
@@ -181,13 +210,23 @@ def get_batch(data_iterator, vp_stage=None):
     return batch
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked token loss: ``(sum, number of tokens, {"lm loss": [sum, tokens]})``, Megatron's reporting."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, labels: torch.Tensor | None = None):
+    """Masked token loss: ``(sum, number of tokens, {"lm loss": [sum, tokens]})``, Megatron's reporting.
+
+    ``output_tensor``: the model's per-token losses; with ``labels``, its logits ``[b, s, vocab]`` instead,
+    from which the fp32 cross entropy and the greedy next-token accuracy (``"token accuracy"``) are computed."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
-    losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
+    extra = {}
+    if labels is None:
+        losses = output_tensor.view(-1).float()
+    else:
+        logits = output_tensor.float().reshape(-1, output_tensor.shape[-1])
+        losses = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="none")
+        correct = (logits.argmax(dim=-1) == labels.reshape(-1)).float()
+        extra["token accuracy"] = torch.stack([torch.sum(correct * mask), mask.sum()]).detach()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     if get_args().check_for_nan_in_loss_and_grad:
@@ -195,16 +234,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         for rejected, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
             checker.validate_result(result=loss, rejection_func=rejected, tolerance=0.0, fatal=True,
                                     message=f"found {what} in local forward loss calculation")
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)]), **extra}
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_args
 
     batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    accuracy = getattr(get_args(), "eval_token_accuracy", False) and not model.training  # evaluations only
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])
-    return output, partial(loss_func, batch["loss_mask"])
+                   labels=None if accuracy else batch["labels"], loss_mask=batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], labels=batch["labels"] if accuracy else None)
 
 
 # ----- running it ------------------------------------------------------------------------------
@@ -238,6 +279,11 @@ def main() -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     args = parse_and_validate_args(extra_args_provider=add_script_arguments)
+    try:
+        validate_script_args(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
 

@@ -38,7 +38,12 @@
 #   TRAIN_ITERS, LR, MICRO_BATCH, GLOBAL_BATCH   training length and batch sizes
 #   OUT          run directory (default runs/<task>_pp<PP>): ckpt/, tensorboard/, log.jsonl
 #   SAVE, LOAD   checkpoint to write (default $OUT/ckpt; none: no checkpoint) / to start from; FINETUNE=1 loads its weights
-#                only (Megatron's --finetune)
+#                only (Megatron's --finetune). A LOAD that `python -m megatron_tah.hf_checkpoint import` wrote brings
+#                its model: its architecture flags replace the default model, and the corpus is tokenized with its
+#                tokenizer (DATA_PREFIX default data/<corpus>_<folder name>); SEQ sets the sequence length (default
+#                GPUs 1024, CPU 256)
+#   HF           a Hugging Face checkpoint folder (Llama-, Mistral- or Qwen2-shaped; HF_GGUF names a GGUF file in it) to
+#                start from: imported once into HF_CKPT (default runs/hf/<folder name>), then LOAD=HF_CKPT FINETUNE=1
 #   RESTARTS     restart a failed run this many times (default 3; 0: never), each from the latest checkpoint
 #                the run wrote to SAVE (--load SAVE), through `python -m megatron_tah.restart`, which prints the
 #                time lost; RESTART_DELAY seconds between attempts (default 5). No restart with SAVE=none.
@@ -63,9 +68,11 @@ CODEC="${CODEC:-tah}"
 BWD_CODEC="${BWD_CODEC:-fixedpoint}"
 RATE="${RATE:-}"
 LINK="${LINK:-auto}"
+EMBEDDINGS_SET="${EMBEDDINGS:-}"
 if [[ -n "$RATE" ]]; then EMBEDDINGS="${EMBEDDINGS:-untied}"; else EMBEDDINGS="${EMBEDDINGS:-tied}"; fi
 if [[ -n "$RATE" ]]; then CHECKSUM="${CHECKSUM:-1}"; else CHECKSUM="${CHECKSUM:-0}"; fi
 CORPUS="${CORPUS:-shakespeare}"
+DATA_PREFIX_SET="${DATA_PREFIX:-}"
 DATA_PREFIX="${DATA_PREFIX:-data/$CORPUS}"
 OUT="${OUT:-runs/${TASK}_pp${PP}}"
 SAVE="${SAVE:-$OUT/ckpt}"
@@ -89,6 +96,20 @@ launch() {  # run "$@" (replacing this shell) under the restart loop, or print i
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$root/.venv/bin/python" ]]; then PYTHON="$root/.venv/bin/python"; else PYTHON=python3; fi
 fi
+if [[ -n "${HF:-}" ]]; then  # a Hugging Face checkpoint: imported once, then fine-tuned from
+    HF_CKPT="${HF_CKPT:-runs/hf/$(basename "$HF")}"
+    if [[ ! -f "$HF_CKPT/megatron_flags.txt" && "${DRY_RUN:-0}" != 1 ]]; then
+        echo "== importing $HF into $HF_CKPT"
+        "$PYTHON" -m megatron_tah.hf_checkpoint import "$HF" "$HF_CKPT" ${HF_GGUF:+--gguf-file "$HF_GGUF"}
+    fi
+    LOAD="$HF_CKPT"
+    FINETUNE=1
+fi
+imported=0  # LOAD is an imported model: its flags and tokenizer
+if [[ -n "$LOAD" && ( -f "$LOAD/megatron_flags.txt" || -n "${HF:-}" ) ]]; then
+    imported=1
+    DATA_PREFIX="${DATA_PREFIX_SET:-data/${CORPUS}_$(basename "$LOAD")}"
+fi
 
 if [[ -n "${MEGATRON_LM:-}" ]]; then
     if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
@@ -100,22 +121,41 @@ else
     script=(-m megatron_tah.pretrain_gpt)
 fi
 
+tokenizer_args=()
+[[ "$imported" == 1 ]] && tokenizer_args=(--tokenizer "$LOAD/tokenizer")
 if [[ "${DRY_RUN:-0}" != 1 ]] && [[ ! -f "${DATA_PREFIX}_train_text_document.bin" || ! -f "${DATA_PREFIX}_valid_text_document.bin" ]]; then
     echo "== tokenizing $CORPUS into $DATA_PREFIX"
-    "$PYTHON" -m megatron_tah.data --corpus "$CORPUS" --output-prefix "$DATA_PREFIX"
+    "$PYTHON" -m megatron_tah.data --corpus "$CORPUS" --output-prefix "$DATA_PREFIX" "${tokenizer_args[@]}"
 fi
-# Pre-tokenized GPT-2 ids: Megatron's NullTokenizer with GPT-2's vocabulary (<|endoftext|> = 50256 is
-# its end-of-document token); no tokenizer files or hub access at run time.
-data_args=(--train-data-path "${DATA_PREFIX}_train_text_document" --valid-data-path "${DATA_PREFIX}_valid_text_document"
-           --tokenizer-type NullTokenizer --vocab-size 50257)
+data_args=(--train-data-path "${DATA_PREFIX}_train_text_document" --valid-data-path "${DATA_PREFIX}_valid_text_document")
+# Pre-tokenized ids: Megatron's NullTokenizer, no tokenizer files or hub access at run time; GPT-2's vocabulary
+# (<|endoftext|> = 50256 is its end-of-document token), or an imported model's (in its flags).
+hf_model_args=()
+if [[ "$imported" == 1 ]]; then
+    if [[ "${DRY_RUN:-0}" == 1 && ! -f "$LOAD/megatron_flags.txt" ]]; then
+        hf_model_args=("<the flags of $LOAD/megatron_flags.txt>")
+    else
+        read -ra hf_model_args <<< "$("$PYTHON" -m megatron_tah.hf_checkpoint flags "$LOAD" --pipeline "$PP")"
+    fi
+else
+    data_args+=(--tokenizer-type NullTokenizer --vocab-size 50257)
+fi
 tah_args=(--tah-forward-codec "$CODEC" --tah-backward-codec "$BWD_CODEC" --tah-log-json "$OUT/log.jsonl")
 case "$CHECKSUM" in
     1) tah_args+=(--tah-wire-checksum) ;;
     0) ;;
     *) echo "pretrain_gpt: error: CHECKSUM=$CHECKSUM: choose 1 or 0" >&2; exit 2 ;;
 esac
+if [[ "$imported" == 1 ]]; then  # the model's own: tied unless its flags untie them
+    EMBEDDINGS="${EMBEDDINGS_SET:-model}"
+    if [[ "$EMBEDDINGS" == untied && ! " ${hf_model_args[*]} " == *" --untie-embeddings-and-output-weights "* ]]; then
+        echo "pretrain_gpt: error: EMBEDDINGS=untied: the imported model in $LOAD ties its embeddings" >&2
+        exit 2
+    fi
+    [[ "$EMBEDDINGS" == untied ]] && EMBEDDINGS=model  # already in its flags
+fi
 case "$EMBEDDINGS" in
-    tied) ;;
+    tied|model) ;;
     untied) tah_args+=(--untie-embeddings-and-output-weights) ;;
     codec) [[ "$PP" -ge 2 ]] && tah_args+=(--tah-embedding-codec int8) ;;  # one stage: nothing crosses
     *) echo "pretrain_gpt: error: EMBEDDINGS=$EMBEDDINGS: choose untied, tied or codec" >&2; exit 2 ;;
@@ -154,7 +194,7 @@ if [[ "$DEVICE" == gpu ]]; then
     MASTER_PORT="${MASTER_PORT:-29500}"
     export CUDA_DEVICE_MAX_CONNECTIONS=1
     WORLD_SIZE=$((GPUS_PER_NODE * NUM_NODES))
-    if (( LAYERS % PP != 0 || WORLD_SIZE % PP != 0 )); then
+    if (( (imported == 0 && LAYERS % PP != 0) || WORLD_SIZE % PP != 0 )); then
         echo "pretrain_gpt: error: PP=$PP must divide $LAYERS layers and the $WORLD_SIZE GPUs" >&2
         exit 2
     fi
@@ -183,6 +223,7 @@ if [[ "$DEVICE" == gpu ]]; then
     model_args=(--num-layers "$LAYERS" --hidden-size 1600 --num-attention-heads 25 --seq-length 1024
                 --max-position-embeddings 1024 --position-embedding-type learned_absolute
                 --attention-dropout 0.1 --hidden-dropout 0.1 --init-method-std 0.02 --bf16)
+    [[ "$imported" == 1 ]] && model_args=("${hf_model_args[@]}" --seq-length "${SEQ:-1024}" --bf16)
     if [[ "$TASK" == finetune ]]; then def_iters=2000; def_lr=2e-5; else def_iters=20000; def_lr=1.5e-4; fi
     train_args=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size "$PP"
                 --micro-batch-size "${MICRO_BATCH:-1}" --global-batch-size "${GLOBAL_BATCH:-64}"
@@ -205,8 +246,10 @@ fi
 # ---- CPU: a CPU-sized GPT, one process per stage over gloo.
 if [[ "$TASK" == finetune ]]; then def_iters=40; def_lr=3e-4; else def_iters=200; def_lr=1e-3; fi
 iters="${TRAIN_ITERS:-$def_iters}"
-megatron_args=(--pipeline-model-parallel-size "$PP" --num-layers "$((PP > 4 ? PP : 4))" --hidden-size 128
-               --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
+cpu_model_args=(--num-layers "$((PP > 4 ? PP : 4))" --hidden-size 128 --num-attention-heads 4 --seq-length 64
+                --max-position-embeddings 64)
+[[ "$imported" == 1 ]] && cpu_model_args=("${hf_model_args[@]}" --seq-length "${SEQ:-256}" --bf16)
+megatron_args=(--pipeline-model-parallel-size "$PP" "${cpu_model_args[@]}"
                --micro-batch-size "${MICRO_BATCH:-4}" --global-batch-size "${GLOBAL_BATCH:-16}"
                --train-iters "$iters" --lr "${LR:-$def_lr}" --lr-warmup-iters "$(( iters / 10 < 10 ? iters / 10 : 10 ))" --lr-decay-style cosine
                --weight-decay 0.01 --clip-grad 1.0 --eval-interval 50 --eval-iters 4 --log-interval 10

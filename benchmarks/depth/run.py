@@ -6,6 +6,7 @@
 ``--forward`` / ``--backward``: ``TahConfig`` fields as JSON (the forward codec of the first, the backward
 codec of the second; ``{}``: none). The Megatron flags are ``megatron_tah.pretrain_gpt``'s, at pipeline
 depth 1 (the default); the run is one process (``RANK=0``, ``WORLD_SIZE=1``, a free local port).
+``--stop-at-loss X`` ends training at the first validation at or below X (:class:`StopAtLoss`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class StopAtLoss:
+    """Training ends at the first validation whose loss is at or below ``target``: Megatron's loop runs while
+    ``iteration < args.train_iters``, so that iteration becomes the last; the end of training (its checkpoint,
+    its final evaluations) follows as usual. Wraps ``megatron.training.training``'s ``evaluate`` (the loss) and
+    ``evaluate_and_print_results`` (the iteration), looked up at call time, as plain attributes: megatron_tah's
+    ``Patches`` would mark them, and the plugin's logging then leaves marked functions alone."""
+
+    def __init__(self, target: float):
+        self.target, self.loss, self.stopped_at, self.saved = float(target), None, None, []
+
+    def install(self) -> None:
+        import functools
+        import importlib
+
+        module = importlib.import_module("megatron.training.training")
+        for name, make in (("evaluate", self._evaluate), ("evaluate_and_print_results", self._evaluate_and_print_results)):
+            original = getattr(module, name)
+            self.saved.append((module, name, original))
+            setattr(module, name, functools.wraps(original)(make(original)))
+
+    def restore(self) -> None:
+        while self.saved:
+            module, name, original = self.saved.pop()
+            setattr(module, name, original)
+
+    def _evaluate(self, original):
+        def evaluate(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self.loss = result[0].get("lm loss") if result and result[0] else None
+            return result
+
+        return evaluate
+
+    def _evaluate_and_print_results(self, original):
+        def evaluate_and_print_results(prefix, *args, **kwargs):
+            from megatron.training.global_vars import get_args
+
+            self.loss = None
+            result = original(prefix, *args, **kwargs)
+            iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
+            margs = get_args()
+            if (self.loss is not None and float(self.loss) <= self.target and self.stopped_at is None
+                    and iteration is not None and iteration < margs.train_iters):
+                self.stopped_at = margs.train_iters = int(iteration)
+                print(f"> stop-at-loss: validation loss {float(self.loss):.4f} <= {self.target} at iteration "
+                      f"{iteration}: training ends here", flush=True)
+            return result
+
+        return evaluate_and_print_results
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, megatron = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -36,6 +88,8 @@ def main(argv=None) -> None:
     parser.add_argument("--capture", help="folder: save the messages entering the codecs in --capture-at iterations")
     parser.add_argument("--capture-at", default="", help="training iterations to capture messages in, comma list")
     parser.add_argument("--capture-per", type=int, default=1, help="messages per boundary, direction and iteration")
+    parser.add_argument("--stop-at-loss", type=float,
+                        help="end training at the first validation whose loss is at or below this (StopAtLoss)")
     args = parser.parse_args(ours)
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -48,6 +102,8 @@ def main(argv=None) -> None:
                             capture=args.capture, capture_at=[int(k) for k in args.capture_at.split(",") if k.strip()],
                             capture_per=args.capture_per)
     boundaries.install()
+    if args.stop_at_loss is not None:
+        StopAtLoss(args.stop_at_loss).install()
     from megatron_tah import pretrain_gpt
 
     sys.argv = ["megatron_tah.pretrain_gpt", *megatron]

@@ -55,6 +55,10 @@ class Run:
     def iterations(self) -> int:
         return int(self.flags[self.flags.index("--train-iters") + 1])
 
+    def complete(self, records: list[dict]) -> bool:
+        """Whether a run that exited with status 0 and logged ``records`` did all it was to do."""
+        return records[-1]["iteration"] >= self.iterations()
+
     def command(self, out_dir: Path, python: str = sys.executable) -> list[str]:
         """``python -m megatron_tah.pretrain_gpt`` (Megatron's loop, CPU flags) for this run's stages."""
         from megatron_tah.pretrain_gpt import CPU_FLAGS, command, stage_command
@@ -94,7 +98,7 @@ def is_complete(run: Run, out_dir: Path) -> bool:
         records = read_log(Path(out_dir) / f"{run.name}.jsonl")
     except (ReproduceError, json.JSONDecodeError):
         return False
-    return records[-1]["iteration"] >= run.iterations()
+    return run.complete(records)
 
 
 def host_info() -> dict:

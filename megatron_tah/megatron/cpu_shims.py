@@ -80,6 +80,7 @@ SHIMMED_MODULES = {
     "megatron.core.transformer.module": "current_device :261",
     "megatron.core.transformer.utils": "device='cuda' :39 (default causal mask)",
     "megatron.core.models.gpt.gpt_model": "current_device :452",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "current_device :162 (RoPE frequencies)",
     "megatron.core.tensor_parallel.layers": "current_device :305, :647 (sequence-parallel input gradient)",
     "megatron.core.tensor_parallel.mappings": "current_device :95/:145/:152/:185 (gather, reduce-scatter), :447",
     "megatron.core.pipeline_parallel.schedules": "device='cuda' :749 (token counter)",

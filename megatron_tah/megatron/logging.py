@@ -42,7 +42,8 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
 (`` evaluation tah traffic at iteration 4 | tah fwd MB: ... |``, totals of the evaluation) and
 appends ``{"iteration", "valid_loss", "valid_ppl", "valid_fwd_wire_bytes"}`` (``test_*`` for the test set),
 plus ``valid_loss_uncompressed`` with ``--tah-eval-traffic both`` (``evaluate`` then runs twice, on the
-same batches; the bytes of both passes count).
+same batches; the bytes of both passes count), plus every other metric the forward step reports, as
+``valid_<name>`` (``python -m megatron_tah.pretrain_gpt --eval-token-accuracy``: ``valid_token_accuracy``).
 
 ``check_log_json`` (run by the ``--tah-*`` validation hook, ``arguments.py``) rejects a
 ``--tah-log-json`` path that cannot be appended to before anything is built.
@@ -211,8 +212,9 @@ def append_json(path: str, record: dict) -> None:
 
 def read_records(path: str) -> list[dict]:
     """The training records of a ``--tah-log-json`` file, one per iteration, each evaluation's keys
-    (``valid_loss``, ``valid_ppl``...) merged into the record of the iteration it followed; a later
-    record of the same iteration (a resumed run) replaces the earlier one."""
+    (``valid_loss``, ``valid_ppl``...) merged into the record of the iteration it followed (or making one, when
+    no training record has that iteration: an evaluation without training); a later record of the same
+    iteration (a resumed run) replaces the earlier one."""
     training: dict[int, dict] = {}
     evaluations: list[dict] = []
     with open(path) as f:
@@ -223,9 +225,8 @@ def read_records(path: str) -> list[dict]:
                     evaluations.append(record)
                 else:
                     training[record["iteration"]] = record
-    for evaluation in evaluations:
-        if evaluation["iteration"] in training:
-            training[evaluation["iteration"]].update(evaluation)
+    for evaluation in evaluations:  # an evaluation with no training record (--skip-train): a record of its own
+        training.setdefault(evaluation["iteration"], {"iteration": evaluation["iteration"]}).update(evaluation)
     return [training[i] for i in sorted(training)]
 
 
@@ -375,6 +376,9 @@ def _logging_evaluation(original):
                               f"{split}_fwd_wire_bytes": reduced["forward"]["wire_bytes"]}
                     if losses.get("lm loss uncompressed") is not None:  # --tah-eval-traffic both
                         record[f"{split}_loss_uncompressed"] = losses["lm loss uncompressed"]
+                    for key, value in losses.items():  # the forward step's other metrics, e.g. "token accuracy"
+                        if not key.startswith("lm loss") and value is not None:
+                            record[f"{split}_{key.replace(' ', '_')}"] = value
                     append_json(json_path, record)
         log.evaluations = []
         return result
