@@ -252,3 +252,52 @@ def test_input_and_corpus_are_exclusive(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_tah.data", "--corpus", "sotu", "--input", "a.txt",
                            "--output-prefix", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+# ----- a pretrained model's tokenizer (--tokenizer DIR) -------------------------------------------------
+def _tokenizer_folder(folder, eos: str | None = None, drop_endoftext: bool = False):
+    """A Hugging Face tokenizer folder made from GPT-2's files (tokenizer.json; tokenizer_config.json naming
+    ``eos``); ``drop_endoftext``: the vocabulary without ``<|endoftext|>``."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    vocab, merges = data.default_vocab_files()
+    folder.mkdir(parents=True, exist_ok=True)
+    if drop_endoftext:
+        table = json.loads(open(vocab).read())
+        del table[data.EOD_TOKEN]
+        (folder / "vocab.json").write_text(json.dumps(table))
+        vocab = folder / "vocab.json"
+    ByteLevelBPETokenizer(str(vocab), str(merges)).save(str(folder / "tokenizer.json"))
+    if eos is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return folder
+
+
+def test_a_pretrained_tokenizer_folder_tokenizes_as_its_tokenizer_json_does(tmp_path, tokenizer):
+    folder = _tokenizer_folder(tmp_path / "tok")
+    pretrained = data.load_tokenizer(folder=folder)
+    assert pretrained.eod == tokenizer.eod == 50256 and pretrained.vocab_size == 50257
+    text = "To be, or not to be: that is the question.\n<|endoftext|> stays text."
+    assert pretrained.tokenize(text) == tokenizer.tokenize(text)  # the same BPE: the same ids
+    result = data.prepare("sotu", tmp_path / "sotu", tokenizer=folder, max_docs=2, valid_fraction=0.5)
+    (ids,) = data.read_documents(result["train"]["prefix"])
+    assert ids[-1] == 50256 and pretrained.detokenize(ids[:-1]) == open(result["train"]["files"][0]).read()
+    assert result["vocab_size"] == 50257
+
+
+def test_a_tokenizer_without_endoftext_ends_documents_with_its_eos_token(tmp_path):
+    folder = _tokenizer_folder(tmp_path / "tok", eos="!", drop_endoftext=True)
+    assert data.load_tokenizer(folder=folder).eod == 0  # "!" is GPT-2's id 0
+    bare = _tokenizer_folder(tmp_path / "bare", drop_endoftext=True)
+    with pytest.raises(data.DataError, match="no end-of-document token"):
+        data.load_tokenizer(folder=bare)
+
+
+def test_tokenizer_folder_errors_name_what_is_wrong(tmp_path):
+    with pytest.raises(data.DataError, match="tokenizer.json not found"):
+        data.load_tokenizer(folder=tmp_path)
+    folder = _tokenizer_folder(tmp_path / "tok")
+    with pytest.raises(data.DataError, match="--vocab-limit compacts GPT-2 ids"):
+        data.prepare("sotu", tmp_path / "s", tokenizer=folder, vocab_limit=100)
+    with pytest.raises(data.DataError, match="not both"):
+        data.load_tokenizer(*data.default_vocab_files(), folder=folder)

@@ -1,0 +1,104 @@
+"""The real-model study (``benchmarks.real_model``): where a pipeline splits a model, stopping at the target, the
+scoring rules, and the whole study on a random 4-layer Llama at depth 2 (``--size tiny``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks.real_model import report, runs
+from benchmarks.speedrun import score
+from megatron_tah.hf_checkpoint import UnsupportedModel, split_flags, stage_layers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_30_layer_model_splits_over_8_stages_as_megatron_does_with_a_lighter_first_and_last_stage():
+    assert stage_layers(30, 8) == [3, 4, 4, 4, 4, 4, 4, 3]
+    assert runs.boundaries(30, 8) == [3, 7, 11, 15, 19, 23, 27]
+    assert split_flags(30, 8) == ["--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "3"]
+    assert stage_layers(32, 8) == [4] * 8 and split_flags(32, 8) == [] and runs.boundaries(4, 2) == [2]
+    with pytest.raises(UnsupportedModel, match="31 layers do not split over 8"):
+        stage_layers(31, 8)
+
+
+def test_stop_at_loss_ends_training_at_the_first_validation_at_or_below_the_target(monkeypatch):
+    from benchmarks.depth.run import StopAtLoss
+
+    module = types.ModuleType("fake_training")
+    losses = iter([3.0, 2.6, 2.4, 2.2])
+    module.evaluate = lambda *a, **k: ({"lm loss": next(losses)}, None, False)
+    module.evaluate_and_print_results = lambda prefix, *args, **kwargs: module.evaluate()
+    args = types.SimpleNamespace(train_iters=100)
+    monkeypatch.setattr("megatron.training.global_vars.get_args", lambda: args)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", module)
+    stop = StopAtLoss(2.5)
+    stop.install()
+    try:
+        for iteration in (10, 20, 30):
+            module.evaluate_and_print_results("validation", None, None, None, iteration)
+            assert args.train_iters == (100 if iteration < 30 else 30)
+        module.evaluate_and_print_results("validation", None, None, None, 30)  # the end-of-training repeat
+        assert (stop.stopped_at, args.train_iters) == (30, 30)
+    finally:
+        stop.restore()
+    assert not hasattr(module.evaluate, "__wrapped__")
+
+
+def _row(steps, seeds=(1, 2, 3), **extra):
+    return {"codec": "x", "seeds": list(seeds), "steps": None if None in steps else 10.0,
+            "steps_by_seed": {str(s): v for s, v in zip(seeds, steps)}, "multiplier": None, **extra}
+
+
+def test_a_run_that_missed_says_missed_within_its_steps_and_gets_no_multiplier():
+    row = _row([40, None, 45], missed_within=200)
+    assert report.steps_text(row) == "missed within 200 steps (seed 2)"
+    assert report.multiplier_text(row) == "–"
+
+
+def test_damage_verdicts_follow_the_paired_interval():
+    assert report.verdict(score.mean_interval([0.02, 0.03, 0.025])) == "more damage than bf16's fine-tune"
+    assert report.verdict(score.mean_interval([-0.02, -0.03, -0.025])) == "less damage than bf16's fine-tune"
+    assert report.verdict(score.mean_interval([0.02, -0.03, 0.01])) == "within noise"
+    assert report.verdict(score.mean_interval([0.02])) == "one seed"
+
+
+def test_bits_are_the_codecs_exact_wire_bytes_at_the_reference_shape():
+    fwd, bwd = report.bits("paper", report.REFERENCE_SHAPE)
+    assert fwd == pytest.approx(4.43, abs=0.01) and bwd == pytest.approx(7.0, abs=0.01)
+    assert report.bits("bf16", report.REFERENCE_SHAPE) == pytest.approx((16.0, 16.0), abs=0.001)
+
+
+@pytest.mark.distributed
+def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
+    pytest.importorskip("transformers")
+    out, page = tmp_path / "study", tmp_path / "docs" / "REAL_MODEL.md"
+    cmd = [sys.executable, "-m", "benchmarks.real_model", "--size", "tiny", "--out", str(out), "--codecs", "bf16,paper",
+           "--seeds", "1,2", "--pipeline", "paper", "--write", str(page)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((page.parent / "data" / "real_model.json").read_text())
+    size = runs.SIZES["tiny"]
+    rows = {r["codec"]: r for r in result["table"]}
+    assert set(rows) == {"bf16", "paper"} and result["boundaries"] == [2]
+    bf16 = [result["curves"][runs.run_name("bf16", s)]["validations"] for s in (1, 2)]
+    assert result["target"] == score.target_loss(bf16, size.iters)
+    for seed in (1, 2):  # paper's runs stopped at their first validation at or below the target, or ran the maximum
+        curve = result["curves"][runs.run_name("paper", seed)]["validations"]
+        reached = score.steps_to_target(curve, result["target"])
+        assert curve[-1][0] == (reached or int(size.max_factor * size.iters))
+        assert rows["paper"]["steps_by_seed"][str(seed)] == reached
+    for row in rows.values():  # every run's model evaluated uncompressed on both corpora
+        assert all(v > 0 for v in row["damage_by_seed"].values()) and 0 <= row["damage_accuracy"] <= 1
+    assert result["untouched"]["damage_loss"] > 0
+    check = result["pipeline"]  # the real 2-stage pipeline from the same weights tracks the emulated run
+    assert len(check["iterations"]) >= 3 and check["max_abs_diff"] < 0.1
+    text = page.read_text()
+    assert "| paper | 4.43 + 7.00 |" in text and "layers 2 (Megatron" in text
