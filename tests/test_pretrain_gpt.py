@@ -274,6 +274,38 @@ def test_a_tah_flag_mistake_is_one_line_before_anything_is_built(corpus, tmp_pat
     assert "building GPT model" not in result.stdout and "initializing torch distributed" not in result.stdout
 
 
+def _validation_samples(monkeypatch, corpus: str, seed: int, train_iters: int, eval_data_seed: int | None):
+    """The validation items the entry's dataset provider gives, one process, no distributed state."""
+    import argparse
+
+    import megatron.training
+    from megatron.core import mpu
+
+    args = argparse.Namespace(
+        seed=seed, eval_data_seed=eval_data_seed, fixed_validation=True, fixed_epoch_samples=False, eval_iters=2,
+        global_batch_size=4, seq_length=32, split=None, data_path=None, per_split_data_args_path=None,
+        data_args_path=None, pad_vocab_size=None,
+        train_data_path=[f"{corpus}_train_text_document"], valid_data_path=[f"{corpus}_valid_text_document"],
+        test_data_path=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask_in_dataloader=True, data_cache_path=None, mmap_bin_files=True,
+        num_dataset_builder_threads=1, tokenizer_type="NullTokenizer", vocab_size=50257, tah_forward_codec="none",
+        tensor_model_parallel_size=1, rank=0, make_vocab_size_divisible_by=128)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda: 0)
+    evaluations = train_iters // 5 + 1
+    _, valid, _ = pretrain_gpt.train_valid_test_datasets_provider([train_iters * 4, evaluations * 8, 8])
+    return [valid[i]["tokens"].tolist() for i in range(8)]
+
+
+def test_eval_data_seed_validates_on_the_same_samples_whatever_the_seed_and_the_schedule(monkeypatch, corpus):
+    """Megatron sizes the validation split by every evaluation of the schedule, and a split of several epochs
+    shuffles its samples over all of them: without --eval-data-seed, a longer schedule validates on other samples."""
+    reference = _validation_samples(monkeypatch, corpus, 1, 10, 7)
+    assert _validation_samples(monkeypatch, corpus, 2, 2000, 7) == reference
+    assert _validation_samples(monkeypatch, corpus, 1, 2000, None) != _validation_samples(monkeypatch, corpus, 1, 10,
+                                                                                            None)
+
+
 def test_scripts_run_the_entry_or_a_checkout_through_the_launcher(tmp_path):
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable)
     for pp in (2, 4, 8):
@@ -292,6 +324,34 @@ def test_scripts_run_the_entry_or_a_checkout_through_the_launcher(tmp_path):
     out = subprocess.run(["bash", "scripts/finetune_gpt.sh", "4"], cwd=REPO, capture_output=True, text=True,
                          check=True, env=dict(env, LOAD=str(ckpt))).stdout
     assert f"--load {ckpt} --finetune" in out and "sotu" in out
+
+
+def test_scripts_fine_tune_an_imported_model_with_its_flags_tokenizer_and_split(tmp_path):
+    """LOAD (or HF=, imported once into HF_CKPT) an imported folder: its model flags replace the default model, the
+    pipeline split of its 30 layers over 8 stages is Megatron's uneven one, the corpus is tokenized with its
+    tokenizer, and its tied embeddings stay tied on a slow link (EMBEDDINGS=untied is refused)."""
+    imported = tmp_path / "smol"
+    imported.mkdir()
+    (imported / "megatron_flags.txt").write_text("--num-layers 30 --hidden-size 576 --num-attention-heads 9 "
+                                                 "--tokenizer-type NullTokenizer --vocab-size 49152\n")
+    (imported / "latest_checkpointed_iteration.txt").write_text("release")
+
+    def run(pp, **env):
+        done = subprocess.run(["bash", "scripts/finetune_gpt.sh", pp], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, LINK="emulate", **env))
+        return done.returncode, done.stdout + done.stderr
+
+    rc, out = run("8", LOAD=str(imported), RATE="20mbit")
+    assert rc == 0, out
+    assert "--num-layers 30 --hidden-size 576" in out and "--vocab-size 49152" in out and "--vocab-size 50257" not in out
+    assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 3" in out
+    assert f"--load {imported} --finetune" in out and "--seq-length 256" in out
+    assert "data/sotu_smol_train_text_document" in out and "--untie-embeddings-and-output-weights" not in out
+    rc, out = run("2", HF=str(tmp_path / "somewhere"), HF_CKPT=str(imported), SEQ="128")
+    assert rc == 0 and f"--load {imported} --finetune" in out and "--seq-length 128" in out
+    assert "--decoder-first-pipeline-num-layers" not in out  # 30 layers split evenly over 2 stages
+    rc, out = run("2", LOAD=str(imported), EMBEDDINGS="untied")
+    assert rc == 2 and "ties its embeddings" in out
 
 
 def test_scripts_untie_embeddings_on_a_slow_link_unless_told_otherwise():

@@ -83,11 +83,13 @@ class Size:
 
     def train_flags(self, iters: int) -> list[str]:
         """The schedule: a constant learning rate after a linear warm-up, so that a run's curve does not depend on
-        its length (a run that goes on is the same run, longer) and bf16's still falls at the target."""
+        its length (a run that goes on is the same run, longer) and bf16's still falls at the target. Batches are
+        read in the training process (the same batches as with Megatron's loader processes)."""
         return ["--seq-length", str(self.seq), "--micro-batch-size", str(self.micro_batch),
                 "--global-batch-size", str(self.micro_batch * self.micro_batches), "--train-iters", str(iters),
                 "--lr", str(self.lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", "constant",
-                "--weight-decay", "0.01", "--clip-grad", "1.0", "--bf16"]
+                "--weight-decay", "0.01", "--clip-grad", "1.0", "--bf16",
+                "--num-workers", "0"]  # no data-loader processes: each would hold a copy-on-write image of the model
 
 
 SIZES = {
