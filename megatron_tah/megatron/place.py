@@ -46,7 +46,7 @@ class PlaceSpec:
     pipeline does). ``install(place)`` replaces megatron-core functions through ``place.patches`` only;
     ``uninstall(place)``, if any, runs before those patches are restored.
 
-    Its hooks, each optional and called for every place, on or off (``places.py``):
+    Its hooks, each optional (``places.py`` runs the first three for every place, on or off):
 
     * ``check(config)``: raise ``ValueError`` naming the field and value when ``config`` cannot run the place
       (no Megatron needed; ``validate`` runs it after the checks of the place's codec);
