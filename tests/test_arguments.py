@@ -13,6 +13,7 @@ import torch
 
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments as tah_arguments
+from megatron_tah.megatron import places
 
 
 def gpt_argv(pipeline_size: int = 2, *extra: str) -> list[str]:
@@ -123,7 +124,7 @@ def test_ring_exchange_with_a_pipeline_codec_fails_validation_naming_the_flag(mo
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--use-ring-exchange-p2p" in err and "--tah-forward-codec tah" in err, err
     args = parse(monkeypatch, gpt_argv(2, "--use-ring-exchange-p2p", "--tah-tp-codec", "fp8"))
-    tah_arguments.check_ring_exchange(tah_arguments.tah_config_from_args(args), args)  # the pipeline uncompressed
+    places.check_args(tah_arguments.tah_config_from_args(args), args)  # the pipeline uncompressed
 
 
 def test_presets_set_their_fields_and_refuse_a_conflicting_flag(monkeypatch, installed):

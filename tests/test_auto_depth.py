@@ -118,3 +118,45 @@ def test_the_table_is_the_measured_multipliers():
     for pp, row in auto_config.STEPS_MULTIPLIER.items():
         for candidate, multiplier in row.items():
             assert measured[(pp, candidate)] == pytest.approx(multiplier, abs=0.005), (pp, candidate)
+
+
+def test_the_shipped_measurements_are_the_pages_and_say_where_they_come_from():
+    """The package data auto reads is what ``benchmarks/measured.py`` derives from the committed pages' JSON, with
+    their date and host; the speedrun's row holds every auto candidate it scored."""
+    from megatron_tah.config import CANDIDATES
+
+    from benchmarks import measured
+
+    shipped = json.loads((ROOT / measured.MEASURED).read_text())["steps_multiplier"]
+    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
+    expected = {**measured.depth_rows(json.loads((ROOT / "docs" / "data" / "depth.json").read_text())),
+                **dict([measured.speedrun_row(speedrun)])}
+    assert sorted(map(int, shipped)) == sorted(expected) == [4, 8]
+    for depth, row in expected.items():
+        got = shipped[str(depth)]
+        assert {k: got[k] for k in ("multipliers", "at_least", "page", "date", "host")} == \
+            {k: row[k] for k in ("multipliers", "at_least", "page", "date", "host")}, depth
+        assert got["command"].startswith("python -m benchmarks.")
+    scored = {r["codec"] for r in speedrun["table"] if r["multiplier"] or r.get("multiplier_at_least")}
+    assert set(shipped["8"]["multipliers"]) == scored & set(CANDIDATES) and shipped["8"]["date"] == speedrun["date"]
+    assert auto_config.MEASURED["steps_multiplier"] == shipped  # what the product reads (the installed package's)
+
+
+def test_a_study_writes_its_row_beside_its_page_and_keeps_the_others(tmp_path):
+    """The speedrun's ``--write`` puts its row into the checkout's measured file (the depth study's row kept), and
+    leaves the file alone for a page outside a checkout's docs/ (a trial run's)."""
+    from benchmarks import measured
+
+    checkout = tmp_path / "checkout"
+    (checkout / measured.MEASURED).parent.mkdir(parents=True)
+    (checkout / measured.MEASURED).write_text((ROOT / measured.MEASURED).read_text())
+    before = json.loads((ROOT / measured.MEASURED).read_text())["steps_multiplier"]
+    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
+    speedrun["table"] = [{**r, "multiplier": 1.5} if r["codec"] == "lowrank" else r for r in speedrun["table"]]
+    row = dict([measured.speedrun_row(speedrun, "python -m benchmarks.speedrun --codecs bf16,lowrank --write x")])
+    assert measured.write_beside(tmp_path / "trial" / "SPEEDRUN.md", row) is None
+    written = measured.write_beside(checkout / "docs" / "SPEEDRUN.md", row)
+    after = json.loads(written.read_text())["steps_multiplier"]
+    assert after["8"]["multipliers"] == {**before["8"]["multipliers"], "lowrank": 1.5}
+    assert after["8"]["command"] == "python -m benchmarks.speedrun --codecs bf16,lowrank --write x"
+    assert after["4"] == before["4"] and list(after) == ["4", "8"]

@@ -226,8 +226,10 @@ def test_error_names_the_link_and_iteration(message):
 def test_the_option_reaches_the_pipeline_codecs_only(on):
     config = TahConfig(tah_wire_checksum=on, tah_tp_codec="fp8", tah_dp_codec="int8")
     assert config.forward_codec().checksum is on and config.backward_codec().checksum is on
-    assert not config.tp_codec().checksum and not config.dp_codec().checksum
-    assert not config.laaq_codec(0, 1).checksum
+    from megatron_tah.megatron import activation_memory, data_parallel, tensor_parallel
+
+    assert not tensor_parallel.codec(config).checksum and not data_parallel.codec(config).checksum
+    assert not activation_memory.laaq_codec(config, 0, 1).checksum
 
 
 @pytest.mark.parametrize("name", ["tah", "fixedpoint", "fp8", "hadint", "channel"])

@@ -13,7 +13,7 @@ import tiny_gpt
 from dist_utils import run_distributed
 from megatron_tah.codecs import CodecError
 from megatron_tah.config import TahConfig
-from megatron_tah.megatron import arguments, embedding
+from megatron_tah.megatron import arguments, embedding, places
 
 ENV = {"TRITON_INTERPRET": "1"}
 
@@ -73,7 +73,7 @@ def test_rows_header_and_length_are_checked():
 
 def _exchange_body(rank, world_size):
     """Both ends of ``exchange`` on a 2-rank gloo world: rank 0 the first stage (sparse), rank 1 the last (dense)."""
-    codec = TahConfig(tah_embedding_codec="int8").embedding_codec()
+    codec = embedding.codec(TahConfig(tah_embedding_codec="int8"))
     sparse, _ = _sparse_gradient(vocab=64, hidden=128, seed=1)
     sparse[20, 0] = 1.0  # (a NaN would make the comparison below meaningless)
     dense = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
@@ -89,7 +89,7 @@ def test_exchange_gives_both_ends_the_same_bits():
     (t0, expected, sent0, raw), (t1, _, sent1, _) = run_distributed(_exchange_body, 2, timeout=300)
     t0, t1, expected = (torch.tensor(t, dtype=torch.float32) for t in (t0, t1, expected))  # (exact: fp32 in floats)
     assert torch.equal(_bits(t0), _bits(t1)) and torch.equal(t0, expected)
-    codec = TahConfig(tah_embedding_codec="int8").embedding_codec()
+    codec = embedding.codec(TahConfig(tah_embedding_codec="int8"))
     assert sent0 == 32 + embedding.rows_nbytes(8, 128, torch.float32)  # header + the 8 non-zero rows
     assert sent1 == codec.wire_nbytes((64, 128), torch.float32) and raw == 64 * 128 * 4
 
@@ -131,7 +131,7 @@ def test_both_copies_of_the_tied_weight_stay_identical_and_the_loss_follows_the_
     # tokens (at most every row), all of it codec traffic.
     full = tiny_gpt.VOCAB * tiny_gpt.HIDDEN * 4
     assert base_wan[0] == base_wan[1] == {"ops": iterations, "bytes": iterations * full, "codec_bytes": 0}
-    dense = TahConfig(tah_embedding_codec="int8").embedding_codec().wire_nbytes((tiny_gpt.VOCAB, tiny_gpt.HIDDEN),
+    dense = embedding.codec(TahConfig(tah_embedding_codec="int8")).wire_nbytes((tiny_gpt.VOCAB, tiny_gpt.HIDDEN),
                                                                                torch.float32)
     assert wan[1] == {"ops": iterations, "bytes": iterations * dense, "codec_bytes": iterations * dense}
     assert dense < full / 3.8
@@ -158,8 +158,8 @@ def test_flag_choices_and_the_cases_with_nothing_to_compress():
     assert parser._option_string_actions["--tah-embedding-codec"].choices == ("none", "int8")
     with pytest.raises(ValueError, match="tah_embedding_codec = 'fp8': choose one of none, int8"):
         TahConfig(tah_embedding_codec="fp8")
-    assert TahConfig().embedding_codec() is None
-    assert TahConfig(tah_embedding_codec="int8").embedding_codec().describe() == "int8(block_size=128)"
+    assert embedding.codec(TahConfig()) is None
+    assert embedding.codec(TahConfig(tah_embedding_codec="int8")).describe() == "int8(block_size=128)"
     config = TahConfig(tah_embedding_codec="int8")
     embedding.check_embedding_codec(config, _args())
     embedding.check_embedding_codec(TahConfig(), _args(pipeline_model_parallel_size=1))
@@ -167,6 +167,8 @@ def test_flag_choices_and_the_cases_with_nothing_to_compress():
         embedding.check_embedding_codec(config, _args(pipeline_model_parallel_size=1))
     with pytest.raises(ValueError, match="--untie-embeddings-and-output-weights: untied embeddings have no"):
         embedding.check_embedding_codec(config, _args(untie_embeddings_and_output_weights=True))
+    with pytest.raises(ValueError, match="with one stage nothing crosses"):  # the place's check of Megatron's args
+        places.check_args(config, _args(pipeline_model_parallel_size=1))
 
 
 def test_validation_stops_an_embedding_codec_without_tied_stages_in_one_line(monkeypatch, capsys):
@@ -205,3 +207,4 @@ def test_the_start_up_line_of_a_tied_run_names_its_bytes_and_the_two_remedies():
     assert embedding.tied_embedding_warning(paper, _args(pipeline_model_parallel_size=1)) is None
     assert embedding.tied_embedding_warning(TahConfig(tah_preset="paper", tah_embedding_codec="int8"), _args()) is None
     assert embedding.tied_embedding_warning(TahConfig(tah_dp_codec="int8"), _args()) is None
+    assert places.startup_lines(paper, _args())[-1] == line  # the place's start-up line, after the pipeline's

@@ -28,6 +28,7 @@ def test_the_wheel_ships_megatron_tah_and_no_benchmarks(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"megatron_tah", "megatron_tah-0.1.0.dist-info"}
     assert "megatron_tah/codecs/tah.py" in names and "megatron_tah/demo.py" in names
+    assert "megatron_tah/config/measured.json" in names  # package data: the studies' numbers auto reads
     assert not [n for n in names if "reproduce" in n or "benchmarks" in n or n.endswith("/report.py")]
 
 

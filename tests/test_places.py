@@ -11,7 +11,7 @@ import torch
 
 import megatron_tah
 from megatron_tah.config import TahConfig
-from megatron_tah.megatron import arguments, places, stats
+from megatron_tah.megatron import activation_memory, arguments, data_parallel, places, stats, tensor_parallel
 from megatron_tah.megatron.pipeline_parallel import installed_transport
 from megatron_tah.megatron.registry import REGISTRY
 
@@ -57,7 +57,7 @@ def test_flags_choices_and_validation_come_from_the_config_fields():
     assert parser._option_string_actions["--tah-activation-memory"].choices == ("none", "laaq")
     args = parser.parse_args(["--tah-tp-codec", "fp8", "--tah-laaq-bits", "3,4", "--tah-int8-block-size", "256"])
     config = TahConfig.from_args(args)
-    assert config.tp_codec().describe() == "fp8(group_size=128)" and config.dp_codec() is None
+    assert tensor_parallel.codec(config).describe() == "fp8(group_size=128)" and data_parallel.codec(config) is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--tah-dp-codec", "fp8"])
     # The same choices guard the dataclass itself (one declaration), and options are checked.
@@ -69,19 +69,23 @@ def test_flags_choices_and_validation_come_from_the_config_fields():
         TahConfig(tah_laaq_bits="4,9")
     with pytest.raises(ValueError, match="comma-separated"):
         TahConfig(tah_laaq_bits="four")
-    with pytest.raises(ValueError, match="tah_laaq_block_size = 256"):
-        TahConfig(tah_laaq_block_size=256)
+    with pytest.raises(ValueError, match="tah_laaq_block_size = 256"):  # the place's check (its quantizer's sizes)
+        places.check(TahConfig(tah_laaq_block_size=256))
+    with pytest.raises(ValueError, match="--tah-laaq-block-size = 256"):  # ... which the flags' validation runs
+        arguments.tah_config_from_args(parser.parse_args(["--tah-laaq-block-size", "256"]))
     # int8 also serves the pipeline's gradients.
     assert TahConfig(tah_backward_codec="int8").backward_codec().describe() == "int8(block_size=128)"
 
 
 def test_stage_bits_follow_the_list():
     config = TahConfig(tah_laaq_bits="4,5,6,8")
-    assert [config.laaq_stage_bits(i, 1) for i in range(1)] == [4]
-    assert [config.laaq_stage_bits(i, 2) for i in range(2)] == [4, 6]
-    assert [config.laaq_stage_bits(i, 4) for i in range(4)] == [4, 5, 6, 8]
-    assert [config.laaq_stage_bits(i, 8) for i in range(8)] == [4, 4, 5, 5, 6, 6, 8, 8]
-    assert config.laaq_codec(3, 4).describe() == "fixedpoint(bits=8, tile_size=128, stochastic_rounding=False)"
+    bits = activation_memory.laaq_stage_bits
+    assert [bits(config, i, 1) for i in range(1)] == [4]
+    assert [bits(config, i, 2) for i in range(2)] == [4, 6]
+    assert [bits(config, i, 4) for i in range(4)] == [4, 5, 6, 8]
+    assert [bits(config, i, 8) for i in range(8)] == [4, 4, 5, 5, 6, 6, 8, 8]
+    assert activation_memory.laaq_codec(config, 3, 4).describe() == \
+        "fixedpoint(bits=8, tile_size=128, stochastic_rounding=False)"
 
 
 def test_off_by_default_nothing_replaced(originals):

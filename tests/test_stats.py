@@ -44,6 +44,9 @@ def test_codec_time_and_buffer_bytes(sink):
     assert s["buffer_bytes"] == 12_500_000
     # Backward has no message, so only the forward 5 ms count in the log line.
     assert sink.format_for_log(s).endswith(" tah codec ms: 5.0 | tah buffer MB: 12.5 |")
+    sink.sources["a"] = lambda: {"tables": 2, "idle": 0}  # a place's own levels: the non-zero ones shown
+    assert sink.format_for_log(sink.collect(reset=False)) == " tah a tables: 2 |"
+    del sink.sources["a"]
     after = sink.collect()
     assert after["forward"]["encode_seconds"] == 0 and after["buffer_bytes"] == 0
     with pytest.raises(ValueError, match="sideways"):
@@ -78,6 +81,8 @@ def _reduce_body(rank, world_size):
     sink.record_codec_time("forward", encode_seconds=0.001 * (rank + 1))
     sink.buffer_source = lambda: 1000 * (rank + 1)
     sink.record_wan("embedding", 7 * (rank + 1), codec=rank == 0)
+    sink.sources["a"] = lambda: {"held": 2.5 * (rank + 1), "open": 1}  # places' own levels (a statistics hook)
+    sink.sources["b"] = lambda: {"held": 100 * (rank + 1)}
     # An explicit group (WORLD) keeps megatron-core out of these processes; the pipeline tests
     # cover the default (megatron-core's pipeline group).
     return stats.reduce_to_last_rank(sink.collect(), group=torch.distributed.group.WORLD)
@@ -95,6 +100,8 @@ def test_reduce_to_last_rank_sums_over_the_group():
     assert last["forward"]["encode_seconds"] == pytest.approx(0.006) and last["buffer_bytes"] == 6000
     assert results[0]["links"] == {(0, 1): 10}  # other ranks keep their own numbers
     assert last["wan"]["embedding"] == {"ops": 3, "bytes": 42, "codec_bytes": 7} and last["wan"]["other"]["ops"] == 0
+    assert last["places"] == {"a": {"held": pytest.approx(15.0), "open": 3.0}, "b": {"held": 600.0}}
+    assert results[0]["places"] == {"a": {"held": 2.5, "open": 1.0}, "b": {"held": 100.0}}
 
 
 def test_format_for_log_per_iteration_and_streams(sink):

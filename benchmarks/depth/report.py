@@ -163,7 +163,8 @@ def plots(result: dict, data: Path) -> dict[str, str]:
     return names
 
 
-def write_page(studies, out: Path, page: Path, host: dict) -> None:
+def write_page(studies, out: Path, page: Path, host: dict) -> dict:
+    """``page`` (markdown), with its JSON and plots under ``docs/data/`` beside it; returns the JSON's result."""
     result = build(studies, out, host)
     page = Path(page)
     data = page.parent / "data"
@@ -196,6 +197,7 @@ def write_page(studies, out: Path, page: Path, host: dict) -> None:
               "remedies": remedies(page.parent / "data" / "speedrun.json"), "position": position_reading(rows),
               "width": width_reading(rows), "bwd_share": _share(rows, "paper_bwd_pp8", "paper_fwd_pp8")}
     page.write_text(template.format_map(_Missing(fields)))
+    return result
 
 
 def position_reading(rows: dict) -> str:

@@ -22,7 +22,8 @@ What it does, in order (runs already complete under ``--out`` are not run again)
 5. times every codec behind the emulated wire (``score.steady_seconds``);
 6. scores T = steps to target x steady s/step, with intervals over seeds, projects the ProtocolNanoGPT
    setup with the measured steps multipliers (``projection.py``) and, with ``--write``, writes the page,
-   its JSON and its plot.
+   its JSON and its plot, and the steps multipliers ``auto`` reads into the checkout's
+   ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``; not for a page outside a checkout's docs/).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
+from .. import measured
 from ..reproduce.runner import ReproduceError, execute_all, host_info, read_log
 from . import runs, score, simulate
 
@@ -275,6 +278,10 @@ def main(argv=None) -> int:
     if args.write:
         write_page(result, args.write)
         print(f"[speedrun] wrote {args.write}")
+        command = shlex.join(["python", "-m", "benchmarks.speedrun", *(sys.argv[1:] if argv is None else argv)])
+        written = measured.write_beside(args.write, dict([measured.speedrun_row(result, command)]))
+        if written:
+            print(f"[speedrun] wrote {written}")
     return 0
 
 

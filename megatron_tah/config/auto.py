@@ -5,6 +5,9 @@ setting first: ``interval = 0: ...``). ``TahConfig``'s ``tah_auto_*`` fields tak
 from ``DEFAULTS`` and are checked by building an ``AutoSettings`` (the message then names the field);
 the link's auto (``link/auto.py``, ``link/choice.py``) reads the same object.
 
+The steps multipliers (``STEPS_MULTIPLIER``, ``STEPS_AT_LEAST``) are read from ``measured.json``, the package's
+record of what the studies measured (``MEASURED``), not written here.
+
 The candidates (``CANDIDATES``) are ``none``, ``fp8``, ``fixedpoint4`` (``NON_PRESET``: the fields
 each sets) and every ``--tah-preset`` but ``none``, each standing for that preset's codec of the
 direction; ``TahConfig.auto_candidate_codec`` builds them.
@@ -13,6 +16,8 @@ direction; ``TahConfig.auto_candidate_codec`` builds them.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
+import json
 import math
 
 from .presets import PRESETS
@@ -31,16 +36,17 @@ DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 
 
+MEASURED: dict = json.loads(importlib.resources.files(__package__).joinpath("measured.json").read_text())
+"""What the studies measured, shipped as package data (``measured.json``, written by the studies that measured it:
+``benchmarks/measured.py``): per pipeline depth, the steps multipliers below, each row with its page, command, date
+and host."""
+
 STEPS_MULTIPLIER: dict[int, dict[str, float]] = {
-    4: {"paper": 1.43},
-    8: {"paper": 2.50, "channel": 1.32, "channel6": 1.79, "channel9": 1.077, "hadint4": 2.27, "lowrank": 1.092,
-        "lowrank8": 1.215, "fixedpoint4": 2.00, "channel_h4": 0.982},
-}
+    int(depth): dict(row["multipliers"]) for depth, row in MEASURED["steps_multiplier"].items()}
 """Measured steps to a loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``, both
-directions compressed: depth 4 from the depth study (docs/DEPTH.md: a lower bound, the final loss against the
-uncompressed curve), depth 8 from the speedrun (docs/SPEEDRUN.md: steps to target over seeds, or the lower bound
-of a codec that missed it);
-``tests/test_auto_depth.py`` checks them against the pages' committed JSON."""
+directions compressed (``MEASURED``): depth 4 from the depth study (docs/DEPTH.md: a lower bound, the final loss
+against the uncompressed curve), depth 8 from the speedrun (docs/SPEEDRUN.md: steps to target over seeds, or the
+lower bound of a codec that missed it); ``tests/test_auto_depth.py`` checks them against the pages' committed JSON."""
 
 
 def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> float:
@@ -57,9 +63,7 @@ def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> 
 
 
 STEPS_AT_LEAST: dict[int, frozenset[str]] = {
-    4: frozenset({"paper"}),
-    8: frozenset({"paper", "channel", "channel6", "hadint4", "fixedpoint4"}),
-}
+    int(depth): frozenset(row["at_least"]) for depth, row in MEASURED["steps_multiplier"].items()}
 """The entries of ``STEPS_MULTIPLIER`` that are lower bounds, not steps to target: the codec missed the target (the
 speedrun) or its final loss was read against the uncompressed curve (the depth study). They are charged, but they
 do not tell how many steps the codec needs, so they waive nothing (``steps_measured``)."""

@@ -33,12 +33,12 @@ PRESETS = {
     "channel6": {"tah_forward_codec": "channel", "tah_forward_bits": 4,
                  "tah_backward_codec": "channel", "tah_backward_bits": 2, "tah_backward_stochastic_rounding": True},
     # The same with 6-bit activations: 9.01 bits both ways at [1024, 8, 1024]. At depth 8 the forward codec
-    # carries the steps penalty (docs/DEPTH.md); two more forward bits: 1.08x bf16's steps (docs/SPEEDRUN.md).
+    # carries the steps penalty (docs/DEPTH.md); two more forward bits: steps to target in docs/SPEEDRUN.md.
     "channel9": {"tah_forward_codec": "channel", "tah_forward_bits": 6,
                  "tah_backward_codec": "channel", "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
     # Per-channel 6-bit activations with each sequence's largest token sent apart in bf16 (a decoder LM's
     # attention sink would otherwise set every channel's range) and hadint4's gradients: 6.02 + 4.25 bits at
-    # [1024, 8, 1024]. At depth 8: 0.98x bf16's steps (docs/SPEEDRUN.md).
+    # [1024, 8, 1024]. Steps to target at depth 8: docs/SPEEDRUN.md.
     "channel_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_channel_outlier_tokens": 1,
                    "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                    "tah_backward_stochastic_rounding": True},

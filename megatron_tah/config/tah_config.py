@@ -11,8 +11,11 @@ Every field is written out here, each fact about it declared once:
 
 ``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` -> ``--tah-tile-size``,
 help from the docs) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
-choices and ranges, the rules between fields (from the codecs' declared capabilities) and builds every
-codec once, raising ``ValueError`` naming the offending field and value.
+choices and ranges, the rules between the pipeline's fields (from the codecs' declared capabilities) and
+builds the pipeline's codecs once, raising ``ValueError`` naming the offending field and value. A place's
+field is checked here for its own value only; what the place makes of it -- its codec, its rules with other
+fields and with Megatron's arguments -- is the place's (``megatron/place.py``, checked by ``megatron_tah.install``
+and the flags' validation).
 
 Everything is off by default (``none`` both ways): a run without ``--tah-*`` flags is Megatron's own.
 """
@@ -83,7 +86,7 @@ class TahConfig:
     --tah-preset paper turns on TAH-Quant for activations and 6-bit fixed point for their gradients."""
 
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
-    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) channel9 (channel with 6-bit activations, 9.01 bits: 1.08x bf16's steps at depth 8) or channel_h4 (per-channel 6-bit activations with each sequence's largest token sent apart in bf16, gradients as hadint4: 10.27 bits both ways at large messages, 0.98x bf16's steps at depth 8). A flag set to neither its default nor the preset's value is an error."""
+    """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) channel9 (channel with 6-bit activations, 9.01 bits) or channel_h4 (per-channel 6-bit activations with each sequence's largest token sent apart in bf16, gradients as hadint4: 10.27 bits both ways at large messages). Each preset's steps to a loss at pipeline depth 8: docs/SPEEDRUN.md. A flag set to neither its default nor the preset's value is an error."""
 
     tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": (*FORWARD_CODECS, AUTO)})
     """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed; auto: chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
@@ -138,13 +141,13 @@ class TahConfig:
     """Codec implementation: auto (Triton on CUDA tensors where the codec has a kernel, torch otherwise), torch or triton."""
 
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
-    """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError naming the link and iteration instead of reaching the model silently. Both stages must agree. Off by default here; on in scripts/pretrain_gpt.sh and the demo whenever they run behind a slow link (RATE, --rate), where it costs under 0.05% of a step (python -m benchmarks.faults.checksum_cost: the demo at 1 Mbit/s, the depth-8 speedrun). On a fast link it can cost 1-10% of a codec's CPU time (scripts/bench_codecs.py --checksum); its GPU cost is not measured."""
+    """Put a checksum of each pipeline message's payload in its header (computed on the device) and check it on receipt: a corrupted message raises PayloadChecksumError naming the link and iteration instead of reaching the model silently. Both stages must agree. Off by default here; on in scripts/pretrain_gpt.sh and the demo whenever they run behind a slow link (RATE, --rate). Its measured cost behind a slow link and on a fast one: docs/RELIABILITY.md."""
 
     tah_entropy_coding: bool = False
     """Code each pipeline message losslessly after its codec (a canonical Huffman code per section of its buffer, codecs/entropy.py): fewer bytes, the same decoded values, so the steps to a loss do not change. torch.distributed's sends have sizes fixed in advance, so both stages size each message from the coded sizes of the last 8 on its link plus 2% (link/frames.py); what does not fit follows as a second message. Costs the coder's time on both ends (torch operations, no fused kernel; not timed on a GPU: python -m benchmarks.lossless times it on the CPU, where it does not pay). Megatron's schedules read each link's receives in turn, as the sizing needs (a schedule posting them ahead gets an error). Needs a fixed codec (not auto). Both stages must agree."""
 
     tah_peer_timeout_s: float = 120.0
-    """Stop the run when a neighbouring pipeline stage stays silent this long (seconds; 0: Megatron's own timeouts only). A wait for a pipeline message longer than this raises PeerTimeoutError naming the link (stage i -> j), the iteration and when data from that stage last arrived; a dead peer raises PeerLostError at once; an outage shorter than this is ridden out. The same bound applies to every other collective after the first iteration (it sets Megatron's --distributed-timeout-seconds-after-init unless that is given; checkpoint saves keep --distributed-timeout-minutes), and the first iteration after a start waits up to --distributed-timeout-minutes (kernel compilation, auto's cost table). The default, 120 s, exceeds a whole step of the slowest WAN record (dense bf16 at 200 Mbit/s: 100 s per step; a wait lasts part of one) and is 5x shorter than Megatron's 10-minute default. gloo waits are bounded by the transport itself; NCCL's by the process group's timeout (its watchdog)."""
+    """Stop the run when a neighbouring pipeline stage stays silent this long (seconds; 0: Megatron's own timeouts only). A wait for a pipeline message longer than this raises PeerTimeoutError naming the link (stage i -> j), the iteration and when data from that stage last arrived; a dead peer raises PeerLostError at once; an outage shorter than this is ridden out. The same bound applies to every other collective after the first iteration (it sets Megatron's --distributed-timeout-seconds-after-init unless that is given; checkpoint saves keep --distributed-timeout-minutes), and the first iteration after a start waits up to --distributed-timeout-minutes (kernel compilation, auto's cost table). The default, 120 s, exceeds a whole step of the slowest WAN record (docs/RELIABILITY.md; a wait lasts part of one) and is 5x shorter than Megatron's 10-minute default. gloo waits are bounded by the transport itself; NCCL's by the process group's timeout (its watchdog)."""
 
     tah_eager_codecs: bool = False
     """Call the codecs eagerly on GPUs. By default the pipeline's link ends and the TP/DP collectives capture each codec call once per message shape as a CUDA graph and replay it (fewer launches; one log line per reason a call stays eager: CPU tensors, the none codec, AQ-SGD, stochastic rounding, a failed capture); this turns that off, to compare or to rule it out."""
@@ -222,12 +225,11 @@ class TahConfig:
                              f"{self.tah_forward_codec!r}: its per-sample state follows every message of a sample; "
                              "evaluate through the codec")
         if self.tah_backend == "triton":
-            for field in ("tah_forward_codec", "tah_backward_codec", "tah_tp_codec", "tah_dp_codec",
-                          "tah_embedding_codec"):
+            for field in self._DIRECTIONS:
                 name = getattr(self, field)
                 if name == AUTO:
                     continue  # its candidates are checked when they are built
-                if not codec_declaration(name).kernel and (name != "none" or field in self._DIRECTIONS):
+                if not codec_declaration(name).kernel:
                     raise ValueError(f"tah_backend = 'triton' with {field} = {name!r}: it has no Triton kernel; "
                                      "use auto or torch")
         if self.tah_entropy_coding and (self.is_auto("forward") or self.is_auto("backward")):
@@ -244,8 +246,7 @@ class TahConfig:
         if self.tah_emulate_latency_ms < 0:
             raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.
-        for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec),
-                            ("tp", self.tp_codec), ("dp", self.dp_codec), ("embedding", self.embedding_codec)):
+        for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec)):
             try:
                 build()
             except CodecError as err:
@@ -253,10 +254,6 @@ class TahConfig:
                 raise ValueError(f"tah_{role}_codec = {name!r}: {err}") from None
         if any(not 2 <= b <= 8 for b in self.laaq_bits()):
             raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: every entry must lie in [2, 8]")
-        try:
-            self.laaq_codec(0, 1)
-        except CodecError as err:
-            raise ValueError(f"tah_laaq_block_size = {self.tah_laaq_block_size}: {err}") from None
 
     def _apply_preset(self) -> None:
         """Set the preset's fields; a field already set to something else than its default and the preset's
@@ -306,10 +303,11 @@ class TahConfig:
         """Every option at its default: nothing is compressed, emulated or logged (Megatron runs as without us)."""
         return self == type(self)()
 
-    def _codec(self, name: str, bits: int, tile_size: int, stochastic_rounding: bool = False,
-               checksum: bool = False) -> Codec:
-        """A new codec ``name`` with a direction's parameters and the codec's own options (its declaration);
-        ``checksum``: the payload checksum in the header (the pipeline's codecs: ``tah_wire_checksum``)."""
+    def build_codec(self, name: str, bits: int, tile_size: int, stochastic_rounding: bool = False,
+                    checksum: bool = False) -> Codec:
+        """A new codec ``name`` with a direction's parameters, this config's backend and the codec's own options
+        (its declaration); ``checksum``: the payload checksum in the header (the pipeline's codecs:
+        ``tah_wire_checksum``). The places build theirs with it."""
         direction = {"bits": bits, "tile_size": tile_size,
                      "stochastic_rounding": stochastic_rounding or self.tah_stochastic_rounding}
         return get_codec(name, backend=self.tah_backend, checksum=checksum,
@@ -341,31 +339,16 @@ class TahConfig:
         its links start with (``auto_start``)."""
         if self.is_auto("forward"):
             return self.auto_candidate_codec(self.auto_start(), "forward")
-        return self._codec(self.tah_forward_codec, self.tah_forward_bits, self.tah_tile_size,
-                           checksum=self.tah_wire_checksum)
+        return self.build_codec(self.tah_forward_codec, self.tah_forward_bits, self.tah_tile_size,
+                                checksum=self.tah_wire_checksum)
 
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients (auto: as ``forward_codec``)."""
         if self.is_auto("backward"):
             return self.auto_candidate_codec(self.auto_start(), "backward")
-        return self._codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size,
-                           stochastic_rounding=self.tah_backward_stochastic_rounding,
-                           checksum=self.tah_wire_checksum)
-
-    def tp_codec(self) -> Codec | None:
-        """The tensor-parallel collectives' codec (None: megatron-core's collectives are left alone)."""
-        return None if self.tah_tp_codec == "none" else self._codec(self.tah_tp_codec, 8, self.tah_fp8_group_size)
-
-    def dp_codec(self) -> Codec | None:
-        """The data-parallel gradient codec (None: megatron-core's reduction is left alone)."""
-        return None if self.tah_dp_codec == "none" else self._codec(self.tah_dp_codec, 8, self.tah_int8_block_size)
-
-    def embedding_codec(self) -> Codec | None:
-        """The codec of the last stage's output-layer gradient in the tied-embedding exchange (None: megatron-core's
-        all-reduce is left alone)."""
-        if self.tah_embedding_codec == "none":
-            return None
-        return self._codec(self.tah_embedding_codec, 8, self.tah_int8_block_size)
+        return self.build_codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size,
+                                stochastic_rounding=self.tah_backward_stochastic_rounding,
+                                checksum=self.tah_wire_checksum)
 
     def laaq_bits(self) -> tuple[int, ...]:
         """``tah_laaq_bits`` as integers (ValueError naming the flag when it does not parse)."""
@@ -376,16 +359,6 @@ class TahConfig:
         if not bits:
             raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: give comma-separated integers, e.g. 4,5,6,8")
         return bits
-
-    def laaq_stage_bits(self, stage: int, stages: int) -> int:
-        """Bits of stored activations on pipeline stage ``stage`` of ``stages`` (entry floor(stage * n / stages))."""
-        bits = self.laaq_bits()
-        return bits[stage * len(bits) // stages]
-
-    def laaq_codec(self, stage: int, stages: int) -> Codec:
-        """A new codec for the tensors saved on pipeline stage ``stage`` of ``stages`` (fixedpoint, one block per tile)."""
-        return get_codec("fixedpoint", bits=self.laaq_stage_bits(stage, stages), tile_size=self.tah_laaq_block_size,
-                         backend=self.tah_backend, checksum=False)
 
 
 def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:

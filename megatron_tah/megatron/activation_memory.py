@@ -8,7 +8,7 @@ forward pass runs under ``torch.autograd.graph.saved_tensors_hooks``:
   ``pack`` into one uint8 buffer -- blockwise
   asymmetric quantization, one bf16 scale and zero per ``tah_laaq_block_size`` consecutive elements,
   no header (format: ``kernels/laaq.py``) -- at this pipeline stage's bit width
-  (``TahConfig.laaq_stage_bits``: bits grow with the stage, since early stages of a 1F1B schedule
+  (``laaq_stage_bits``: bits grow with the stage, since early stages of a 1F1B schedule
   hold more micro-batches). One fused launch on CUDA (``backend`` auto/triton), the torch reference
   (``codecs/common``'s quantizer, the same bytes) otherwise; no host sync either way. The
   full-precision tensor is then free to go: it is marked as used by the pack's stream
@@ -55,7 +55,7 @@ import threading
 
 import torch
 
-from ..codecs import common
+from ..codecs import Codec, CodecError, common, get_codec
 from ..codecs.base import SUPPORTED_DTYPES
 from ..kernels import HAVE_TRITON
 from ..kernels import laaq as kernels
@@ -250,7 +250,7 @@ def _stage_setup(place, layer) -> None:
     if parallel_state.model_parallel_is_initialized():
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
-    place.state["memory"].bits = place.config.laaq_stage_bits(stage, stages)
+    place.state["memory"].bits = laaq_stage_bits(place.config, stage, stages)
     place.state["ready"] = True
 
 
@@ -307,5 +307,27 @@ def settings(config) -> str:
     return f"{config.tah_activation_memory}(bits={config.tah_laaq_bits}, block_size={config.tah_laaq_block_size})"
 
 
+def laaq_stage_bits(config, stage: int, stages: int) -> int:
+    """Bits of stored activations on pipeline stage ``stage`` of ``stages``: entry floor(stage * n / stages) of
+    the n in ``tah_laaq_bits``."""
+    bits = config.laaq_bits()
+    return bits[stage * len(bits) // stages]
+
+
+def laaq_codec(config, stage: int, stages: int) -> Codec:
+    """A codec storing as stage ``stage`` of ``stages`` stores saved tensors (fixed point, one block per tile: the
+    options ``check`` validates)."""
+    return get_codec("fixedpoint", bits=laaq_stage_bits(config, stage, stages), tile_size=config.tah_laaq_block_size,
+                     backend=config.tah_backend, checksum=False)
+
+
+def check(config) -> None:
+    """``ValueError`` naming ``tah_laaq_block_size`` when the quantizer cannot take it (the place on or off)."""
+    try:
+        laaq_codec(config, 0, 1)
+    except CodecError as err:
+        raise ValueError(f"tah_laaq_block_size = {config.tah_laaq_block_size}: {err}") from None
+
+
 PLACE = PlaceSpec(name="activation_memory", option="tah_activation_memory", install=install, settings=settings,
-                  uninstall=uninstall)
+                  uninstall=uninstall, check=check)

@@ -6,14 +6,14 @@ Megatron-LM builds its ``TransformerConfig`` flags): ``tah_tile_size`` becomes `
 the type comes from the annotation, bools become ``store_true`` flags (every tah bool defaults to
 off). What the factory cannot know comes from the field's metadata: ``choices`` (a field's
 ``metadata["choices"]`` or a codec option's declared choices) and the help text (``TahConfig``'s
-docs, see ``TahFlagFactory``). Cross-field checks are ``TahConfig``'s: ``tah_config_from_args(args)``
-runs them and names the offending flag.
+docs, see ``TahFlagFactory``). Cross-field checks are ``TahConfig``'s and the places' (``places.check``):
+``tah_config_from_args(args)`` runs them and names the offending flag.
 
 ``install_arguments()`` wraps ``megatron.training.arguments.add_megatron_arguments`` (looked up by
 name inside ``parse_args``) so that every Megatron-LM parser also has the tah flags, and wraps
-``validate_args`` so bad tah values (a ``--tah-log-json`` that cannot be written, a pipeline codec with
-``--use-ring-exchange-p2p``, ``--tah-embedding-codec`` with untied embeddings or one stage) fail while
-arguments are validated. ``uninstall_arguments()`` puts both originals back. The
+``validate_args`` so bad tah values fail while arguments are validated: the config's and the places' checks,
+each place's checks against Megatron's arguments (``places.check_args``) and a ``--tah-log-json`` that
+cannot be written. ``uninstall_arguments()`` puts both originals back. The
 ``add_megatron_arguments`` wrapper also repairs an upstream help string that makes ``--help`` crash
 (``escape_percent_in_upstream_help``).
 """
@@ -28,10 +28,9 @@ import sys
 from typing import Any
 
 from ..config import TahConfig
-from .embedding import check_embedding_codec
+from . import places
 from .logging import check_log_json
 from .patching import is_ours
-from .pipeline_parallel import check_ring_exchange
 from .registry import REGISTRY
 
 GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
@@ -144,9 +143,12 @@ def _flags_in_message(message: str) -> str:
 
 
 def tah_config_from_args(args: Any) -> TahConfig:
-    """``TahConfig.from_args(args)``; a bad value raises ``ValueError`` naming its ``--tah-*`` flag."""
+    """``TahConfig.from_args(args)``, checked by every place (``places.check``); a bad value raises ``ValueError``
+    naming its ``--tah-*`` flag."""
     try:
-        return TahConfig.from_args(args)
+        config = TahConfig.from_args(args)
+        places.check(config)
+        return config
     except ValueError as err:
         given = " ".join(
             f"{flag_name(f.name)} {getattr(args, f.name)}"
@@ -182,9 +184,7 @@ def _validating_tah_arguments(original):
     def validate_args(args, *rest, **kwargs):
         if hasattr(args, dataclasses.fields(TahConfig)[0].name):
             try:  # before Megatron's own checks: nothing is built yet, and the message is one line
-                config = tah_config_from_args(args)
-                check_ring_exchange(config, args)
-                check_embedding_codec(config, args)
+                places.check_args(tah_config_from_args(args), args)
                 check_log_json(getattr(args, "tah_log_json", None))
             except ValueError as err:
                 print(f"error: {err}", file=sys.stderr, flush=True)

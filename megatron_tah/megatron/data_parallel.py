@@ -36,6 +36,7 @@ import types
 
 import torch
 
+from ..codecs import Codec
 from ..codecs.graphs import place_codec
 from ..config import TahConfig
 from . import collectives
@@ -113,8 +114,15 @@ def install(place) -> None:
     place.patches.wrap(BUCKET_GROUP, "start_grad_sync", _compressing(place))
 
 
+def codec(config: TahConfig) -> Codec | None:
+    """The gradient codec, 8-bit in blocks of ``tah_int8_block_size`` (None: megatron-core's reduction is left
+    alone)."""
+    return None if config.tah_dp_codec == "none" else config.build_codec(config.tah_dp_codec, 8,
+                                                                         config.tah_int8_block_size)
+
+
 PLACE = PlaceSpec(
-    name="dp", option="tah_dp_codec", install=install, codec=TahConfig.dp_codec,
+    name="dp", option="tah_dp_codec", install=install, codec=codec,
     streams=(Stream("dp_backward", "dp", "backward", "dp grad"),),
-    settings=lambda config: config.dp_codec().describe(),
+    settings=lambda config: codec(config).describe(),
 )

@@ -31,12 +31,12 @@ On a gloo group with CUDA tensors the buffers go through host memory (gloo sends
 Falls back to megatron-core's own all-reduce (one log line) when the embedding group does not hold
 exactly the first and the last stage (multi-token prediction), with Megatron-FSDP, or for a sharded
 (DTensor) gradient. With untied embeddings (``--untie-embeddings-and-output-weights``) or a single
-pipeline stage there is no such all-reduce: ``check_embedding_codec`` makes the flag an error in
-Megatron's argument validation (``arguments.py``); installed outside it, the place has nothing to
-replace a call of and sends nothing.
+pipeline stage there is no such all-reduce: ``check_embedding_codec`` (the place's ``check_args``) makes the
+flag an error in Megatron's argument validation; installed outside it, the place has nothing to replace a
+call of and sends nothing.
 
 ``tied_embedding_warning(config, args)``: the one start-up line of a run with a pipeline codec, tied
-embeddings and no embedding codec (the plugin prints it).
+embeddings and no embedding codec (the place's ``startup``, printed by the plugin).
 
 Statistics: stream ``embedding`` (``tah emb`` in the log: bytes this rank sent, against the all-reduce's
 ``vocabulary x hidden x element size``); the WAN ledger counts the bytes as the embedding group's codec bytes.
@@ -48,7 +48,7 @@ import logging
 
 import torch
 
-from ..codecs import CodecError, timing
+from ..codecs import Codec, CodecError, timing
 from ..codecs.base import SUPPORTED_DTYPES
 from ..config import TahConfig
 from . import collectives
@@ -254,7 +254,15 @@ def install(place) -> None:
     place.patches.wrap(FINALIZE, "_allreduce_word_embedding_grads", _compressing(place))
 
 
-# ----- checks and the start-up line --------------------------------------------------------------
+# ----- its codec, checks and start-up line --------------------------------------------------------
+def codec(config: TahConfig) -> Codec | None:
+    """The codec of the last stage's output-layer gradient, 8-bit in blocks of ``tah_int8_block_size`` (None:
+    megatron-core's all-reduce is left alone)."""
+    if config.tah_embedding_codec == "none":
+        return None
+    return config.build_codec(config.tah_embedding_codec, 8, config.tah_int8_block_size)
+
+
 def check_embedding_codec(config: TahConfig, args) -> None:
     """``ValueError`` when ``--tah-embedding-codec`` is on but Megatron's arguments leave nothing to compress."""
     if config.tah_embedding_codec == "none":
@@ -292,8 +300,15 @@ def tied_embedding_warning(config: TahConfig, args) -> str | None:
             f"per iteration ({each / 1e6:.1f} MB each way) beside the compressed pipeline; {remedy}")
 
 
+def startup(config: TahConfig, args) -> list[str]:
+    """The start-up lines: ``tied_embedding_warning``'s, if any."""
+    warning = tied_embedding_warning(config, args)
+    return [warning] if warning else []
+
+
 PLACE = PlaceSpec(
-    name=NAME, option="tah_embedding_codec", install=install, codec=TahConfig.embedding_codec,
+    name=NAME, option="tah_embedding_codec", install=install, codec=codec,
     streams=(Stream("embedding", NAME, "backward", "emb"),),
-    settings=lambda config: config.embedding_codec().describe(),
+    settings=lambda config: codec(config).describe(),
+    check_args=check_embedding_codec, startup=startup,
 )

@@ -16,24 +16,26 @@ last rank (``stats.reduce_to_last_rank``) and, on the last rank of the job:
         "codec_ms", "buffer_bytes", "tah": {stream: {...reduced statistics...}},
         "link_rel_error": {"src->dst": mean sampled round-trip error of that pipeline link}, "saved_memory",
         "auto": {"src->dst": {"codec", "rate_bps", "spread_bps"}: auto's codec and measured rate per link},
-        "wan_bytes", "wan_codec_bytes", "wan": {category: {"ops", "bytes", "codec_bytes"}}}
+        "wan_bytes", "wan_codec_bytes", "wan": {category: {"ops", "bytes", "codec_bytes"}},
+        "places": {place: {name: value}}}
 
    ``lm_loss`` is this iteration's loss (Megatron's printed value averages since the last reset),
    ``ms`` the wall time since the previous iteration's record (None for the first), bytes and
    ``codec_ms`` (encode + decode time) are this iteration's, summed over the pipeline's stages
    (``fwd_*``/``bwd_*`` and ``compression_ratio``: the pipeline's; ``tah`` has every stream of
-   ``places.STREAMS``); ``saved_memory`` is LAAQ's per-stage peak ({} without it); ``wan_bytes`` the WAN
+   ``places.streams()``); ``saved_memory`` is LAAQ's per-stage peak ({} without it); ``wan_bytes`` the WAN
    ledger's bytes (everything that crossed a stage boundary, summed over the pipeline's stages: ``ledger.py``
    says how each operation is billed), ``wan_codec_bytes`` the part that went through a codec, ``wan`` per
-   category (``stats.WAN_CATEGORIES``);
+   category (``stats.WAN_CATEGORIES``); ``places`` the levels of each installed place's ``statistics`` hook,
+   summed over the stages;
 2. on printing iterations, appends ``stats.format_for_log`` of the training traffic since the
    previous line, per iteration (``tah fwd MB/iter``, ``tah codec ms/iter``: divided by the
    iterations since that line, as Megatron divides its own items; like Megatron's, the first
    iteration's line does not start a new span), to the iteration line Megatron prints, and writes
    the same as scalars to the TensorBoard and wandb writers: ``tah/<stream>_<count>_per_iter``
    (messages, raw_bytes, wire_bytes) and ``tah/<stream>_<mean>`` (ratio, rel_error,
-   rotated_fraction). Streams of the pipeline always; ``tp_*`` / ``dp_*`` only while that place is
-   installed (``REGISTRY.places``). The line starts with the WAN ledger (`` wan MB/iter: 25.918 | wan
+   rotated_fraction), and ``tah/<place>_<name>`` for a place's own levels. Streams of the pipeline always;
+   ``tp_*`` / ``dp_*`` only while that place is installed (``REGISTRY.places``). The line starts with the WAN ledger (`` wan MB/iter: 25.918 | wan
    compressed: 0.7% |``) and the scalars carry it as ``tah/wan_bytes_per_iter``,
    ``tah/wan_codec_bytes_per_iter`` and ``tah/wan_<category>_bytes_per_iter``.
 
@@ -68,7 +70,6 @@ from .registry import REGISTRY
 
 TRAINING = "megatron.training.training"
 DIRECTIONS = stats.DIRECTIONS
-STREAMS = tuple(stream.key for stream in places.STREAMS)  # the pipeline's directions, then tp and dp streams
 PER_ITERATION_KEYS = ("messages", "raw_bytes", "wire_bytes")  # scalars tah/<stream>_<key>_per_iter
 MEAN_KEYS = ("ratio", "rel_error", "rotated_fraction")  # scalars tah/<stream>_<key>
 # training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
@@ -112,19 +113,20 @@ def _number(value) -> float | None:
 
 
 def streams_on() -> tuple[str, ...]:
-    """The ``places.STREAMS`` keys to report: an always-on place's (the pipeline's) always, the others' while
+    """The ``places.streams()`` keys to report: an always-on place's (the pipeline's) always, the others' while
     installed."""
-    return tuple(stream.key for stream in places.STREAMS
+    return tuple(stream.key for stream in places.streams()
                  if places.PLACES[stream.place].option is None or stream.place in REGISTRY.places)
 
 
-def scalars(reduced: dict, iterations: int = 1, streams: tuple[str, ...] = STREAMS) -> dict[str, float]:
+def scalars(reduced: dict, iterations: int = 1, streams: tuple[str, ...] | None = None) -> dict[str, float]:
     """Flatten the reduced statistics of ``iterations`` iterations into ``{"tah/forward_wire_bytes_per_iter":
-    1.2e6, "tah/forward_ratio": 3.6, ...}`` for ``streams``, skipping missing/NaN values."""
+    1.2e6, "tah/forward_ratio": 3.6, ...}`` for ``streams`` (None: every stream of ``reduced``), skipping
+    missing/NaN values, and each place's own levels (``tah/<place>_<name>``)."""
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     out = {}
-    for stream in streams:
+    for stream in stats.stream_keys(reduced) if streams is None else streams:
         for key in (*PER_ITERATION_KEYS, *MEAN_KEYS):
             value = reduced.get(stream, {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -136,11 +138,13 @@ def scalars(reduced: dict, iterations: int = 1, streams: tuple[str, ...] = STREA
         out["tah/wan_codec_bytes_per_iter"] = codec / iterations
         for category, sums in reduced["wan"].items():
             out[f"tah/wan_{category}_bytes_per_iter"] = sums["bytes"] / iterations
+    for place, values in reduced.get("places", {}).items():
+        out.update({f"tah/{place}_{name}": float(value) for name, value in values.items()})
     return out
 
 
 def write_scalars(reduced: dict, iteration: int, writer=None, wandb_writer=None, iterations: int = 1,
-                  streams: tuple[str, ...] = STREAMS) -> dict[str, float]:
+                  streams: tuple[str, ...] | None = None) -> dict[str, float]:
     """Write ``scalars(reduced, iterations, streams)`` to a TensorBoard ``SummaryWriter`` and/or a wandb run
     (either may be None)."""
     values = scalars(reduced, iterations, streams)
@@ -157,6 +161,7 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
     """The JSON record of one training iteration (see the module docstring)."""
     fwd, bwd = reduced["forward"], reduced["backward"]
     raw, wire = fwd["raw_bytes"] + bwd["raw_bytes"], fwd["wire_bytes"] + bwd["wire_bytes"]
+    streams = stats.stream_keys(reduced)
     loss = loss_dict.get("lm loss") if loss_dict else None
     tokens = margs.global_batch_size * margs.seq_length
     return {
@@ -171,14 +176,15 @@ def iteration_record(margs, iteration: int, reduced: dict, loss_dict: dict, lear
         "fwd_raw_bytes": fwd["raw_bytes"], "fwd_wire_bytes": fwd["wire_bytes"],
         "bwd_raw_bytes": bwd["raw_bytes"], "bwd_wire_bytes": bwd["wire_bytes"],
         "compression_ratio": raw / wire if wire else None,
-        "codec_ms": 1e3 * sum(reduced[d]["encode_seconds"] + reduced[d]["decode_seconds"] for d in STREAMS),
+        "codec_ms": 1e3 * sum(reduced[d]["encode_seconds"] + reduced[d]["decode_seconds"] for d in streams),
         "buffer_bytes": int(reduced.get("buffer_bytes", 0)),
-        "tah": {d: reduced[d] for d in STREAMS},
+        "tah": {d: reduced[d] for d in streams},
         "link_rel_error": stats.link_rel_errors(reduced),
         "saved_memory": {str(rank): peaks for rank, peaks in reduced.get("saved_memory", {}).items()},
         "auto": {f"{src}->{dst}": item for (src, dst), item in sorted(reduced.get("auto", {}).items())},
         "wan_bytes": stats.wan_totals(reduced)[0], "wan_codec_bytes": stats.wan_totals(reduced)[1],
         "wan": reduced.get("wan", {}),
+        "places": reduced.get("places", {}),
     }
 
 
@@ -392,7 +398,7 @@ def install_logging() -> None:
     if patches:
         return
     REGISTRY.log = LogState()
-    REGISTRY.stats.declare(places.STREAMS)  # every stream is in the records, installed or not
+    REGISTRY.stats.declare(places.streams())  # every stream is in the records, installed or not
     patches.wrap(TRAINING, "training_log", _logging_training_log)
     patches.wrap(TRAINING, "evaluate", _recording_evaluate)
     patches.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation)

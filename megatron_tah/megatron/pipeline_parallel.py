@@ -9,7 +9,9 @@ module hands the transport what it needs from Megatron: the statistics sink, the
 (``args.curr_iteration``, read when a message needs it) and the interleaved schedule's virtual stages.
 
 Megatron's ``--use-ring-exchange-p2p`` sends through ``torch.distributed.ring_exchange`` instead of
-the two transports: with a pipeline codec other than ``none`` it is an error at install, naming the flag.
+the two transports: with a pipeline codec other than ``none`` it is an error, naming the flag, while Megatron
+validates its arguments (the place's ``check_args``) and again at install. Its start-up line names the two
+directions' codecs (``startup``).
 
 The module's functions (``push_sample_ids``, ``evaluation``, ``codec_states``,
 ``load_codec_states``, ``installed_transport``) act on the installed transport, found through
@@ -85,6 +87,12 @@ def check_ring_exchange(config: TahConfig, args=None) -> None:
                          "drop --use-ring-exchange-p2p or set the pipeline codecs to none")
 
 
+def startup(config: TahConfig, args) -> list[str]:
+    """The start-up line: the codecs of activations and of their gradients."""
+    return [f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
+            f"activation gradients via {config.backward_codec().describe()}"]
+
+
 # ----- the place: install / uninstall ----------------------------------------------------------
 def _replacing(transport: PipelineTransport, name: str):
     """``Patches.wrap``'s factory for megatron-core's transport ``name``."""
@@ -123,6 +131,7 @@ def uninstall(place) -> None:
 PLACE = PlaceSpec(
     name=NAME, option=None, install=install, uninstall=uninstall,
     streams=(Stream("forward", NAME, "forward", "fwd"), Stream("backward", NAME, "backward", "bwd")),
+    check_args=check_ring_exchange, startup=startup,
 )
 
 

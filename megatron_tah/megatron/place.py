@@ -1,10 +1,12 @@
 """A place megatron_tah compresses: its declaration (``PlaceSpec``) and what it has installed (``Place``).
 
-Every place module (``pipeline_parallel``, ``tensor_parallel``, ``data_parallel``,
-``activation_memory``) ends with one ``PLACE = PlaceSpec(...)``, as every codec file starts with its
-``DECLARATION``: the ``TahConfig`` field that turns it on, how its codec is built, its statistics
-streams, the settings text ranks must agree on, and its install / uninstall. ``places.py`` builds
-its table from those declarations and makes one :class:`Place` per place that is on.
+Every place module (``pipeline_parallel``, ``tensor_parallel``, ``data_parallel``, ``embedding``,
+``activation_memory``, ``ledger``) ends with one ``PLACE = PlaceSpec(...)``, as every codec file starts with
+its ``DECLARATION``: the ``TahConfig`` field that turns it on, how its codec is built, its statistics, the
+settings text ranks must agree on, its install / uninstall, and its own hooks -- its checks of the
+configuration and of Megatron's arguments, its start-up lines. ``places.py`` builds its table from those
+declarations, runs their hooks (the flags' validation and the plugin's start-up call it) and makes one
+:class:`Place` per place that is on.
 
 ``direction()`` tells a place's patches whether they run in the forward or the backward pass.
 """
@@ -17,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codecs import Codec
+from ..codecs import Codec, CodecError, codec_declaration
 from ..codecs.graphs import GraphedCodec, eager
 from ..config import TahConfig
 from .collectives import Traffic
@@ -39,10 +41,21 @@ class PlaceSpec:
 
     ``name``: the place ("pp", "tp", ...). ``option``: the ``TahConfig`` field that turns it on (its value
     ``"none"``: off), None: always on. ``codec``: builds the place's codec from the config (None: the
-    module builds its own). ``streams``: its statistics streams. ``settings``: the text of its settings,
-    which every rank must share (None: the place checks its peers itself, as the pipeline does).
-    ``install(place)`` replaces megatron-core functions through ``place.patches`` only;
+    module builds its own). ``streams``: its statistics streams (the log line's columns). ``settings``: the
+    text of its settings, which every rank must share (None: the place checks its peers itself, as the
+    pipeline does). ``install(place)`` replaces megatron-core functions through ``place.patches`` only;
     ``uninstall(place)``, if any, runs before those patches are restored.
+
+    Its hooks, each optional (``places.py`` runs the first three for every place, on or off):
+
+    * ``check(config)``: raise ``ValueError`` naming the field and value when ``config`` cannot run the place
+      (no Megatron needed; ``validate`` runs it after the checks of the place's codec);
+    * ``check_args(config, args)``: raise ``ValueError`` (one line, naming the flags) when Megatron's parsed
+      arguments leave the place nothing to do or go around it; run while Megatron validates its arguments;
+    * ``startup(config, args)``: the lines printed once at start-up (warnings, what the place does);
+    * ``statistics(place)``: an installed place's own levels, ``{name: value}`` with the same names on every
+      rank, read whenever the statistics are collected and summed over the pipeline's ranks (the log line's
+      ``tah <place> <name>``, the JSON record's ``places``).
     """
 
     name: str
@@ -52,6 +65,10 @@ class PlaceSpec:
     streams: tuple[Stream, ...] = ()
     settings: Callable[[TahConfig], str] | None = None
     uninstall: Callable[["Place"], None] | None = None
+    check: Callable[[TahConfig], None] | None = None
+    check_args: Callable[[TahConfig, Any], None] | None = None
+    startup: Callable[[TahConfig, Any], list[str]] | None = None
+    statistics: Callable[["Place"], dict[str, float]] | None = None
 
     def __post_init__(self):
         fields = {f.name for f in dataclasses.fields(TahConfig)}
@@ -63,6 +80,21 @@ class PlaceSpec:
 
     def is_on(self, config: TahConfig) -> bool:
         return self.option is None or getattr(config, self.option) != "none"
+
+    def validate(self, config: TahConfig) -> None:
+        """``ValueError`` naming the field and value when ``config`` cannot run this place: its codec, when on,
+        must build and, with ``tah_backend = 'triton'``, have a kernel; then the place's own ``check``."""
+        if self.codec is not None and self.is_on(config):
+            name = getattr(config, self.option)
+            try:
+                codec = self.codec(config)
+            except CodecError as err:
+                raise ValueError(f"{self.option} = {name!r}: {err}") from None
+            if config.tah_backend == "triton" and not codec_declaration(codec.name).kernel:
+                raise ValueError(f"tah_backend = 'triton' with {self.option} = {name!r}: it has no Triton kernel; "
+                                 "use auto or torch")
+        if self.check is not None:
+            self.check(config)
 
 
 @dataclasses.dataclass

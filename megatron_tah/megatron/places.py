@@ -13,14 +13,22 @@ place                  option (``TahConfig``)            what it replaces (modul
 =====================  ================================  ===============================================
 
 Each place declares itself at the end of its module (``PLACE``, a ``place.PlaceSpec``: its option,
-codec, statistics streams, settings text, install and uninstall); ``PLACES`` is the table of those
-declarations, in install order, and ``STREAMS`` their statistics streams. The ledger comes last: the
+codec, statistics, settings text, install and uninstall, and its hooks); ``PLACES`` is the table of those
+declarations, in install order, and ``streams()`` their statistics streams (``STREAMS``: the table's at
+import, for a sink built outside ``install``). The ledger comes last: the
 other places patch megatron-core's functions as they found them (``Patches.wrap`` leaves a function that
 is already ours alone, so a counting function in front would keep a place out), and what they send goes
 through ``torch.distributed``, looked up at call time, where the ledger counts it.
 
-``install(config, **overrides)`` applies the CPU shims when CUDA is absent (``cpu_shims``), then
-checks that every rank was given the same settings for the collective places: when
+The places' hooks run here, for every place in ``PLACES``, on or off: ``check(config)`` (each place's
+``validate``: its codec, then its own ``check``; the flags' validation runs it through
+``arguments.tah_config_from_args``, and ``install`` before anything is installed), ``check_args(config,
+args)`` (Megatron's parsed arguments, from the flags' validation hook) and ``startup_lines(config, args)``
+(printed once by the plugin after Megatron's initialization). An installed place's ``statistics`` hook is
+the statistics sink's source under its name (``Stats.sources``).
+
+``install(config, **overrides)`` applies the CPU shims when CUDA is absent (``cpu_shims``), runs
+``check(config)``, then checks that every rank was given the same settings for the collective places: when
 ``torch.distributed`` is initialised it all-gathers each rank's ``settings`` over the default group
 (every rank that installs takes part, whatever its settings) and raises :class:`PlaceMismatchError`
 on every rank if any differ, naming them, instead of letting one rank wait in a collective the
@@ -33,18 +41,21 @@ again is a no-op; another configuration replaces every place (fresh codecs, coun
 
 How to add a place:
 
-1. its option: a ``TahConfig`` field (``"none"``: off) and, with a codec, a ``TahConfig`` method
-   building it (``config/tah_config.py``; the ``--tah-*`` flag follows from the field);
-2. a module here with ``install(place)`` that replaces megatron-core functions only through
-   ``place.patches`` and counts traffic with ``place.record`` (optionally ``uninstall(place)``),
-   ending with its ``PLACE = PlaceSpec(...)``; tests in ``tests/test_<module>.py``;
-3. its ``PLACE`` in ``PLACES`` below.
+1. a module here with ``install(place)`` that replaces megatron-core functions only through
+   ``place.patches`` and counts traffic with ``place.record`` (optionally ``uninstall(place)``), its codec
+   builder, checks and start-up lines, ending with its ``PLACE = PlaceSpec(...)``; tests in
+   ``tests/test_<module>.py``;
+2. its ``PLACE`` in ``PLACES`` below;
+3. with an option: its ``TahConfig`` field (``"none"``: off; its choices in the field's metadata), from
+   which the ``--tah-*`` flag follows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from typing import Any
 
 import torch
 
@@ -52,17 +63,25 @@ from ..config import TahConfig
 from . import activation_memory, cpu_shims, data_parallel, embedding, ledger, pipeline_parallel, tensor_parallel
 from .place import Place, PlaceSpec
 from .registry import REGISTRY
+from .stats import Stream
 
 logger = logging.getLogger(__name__)
 
 PLACES: dict[str, PlaceSpec] = {spec.name: spec for spec in (
     pipeline_parallel.PLACE, tensor_parallel.PLACE, data_parallel.PLACE, embedding.PLACE, activation_memory.PLACE,
     ledger.PLACE)}
-STREAMS = tuple(stream for spec in PLACES.values() for stream in spec.streams)
-"""Every place's statistics streams, in ``PLACES`` order (what ``REGISTRY.stats`` counts)."""
 
-__all__ = ["PLACES", "STREAMS", "Place", "PlaceMismatchError", "check_ranks_agree", "install", "installed",
-           "settings", "uninstall"]
+
+def streams() -> tuple[Stream, ...]:
+    """Every place's statistics streams, in ``PLACES`` order (what ``REGISTRY.stats`` counts)."""
+    return tuple(stream for spec in PLACES.values() for stream in spec.streams)
+
+
+STREAMS = streams()
+"""The streams of the places in ``PLACES`` at import (``streams()`` reads the table as it is now)."""
+
+__all__ = ["PLACES", "STREAMS", "Place", "PlaceMismatchError", "check", "check_args", "check_ranks_agree", "install",
+           "installed", "settings", "startup_lines", "streams", "uninstall"]
 
 
 class PlaceMismatchError(RuntimeError):
@@ -73,6 +92,31 @@ def settings(config: TahConfig) -> dict[str, str]:
     """Each collective place's settings as text ("none" when off): what ranks must agree on."""
     return {name: spec.settings(config) if spec.is_on(config) else "none"
             for name, spec in PLACES.items() if spec.settings is not None}
+
+
+def check(config: TahConfig) -> None:
+    """Every place's ``validate(config)``: ``ValueError`` naming the field and value of what cannot run."""
+    for spec in PLACES.values():
+        spec.validate(config)
+
+
+def check_args(config: TahConfig, args: Any) -> None:
+    """Every place's ``check_args`` against Megatron's parsed ``args``: ``ValueError`` naming the flags."""
+    for spec in PLACES.values():
+        if spec.check_args is not None:
+            spec.check_args(config, args)
+
+
+def startup_lines(config: TahConfig, args: Any) -> list[str]:
+    """The start-up lines of a run with ``config`` and Megatron's ``args``: the always-on places' own lines, one
+    line naming the places the flags turned on (``settings``), then the other places' own lines."""
+    def own(always: bool) -> list[str]:
+        return [line for spec in PLACES.values() if spec.startup is not None and (spec.option is None) == always
+                for line in spec.startup(config, args)]
+
+    on = {place: value for place, value in settings(config).items() if value != "none"}
+    summary = ["> megatron_tah: " + ", ".join(f"{place} via {value}" for place, value in on.items())] if on else []
+    return own(True) + summary + own(False)
 
 
 def check_ranks_agree(config: TahConfig, group=None) -> None:
@@ -112,8 +156,9 @@ def install(config: TahConfig | None = None, **overrides) -> None:
         return
     cpu_shims.hold_cpu_shims("install")
     _remove_places()
-    REGISTRY.stats.declare(STREAMS)
+    REGISTRY.stats.declare(streams())
     try:
+        check(config)
         check_ranks_agree(config)
         for name, spec in PLACES.items():
             if not spec.is_on(config):
@@ -121,6 +166,8 @@ def install(config: TahConfig | None = None, **overrides) -> None:
             place = Place(name, config, spec.codec(config) if spec.codec else None, stats=REGISTRY.stats)
             REGISTRY.places[name] = place
             spec.install(place)
+            if spec.statistics is not None:
+                REGISTRY.stats.sources[name] = functools.partial(spec.statistics, place)
             if spec.settings is not None:
                 logger.info("megatron_tah: %s compressed (%s)", name, spec.settings(config))
     except Exception:
@@ -132,6 +179,7 @@ def install(config: TahConfig | None = None, **overrides) -> None:
 def _remove_places() -> None:
     for name in reversed(list(REGISTRY.places)):
         place = REGISTRY.places.pop(name)
+        REGISTRY.stats.sources.pop(name, None)
         if PLACES[name].uninstall is not None:
             PLACES[name].uninstall(place)
         place.patches.restore()

@@ -13,9 +13,8 @@ idempotently and before Megatron parses its arguments:
   built -- ``megatron_tah.install(TahConfig.from_args(get_args()))`` replaces the pipeline
   transports and installs the tensor-parallel, data-parallel and activation-memory places that
   the flags turn on (``places.py``); without CUDA the wrapper passes Megatron's own ``allow_no_cuda=True``.
-  A run with a pipeline codec, tied embeddings and no ``--tah-embedding-codec`` gets one line naming the
-  bytes the embedding all-reduce sends uncompressed per iteration and the two remedies
-  (``embedding.tied_embedding_warning``);
+  Then it prints the places' start-up lines (``places.startup_lines``: each place's own, e.g. the
+  pipeline's codecs or the tied embedding's uncompressed bytes, and which places are on).
   Opt-in: when every ``--tah-*`` flag is at its default nothing is installed, the log-line wrappers
   are taken off again, and one ``OFF_MESSAGE`` line says how to turn compression on;
 - wraps Megatron's ``_initialize_distributed`` for several ranks per GPU (``share_gpus.py``): on with
@@ -41,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codec_state, cpu_shims, embedding, peer_timeout, places, share_gpus
+from . import codec_state, cpu_shims, peer_timeout, places, share_gpus
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .dataset_helpers import compiling_with_this_python
 from .logging import install_logging, uninstall_logging
@@ -68,14 +67,8 @@ def _initializing_then_installing(original):
             return result
         places.install(config)
         REGISTRY.plugin_installed_places = True
-        print_rank_0(f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
-                     f"activation gradients via {config.backward_codec().describe()}")
-        on = {place: value for place, value in places.settings(config).items() if value != "none"}
-        if on:
-            print_rank_0("> megatron_tah: " + ", ".join(f"{place} via {value}" for place, value in on.items()))
-        warning = embedding.tied_embedding_warning(config, get_args())
-        if warning:
-            print_rank_0(warning)
+        for line in places.startup_lines(config, get_args()):
+            print_rank_0(line)
         return result
 
     return initialize_megatron

@@ -31,7 +31,7 @@ class Registry:
     """Installed places by name, in install order; each owns its patches."""
     stats: Stats = dataclasses.field(default_factory=Stats)
     """The statistics sink every place records into; the training log collects it (its streams are
-    declared by ``places.install`` and the log's install: ``places.STREAMS``)."""
+    declared by ``places.install`` and the log's install: ``places.streams()``)."""
     cpu_shims: Patches = dataclasses.field(default_factory=Patches)
     """The CPU shims' replacements (``cpu_shims.py``), whoever applied them."""
     cpu_shim_holders: set[str] = dataclasses.field(default_factory=set)

@@ -1,6 +1,6 @@
 """Per-rank traffic statistics: what the compressing transports and collectives sent, per stream.
 
-A *stream* (:class:`Stream`) is one place and direction, declared by the place (``places.STREAMS``
+A *stream* (:class:`Stream`) is one place and direction, declared by the place (``places.streams()``
 gathers them): the pipeline's activations (``"forward"``) and activation gradients
 (``"backward"``), the tensor-parallel collectives' forward and backward traffic (``"tp_forward"``,
 ``"tp_backward"``) and the data-parallel gradient reduction (``"dp_backward"``). A :class:`Stats`
@@ -18,7 +18,8 @@ collect, i.e. one iteration when the training log collects every iteration::
      "buffer_bytes": bytes held in per-sample codec buffers (AQ-SGD) now,
      "saved_memory": {global_rank: {"bits", "raw_bytes", "stored_bytes"}},
      "auto": {(src_global_rank, dst_global_rank): {"codec", "rate_bps", "spread_bps"}},
-     "wan": {category: {"ops", "bytes", "codec_bytes"}}}
+     "wan": {category: {"ops", "bytes", "codec_bytes"}},
+     "places": {place: {name: value}}}
 
 ``wan`` is the WAN ledger (``ledger.py`` records it): bytes this rank handed to operations that cross a
 pipeline-stage boundary, per ``WAN_CATEGORIES`` (``pipeline``: point-to-point sends to another stage, the
@@ -28,6 +29,9 @@ loss, grad norm, timers, the statistics' own reduction), ``ops`` the operations 
 ``codec_bytes`` the part of ``bytes`` that went through a megatron_tah codec: pipeline messages smaller
 than their tensor (``record_send``: a codec other than ``none``) and what a compressing place sends inside
 ``codec_traffic()``.
+
+``places``: each installed place's own levels, read from the sink's ``sources`` (a place's ``statistics`` hook,
+``place.PlaceSpec``) at every ``collect``; summed over ranks, the later one kept by ``merge`` (levels, not counts).
 
 ``auto`` (``--tah-*-codec auto``): per pipeline link, the codec its sender used last and the last
 measured rate and spread of the link (None before the first measurement); a level, not a count.
@@ -59,7 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -71,7 +75,7 @@ _MEMORY = ("bits", "raw_bytes", "stored_bytes")
 # Per stream, in this order, in the reduction tensor.
 _SUMS = ("messages", "raw_bytes", "wire_bytes", "rel_error_sum", "rel_error_samples",
          "rotated_sum", "rotated_samples", "encode_seconds", "decode_seconds")
-_NOT_STREAMS = ("links", "link_errors", "auto", "buffer_bytes", "saved_memory", "wan")  # collect()'s other keys
+_NOT_STREAMS = ("links", "link_errors", "auto", "buffer_bytes", "saved_memory", "wan", "places")  # collect()'s others
 WAN_CATEGORIES = ("pipeline", "embedding", "dp", "other")
 """The WAN ledger's categories (``wan`` in ``collect()``), in the reduction's order."""
 _WAN_SUMS = ("ops", "bytes", "codec_bytes")
@@ -119,7 +123,8 @@ class Stats:
     ``streams``: the :class:`Stream` s counted (more with ``declare``). ``buffer_source``: a callable
     returning the bytes held in per-sample codec buffers (the pipeline transport's), None: 0.
     ``memory_source``: a callable ``source(reset)`` returning saved-tensor peaks
-    ``{"bits", "raw_bytes", "stored_bytes"}`` or None (LAAQ's), None: nothing measured.
+    ``{"bits", "raw_bytes", "stored_bytes"}`` or None (LAAQ's), None: nothing measured. ``sources``: per
+    installed place, a callable returning its own levels ``{name: value}`` (``places.install`` sets them).
     """
 
     def __init__(self, streams: Iterable[Stream] = ()):
@@ -134,6 +139,7 @@ class Stats:
         self._codec_traffic = threading.local()  # .depth: inside codec_traffic() on this thread
         self.buffer_source = None
         self.memory_source = None
+        self.sources: dict[str, Callable[[], dict[str, float]]] = {}
 
     def declare(self, streams: Iterable[Stream]) -> None:
         """Count ``streams`` from now on (a stream already declared is kept as it is)."""
@@ -282,6 +288,8 @@ class Stats:
             result["buffer_bytes"] = int(self.buffer_source()) if self.buffer_source is not None else 0
             memory = self.memory_source(reset) if self.memory_source is not None else None
             result["saved_memory"] = {_this_rank(): {k: int(memory[k]) for k in _MEMORY}} if memory else {}
+            result["places"] = {place: {name: float(value) for name, value in read().items()}
+                                for place, read in self.sources.items()}
             if reset:
                 self._totals, self._links, self._link_errors, self._auto = _empty(self.streams), {}, {}, {}
                 self._wan = _empty_wan()
@@ -340,6 +348,7 @@ def merge(total: dict | None, more: dict) -> dict:
         memory[rank] = dict(peaks) if old is None or peaks["stored_bytes"] >= old["stored_bytes"] else old
     result["saved_memory"] = memory
     result["auto"] = {**total.get("auto", {}), **more.get("auto", {})}
+    result["places"] = more.get("places", {})
     wan = _empty_wan()
     for part in (total, more):
         for category, sums in (part.get("wan") or {}).items():
@@ -374,7 +383,7 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     me = dist.get_rank(group)
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
     index = {g: i for i, g in enumerate(ranks)}
-    streams = stream_keys(stats)  # (the same on every rank: each declares places.STREAMS)
+    streams = stream_keys(stats)  # (the same on every rank: each declares places.streams())
     scalars = [_to_sums(stats[d])[k] for d in streams for k in _SUMS] + [float(stats.get("buffer_bytes", 0))]
     links = torch.zeros(3, size * size, dtype=torch.float64)  # wire bytes, error sums, error samples
     for (src, dst), nbytes in stats["links"].items():
@@ -397,8 +406,11 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
                 [CANDIDATES.index(item["codec"]) + 1, item["rate_bps"] or 0.0, item["spread_bps"] or 0.0])
     wan = stats.get("wan") or _empty_wan()
     ledger = torch.tensor([float(wan[c][k]) for c in WAN_CATEGORIES for k in _WAN_SUMS], dtype=torch.float64)
+    own = stats.get("places", {})  # (the same places and names on every rank)
+    levels = torch.tensor([value for values in own.values() for value in values.values()], dtype=torch.float64)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory, auto.reshape(-1), ledger]).to(device)
+    packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory, auto.reshape(-1), ledger,
+                        levels]).to(device)
     last = ranks[-1]
     dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group)
     if me != size - 1:
@@ -421,8 +433,11 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
                                              "rate_bps": float(rate[s, t]) or None,
                                              "spread_bps": float(spread[s, t]) if rate[s, t] else None}
                       for s, t in codec.nonzero().tolist()}
-    ledger = packed[start + 3 * size * size:].reshape(len(WAN_CATEGORIES), len(_WAN_SUMS)).tolist()
-    result["wan"] = {c: {k: int(v) for k, v in zip(_WAN_SUMS, row)} for c, row in zip(WAN_CATEGORIES, ledger)}
+    start += 3 * size * size
+    rows = packed[start:start + len(ledger)].reshape(len(WAN_CATEGORIES), len(_WAN_SUMS)).tolist()
+    result["wan"] = {c: {k: int(v) for k, v in zip(_WAN_SUMS, row)} for c, row in zip(WAN_CATEGORIES, rows)}
+    summed = iter(packed[start + len(ledger):].tolist())
+    result["places"] = {place: {name: next(summed) for name in values} for place, values in own.items()}
     return result
 
 
@@ -446,7 +461,8 @@ def format_for_log(stats: dict, labels: dict[str, str], iterations: int | None =
     ``wan compressed`` the share of them that went through a codec (``wan`` in the module docstring).
     ``tah codec ms`` is encode + decode time summed over the ranks reduced (not a critical path);
     ``tah buffer MB`` (a level) appears when a per-sample buffer (AQ-SGD) holds data, ``tah saved MB`` (peak
-    bytes saved for backward, as stored / as they would have been, summed over stages) with LAAQ.
+    bytes saved for backward, as stored / as they would have been, summed over stages) with LAAQ; ``tah <place>
+    <name>`` each non-zero level a place's ``statistics`` hook reports (``places``).
     """
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be >= 1 (or None for totals), got {iterations}")
@@ -479,4 +495,6 @@ def format_for_log(stats: dict, labels: dict[str, str], iterations: int | None =
         stored = sum(m["stored_bytes"] for m in memory.values()) / 1e6
         raw = sum(m["raw_bytes"] for m in memory.values()) / 1e6
         parts.append(f"tah saved MB: {stored:.1f}/{raw:.1f}")
+    parts += [f"tah {place} {name}: {value:.4g}" for place, values in stats.get("places", {}).items()
+              for name, value in values.items() if value]
     return "".join(f" {p} |" for p in parts)

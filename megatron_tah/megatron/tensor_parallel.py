@@ -36,6 +36,7 @@ import inspect
 
 import torch
 
+from ..codecs import Codec
 from ..codecs.graphs import place_codec
 from ..config import TahConfig
 from . import collectives
@@ -131,8 +132,14 @@ def install(place) -> None:
         patches.wrap(LAYERS, name, _dgrad_through_reduce)
 
 
+def codec(config: TahConfig) -> Codec | None:
+    """The collectives' codec, 8-bit in groups of ``tah_fp8_group_size`` (None: megatron-core's are left alone)."""
+    return None if config.tah_tp_codec == "none" else config.build_codec(config.tah_tp_codec, 8,
+                                                                         config.tah_fp8_group_size)
+
+
 PLACE = PlaceSpec(
-    name="tp", option="tah_tp_codec", install=install, codec=TahConfig.tp_codec,
+    name="tp", option="tah_tp_codec", install=install, codec=codec,
     streams=(Stream("tp_forward", "tp", "forward", "tp fwd"), Stream("tp_backward", "tp", "backward", "tp bwd")),
-    settings=lambda config: config.tp_codec().describe(),
+    settings=lambda config: codec(config).describe(),
 )
