@@ -152,7 +152,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     fixed = uses_fixed_epoch_samples(args)
     sizes = [None, None, train_val_test_num_samples[2]] if fixed else train_val_test_num_samples
     on_rank = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
-    if args.eval_data_seed is None:
+    eval_data_seed = getattr(args, "eval_data_seed", None)  # absent where a checkout's own script parsed the flags
+    if eval_data_seed is None:
         train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, on_rank, _dataset_config(args)).build()
     else:  # the evaluation splits in an order of their own, sized by one evaluation: the same for every seed and
         # schedule (Megatron sizes a split by all the evaluations of the schedule, and a size of more epochs than
@@ -161,7 +162,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
             GPTDataset, sizes, on_rank, _dataset_config(args, splits=(True, False, False))).build()
         one = args.eval_iters * args.global_batch_size
         _, valid, test = BlendedMegatronDatasetBuilder(
-            GPTDataset, [sizes[0], one, one], on_rank, _dataset_config(args, args.eval_data_seed, (False, True, True))
+            GPTDataset, [sizes[0], one, one], on_rank, _dataset_config(args, eval_data_seed, (False, True, True))
         ).build()
     if getattr(args, "fixed_validation", False) and valid is not None:
         valid = RepeatedSamples(valid, max(len(valid), train_val_test_num_samples[1]),

@@ -29,7 +29,7 @@ LAYERS = (
     ("config",),
     ("link",),
     ("megatron",),
-    ("pretrain_gpt", "launch", "demo", "data", "slow_link", "restart", "__init__"),  # "__init__": the package itself
+    ("pretrain_gpt", "launch", "demo", "data", "slow_link", "restart", "hf_checkpoint", "__init__"),  # "__init__": the package itself
     ("benchmarks", "scripts"),
 )
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
