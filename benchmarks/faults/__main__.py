@@ -11,8 +11,9 @@ first checkpoint: signals to stage 1's process (kill, freeze), or in-process fau
 stage 1 (``site/sitecustomize.py``: a message held back, a payload byte flipped; this kernel has no
 ``netem``, and a frozen or killed peer is what a cut link or a dead machine look like from the other
 end). Each row says what happened (continued / stopped with the message naming the link and the
-iteration, then resumed by the script / failed / hang), the time lost against the uninterrupted run,
-and whether every iteration's loss equals the uninterrupted run's, bit for bit.
+iteration -- the restart loop's first error of the run, whichever process exited first --, then resumed by the
+script / failed / hang), the time lost against the uninterrupted run, and whether every iteration's loss equals
+the uninterrupted run's, bit for bit.
 
 Two more parts, run with the scenarios (or alone: ``--only ratedrop``, ``--only checksum-cost``):
 
