@@ -16,10 +16,13 @@ in a row that fail without logging an iteration to ``--log-json`` (the failure i
 interrupted supervisor (Ctrl-C, SIGTERM: COMMAND's process group is stopped, then this exits).
 
 What it prints (``[restart HH:MM:SS] ...`` lines): each failure -- its exit status, the checkpoint the next
-attempt resumes from and how much training since it is redone --, each new attempt's start-up until it logged
-its first iteration (with ``--log-json``, the file ``--tah-log-json`` writes), and at the end the time lost
-to failures: the work after each last checkpoint (the time to notice the fault included), the waits between
-attempts and the restarts' start-up. Exit status: the last attempt's.
+attempt resumes from and how much training since it is redone, and the error it stopped on (``first error of
+attempt N: ...``: the first its ranks recorded in the attempt's ``TAH_ERROR_DIR``, ``megatron/failures.py``, e.g.
+the checksum error naming the link and iteration, not a neighbour's lost connection nor whichever process exited
+first; no such line when no rank recorded one) --, each new attempt's start-up until it logged its first
+iteration (with ``--log-json``, the file ``--tah-log-json`` writes), and at the end the time lost to failures:
+the work after each last checkpoint (the time to notice the fault included), the waits between attempts and the
+restarts' start-up. Exit status: the last attempt's.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
+from .megatron import failures
 from .slow_link import stop_process
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the iteration of the latest complete checkpoint
@@ -82,6 +87,7 @@ class Attempt:
     end: float = 0.0
     status: int | None = None
     first_record_at: float | None = None  # when it logged its first record (None: never, or not watched)
+    error: failures.RankError | None = None  # the error it stopped on, as its ranks recorded it (None: none)
 
 
 def _say(text: str) -> None:
@@ -89,18 +95,21 @@ def _say(text: str) -> None:
 
 
 def _run(argv: list[str], log_json: str | None, attempt: Attempt) -> None:
-    """Run one attempt to its end, noting when it logs its first record; stop it when interrupted."""
+    """Run one attempt to its end, noting when it logs its first record and the error its ranks recorded (in a
+    folder of its own, ``failures.ENV``); stop it when interrupted."""
     before = count_records(log_json)
-    proc = subprocess.Popen(argv, start_new_session=True)
-    try:
-        while (status := proc.poll()) is None:
-            time.sleep(POLL_S)
-            if attempt.first_record_at is None and log_json is not None and count_records(log_json) > before:
-                attempt.first_record_at = time.time()
-        attempt.status = status
-    finally:
-        stop_process(proc)
-        attempt.end = time.time()
+    with tempfile.TemporaryDirectory(prefix="tah-errors-") as folder:
+        proc = subprocess.Popen(argv, start_new_session=True, env={**os.environ, failures.ENV: folder})
+        try:
+            while (status := proc.poll()) is None:
+                time.sleep(POLL_S)
+                if attempt.first_record_at is None and log_json is not None and count_records(log_json) > before:
+                    attempt.first_record_at = time.time()
+            attempt.status = status
+        finally:
+            stop_process(proc)
+            attempt.end = time.time()
+            attempt.error = failures.first_error(failures.read(folder))
 
 
 def supervise(command: list[str], save: str, restarts: int = 3, delay_s: float = 5.0,
@@ -133,6 +142,8 @@ def supervise(command: list[str], save: str, restarts: int = 3, delay_s: float =
                  f"the next attempt resumes from iteration {checkpoint[0]} in {save}")
         _say(f"attempt {attempt.number} failed (exit status {attempt.status}) after {attempt.end - attempt.start:.1f} s; "
              f"{attempt.end - since:.1f} s of it since the last checkpoint is lost; {where}")
+        if attempt.error is not None:
+            _say(f"first error of attempt {attempt.number}: {attempt.error.text()}")
         no_progress = log_json is not None and [a.first_record_at for a in attempts[-2:]] == [None, None]
         if attempt.status in NOT_RESTARTED or len(attempts) > restarts or (len(attempts) >= 2 and no_progress):
             reason = ("a usage error" if attempt.status in NOT_RESTARTED else

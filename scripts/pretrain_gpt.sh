@@ -46,7 +46,8 @@
 #                start from: imported once into HF_CKPT (default runs/hf/<folder name>), then LOAD=HF_CKPT FINETUNE=1
 #   RESTARTS     restart a failed run this many times (default 3; 0: never), each from the latest checkpoint
 #                the run wrote to SAVE (--load SAVE), through `python -m megatron_tah.restart`, which prints the
-#                time lost; RESTART_DELAY seconds between attempts (default 5). No restart with SAVE=none.
+#                error each failed attempt stopped on (the first a rank raised: the link, iteration and kind) and
+#                the time lost; RESTART_DELAY seconds between attempts (default 5). No restart with SAVE=none.
 #   SAVE_INTERVAL  iterations between checkpoints (default: GPUs 1000, CPU the whole run)
 #   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
 #   DRY_RUN=1    print the command instead of running it (and do not tokenize)

@@ -282,3 +282,35 @@ def test_a_collectives_failure_names_the_stage_iteration_and_when_each_neighbour
         with pytest.raises(type(unrelated)) as other:
             peer_timeout._naming_failures(failing)()
         assert other.value is unrelated  # not a backend failure: unchanged
+
+
+def test_the_error_that_ends_the_training_loop_is_recorded_for_the_restart_loop(monkeypatch, tmp_path):
+    """A collective's lost connection is recorded as secondary (a neighbour died), the transport's checksum error
+    as the cause, and any other error too; each rank in its own file (``megatron/failures.py``)."""
+    import types
+
+    from megatron_tah.codecs.base import PayloadChecksumError
+    from megatron_tah.megatron import failures
+
+    args = types.SimpleNamespace(distributed_timeout_minutes=10, curr_iteration=6)
+    peer_timeout, _, _ = _patched(monkeypatch, TahConfig(tah_preset="paper"), args)
+    monkeypatch.setattr(peer_timeout, "installed_transport", lambda: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setenv(failures.ENV, str(tmp_path))
+    checksum = PayloadChecksumError("tah: 1 buffer(s) failed the payload checksum", codec="tah").at(0, 1, 6)
+    for rank, err, expected in ((0, RuntimeError(GLOO_CLOSED), PeerLostError), (1, checksum, PayloadChecksumError),
+                                (2, KeyError("tokens"), KeyError)):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+
+        def failing(err=err):
+            raise err
+
+        with pytest.raises(expected):
+            peer_timeout._naming_failures(failing)()
+    lost, cause, other = failures.read(tmp_path)
+    assert (lost.rank, lost.error, lost.secondary, lost.iteration) == (0, "PeerLostError", True, 6)
+    assert lost.message.startswith("megatron_tah: world rank 0, iteration 6: a collective between stages failed")
+    assert (cause.rank, cause.error, cause.secondary, cause.link, cause.iteration) == \
+        (1, "PayloadChecksumError", False, (0, 1), 6)
+    assert (other.rank, other.error, other.secondary) == (2, "KeyError", False)
+    assert failures.first_error([lost, cause, other]) == cause

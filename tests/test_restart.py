@@ -24,11 +24,15 @@ from megatron_tah import restart
 REPO = Path(__file__).resolve().parents[1]
 FAKE_TRAINER = """
 import json, os, sys, time
+from megatron_tah.megatron import failures
 plan_file, calls_file, save, log = sys.argv[1:5]
 with open(calls_file, "a") as f:
     f.write(json.dumps(sys.argv[5:]) + "\\n")
 attempt = sum(1 for _ in open(calls_file))
-status, checkpoint, records = json.load(open(plan_file))[attempt - 1]
+status, checkpoint, records, *errors = json.load(open(plan_file))[attempt - 1]
+for rank, name, message, secondary in (errors[0] if errors else []):  # its ranks' errors, in the order they came
+    failures.record(type(name, (RuntimeError,), {})(message), rank, secondary=secondary)
+    time.sleep(0.05)
 for _ in range(records):
     with open(log, "a") as f:
         f.write('{"iteration": 1}\\n')
@@ -42,8 +46,9 @@ sys.exit(status)
 
 
 def _fake(tmp_path: Path, plan: list, *flags: str, restarts: int = 3, log: bool = True):
-    """Supervise the fake trainer (``plan``: per attempt, [exit status, checkpoint iteration or None, records]);
-    returns (exit status, the trainer's arguments per attempt, the supervisor's output)."""
+    """Supervise the fake trainer (``plan``: per attempt, [exit status, checkpoint iteration or None, records,
+    optionally its ranks' errors: [rank, class name, message, secondary]]); returns (exit status, the trainer's
+    arguments per attempt, the supervisor's output)."""
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     (tmp_path / "trainer.py").write_text(FAKE_TRAINER)
     save, calls, log_json = tmp_path / "ckpt", tmp_path / "calls.jsonl", tmp_path / "log.jsonl"
@@ -51,7 +56,8 @@ def _fake(tmp_path: Path, plan: list, *flags: str, restarts: int = 3, log: bool 
                str(log_json), "--save", str(save), *flags]
     argv = [sys.executable, "-m", "megatron_tah.restart", "--save", str(save), "--restarts", str(restarts),
             "--delay-s", "0.2", *(["--log-json", str(log_json)] if log else []), "--", *command]
-    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     attempts = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
     return result.returncode, attempts, result.stdout + result.stderr
 
@@ -76,6 +82,19 @@ def test_without_a_checkpoint_of_its_own_the_command_runs_again_as_given(tmp_pat
     status, attempts, out = _fake(tmp_path, [[1, None, 1], [0, None, 1]], "--lr", "1")
     assert status == 0 and attempts[1] == attempts[0] == ["--save", str(save), "--lr", "1"], out
     assert "no checkpoint of this run" in out
+
+
+def test_a_failure_names_the_error_it_stopped_on_not_a_neighbours_lost_connection(tmp_path):
+    lost = "megatron_tah: link stage 0 -> stage 1, iteration 6 (world rank 0 -> 1): the link failed"
+    checksum = "link stage 0 -> stage 1, iteration 6: tah: 1 buffer(s) failed the payload checksum"
+    first = [[0, "PeerLostError", lost, True], [1, "PayloadChecksumError", checksum, False]]  # the lost one first
+    status, attempts, out = _fake(tmp_path, [[1, 4, 1, first], [1, 8, 1, [[1, "PeerLostError", lost, True]]],
+                                             [1, 8, 1], [0, 8, 1]])
+    assert status == 0 and len(attempts) == 4, out
+    assert f"first error of attempt 1: PayloadChecksumError on rank 1: {checksum}\n" in out
+    assert "first error of attempt 2: PeerLostError on rank 1 (a neighbour's process ended without recording" in out
+    assert "attempt 3 failed (exit status 1)" in out and "first error of attempt 3" not in out  # a folder per attempt
+    assert "PeerLostError on rank 0" not in out
 
 
 def test_restarts_are_bounded_and_the_last_status_is_returned(tmp_path):

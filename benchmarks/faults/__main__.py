@@ -11,8 +11,9 @@ first checkpoint: signals to stage 1's process (kill, freeze), or in-process fau
 stage 1 (``site/sitecustomize.py``: a message held back, a payload byte flipped; this kernel has no
 ``netem``, and a frozen or killed peer is what a cut link or a dead machine look like from the other
 end). Each row says what happened (continued / stopped with the message naming the link and the
-iteration, then resumed by the script / failed / hang), the time lost against the uninterrupted run,
-and whether every iteration's loss equals the uninterrupted run's, bit for bit.
+iteration -- the restart loop's first error of the run, whichever process exited first --, then resumed by the
+script / failed / hang), the time lost against the uninterrupted run, and whether every iteration's loss equals
+the uninterrupted run's, bit for bit.
 
 Two more parts, run with the scenarios (or alone: ``--only ratedrop``, ``--only checksum-cost``):
 
@@ -48,7 +49,8 @@ DEADLINE_S = 900.0  # a run still going after this is a hang
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--eval-interval", "1000", "--log-interval", "1", "--tah-stochastic-rounding"]
-ERROR = re.compile(r"(PeerTimeoutError|PeerLostError|PayloadChecksumError|LinkError)\b:? ?(.*)")
+CAUSE = re.compile(r"\] first error of attempt \d+: (\w+) on rank \d+(?: \([^)]*\))?: (.*)")  # the restart loop's
+ERROR = re.compile(r"(PeerTimeoutError|PeerLostError|PayloadChecksumError|LinkError)\b:? ?(.*)")  # a traceback's
 WHERE = re.compile(r"(link stage \d+ -> stage \d+, iteration \d+|world rank \d+, iteration \d+)")
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*: (\d+).*?exitcode\s*: (-?\d+)"
                         r"(?: \(pid: \d+\))?\s*(\(SIG\w+\))?", re.S)  # torchrun's summary: a worker died first
@@ -184,13 +186,22 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 # ----- what it means ----------------------------------------------------------------------------------
+def first_error(output: str) -> re.Match | None:
+    """The error a run stopped on (its name: group 1, its message: group 2): the restart loop's account of its
+    first failed attempt (the first error a rank recorded), else -- output without it -- the first traceback's
+    error that names its link, else the first."""
+    if cause := CAUSE.search(output):
+        return cause
+    errors = list(ERROR.finditer(output))
+    return next((m for m in errors if WHERE.search(m.group(2))), errors[0] if errors else None)
+
+
 def judge(name: str, facts: dict, reference: dict | None) -> dict:
     """One table row from a run's facts: outcome, the error's first words and where, attempts, time lost,
     losses against the reference's; ``ok``: continued or stopped-with-names-then-resumed, nothing lost."""
     output = facts["output"]
     attempts = int(m.group(1)) if (m := re.search(r"after (\d+) attempts", output)) else 1
-    errors = list(ERROR.finditer(output))  # the first that names its link, else the first
-    error = next((m for m in errors if WHERE.search(m.group(2))), errors[0] if errors else None)
+    error = first_error(output)
     where = WHERE.search(error.group(2)) if error else None
     error_name, where_text = (error.group(1) if error else None), (where.group(1) if where else None)
     if error is None and (root := ROOT_CAUSE.search(output)):  # killed: torchrun stopped the job first
@@ -216,7 +227,7 @@ def judge(name: str, facts: dict, reference: dict | None) -> dict:
     step_ms = statistics.median(ms) if (ms := [r["ms"] for r in facts["records"][2:] if r.get("ms")]) else None
     return {"scenario": name, "injected": facts["injected"], "outcome": outcome, "attempts": attempts,
             "error": error_name, "where": where_text,
-            "message": (error.group(0)[:240] if error else None), "status": facts["status"],
+            "message": (f"{error.group(1)}: {error.group(2)}"[:240] if error else None), "status": facts["status"],
             "wall_s": round(facts["wall_s"], 1), "time_lost_s": round(lost, 1), "iterations": len(iterations),
             "losses_equal": equal, "step_ms": step_ms, "ok": ok}
 

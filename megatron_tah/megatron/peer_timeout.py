@@ -17,7 +17,8 @@ log's statistics, the data-parallel reduction --, bounded by each process group'
 * ``train``: a failure of the backend (a timeout, a closed connection) that reaches the training loop from
   a collective is raised again as ``link.peer.PeerTimeoutError`` / ``PeerLostError`` naming this stage, the
   iteration and when data last arrived from each neighbouring stage (the one silent longest is the one to
-  look at); the transport's own errors already name their link and pass unchanged.
+  look at); the transport's own errors already name their link and pass unchanged. Whatever error ends the
+  loop, the rank records it for the restart loop (``failures.py``: which rank's error stopped the run).
 
 What it set is ``registry.REGISTRY.bounded_groups`` (the timeout in seconds, None: Megatron's own).
 """
@@ -25,11 +26,13 @@ What it set is ``registry.REGISTRY.bounded_groups`` (the timeout in seconds, Non
 from __future__ import annotations
 
 import datetime
+import os
 import re
 
 import torch
 
 from ..link.peer import LinkError, PeerLostError, PeerTimeoutError
+from . import failures
 from .pipeline_parallel import installed_transport
 from .registry import REGISTRY
 
@@ -133,14 +136,22 @@ def _naming_failures(original):
     def train(*args, **kwargs):
         try:
             return original(*args, **kwargs)
-        except RuntimeError as err:
+        except Exception as err:
             margs = _megatron_args()
             named = named_failure(err, None if margs is None else getattr(margs, "curr_iteration", None))
+            stopped = err if named is None else named
+            failures.record(stopped, _rank(), secondary=isinstance(stopped, PeerLostError))
             if named is None:
                 raise
             raise named from err
 
     return train
+
+
+def _rank() -> int:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def install(patches) -> None:

@@ -29,7 +29,7 @@ if _SPEC and os.environ.get("RANK") is not None:
     _encode = _transport.PipelineTransport.encode
 
     def _faulty_encode(self, link, x):
-        buf = _encode(self, link, x)
+        buf, rest = _encode(self, link, x)  # the message, and an entropy-coded frame's overflow (None: none)
         if (int(os.environ["RANK"]) == int(_rank) and link.direction == "forward" and not _done.exists()
                 and self.iteration() == int(_iteration)):
             _done.write_text(f"{_kind} at iteration {_iteration}, {time.time():.3f}\n")
@@ -37,7 +37,7 @@ if _SPEC and os.environ.get("RANK") is not None:
                 time.sleep(_seconds)
             elif _kind == "corrupt":
                 buf[buf.numel() // 2] ^= 0x10
-        return buf
+        return buf, rest
 
     if _kind == "ratedrop":
         _last, _factor = int(_rest[0]), float(_rest[1])
