@@ -3,7 +3,8 @@
 Every field is written out here, each fact about it declared once:
 
 - the pipeline-wide options, written as megatron-core writes its configs: a field with its
-  docstring under it; a fixed list of valid values as ``metadata={"choices": ...}``;
+  docstring under it; a fixed list of valid values as ``metadata={"choices": ...}`` (a codec field's,
+  ``CodecChoices``, read from the codec registry at each use);
 - every codec's own options (``tah_high_bits``, ``tah_fp8_group_size``, ...): a field each,
   ``codec_option(name)``, whose default, help and range come from the ``DECLARATION`` at the top of
   the codec's file (``codecs/options.py``);
@@ -31,15 +32,51 @@ from ..units import parse_bandwidth
 from .auto import AUTO, CANDIDATES, DEFAULTS as AUTO_DEFAULTS, DIRECTIONS, NON_PRESET, AutoSettings
 from .presets import PRESETS
 
-FORWARD_CODECS = tuple(CODECS)
-BACKWARD_CODECS = tuple(name for name in CODECS if not codec_declaration(name).forward_only)
-ROUNDING_CODECS = tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
 TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 EMBEDDING_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 EMULATED_WIRES = ("link", "inbound")
+
+
+def forward_codecs() -> tuple[str, ...]:
+    """The registered codecs, read from the registry at each call: each carries activations."""
+    return tuple(CODECS)
+
+
+def backward_codecs() -> tuple[str, ...]:
+    """The registered codecs that carry activation gradients."""
+    return tuple(name for name in CODECS if not codec_declaration(name).forward_only)
+
+
+def rounding_codecs() -> tuple[str, ...]:
+    """The registered codecs that round stochastically on request."""
+    return tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
+
+
+class CodecChoices:
+    """A codec field's valid values, ``codecs()`` then ``extra``, read from the codec registry at each use: the
+    field's check, its flag's choices and its flag-table row follow the registry (a codec registered after this
+    module was imported included)."""
+
+    def __init__(self, codecs, *extra: str):
+        self.codecs, self.extra = codecs, extra
+
+    def values(self) -> tuple[str, ...]:
+        return (*self.codecs(), *self.extra)
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __len__(self) -> int:
+        return len(self.values())
+
+    def __contains__(self, value) -> bool:
+        return value in self.values()
+
+    def __repr__(self) -> str:
+        return repr(self.values())
 
 
 def _codec_options() -> dict[str, Option]:
@@ -85,10 +122,11 @@ class TahConfig:
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
     """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) channel9 (channel with 6-bit activations, 9.01 bits: 1.08x bf16's steps at depth 8) or channel_h4 (per-channel 6-bit activations with each sequence's largest token sent apart in bf16, gradients as hadint4: 10.27 bits both ways at large messages, 0.98x bf16's steps at depth 8). A flag set to neither its default nor the preset's value is an error."""
 
-    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": (*FORWARD_CODECS, AUTO)})
+    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": CodecChoices(forward_codecs, AUTO)})
     """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed; auto: chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
 
-    tah_backward_codec: str = dataclasses.field(default="none", metadata={"choices": (*BACKWARD_CODECS, AUTO)})
+    tah_backward_codec: str = dataclasses.field(default="none",
+                                                metadata={"choices": CodecChoices(backward_codecs, AUTO)})
     """Codec for activation gradients sent to the previous stage (none: uncompressed; auto: as for the forward codec)."""
 
     tah_tile_size: int = dataclasses.field(default=64, metadata={"choices": TILE_SIZES})
@@ -200,7 +238,7 @@ class TahConfig:
         self._apply_preset()
         if self.tah_backward_codec in CODECS and codec_declaration(self.tah_backward_codec).forward_only:
             raise ValueError(f"tah_backward_codec = {self.tah_backward_codec!r}: it compresses activations only; "
-                             f"choose one of {', '.join(BACKWARD_CODECS)} for gradients")
+                             f"choose one of {', '.join(backward_codecs())} for gradients")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             choices = field.metadata.get("choices")
@@ -291,16 +329,17 @@ class TahConfig:
         """Stochastic rounding is asked of a codec that rounds stochastically (``none`` aside), never ignored."""
         asked = {"tah_forward_codec": self.tah_stochastic_rounding,  # (the keys are _DIRECTIONS)
                  "tah_backward_codec": self.tah_stochastic_rounding or self.tah_backward_stochastic_rounding}
-        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in ROUNDING_CODECS:
+        rounding = rounding_codecs()
+        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in rounding:
             raise ValueError(f"tah_backward_stochastic_rounding needs a tah_backward_codec that rounds stochastically "
-                             f"({', '.join(ROUNDING_CODECS)}), got {self.tah_backward_codec!r}")
+                             f"({', '.join(rounding)}), got {self.tah_backward_codec!r}")
         for field, wanted in asked.items():
             name = getattr(self, field)
-            if wanted and name != "none" and name not in ROUNDING_CODECS:
+            if wanted and name != "none" and name not in rounding:
                 raise ValueError(f"tah_stochastic_rounding with {field} = {name!r}: it rounds to nearest; "
-                                 f"stochastic rounding is for {', '.join(ROUNDING_CODECS)}")
-        if self.tah_stochastic_rounding and not any(getattr(self, field) in ROUNDING_CODECS for field in asked):
-            raise ValueError(f"tah_stochastic_rounding with neither direction's codec among {', '.join(ROUNDING_CODECS)}")
+                                 f"stochastic rounding is for {', '.join(rounding)}")
+        if self.tah_stochastic_rounding and not any(getattr(self, field) in rounding for field in asked):
+            raise ValueError(f"tah_stochastic_rounding with neither direction's codec among {', '.join(rounding)}")
 
     def is_off(self) -> bool:
         """Every option at its default: nothing is compressed, emulated or logged (Megatron runs as without us)."""
