@@ -11,7 +11,8 @@ Every field is written out here, each fact about it declared once:
 - ``auto``'s fields take their defaults from ``auto.AutoSettings``, which checks them.
 
 ``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` -> ``--tah-tile-size``,
-help from the docs) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
+help from the docs, ``field_docs()``: a direction parameter's help ends with the registered codecs that
+take it) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
 choices and ranges, the rules between fields (from the codecs' declared capabilities) and builds every
 codec once, raising ``ValueError`` naming the offending field and value.
 
@@ -130,22 +131,22 @@ class TahConfig:
     """Codec for activation gradients sent to the previous stage (none: uncompressed; auto: as for the forward codec)."""
 
     tah_tile_size: int = dataclasses.field(default=64, metadata={"choices": TILE_SIZES})
-    """Channels per tile of the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual)."""
+    """Channels per tile of the forward codec (lowrank: of its residual)."""
 
     tah_backward_tile_size: int = dataclasses.field(default=32, metadata={"choices": TILE_SIZES})
     """Channels per tile of the backward codec."""
 
     tah_forward_bits: int = 4
-    """Bits of the forward codec when it is fixedpoint, aqsgd, hadint or channel (lowrank: of its residual)."""
+    """Bits of the forward codec (lowrank: of its residual)."""
 
     tah_backward_bits: int = 6
-    """Bits of the backward codec when it is fixedpoint, hadint or channel (lowrank: of its residual)."""
+    """Bits of the backward codec (lowrank: of its residual)."""
 
     tah_stochastic_rounding: bool = False
-    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint, channel, lowrank's residual)."""
+    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (lowrank: its residual)."""
 
     tah_backward_stochastic_rounding: bool = False
-    """Round stochastically in the backward codec only (fixedpoint, tah, hadint, channel, lowrank's residual): unbiased activation gradients."""
+    """Round stochastically in the backward codec only (lowrank: its residual): unbiased activation gradients."""
 
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
@@ -233,6 +234,11 @@ class TahConfig:
     tah_channel_outlier_tokens: int = codec_option("tah_channel_outlier_tokens")
 
     _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
+    # The direction parameters' fields (codecs/options.py): their help names the registered codecs that take them.
+    _DIRECTION_PARAMETERS = {"tah_tile_size": "tile_size", "tah_backward_tile_size": "tile_size",
+                             "tah_forward_bits": "bits", "tah_backward_bits": "bits",
+                             "tah_stochastic_rounding": "stochastic_rounding",
+                             "tah_backward_stochastic_rounding": "stochastic_rounding"}
 
     def __post_init__(self):
         self._apply_preset()
@@ -318,8 +324,14 @@ class TahConfig:
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
-        """Every field's help: the docstrings under the fields, and each codec option's declared help."""
-        return {**_field_docs(TahConfig), **{name: option.help for name, option in CODEC_OPTIONS.items()}}
+        """Every field's help: the docstrings under the fields (a direction parameter's followed by the registered
+        codecs that take it), and each codec option's declared help."""
+        docs = _field_docs(TahConfig)
+        for field, parameter in cls._DIRECTION_PARAMETERS.items():
+            takers = backward_codecs() if "backward" in field else forward_codecs()
+            takers = [name for name in takers if parameter in codec_declaration(name).takes]
+            docs[field] = f"{docs[field]} Codecs that take it: {', '.join(takers)}."
+        return {**docs, **{name: option.help for name, option in CODEC_OPTIONS.items()}}
 
     @property
     def emulated_bandwidth_bps(self) -> float | None:
