@@ -33,7 +33,7 @@ import torch
 from megatron_tah.codecs import get_codec, load_all_codecs
 from megatron_tah.codecs.samples import activation_like
 
-from .codec_rows import AQSGD_OPTIONS, STATELESS_ROWS
+from .codec_rows import AQSGD_OPTIONS, STATELESS_ROWS, stateless_rows  # noqa: F401  (STATELESS_ROWS re-exported)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -121,7 +121,7 @@ def measure(shape: Sequence[int] = (1024, 4, 4096), dtype: torch.dtype = torch.b
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     load_all_codecs()
     x = activation_like(tuple(shape), dtype, seed=seed, device=device)
-    rows = [measure_stateless(label, name, options, x, repeats, backend) for label, name, options in STATELESS_ROWS]
+    rows = [measure_stateless(label, name, options, x, repeats, backend) for label, name, options in stateless_rows()]
     aqsgd_rows, buffer_nbytes = measure_aqsgd(x, repeats, backend)
     return rows + aqsgd_rows, buffer_nbytes
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megatron_tah.codecs import CODECS, codec_declaration
+
 # (label, codec name, options) of the stateless rows, in table order.
 STATELESS_ROWS = [
     ("none", "none", {}),
@@ -23,3 +25,11 @@ STATELESS_ROWS = [
     ("channel 3b", "channel", {"bits": 3}),
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
+
+
+def stateless_rows() -> list[tuple[str, str, dict]]:
+    """``STATELESS_ROWS``, then a row at its defaults for each registered codec they leave out (but one keeping
+    state per sample, which has rows of its own): a codec in the registry is in the table."""
+    named = {name for _, name, _ in STATELESS_ROWS}
+    return STATELESS_ROWS + [(name, name, {}) for name in CODECS
+                             if name not in named and not codec_declaration(name).needs_sample_ids]

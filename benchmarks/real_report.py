@@ -38,10 +38,10 @@ def rows() -> list[tuple[str, Callable[[], Codec]]]:
     """(label, codec factory) in table order: the codec table's rows, hadint 3..6 bits, the presets' forward."""
     from megatron_tah.config import TahConfig
 
-    from .codec_rows import STATELESS_ROWS
+    from .codec_rows import stateless_rows
 
     load_all_codecs()
-    out = [(label, lambda n=name, o=options: get_codec(n, **o)) for label, name, options in STATELESS_ROWS]
+    out = [(label, lambda n=name, o=options: get_codec(n, **o)) for label, name, options in stateless_rows()]
     labels = {label for label, _ in out}
     out += [(f"hadint {b}b/64", lambda b=b: get_codec("hadint", bits=b, tile_size=64)) for b in HADINT_BITS
             if f"hadint {b}b/64" not in labels]

@@ -48,7 +48,8 @@ ISSUE_RATE = 29.6e12  # H100 SXM: 132 SMs x 4 schedulers x 32 lanes x ~1.755 GHz
 SKIP_EXIT = 3
 DEFAULT_SHAPE = (2048, 8, 8192)
 
-# (label, codec name, options): the configurations the CI test asserts on.
+# (label, codec name, options): the configurations the CI test asserts on (``default_configs``: with every other
+# registered codec that has a kernel module of its own, at its defaults).
 DEFAULT_CONFIGS = [
     ("tah G64 4/3 token", "tah", {"tile_size": 64, "high_bits": 4, "low_bits": 3, "allocation": "token"}),
     ("tah G64 4/3 tile", "tah", {"tile_size": 64, "high_bits": 4, "low_bits": 3, "allocation": "tile"}),
@@ -71,6 +72,21 @@ MODEL_CONFIGS = [
     ("fixedpoint G64 4b", "fixedpoint", {"tile_size": 64, "bits": 4}),
     ("fp8 G128", "fp8", {"group_size": 128}),
 ]
+
+
+def with_every_kernel_codec(configs: list[tuple[str, str, dict]]) -> list[tuple[str, str, dict]]:
+    """``configs``, then each registered codec with a kernel module of its own (``kernels/<name>.py``) that they
+    leave out, at its defaults: a codec's kernels are compiled and checked once it is in the registry."""
+    import megatron_tah
+    from megatron_tah.codecs import CODECS
+
+    kernels = pathlib.Path(megatron_tah.__file__).parent / "kernels"
+    named = {name for _, name, _ in configs}
+    return configs + [(name, name, {}) for name in CODECS if name not in named and (kernels / f"{name}.py").is_file()]
+
+
+def default_configs() -> list[tuple[str, str, dict]]:
+    return with_every_kernel_codec(DEFAULT_CONFIGS)
 
 
 def all_configs() -> list[tuple[str, str, dict]]:
@@ -97,7 +113,7 @@ def all_configs() -> list[tuple[str, str, dict]]:
         for sr in (False, True):
             configs.append((f"channel {bits}b{' SR' if sr else ''}", "channel",
                             {"bits": bits, "stochastic_rounding": sr}))
-    return configs
+    return with_every_kernel_codec(configs)
 
 
 def ptxas_path() -> str | None:
@@ -321,7 +337,7 @@ def main(argv=None) -> int:
     import triton
     from triton.runtime.driver import driver as triton_driver
 
-    configs = {"default": DEFAULT_CONFIGS, "model": MODEL_CONFIGS}.get(args.configs) or all_configs()
+    configs = {"default": default_configs, "model": lambda: MODEL_CONFIGS}.get(args.configs, all_configs)()
     configs = [c for c in configs if args.only in c[0]]
     shape = tuple(int(d) for d in args.shape.split(","))
     dtype = getattr(torch, args.dtype)

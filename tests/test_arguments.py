@@ -11,6 +11,7 @@ import megatron.training.arguments as megatron_arguments
 import pytest
 import torch
 
+from codec_cases import cases
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments as tah_arguments
 from megatron_tah.megatron import places
@@ -203,29 +204,40 @@ def test_auto_fields_take_their_defaults_and_checks_from_auto_settings():
         TahConfig(tah_auto_max_error=float("nan"))
 
 
-def test_every_codec_option_is_a_config_field_a_flag_and_a_readme_row():
-    from megatron_tah.codecs import CODECS, codec_class, codec_declaration
+@pytest.mark.parametrize("case", cases())
+def test_every_codec_is_a_flag_value_its_options_config_fields_and_both_flag_table_rows(case):
+    from megatron_tah.codecs import codec_class
 
     parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
     fields = {f.name: f for f in dataclasses.fields(TahConfig)}
     table = tah_arguments.flags_markdown()
-    for name in CODECS:
-        declaration = codec_declaration(name)
-        for option in declaration.options:
-            assert fields[option.name].default == option.default and fields[option.name].type is option.type
-            action = parser._option_string_actions[tah_arguments.flag_name(option.name)]
-            assert action.help.startswith(option.help) and action.default == option.default
-            assert f"| `{tah_arguments.flag_name(option.name)}` |" in table
-            assert (tuple(action.choices) if action.choices else ()) == option.choices
-        # The capabilities agree with the class: sample ids, a Triton path, the backward choices.
-        codec = codec_class(name)()
-        assert declaration.needs_sample_ids == codec.needs_sample_ids, name
-        assert declaration.kernel or not codec.has_triton_path(), name
-        backward = parser._option_string_actions["--tah-backward-codec"].choices
-        assert (name in backward) == (not declaration.forward_only), name
-        # A config selecting it builds it (every declared keyword is one its constructor takes).
-        built = TahConfig(tah_forward_codec=name).forward_codec()
-        assert type(built) is codec_class(name)
+    name, declaration = case.name, case.declaration
+    for option in declaration.options:
+        assert fields[option.name].default == option.default and fields[option.name].type is option.type
+        action = parser._option_string_actions[tah_arguments.flag_name(option.name)]
+        assert action.help.startswith(option.help) and action.default == option.default
+        assert f"| `{tah_arguments.flag_name(option.name)}` |" in table
+        assert (tuple(action.choices) if action.choices else ()) == option.choices
+    # The capabilities agree with the class: sample ids, a Triton path, the backward choices.
+    codec = codec_class(name)()
+    assert declaration.needs_sample_ids == codec.needs_sample_ids, name
+    assert declaration.kernel or not codec.has_triton_path(), name
+    backward = parser._option_string_actions["--tah-backward-codec"].choices
+    assert name in parser._option_string_actions["--tah-forward-codec"].choices
+    assert (name in backward) == (not declaration.forward_only), name
+    # The flag table lists it among the codec flags' values, and among the takers of each direction parameter.
+    values = {row.split(" | ")[0]: row.split(" | ")[2].split(", ")
+              for row in table.splitlines() if row.startswith("| `")}
+    assert name in values["| `--tah-forward-codec`"]
+    assert (name in values["| `--tah-backward-codec`"]) == (name in backward)
+    docs = TahConfig.field_docs()
+    for field, parameter in TahConfig._DIRECTION_PARAMETERS.items():
+        takers = docs[field].rpartition("Codecs that take it: ")[2].rstrip(".").split(", ")
+        wanted = parameter in declaration.takes and ("backward" not in field or name in backward)
+        assert (name in takers) == wanted, (field, name)
+    # A config selecting it builds it (every declared keyword is one its constructor takes).
+    built = TahConfig(tah_forward_codec=name).forward_codec()
+    assert type(built) is codec_class(name)
 
 
 def test_a_codec_option_changes_only_its_codec_and_its_range_is_checked_once():

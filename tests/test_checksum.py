@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from megatron_tah.codecs import CODECS, PayloadChecksumError, WireFormatError, get_codec
+from codec_cases import Case, cases, encode
+from megatron_tah.codecs import PayloadChecksumError, WireFormatError, get_codec
 from megatron_tah.codecs.base import CHECKSUM_OFFSET, HEADER_NBYTES, WIRE_VERSION, link_text
 from megatron_tah.codecs import checksum as checksum_module
 from megatron_tah.codecs.checksum import CHUNK, PRIME, PayloadChecksum, checksum_bytes, payload_checksum
@@ -24,14 +25,8 @@ def reference_checksum(data: bytes) -> int:
     return 1 + sum((i + 1) * w for i, w in enumerate(words)) % PRIME
 
 
-def make(name: str, checksum: bool = True):
-    return get_codec(name, backend="torch", checksum=checksum)
-
-
-def encode(codec, x: torch.Tensor) -> torch.Tensor:
-    if codec.needs_sample_ids:
-        return codec.encode(x, sample_ids=torch.arange(x.shape[1]))
-    return codec.encode(x)
+def make(name: str | Case, checksum: bool = True):
+    return (name if isinstance(name, Case) else Case(name)).make(checksum=checksum)
 
 
 def corrupt(buf: torch.Tensor, rng: random.Random) -> torch.Tensor:
@@ -120,10 +115,10 @@ def test_every_single_byte_change_and_word_swap_is_detected():
 
 
 # ----- through the codecs --------------------------------------------------------------------------
-@pytest.mark.parametrize("name", CODECS)
-def test_clean_buffers_pass_and_decode_as_without_the_checksum(name, message):
-    sender, receiver = make(name), make(name)
-    plain_sender, plain_receiver = make(name, checksum=False), make(name, checksum=False)
+@pytest.mark.parametrize("case", cases())
+def test_clean_buffers_pass_and_decode_as_without_the_checksum(case, message):
+    sender, receiver = make(case), make(case)
+    plain_sender, plain_receiver = make(case, checksum=False), make(case, checksum=False)
     buf, plain = encode(sender, message), encode(plain_sender, message)
     assert buf.numel() == plain.numel() == sender.wire_nbytes(SHAPE, message.dtype)  # no extra bytes on the wire
     assert torch.equal(buf[:CHECKSUM_OFFSET], plain[:CHECKSUM_OFFSET]) and torch.equal(buf[16:], plain[16:])
@@ -135,10 +130,10 @@ def test_clean_buffers_pass_and_decode_as_without_the_checksum(name, message):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("name", CODECS)
-def test_every_corruption_raises_at_once_in_full_checks(name, message):
-    rng = random.Random(f"full-{name}")
-    sender, receiver = make(name), make(name)
+@pytest.mark.parametrize("case", cases())
+def test_every_corruption_raises_at_once_in_full_checks(case, message):
+    rng = random.Random(f"full-{case.name}")
+    sender, receiver = make(case), make(case)
     buf = encode(sender, message)
     for _ in range(TRIALS):
         with pytest.raises(PayloadChecksumError) as err:
@@ -147,19 +142,20 @@ def test_every_corruption_raises_at_once_in_full_checks(name, message):
     receiver.decode(buf, SHAPE, message.dtype)  # the clean buffer still passes (aqsgd: its state is in step)
 
 
-@pytest.mark.parametrize("name", [n for n in CODECS if n != "aqsgd"])  # aqsgd always checks on the host
-def test_every_corruption_is_counted_on_the_device_in_deferred_checks(name, message):
-    rng = random.Random(f"deferred-{name}")
-    buf = encode(make(name), message)
+# A codec keeping state per sample (aqsgd) always checks on the host.
+@pytest.mark.parametrize("case", cases(keep=lambda case: not case.declaration.needs_sample_ids))
+def test_every_corruption_is_counted_on_the_device_in_deferred_checks(case, message):
+    rng = random.Random(f"deferred-{case.name}")
+    buf = encode(make(case), message)
     out = torch.empty(SHAPE, dtype=message.dtype)
     for _ in range(TRIALS):
-        receiver = make(name).defer_checks()
+        receiver = make(case).defer_checks()
         receiver.decode(corrupt(buf, rng), SHAPE, message.dtype, out=out)  # no raise: counted on the device
         assert receiver.deferred_checksum_errors(buf.device).seen(wait=True) == 1
     with pytest.raises(PayloadChecksumError, match="1 buffer.*failed the payload checksum") as err:
         receiver.decode(buf, SHAPE, message.dtype)  # the next decode raises
     assert err.value.count == 1
-    clean = make(name).defer_checks()
+    clean = make(case).defer_checks()
     clean.decode(buf, SHAPE, message.dtype)
     clean.raise_deferred_errors(wait=True)
 
@@ -232,23 +228,25 @@ def test_the_option_reaches_the_pipeline_codecs_only(on):
     assert not activation_memory.laaq_codec(config, 0, 1).checksum
 
 
-@pytest.mark.parametrize("name", ["tah", "fixedpoint", "fp8", "hadint", "channel"])
-def test_the_triton_path_writes_and_checks_the_same_checksum(name, message):
+# Every codec with a Triton path but one keeping state per sample (its checks are on the host).
+@pytest.mark.parametrize("case", cases(keep=lambda case: case.make().has_triton_path()
+                                       and not case.declaration.needs_sample_ids))
+def test_the_triton_path_writes_and_checks_the_same_checksum(case, message):
     from megatron_tah.kernels.common import kernel_device, why_no_kernels
 
     device = kernel_device()
     if device is None:
         pytest.skip(why_no_kernels())
     x = message.to(device)
-    fused = get_codec(name, backend="triton", checksum=True)
+    fused = case.make(backend="triton", checksum=True)
     buf = fused.encode(x)
-    assert torch.equal(buf.cpu(), make(name).encode(message))  # the torch reference's bytes, checksum included
-    rng = random.Random(f"triton-{name}")
+    assert torch.equal(buf.cpu(), make(case).encode(message))  # the torch reference's bytes, checksum included
+    rng = random.Random(f"triton-{case.name}")
     for _ in range(20):
         bad = corrupt(buf, rng)
         with pytest.raises(PayloadChecksumError):
             fused.decode(bad, SHAPE, x.dtype)
-        deferred = get_codec(name, backend="triton", checksum=True).defer_checks()
+        deferred = case.make(backend="triton", checksum=True).defer_checks()
         deferred.decode(bad, SHAPE, x.dtype)
         assert deferred.deferred_checksum_errors(bad.device).seen(wait=True) == 1
 

@@ -9,15 +9,15 @@ import logging
 import pytest
 import torch
 
+from codec_cases import cases
 from host_reads import FakeGraphs, HostRead, no_host_reads
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
 from megatron_tah.codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
+from megatron_tah.codecs.none import NoneCodec
 from megatron_tah.codecs.samples import activation_like
 
 SHAPE = (16, 2, 128)
-# Every codec with rounding to nearest (stochastic rounding and none are eager fallbacks, tested below).
-CAPTURABLE = {"fixedpoint": {}, "tah": {}, "fp8": {}, "int8": {}, "mxfp4": {}, "nvfp4": {},
-              "hadint": {}, "lowrank": {"rank": 4}, "channel": {}}
+OPTIONS = {"lowrank": {"rank": 4}}  # the codecs' options here (others: their defaults, rounding to nearest)
 
 
 # tah's torch reference branches on the host (outliers; codes scattered by a boolean mask): a CUDA graph
@@ -34,10 +34,30 @@ def messages(count=4, shape=SHAPE, dtype=torch.bfloat16):
     return [activation_like(shape, dtype=dtype, seed=seed) for seed in range(count)]
 
 
-@pytest.mark.parametrize("name", CAPTURABLE)
-def test_replayed_encode_and_decode_equal_eager_and_read_nothing_on_the_host(name):
-    options = CAPTURABLE[name]
-    eager = get_codec(name, backend="torch", **options).defer_checks()
+def why_eager(case) -> str | None:
+    """Why a wrapper would not capture ``case``'s encode or decode on SHAPE (None: it captures both)."""
+    wrapped, cpu = graphed(case.name, **case.options), torch.device("cpu")
+    return wrapped.why_eager("encode", SHAPE, cpu) or wrapped.why_eager("decode", SHAPE, cpu)
+
+
+CAPTURABLE = cases(OPTIONS, keep=lambda case: why_eager(case) is None)
+
+
+@pytest.mark.parametrize("case", cases(OPTIONS, keep=lambda case: why_eager(case) is not None))
+def test_a_codec_that_is_never_captured_says_why(case):
+    """Only none (a copy each way) and a codec class declaring itself not capturable stay eager at rounding to
+    nearest with deferred checks; every other codec is captured (the test below)."""
+    reason, codec = why_eager(case), case.make()
+    if isinstance(codec, NoneCodec):
+        assert reason.startswith("one copy each way")
+    else:
+        assert not type(codec).graph_capturable and type(codec).graph_blocker in reason, reason
+
+
+@pytest.mark.parametrize("case", CAPTURABLE)
+def test_replayed_encode_and_decode_equal_eager_and_read_nothing_on_the_host(case):
+    name, options = case.name, case.options
+    eager = case.make().defer_checks()
     strict = name not in TORCH_PATH_READS_HOST
     wrapped = graphed(name, FakeGraphs(strict), **options)
     decoder = graphed(name, FakeGraphs(strict), **options)
@@ -364,12 +384,12 @@ def test_real_capture_that_syncs_fails_cleanly_on_a_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh tests)")
-@pytest.mark.parametrize("name", CAPTURABLE)
-def test_real_graphs_on_a_gpu_replay_the_eager_bytes(name):
+@pytest.mark.parametrize("case", CAPTURABLE)
+def test_real_graphs_on_a_gpu_replay_the_eager_bytes(case):
     """torch.cuda.CUDAGraph, as the places build it: the codecs with a Triton path are captured and their
     replays give eager's bytes, values and statistics (tah's rotated fraction from the first call on); the
     others either are captured or say why not (their torch path may sync)."""
-    options = CAPTURABLE[name]
+    name, options = case.name, case.options
     reference = get_codec(name, **options).defer_checks()
     wrapped, decoder = place_codec(get_codec(name, **options)), place_codec(get_codec(name, **options))
     for x in messages():

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from codec_cases import cases
 from megatron_tah.codecs import get_codec
 from megatron_tah.config import TahConfig
 from megatron_tah.link.transport import PipelineTransport
@@ -16,9 +17,11 @@ def _codes(codec):
     return codec.encode(X).clone()
 
 
-@pytest.mark.parametrize("name", ["channel", "fixedpoint", "hadint"])
-def test_salted_codecs_draw_different_noise_and_the_same_salt_the_same(name):
-    make = lambda: get_codec(name, bits=3, stochastic_rounding=True)  # noqa: E731
+# Every registered codec that rounds stochastically on request (3 bits where it takes a bit width).
+@pytest.mark.parametrize("case", cases(keep=lambda case: "stochastic_rounding" in case.declaration.takes))
+def test_salted_codecs_draw_different_noise_and_the_same_salt_the_same(case):
+    bits = {"bits": 3} if "bits" in case.declaration.takes else {}
+    make = lambda: case.make(stochastic_rounding=True, **bits)  # noqa: E731
     a, b, a_again = make().salt_rounding("backward:3->2"), make().salt_rounding("backward:4->3"), \
         make().salt_rounding("backward:3->2")
     first = _codes(a)

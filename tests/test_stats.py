@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from codec_cases import cases
 from dist_utils import run_distributed
+from edge_cases import rel_error
+from megatron_tah.codecs.samples import activation_like
 from megatron_tah.megatron import places, stats
 
 
@@ -28,6 +31,33 @@ def test_collect_totals_ratio_means_and_links(sink):
     assert sink.collect(reset=True) == s  # reset=False kept them
     empty = sink.collect()
     assert empty["forward"]["messages"] == 0 and empty["forward"]["ratio"] is None and empty["links"] == {}
+
+
+@pytest.mark.parametrize("case", cases())
+def test_a_codecs_message_is_counted_before_and_on_the_wire_with_its_error(case, sink):
+    """A link end sending with any registered codec records the message's bytes, its encoded size on the wire,
+    their ratio and, on a sampled message, the round trip's relative error (a codec keeping state per sample:
+    not sampled)."""
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.transport import PipelineTransport
+
+    config = TahConfig(tah_forward_codec=case.name, tah_backend="torch", tah_error_sample_interval=1)
+    transport = PipelineTransport(config, sink)
+    link = transport.link("forward", "send", 1)
+    x = activation_like((16, 2, 128), torch.bfloat16, seed=2)
+    if case.declaration.needs_sample_ids:
+        transport.push_sample_ids(torch.arange(2))
+    buf, rest = transport.encode(link, x)
+    forward = sink.collect()["forward"]
+    assert rest is None and forward["messages"] == 1 and forward["raw_bytes"] == x.numel() * x.element_size()
+    assert forward["wire_bytes"] == buf.numel() == config.forward_codec().wire_nbytes(x.shape, x.dtype)
+    assert forward["ratio"] == pytest.approx(forward["raw_bytes"] / forward["wire_bytes"])
+    if case.declaration.needs_sample_ids:
+        assert forward["rel_error"] is None
+    else:
+        decoded = config.forward_codec().decode(buf, x.shape, x.dtype)
+        assert forward["rel_error_samples"] == 1
+        assert forward["rel_error"] == pytest.approx(rel_error(x, decoded), rel=1e-4, abs=1e-6)
 
 
 def test_codec_time_and_buffer_bytes(sink):

@@ -13,36 +13,40 @@ import importlib
 from .base import Codec, CodecError, PayloadChecksumError, WireFormatError
 from .options import CodecDeclaration, Option
 
-# name -> "module:Class": the registry. Each module starts with its ``DECLARATION`` (options and
-# capabilities, see ``options.py``); modules are imported on first use.
+# The registry: name -> "module:Class", one line per codec, in the order flags and tables list them. A module
+# starting with "." is one of this package's (".none" is ``megatron_tah.codecs.none``); any other is imported by
+# its full name. Each module starts with its ``DECLARATION`` (options and capabilities, see ``options.py``) and
+# registers its ``codec_id``; modules are imported on first use. Everything that lists codecs (the --tah-*
+# flags and their table, the codec table, the generic tests) reads this dict when it runs.
 CODECS = {
-    "none": "none:NoneCodec",
-    "fixedpoint": "fixedpoint:FixedPointCodec",
-    "tah": "tah:TahCodec",
-    "fp8": "fp8:Fp8Codec",
-    "aqsgd": "aqsgd:AqSgdCodec",
-    "int8": "int8:Int8Codec",
-    "mxfp4": "mxfp4:MxFp4Codec",
-    "nvfp4": "nvfp4:NvFp4Codec",
-    "hadint": "hadint:HadIntCodec",
-    "lowrank": "lowrank:LowRankCodec",
-    "channel": "channel:ChannelCodec",
+    "none": ".none:NoneCodec",
+    "fixedpoint": ".fixedpoint:FixedPointCodec",
+    "tah": ".tah:TahCodec",
+    "fp8": ".fp8:Fp8Codec",
+    "aqsgd": ".aqsgd:AqSgdCodec",
+    "int8": ".int8:Int8Codec",
+    "mxfp4": ".mxfp4:MxFp4Codec",
+    "nvfp4": ".nvfp4:NvFp4Codec",
+    "hadint": ".hadint:HadIntCodec",
+    "lowrank": ".lowrank:LowRankCodec",
+    "channel": ".channel:ChannelCodec",
 }
 
 
-def codec_class(name: str) -> type[Codec]:
+def _module(name: str):
     if name not in CODECS:
         raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
-    module_name, class_name = CODECS[name].split(":")
-    module = importlib.import_module(f"{__name__}.{module_name}")
-    return getattr(module, class_name)
+    return importlib.import_module(CODECS[name].split(":")[0], __name__)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The class registered as codec ``name`` (its module imported on first use)."""
+    return getattr(_module(name), CODECS[name].split(":")[1])
 
 
 def codec_declaration(name: str) -> CodecDeclaration:
     """The options and capabilities codec ``name`` declares at the top of its file."""
-    if name not in CODECS:
-        raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
-    return importlib.import_module(f"{__name__}.{CODECS[name].split(':')[0]}").DECLARATION
+    return _module(name).DECLARATION
 
 
 def get_codec(name: str, **config) -> Codec:

@@ -34,14 +34,14 @@ decodes to its zero: exactly, when the constant is a bf16 value; zeros decode ex
 
 Outlier tokens (``outlier_tokens > 0``): a model's attention-sink tokens carry hidden states tens of times
 larger than the others', and one such row sets every channel's range. ``k = outlier_tokens`` rows per
-sequence of the message (``geometry.channel_outliers``: a ``[s, b, h]`` message holds ``b``; at most
+sequence of the message (``channel_outliers``: a ``[s, b, h]`` message holds ``b``; at most
 ``rows - 1``), those with the largest ``max |x|`` over the whole message (rows holding NaN or +-Inf first;
 ties in row order), are sent apart as bf16 with their indices, and each is replaced, before the steps
 above, by the next row in that order, so the grids span the other rows only (in torch before either
 path: a sort of the rows and a copy of the message). Decode writes them back: those rows decode to their
 bf16 values (NaN and Inf included: a bad value among them stays in its row).
 
-Wire (row-major, token-major and channel-minor; sizes in ``geometry.channel_sections``):
+Wire (row-major, token-major and channel-minor; sizes in ``kernels/channel.py``, ``channel_sections``):
 header | ``scale``: bf16[h] | ``zero``: bf16[h] | ``codes``: rows*h codes of ``bits`` bits packed by
 ``common.pack_bits``, padded with zero codes to a multiple of 8 | with outlier tokens, ``outlier_index``:
 int32[k] | ``outlier_rows``: bf16[k, h]. ``bits + 32 / rows`` bits per element, plus the 16-byte header
@@ -56,6 +56,7 @@ import math
 import torch
 
 from .. import geometry
+from ..kernels.channel import channel_code_count, channel_outliers, channel_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 from .options import CodecDeclaration, Option
@@ -146,11 +147,11 @@ class ChannelCodec(Codec):
                 **({"outlier_tokens": self.outlier_tokens} if self.outlier_tokens else {})}
 
     def _sections(self, shape, dtype):
-        return geometry.channel_sections(shape, self.bits, self.outlier_tokens)
+        return channel_sections(shape, self.bits, self.outlier_tokens)
 
     def _split(self, x, buf, layout):
         """``x`` for the grids: with outlier tokens, their rows written to their sections and replaced in ``x``."""
-        k = geometry.channel_outliers(x.shape, self.outlier_tokens)
+        k = channel_outliers(x.shape, self.outlier_tokens)
         if not k:
             return x
         kept, index, outliers = split_outliers(x, k)
@@ -171,7 +172,7 @@ class ChannelCodec(Codec):
         layout.view(buf, "scale", torch.int16).copy_(scale)
         layout.view(buf, "zero", torch.int16).copy_(zero)
         flat = codes.reshape(-1)
-        pad = geometry.channel_code_count(x.shape) - flat.numel()
+        pad = channel_code_count(x.shape) - flat.numel()
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         layout.view(buf, "codes").copy_(common.pack_bits(flat, self.bits))

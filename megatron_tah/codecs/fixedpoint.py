@@ -5,7 +5,8 @@ The naive baseline of the AQ-SGD paper and the default backward codec (tile 32,
 asymmetrically (``common.quantize_tiles``): every element decodes within half
 a step (``scale / 2``) of its input.
 
-Wire (T = tokens * ceil(h / tile_size), h padded to whole tiles by repeating the last channel):
+Wire (T = tokens * ceil(h / tile_size), h padded to whole tiles by repeating the last channel; sizes in
+``kernels/fixedpoint.py``, ``fixedpoint_sections``):
 header | ``scale``: bf16[T] | ``zero``: bf16[T] | ``codes``: T*tile_size codes of
 ``bits`` bits packed by ``common.pack_bits``. At tile 32, 6 bits: 7 bits/element.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import geometry
+from ..kernels.fixedpoint import fixedpoint_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
 from .options import CodecDeclaration
@@ -45,7 +47,7 @@ class FixedPointCodec(Codec):
         return geometry.total_tiles(shape, self.tile_size)
 
     def _sections(self, shape, dtype):
-        return geometry.fixedpoint_sections(shape, self.bits, self.tile_size)
+        return fixedpoint_sections(shape, self.bits, self.tile_size)
 
     def _encode_torch(self, x, buf, layout):
         tiles, bad = common.to_tiles(x, self.tile_size)

@@ -23,7 +23,7 @@ output dtype. Finite inputs up to ``MAX_ABS_VALUE`` never overflow (alpha >= 1e-
 ``|y| <= sqrt(G) * 1e33``). A group holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` stores
 ``alpha = NaN`` (``s = 0``, zero codes) and decodes to all-NaN; other groups are unaffected.
 
-Wire (T = tokens * ceil(h / G) groups, token-major):
+Wire (T = tokens * ceil(h / G) groups, token-major; sizes in ``kernels/fp8.py``, ``fp8_sections``):
 header | ``prescale``: fp32[T] (alpha) | ``postscale``: fp32[T] (s) | ``codes``: E4M3 bytes[T*G].
 At G=128: 8 + 64/128 = 8.5 bits per element (plus the 16-byte header).
 """
@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from .. import geometry
-from ..geometry import FP8_MAX, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS  # noqa: F401  (re-exported)
+from ..geometry import FP8_MAX  # noqa: F401  (re-exported)
+from ..kernels.fp8 import FP32_NAN_BITS, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS, fp8_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
 from .options import CodecDeclaration, Option
@@ -104,7 +105,7 @@ class Fp8Codec(Codec):
         return geometry.total_tiles(shape, self.group_size)
 
     def _sections(self, shape, dtype):
-        return geometry.fp8_sections(shape, self.group_size)
+        return fp8_sections(shape, self.group_size)
 
     def _encode_torch(self, x, buf, layout):
         tiles, bad = common.to_tiles(x, self.group_size)
@@ -112,7 +113,7 @@ class Fp8Codec(Codec):
         if tail:
             tiles[:, -1, tail:] = 0.0
         alpha, post, codes = fp8_encode_reference(tiles.reshape(-1, self.group_size), bad.reshape(-1))
-        alpha_bits = alpha.view(torch.int32).masked_fill(bad.reshape(-1), geometry.FP32_NAN_BITS)
+        alpha_bits = alpha.view(torch.int32).masked_fill(bad.reshape(-1), FP32_NAN_BITS)
         layout.view(buf, "prescale", torch.int32).copy_(alpha_bits)
         layout.view(buf, "postscale", torch.float32).copy_(post)
         layout.view(buf, "codes").copy_(codes.reshape(-1))

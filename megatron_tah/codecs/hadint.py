@@ -27,7 +27,7 @@ to zeros. A tile holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` is written as a N
 (``BF16_NAN_BITS``) and codes ``Q`` and decodes to all-NaN; other tiles are unaffected (the codecs'
 common rule).
 
-Wire (T = rows * ceil(h / G) tiles, row-major):
+Wire (T = rows * ceil(h / G) tiles, row-major; sizes in ``kernels/hadint.py``, ``hadint_sections``):
 header | ``scale``: bf16[T] | ``codes``: T*G codes of ``bits`` bits packed by ``common.pack_bits``.
 ``bits + 16/G`` bits per element: 4.25 at 4 bits, tile 64 (plus the 16-byte header and the
 alignment of the codes to 8 bytes).
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import geometry
+from ..kernels.hadint import hadint_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, CodecError, register_codec_id
 from .mxfp4 import RotatedBlockCodec
@@ -89,7 +89,7 @@ class HadIntCodec(RotatedBlockCodec):
         return self.bits
 
     def _sections(self, shape, dtype):
-        return geometry.hadint_sections(shape, self.bits, self.tile_size)
+        return hadint_sections(shape, self.bits, self.tile_size)
 
     def _encode_torch(self, x, buf, layout):
         blocks, bad = self._to_blocks(x)

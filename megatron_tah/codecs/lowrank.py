@@ -39,7 +39,7 @@ Decode: ``x = C' V + hadint_decode(R)`` in fp32, cast to the output dtype. Error
 hadint's for the residual tile; zeros decode exactly; a tile with a bad value decodes to NaN and
 its row's other tiles keep hadint's accuracy on the raw row (the codecs' common rule).
 
-Wire (``rows`` = numel / h, ``T`` = rows * ceil(h / tile_size) residual tiles):
+Wire (``rows`` = numel / h, ``T`` = rows * ceil(h / tile_size) residual tiles; sizes in ``lowrank_sections``):
 header | ``basis_scale``: bf16[k] | ``basis``: uint8[k*h] | ``coef_scale``: bf16[rows] |
 ``coef``: rows*k codes of ``coef_bits`` bits (``common.pack_bits``, code = q + 2^(coef_bits-1) - 1; zero
 codes pad to a multiple of 8) |
@@ -56,10 +56,12 @@ captured as a CUDA graph (``graphs.GraphedCodec``); the residual runs hadint's T
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 
 from .. import geometry
+from ..kernels.hadint import hadint_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_reference
@@ -81,6 +83,21 @@ WARM_ITERATIONS = 1  # block power steps from the previous message's subspace
 OVERSAMPLING = 8  # extra columns tracked beside the k sent (they speed up the leading k's convergence)
 BASIS_BITS = 8
 START_SEED = 0x5EED
+
+
+def lowrank_rank(h: int, rank: int) -> int:
+    """Directions the lowrank codec sends for a last dim of ``h``: ``min(rank, h)``."""
+    return min(int(rank), int(h))
+
+
+def lowrank_sections(shape: Sequence[int], bits: int, tile_size: int, rank: int,
+                     coef_bits: int) -> list[tuple[str, int]]:
+    """The ``lowrank`` wire sections of ``shape``: basis and coefficients, then hadint's sections of the residual."""
+    h, rows = int(shape[-1]), geometry.num_tokens(shape)
+    k = lowrank_rank(h, rank)
+    coefs = geometry.cdiv(rows * k, 8) * 8  # packed in groups of 8 codes, the last group padded with zero codes
+    return [("basis_scale", 2 * k), ("basis", k * h), ("coef_scale", 2 * rows),
+            ("coef", geometry.packed_nbytes(coefs, coef_bits))] + hadint_sections(shape, bits, tile_size)
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,7 +180,7 @@ class LowRankCodec(Codec):
         """Restore ``state_dict()``'s subspaces; one already held is overwritten in place (a captured graph reads it)."""
         self.residual.load_state_dict(state)
         for h, saved in state.get("subspaces", {}).items():
-            width = min(geometry.lowrank_rank(int(h), self.rank) + OVERSAMPLING, int(h))
+            width = min(lowrank_rank(int(h), self.rank) + OVERSAMPLING, int(h))
             if tuple(saved.shape) != (int(h), width) or saved.dtype != torch.float32:
                 raise CodecError(f"lowrank state for hidden size {h} is {tuple(saved.shape)} "
                                  f"{saved.dtype}, this codec tracks ({h}, {width}) float32 (rank {self.rank})")
@@ -194,7 +211,7 @@ class LowRankCodec(Codec):
                 "hadamard_seed": self.hadamard_seed, "stochastic_rounding": self.stochastic_rounding}
 
     def _sections(self, shape, dtype):
-        return geometry.lowrank_sections(shape, self.bits, self.tile_size, self.rank, self.coef_bits)
+        return lowrank_sections(shape, self.bits, self.tile_size, self.rank, self.coef_bits)
 
     # ----- the low-rank part ----------------------------------------------------------------
     def _low_rank(self, x: torch.Tensor, buf, layout) -> torch.Tensor:
@@ -203,7 +220,7 @@ class LowRankCodec(Codec):
         bound = geometry.MAX_ABS_VALUE / (2 * (1 + x.shape[1] ** 0.5))
         good = (x.abs() <= bound).all(dim=1)  # False for NaN too
         x = torch.where(good[:, None], x, 0.0)
-        k = geometry.lowrank_rank(x.shape[1], self.rank)
+        k = lowrank_rank(x.shape[1], self.rank)
         basis = self._basis(x, k)
         no_bad = torch.zeros(k, dtype=torch.bool, device=x.device)
         scale, codes = hadint_encode_reference(basis, no_bad, BASIS_BITS)
@@ -219,7 +236,7 @@ class LowRankCodec(Codec):
         return hadint_decode_reference(scale.view(torch.bfloat16), codes, self.coef_bits) @ basis
 
     def _read_low_rank(self, buf, layout, rows: int, h: int) -> torch.Tensor:
-        k = geometry.lowrank_rank(h, self.rank)
+        k = lowrank_rank(h, self.rank)
         basis = hadint_decode_reference(layout.view(buf, "basis_scale", torch.bfloat16),
                                         layout.view(buf, "basis").reshape(k, h), BASIS_BITS)
         codes = common.unpack_bits(layout.view(buf, "coef"), self.coef_bits, rows * k).reshape(rows, k)

@@ -29,7 +29,7 @@ exactly, and so does any block whose values are E2M1 values times ``X``. Finite 
 the E8M0 NaN (``0xFF``) and zero codes and decodes to all-NaN; other blocks are unaffected (the
 codecs' common rule: Megatron's NaN check then fires, no host sync is spent looking).
 
-Wire (T = rows * ceil(h / 32) blocks, row-major):
+Wire (T = rows * ceil(h / 32) blocks, row-major; sizes in ``mxfp4_sections``):
 header | ``scale``: E8M0 bytes[T] | ``codes``: 4-bit codes ``sign << 3 | index`` (index into
 0, 0.5, 1, 1.5, 2, 3, 4, 6), two per byte, element ``2k`` in the low nibble of byte ``k``
 (``common.pack_bits(codes, 4)``). 4 + 8/32 = 4.25 bits per element (plus the 16-byte header
@@ -37,6 +37,8 @@ and the alignment of the codes to 8 bytes).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -50,7 +52,16 @@ HADAMARD_OPTION = Option(
     "random-sign Walsh-Hadamard transform before quantizing (reference-only codecs, no Triton kernel).")
 DECLARATION = CodecDeclaration(kernel=False, options=(HADAMARD_OPTION,))
 
-BLOCK_SIZE = geometry.MXFP4_BLOCK
+BLOCK_SIZE = 32  # values per shared E8M0 scale (OCP MX v1.0)
+E2M1_EMAX = 2  # exponent of E2M1's largest binade (4..6): the OCP MX scale is 2^(floor(log2 amax) - 2)
+E8M0_BIAS = 127  # an E8M0 byte e is the scale 2^(e - 127); 255 is NaN (a bad block)
+E8M0_NAN = 0xFF
+
+
+def mxfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
+    """The ``mxfp4`` wire sections of ``shape``: an E8M0 scale byte per block, then the 4-bit codes."""
+    blocks = geometry.total_tiles(shape, BLOCK_SIZE)
+    return [("scale", blocks), ("codes", geometry.packed_nbytes(blocks * BLOCK_SIZE, 4))]
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -64,17 +75,17 @@ def mxfp4_encode_reference(blocks: torch.Tensor, bad: torch.Tensor) -> tuple[tor
     A bad block is written as scale ``0xFF`` (NaN) and zero codes.
     """
     amax = blocks.abs().amax(dim=-1)
-    floor_log2 = ((amax.view(torch.int32) >> 23) & 0xFF) - geometry.E8M0_BIAS  # -127 for 0 and subnormals
-    exponent = (floor_log2 - geometry.E2M1_EMAX).clamp(-geometry.E8M0_BIAS, geometry.E8M0_BIAS)
+    floor_log2 = ((amax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS  # -127 for 0 and subnormals
+    exponent = (floor_log2 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
     codes = common.e2m1_codes(common.e2m1_round(blocks * pow2(-exponent)[:, None]))
-    scale = (exponent + geometry.E8M0_BIAS).to(torch.uint8).masked_fill(bad, geometry.E8M0_NAN)
+    scale = (exponent + E8M0_BIAS).to(torch.uint8).masked_fill(bad, E8M0_NAN)
     return scale, codes.masked_fill(bad[:, None], 0)
 
 
 def mxfp4_decode_reference(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """Inverse of ``mxfp4_encode_reference``: fp32 ``[T, 32]`` (``0xFF`` scales decode to NaN)."""
-    exponent = scale.to(torch.int32) - geometry.E8M0_BIAS
-    factor = torch.where(scale == geometry.E8M0_NAN, float("nan"), pow2(exponent))
+    exponent = scale.to(torch.int32) - E8M0_BIAS
+    factor = torch.where(scale == E8M0_NAN, float("nan"), pow2(exponent))
     return common.e2m1_values(codes) * factor[:, None]
 
 
@@ -146,7 +157,7 @@ class MxFp4Codec(RotatedBlockCodec):
     block_size = BLOCK_SIZE
 
     def _sections(self, shape, dtype):
-        return geometry.mxfp4_sections(shape)
+        return mxfp4_sections(shape)
 
     def _encode_torch(self, x, buf, layout):
         blocks, bad = self._to_blocks(x)

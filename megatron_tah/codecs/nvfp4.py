@@ -27,13 +27,15 @@ decode exactly, and so do values that are E2M1 values times a block's ``S``. Fin
 NaN (``0x7F``) as its scale and zero codes, and decodes to all-NaN; other blocks are unaffected
 (the codecs' common rule).
 
-Wire (T = rows * ceil(h / 16) blocks, row-major):
+Wire (T = rows * ceil(h / 16) blocks, row-major; sizes in ``nvfp4_sections``):
 header | ``global_scale``: fp32[1] (``g``) | ``scale``: E4M3 bytes[T] | ``codes``: 4-bit E2M1 codes
 packed two per byte as in ``mxfp4``. 4 + 8/16 = 4.5 bits per element (plus the 16-byte header,
 the 4-byte ``g`` and the alignment of each section to 8 bytes).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -46,7 +48,15 @@ from .options import CodecDeclaration
 
 DECLARATION = CodecDeclaration(kernel=False, options=(HADAMARD_OPTION,))
 
-BLOCK_SIZE = geometry.NVFP4_BLOCK
+BLOCK_SIZE = 16  # values per E4M3 scale (NVFP4)
+E4M3_NAN = 0x7F  # the NaN every nvfp4 encoder writes as a bad block's scale
+GLOBAL_DIVISOR = geometry.E2M1_MAX * geometry.FP8_MAX  # per-tensor decode scale = global amax / (6 * 448)
+
+
+def nvfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
+    """The ``nvfp4`` wire sections of ``shape``: the fp32 per-tensor scale, an E4M3 byte per block, the 4-bit codes."""
+    blocks = geometry.total_tiles(shape, BLOCK_SIZE)
+    return [("global_scale", 4), ("scale", blocks), ("codes", geometry.packed_nbytes(blocks * BLOCK_SIZE, 4))]
 
 
 def block_decode_scale(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -62,7 +72,7 @@ def nvfp4_encode_reference(blocks: torch.Tensor, bad: torch.Tensor
     """
     magnitude = blocks.abs()
     amax = magnitude.amax(dim=-1)
-    global_scale = common.div_rn(amax.amax().reshape(1), geometry.NVFP4_GLOBAL_DIVISOR)
+    global_scale = common.div_rn(amax.amax().reshape(1), GLOBAL_DIVISOR)
     denominator = global_scale * geometry.E2M1_MAX
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
     ratio = common.div_rn(amax, safe).clamp_(0.0, geometry.FP8_MAX)
@@ -71,7 +81,7 @@ def nvfp4_encode_reference(blocks: torch.Tensor, bad: torch.Tensor
     flat = ~(decode_scale > 0)
     scaled = common.div_rn(blocks, decode_scale.masked_fill(flat, 1.0)[:, None])
     codes = common.e2m1_codes(common.e2m1_round(scaled)).masked_fill_((flat | bad)[:, None], 0)
-    return global_scale, scale.masked_fill(bad, geometry.E4M3_NAN), codes
+    return global_scale, scale.masked_fill(bad, E4M3_NAN), codes
 
 
 def nvfp4_decode_reference(global_scale: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -85,7 +95,7 @@ class NvFp4Codec(RotatedBlockCodec):
     block_size = BLOCK_SIZE
 
     def _sections(self, shape, dtype):
-        return geometry.nvfp4_sections(shape)
+        return nvfp4_sections(shape)
 
     def _encode_torch(self, x, buf, layout):
         blocks, bad = self._to_blocks(x)

@@ -5,7 +5,8 @@ Every codec file starts with one ``DECLARATION = CodecDeclaration(...)`` block. 
 default, help and range come from here), their ``--tah-*`` flags and flag-table rows, checks their
 values, and builds codecs (``build_kwargs``). Adding a codec therefore touches its own file (its
 declaration and an unused ``codec_id``: a taken one is an error at import), one line of the registry
-(``codecs/__init__.py``) and, per new option, one ``codec_option`` line in ``TahConfig``.
+(``codecs/__init__.py``), the regenerated flag page and, per new option, one ``codec_option`` line in
+``TahConfig`` (docs/DESIGN.md, "Adding a codec").
 
 A codec takes two kinds of options:
 

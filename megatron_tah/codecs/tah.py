@@ -32,7 +32,7 @@ repeating each token's last channel, see ``common.to_tiles``):
 Tiles holding NaN, +-Inf or ``|x| > MAX_ABS_VALUE`` decode to all-NaN; others are untouched.
 The torch reference below and the Triton kernels (``kernels/tah.py``) write the same bytes.
 
-Wire (T tiles in token order ``(s, b)``, then tile order):
+Wire (T tiles in token order ``(s, b)``, then tile order; sizes in ``kernels/tah.py``, ``tah_sections``):
 header | ``flags``: 1 bit per allocation unit (token or tile), set = low bits |
 ``scale``: bf16[T] | ``zero``: bf16[T] | ``meta``: uint8[T] = ``rotated << 7 | pivot`` |
 ``high``: codes of the high-bit tiles in order, packed at ``high_bits`` |
@@ -47,9 +47,12 @@ import math
 import torch
 
 from .. import geometry
+from ..kernels.tah import TAH_ALLOCATIONS, TAH_EPS, tah_low_units_per_group, tah_sections, tah_tile_counts
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
 from .options import CodecDeclaration, Option
+
+LOW_BITS_FOR = ("low_entropy", "high_entropy")  # which units get the low bit width (the paper: low_entropy)
 
 DECLARATION = CodecDeclaration(
     takes=("tile_size", "stochastic_rounding"),
@@ -64,16 +67,12 @@ DECLARATION = CodecDeclaration(
         Option("tah_outlier_threshold", "outlier_threshold", float, 2.0, "TAH-Quant: rotate a tile when |largest| / "
                "|second largest| exceeds this; 0 always rotates, inf never.", bounds=(0.0, math.inf)),
         Option("tah_allocation", "allocation", str, "token", "TAH-Quant bit allocation unit: token (paper v1) or "
-               "tile (paper v2).", choices=geometry.TAH_ALLOCATIONS),
+               "tile (paper v2).", choices=TAH_ALLOCATIONS),
         Option("tah_low_bits_for", "low_bits_for", str, "low_entropy", "TAH-Quant: which tokens (or tiles) get the "
                "low bit width: low_entropy (the paper) or high_entropy (diagnostic).",
-               choices=geometry.TAH_LOW_BITS_FOR),
+               choices=LOW_BITS_FOR),
     ),
 )
-
-EPS = geometry.TAH_EPS
-ALLOCATIONS = geometry.TAH_ALLOCATIONS
-LOW_BITS_FOR = geometry.TAH_LOW_BITS_FOR
 
 
 class TahCodec(Codec):
@@ -96,8 +95,8 @@ class TahCodec(Codec):
         self.outlier_threshold = float(outlier_threshold)
         if math.isnan(self.outlier_threshold) or self.outlier_threshold < 0:
             raise CodecError(f"outlier_threshold must be >= 0 (0: always rotate, inf: never), got {outlier_threshold}")
-        if allocation not in ALLOCATIONS:
-            raise CodecError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        if allocation not in TAH_ALLOCATIONS:
+            raise CodecError(f"allocation must be one of {TAH_ALLOCATIONS}, got {allocation!r}")
         self.allocation = allocation
         if low_bits_for not in LOW_BITS_FOR:
             raise CodecError(f"low_bits_for must be one of {LOW_BITS_FOR}, got {low_bits_for!r}")
@@ -147,16 +146,15 @@ class TahCodec(Codec):
     def low_units_per_group(self, shape) -> int:
         """Low-bit units per selection group: tokens per sample, or tiles per token."""
         s, _, h = self._dims(shape)
-        return geometry.tah_low_units_per_group(s, geometry.num_tiles(h, self.tile_size), self.high_ratio,
-                                                self.allocation)
+        return tah_low_units_per_group(s, geometry.num_tiles(h, self.tile_size), self.high_ratio, self.allocation)
 
     def tile_counts(self, shape) -> tuple[int, int, int]:
         """(all tiles, low-bit tiles, allocation units) for ``shape``."""
-        return geometry.tah_tile_counts(self._dims(shape), self.tile_size, self.high_ratio, self.allocation)
+        return tah_tile_counts(self._dims(shape), self.tile_size, self.high_ratio, self.allocation)
 
     def _sections(self, shape, dtype):
-        return geometry.tah_sections(self._dims(shape), self.tile_size, self.high_bits, self.low_bits,
-                                     self.high_ratio, self.allocation)
+        return tah_sections(self._dims(shape), self.tile_size, self.high_bits, self.low_bits, self.high_ratio,
+                            self.allocation)
 
     def levels(self, low: bool) -> int:
         return 2 ** (self.low_bits if low else self.high_bits) - 1
@@ -240,7 +238,7 @@ class TahCodec(Codec):
             a2 = torch.where(is_max, 0, bits).amax(dim=-1)
             a2 = torch.where(is_max.sum(dim=-1) > 1, a1[..., 0], a2)
             a1f, a2f = a1[..., 0].view(torch.float32), a2.view(torch.float32)
-            rotate = ~bad & (a1f > (a2f + EPS) * self.outlier_threshold)
+            rotate = ~bad & (a1f > (a2f + TAH_EPS) * self.outlier_threshold)
         pivot = torch.zeros(rotate.shape, dtype=torch.long, device=tiles.device)
         if rotate.any():
             pivot[rotate] = is_max[rotate].to(torch.uint8).argmax(dim=-1)  # the first maximum

@@ -3,14 +3,16 @@
 Every field is written out here, each fact about it declared once:
 
 - the pipeline-wide options, written as megatron-core writes its configs: a field with its
-  docstring under it; a fixed list of valid values as ``metadata={"choices": ...}``;
+  docstring under it; a fixed list of valid values as ``metadata={"choices": ...}`` (a codec field's,
+  ``CodecChoices``, read from the codec registry at each use);
 - every codec's own options (``tah_high_bits``, ``tah_fp8_group_size``, ...): a field each,
   ``codec_option(name)``, whose default, help and range come from the ``DECLARATION`` at the top of
   the codec's file (``codecs/options.py``);
 - ``auto``'s fields take their defaults from ``auto.AutoSettings``, which checks them.
 
 ``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` -> ``--tah-tile-size``,
-help from the docs) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
+help from the docs, ``field_docs()``: a direction parameter's help ends with the registered codecs that
+take it) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
 choices and ranges, the rules between the pipeline's fields (from the codecs' declared capabilities) and
 builds the pipeline's codecs once, raising ``ValueError`` naming the offending field and value. A place's
 field is checked here for its own value only; what the place makes of it -- its codec, its rules with other
@@ -34,15 +36,51 @@ from ..units import parse_bandwidth
 from .auto import AUTO, CANDIDATES, DEFAULTS as AUTO_DEFAULTS, DIRECTIONS, NON_PRESET, AutoSettings
 from .presets import PRESETS
 
-FORWARD_CODECS = tuple(CODECS)
-BACKWARD_CODECS = tuple(name for name in CODECS if not codec_declaration(name).forward_only)
-ROUNDING_CODECS = tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
 TP_CODECS = ("none", "fp8")
 DP_CODECS = ("none", "int8")
 EMBEDDING_CODECS = ("none", "int8")
 ACTIVATION_MEMORY = ("none", "laaq")
 EVAL_TRAFFIC = ("codec", "uncompressed", "both")
 EMULATED_WIRES = ("link", "inbound")
+
+
+def forward_codecs() -> tuple[str, ...]:
+    """The registered codecs, read from the registry at each call: each carries activations."""
+    return tuple(CODECS)
+
+
+def backward_codecs() -> tuple[str, ...]:
+    """The registered codecs that carry activation gradients."""
+    return tuple(name for name in CODECS if not codec_declaration(name).forward_only)
+
+
+def rounding_codecs() -> tuple[str, ...]:
+    """The registered codecs that round stochastically on request."""
+    return tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
+
+
+class CodecChoices:
+    """A codec field's valid values, ``codecs()`` then ``extra``, read from the codec registry at each use: the
+    field's check, its flag's choices and its flag-table row follow the registry (a codec registered after this
+    module was imported included)."""
+
+    def __init__(self, codecs, *extra: str):
+        self.codecs, self.extra = codecs, extra
+
+    def values(self) -> tuple[str, ...]:
+        return (*self.codecs(), *self.extra)
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __len__(self) -> int:
+        return len(self.values())
+
+    def __contains__(self, value) -> bool:
+        return value in self.values()
+
+    def __repr__(self) -> str:
+        return repr(self.values())
 
 
 def _codec_options() -> dict[str, Option]:
@@ -88,29 +126,30 @@ class TahConfig:
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
     """A named set of pipeline-codec options: none (the flags below as given), paper (TAH-Quant as specified, with the 6-bit backward codec), hadint4 (Hadamard INT4 both ways, 4.25 bits each, stochastic rounding of gradients: 1.35x fewer bytes than paper), lowrank (activations: 16 principal directions apart and the residual as Hadamard INT3, 4.38 bits at hidden 128; gradients as hadint4) lowrank8 (the same with 8 directions, 3.88 bits), channel (for deep pipelines: per-channel 4-bit activations, per-channel 3-bit stochastically rounded gradients, 7.01 bits both ways at large messages), channel6 (the same with 2-bit gradients, 6.01 bits) channel9 (channel with 6-bit activations, 9.01 bits) or channel_h4 (per-channel 6-bit activations with each sequence's largest token sent apart in bf16, gradients as hadint4: 10.27 bits both ways at large messages). Each preset's steps to a loss at pipeline depth 8: docs/SPEEDRUN.md. A flag set to neither its default nor the preset's value is an error."""
 
-    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": (*FORWARD_CODECS, AUTO)})
+    tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": CodecChoices(forward_codecs, AUTO)})
     """Codec for activations sent to the next stage (none: Megatron's own transport, uncompressed; auto: chosen per link among --tah-auto-candidates from the measured link rate and codec costs)."""
 
-    tah_backward_codec: str = dataclasses.field(default="none", metadata={"choices": (*BACKWARD_CODECS, AUTO)})
+    tah_backward_codec: str = dataclasses.field(default="none",
+                                                metadata={"choices": CodecChoices(backward_codecs, AUTO)})
     """Codec for activation gradients sent to the previous stage (none: uncompressed; auto: as for the forward codec)."""
 
     tah_tile_size: int = dataclasses.field(default=64, metadata={"choices": TILE_SIZES})
-    """Channels per tile of the forward codec (tah, fixedpoint, aqsgd, hadint, lowrank's residual)."""
+    """Channels per tile of the forward codec (lowrank: of its residual)."""
 
     tah_backward_tile_size: int = dataclasses.field(default=32, metadata={"choices": TILE_SIZES})
     """Channels per tile of the backward codec."""
 
     tah_forward_bits: int = 4
-    """Bits of the forward codec when it is fixedpoint, aqsgd, hadint or channel (lowrank: of its residual)."""
+    """Bits of the forward codec (lowrank: of its residual)."""
 
     tah_backward_bits: int = 6
-    """Bits of the backward codec when it is fixedpoint, hadint or channel (lowrank: of its residual)."""
+    """Bits of the backward codec (lowrank: of its residual)."""
 
     tah_stochastic_rounding: bool = False
-    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (fixedpoint, tah, hadint, channel, lowrank's residual)."""
+    """Round stochastically (unbiased) instead of to nearest in both directions' codecs (lowrank: its residual)."""
 
     tah_backward_stochastic_rounding: bool = False
-    """Round stochastically in the backward codec only (fixedpoint, tah, hadint, channel, lowrank's residual): unbiased activation gradients."""
+    """Round stochastically in the backward codec only (lowrank: its residual): unbiased activation gradients."""
 
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
@@ -198,12 +237,17 @@ class TahConfig:
     tah_channel_outlier_tokens: int = codec_option("tah_channel_outlier_tokens")
 
     _DIRECTIONS = ("tah_forward_codec", "tah_backward_codec")
+    # The direction parameters' fields (codecs/options.py): their help names the registered codecs that take them.
+    _DIRECTION_PARAMETERS = {"tah_tile_size": "tile_size", "tah_backward_tile_size": "tile_size",
+                             "tah_forward_bits": "bits", "tah_backward_bits": "bits",
+                             "tah_stochastic_rounding": "stochastic_rounding",
+                             "tah_backward_stochastic_rounding": "stochastic_rounding"}
 
     def __post_init__(self):
         self._apply_preset()
         if self.tah_backward_codec in CODECS and codec_declaration(self.tah_backward_codec).forward_only:
             raise ValueError(f"tah_backward_codec = {self.tah_backward_codec!r}: it compresses activations only; "
-                             f"choose one of {', '.join(BACKWARD_CODECS)} for gradients")
+                             f"choose one of {', '.join(backward_codecs())} for gradients")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             choices = field.metadata.get("choices")
@@ -277,8 +321,14 @@ class TahConfig:
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
-        """Every field's help: the docstrings under the fields, and each codec option's declared help."""
-        return {**_field_docs(TahConfig), **{name: option.help for name, option in CODEC_OPTIONS.items()}}
+        """Every field's help: the docstrings under the fields (a direction parameter's followed by the registered
+        codecs that take it), and each codec option's declared help."""
+        docs = _field_docs(TahConfig)
+        for field, parameter in cls._DIRECTION_PARAMETERS.items():
+            takers = backward_codecs() if "backward" in field else forward_codecs()
+            takers = [name for name in takers if parameter in codec_declaration(name).takes]
+            docs[field] = f"{docs[field]} Codecs that take it: {', '.join(takers)}."
+        return {**docs, **{name: option.help for name, option in CODEC_OPTIONS.items()}}
 
     @property
     def emulated_bandwidth_bps(self) -> float | None:
@@ -288,16 +338,17 @@ class TahConfig:
         """Stochastic rounding is asked of a codec that rounds stochastically (``none`` aside), never ignored."""
         asked = {"tah_forward_codec": self.tah_stochastic_rounding,  # (the keys are _DIRECTIONS)
                  "tah_backward_codec": self.tah_stochastic_rounding or self.tah_backward_stochastic_rounding}
-        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in ROUNDING_CODECS:
+        rounding = rounding_codecs()
+        if self.tah_backward_stochastic_rounding and self.tah_backward_codec not in rounding:
             raise ValueError(f"tah_backward_stochastic_rounding needs a tah_backward_codec that rounds stochastically "
-                             f"({', '.join(ROUNDING_CODECS)}), got {self.tah_backward_codec!r}")
+                             f"({', '.join(rounding)}), got {self.tah_backward_codec!r}")
         for field, wanted in asked.items():
             name = getattr(self, field)
-            if wanted and name != "none" and name not in ROUNDING_CODECS:
+            if wanted and name != "none" and name not in rounding:
                 raise ValueError(f"tah_stochastic_rounding with {field} = {name!r}: it rounds to nearest; "
-                                 f"stochastic rounding is for {', '.join(ROUNDING_CODECS)}")
-        if self.tah_stochastic_rounding and not any(getattr(self, field) in ROUNDING_CODECS for field in asked):
-            raise ValueError(f"tah_stochastic_rounding with neither direction's codec among {', '.join(ROUNDING_CODECS)}")
+                                 f"stochastic rounding is for {', '.join(rounding)}")
+        if self.tah_stochastic_rounding and not any(getattr(self, field) in rounding for field in asked):
+            raise ValueError(f"tah_stochastic_rounding with neither direction's codec among {', '.join(rounding)}")
 
     def is_off(self) -> bool:
         """Every option at its default: nothing is compressed, emulated or logged (Megatron runs as without us)."""

@@ -8,8 +8,10 @@ tensors saved for backward (memory, no wire header) with the ``fixedpoint`` kern
 quantizer, bit packing) and the launch/recording machinery live in ``common``.
 
 Dependencies point one way, codecs -> kernels -> geometry: the launchers take plain ints and
-tensors (the wire sections as uint8 views, by the names ``megatron_tah.geometry`` gives them),
-never codec objects, and import nothing from ``codecs/`` (``tests/test_layering.py`` checks).
+tensors (the wire sections as uint8 views, by the names the codec's layout gives them), never codec
+objects, and import nothing from ``codecs/`` (``tests/test_layering.py`` checks). A codec with a
+kernel keeps its wire layout here, in its kernel module (``fixedpoint_sections`` ...), and imports it
+from there: one stem per codec across the layers.
 
 Every module imports without Triton; its launchers then raise
 ``RuntimeError("... needs triton")``. Kernels run on CUDA tensors, or on CPU

@@ -1,6 +1,7 @@
 """Fused ``channel`` encode/decode: a per-channel range pass, then one pass that quantizes and packs.
 
-Encode (wire format and algorithm: ``codecs/channel.py``; sections of ``geometry.channel_sections``):
+Encode (wire format and algorithm: ``codecs/channel.py``; its layout, ``channel_sections``, is below and
+the codec takes it from here):
 
 1. ``channel_range_kernel``: a grid over blocks of ``BC`` channels (and, for enough programs on a
    large message, ``splits`` ranges of rows); each program loops over its rows ``BR`` at a time,
@@ -23,6 +24,9 @@ row-major index), so the bytes are the torch reference's, compiled or interprete
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 
 from .. import geometry
@@ -37,6 +41,27 @@ CODE_CHANNELS, CODE_ELEMENTS = 256, 8192  # the code pass: G channels per block,
 TARGET_PROGRAMS = 512  # the range pass splits rows until it has about this many programs (H100: 132 SMs)
 MIN_SPLIT_ROWS = 256  # ... each looping over at least this many rows
 INTERPRETED_ELEMENTS = 1 << 16  # under the interpreter a program's cost is its count: few large programs
+
+
+def channel_code_count(shape: Sequence[int]) -> int:
+    """Codes the ``channel`` codec packs for ``shape``: every element, padded with zero codes to a multiple of 8."""
+    return geometry.cdiv(geometry.num_tokens(shape) * int(shape[-1]), 8) * 8
+
+
+def channel_outliers(shape: Sequence[int], outlier_tokens: int) -> int:
+    """Rows the ``channel`` codec sends apart for ``shape``: ``outlier_tokens`` per sequence, a message
+    ``[s, b, ..., h]`` holding ``b * ...`` sequences (a 2-D one, one), at most ``rows - 1`` (one stays on the grids)."""
+    sequences = math.prod(int(d) for d in shape[1:-1])
+    return max(0, min(int(outlier_tokens) * sequences, geometry.num_tokens(shape) - 1))
+
+
+def channel_sections(shape: Sequence[int], bits: int, outlier_tokens: int = 0) -> list[tuple[str, int]]:
+    """The ``channel`` wire sections of ``shape``: a bf16 scale and zero per channel, the packed codes, then the
+    outlier rows' indices and values (with ``outlier_tokens``)."""
+    h, k = int(shape[-1]), channel_outliers(shape, outlier_tokens)
+    sections = [("scale", 2 * h), ("zero", 2 * h), ("codes", geometry.packed_nbytes(channel_code_count(shape), bits))]
+    return sections + ([("outlier_index", 4 * k), ("outlier_rows", 2 * k * h)] if k else [])
+
 
 if HAVE_TRITON:
     from .common import (

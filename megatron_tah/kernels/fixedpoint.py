@@ -5,18 +5,28 @@ min and max, the bf16 zero and scale, the codes, and packs them straight into th
 buffer's ``codes`` section (wire format: ``codecs/fixedpoint.py``). Bytes are the torch
 reference's, round to nearest or stochastic (the same counter-based noise).
 
-The launchers take the sections of ``geometry.fixedpoint_sections`` as uint8 tensors by name.
+The wire layout is here, beside the kernels (``fixedpoint_sections``: the codec, ``aqsgd``'s deltas
+and ``laaq`` take it from here); the launchers take those sections as uint8 tensors by name.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import Sequence
+
 from .. import geometry
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
     launch, native_conversions, sections_nbytes, store_units, tl, triton,
 )
+
+
+def fixedpoint_sections(shape: Sequence[int], bits: int, tile_size: int) -> list[tuple[str, int]]:
+    """The ``fixedpoint`` wire sections of ``shape``: a bf16 scale and zero per tile, then the packed codes."""
+    tiles = geometry.total_tiles(shape, tile_size)
+    return [("scale", 2 * tiles), ("zero", 2 * tiles), ("codes", geometry.packed_nbytes(tiles * tile_size, bits))]
+
 
 if HAVE_TRITON:
     from .common import (

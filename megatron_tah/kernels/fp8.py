@@ -6,18 +6,34 @@ registers, then one write of codes and two fp32 scales per group. Every step is 
 reference's fp32 operation in the reference's order, so the bytes are the same. The E4M3
 conversion is the hardware's on sm_89 and later (round to nearest even after the clamp to
 +-448, like torch's cast) and a bit-exact software version elsewhere and in the interpreter.
-The launchers take the sections of ``geometry.fp8_sections`` as uint8 tensors by name.
+The wire layout and the pre-scale's constants are here, beside the kernels (``fp8_sections``,
+``PRESCALE_MIN`` ...: the codec takes them from here); the launchers take those sections as uint8
+tensors by name.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import Sequence
+
 from .. import geometry
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
     native_conversions, sections_nbytes, tl, triton,
 )
+
+PRESCALE_MIN = 1e-3  # the pre-scale alpha's range
+PRESCALE_MAX = 1e3
+RMS_EPS = 1e-3  # sqrt of the 1e-6 added to mean(x^2)
+FP32_NAN_BITS = 0x7FC00000  # the NaN every encoder writes as a bad group's alpha
+
+
+def fp8_sections(shape: Sequence[int], group_size: int) -> list[tuple[str, int]]:
+    """The ``fp8`` wire sections of ``shape``: fp32 pre- and post-scales per group, then an E4M3 byte per value."""
+    groups = geometry.total_tiles(shape, group_size)
+    return [("prescale", 4 * groups), ("postscale", 4 * groups), ("codes", groups * group_size)]
+
 
 if HAVE_TRITON:
     from .common import (
@@ -153,8 +169,8 @@ def triton_fp8_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], group_
          sections["codes"], n_groups, h, groups_per_token),
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
              INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
-             ENTRY=geometry.hadamard_entry(group_size), FMAX=geometry.FP8_MAX, RMS_FLOOR=geometry.RMS_EPS,
-             PRE_MIN=geometry.PRESCALE_MIN, PRE_MAX=geometry.PRESCALE_MAX, HW_FP8=hw_fp8, FLIP=block_flip(),
+             ENTRY=geometry.hadamard_entry(group_size), FMAX=geometry.FP8_MAX, RMS_FLOOR=RMS_EPS,
+             PRE_MIN=PRESCALE_MIN, PRE_MAX=PRESCALE_MAX, HW_FP8=hw_fp8, FLIP=block_flip(),
              num_warps=blk.num_warps, enable_fp_fusion=False),
         blk.elements,
     )

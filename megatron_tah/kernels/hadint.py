@@ -5,11 +5,14 @@ ragged last tile (as the reference pads), bad values zeroed, ``x * d`` then the 
 ``common.fwht`` in the reference's order, the bf16 scale from the rotated tile's largest magnitude,
 the codes (to nearest, or ``floor(. + u)`` with the reference's counter-hash noise) packed straight
 into the ``codes`` section. Decode is the same in reverse. Bytes and decodes are the torch
-reference's (wire format: ``codecs/hadint.py``). The launchers take the sections of
-``geometry.hadint_sections`` as uint8 tensors by name.
+reference's (wire format: ``codecs/hadint.py``). The wire layout is here, beside the kernels
+(``hadint_sections``: the codec, and ``lowrank`` for its residual, take it from here); the launchers
+take those sections as uint8 tensors by name.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -19,6 +22,13 @@ from .common import (
     native_conversions, sections_nbytes, store_units, tl, triton,
 )
 from .fixedpoint import _common_args
+
+
+def hadint_sections(shape: Sequence[int], bits: int, tile_size: int) -> list[tuple[str, int]]:
+    """The ``hadint`` wire sections of ``shape``: a bf16 scale per tile, then the packed codes."""
+    tiles = geometry.total_tiles(shape, tile_size)
+    return [("scale", 2 * tiles), ("codes", geometry.packed_nbytes(tiles * tile_size, bits))]
+
 
 if HAVE_TRITON:
     from .common import (

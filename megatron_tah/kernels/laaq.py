@@ -23,8 +23,7 @@ import functools
 
 import torch
 
-from .. import geometry
-from .fixedpoint import triton_fixedpoint_encode, triton_fixedpoint_decode
+from .fixedpoint import fixedpoint_sections, triton_fixedpoint_decode, triton_fixedpoint_encode
 
 SECTIONS = ("scale", "zero", "codes")
 
@@ -33,7 +32,7 @@ SECTIONS = ("scale", "zero", "codes")
 def _offsets(numel: int, bits: int, block: int) -> tuple[tuple[str, int, int], ...]:
     """(name, start, end) of each section (a saved tensor's shapes repeat every micro-batch: cached)."""
     out, start = [], 0
-    for name, size in geometry.fixedpoint_sections((numel,), bits, block):
+    for name, size in fixedpoint_sections((numel,), bits, block):
         out.append((name, start, start + size))
         start += size
     return tuple(out)

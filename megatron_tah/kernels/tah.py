@@ -17,13 +17,15 @@ Decode reads the flags, builds the same tables and runs ``tah_decode_kernel`` on
 exchanged in the output (after a barrier, from L1/L2). Every fp32 operation is the torch
 reference's, in its order: the bytes are identical.
 
-The launchers take the sections of ``geometry.tah_sections`` as uint8 tensors by name and the
-codec's options as plain values.
+The wire layout is here, beside the kernels (``tah_sections`` and its counts, ``TAH_EPS``: the codec takes
+them from here); the launchers take those sections as uint8 tensors by name and the codec's options as
+plain values.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -33,6 +35,43 @@ from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
     launch, native_conversions, sections_nbytes, store_units, tl, triton,
 )
+
+TAH_EPS = 1e-8  # added to the second-largest magnitude in the outlier test
+TAH_ALLOCATIONS = ("token", "tile")
+
+
+def tah_low_units_per_group(s: int, tiles_per_token: int, high_ratio: float, allocation: str) -> int:
+    """Low-bit units per selection group: of the ``s`` tokens of a sample, or of a token's tiles."""
+    units = s if allocation == "token" else tiles_per_token
+    return int(math.floor(units * (1.0 - high_ratio) + 1e-9))
+
+
+def tah_tile_counts(shape: Sequence[int], tile_size: int, high_ratio: float, allocation: str
+                    ) -> tuple[int, int, int]:
+    """(all tiles, low-bit tiles, allocation units) of an ``[s, b, h]`` tensor."""
+    s, b, h = (int(d) for d in shape)
+    tiles_per_token = geometry.num_tiles(h, tile_size)
+    total = s * b * tiles_per_token
+    n_low = tah_low_units_per_group(s, tiles_per_token, high_ratio, allocation)
+    if allocation == "token":
+        return total, n_low * b * tiles_per_token, s * b
+    return total, n_low * s * b, total
+
+
+def tah_sections(shape: Sequence[int], tile_size: int, high_bits: int, low_bits: int, high_ratio: float,
+                 allocation: str) -> list[tuple[str, int]]:
+    """The ``tah`` wire sections of an ``[s, b, h]`` shape: the allocation's flags, a bf16 scale and zero and a
+    meta byte per tile, then the high- and the low-bit codes."""
+    total, low, units = tah_tile_counts(shape, tile_size, high_ratio, allocation)
+    return [
+        ("flags", geometry.flags_nbytes(units)),
+        ("scale", 2 * total),
+        ("zero", 2 * total),
+        ("meta", total),
+        ("high", geometry.packed_nbytes((total - low) * tile_size, high_bits)),
+        ("low", geometry.packed_nbytes(low * tile_size, low_bits)),
+    ]
+
 
 if HAVE_TRITON:
     from .common import (
@@ -274,7 +313,7 @@ def triton_tah_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], high_u
                       low_units: torch.Tensor, *, tile_size: int, high_bits: int, low_bits: int, allocation: str,
                       outlier_threshold: float, seed: int | None = None, per_lane: int | None = None,
                       tiles_per_prog: int | None = None) -> torch.Tensor:
-    """Fill the scale/zero/meta/high/low sections (uint8 tensors, ``geometry.tah_sections``) from contiguous
+    """Fill the scale/zero/meta/high/low sections (uint8 tensors, ``tah_sections``) from contiguous
     ``[s, b, h]`` ``x``.
 
     ``high_units``/``low_units``: int32 unit indices of each width in order (``triton_tah_allocate``);
@@ -302,7 +341,7 @@ def triton_tah_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], high_u
              first_slot, 0 if seed is None else int(seed)),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
                  STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
-                 TAU=tau if math.isfinite(tau) else 0.0, EPSILON=geometry.TAH_EPS, ALWAYS=tau == 0,
+                 TAU=tau if math.isfinite(tau) else 0.0, EPSILON=TAH_EPS, ALWAYS=tau == 0,
                  NEVER=tau == math.inf, ENTRY=geometry.hadamard_entry(g), UNIT=unit, NUNITS=nunits,
                  FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
             blk.elements,
