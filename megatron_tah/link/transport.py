@@ -10,7 +10,7 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 
 * ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
   ``recv_next`` activation gradients through the *backward* codec. Each link end
-  (direction, role, peer) is a :class:`Link` owning its codec (AQ-SGD keeps state) and counters.
+  (direction, role, peer) is a ``link.Link`` owning its codec (AQ-SGD keeps state) and counters.
 * Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
   receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
   returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
@@ -48,7 +48,7 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
   posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
   bytes on the wire are the same; ``none`` goes the same way.
 * ``--tah-entropy-coding``: each codec buffer goes through the lossless coder (``codecs/entropy.py``) into a frame
-  whose size both ends of the link compute alike from its earlier messages (``frames.py``, ``Link.frame_sizes``);
+  whose size both ends of the link compute alike from its earlier messages (``frames.py``, ``link.Link.frame_sizes``);
   what does not fit follows as a second message (batched: one more batch after the call's, activations first;
   unbatched: right behind its frame, received once the frame is read). Statistics and the emulated links count
   frames and overflows: the bytes that cross the network.
@@ -73,22 +73,21 @@ from typing import Callable
 import torch
 
 from ..codecs import Codec, PayloadChecksumError, WireFormatError, entropy, get_codec, timing
-from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
+from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
 from . import frames
-from .auto import AutoEnd, link_salt
 from .completion import time_works, work_seconds
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
+from .link import Link, open_link
 from .measure import MIN_SECONDS
 from .message import Handle, Message
 from .peer import PeerWatch
-from .staging import HostStaging
 from .wire import Trailer, append_trailer, decode_trailer, message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CodecMismatchError", "Link", "PipelineTransport"]
+__all__ = ["CodecMismatchError", "PipelineTransport"]
 
 
 def _unknown() -> None:
@@ -98,35 +97,6 @@ def _unknown() -> None:
 def _rest_tag(direction: str) -> int:
     """The tag of an entropy-coded message's overflow (gloo matches by it; NCCL by order)."""
     return 1 if direction == "forward" else 2
-
-
-@dataclasses.dataclass
-class Link:
-    """One end of one pipeline link: ``direction`` ("forward": activations, "backward": their
-    gradients), ``role`` ("send", "recv") and ``peer`` (the world rank at the other end).
-    Owns the codec of that end and what was counted on it; what is known per link end (a measured
-    rate, staging buffers, captured graphs per message shape) belongs here too."""
-
-    direction: str
-    role: str
-    peer: int
-    codec: Codec | GraphedCodec  # auto: the codec of the current iteration
-    messages: int = 0  # messages through this end so far
-    auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
-    staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
-    report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
-    frame_sizes: frames.FrameSizes = dataclasses.field(default_factory=frames.FrameSizes, repr=False)  # entropy coding
-    receiving: bool = False  # entropy coding, receive end: a receive is posted and not yet read
-
-    def host_staging(self, device: torch.device) -> HostStaging:
-        """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
-        if self.staging is None or self.staging.device != device:
-            self.staging = HostStaging(device)
-        return self.staging
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return self.direction, self.role, self.peer
 
 
 class PipelineTransport:
@@ -174,17 +144,11 @@ class PipelineTransport:
 
     # ----- link ends and their codecs ----------------------------------------------------
     def link(self, direction: str, role: str, peer: int) -> Link:
+        """This rank's link end (``link.open_link`` makes it at its first use)."""
         key = (direction, role, int(peer))
         if key not in self.links:
-            if self.config.is_auto(direction):
-                auto = AutoEnd(self.config, direction, role, int(peer), depth=self.depth() or 1)
-                self.links[key] = Link(direction, role, int(peer), auto.codec, auto=auto)
-                return self.links[key]
-            codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
-            codec.salt_rounding(link_salt(direction, role, int(peer)))  # each sender its own rounding noise
-            # Only used after check_group compared the link's configs: headers are checked on the device.
-            codec = place_codec(codec, self.config.tah_eager_codecs, self.graphs, self.graph_log)
-            self.links[key] = Link(direction, role, int(peer), codec)
+            self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
+                                        graph_log=self.graph_log)
         return self.links[key]
 
     def training_iteration(self) -> int:
