@@ -3,7 +3,8 @@
 A link end is (direction, role, peer): "forward" carries activations, "backward" their gradients; "send" or
 "recv"; the world rank at the other end. It owns its codec (AQ-SGD and stochastic rounding keep state), or on
 an auto direction its ``auto.AutoEnd``, which picks the codec per iteration; its counters; its host staging
-buffers; the report it owes its peer (auto); and its entropy-coded frames' agreed sizes (``frames.py``).
+buffers; the report it owes its peer (auto); and the steps its messages go through (``steps.py``), built once
+from the configuration.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from ..codecs import Codec
 from ..codecs.graphs import GraphedCodec, place_codec
 from ..config import TahConfig
 from .auto import AutoEnd, link_salt
-from . import frames
+from .frames import FramingStep
 from .staging import HostStaging
+from .steps import Step
 
 __all__ = ["Link", "open_link"]
 
@@ -38,8 +40,7 @@ class Link:
     auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
     report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
-    frame_sizes: frames.FrameSizes = dataclasses.field(default_factory=frames.FrameSizes, repr=False)  # entropy coding
-    receiving: bool = False  # entropy coding, receive end: a receive is posted and not yet read
+    steps: list[Step] = dataclasses.field(default_factory=list, repr=False)  # its messages' steps, in send order
 
     def host_staging(self, device: torch.device) -> HostStaging:
         """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
@@ -54,9 +55,9 @@ class Link:
 
 def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
               graphs, graph_log: set[str]) -> Link:
-    """A new link end with its codec: an auto direction's ``AutoEnd``, at the pipeline's ``depth()`` (None: 1);
+    """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
     otherwise the configured codec, salted for its own rounding noise and placed in CUDA graphs as
-    ``codecs.graphs.place_codec`` says."""
+    ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``."""
     if config.is_auto(direction):
         auto = AutoEnd(config, direction, role, peer, depth=depth() or 1)
         link = Link(direction, role, peer, auto.codec, auto=auto)
@@ -65,4 +66,6 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
         codec.salt_rounding(link_salt(direction, role, peer))  # each sender its own rounding noise
         # Only used after check_group compared the link's configs: headers are checked on the device.
         link = Link(direction, role, peer, place_codec(codec, config.tah_eager_codecs, graphs, graph_log))
+    if config.tah_entropy_coding:
+        link.steps.append(FramingStep(direction, peer))
     return link

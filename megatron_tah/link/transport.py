@@ -10,7 +10,9 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 
 * ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
   ``recv_next`` activation gradients through the *backward* codec. Each link end
-  (direction, role, peer) is a ``link.Link`` owning its codec (AQ-SGD keeps state) and counters.
+  (direction, role, peer) is a ``link.Link`` owning its codec (AQ-SGD keeps state), its counters and the
+  steps its messages go through between the codec and the wire (``steps.py``): the transport encodes, hands
+  the buffer to the steps, posts what they made, and hands a complete receive back through them to decode.
 * Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
   receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
   returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
@@ -47,11 +49,10 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
   a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
   posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
   bytes on the wire are the same; ``none`` goes the same way.
-* ``--tah-entropy-coding``: each codec buffer goes through the lossless coder (``codecs/entropy.py``) into a frame
-  whose size both ends of the link compute alike from its earlier messages (``frames.py``, ``link.Link.frame_sizes``);
-  what does not fit follows as a second message (batched: one more batch after the call's, activations first;
-  unbatched: right behind its frame, received once the frame is read). Statistics and the emulated links count
-  frames and overflows: the bytes that cross the network.
+* A second message: a step may send bytes right behind a message (``--tah-entropy-coding``: the coded bytes
+  that did not fit the frame both ends agreed on, ``frames.py``). Batched: one more batch after the call's,
+  activations first; unbatched: right behind its message, received once the message is read. Statistics and
+  the emulated links count both: the bytes that cross the network.
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
   and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
@@ -72,10 +73,9 @@ from typing import Callable
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, WireFormatError, entropy, get_codec, timing
+from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
 from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
-from . import frames
 from .completion import time_works, work_seconds
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
@@ -83,6 +83,7 @@ from .link import Link, open_link
 from .measure import MIN_SECONDS
 from .message import Handle, Message
 from .peer import PeerWatch
+from .steps import Outgoing
 from .wire import Trailer, append_trailer, decode_trailer, message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def _unknown() -> None:
 
 
 def _rest_tag(direction: str) -> int:
-    """The tag of an entropy-coded message's overflow (gloo matches by it; NCCL by order)."""
+    """The tag of a message's second message (gloo matches by it; NCCL by order)."""
     return 1 if direction == "forward" else 2
 
 
@@ -120,8 +121,7 @@ class PipelineTransport:
         elif bandwidth is not None:
             self.emulator = LinkEmulator(bandwidth, latency)
         self.links: dict[tuple[str, str, int], Link] = {}
-        self.entropy = config.tah_entropy_coding  # every message entropy-coded in a frame (frames.py)
-        self.sent_rests: list = []  # (work, buffer) of overflows sent and maybe not yet complete
+        self.sent_rests: list = []  # (work, buffer) of second messages sent and maybe not yet complete
         auto = config.is_auto("forward") or config.is_auto("backward")
         self.auto = auto
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
@@ -229,16 +229,9 @@ class PipelineTransport:
             reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
 
     # ----- messages ------------------------------------------------------------------------
-    def frame_of(self, link: Link, codec, shape, dtype) -> tuple[tuple, int, int]:
-        """Entropy coding: (key, capacity, agreed size) of ``link``'s next message through ``codec`` (frames.py)."""
-        plain = eager(codec)
-        key = (plain.name, plain.config_digest(), tuple(shape), dtype)
-        capacity = entropy.capacity_nbytes(plain, shape, dtype) + frames.FRAME_HEADER_NBYTES
-        return key, capacity, link.frame_sizes.size(key, capacity)
-
     def encode(self, link: Link, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Encode one outgoing tensor on ``link`` (the whole message: trailer included) and record its statistics;
-        with entropy coding, also the coded bytes that did not fit the message's frame (None: none)."""
+        """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
+        (trailer included) and the bytes that follow it as a second message (None: none); records its statistics."""
         if link.auto is not None:
             link.auto.prepare(x)
         codec = self.codec(link)
@@ -256,12 +249,10 @@ class PipelineTransport:
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
-            rest = None
-            if self.entropy:
-                key, _, size = self.frame_of(link, codec, x.shape, x.dtype)
-                coded = entropy.encode(eager(codec), buf, x.shape, x.dtype)
-                buf, rest = frames.frame(coded, size)
-                link.frame_sizes.record(key, coded.numel() + frames.FRAME_HEADER_NBYTES)
+            out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds)
+            for step in link.steps:
+                step.on_send(out)
+            buf, rest = out.buf, out.rest
             if self.trailer_nbytes:
                 buf = self.with_trailer(link, buf, encode_seconds)
             if link.auto is not None:
@@ -315,63 +306,53 @@ class PipelineTransport:
                 if rest is not None and staged:
                     rest = rest.cpu()  # (gloo reads host memory)
                 messages[name] = Message.send(link, buf, host, rest=rest, **known)
-            elif self.entropy:
-                messages[name] = self.framed_receive(link, recv, host, known)
             else:
-                messages[name] = Message.receive(link, recv, self.codec(link), host=host, **known)
+                messages[name] = self.receive(link, recv, host, known)
         return messages
 
-    # ----- entropy-coded frames --------------------------------------------------------------
-    def framed_receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
-        """A receive on ``link`` of the frame size both ends agree on; refused while the link's previous receive
-        has not been read (its coded size sizes this one)."""
-        if link.receiving:
-            raise RuntimeError(
-                f"megatron_tah: --tah-entropy-coding sizes each message from the ones before it on its link, but a "
-                f"{link.direction} receive from rank {link.peer} was posted before the previous one had been read: "
-                "this schedule posts receives ahead; turn the entropy coding off")
+    def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
+        """A receive on ``link`` into ``target``: the bytes its codec and its steps say (with entropy coding the
+        frame size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
         codec = self.codec(link)
-        key, capacity, size = self.frame_of(link, codec, target.shape, target.dtype)
-        link.receiving = True
-        return Message.receive(link, target, codec, host=host, frame_nbytes=size, frame=(key, capacity), **known)
+        nbytes = codec.wire_nbytes(target.shape, target.dtype)
+        for step in link.steps:
+            nbytes = step.post_nbytes(codec, target.shape, target.dtype, nbytes)
+        return Message.receive(link, target, codec, nbytes, host=host, **known)
 
-    def overflow_nbytes(self, m: Message) -> int:
-        """A complete entropy-coded receive: the bytes of its coded buffer that follow as a second message."""
-        frame = m.buf[: m.buf.numel() - m.extra_nbytes]
-        n = frames.coded_length(frame, m.frame[1])
-        m.coded_nbytes = n
-        return max(0, n + frames.FRAME_HEADER_NBYTES - frame.numel())
+    # ----- second messages ---------------------------------------------------------------------
+    def expect_rest(self, m: Message) -> int:
+        """A complete receive: the bytes its link end's steps say follow it as a second message (asked once;
+        ``m.rest`` is their buffer)."""
+        m.rest_nbytes = sum(step.follow_nbytes(m) for step in m.link.steps)
+        if m.rest_nbytes:
+            m.rest = torch.empty(m.rest_nbytes, dtype=torch.uint8, device=m.buf.device)
+        return m.rest_nbytes
 
     def rest_ops(self, messages) -> list:
-        """The overflows of one batched call, in one order on both ends (activations first, then gradients; gloo
-        also tags them by direction): the sends' posted as they are, the receives' into new buffers."""
+        """The second messages of one batched call, in one order on both ends (activations first, then
+        gradients; gloo also tags them by direction): the sends' posted as they are, the receives' into new
+        buffers."""
         dist = torch.distributed
         ops = []
         for direction in ("forward", "backward"):
             for m in messages:
                 if m.link.direction != direction or m.group is None:
                     continue
-                if m.is_recv and m.frame is not None:
-                    overflow = self.overflow_nbytes(m)
-                    if overflow:
-                        m.rest = torch.empty(overflow, dtype=torch.uint8, device=m.buf.device)
-                        ops.append(dist.P2POp(dist.irecv, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
+                if m.is_recv and self.expect_rest(m):
+                    ops.append(dist.P2POp(dist.irecv, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
                 elif not m.is_recv and m.rest is not None:
                     ops.append(dist.P2POp(dist.isend, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
         return ops
 
     def finish(self, m: Message) -> None:
-        """A message whose transfer is complete: the emulated link's delay, the trailer, a receive's decode
-        into Megatron's tensor; then its buffers go."""
+        """A message whose transfer is complete: a receive's second message, the emulated link's delay, the
+        trailer, a receive's decode into Megatron's tensor; then its buffers go."""
         if m.done:
             return
         m.done = True
         link = m.link
-        if m.is_recv and m.frame is not None and m.coded_nbytes is None:  # the unbatched path: its overflow now
-            overflow = self.overflow_nbytes(m)
-            if overflow:
-                m.rest = torch.empty(overflow, dtype=torch.uint8, device=m.buf.device)
-                torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
+        if m.is_recv and m.rest_nbytes is None and self.expect_rest(m):  # the unbatched path: its second message now
+            torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
         rest_nbytes = 0 if m.rest is None else m.rest.numel()
         trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
@@ -408,11 +389,8 @@ class PipelineTransport:
         codec, link, wire = m.codec, m.link, m.codec_buffer()
         clock = timing.Stopwatch(wire.device)
         with torch.no_grad():
-            if m.frame is not None:
-                coded = frames.unframe(wire, m.coded_nbytes, m.rest)
-                wire = entropy.decode(eager(codec), coded, m.target.shape, m.target.dtype)
-                link.frame_sizes.record(m.frame[0], m.coded_nbytes + frames.FRAME_HEADER_NBYTES)
-                link.receiving = False
+            for step in reversed(link.steps):
+                wire = step.on_receive(m, wire)
             try:
                 codec.decode(wire, m.target.shape, m.target.dtype, out=m.target)
                 if codec.checksum:  # this message's count (CPU), or what has reached the host (CUDA: no sync)
@@ -448,7 +426,7 @@ class PipelineTransport:
         for m in messages.values():
             m.completed_at = now if m.completed_at is None else m.completed_at
             m.work, m.timed = m.work or (works[-1] if works else None), timed
-        rests = self.rest_ops(messages.values()) if self.entropy else []
+        rests = self.rest_ops(messages.values())
         for work in dist.batch_isend_irecv(rests) if rests else ():  # both ends post theirs, then wait
             work.wait()
         for m in messages.values():
@@ -470,10 +448,8 @@ class PipelineTransport:
                  else ("recv_prev", "send_next", "recv_next", "send_prev"))
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
         received_from = [m.link.peer for m in messages.values() if m.is_recv]
-        if self.entropy and not bounded and len(received_from) != len(set(received_from)):
-            raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers receives two messages from "
-                               "one stage in one call here, whose overflows only gloo tells apart: use Megatron's "
-                               "batched transfers (--no-overlap-p2p-communication) or turn the entropy coding off")
+        for step in (step for m in messages.values() for step in m.link.steps):
+            step.check_unbatched(received_from, gloo=bounded)
         handles = {}
         for name in order:
             if name not in messages:
@@ -484,7 +460,7 @@ class PipelineTransport:
             m.timed = time_works(post_group)
             m.work = post(m.buf, m.link.peer, group=post_group)
             m.bounded, m.group = bounded, post_group
-            if not m.is_recv and m.rest is not None:  # its overflow right behind it (the receiver asks once it read n)
+            if not m.is_recv and m.rest is not None:  # its second message right behind it (received once it is read)
                 work = dist.isend(m.rest, m.link.peer, group=post_group, tag=_rest_tag(m.link.direction))
                 self.sent_rests.append((work, m.rest))
             self.outstanding.append(m)
