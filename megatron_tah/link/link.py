@@ -21,6 +21,7 @@ from .auto import AutoEnd, link_salt
 from .frames import FramingStep
 from .staging import HostStaging
 from .steps import Step
+from .trailer import TrailerStep
 
 __all__ = ["Link", "open_link"]
 
@@ -48,16 +49,22 @@ class Link:
             self.staging = HostStaging(device)
         return self.staging
 
+    def step(self, kind: type) -> Step | None:
+        """This end's step of type ``kind``, if it has one."""
+        return next((step for step in self.steps if isinstance(step, kind)), None)
+
     @property
     def key(self) -> tuple[str, str, int]:
         return self.direction, self.role, self.peer
 
 
 def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
-              graphs, graph_log: set[str]) -> Link:
+              graphs, graph_log: set[str], trailer: bool, reply: Callable[[], Link],
+              latency: dict[int, float]) -> Link:
     """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
     otherwise the configured codec, salted for its own rounding noise and placed in CUDA graphs as
-    ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``."""
+    ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
+    trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s)."""
     if config.is_auto(direction):
         auto = AutoEnd(config, direction, role, peer, depth=depth() or 1)
         link = Link(direction, role, peer, auto.codec, auto=auto)
@@ -68,4 +75,7 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
         link = Link(direction, role, peer, place_codec(codec, config.tah_eager_codecs, graphs, graph_log))
     if config.tah_entropy_coding:
         link.steps.append(FramingStep(direction, peer))
+    if trailer:
+        measure = config.is_auto("forward") or config.is_auto("backward")
+        link.steps.append(TrailerStep(link, measure=measure, reply=reply, latency=latency))
     return link

@@ -30,6 +30,7 @@ class Message:
         # ``rest``: a second message right behind this one (an entropy-coded frame's overflow, frames.py): a send's
         # from the start, a receive's once its size is known (``rest_nbytes``, asked of the link end's steps)
         self.rest, self.rest_nbytes = rest, None
+        self._trailer: bytes | None = None
         self.group = None  # the process group it was posted on (a receive's overflow follows on the same)
         self.work = None
         self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
@@ -75,12 +76,13 @@ class Message:
             self.completed_at = time.monotonic()
 
     def trailer(self) -> bytes:
-        """A complete receive's trailer, read on the host; on a GPU the read waited for the data, so the
-        completion time is now."""
-        raw = read_trailer(self.buf)
-        if self.buf.is_cuda:
-            self.completed_at = time.monotonic()
-        return raw
+        """A complete receive's trailer, read on the host at the first call; on a GPU that read waited for the
+        data, so the completion time is then."""
+        if self._trailer is None:
+            self._trailer = read_trailer(self.buf)
+            if self.buf.is_cuda:
+                self.completed_at = time.monotonic()
+        return self._trailer
 
     def codec_buffer(self) -> torch.Tensor:
         """A complete receive's codec buffer on the device (copied from the host buffer when staged)."""

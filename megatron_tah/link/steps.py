@@ -2,14 +2,15 @@
 
 A message feature that changes the bytes on the wire is a :class:`Step`: ``frames.FramingStep``
 (``--tah-entropy-coding``: the codec buffer entropy-coded into a frame of an agreed size, an overflow as a
-second message). ``link.open_link`` builds a link end's steps once, from the configuration, in send order;
-the transport calls them in turn:
+second message) and ``trailer.TrailerStep`` (the trailer after every message: auto's announcement and
+transit reports, the send stamp the inbound wire's emulation reads). ``link.open_link`` builds a link
+end's steps once, from the configuration, in send order; the transport calls them in turn:
 
 * a send: ``on_send`` in order, from the codec's buffer to the message posted;
 * a receive being posted: ``post_nbytes`` in order, from the codec's buffer size to the bytes posted;
-* a complete receive: ``follow_nbytes`` (the bytes of a second message behind it, received next), then
-  ``on_receive`` in reverse order, from the message (less its trailer) back to the codec's buffer, which the
-  codec decodes.
+* a complete receive: ``follow_nbytes`` (the bytes of a second message behind it, received next), then,
+  once the emulated link has delayed it, ``on_arrival``; then ``on_receive`` in reverse order, from the
+  message (less its trailer) back to the codec's buffer, which the codec decodes.
 
 The transport itself only posts, waits and completes messages: what a step adds or reads is the step's.
 """
@@ -57,6 +58,9 @@ class Step:
     def check_unbatched(self, received_from: list[int], gloo: bool) -> None:
         """Before an unbatched call posts: raise if this step's messages cannot go that way (``received_from``:
         the ranks the call receives from; ``gloo``: whether it posts on gloo)."""
+
+    def on_arrival(self, m, done_at: float | None, emulated: bool) -> None:
+        """A complete receive, at wall time ``done_at`` (the emulated link's, when ``emulated``)."""
 
     def on_receive(self, m, buf: torch.Tensor) -> torch.Tensor:
         """A complete receive's buffer on the device, as the steps after this one left it: the buffer the

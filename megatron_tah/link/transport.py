@@ -27,10 +27,9 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 * ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
 * ``auto`` (a direction's codec chosen per link): the link end's ``auto.AutoEnd`` picks the codec
   per iteration in lockstep with its peer. When either direction is auto, every message carries a
-  24-byte trailer after the codec buffer (the next iteration's codec, when it was sent, and a report of
-  the other direction's last fastest transit; wire format in ``wire.py``, protocol in ``auto.py``): each
-  receiver measures its peer's messages and reports back, so each direction's sender learns its own
-  direction's rate.
+  24-byte trailer after the codec buffer (``wire.py``), written and read by the trailer step
+  (``trailer.py``; protocol in ``auto.py``): each receiver measures its peer's messages and reports back,
+  so each direction's sender learns its own direction's rate.
 * CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
   ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and
   replayed. A replayed decode writes the graph's static output and copies it into Megatron's receive
@@ -73,18 +72,17 @@ from typing import Callable
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, WireFormatError, get_codec, timing
+from ..codecs import Codec, PayloadChecksumError, get_codec, timing
 from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
-from .completion import time_works, work_seconds
+from .completion import time_works
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .link import Link, open_link
-from .measure import MIN_SECONDS
 from .message import Handle, Message
 from .peer import PeerWatch
 from .steps import Outgoing
-from .wire import Trailer, append_trailer, decode_trailer, message_extra_nbytes, wall_seconds
+from .wire import decode_trailer, message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +121,6 @@ class PipelineTransport:
         self.links: dict[tuple[str, str, int], Link] = {}
         self.sent_rests: list = []  # (work, buffer) of second messages sent and maybe not yet complete
         auto = config.is_auto("forward") or config.is_auto("backward")
-        self.auto = auto
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
         self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
         self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
@@ -147,8 +144,10 @@ class PipelineTransport:
         """This rank's link end (``link.open_link`` makes it at its first use)."""
         key = (direction, role, int(peer))
         if key not in self.links:
+            other = "backward" if direction == "forward" else "forward"
             self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
-                                        graph_log=self.graph_log)
+                                        graph_log=self.graph_log, trailer=self.trailer_nbytes > 0,
+                                        reply=lambda: self.link(other, "send", peer), latency=self.latency)
         return self.links[key]
 
     def training_iteration(self) -> int:
@@ -196,38 +195,6 @@ class PipelineTransport:
                                "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
         return None
 
-    # ----- the trailer ---------------------------------------------------------------------
-    def with_trailer(self, link: Link, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
-        """``buf`` || the trailer of a message sent on ``link`` now (``wire.py``)."""
-        announcement = link.auto.sent(encode_seconds) if link.auto is not None else None
-        report, link.report = link.report, None
-        return append_trailer(buf, Trailer(announcement, wall_seconds(), report))
-
-    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float,
-                         seconds: float | None = None) -> None:
-        """The trailer ``raw`` of a message of ``nbytes`` received on ``link``, complete at wall time ``done_at``:
-        its announcement goes to the auto receiver, its transit to the report for the peer (on this rank's
-        send end of the other direction to the same peer), the peer's report, less the link's latency
-        (``handshake.link_latency``), to that send end's rate meter. The transit is ``done_at`` less the
-        sent-at stamp or, when the backend timed the receive on the device (``seconds``: NCCL), the smaller
-        of the two: both bound the link's time from above, and on NCCL ``done_at`` is a host read that
-        waited for the receiver's queued compute too."""
-        trailer = decode_trailer(raw)
-        if link.auto is not None:
-            link.auto.received(trailer.announcement)
-        elif trailer.announcement is not None:
-            raise WireFormatError(f"auto codec: a {link.direction} message from rank {link.peer} announces a codec, "
-                                  f"but this rank's {link.direction} codec is fixed")
-        other = "backward" if link.direction == "forward" else "forward"
-        reply = self.link(other, "send", link.peer)
-        transit = done_at - trailer.sent_at if seconds is None else min(seconds, done_at - trailer.sent_at)
-        transit = max(transit, MIN_SECONDS)
-        if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
-            reply.report = (nbytes, transit)
-        if trailer.report is not None and reply.auto is not None:
-            nbytes, seconds = trailer.report  # the transfer's own time: the latency every message pays apart
-            reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
-
     # ----- messages ------------------------------------------------------------------------
     def encode(self, link: Link, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
@@ -253,8 +220,6 @@ class PipelineTransport:
             for step in link.steps:
                 step.on_send(out)
             buf, rest = out.buf, out.rest
-            if self.trailer_nbytes:
-                buf = self.with_trailer(link, buf, encode_seconds)
             if link.auto is not None:
                 rate = link.auto.rate
                 self.stats.record_auto(link.peer, link.auto.current,
@@ -346,7 +311,7 @@ class PipelineTransport:
 
     def finish(self, m: Message) -> None:
         """A message whose transfer is complete: a receive's second message, the emulated link's delay, the
-        trailer, a receive's decode into Megatron's tensor; then its buffers go."""
+        steps' reading of a receive and its decode into Megatron's tensor; then its buffers go."""
         if m.done:
             return
         m.done = True
@@ -354,7 +319,7 @@ class PipelineTransport:
         if m.is_recv and m.rest_nbytes is None and self.expect_rest(m):  # the unbatched path: its second message now
             torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
         rest_nbytes = 0 if m.rest is None else m.rest.numel()
-        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
+        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None  # (read once complete: GPU timing)
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
         if self.emulator is not None:
             me = torch.distributed.get_rank()
@@ -365,11 +330,10 @@ class PipelineTransport:
             billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes + rest_nbytes
             self.inbound.receive(decode_trailer(trailer).sent_at, billed)
             done_at = self.inbound.free_at
-        if trailer is not None and self.auto:
-            emulated = self.emulator is not None or self.inbound is not None  # (the link's time is the emulator's)
-            seconds = work_seconds(m.work) if m.timed and not emulated else None  # NCCL: the receive's device time
-            self.received_trailer(link, trailer, m.buf.numel(), done_at, seconds)
         if m.is_recv:
+            emulated = self.emulator is not None or self.inbound is not None
+            for step in reversed(link.steps):
+                step.on_arrival(m, done_at, emulated)
             self.peers.arrived(link.peer)
             self._decode(m)
         m.release()
