@@ -15,6 +15,7 @@ from megatron_tah.link.auto import AutoEnd
 from megatron_tah.link.choice import Chooser
 from megatron_tah.link.handshake import config_record
 from megatron_tah.link.measure import CandidateCost, CodecCostTable, LinkRate
+from megatron_tah.link.trailer import TrailerStep
 from megatron_tah.link.wire import ANNOUNCEMENT_NBYTES, TRAILER_NBYTES, Trailer, decode_trailer, encode_trailer
 from megatron_tah.megatron.places import STREAMS
 from megatron_tah.megatron.stats import Stats
@@ -265,7 +266,7 @@ def _deliver(sender, receiver, direction, sender_rank, receiver_rank, nbytes, se
     announcement = end.auto.sent(0.0) if end.auto is not None else None
     report, end.report = end.report, None
     raw = wire.encode_trailer(Trailer(announcement, sent_at, report))
-    receiver.received_trailer(receiver.link(direction, "recv", sender_rank), raw, nbytes, done_at)
+    receiver.link(direction, "recv", sender_rank).step(TrailerStep).received(raw, nbytes, done_at)
 
 
 def test_each_direction_is_measured_by_its_receiver_and_reported_back():
@@ -312,7 +313,7 @@ def test_a_fixed_direction_carries_the_trailer_and_reports_for_the_auto_one():
     # A fixed direction whose message announces a codec: the ends disagree about auto.
     raw = encode_trailer(Trailer(bytes([0xA7, 1, 0, 0, 0, 0, 1, 0]), 1.0))
     with pytest.raises(WireFormatError, match="fixed"):
-        rank0.received_trailer(rank0.link("backward", "recv", 1), raw, 100, 2.0)
+        rank0.link("backward", "recv", 1).step(TrailerStep).received(raw, 100, 2.0)
     assert _transport_pair({"tah_forward_codec": "tah", "tah_backward_codec": "fixedpoint"})[0].trailer_nbytes == 0
 
 
@@ -381,12 +382,12 @@ def test_after_the_rate_drops_the_link_switches_to_fewer_bytes_and_back_when_it_
             report, sender.report = sender.report, None
             sent_at = clock[0]
             done_at = emulator.finish_time((0, 1), nbytes, sent_at, receiver=True)
-            rank1.received_trailer(receiver, encode_trailer(Trailer(announcement, sent_at, report)), nbytes, done_at)
+            receiver.step(TrailerStep).received(encode_trailer(Trailer(announcement, sent_at, report)), nbytes, done_at)
             clock[0] = done_at + 0.5
             back = rank1.link("backward", "send", 0)  # the gradient, on a fast fixed direction, carries the report
             report, back.report = back.report, None
-            rank0.received_trailer(rank0.link("backward", "recv", 1), encode_trailer(Trailer(None, clock[0], report)),
-                                   10_000, clock[0] + 1e-3)
+            rank0.link("backward", "recv", 1).step(TrailerStep).received(encode_trailer(Trailer(None, clock[0], report)),
+                                                                  10_000, clock[0] + 1e-3)
             clock[0] += 0.5
     wire = {name: sender.auto.table.costs[name].wire_nbytes for name in sender.auto.table.costs}
     before, during, after = chosen[:8], chosen[8:20], chosen[20:]

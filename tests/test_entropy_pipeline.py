@@ -104,13 +104,13 @@ def test_a_receive_posted_before_the_links_previous_one_was_read_is_refused():
     transport = PipelineTransport(TahConfig(**CODECS, tah_entropy_coding=True), Stats(STREAMS))
     link = transport.link("forward", "recv", 0)
     target = torch.empty(64, 2, 128)
-    first = transport.framed_receive(link, target, None, {"stages": (0, 1), "extra_nbytes": 0})
+    first = transport.receive(link, target, None, {"stages": (0, 1), "extra_nbytes": 0})
     codec = transport.codec(link)
     from megatron_tah.codecs import entropy
 
     assert first.buf.numel() == entropy.capacity_nbytes(codec, target.shape, target.dtype) + 4  # no history yet
     with pytest.raises(RuntimeError, match="posted before the previous one had been read"):
-        transport.framed_receive(link, target, None, {"stages": (0, 1), "extra_nbytes": 0})
+        transport.receive(link, target, None, {"stages": (0, 1), "extra_nbytes": 0})
 
 
 def test_both_stages_must_agree_and_auto_is_refused():

@@ -1,7 +1,7 @@
 """``--tah-forward-codec auto`` / ``--tah-backward-codec auto`` on the pipeline's links.
 
 The decisions are ``choice.py``'s, the measurements ``measure.py``'s, the bytes ``wire.py``'s; this
-module carries them. Every link end of an auto direction (``transport.Link``) owns an :class:`AutoEnd`
+module carries them. Every link end of an auto direction (``link.Link``) owns an :class:`AutoEnd`
 holding a codec per candidate (``--tah-auto-candidates``; a receiver decodes whichever the sender
 announced). Protocol, per link and direction, with ``k`` the training iteration the transport is given
 (Megatron's ``args.curr_iteration``, the same on both ends):

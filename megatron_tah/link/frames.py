@@ -16,7 +16,11 @@ frame has told it ``n``. Both ends then record ``n + 4``, so the next size is th
 
 Both ends must see a link's messages in turn: a receive is sized once the one before it on that link has
 been read. Megatron's schedules do (1F1B batched and unbatched, interleaved with ``--overlap-p2p-communication``:
-tests/test_entropy_pipeline.py); the transport refuses a receive posted earlier.
+tests/test_entropy_pipeline.py); a receive posted earlier is refused.
+
+:class:`FramingStep` is the link end's step (``steps.py``): it codes and frames each codec buffer it sends,
+sizes each receive, reads the frame's length once the receive is complete (the transport receives the
+overflow next) and decodes the coded buffer back to the codec's.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ import struct
 
 import torch
 
-from ..codecs import WireFormatError
+from ..codecs import WireFormatError, entropy
+from ..codecs.graphs import eager
+from .steps import Outgoing, Step
 
-__all__ = ["FRAME_HEADER_NBYTES", "MARGIN", "ROUND", "WINDOW", "FrameSizes", "coded_length", "frame", "unframe"]
+__all__ = ["FRAME_HEADER_NBYTES", "MARGIN", "ROUND", "WINDOW", "FrameSizes", "FramingStep", "coded_length", "frame",
+           "unframe"]
 
 FRAME_HEADER_NBYTES = 4
 WINDOW = 8  # messages of a link whose largest coded size sizes the next
@@ -87,3 +94,58 @@ def unframe(message: torch.Tensor, n: int, rest: torch.Tensor | None) -> torch.T
     if body.numel() + rest.numel() != n:
         raise WireFormatError(f"entropy-coded frame: {body.numel()} + {rest.numel()} bytes, announced {n}")
     return torch.cat([body, rest.to(body.device)])
+
+
+class FramingStep(Step):
+    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors): its agreed frame sizes and,
+    on a receive end, the receive posted and not yet read (its coded size sizes the next one)."""
+
+    def __init__(self, direction: str, peer: int):
+        self.direction, self.peer = direction, peer
+        self.sizes = FrameSizes()
+        self.pending: tuple[tuple, int] | None = None  # receive end: (key, capacity) of the posted receive
+        self.coded_nbytes: int | None = None  # ... and the coded length its frame announced, once read
+
+    def _frame(self, codec, shape, dtype) -> tuple[tuple, int, int]:
+        """(key, capacity, agreed size) of the next message through ``codec``."""
+        plain = eager(codec)
+        key = (plain.name, plain.config_digest(), tuple(shape), dtype)
+        capacity = entropy.capacity_nbytes(plain, shape, dtype) + FRAME_HEADER_NBYTES
+        return key, capacity, self.sizes.size(key, capacity)
+
+    def on_send(self, out: Outgoing) -> None:
+        key, _, size = self._frame(out.codec, out.shape, out.dtype)
+        coded = entropy.encode(eager(out.codec), out.buf, out.shape, out.dtype)
+        out.buf, out.rest = frame(coded, size)
+        self.sizes.record(key, coded.numel() + FRAME_HEADER_NBYTES)
+
+    def post_nbytes(self, codec, shape, dtype, nbytes: int) -> int:
+        """The agreed frame size; refused while the previous receive has not been read."""
+        if self.pending is not None:
+            raise RuntimeError(
+                f"megatron_tah: --tah-entropy-coding sizes each message from the ones before it on its link, but a "
+                f"{self.direction} receive from rank {self.peer} was posted before the previous one had been read: "
+                "this schedule posts receives ahead; turn the entropy coding off")
+        key, capacity, size = self._frame(codec, shape, dtype)
+        self.pending = (key, capacity)
+        return size
+
+    def follow_nbytes(self, m) -> int:
+        """The overflow's bytes: the frame's coded length less what the frame holds."""
+        body = m.buf[: m.buf.numel() - m.extra_nbytes]
+        self.coded_nbytes = coded_length(body, self.pending[1])
+        return max(0, self.coded_nbytes + FRAME_HEADER_NBYTES - body.numel())
+
+    def check_unbatched(self, received_from: list[int], gloo: bool) -> None:
+        if not gloo and len(received_from) != len(set(received_from)):
+            raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers receives two messages from "
+                               "one stage in one call here, whose overflows only gloo tells apart: use Megatron's "
+                               "batched transfers (--no-overlap-p2p-communication) or turn the entropy coding off")
+
+    def on_receive(self, m, buf: torch.Tensor) -> torch.Tensor:
+        """The codec's buffer, decoded from the frame ``buf`` and the overflow ``m.rest``."""
+        coded = unframe(buf, self.coded_nbytes, m.rest)
+        decoded = entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
+        self.sizes.record(self.pending[0], self.coded_nbytes + FRAME_HEADER_NBYTES)
+        self.pending = self.coded_nbytes = None
+        return decoded

@@ -23,14 +23,14 @@ class Message:
 
     def __init__(self, link, buf: torch.Tensor, *, target: torch.Tensor | None = None, codec=None,
                  staging=None, extra_nbytes: int = 0, stages=(None, None), last_stage: bool = False,
-                 rest: torch.Tensor | None = None, frame=None):
+                 rest: torch.Tensor | None = None):
         self.link, self.buf, self.target, self.codec = link, buf, target, codec
         self.staging, self.extra_nbytes = staging, extra_nbytes
         self.stages, self.last_stage = stages, last_stage
-        # entropy coding (frames.py): ``frame`` = (key, capacity) of the message; ``rest``: the coded bytes that
-        # did not fit its frame (a send's, from the start; a receive's, once received)
-        self.rest, self.frame = rest, frame
-        self.coded_nbytes: int | None = None  # a receive's: the coded length its frame announced, once read
+        # ``rest``: a second message right behind this one (an entropy-coded frame's overflow, frames.py): a send's
+        # from the start, a receive's once its size is known (``rest_nbytes``, asked of the link end's steps)
+        self.rest, self.rest_nbytes = rest, None
+        self._trailer: bytes | None = None
         self.group = None  # the process group it was posted on (a receive's overflow follows on the same)
         self.work = None
         self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
@@ -47,12 +47,11 @@ class Message:
         return cls(link, message, staging=staging, **kwargs)
 
     @classmethod
-    def receive(cls, link, target: torch.Tensor, codec, extra_nbytes: int, host: HostStaging | None,
-                frame_nbytes: int | None = None, **kwargs) -> "Message":
-        """A receive of ``codec``'s buffer for ``target`` (or of an entropy-coded frame of ``frame_nbytes``) plus
-        ``extra_nbytes``, into a host buffer with ``host``."""
-        body = codec.wire_nbytes(target.shape, target.dtype) if frame_nbytes is None else frame_nbytes
-        nbytes = body + extra_nbytes
+    def receive(cls, link, target: torch.Tensor, codec, body_nbytes: int, extra_nbytes: int,
+                host: HostStaging | None, **kwargs) -> "Message":
+        """A receive for ``target``, decoded by ``codec``, of ``body_nbytes`` (the codec buffer, or what the link
+        end's steps make of it) plus ``extra_nbytes``, into a host buffer with ``host``."""
+        nbytes = body_nbytes + extra_nbytes
         if host is not None:
             staging = host.stage_recv(nbytes)
             return cls(link, staging.host, target=target, codec=codec, staging=staging, extra_nbytes=extra_nbytes,
@@ -77,12 +76,13 @@ class Message:
             self.completed_at = time.monotonic()
 
     def trailer(self) -> bytes:
-        """A complete receive's trailer, read on the host; on a GPU the read waited for the data, so the
-        completion time is now."""
-        raw = read_trailer(self.buf)
-        if self.buf.is_cuda:
-            self.completed_at = time.monotonic()
-        return raw
+        """A complete receive's trailer, read on the host at the first call; on a GPU that read waited for the
+        data, so the completion time is then."""
+        if self._trailer is None:
+            self._trailer = read_trailer(self.buf)
+            if self.buf.is_cuda:
+                self.completed_at = time.monotonic()
+        return self._trailer
 
     def codec_buffer(self) -> torch.Tensor:
         """A complete receive's codec buffer on the device (copied from the host buffer when staged)."""

@@ -10,7 +10,9 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 
 * ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
   ``recv_next`` activation gradients through the *backward* codec. Each link end
-  (direction, role, peer) is a :class:`Link` owning its codec (AQ-SGD keeps state) and counters.
+  (direction, role, peer) is a ``link.Link`` owning its codec (AQ-SGD keeps state), its counters and the
+  steps its messages go through between the codec and the wire (``steps.py``): the transport encodes, hands
+  the buffer to the steps, posts what they made, and hands a complete receive back through them to decode.
 * Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
   receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
   returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
@@ -25,10 +27,9 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 * ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
 * ``auto`` (a direction's codec chosen per link): the link end's ``auto.AutoEnd`` picks the codec
   per iteration in lockstep with its peer. When either direction is auto, every message carries a
-  24-byte trailer after the codec buffer (the next iteration's codec, when it was sent, and a report of
-  the other direction's last fastest transit; wire format in ``wire.py``, protocol in ``auto.py``): each
-  receiver measures its peer's messages and reports back, so each direction's sender learns its own
-  direction's rate.
+  24-byte trailer after the codec buffer (``wire.py``), written and read by the trailer step
+  (``trailer.py``; protocol in ``auto.py``): each receiver measures its peer's messages and reports back,
+  so each direction's sender learns its own direction's rate.
 * CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
   ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and
   replayed. A replayed decode writes the graph's static output and copies it into Megatron's receive
@@ -47,11 +48,10 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
   a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
   posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
   bytes on the wire are the same; ``none`` goes the same way.
-* ``--tah-entropy-coding``: each codec buffer goes through the lossless coder (``codecs/entropy.py``) into a frame
-  whose size both ends of the link compute alike from its earlier messages (``frames.py``, ``Link.frame_sizes``);
-  what does not fit follows as a second message (batched: one more batch after the call's, activations first;
-  unbatched: right behind its frame, received once the frame is read). Statistics and the emulated links count
-  frames and overflows: the bytes that cross the network.
+* A second message: a step may send bytes right behind a message (``--tah-entropy-coding``: the coded bytes
+  that did not fit the frame both ends agreed on, ``frames.py``). Batched: one more batch after the call's,
+  activations first; unbatched: right behind its message, received once the message is read. Statistics and
+  the emulated links count both: the bytes that cross the network.
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
   and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
@@ -72,23 +72,21 @@ from typing import Callable
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, WireFormatError, entropy, get_codec, timing
-from ..codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
+from ..codecs import Codec, PayloadChecksumError, get_codec, timing
+from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
-from . import frames
-from .auto import AutoEnd, link_salt
-from .completion import time_works, work_seconds
+from .completion import time_works
 from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
-from .measure import MIN_SECONDS
+from .link import Link, open_link
 from .message import Handle, Message
 from .peer import PeerWatch
-from .staging import HostStaging
-from .wire import Trailer, append_trailer, decode_trailer, message_extra_nbytes, wall_seconds
+from .steps import Outgoing
+from .wire import decode_trailer, message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CodecMismatchError", "Link", "PipelineTransport"]
+__all__ = ["CodecMismatchError", "PipelineTransport"]
 
 
 def _unknown() -> None:
@@ -96,37 +94,8 @@ def _unknown() -> None:
 
 
 def _rest_tag(direction: str) -> int:
-    """The tag of an entropy-coded message's overflow (gloo matches by it; NCCL by order)."""
+    """The tag of a message's second message (gloo matches by it; NCCL by order)."""
     return 1 if direction == "forward" else 2
-
-
-@dataclasses.dataclass
-class Link:
-    """One end of one pipeline link: ``direction`` ("forward": activations, "backward": their
-    gradients), ``role`` ("send", "recv") and ``peer`` (the world rank at the other end).
-    Owns the codec of that end and what was counted on it; what is known per link end (a measured
-    rate, staging buffers, captured graphs per message shape) belongs here too."""
-
-    direction: str
-    role: str
-    peer: int
-    codec: Codec | GraphedCodec  # auto: the codec of the current iteration
-    messages: int = 0  # messages through this end so far
-    auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
-    staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
-    report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
-    frame_sizes: frames.FrameSizes = dataclasses.field(default_factory=frames.FrameSizes, repr=False)  # entropy coding
-    receiving: bool = False  # entropy coding, receive end: a receive is posted and not yet read
-
-    def host_staging(self, device: torch.device) -> HostStaging:
-        """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
-        if self.staging is None or self.staging.device != device:
-            self.staging = HostStaging(device)
-        return self.staging
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return self.direction, self.role, self.peer
 
 
 class PipelineTransport:
@@ -150,10 +119,8 @@ class PipelineTransport:
         elif bandwidth is not None:
             self.emulator = LinkEmulator(bandwidth, latency)
         self.links: dict[tuple[str, str, int], Link] = {}
-        self.entropy = config.tah_entropy_coding  # every message entropy-coded in a frame (frames.py)
-        self.sent_rests: list = []  # (work, buffer) of overflows sent and maybe not yet complete
+        self.sent_rests: list = []  # (work, buffer) of second messages sent and maybe not yet complete
         auto = config.is_auto("forward") or config.is_auto("backward")
-        self.auto = auto
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
         self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
         self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
@@ -174,17 +141,13 @@ class PipelineTransport:
 
     # ----- link ends and their codecs ----------------------------------------------------
     def link(self, direction: str, role: str, peer: int) -> Link:
+        """This rank's link end (``link.open_link`` makes it at its first use)."""
         key = (direction, role, int(peer))
         if key not in self.links:
-            if self.config.is_auto(direction):
-                auto = AutoEnd(self.config, direction, role, int(peer), depth=self.depth() or 1)
-                self.links[key] = Link(direction, role, int(peer), auto.codec, auto=auto)
-                return self.links[key]
-            codec = self.config.forward_codec() if direction == "forward" else self.config.backward_codec()
-            codec.salt_rounding(link_salt(direction, role, int(peer)))  # each sender its own rounding noise
-            # Only used after check_group compared the link's configs: headers are checked on the device.
-            codec = place_codec(codec, self.config.tah_eager_codecs, self.graphs, self.graph_log)
-            self.links[key] = Link(direction, role, int(peer), codec)
+            other = "backward" if direction == "forward" else "forward"
+            self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
+                                        graph_log=self.graph_log, trailer=self.trailer_nbytes > 0,
+                                        reply=lambda: self.link(other, "send", peer), latency=self.latency)
         return self.links[key]
 
     def training_iteration(self) -> int:
@@ -232,49 +195,10 @@ class PipelineTransport:
                                "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
         return None
 
-    # ----- the trailer ---------------------------------------------------------------------
-    def with_trailer(self, link: Link, buf: torch.Tensor, encode_seconds) -> torch.Tensor:
-        """``buf`` || the trailer of a message sent on ``link`` now (``wire.py``)."""
-        announcement = link.auto.sent(encode_seconds) if link.auto is not None else None
-        report, link.report = link.report, None
-        return append_trailer(buf, Trailer(announcement, wall_seconds(), report))
-
-    def received_trailer(self, link: Link, raw: bytes, nbytes: int, done_at: float,
-                         seconds: float | None = None) -> None:
-        """The trailer ``raw`` of a message of ``nbytes`` received on ``link``, complete at wall time ``done_at``:
-        its announcement goes to the auto receiver, its transit to the report for the peer (on this rank's
-        send end of the other direction to the same peer), the peer's report, less the link's latency
-        (``handshake.link_latency``), to that send end's rate meter. The transit is ``done_at`` less the
-        sent-at stamp or, when the backend timed the receive on the device (``seconds``: NCCL), the smaller
-        of the two: both bound the link's time from above, and on NCCL ``done_at`` is a host read that
-        waited for the receiver's queued compute too."""
-        trailer = decode_trailer(raw)
-        if link.auto is not None:
-            link.auto.received(trailer.announcement)
-        elif trailer.announcement is not None:
-            raise WireFormatError(f"auto codec: a {link.direction} message from rank {link.peer} announces a codec, "
-                                  f"but this rank's {link.direction} codec is fixed")
-        other = "backward" if link.direction == "forward" else "forward"
-        reply = self.link(other, "send", link.peer)
-        transit = done_at - trailer.sent_at if seconds is None else min(seconds, done_at - trailer.sent_at)
-        transit = max(transit, MIN_SECONDS)
-        if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
-            reply.report = (nbytes, transit)
-        if trailer.report is not None and reply.auto is not None:
-            nbytes, seconds = trailer.report  # the transfer's own time: the latency every message pays apart
-            reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))
-
     # ----- messages ------------------------------------------------------------------------
-    def frame_of(self, link: Link, codec, shape, dtype) -> tuple[tuple, int, int]:
-        """Entropy coding: (key, capacity, agreed size) of ``link``'s next message through ``codec`` (frames.py)."""
-        plain = eager(codec)
-        key = (plain.name, plain.config_digest(), tuple(shape), dtype)
-        capacity = entropy.capacity_nbytes(plain, shape, dtype) + frames.FRAME_HEADER_NBYTES
-        return key, capacity, link.frame_sizes.size(key, capacity)
-
     def encode(self, link: Link, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Encode one outgoing tensor on ``link`` (the whole message: trailer included) and record its statistics;
-        with entropy coding, also the coded bytes that did not fit the message's frame (None: none)."""
+        """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
+        (trailer included) and the bytes that follow it as a second message (None: none); records its statistics."""
         if link.auto is not None:
             link.auto.prepare(x)
         codec = self.codec(link)
@@ -292,14 +216,10 @@ class PipelineTransport:
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
-            rest = None
-            if self.entropy:
-                key, _, size = self.frame_of(link, codec, x.shape, x.dtype)
-                coded = entropy.encode(eager(codec), buf, x.shape, x.dtype)
-                buf, rest = frames.frame(coded, size)
-                link.frame_sizes.record(key, coded.numel() + frames.FRAME_HEADER_NBYTES)
-            if self.trailer_nbytes:
-                buf = self.with_trailer(link, buf, encode_seconds)
+            out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds)
+            for step in link.steps:
+                step.on_send(out)
+            buf, rest = out.buf, out.rest
             if link.auto is not None:
                 rate = link.auto.rate
                 self.stats.record_auto(link.peer, link.auto.current,
@@ -351,65 +271,55 @@ class PipelineTransport:
                 if rest is not None and staged:
                     rest = rest.cpu()  # (gloo reads host memory)
                 messages[name] = Message.send(link, buf, host, rest=rest, **known)
-            elif self.entropy:
-                messages[name] = self.framed_receive(link, recv, host, known)
             else:
-                messages[name] = Message.receive(link, recv, self.codec(link), host=host, **known)
+                messages[name] = self.receive(link, recv, host, known)
         return messages
 
-    # ----- entropy-coded frames --------------------------------------------------------------
-    def framed_receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
-        """A receive on ``link`` of the frame size both ends agree on; refused while the link's previous receive
-        has not been read (its coded size sizes this one)."""
-        if link.receiving:
-            raise RuntimeError(
-                f"megatron_tah: --tah-entropy-coding sizes each message from the ones before it on its link, but a "
-                f"{link.direction} receive from rank {link.peer} was posted before the previous one had been read: "
-                "this schedule posts receives ahead; turn the entropy coding off")
+    def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
+        """A receive on ``link`` into ``target``: the bytes its codec and its steps say (with entropy coding the
+        frame size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
         codec = self.codec(link)
-        key, capacity, size = self.frame_of(link, codec, target.shape, target.dtype)
-        link.receiving = True
-        return Message.receive(link, target, codec, host=host, frame_nbytes=size, frame=(key, capacity), **known)
+        nbytes = codec.wire_nbytes(target.shape, target.dtype)
+        for step in link.steps:
+            nbytes = step.post_nbytes(codec, target.shape, target.dtype, nbytes)
+        return Message.receive(link, target, codec, nbytes, host=host, **known)
 
-    def overflow_nbytes(self, m: Message) -> int:
-        """A complete entropy-coded receive: the bytes of its coded buffer that follow as a second message."""
-        frame = m.buf[: m.buf.numel() - m.extra_nbytes]
-        n = frames.coded_length(frame, m.frame[1])
-        m.coded_nbytes = n
-        return max(0, n + frames.FRAME_HEADER_NBYTES - frame.numel())
+    # ----- second messages ---------------------------------------------------------------------
+    def expect_rest(self, m: Message) -> int:
+        """A complete receive: the bytes its link end's steps say follow it as a second message (asked once;
+        ``m.rest`` is their buffer)."""
+        m.rest_nbytes = sum(step.follow_nbytes(m) for step in m.link.steps)
+        if m.rest_nbytes:
+            m.rest = torch.empty(m.rest_nbytes, dtype=torch.uint8, device=m.buf.device)
+        return m.rest_nbytes
 
     def rest_ops(self, messages) -> list:
-        """The overflows of one batched call, in one order on both ends (activations first, then gradients; gloo
-        also tags them by direction): the sends' posted as they are, the receives' into new buffers."""
+        """The second messages of one batched call, in one order on both ends (activations first, then
+        gradients; gloo also tags them by direction): the sends' posted as they are, the receives' into new
+        buffers."""
         dist = torch.distributed
         ops = []
         for direction in ("forward", "backward"):
             for m in messages:
                 if m.link.direction != direction or m.group is None:
                     continue
-                if m.is_recv and m.frame is not None:
-                    overflow = self.overflow_nbytes(m)
-                    if overflow:
-                        m.rest = torch.empty(overflow, dtype=torch.uint8, device=m.buf.device)
-                        ops.append(dist.P2POp(dist.irecv, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
+                if m.is_recv and self.expect_rest(m):
+                    ops.append(dist.P2POp(dist.irecv, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
                 elif not m.is_recv and m.rest is not None:
                     ops.append(dist.P2POp(dist.isend, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
         return ops
 
     def finish(self, m: Message) -> None:
-        """A message whose transfer is complete: the emulated link's delay, the trailer, a receive's decode
-        into Megatron's tensor; then its buffers go."""
+        """A message whose transfer is complete: a receive's second message, the emulated link's delay, the
+        steps' reading of a receive and its decode into Megatron's tensor; then its buffers go."""
         if m.done:
             return
         m.done = True
         link = m.link
-        if m.is_recv and m.frame is not None and m.coded_nbytes is None:  # the unbatched path: its overflow now
-            overflow = self.overflow_nbytes(m)
-            if overflow:
-                m.rest = torch.empty(overflow, dtype=torch.uint8, device=m.buf.device)
-                torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
+        if m.is_recv and m.rest_nbytes is None and self.expect_rest(m):  # the unbatched path: its second message now
+            torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
         rest_nbytes = 0 if m.rest is None else m.rest.numel()
-        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None
+        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None  # (read once complete: GPU timing)
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
         if self.emulator is not None:
             me = torch.distributed.get_rank()
@@ -420,11 +330,10 @@ class PipelineTransport:
             billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes + rest_nbytes
             self.inbound.receive(decode_trailer(trailer).sent_at, billed)
             done_at = self.inbound.free_at
-        if trailer is not None and self.auto:
-            emulated = self.emulator is not None or self.inbound is not None  # (the link's time is the emulator's)
-            seconds = work_seconds(m.work) if m.timed and not emulated else None  # NCCL: the receive's device time
-            self.received_trailer(link, trailer, m.buf.numel(), done_at, seconds)
         if m.is_recv:
+            emulated = self.emulator is not None or self.inbound is not None
+            for step in reversed(link.steps):
+                step.on_arrival(m, done_at, emulated)
             self.peers.arrived(link.peer)
             self._decode(m)
         m.release()
@@ -444,11 +353,8 @@ class PipelineTransport:
         codec, link, wire = m.codec, m.link, m.codec_buffer()
         clock = timing.Stopwatch(wire.device)
         with torch.no_grad():
-            if m.frame is not None:
-                coded = frames.unframe(wire, m.coded_nbytes, m.rest)
-                wire = entropy.decode(eager(codec), coded, m.target.shape, m.target.dtype)
-                link.frame_sizes.record(m.frame[0], m.coded_nbytes + frames.FRAME_HEADER_NBYTES)
-                link.receiving = False
+            for step in reversed(link.steps):
+                wire = step.on_receive(m, wire)
             try:
                 codec.decode(wire, m.target.shape, m.target.dtype, out=m.target)
                 if codec.checksum:  # this message's count (CPU), or what has reached the host (CUDA: no sync)
@@ -484,7 +390,7 @@ class PipelineTransport:
         for m in messages.values():
             m.completed_at = now if m.completed_at is None else m.completed_at
             m.work, m.timed = m.work or (works[-1] if works else None), timed
-        rests = self.rest_ops(messages.values()) if self.entropy else []
+        rests = self.rest_ops(messages.values())
         for work in dist.batch_isend_irecv(rests) if rests else ():  # both ends post theirs, then wait
             work.wait()
         for m in messages.values():
@@ -506,10 +412,8 @@ class PipelineTransport:
                  else ("recv_prev", "send_next", "recv_next", "send_prev"))
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
         received_from = [m.link.peer for m in messages.values() if m.is_recv]
-        if self.entropy and not bounded and len(received_from) != len(set(received_from)):
-            raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers receives two messages from "
-                               "one stage in one call here, whose overflows only gloo tells apart: use Megatron's "
-                               "batched transfers (--no-overlap-p2p-communication) or turn the entropy coding off")
+        for step in (step for m in messages.values() for step in m.link.steps):
+            step.check_unbatched(received_from, gloo=bounded)
         handles = {}
         for name in order:
             if name not in messages:
@@ -520,7 +424,7 @@ class PipelineTransport:
             m.timed = time_works(post_group)
             m.work = post(m.buf, m.link.peer, group=post_group)
             m.bounded, m.group = bounded, post_group
-            if not m.is_recv and m.rest is not None:  # its overflow right behind it (the receiver asks once it read n)
+            if not m.is_recv and m.rest is not None:  # its second message right behind it (received once it is read)
                 work = dist.isend(m.rest, m.link.peer, group=post_group, tag=_rest_tag(m.link.direction))
                 self.sent_rests.append((work, m.rest))
             self.outstanding.append(m)

@@ -1,0 +1,81 @@
+"""One end of one pipeline link (``Link``), and how the transport opens one (``open_link``).
+
+A link end is (direction, role, peer): "forward" carries activations, "backward" their gradients; "send" or
+"recv"; the world rank at the other end. It owns its codec (AQ-SGD and stochastic rounding keep state), or on
+an auto direction its ``auto.AutoEnd``, which picks the codec per iteration; its counters; its host staging
+buffers; the report it owes its peer (auto); and the steps its messages go through (``steps.py``), built once
+from the configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..codecs import Codec
+from ..codecs.graphs import GraphedCodec, place_codec
+from ..config import TahConfig
+from .auto import AutoEnd, link_salt
+from .frames import FramingStep
+from .staging import HostStaging
+from .steps import Step
+from .trailer import TrailerStep
+
+__all__ = ["Link", "open_link"]
+
+
+@dataclasses.dataclass
+class Link:
+    """One end of one pipeline link: ``direction`` ("forward": activations, "backward": their
+    gradients), ``role`` ("send", "recv") and ``peer`` (the world rank at the other end).
+    Owns the codec of that end and what was counted on it; what is known per link end (a measured
+    rate, staging buffers, captured graphs per message shape) belongs here too."""
+
+    direction: str
+    role: str
+    peer: int
+    codec: Codec | GraphedCodec  # auto: the codec of the current iteration
+    messages: int = 0  # messages through this end so far
+    auto: AutoEnd | None = None  # the direction is auto: picks ``codec`` per iteration (auto.py)
+    staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
+    report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
+    steps: list[Step] = dataclasses.field(default_factory=list, repr=False)  # its messages' steps, in send order
+
+    def host_staging(self, device: torch.device) -> HostStaging:
+        """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
+        if self.staging is None or self.staging.device != device:
+            self.staging = HostStaging(device)
+        return self.staging
+
+    def step(self, kind: type) -> Step | None:
+        """This end's step of type ``kind``, if it has one."""
+        return next((step for step in self.steps if isinstance(step, kind)), None)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.direction, self.role, self.peer
+
+
+def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
+              graphs, graph_log: set[str], trailer: bool, reply: Callable[[], Link],
+              latency: dict[int, float]) -> Link:
+    """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
+    otherwise the configured codec, salted for its own rounding noise and placed in CUDA graphs as
+    ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
+    trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s)."""
+    if config.is_auto(direction):
+        auto = AutoEnd(config, direction, role, peer, depth=depth() or 1)
+        link = Link(direction, role, peer, auto.codec, auto=auto)
+    else:
+        codec = config.forward_codec() if direction == "forward" else config.backward_codec()
+        codec.salt_rounding(link_salt(direction, role, peer))  # each sender its own rounding noise
+        # Only used after check_group compared the link's configs: headers are checked on the device.
+        link = Link(direction, role, peer, place_codec(codec, config.tah_eager_codecs, graphs, graph_log))
+    if config.tah_entropy_coding:
+        link.steps.append(FramingStep(direction, peer))
+    if trailer:
+        measure = config.is_auto("forward") or config.is_auto("backward")
+        link.steps.append(TrailerStep(link, measure=measure, reply=reply, latency=latency))
+    return link

@@ -1,0 +1,68 @@
+"""The steps a link end's messages go through between the codec and the wire.
+
+A message feature that changes the bytes on the wire is a :class:`Step`: ``frames.FramingStep``
+(``--tah-entropy-coding``: the codec buffer entropy-coded into a frame of an agreed size, an overflow as a
+second message) and ``trailer.TrailerStep`` (the trailer after every message: auto's announcement and
+transit reports, the send stamp the inbound wire's emulation reads). ``link.open_link`` builds a link
+end's steps once, from the configuration, in send order; the transport calls them in turn:
+
+* a send: ``on_send`` in order, from the codec's buffer to the message posted;
+* a receive being posted: ``post_nbytes`` in order, from the codec's buffer size to the bytes posted;
+* a complete receive: ``follow_nbytes`` (the bytes of a second message behind it, received next), then,
+  once the emulated link has delayed it, ``on_arrival``; then ``on_receive`` in reverse order, from the
+  message (less its trailer) back to the codec's buffer, which the codec decodes.
+
+The transport itself only posts, waits and completes messages: what a step adds or reads is the step's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["Outgoing", "Step"]
+
+
+@dataclasses.dataclass
+class Outgoing:
+    """A message being assembled on a send end: ``buf``, the codec's buffer as the steps so far made it;
+    ``rest``, bytes that follow as a second message (None: none); what it was encoded from (``codec``, the
+    tensor's ``shape`` and ``dtype``) and the encode's time (``encode_seconds``: seconds or a pending
+    ``codecs.timing`` interval)."""
+
+    codec: object
+    shape: torch.Size
+    dtype: torch.dtype
+    buf: torch.Tensor
+    encode_seconds: object = 0.0
+    rest: torch.Tensor | None = None
+
+
+class Step:
+    """One step of a link end's messages; every hook does nothing unless a step overrides it. ``m`` is a
+    ``message.Message`` of the step's link end."""
+
+    def on_send(self, out: Outgoing) -> None:
+        """A message on its way out: replace ``out.buf`` and/or set ``out.rest``."""
+
+    def post_nbytes(self, codec, shape, dtype, nbytes: int) -> int:
+        """The bytes to post for a receive decoded by ``codec`` into ``shape``/``dtype``, given ``nbytes``
+        from the steps before (the first step gets the codec buffer's size); the trailer's bytes apart."""
+        return nbytes
+
+    def follow_nbytes(self, m) -> int:
+        """A complete receive: the bytes that follow it as a second message (0: none)."""
+        return 0
+
+    def check_unbatched(self, received_from: list[int], gloo: bool) -> None:
+        """Before an unbatched call posts: raise if this step's messages cannot go that way (``received_from``:
+        the ranks the call receives from; ``gloo``: whether it posts on gloo)."""
+
+    def on_arrival(self, m, done_at: float | None, emulated: bool) -> None:
+        """A complete receive, at wall time ``done_at`` (the emulated link's, when ``emulated``)."""
+
+    def on_receive(self, m, buf: torch.Tensor) -> torch.Tensor:
+        """A complete receive's buffer on the device, as the steps after this one left it: the buffer the
+        steps before it made (the first step returns the codec's buffer)."""
+        return buf
