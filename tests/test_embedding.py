@@ -85,6 +85,7 @@ def _exchange_body(rank, world_size):
 
 
 @pytest.mark.distributed
+@pytest.mark.smoke
 def test_exchange_gives_both_ends_the_same_bits():
     (t0, expected, sent0, raw), (t1, _, sent1, _) = run_distributed(_exchange_body, 2, timeout=300)
     t0, t1, expected = (torch.tensor(t, dtype=torch.float32) for t in (t0, t1, expected))  # (exact: fp32 in floats)

@@ -70,6 +70,7 @@ def _same(a, b) -> bool:
         torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
 
 
+@pytest.mark.smoke
 def test_entropy_coding_changes_bytes_not_values_on_every_schedule():
     results = run_distributed(_scenarios, 2, env=ENV, timeout=900)
     for name, vpp, batch_p2p, overlap in SCHEDULES:

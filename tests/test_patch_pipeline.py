@@ -365,6 +365,7 @@ def _check_lossy(results, world_size, name, codec):
                 assert err < 0.25, (k, i, float(err))
 
 
+@pytest.mark.smoke
 def test_pp2_all_schedules_exact_wire_bytes_lossy_mismatch_emulation():
     # Per-channel 4-bit activations and 3-bit stochastically rounded gradients, on one schedule.
     lossy = [(name, LOSSY_FORWARD) for name, *_ in SCHEDULES] + [(SCHEDULES[0][0], "channel")]

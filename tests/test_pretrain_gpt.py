@@ -76,6 +76,7 @@ def expected_bytes(config: TahConfig, stages: int, micro_batches: int, shape, dt
             messages * config.backward_codec().wire_nbytes(shape, dtype))
 
 
+@pytest.mark.smoke
 def test_entry_trains_pp2_logs_wire_bytes_and_resumes_bit_identically(corpus, tmp_path):
     common = ["--train-iters", "6", "--save-interval", "3", "--tah-stochastic-rounding",
               "--tah-forward-codec", "tah", "--tah-backward-codec", "fixedpoint"]
@@ -243,7 +244,7 @@ def checkout_with_its_own_megatron(root: Path) -> Path:
     return checkout
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_launcher_runs_a_checkouts_script_with_its_own_megatron(corpus, tmp_path, stages):
     checkout = checkout_with_its_own_megatron(tmp_path)
     log = tmp_path / "log.jsonl"

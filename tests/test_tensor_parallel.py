@@ -119,6 +119,7 @@ def _check(results, collectives_per_microbatch):
         assert "different settings for tp" in r["mismatch"] and "rank 1: tp=none" in r["mismatch"], r["mismatch"]
 
 
+@pytest.mark.smoke
 def test_tp2_exact_counted_and_fp8_close():
     # Forward: embedding + 2 per layer (attention and MLP output all-reduce); backward: the
     # input-gradient all-reduces of the column-parallel layers (qkv, fc1, output layer).
