@@ -44,7 +44,7 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
 
 
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
-          host: dict, modes: dict | None = None) -> dict:
+          host: dict, modes: dict | None = None, date: str | None = None) -> dict:
     """Everything the page shows: the setup, one row per codec, the curves and the projection. A codec's steps
     are paired with bf16's runs of its own kind (emulated boundaries or the real pipeline:
     ``runs.emulated_for``); bf16's row and T's bf16 steps are the page's kind's."""
@@ -102,7 +102,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
                      **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
                      **({"choices": r["choices"]} if r.get("choices") else {})}
               for name, r in losses.items()}
-    return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
+    return {"date": date or datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
             "setup": size.setup(),
             "target": target, "compute_s_per_step": compute_s,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
@@ -473,3 +473,57 @@ def _page_fields(result: dict, stem: str) -> dict:
         frontier=frontier_markdown(result), frontier_plot=f"data/{stem}_frontier.png",
         frontier_best=_frontier_best(result), choices=choices_text(result),
         plot=f"data/{stem}.png", json=f"data/{stem}.json")
+
+
+def losses_from_page(data: dict) -> dict:
+    """A page JSON's curves as ``build`` takes them (``__main__.loss_results``' form): a run named ``emulated_*`` had
+    emulated boundaries, whose bytes are the codec's exact message bytes; a pipeline run's bytes are its curve's."""
+    size = runs.SIZES[data["size"]]
+    messages = (size.stages - 1) * size.micro_batches
+    losses = {}
+    for name, curve in data["curves"].items():
+        emulated = name.startswith("emulated_")
+        nbytes = (tuple(messages * n for n in runs.message_nbytes(curve["codec"], size)) if emulated
+                  else tuple(curve["bytes"]))
+        losses[name] = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
+                        "emulated": emulated, "validations": [tuple(v) for v in curve["validations"]],
+                        "bytes": nbytes, **({"choices": curve["choices"]} if curve.get("choices") else {})}
+    return losses
+
+
+def render(data: dict) -> dict:
+    """The page's result again from its JSON (``data``), nothing run: its curves, target, compute step, wire, s/step
+    per codec, date and host as they are, the table, headline and projection by the rules of this module."""
+    steady = {r["codec"]: {"seconds": r["s_per_step"], "steady": r["steady"]} for r in data["table"]}
+    result = build(runs.SIZES[data["size"]], data["target"], data["compute_s_per_step"], runs.Link(**data["link"]),
+                   losses_from_page(data), steady, data["host"], data.get("modes"), date=data["date"])
+    return {**result, **({"reused": data["reused"]} if data.get("reused") else {})}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import shlex
+    import sys
+
+    from .. import measured
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speedrun.report",
+                                     description="Render the speedrun's page again from its JSON; nothing runs.")
+    parser.add_argument("--from-json", type=Path, required=True, help="a page's JSON (docs/data/speedrun.json)")
+    parser.add_argument("--write", type=Path, help="write the page here (its JSON and plots under docs/data/)")
+    args = parser.parse_args(argv)
+    result = render(json.loads(args.from_json.read_text()))
+    if args.write:
+        write_page(result, args.write)
+        print(f"[speedrun] wrote {args.write}")
+        command = shlex.join(["python", "-m", "benchmarks.speedrun.report", *(sys.argv[1:] if argv is None else argv)])
+        written = measured.write_beside(args.write, dict([measured.speedrun_row(result, command)]))
+        if written:
+            print(f"[speedrun] wrote {written}")
+    else:
+        print(headline_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
