@@ -5,9 +5,11 @@
 Its ``steps_multiplier`` holds, per pipeline depth, ``auto``'s steps multipliers (``config/auto.py``): a row
 ``{"multipliers": {candidate: steps to the target loss / bf16's}, "at_least": [the candidates whose multiplier is a
 lower bound], "page", "command", "date", "host"}``, the last four saying where the numbers come from. A multiplier
-measured to the target is kept to 3 decimals, a lower bound (read off validations every few steps) to 2. The speedrun
-(depth 8: every ``auto`` candidate it scored) and the depth study (depth 4: ``paper``) write their row with their
-page (``write_row``), keeping the other rows; ``tests/test_auto_depth.py`` checks the file against the pages.
+measured to the target is kept to 3 decimals, a lower bound to 2: for a speedrun codec that missed the target, the
+longest schedule N it ran over bf16's steps to target on the same seed, the smallest over the seeds that missed
+(``benchmarks.speedrun.score.missed_bound``). The speedrun (depth 8: every ``auto`` candidate it scored) and the
+depth study (depth 4: ``paper``) write their row with their page (``write_row``), keeping the other rows;
+``tests/test_auto_depth.py`` checks the file against the pages.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 from pathlib import Path
 
 from megatron_tah.config import CANDIDATES
+
+from .speedrun.frontier import lower_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = Path("megatron_tah") / "config" / "measured.json"  # under a checkout's root
@@ -32,12 +36,16 @@ def _row(multipliers: dict[str, float], at_least: set[str], source: dict, result
 
 def speedrun_row(result: dict, command: str | None = None) -> tuple[int, dict]:
     """(depth, row) of a speedrun result (its page's JSON): each ``auto`` candidate it scored, with its steps
-    multiplier or, when it missed the target, the lower bound."""
-    scored = {r["codec"]: r for r in result["table"]
-              if r["codec"] in CANDIDATES and (r["multiplier"] or r.get("multiplier_at_least"))}
-    multipliers = {codec: round(r["multiplier"], DECIMALS) if r["multiplier"] else
-                   round(r["multiplier_at_least"], BOUND_DECIMALS) for codec, r in scored.items()}
-    at_least = {codec for codec, r in scored.items() if r.get("multiplier_at_least")}
+    multiplier or, when it missed the target, the measured lower bound (``frontier.lower_bound``)."""
+    multipliers, at_least = {}, set()
+    for r in result["table"]:
+        if r["codec"] not in CANDIDATES:
+            continue
+        if r["multiplier"]:
+            multipliers[r["codec"]] = round(r["multiplier"], DECIMALS)
+        elif lower_bound(r):
+            multipliers[r["codec"]] = round(lower_bound(r), BOUND_DECIMALS)
+            at_least.add(r["codec"])
     return result["setup"]["stages"], _row(multipliers, at_least, SPEEDRUN, result, command)
 
 

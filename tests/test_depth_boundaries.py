@@ -93,9 +93,9 @@ def test_the_page_tabulates_each_boundary_and_quotes_the_speedruns_remedies(tmp_
     speedrun.write_text(json.dumps({"table": [
         {"codec": "channel9", "seeds": [1, 2, 3], "multiplier": 1.08, "multiplier_low": 1.01, "multiplier_high": 1.14},
         {"codec": "channel_f5", "seeds": [1], "multiplier": 1.22},
-        {"codec": "channel", "seeds": [1], "multiplier": None, "multiplier_at_least": 1.32}]}))
+        {"codec": "channel", "seeds": [1, 2], "multiplier": None, "missed_within": {"1": 500, "2": 740}}]}))
     text = remedies(speedrun)
-    assert ">= 1.32x; 1.22x (one seed); 1.08x [1.01, 1.14] (3 seeds) bf16's steps" in text
+    assert "missed within 500/740 steps; 1.22x (one seed); 1.08x [1.01, 1.14] (3 seeds) bf16's steps" in text
     assert "`lowrank` (the message's 16 principal directions apart, the residual at 3 bits): not run" in text
     assert "(`channel3_h4`, `channel4_h4`, `channel5_h4`, `channel_h4`): not run; not run; not run; not run;" in text
 

@@ -143,17 +143,45 @@ def test_a_missed_run_gets_a_schedule_long_enough_for_the_loss_it_reached():
     assert speedrun.longer_schedule({"validations": [(500, 7.0)]}, base, 500, 10) == int(speedrun.MAX_FACTOR * 500)
 
 
-def test_a_codec_that_missed_gets_a_lower_bound_on_its_steps_multiplier():
+def _built(codec: str, runs_of_codec) -> tuple[dict, dict]:
+    """(losses, ``report.build``'s result) of bf16 (seed 1 on 500 steps, seed 2 on 500 and 740) and ``codec``'s
+    (seed, iters, the step its loss falls under the target 5.5 at) runs, every s/step 1."""
     from benchmarks.speedrun import report
 
-    size = runs.SIZES["full"]
-    bf16 = {"codec": "bf16", "seed": 1, "iters": 500, "validations": [(100, 6.0), (200, 5.6), (400, 5.3), (500, 5.2)]}
-    paper = {"codec": "paper", "seed": 1, "iters": 500, "validations": [(250, 5.9), (500, 5.6)]}
-    losses = {"b": bf16, "p": paper}
-    # paper ended at 5.6, bf16's loss at step 200: its 500 steps did what bf16 did in 200, > 2.5x
-    assert report._missed_bound(losses, "paper", {}, {1: 500}, size) == pytest.approx(2.5)
-    assert report._missed_bound(losses, "paper", {1: 480}, {1: 500}, size) is None  # it reached the target
-    assert speedrun.longer_schedule({"validations": [(500, 5.6)]}, bf16, 500, 10, max_factor=1.0) == 500
+    curve = lambda iters, hit: [(i, 5.0 if i >= hit else 6.0) for i in range(10, iters + 1, 10)]  # noqa: E731
+    spec = [("bf16", 1, 500, 300), ("bf16", 2, 500, 400), ("bf16", 2, 740, 350), *((codec, *r) for r in runs_of_codec)]
+    losses = {f"{c}_{s}_{n}": {"codec": c, "seed": s, "iters": n, "validations": curve(n, hit), "bytes": (1, 1)}
+              for c, s, n, hit in spec}
+    steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", codec)}
+    return losses, report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady,
+                                {"cpu": "x", "cores": 2})
+
+
+def test_a_codec_that_missed_is_missed_within_its_longest_schedule_with_no_multiplier():
+    """A codec that misses the target on every schedule it ran: "missed within N steps", no multiplier, no T, not
+    projected; its measured lower bound is N over bf16's steps on the same seed and schedule."""
+    from benchmarks.speedrun import frontier, report
+
+    losses, result = _built("paper", ((1, 500, 10_000), (2, 500, 10_000), (2, 740, 10_000)))
+    row = next(r for r in result["table"] if r["codec"] == "paper")
+    assert row["multiplier"] is None and row["T"] is None and row["T_vs_bf16"] is None
+    assert row["missed_within"] == {"1": 500, "2": 740} and row["bf16_steps_by_seed"] == {"1": 300, "2": 350}
+    assert "multiplier_at_least" not in row and not hasattr(report, "_missed_bound")
+    assert frontier.lower_bound(row) == pytest.approx(min(500 / 300, 740 / 350))
+    assert report._steps_text(row) == "missed within 500 steps (seed 1) and 740 steps (seed 2)"
+    assert report._multiplier_text(row) == "–"
+    projected = next(r for r in result["projection"] if r["codec"] == "paper")
+    assert projected["T"] is None and projected["steps"] is None
+    assert projected["steps_label"] == "missed within 500/740 steps at CPU scale: not projected"
+    assert "| paper |" in report.projection_markdown(result) and "– (missed within 500/740 steps" in \
+        report.projection_markdown(result)
+    today = __import__("datetime").date.today().isoformat()
+    assert all(c["measured"] == {"date": today, "cpu": "x"} for c in result["curves"].values())  # new runs: here
+    assert report.headline_text(result).startswith("No codec reached the target")
+    assert "`paper` (" in report.headline_text(result) and "missed within 500 steps (seed 1)" in \
+        report.headline_text(result)
+    assert speedrun.longer_schedule({"validations": [(500, 5.6)]}, losses["bf16_1_500"], 500, 10,
+                                    max_factor=1.0) == 500
 
 
 def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
@@ -163,28 +191,33 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
 
     size = runs.SIZES["tiny"]
     curve = [[i, 6.0 - i / 100] for i in range(size.eval_interval, size.iters + 1, size.eval_interval)]
-    page = {"size": size.name, "setup": size.setup(), "compute_s_per_step": 1.25,
+    page = {"size": size.name, "setup": size.setup(), "compute_s_per_step": 1.25, "date": "2026-01-02",
+            "host": {"cpu": "old cpu", "cores": 2},
             "curves": {runs.loss_run_name("bf16", 7, size.iters, size, True):
                        {"codec": "bf16", "seed": 7, "iters": size.iters, "validations": curve}}}
     path = tmp_path / "page.json"
     path.write_text(json.dumps(page))
     out = tmp_path / "out"
-    compute, reused = speedrun.restore_from_page(path, out, size)
-    assert compute == 1.25 and reused["runs"] == [runs.loss_run_name("bf16", 7, size.iters, size, True)]
+    compute, reused_page = speedrun.restore_from_page(path, out, size)
+    assert compute == 1.25 and reused_page["runs"] == [runs.loss_run_name("bf16", 7, size.iters, size, True)]
     reused = runs.loss_run("bf16", 7, size, [], emulated=True)
     new = runs.loss_run("bf16", 8, size, [], emulated=True)
     assert is_complete(reused, out) and not is_complete(new, out)
     got = speedrun.loss_results([reused], out, size)[reused.name]
     assert [list(v) for v in got["validations"]] == curve and got["codec"] == "bf16"
+    # a page without per-curve provenance: its own date and machine stand for its curves' and its compute step's
+    assert reused_page["compute_measured"] == {"date": "2026-01-02", "cpu": "old cpu"} == got["measured"]
     # a pipeline run's measured bytes and auto's choices travel with the page (its log keeps only validations)
     auto_name = runs.loss_run_name("auto", 7, size.iters, size)
     page["curves"][auto_name] = {"codec": "auto", "seed": 7, "iters": size.iters, "validations": curve,
-                                 "bytes": [640.0, 512.0], "choices": {"forward": {"lowrank": 1.0}}}
+                                 "bytes": [640.0, 512.0], "choices": {"forward": {"lowrank": 1.0}},
+                                 "measured": {"date": "2026-01-03", "cpu": "other cpu"}}
     path.write_text(json.dumps(page))
     speedrun.restore_from_page(path, tmp_path / "with_auto", size)
     auto = speedrun.loss_results([runs.loss_run("auto", 7, size, [], link=runs.Link(1e6, 0.01))],
                                  tmp_path / "with_auto", size)[auto_name]
     assert auto["bytes"] == (640.0, 512.0) and auto["choices"] == {"forward": {"lowrank": 1.0}}
+    assert auto["measured"] == {"date": "2026-01-03", "cpu": "other cpu"}  # a curve's own provenance is kept
     path.write_text(json.dumps({**page, "size": "full", "setup": runs.SIZES["full"].setup()}))
     with pytest.raises(ReproduceError, match="run without --from-page"):
         speedrun.restore_from_page(path, tmp_path / "other", size)
@@ -192,7 +225,7 @@ def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
 
 def test_only_the_codecs_asked_for_run_longer_schedules(monkeypatch, tmp_path):
     """``--longer``: a codec that missed the target runs a longer schedule only when named, and bf16 with it;
-    the others keep their one schedule (the page shows their lower bound)."""
+    the others keep their one schedule (the page says which codecs it applied to)."""
     size = runs.SIZES["tiny"]
     started = []
     monkeypatch.setattr(speedrun, "execute_all", lambda todo, *a, **k: started.extend(r.name for r in todo))
@@ -232,15 +265,7 @@ def test_a_seed_that_ran_only_a_longer_schedule_is_not_run_again_on_the_base_one
 def test_a_longer_schedule_counts_against_bf16_on_the_same_schedule():
     """Seed 2 reached the target only on a 740-step schedule: its steps there are paired with bf16's on 740
     steps (a longer cosine alone reaches a loss sooner), not bf16's on the base schedule."""
-    from benchmarks.speedrun import report
-
-    size = runs.SIZES["full"]
-    curve = lambda iters, hit: [(i, 5.0 if i >= hit else 6.0) for i in range(10, iters + 1, 10)]  # noqa: E731
-    losses = {f"{c}_{s}_{n}": {"codec": c, "seed": s, "iters": n, "validations": curve(n, hit), "bytes": (1, 1)}
-              for c, s, n, hit in (("bf16", 1, 500, 300), ("bf16", 2, 500, 400), ("bf16", 2, 740, 350),
-                                   ("channel9", 1, 500, 330), ("channel9", 2, 500, 10_000), ("channel9", 2, 740, 380))}
-    steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", "channel9")}
-    result = report.build(size, 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
+    _, result = _built("channel9", ((1, 500, 330), (2, 500, 10_000), (2, 740, 380)))
     row = next(r for r in result["table"] if r["codec"] == "channel9")
     assert row["multiplier"] == pytest.approx((330 / 300 + 380 / 350) / 2)
     assert row["bf16_schedule_by_seed"] == {"1": 500, "2": 740}
@@ -254,43 +279,135 @@ def test_seeds_per_codec():
 
 
 def test_the_frontier_keeps_the_codecs_no_other_beats_in_both_bits_and_steps():
-    from benchmarks.speedrun import report
+    """Beaten: another codec with at most its bits takes fewer steps beyond noise (the paired interval of their
+    same-seed steps ratio below 1); a codec that missed: another's interval below its measured lower bound."""
+    from benchmarks.speedrun import frontier, score
 
-    def row(codec, bits, mult=None, bound=None, seeds=(1, 2, 3)):
-        return {"codec": codec, "seeds": list(seeds), "forward_bits": bits / 2 + 0.5, "backward_bits": bits / 2 + 0.5,
-                "multiplier": mult, "multiplier_low": mult and mult - 0.1, "multiplier_high": mult and mult + 0.1,
-                "multiplier_at_least": bound}
+    def row(codec, bits, by_seed=None, missed=None):
+        r = {"codec": codec, "seeds": sorted(by_seed or missed), "forward_bits": bits / 2 + 0.5,
+             "backward_bits": bits / 2 + 0.5, "multiplier": None}
+        if by_seed:
+            ratio = score.mean_interval(list(by_seed.values()))
+            r.update(multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high,
+                     multiplier_by_seed={str(s): v for s, v in by_seed.items()})
+        else:
+            r.update(missed_within={str(s): n for s, n in missed.items()},
+                     bf16_steps_by_seed={str(s): 300 for s in missed})
+        return r
 
-    table = [row("bf16", 32, 1.0), row("a", 8, 1.09), row("b", 9, 1.2, seeds=(1,)), row("c", 10, 1.05),
-             row("d", 6, bound=1.8, seeds=(1,)), row("e", 11, bound=1.5, seeds=(1,))]
+    table = [row("bf16", 32, {1: 1.0, 2: 1.0, 3: 1.0}), row("a", 8, {1: 1.05, 2: 1.10, 3: 1.12}),
+             row("b", 9, {1: 1.25, 2: 1.30, 3: 1.35}), row("c", 10, {1: 1.0, 2: 1.1, 3: 1.05}),
+             row("d", 6, missed={1: 500}), row("e", 11, missed={1: 450}), row("f", 12, {1: 1.08, 2: 1.0, 3: 1.1})]
     projection = [{"codec": "none" if r["codec"] == "bf16" else r["codec"], "forward_bits": r["forward_bits"] - 0.5,
-                   "backward_bits": r["backward_bits"] - 0.5, "T": 1000.0 * (r["multiplier"] or r["multiplier_at_least"])}
-                  for r in table]
+                   "backward_bits": r["backward_bits"] - 0.5, "s_per_step": 1.0,
+                   "T": None if r["multiplier"] is None else 1000.0 * r["multiplier"]} for r in table]
     result = {"table": table, "projection": projection}
-    rows = {r["codec"]: r for r in report.frontier(result)}
-    assert [r["codec"] for r in report.frontier(result)] == ["d", "a", "b", "c", "e", "bf16"]  # by bits
+    rows = {r["codec"]: r for r in frontier.frontier(result)}
+    assert [r["codec"] for r in frontier.frontier(result)] == ["d", "a", "b", "c", "e", "f", "bf16"]  # by bits
     assert rows["a"]["bits"] == pytest.approx(8) and rows["a"]["bits_cpu"] == pytest.approx(9)
     assert rows["a"]["on_frontier"] and rows["c"]["on_frontier"] and rows["bf16"]["on_frontier"]
-    assert rows["b"]["on_frontier"] is False  # a: fewer bits, fewer steps
-    assert rows["e"]["on_frontier"] is False  # missed at >= 1.5x; a has fewer bits and 1.09x
-    assert rows["d"]["on_frontier"] is None  # missed, and nothing with <= 6 bits was measured
-    text = report.frontier_markdown(result)
-    assert "| b | 9.00 | 10.00 | 1.20x (one seed) | 1 |" in text and "| d | 6.00 | 7.00 | >= 1.80x (missed)" in text
-    assert "lowest projected T is `c`" in report._frontier_best(result)
-    assert "no codec measured here is in the goal's corner" in report._frontier_best(result)
+    assert rows["b"]["on_frontier"] is False and rows["b"]["beaten_by"] == ["a"]  # a / b: about 0.84 on every seed
+    assert rows["f"]["on_frontier"] and rows["f"]["close"] == ["c"]  # c: fewer steps on average, within noise
+    assert rows["e"]["on_frontier"] is False  # missed within 450 steps, at least 1.5x; a's interval lies below
+    assert rows["d"]["on_frontier"] is None and rows["d"]["lower_bound"] == pytest.approx(500 / 300)  # none cheaper
+    text = frontier.markdown(result)
+    assert "| b | 9.00 | 10.00 | 1.30x [1.18, 1.42] | 3 | 1,300 | no: `a` (fewer bits, fewer steps beyond noise) |" \
+        in text
+    assert "| d | 6.00 | 7.00 | missed within 500 steps | 1 | – | unknown (missed) |" in text
+    assert "| f | 12.00 | 13.00 | 1.06x [0.93, 1.19] | 3 | 1,060 | yes; fewer bits and steps within noise: `c` |" \
+        in text
+    best = frontier.best_text(result)
+    assert "lowest projected T is `c`" in best and "against the next, `f` (1,060 s)" in best
+    compared = score.compare({1: 1.0, 2: 1.1, 3: 1.05}, {1: 1.08, 2: 1.0, 3: 1.1})
+    assert compared.text() + ";" in best and compared.verdict == "within noise"
+    assert "no codec measured here is in the goal's corner" in best
 
 
-def test_the_headline_is_the_best_codec_run_on_three_seeds_and_names_lower_ones_on_fewer():
+def test_the_headline_compares_the_best_codec_with_the_next_by_the_paired_interval_of_their_T_ratio():
+    from benchmarks.speedrun import score
     from benchmarks.speedrun.report import headline_text
 
-    def row(codec, t, seeds, low=0.9, high=1.1):
-        return {"codec": codec, "T": t, "T_vs_bf16": t / 100, "seeds": list(range(seeds)), "forward_bits": 6.0,
-                "backward_bits": 4.0, "multiplier": 1.0, "multiplier_low": low, "multiplier_high": high}
+    def row(codec, t, by_seed):
+        ratio = score.mean_interval(by_seed)
+        return {"codec": codec, "T": t, "T_vs_bf16": t / 100, "seeds": list(range(len(by_seed))),
+                "forward_bits": 6.0, "backward_bits": 4.0, "s_per_step": t / 100, "multiplier": ratio.mean,
+                "multiplier_low": ratio.low, "multiplier_high": ratio.high,
+                "multiplier_by_seed": {str(s): v for s, v in enumerate(by_seed)}}
 
-    table = [row("bf16", 100, 3), row("a", 50, 3), row("b", 40, 1), row("c", 45, 2), row("d", 60, 3)]
+    table = [row("bf16", 100, [1.0, 1.0, 1.0]), row("a", 50, [1.0, 1.1, 0.9]), row("b", 40, [1.0]),
+             row("c", 45, [1.0, 1.0]), row("d", 60, [1.0, 1.0, 1.0])]
     text = headline_text({"table": table})
-    assert text.startswith("**Best: `a`, T = 0.500x bf16's** (6.00 + 4.00 bits per value, steps 1.00x [0.90, 1.10]")
+    assert text.startswith("**Best: `a`, T = 0.500x bf16's** (6.00 + 4.00 bits per value, steps 1.00x [0.75, 1.25]")
+    # a / d per seed: the steps ratio times the s/step ratio 50 / 60
+    a_vs_d = score.compare({0: 1.0, 1: 1.1, 2: 0.9}, {0: 1.0, 1: 1.0, 2: 1.0}, 50 / 60)
+    assert a_vs_d.verdict == "within noise"
+    assert f"against the next, `d` (T = 0.600x bf16's): T ratio {a_vs_d.text()}." in text
     assert text.index("`b`, T = 0.400x") < text.index("`c`, T = 0.450x") and "one seed" in text and "2 seeds" in text
-    assert "`d`" not in text
-    # no codec with three seeds: the most seeds any has
-    assert headline_text({"table": [row("bf16", 100, 2), row("b", 40, 1), row("c", 45, 2)]}).startswith("**Best: `c`")
+    assert "against `a`: T ratio 0.80x (one seed)." in text  # b: one common seed, no interval
+    assert f"against `a`: T ratio {score.compare({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.1}, 45 / 50).text()}." in text
+    # no codec with three seeds: the most seeds any has; one other: no comparison
+    two = headline_text({"table": [row("bf16", 100, [1.0, 1.0]), row("b", 40, [1.0]), row("c", 45, [1.0, 1.0])]})
+    assert two.startswith("**Best: `c`") and "against the next" not in two
+
+
+def test_a_curves_provenance_is_the_first_committed_page_that_measured_it():
+    """A curve counts from the first page version holding it, unless that page lists it among its reused runs (then
+    the version before's); the compute step from the first version with its value; ``fill`` keeps what is set."""
+    from benchmarks.speedrun import provenance, report
+
+    def page(date, cpu, names, compute=1.0, reused=()):
+        return {"date": date, "host": {"cpu": cpu}, "compute_s_per_step": compute,
+                "curves": {n: {"codec": "bf16"} for n in names}, **({"reused": {"runs": list(reused)}} if reused else {})}
+
+    pages = [page("d1", "A", ["x", "y"]), page("d2", "B", ["x", "y", "z"], reused=["x", "z"]),
+             page("d3", "C", ["x", "y", "z", "w"], compute=2.0, reused=["x", "y", "z"])]
+    found, compute = provenance.first_measured(pages)
+    assert found == {"x": {"date": "d1", "cpu": "A"}, "y": {"date": "d1", "cpu": "A"},
+                     "z": {"date": "d1", "cpu": "A"},  # reused on its first page: the page before's
+                     "w": {"date": "d3", "cpu": "C"}}
+    assert compute == {"date": "d3", "cpu": "C"}  # the compute step changed on d3
+    assert provenance.first_measured(pages[:2])[1] == {"date": "d1", "cpu": "A"}
+    data = page("d4", "D", ["x", "w", "v"])
+    data["curves"]["w"]["measured"] = {"date": "d0", "cpu": "Z"}
+    assert provenance.fill(data, pages) == ["v"]  # not in the history: left without
+    assert data["curves"]["x"]["measured"] == {"date": "d1", "cpu": "A"} and data["compute_measured"] == compute
+    assert data["curves"]["w"]["measured"] == {"date": "d0", "cpu": "Z"}
+    data["curves"]["v"]["measured"] = {"date": "d4", "cpu": "D"}
+    assert report.provenance_text(data) == ("Loss runs measured 1 on d0 (Z), 1 on d1 (A), 1 on d4 (D); the compute "
+                                            "step, which sets the wire and every s/step, on d3 (C).")
+
+
+def test_the_parameter_count_is_megatrons(tmp_path):
+    """``Size.parameters``: by hand for the full size (untied, vocabulary 8192, 8 layers of 12 h^2 + 13 h), and what
+    megatron-core's GPTModel with the local spec holds at the tiny size."""
+    import torch
+    import torch.distributed as dist
+
+    h, full = 128, runs.SIZES["full"]
+    assert full.parameters() == 2 * 8192 * h + 64 * h + 8 * (12 * h * h + 13 * h) + 2 * h == 3_691_776
+    tiny = runs.SIZES["tiny"]
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tah.megatron.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1, force_reset_rng=True)
+        config = TransformerConfig(num_layers=tiny.stages, hidden_size=tiny.hidden, num_attention_heads=tiny.heads,
+                                   use_cpu_initialization=True, params_dtype=torch.float32)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=runs.VOCAB, max_sequence_length=tiny.seq,
+                         share_embeddings_and_output_weights=False)
+        assert sum(p.numel() for p in model.parameters()) == tiny.parameters()
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()

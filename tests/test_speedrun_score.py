@@ -51,3 +51,29 @@ def test_intervals_use_student_t_and_ratios_pair_seeds():
     assert ratio.n == 2 and ratio.mean == pytest.approx((1.0 + 1.1) / 2)
     with pytest.raises(ValueError, match="no common seed"):
         score.paired_ratio({1: 1}, {2: 1})
+
+
+def test_two_codecs_are_compared_by_the_paired_interval_of_their_same_seed_ratio():
+    a, b = {1: 330, 2: 380, 3: 400}, {1: 300, 2: 350, 3: 420, 4: 500}  # seed 4: b's alone, left out
+    got = score.compare(a, b)
+    ratios = [330 / 300, 380 / 350, 400 / 420]
+    mean = sum(ratios) / 3
+    half = score.t975(2) * math.sqrt(sum((r - mean) ** 2 for r in ratios) / 2) / math.sqrt(3)
+    assert got.ratio.n == 3 and got.ratio.mean == pytest.approx(mean)
+    assert (got.ratio.low, got.ratio.high) == pytest.approx((mean - half, mean + half))
+    assert got.verdict == "within noise" and got.text().endswith(", within noise")
+    # with a scale (the s/step ratio: the ratio of T), every per-seed ratio is scaled
+    assert score.compare(a, b, 0.5).ratio.mean == pytest.approx(mean / 2)
+    assert score.compare(a, b, 0.5).verdict == "lower" and score.compare(a, b, 2.0).verdict == "higher"
+    one = score.compare({1: 330}, b)
+    assert one.verdict == "one seed" and one.text() == "1.10x (one seed)"
+    with pytest.raises(ValueError, match="no common seed"):
+        score.compare({5: 1.0}, b)
+
+
+def test_a_missed_target_bounds_the_multiplier_by_the_schedule_over_bf16s_steps_on_the_same_seed():
+    assert score.missed_bound({1: 500, 2: 740}, {1: 320, 2: 390, 3: 460}) == pytest.approx(min(500 / 320, 740 / 390))
+    assert score.missed_bound({3: 500}, {1: 320}) is None  # bf16 has no steps on that seed
+    assert score.missed_text({1: 500, 2: 500}) == "missed within 500 steps"
+    assert score.missed_text({1: 500, 2: 740, 3: 500}, seeds=True) == \
+        "missed within 500 steps (seeds 1, 3) and 740 steps (seed 2)"

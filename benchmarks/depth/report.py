@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from ..reproduce.runner import read_log
+from ..speedrun import score
 
 GROUPS = {
     "depth": "Depth: the paper's configuration at 1, 3 and 7 boundaries (pipeline depth 2, 4, 8)",
@@ -256,7 +257,7 @@ def remedies(speedrun_json: Path) -> str:
         if r is None:
             return "not run"
         if r.get("multiplier") is None:
-            return f">= {r['multiplier_at_least']:.2f}x" if r.get("multiplier_at_least") else "missed"
+            return score.missed_text(r["missed_within"]) if r.get("missed_within") else "missed"
         interval = (f" [{r['multiplier_low']:.2f}, {r['multiplier_high']:.2f}] ({len(r['seeds'])} seeds)"
                     if len(r["seeds"]) > 1 else " (one seed)")
         return f"{r['multiplier']:.2f}x{interval}"

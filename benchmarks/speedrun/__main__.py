@@ -18,7 +18,9 @@ What it does, in order (runs already complete under ``--out`` are not run again)
    (``simulate.py``) from the measured compute and bf16's exact message bytes;
 4. runs every codec's loss runs; a codec that misses the target runs a longer schedule of the same shape
    (``longer_schedule``: long enough for the loss it reached, at most ``MAX_FACTOR`` times), and so does
-   bf16 with the same seed: the codec's steps there count against bf16's on the same schedule;
+   bf16 with the same seed: the codec's steps there count against bf16's on the same schedule; every codec
+   alike unless ``--longer`` names some (the page says which); one that still misses is "missed within N
+   steps", with no multiplier;
 5. times every codec behind the emulated wire (``score.steady_seconds``);
 6. scores T = steps to target x steady s/step, with intervals over seeds, projects the ProtocolNanoGPT
    setup with the measured steps multipliers (``projection.py``) and, with ``--write``, writes the page,
@@ -31,11 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 from pathlib import Path
 
-from .. import measured
 from ..reproduce.runner import ReproduceError, execute_all, host_info, read_log
 from . import runs, score, simulate
 
@@ -59,17 +59,18 @@ def seeds_by_codec(seeds: list[int], multi_seed: str):
 
 def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, dict]:
     """The loss runs a written page already holds, made complete runs under ``out`` again (each curve of its
-    JSON as a log of validation records, its meta marked ``from_page``), so that only new runs run; returns
-    the page's measured compute seconds per step (no new compute run: every codec's s/step stays comparable)
-    and where they came from (the page, the date and machine of their measurement, the runs restored).
-    Refused when the page was made at another size or setup."""
+    JSON as a log of validation records, its meta marked ``from_page`` and keeping where the curve was measured),
+    so that only new runs run; returns the page's measured compute seconds per step (no new compute run: every
+    codec's s/step stays comparable) and what was reused (the page, the runs restored, where the compute step was
+    measured). A page without per-curve provenance: its date and machine stand for its curves'. Refused when the
+    page was made at another size or setup."""
     data = json.loads(Path(page).read_text())
     setup = size.setup()
     if data.get("size") != size.name or data.get("setup") != setup:
         raise ReproduceError(f"{page}: made at size {data.get('size')} with {data.get('setup')}, not {size.name} "
                              f"with {setup}; run without --from-page")
     out.mkdir(parents=True, exist_ok=True)
-    restored = []
+    restored, page_measured = [], {"date": data.get("date"), "cpu": data.get("host", {}).get("cpu")}
     for name, curve in data["curves"].items():
         log, meta = out / f"{name}.jsonl", out / f"{name}.meta.json"
         if meta.is_file():
@@ -82,12 +83,12 @@ def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, di
                 "emulated": name.startswith("emulated_")}
         measured = {key: curve[key] for key in ("bytes", "choices") if key in curve}  # a pipeline run's, kept
         meta.write_text(json.dumps({"name": name, "status": 0, "from_page": str(page), "info": info,
+                                    "provenance": curve.get("measured") or page_measured,
                                     **({"measured": measured} if measured else {})}, indent=1))
         restored.append(name)
-    earlier = data.get("reused", {})  # a page that reused an older one: the measurements' own date and machine
-    provenance = {"page": Path(page).as_posix(), "date": earlier.get("date", data.get("date")),
-                  "cpu": earlier.get("cpu", data.get("host", {}).get("cpu")), "runs": restored}
-    return float(data["compute_s_per_step"]), provenance
+    reused = {"page": Path(page).as_posix(), "runs": restored,
+              "compute_measured": data.get("compute_measured") or page_measured}
+    return float(data["compute_s_per_step"]), reused
 
 
 def scale_link(compute_step_s: float, size: runs.Size, message_nbytes: int) -> runs.Link:
@@ -112,7 +113,8 @@ def loss_results(run_list, out: Path, size: runs.Size) -> dict:
     for r in run_list:
         records = read_log(out / f"{r.name}.jsonl")
         chooses = r.info["codec"] in runs.NEEDS_LINK  # its bytes once its choices settled: the run's second half
-        restored = json.loads((out / f"{r.name}.meta.json").read_text()).get("measured")  # --from-page: kept there
+        meta = json.loads((out / f"{r.name}.meta.json").read_text())
+        restored = meta.get("measured")  # --from-page: kept there
         if r.info["emulated"]:
             measured = {"bytes": tuple(messages * n for n in runs.message_nbytes(r.info["codec"], size))}
         elif restored:
@@ -120,7 +122,10 @@ def loss_results(run_list, out: Path, size: runs.Size) -> dict:
         else:
             measured = {"bytes": runs.bytes_per_iteration(records, len(runs.step_records(records)) // 2 if chooses else 2),
                         **({"choices": runs.auto_choices(records)} if chooses else {})}
-        results[r.name] = {**r.info, "validations": runs.validations(records), **measured}
+        where = meta.get("provenance") or (  # --from-page: the curve's own; a run of this machine: its start
+            {"date": meta["started"][:10], "cpu": meta["host"]["cpu"]} if "started" in meta and "host" in meta else None)
+        results[r.name] = {**r.info, "validations": runs.validations(records), **measured,
+                           **({"measured": where} if where else {})}
     return results
 
 
@@ -267,21 +272,17 @@ def main(argv=None) -> int:
     except ReproduceError as err:
         print(f"speedrun: {err}", file=sys.stderr)
         return 1
-    from .report import build, write_page
+    from .report import build, publish
 
     result = build(size, target, compute_s, link, losses, steady, host_info(),
                    modes={"loss_runs": args.loss_runs, "timing": args.timing, "max_factor": args.max_factor,
-                          **({"longer": args.longer.split(",")} if args.longer else {})})
+                          **({"longer": args.longer.split(",")} if args.longer else {})},
+                   compute_measured=reused["compute_measured"] if reused else None)
     if reused:
-        result["reused"] = reused
+        result["reused"] = {key: reused[key] for key in ("page", "runs")}
     print(json.dumps(result["table"], indent=1))
     if args.write:
-        write_page(result, args.write)
-        print(f"[speedrun] wrote {args.write}")
-        command = shlex.join(["python", "-m", "benchmarks.speedrun", *(sys.argv[1:] if argv is None else argv)])
-        written = measured.write_beside(args.write, dict([measured.speedrun_row(result, command)]))
-        if written:
-            print(f"[speedrun] wrote {written}")
+        publish(result, args.write, "benchmarks.speedrun", sys.argv[1:] if argv is None else argv)
     return 0
 
 

@@ -121,15 +121,17 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
             measurements: dict | None = None, base_steps: int = SETUP.steps_to_target,
             multiplier_label: str = "given multiplier", labels: dict[str, str] | None = None,
             byte_scale: dict[str, tuple[float, float]] | None = None,
-            micro_batches: int = SETUP.micro_batches) -> list[dict]:
+            micro_batches: int = SETUP.micro_batches, not_projected: dict[str, str] | None = None) -> list[dict]:
     """One row per codec: bits, bytes per token, codec time, s/step, steps and T on the setup, its global batch
     split into ``micro_batches`` (the setup's 64 by default; the steps do not change with the split).
 
     ``steps_multiplier[name]`` scales the bf16 record's steps to target; a codec without one gets
     1.0, labelled "at equal steps", the others ``labels[name]`` or else ``multiplier_label`` (say where they
     were measured). ``byte_scale[name]``: (forward, backward) factors on the codec's wire bytes, a what-if
-    (``benchmarks.lossless``: an entropy coder after the codec).
+    (``benchmarks.lossless``: an entropy coder after the codec). ``not_projected[name]``: the codec's row has its
+    bytes and s/step but no steps and no T (None), ``steps_label`` saying why (it missed the target).
     """
+    not_projected = not_projected or {}
     labels = labels or {}
     steps_multiplier = steps_multiplier or {}
     codecs = CODECS if codecs is None else codecs
@@ -152,8 +154,8 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
         step = simulate.simulate_step(*args, fwd_s, bwd_s, *link)
         f0, b0 = compute_at(micro_batches)
         step_no_codec = simulate.simulate_step(*args, f0, b0, *link)
-        mult = steps_multiplier.get(name)
-        steps = base_steps * (1.0 if mult is None else mult)
+        mult = None if name in not_projected else steps_multiplier.get(name)
+        steps = None if name in not_projected else base_steps * (1.0 if mult is None else mult)
         rows.append(dict(
             codec=name, micro_batches=micro_batches, micro_batch=shape[1],
             forward_bits=fwd_bytes * 8 / math.prod(shape), backward_bits=bwd_bytes * 8 / math.prod(shape),
@@ -162,12 +164,13 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
             forward_codec_s=t_f.encode_s + t_f.decode_s, backward_codec_s=t_b.encode_s + t_b.decode_s,
             codec_time_source=f"forward {t_f.source}; backward {t_b.source}",
             s_per_step=step, s_per_step_without_codec_time=step_no_codec,
-            steps_multiplier=1.0 if mult is None else mult,
-            steps_label="at equal steps" if mult is None else labels.get(name, multiplier_label),
-            steps=steps, T=steps * step))
+            steps_multiplier=mult if mult is not None or name in not_projected else 1.0,
+            steps_label=not_projected.get(name) or ("at equal steps" if mult is None else
+                                                    labels.get(name, multiplier_label)),
+            steps=steps, T=None if steps is None else steps * step))
     base = next((r["T"] for r in rows if r["codec"] == "none"), None)
     for r in rows:
-        r["T_vs_none"] = r["T"] / base if base else None
+        r["T_vs_none"] = r["T"] / base if base and r["T"] is not None else None
     return rows
 
 

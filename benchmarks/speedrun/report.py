@@ -6,9 +6,8 @@ import datetime
 import json
 from pathlib import Path
 
-from . import check, projection, runs, score
-
-PROJECTION_NAMES = {"bf16": "none"}  # speedrun codec -> projection.CODECS name, where they differ
+from . import check, frontier, projection, runs, score
+from .frontier import PROJECTION_NAMES
 SPLITS = (16, 32, 64, 128)  # micro-batch counts the projection compares at the setup's global batch (64: its own)
 
 
@@ -44,10 +43,14 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
 
 
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
-          host: dict, modes: dict | None = None) -> dict:
+          host: dict, modes: dict | None = None, date: str | None = None, compute_measured: dict | None = None) -> dict:
     """Everything the page shows: the setup, one row per codec, the curves and the projection. A codec's steps
     are paired with bf16's runs of its own kind (emulated boundaries or the real pipeline:
-    ``runs.emulated_for``); bf16's row and T's bf16 steps are the page's kind's."""
+    ``runs.emulated_for``); bf16's row and T's bf16 steps are the page's kind's. Each curve carries where it was
+    measured (``measured``: date and CPU; a run without one: ``date`` or today, on ``host``), and so does the compute
+    step (``compute_measured``)."""
+    date = date or datetime.date.today().isoformat()
+    here = {"date": date, "cpu": host["cpu"]}
     modes = modes or {"loss_runs": "pipeline", "timing": "measured"}
     emulated = modes["loss_runs"] == "emulated"
     of_kind = {kind: {n: r for n, r in losses.items() if r.get("emulated", emulated) == kind} for kind in (False, True)}
@@ -66,45 +69,48 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
                "s_per_step": steady[codec]["seconds"], "steady": steady[codec]["steady"],
                "steps_by_seed": {str(s): reached.get(s) for s in seeds},
                "schedule_by_seed": {str(s): longest[s] for s in seeds}}
+        # each seed against bf16 on the schedule it reached the target on, or (missed) the longest it ran, where bf16
+        # ran it (the cosine follows the schedule: a longer one alone reaches a loss in fewer steps), else on its own
+        schedule = {s: reached_on.get(s, longest[s]) for s in seeds}
+        same = {s: _bf16_on(same_kind, target, s, schedule[s]) for s in seeds}
+        paired = {s: same[s] or bf16_steps[kind].get(s) for s in seeds}
+        row["bf16_steps_by_seed"] = {str(s): paired[s] for s in seeds}
         if len(reached) == len(seeds):
             steps = score.mean_interval([reached[s] for s in seeds])
-            # against bf16 on the same schedule where bf16 ran it (the cosine follows the schedule: a longer one
-            # alone reaches a loss in fewer steps), else on its own
-            same = {s: _bf16_on(same_kind, target, s, reached_on[s]) for s in seeds}
-            paired = {s: same[s] or bf16_steps[kind].get(s) for s in seeds}
             ratio = score.paired_ratio(reached, {s: v for s, v in paired.items() if v})
             row.update(steps=steps.mean, steps_low=steps.low, steps_high=steps.high,
                        multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high,
-                       bf16_schedule_by_seed={str(s): reached_on[s] if same[s] else size.iters for s in seeds},
+                       multiplier_by_seed={str(s): reached[s] / paired[s] for s in seeds if paired[s]},
+                       bf16_schedule_by_seed={str(s): schedule[s] if same[s] else size.iters for s in seeds},
                        T=ratio.mean * base_mean * row["s_per_step"] if base_mean else None)
-        else:
+        else:  # no multiplier: within which schedule each seed that missed missed (score.missed_bound: a lower bound)
             row.update(steps=None, multiplier=None, T=None,
-                       multiplier_at_least=_missed_bound(same_kind, codec, reached, longest, size))
+                       missed_within={str(s): longest[s] for s in seeds if s not in reached})
         rows.append(row)
     base_T = next((r["T"] for r in rows if r["codec"] == "bf16"), None)
     for row in rows:
         row["T_vs_bf16"] = row["T"] / base_T if row["T"] and base_T else None
     name = lambda r: PROJECTION_NAMES.get(r["codec"], r["codec"])  # noqa: E731
     measured = {name(r): r["multiplier"] for r in rows if r["multiplier"] is not None and name(r) in projection.CODECS}
-    bounds = {name(r): r["multiplier_at_least"] for r in rows
-              if r.get("multiplier_at_least") and name(r) in projection.CODECS}
-    from megatron_tah.config.auto import STEPS_MULTIPLIER
+    missed = {name(r): f"{score.missed_text(r['missed_within'])} at CPU scale: not projected" for r in rows
+              if r["multiplier"] is None and name(r) in projection.CODECS}
+    from megatron_tah.config.auto import STEPS_AT_LEAST, STEPS_MULTIPLIER
 
     elsewhere = {codec: m for codec, m in STEPS_MULTIPLIER.get(size.stages, {}).items()
-                 if codec in projection.CODECS and codec not in measured and codec not in bounds}
+                 if codec in projection.CODECS and codec not in {name(r) for r in rows}}
     project = lambda m: projection.project(  # noqa: E731
-        {**elsewhere, **measured, **bounds}, multiplier_label="measured at CPU scale", micro_batches=m,
-        labels={**{n: "at least: missed the target at CPU scale" for n in bounds},
-                **{n: "at least: the depth study, docs/DEPTH.md" for n in elsewhere}})
+        {**elsewhere, **measured}, multiplier_label="measured at CPU scale", micro_batches=m, not_projected=missed,
+        labels={n: ("at least: " if n in STEPS_AT_LEAST.get(size.stages, ()) else "") + "auto's measured.json"
+                for n in elsewhere})
     own = project(projection.SETUP.micro_batches)
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"],
                      **({"pipeline": True} if r.get("emulated") is False and emulated else {}),
                      **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
-                     **({"choices": r["choices"]} if r.get("choices") else {})}
+                     **({"choices": r["choices"]} if r.get("choices") else {}),
+                     "measured": r.get("measured") or here}
               for name, r in losses.items()}
-    return {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "modes": modes,
-            "setup": size.setup(),
-            "target": target, "compute_s_per_step": compute_s,
+    return {"date": date, "host": host, "size": size.name, "modes": modes, "setup": size.setup(),
+            "target": target, "compute_s_per_step": compute_s, "compute_measured": compute_measured or here,
             "link": {"rate_bps": link.rate_bps, "latency_s": link.latency_s},
             "table": rows, "curves": curves,
             "projection": own,
@@ -138,32 +144,14 @@ TIMING_TEXT = {
 }
 
 
-def _missed_bound(losses: dict, codec: str, reached: dict, longest: dict, size: runs.Size) -> float | None:
-    """A lower bound on the steps multiplier of a codec that missed the target with some seed: its longest
-    schedule over the step where bf16 (same seed) had the loss the codec ended at; the smallest over the
-    seeds that missed."""
-    bounds = []
-    for seed, iters in longest.items():
-        if seed in reached:
-            continue
-        run = max((r for r in losses.values() if r["codec"] == codec and r["seed"] == seed), key=lambda r: r["iters"])
-        base = next((r for r in losses.values() if r["codec"] == "bf16" and r["seed"] == seed
-                     and r["iters"] == size.iters), None)
-        at = score.steps_to_target(base["validations"], run["validations"][-1][1]) if base else None
-        if at:
-            bounds.append(iters / at)
-    return min(bounds) if bounds else None
-
-
 def _fmt(value, digits=2, suffix=""):
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
 def _steps_text(row: dict) -> str:
     if row["steps"] is None:
-        missed = [s for s, v in row["steps_by_seed"].items() if v is None]
-        bound = f"; > {row['multiplier_at_least']:.1f}x bf16's" if row.get("multiplier_at_least") else ""
-        return f"missed (seed {', '.join(missed)}; schedule {max(row['schedule_by_seed'].values())}{bound})"
+        reached = [f"{v} (seed {s})" for s, v in row["steps_by_seed"].items() if v is not None]
+        return score.missed_text(row["missed_within"], seeds=True) + (f"; reached: {', '.join(reached)}" if reached else "")
     longer = sorted({v for v in row.get("bf16_schedule_by_seed", {}).values()} - {min(row["schedule_by_seed"].values())})
     on = f"; schedule {', '.join(map(str, longer))} for some seeds" if longer else ""
     if len(row["seeds"]) == 1:
@@ -191,12 +179,12 @@ def choices_text(result: dict) -> str:
     return " ".join(lines)
 
 
-def _reused_text(reused: dict | None) -> str:
-    if not reused:
-        return ""
-    names = ", ".join(f"`{n}`" for n in reused["runs"]) or "none"
-    return (f", except what it reused with `--from-page {reused['page']}`: the compute step and the loss runs "
-            f"{names}, measured on {reused['date']} ({reused['cpu']})")
+def _reused_text(result: dict) -> str:
+    """How the page was made besides its own runs: the page whose runs and compute step it reused, its rendering."""
+    reused, rendered = result.get("reused"), result.get("rendered")
+    return ((f", reusing the loss runs and the compute step of `--from-page {reused['page']}`" if reused else "")
+            + (f"; rendered again from its JSON on {rendered} (`python -m benchmarks.speedrun.report --from-json`)"
+               if rendered else ""))
 
 
 def table_markdown(result: dict) -> str:
@@ -215,9 +203,11 @@ def projection_markdown(result: dict) -> str:
             "|---|---:|---:|---:|---:|---|---:|---:|"]
     bf16_record = result["records"][0]["T"]
     for r in result["projection"]:
+        steps, T = ((f"– ({r['steps_label']})", "– | –") if r["T"] is None else
+                    (f"{r['steps']:.0f} ({r['steps_multiplier']:.2f}x, {r['steps_label']})",
+                     f"{r['T']:,.0f} | {r['T'] / bf16_record:.3f}x"))
         rows.append(f"| {r['codec']} | {r['forward_bits']:.2f} | {r['backward_bits']:.2f} | {r['bytes_per_token']:.0f} | "
-                    f"{r['s_per_step']:.2f} | {r['steps']:.0f} ({r['steps_multiplier']:.2f}x, {r['steps_label']}) | "
-                    f"{r['T']:,.0f} | {r['T'] / bf16_record:.3f}x |")
+                    f"{r['s_per_step']:.2f} | {steps} | {T} |")
     for rec in result["records"]:
         rows.append(f"| record: {rec['record']} | | | {rec['bytes_per_token']:.0f} | {rec['published_s_per_step']:.2f} "
                     f"(model: {rec['simulated_s_per_step']:.2f}) | {rec['steps']} (published) | {rec['T']:,.0f} | "
@@ -227,10 +217,11 @@ def projection_markdown(result: dict) -> str:
 
 def best_split(result: dict, codec: str) -> dict | None:
     """``codec``'s projection at the micro-batch count with the lowest T (``projection_splits``), with
-    ``micro_batches`` and ``vs_setup`` (its T over the setup's own split's); None without splits or codec."""
+    ``micro_batches`` and ``vs_setup`` (its T over the setup's own split's); None without splits, codec or T (not
+    projected)."""
     at = {int(m): next((r for r in rows if r["codec"] == codec), None)
           for m, rows in result.get("projection_splits", {}).items()}
-    at = {m: r for m, r in at.items() if r is not None}
+    at = {m: r for m, r in at.items() if r is not None and r["T"] is not None}
     own = at.get(projection.SETUP.micro_batches)
     if not at or own is None:
         return None
@@ -251,7 +242,8 @@ def splits_markdown(result: dict) -> str:
         cells = [next(x for x in result["projection_splits"][str(m)] if x["codec"] == r["codec"])["s_per_step"]
                  for m in splits]
         rows.append(f"| {r['codec']} | " + " | ".join(f"{c:.2f}" for c in cells) +
-                    f" | {best['micro_batches']} x {best['micro_batch']} | {best['T']:,.0f} | {best['vs_setup']:.3f}x |")
+                    (" | – | – | – |" if best is None else
+                     f" | {best['micro_batches']} x {best['micro_batch']} | {best['T']:,.0f} | {best['vs_setup']:.3f}x |"))
     return "\n".join(rows)
 
 
@@ -286,98 +278,6 @@ def split_verdict(result: dict, checked: dict) -> str:
             + (f", so the split's gain is an estimate of that precision, not a recommendation: a GPU timing run "
                f"settles it." if abs(worst["error"]) >= gain / 2 else
                f"; the split's gain is larger than that error."))
-
-
-def frontier(result: dict) -> list[dict]:
-    """Round-trip bits against the steps multiplier, one row per codec of the page, by bits at the reference's
-    message shape. ``on_frontier``: True when no other codec has at most its bits and a lower multiplier; for a
-    codec that missed the target, False when another with at most its bits is at most its lower bound, else
-    None (unknown)."""
-    projected = {r["codec"]: r for r in result["projection"]}
-    rows = []
-    for r in result["table"]:
-        ref = projected.get(PROJECTION_NAMES.get(r["codec"], r["codec"]))
-        if ref is None:
-            continue
-        rows.append({"codec": r["codec"], "seeds": len(r["seeds"]), "bits_cpu": r["forward_bits"] + r["backward_bits"],
-                     "bits": ref["forward_bits"] + ref["backward_bits"], "multiplier": r["multiplier"],
-                     "multiplier_low": r.get("multiplier_low"), "multiplier_high": r.get("multiplier_high"),
-                     "multiplier_at_least": r.get("multiplier_at_least"), "projected_T": ref["T"]})
-    for row in rows:
-        measured, bound = row["multiplier"], row["multiplier_at_least"]
-        beaten = any(other is not row and other["multiplier"] is not None and other["bits"] <= row["bits"]
-                     and (other["multiplier"] < measured if measured is not None else other["multiplier"] <= (bound or 0))
-                     for other in rows)
-        row["on_frontier"] = False if beaten else (True if measured is not None else None)
-    return sorted(rows, key=lambda r: r["bits"])
-
-
-FRONTIER_TEXT = {True: "yes", False: "no: dominated", None: "unknown (missed)"}
-
-
-def frontier_markdown(result: dict) -> str:
-    rows = ["| codec | bits both ways, `[1024, 8, 1024]` | at `[64, 1, 128]` | steps vs bf16 | seeds | "
-            "projected T (s) | on the frontier |",
-            "|---|---:|---:|---|---:|---:|---|"]
-    for r in frontier(result):
-        if r["multiplier"] is None:
-            steps = f">= {r['multiplier_at_least']:.2f}x (missed)" if r["multiplier_at_least"] else "missed"
-        elif r["seeds"] > 1:
-            steps = f"{r['multiplier']:.2f}x [{r['multiplier_low']:.2f}, {r['multiplier_high']:.2f}]"
-        else:
-            steps = f"{r['multiplier']:.2f}x (one seed)"
-        rows.append(f"| {r['codec']} | {r['bits']:.2f} | {r['bits_cpu']:.2f} | {steps} | {r['seeds']} | "
-                    f"{'>= ' if r['multiplier'] is None else ''}{r['projected_T']:,.0f} | {FRONTIER_TEXT[r['on_frontier']]} |")
-    return "\n".join(rows)
-
-
-def _frontier_best(result: dict) -> str:
-    points = [r for r in frontier(result) if r["on_frontier"] and r["codec"] != "bf16"]
-    if not points:
-        return "No compressed codec reached the target: the frontier is bf16 alone."
-    best = min(points, key=lambda r: r["projected_T"])
-    goal = [r for r in points if r["bits"] <= 6.0 and r["multiplier"] <= 1.05]
-    return (f"The frontier's point with the lowest projected T is `{best['codec']}` ({best['bits']:.2f} bits, "
-            f"{best['multiplier']:.2f}x the steps, {best['projected_T']:,.0f} s); "
-            + (f"in the goal's corner: {', '.join(f'`{r['codec']}`' for r in goal)}." if goal else
-               "no codec measured here is in the goal's corner."))
-
-
-def plot_frontier(result: dict, path: Path) -> None:
-    """Steps multiplier against round-trip bits at the reference's shape, one colour per codec (legend): circles
-    on the frontier, squares dominated, bars the interval over seeds, triangles a codec that missed the target
-    (at its lower bound)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    colours = plt.get_cmap("tab20").colors
-    for i, r in enumerate(frontier(result)):
-        colour = colours[i % len(colours)]
-        if r["multiplier"] is not None:
-            low, high = r["multiplier_low"], r["multiplier_high"]
-            err = [[r["multiplier"] - low], [high - r["multiplier"]]] if r["seeds"] > 1 else None
-            ax.errorbar([r["bits"]], [r["multiplier"]], yerr=err, fmt="o" if r["on_frontier"] else "s", color=colour,
-                        capsize=3, label=f"{r['codec']} ({r['multiplier']:.2f}x)")
-        elif r["multiplier_at_least"]:
-            ax.plot([r["bits"]], [r["multiplier_at_least"]], marker="^", linestyle="", color=colour,
-                    label=f"{r['codec']} (>= {r['multiplier_at_least']:.2f}x)")
-    ax.fill_between([0, 6.0], 0, 1.05, color="C2", alpha=0.15, label="goal: <= 6 bits, <= 1.05x")
-    ax.axhline(1.0, color="black", linewidth=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_xlim(4, 40)
-    ax.set_xticks([4, 6, 8, 12, 16, 32], ["4", "6", "8", "12", "16", "32"])
-    ax.set_ylim(0.8, None)
-    ax.set_xlabel("wire bits per value, forward + backward, at [1024, 8, 1024]")
-    ax.set_ylabel("steps to target / bf16's, PP 8")
-    ax.set_title("circles: on the frontier; squares: dominated; bars: 95% interval over seeds; "
-                 "triangles: missed (lower bound)", fontsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -419,7 +319,7 @@ def write_page(result: dict, page: Path) -> None:
     stem = page.stem.lower()
     (data / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, data / f"{stem}.png")
-    plot_frontier(result, data / f"{stem}_frontier.png")
+    frontier.plot(result, data / f"{stem}_frontier.png")
     template = (Path(__file__).parent / "page.md").read_text()
     page.write_text(template.format(
         headline=headline_text(result), **_page_fields(result, stem)))
@@ -429,27 +329,53 @@ SETTLED_SEEDS = 3
 """Seeds a codec needs to be the page's headline (fewer: named beside it when its T is lower)."""
 
 
+def compare_T(a: dict, b: dict) -> score.Comparison | None:
+    """Row ``a``'s T against row ``b``'s: their same-seed steps ratio times their s/step ratio, over common seeds
+    (``score.compare``); None without a common seed."""
+    mine, other = frontier.by_seed(a, "multiplier_by_seed"), frontier.by_seed(b, "multiplier_by_seed")
+    return score.compare(mine, other, a["s_per_step"] / b["s_per_step"]) if set(mine) & set(other) else None
+
+
+def _against(a: dict, b: dict) -> str:
+    found = compare_T(a, b)
+    return f"T ratio {found.text()}" if found else "no common seed to compare"
+
+
 def headline_text(result: dict) -> str:
     """The page's first line: the codec with the lowest T among those run with ``SETTLED_SEEDS`` seeds (or with the
-    most seeds any codec has), any codec with fewer seeds and a lower T beside it; or what missed the target."""
+    most seeds any codec has) against the next lowest of those, any codec with fewer seeds and a lower T beside it
+    against the best (paired intervals of the T ratio); or within which schedule each codec missed the target."""
     scored = [r for r in result["table"] if r["T_vs_bf16"] is not None and r["codec"] != "bf16"]
     most = min(SETTLED_SEEDS, max((len(r["seeds"]) for r in scored), default=0))
-    best = min((r for r in scored if len(r["seeds"]) >= most), key=lambda r: r["T"], default=None)
-    missed = [r for r in result["table"] if r.get("multiplier_at_least")]
-    if best is not None:
+    settled = sorted((r for r in scored if len(r["seeds"]) >= most), key=lambda r: r["T"])
+    if settled:
+        best = settled[0]
         lower = sorted((r for r in scored if r["T"] < best["T"]), key=lambda r: r["T"])
         seeds = lambda r: "one seed" if len(r["seeds"]) == 1 else f"{len(r['seeds'])} seeds"  # noqa: E731
-        return (f"**Best: `{best['codec']}`, T = {best['T_vs_bf16']:.3f}x bf16's** ({best['forward_bits']:.2f} + "
-                f"{best['backward_bits']:.2f} bits per value, steps {_multiplier_text(best)} bf16's, "
-                f"{seeds(best)})." + "".join(
-                    f" Lower, on fewer seeds: `{r['codec']}`, T = {r['T_vs_bf16']:.3f}x ({r['forward_bits']:.2f} + "
-                    f"{r['backward_bits']:.2f} bits, steps {_multiplier_text(r)}, {seeds(r)})." for r in lower))
+        text = (f"**Best: `{best['codec']}`, T = {best['T_vs_bf16']:.3f}x bf16's** ({best['forward_bits']:.2f} + "
+                f"{best['backward_bits']:.2f} bits per value, steps {_multiplier_text(best)} bf16's, {seeds(best)})")
+        if len(settled) > 1:
+            text += (f"; against the next, `{settled[1]['codec']}` (T = {settled[1]['T_vs_bf16']:.3f}x bf16's): "
+                     f"{_against(best, settled[1])}")
+        return text + "." + "".join(
+            f" Lower, on fewer seeds: `{r['codec']}`, T = {r['T_vs_bf16']:.3f}x ({r['forward_bits']:.2f} + "
+            f"{r['backward_bits']:.2f} bits, steps {_multiplier_text(r)}, {seeds(r)}); against `{best['codec']}`: "
+            f"{_against(r, best)}." for r in lower)
+    missed = [r for r in result["table"] if r.get("missed_within")]
     return ("No codec reached the target within bf16's schedule. " + "; ".join(
-        f"`{r['codec']}` ({r['forward_bits']:.2f} + {r['backward_bits']:.2f} bits per value) missed it: its final "
-        f"loss is bf16's at 1/{r['multiplier_at_least']:.2f} of bf16's schedule, so it needs at least "
-        f"{r['multiplier_at_least']:.2f}x bf16's steps, and its T is at least "
-        f"{r['multiplier_at_least'] * r['s_per_step'] / base['s_per_step']:.2f}x bf16's"
-        for r in missed for base in [next(b for b in result['table'] if b['codec'] == 'bf16')]) + ".")
+        f"`{r['codec']}` ({r['forward_bits']:.2f} + {r['backward_bits']:.2f} bits per value) "
+        f"{score.missed_text(r['missed_within'], seeds=True)}" for r in missed) + ".")
+
+
+def provenance_text(result: dict) -> str:
+    """Where the page's measurements were made: the loss runs per (date, CPU), and the compute step."""
+    counts: dict[tuple[str, str], int] = {}
+    for curve in result["curves"].values():
+        where = curve.get("measured") or {"date": result["date"], "cpu": result["host"]["cpu"]}
+        counts[where["date"], where["cpu"]] = counts.get((where["date"], where["cpu"]), 0) + 1
+    compute = result.get("compute_measured") or {"date": result["date"], "cpu": result["host"]["cpu"]}
+    return ("Loss runs measured " + ", ".join(f"{n} on {date} ({cpu})" for (date, cpu), n in sorted(counts.items()))
+            + f"; the compute step, which sets the wire and every s/step, on {compute['date']} ({compute['cpu']}).")
 
 
 def _page_fields(result: dict, stem: str) -> dict:
@@ -458,18 +384,84 @@ def _page_fields(result: dict, stem: str) -> dict:
     return dict(
         loss_runs=LOSS_RUNS_TEXT[modes["loss_runs"]], timing=TIMING_TEXT[modes["timing"]],
         max_factor=f"{modes.get('max_factor', 4.0):g}",
-        longer=(f", for {', '.join(f'`{c}`' for c in modes['longer'])} only: the others that missed show a lower "
-                f"bound" if modes.get("longer") else ""),
+        longer=(f"; `--longer` applied them to {', '.join(f'`{c}`' for c in modes['longer'])} only: the other codecs "
+                f"that missed ran no longer schedule" if modes.get("longer") else ""),
         seeds=", ".join(sorted({str(s) for r in result["table"] for s in r["seeds"]})),
         not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}
                           and not runs.entropy_coded(c)) or "none",
         date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
-        reused=_reused_text(result.get("reused")),
+        reused=_reused_text(result), provenance=provenance_text(result),
+        parameters=f"{runs.SIZES[result['size']].parameters():,}",
+        parameters_m=f"{runs.SIZES[result['size']].parameters() / 1e6:.2f}M",
         target=f"{result['target']:.3f}", compute=f"{result['compute_s_per_step']:.3f}",
         rate=f"{link['rate_bps'] / 1e6:.4g}", latency=f"{1e3 * link['latency_s']:.2f}",
         iters=setup["iters"], eval_interval=setup["eval_interval"], eval_iters=setup["eval_iters"],
         micro_batches=setup["micro_batches"], table=table_markdown(result), projection=projection_markdown(result),
         splits=splits_markdown(result), schedule_check=check_markdown(result),
-        frontier=frontier_markdown(result), frontier_plot=f"data/{stem}_frontier.png",
-        frontier_best=_frontier_best(result), choices=choices_text(result),
+        frontier=frontier.markdown(result), frontier_plot=f"data/{stem}_frontier.png",
+        frontier_best=frontier.best_text(result), choices=choices_text(result),
         plot=f"data/{stem}.png", json=f"data/{stem}.json")
+
+
+def losses_from_page(data: dict) -> dict:
+    """A page JSON's curves as ``build`` takes them (``__main__.loss_results``' form): a run named ``emulated_*`` had
+    emulated boundaries, whose bytes are the codec's exact message bytes; a pipeline run's bytes are its curve's."""
+    size = runs.SIZES[data["size"]]
+    messages = (size.stages - 1) * size.micro_batches
+    losses = {}
+    for name, curve in data["curves"].items():
+        emulated = name.startswith("emulated_")
+        nbytes = (tuple(messages * n for n in runs.message_nbytes(curve["codec"], size)) if emulated
+                  else tuple(curve["bytes"]))
+        losses[name] = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
+                        "emulated": emulated, "validations": [tuple(v) for v in curve["validations"]],
+                        "bytes": nbytes, **({"choices": curve["choices"]} if curve.get("choices") else {}),
+                        **({"measured": curve["measured"]} if curve.get("measured") else {})}
+    return losses
+
+
+def render(data: dict) -> dict:
+    """The page's result again from its JSON (``data``), nothing run: its curves, target, compute step, wire, s/step
+    per codec, date and host as they are, the table, headline and projection by the rules of this module."""
+    steady = {r["codec"]: {"seconds": r["s_per_step"], "steady": r["steady"]} for r in data["table"]}
+    result = build(runs.SIZES[data["size"]], data["target"], data["compute_s_per_step"], runs.Link(**data["link"]),
+                   losses_from_page(data), steady, data["host"], data.get("modes"), date=data["date"],
+                   compute_measured=data.get("compute_measured"))
+    reused = {key: data["reused"][key] for key in ("page", "runs")} if data.get("reused") else None
+    return {**result, **({"reused": reused} if reused else {}), "rendered": datetime.date.today().isoformat()}
+
+
+def publish(result: dict, page: Path, module: str, argv: list[str]) -> None:
+    """``write_page``, then ``auto``'s row of ``measured.json`` from it (``benchmarks.measured``; its command:
+    ``python -m module argv``), saying what it wrote."""
+    import shlex
+
+    from .. import measured
+
+    write_page(result, page)
+    print(f"[speedrun] wrote {page}")
+    command = shlex.join(["python", "-m", module, *argv])
+    written = measured.write_beside(page, dict([measured.speedrun_row(result, command)]))
+    if written:
+        print(f"[speedrun] wrote {written}")
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speedrun.report",
+                                     description="Render the speedrun's page again from its JSON; nothing runs.")
+    parser.add_argument("--from-json", type=Path, required=True, help="a page's JSON (docs/data/speedrun.json)")
+    parser.add_argument("--write", type=Path, help="write the page here (its JSON and plots under docs/data/)")
+    args = parser.parse_args(argv)
+    result = render(json.loads(args.from_json.read_text()))
+    if args.write:
+        publish(result, args.write, "benchmarks.speedrun.report", sys.argv[1:] if argv is None else argv)
+    else:
+        print(headline_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -73,6 +73,9 @@ CODECS: dict[str, dict] = {
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
 
+VOCAB = 8192
+"""The compact vocabulary's size (``prepare_data``): 8190 most frequent GPT-2 ids, ``<unk>`` and end-of-document."""
+
 NEEDS_LINK = ("auto",)
 """Codecs whose loss runs must see the emulated link (their choice depends on it)."""
 
@@ -142,6 +145,16 @@ class Size:
                 "micro_batches": self.micro_batches, "iters": self.iters, "eval_interval": self.eval_interval,
                 "eval_iters": self.eval_iters}
 
+    def parameters(self, vocab: int = VOCAB, divisible_by: int = 128) -> int:
+        """The model's parameter count, as Megatron builds it from ``model_flags`` (local spec: LayerNorms and linear
+        layers with biases, learned absolute positions, a 4x MLP): the word embedding (``vocab`` padded to a multiple
+        of ``divisible_by``, Megatron's ``--make-vocab-size-divisible-by``), the positions, ``stages`` layers of
+        ``12 h^2 + 13 h``, the final LayerNorm and the untied output layer."""
+        padded = -(-vocab // divisible_by) * divisible_by
+        h = self.hidden
+        layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (4 * h * h + 4 * h) + (4 * h * h + h)
+        return padded * h + self.seq * h + self.stages * layer + 2 * h + padded * h
+
     @property
     def message_shape(self) -> tuple[int, int, int]:
         return (self.seq, self.micro_batch, self.hidden)
@@ -168,7 +181,7 @@ def prepare_data(out: Path, size: Size) -> tuple[Path, int]:
     """The shipped corpus tokenized with the speedrun's compact vocabulary under ``out/data`` (once): (prefix, vocab)."""
     from megatron_tah.data import prepare
 
-    prefix, vocab = out / "data" / "speedrun", 8192
+    prefix, vocab = out / "data" / "speedrun", VOCAB
     if not Path(f"{prefix}_valid_text_document.idx").is_file():
         max_tokens = None if size.name == "full" else 40_000
         prepare("shakespeare", prefix, vocab_limit=vocab, max_tokens=max_tokens)

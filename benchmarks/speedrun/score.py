@@ -13,6 +13,11 @@
 * **Intervals** (``mean_interval``, ``paired_ratio``): a two-sided 95% Student-t interval of the mean
   over seeds; a codec's steps multiplier is the mean of its per-seed ratios to bf16's steps with the
   same seed (same initialisation and data order), with that interval.
+* **A missed target** (``missed_bound``): a codec that did not reach the target within its longest
+  schedule of N steps needs more than N steps; against bf16's steps on the same seed that is a lower
+  bound on its multiplier, the smallest over the seeds that missed. Not a multiplier.
+* **Two codecs compared** (``compare``): the same-seed ratio A / B over their common seeds, with its
+  interval; "within noise" where the interval holds 1.
 """
 
 from __future__ import annotations
@@ -107,9 +112,57 @@ def mean_interval(values: Sequence[float]) -> Interval:
     return Interval(mean, mean - half, mean + half, len(values))
 
 
-def paired_ratio(codec_steps: Mapping[int, float], base_steps: Mapping[int, float]) -> Interval:
-    """Steps multiplier: per-seed ratios codec / base over the seeds both have, with their interval."""
+def paired_ratio(codec_steps: Mapping[int, float], base_steps: Mapping[int, float], scale: float = 1.0) -> Interval:
+    """Steps multiplier: per-seed ratios codec / base (times ``scale``) over the seeds both have, with their
+    interval."""
     seeds = sorted(set(codec_steps) & set(base_steps))
     if not seeds:
         raise ValueError(f"no common seed between {sorted(codec_steps)} and {sorted(base_steps)}")
-    return mean_interval([codec_steps[s] / base_steps[s] for s in seeds])
+    return mean_interval([codec_steps[s] / base_steps[s] * scale for s in seeds])
+
+
+def missed_bound(missed_within: Mapping, bf16_steps: Mapping) -> float | None:
+    """The lower bound on the steps multiplier of a codec that missed the target: ``missed_within[seed]`` (the
+    longest schedule it ran with that seed) over ``bf16_steps[seed]`` (bf16's steps to target on that seed and
+    schedule), the smallest over the seeds both have; None without one."""
+    bounds = [missed_within[s] / bf16_steps[s] for s in missed_within if bf16_steps.get(s)]
+    return min(bounds) if bounds else None
+
+
+def missed_text(missed_within: Mapping, seeds: bool = False) -> str:
+    """``missed within 500 steps``: a row that missed, by the longest schedule each seed that missed ran
+    (``missed_within``: {seed: steps}); ``seeds``: ``missed within 500 steps (seeds 1, 2) and 740 steps (seed 3)``."""
+    by_steps: dict[int, list[str]] = {}
+    for seed, steps in missed_within.items():
+        by_steps.setdefault(steps, []).append(str(seed))
+    if not seeds:
+        return "missed within " + "/".join(str(n) for n in sorted(by_steps)) + " steps"
+    return "missed within " + " and ".join(f"{n} steps ({'seed' if len(s) == 1 else 'seeds'} {', '.join(s)})"
+                                           for n, s in sorted(by_steps.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Codec A against codec B: ``ratio`` is the mean over their common seeds of the same-seed ratio A / B (times a
+    common scale), with its interval."""
+
+    ratio: Interval
+
+    @property
+    def verdict(self) -> str:
+        """"within noise" (the interval holds 1), "lower" or "higher" (it does not), "one seed" (no interval)."""
+        if self.ratio.n < 2:
+            return "one seed"
+        if self.ratio.low <= 1.0 <= self.ratio.high:
+            return "within noise"
+        return "lower" if self.ratio.high < 1.0 else "higher"
+
+    def text(self, digits: int = 2) -> str:
+        """``0.97x [0.80, 1.15], within noise``; ``0.97x (one seed)``."""
+        return self.ratio.text(digits, "x") + ("" if self.ratio.n < 2 else f", {self.verdict}")
+
+
+def compare(a: Mapping[int, float], b: Mapping[int, float], scale: float = 1.0) -> Comparison:
+    """A against B over the seeds both have: per seed ``a[seed] / b[seed] * scale`` (steps multipliers: the steps
+    ratio; with ``scale`` the s/step ratio A / B: the ratio of T), the mean with its Student-t interval."""
+    return Comparison(paired_ratio(a, b, scale))
