@@ -35,7 +35,7 @@ Weight layout (megatron-core 0.19, local spec): ``linear_qkv`` holds, for each q
 Why a mapping of our own: NVIDIA's ``megatron-bridge`` 0.6.2 does not install on a CPU machine (its
 dependencies build ``fast-hadamard-transform`` against CUDA torch) nor import without Transformer Engine,
 and ``mbridge`` 0.15.1 gives transformers' logits only after six run-time patches for megatron-core 0.19 and
-transformers 5 (measured 2026-11-28, docs/REAL_MODEL.md). Where a bridge runs (a GPU image with
+transformers 5 (tried 2026-11-28). Where a bridge runs (a GPU image with
 Transformer Engine), its checkpoints and these are both megatron-core ``torch_dist`` checkpoints of the same
 model: either loads where the other was written, as long as the layer names agree.
 """

@@ -75,6 +75,30 @@ def test_bits_are_the_codecs_exact_wire_bytes_at_the_reference_shape():
     assert report.bits("bf16", report.REFERENCE_SHAPE) == pytest.approx((16.0, 16.0), abs=0.001)
 
 
+def _table_row(codec, multiplier, verdict, projected, bits=(4.0, 4.0)):
+    interval = {} if multiplier is None else {"multiplier_low": multiplier - 0.1, "multiplier_high": multiplier + 0.1}
+    return {"codec": codec, "multiplier": multiplier, "missed_within": None if multiplier else 100,
+            "damage_verdict": verdict, "projected_T": projected, "forward_bits": bits[0], "backward_bits": bits[1],
+            "damage_vs_bf16": 0.001, "damage_vs_bf16_low": -0.002, "damage_vs_bf16_high": 0.004, **interval}
+
+
+def test_the_recommended_codec_reached_the_target_without_more_damage_at_the_lowest_projected_t():
+    table = [_table_row("bf16", 1.0, "–", 300_000.0, (16, 16)),
+             _table_row("fast_but_damaging", 1.0, "more damage than bf16's fine-tune", 50_000.0),
+             _table_row("missed", None, "within noise", None, (3, 3)),
+             _table_row("slow", 1.2, "within noise", 120_000.0),
+             _table_row("best", 1.1, "less damage than bf16's fine-tune", 100_000.0)]
+    assert report.recommended({"table": table}) == "best"
+    assert report.recommended({"table": table[:3]}) is None
+    text = report.frontier_text({"table": table})
+    assert text.index("`missed` 6.00 bits: missed within 100 steps") < text.index("`best` 8.00 bits: 1.10x")
+    assert text.endswith("`best`.")
+    readme = report.readme_table({"table": table})
+    assert "| [bf16 (uncompressed)](docs/REAL_MODEL.md) | 16.00 + 16.00 | 1 | – | 300,000 |" in readme
+    assert "| [`missed`](docs/REAL_MODEL.md) | 3.00 + 3.00 | missed within 100 steps | +0.10% [-0.20%, +0.40%] " \
+           "(within noise) | – |" in readme
+
+
 @pytest.mark.distributed
 def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
     pytest.importorskip("transformers")

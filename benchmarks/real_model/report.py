@@ -199,6 +199,47 @@ def table_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def recommended(result: dict) -> str | None:
+    """The codec the real model supports: of those whose every seed reached the target without more damage than
+    bf16's fine-tune, the one with the lowest projected T (None: none did)."""
+    fits = [r for r in result["table"] if r["codec"] != "bf16" and r["multiplier"] is not None
+            and r["damage_verdict"] != "more damage than bf16's fine-tune" and r["projected_T"] is not None]
+    return min(fits, key=lambda r: r["projected_T"])["codec"] if fits else None
+
+
+def frontier_text(result: dict) -> str:
+    """The codecs by bits both ways at the reference shape, each with its steps, and the best point."""
+    rows = sorted((r for r in result["table"] if r["codec"] != "bf16"),
+                  key=lambda r: r["forward_bits"] + r["backward_bits"])
+    parts = [f"`{r['codec']}` {r['forward_bits'] + r['backward_bits']:.2f} bits: "
+             + (f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))
+             for r in rows]
+    best = recommended(result)
+    verdict = (f"The point with the lowest projected T among those that reached the target without more damage than "
+               f"bf16's fine-tune: `{best}`." if best else "No codec reached the target without more damage than "
+               "bf16's fine-tune.")
+    return ("Bits per value forward + backward at [1024, 8, 1024], fewest first, and the steps each needed against "
+            "bf16's: " + "; ".join(parts) + ". " + verdict)
+
+
+def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
+    """The README's summary of ``result``: per codec its bits, steps vs bf16, damage vs bf16's fine-tune and
+    projected T, each codec linked to the page that measured it (``test_readme_claims`` compares the two)."""
+    lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps to target vs bf16 (95% interval) | "
+             "damage vs bf16's fine-tune | projected T (s) |", "|---|---:|---|---|---:|"]
+    for r in result["table"]:
+        name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
+        steps = "1" if r["codec"] == "bf16" else (
+            f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))
+        damage = "–" if r["codec"] == "bf16" else (
+            _interval(r["damage_vs_bf16"], r["damage_vs_bf16_low"], r["damage_vs_bf16_high"], percent=True)
+            + f" ({r['damage_verdict']})")
+        projected = "–" if r["projected_T"] is None else f"{r['projected_T']:,.0f}"
+        lines.append(f"| [{name}]({page}) | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {steps} | {damage} | "
+                     f"{projected} |")
+    return "\n".join(lines)
+
+
 def pipeline_text(result: dict) -> str:
     check = result.get("pipeline")
     if not check:
@@ -251,7 +292,7 @@ def write_page(result: dict, page: Path) -> None:
     untouched = result["untouched"] or {}
     template = (Path(__file__).parent / "page.md").read_text()
     page.write_text(template.format(
-        date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"], json=f"data/{stem}.json",
+        date=result["date"], size=result["size"], size_note=runs.SIZES[result["size"]].note, cpu=result["host"]["cpu"], cores=result["host"]["cores"], json=f"data/{stem}.json",
         plot=f"data/{stem}.png", model=result["model"], target=f"{result['target']:.3f}",
         boundaries=", ".join(map(str, result["boundaries"])), stages=setup["stages"], seq=setup["seq"],
         micro_batches=setup["micro_batches"], tokens=setup["seq"] * setup["micro_batch"] * setup["micro_batches"],
@@ -264,4 +305,5 @@ def write_page(result: dict, page: Path) -> None:
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
-        bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result)))
+        bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result),
+        frontier=frontier_text(result)))

@@ -60,6 +60,8 @@ class Size:
 
     name: str
     model: str = "smollm2"
+    note: str = ""
+    """What the size is for, on the page."""
     seq: int = 256
     micro_batch: int = 1
     micro_batches: int = 4
@@ -75,7 +77,7 @@ class Size:
     """A codec's run stops at the target, or at ``max_factor * iters`` steps (then: missed within that)."""
 
     def setup(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "note")}
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,12 +95,13 @@ class Size:
 
 
 SIZES = {
-    "full": Size("full"),
-    # One 2-core session: half the tokens per step and half the schedule (bf16's curve still falls at its end).
-    "short": Size("short", seq=128, iters=50),
+    "full": Size("full", note="1,024 tokens per step, a 100-step schedule"),
+    "short": Size("short", seq=128, iters=50, note="half the full size's tokens per step and half its schedule, so "
+                  "that the study fits one working session on 2 cores"),
     # CI: the same machinery and rules on a random 4-layer model, 2 stages, a few steps.
-    "tiny": Size("tiny", model="tiny", seq=32, micro_batches=2, iters=12, eval_interval=3, eval_iters=1,
-                 damage_eval_iters=2, lr=3e-3, warmup=2, stages=2, max_factor=1.5),
+    "tiny": Size("tiny", model="tiny", note="the machinery's test on a random model", seq=32, micro_batches=2,
+                 iters=12, eval_interval=3, eval_iters=1, damage_eval_iters=2, lr=3e-3, warmup=2, stages=2,
+                 max_factor=1.5),
 }
 
 
