@@ -207,6 +207,20 @@ def recommended(result: dict) -> str | None:
     return min(fits, key=lambda r: r["projected_T"])["codec"] if fits else None
 
 
+def bf16_fall_text(result: dict) -> str:
+    """How much each bf16 seed's validation loss still fell over the two evaluation intervals before the target's
+    step (the schedule's 92%)."""
+    setup = result["setup"]
+    end = max(i for i in range(0, setup["iters"] + 1, setup["eval_interval"]) if i <= 0.92 * setup["iters"])
+    start = end - 2 * setup["eval_interval"]
+    falls = []
+    for curve in result["curves"].values():
+        if curve["codec"] == "bf16":
+            at = dict(curve["validations"])
+            falls.append(f"{at[start] - at[end]:+.3f}")
+    return f"bf16's validation loss fell by {', '.join(falls)} from step {start} to step {end}, per seed"
+
+
 def frontier_text(result: dict) -> str:
     """The codecs by bits both ways at the reference shape, each with its steps, and the best point."""
     rows = sorted((r for r in result["table"] if r["codec"] != "bf16"),
@@ -292,7 +306,8 @@ def write_page(result: dict, page: Path) -> None:
     untouched = result["untouched"] or {}
     template = (Path(__file__).parent / "page.md").read_text()
     page.write_text(template.format(
-        date=result["date"], size=result["size"], size_note=runs.SIZES[result["size"]].note, cpu=result["host"]["cpu"], cores=result["host"]["cores"], json=f"data/{stem}.json",
+        date=result["date"], size=result["size"], size_note=runs.SIZES[result["size"]].note, cpu=result["host"]["cpu"],
+        cores=result["host"]["cores"], json=f"data/{stem}.json",
         plot=f"data/{stem}.png", model=result["model"], target=f"{result['target']:.3f}",
         boundaries=", ".join(map(str, result["boundaries"])), stages=setup["stages"], seq=setup["seq"],
         micro_batches=setup["micro_batches"], tokens=setup["seq"] * setup["micro_batch"] * setup["micro_batches"],
@@ -306,4 +321,4 @@ def write_page(result: dict, page: Path) -> None:
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
         bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result),
-        frontier=frontier_text(result)))
+        frontier=frontier_text(result), bf16_fall=bf16_fall_text(result)))
