@@ -52,7 +52,8 @@ class _RoundTrip(torch.autograd.Function):
 class Boundaries:
     """Boundaries after ``layers`` (1-based layer numbers) with the forward codec of ``TahConfig(**forward)``
     and the backward codec of ``TahConfig(**backward)``; ``per_boundary`` {layer: TahConfig fields} overrides
-    the forward codec at single boundaries; the first ``warmup_iters`` training iterations (Megatron's
+    the forward codec at single boundaries (``tah_boundary_bits`` in a config: each boundary's bits, as on
+    the pipeline's links); the first ``warmup_iters`` training iterations (Megatron's
     ``args.curr_iteration``) send uncompressed, as ``--tah-warmup-iters`` does."""
 
     def __init__(self, layers, forward: dict, backward: dict, log: str | Path | None = None, sample_every: int = 10,
@@ -74,7 +75,9 @@ class Boundaries:
         if key not in self.codecs:
             config = self.per_boundary.get(layer, self.configs[direction]) if direction == "forward" \
                 else self.configs[direction]
-            codec = config.forward_codec() if direction == "forward" else config.backward_codec()
+            cuts = sorted(self.layers)  # boundary i of len(cuts): --tah-boundary-bits' entry, as on a pipeline link
+            codec = config.forward_codec(cuts.index(layer), len(cuts)) if direction == "forward" \
+                else config.backward_codec()
             self.codecs[key] = codec.salt_rounding(f"{direction}:{layer}")  # as a pipeline's link ends: own noise
         return self.codecs[key]
 

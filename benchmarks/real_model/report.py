@@ -26,20 +26,21 @@ import torch
 
 from ..reproduce.runner import read_log, read_meta
 from ..speedrun import projection, score
-from ..speedrun.runs import CODECS
+from ..speedrun.runs import CODECS, forward_codecs
 from . import runs
 
 REFERENCE_SHAPE = (1024, 8, 1024)  # the bits every page quotes: the ProtocolNanoGPT message
 
 
-def bits(codec: str, shape) -> tuple[float, float]:
-    """(forward, backward) wire bits per value of one bf16 message of ``shape`` (headers included)."""
+def bits(codec: str, shape, stages: int = 8) -> tuple[float, float]:
+    """(forward, backward) wire bits per value of one bf16 message of ``shape`` (headers included); forward with
+    per-boundary bits: the mean over the ``stages - 1`` boundaries."""
     from megatron_tah.config import TahConfig
 
     config = TahConfig(**CODECS[codec])
     values = shape[0] * shape[1] * shape[2]
-    return tuple(8 * c.wire_nbytes(shape, torch.bfloat16) / values
-                 for c in (config.forward_codec(), config.backward_codec()))
+    forward = [8 * c.wire_nbytes(shape, torch.bfloat16) / values for c in forward_codecs(config, stages)]
+    return sum(forward) / len(forward), 8 * config.backward_codec().wire_nbytes(shape, torch.bfloat16) / values
 
 
 def _paired(values: dict[int, float], base: dict[int, float], relative: bool = False) -> score.Interval | None:
@@ -91,8 +92,8 @@ def build(size: runs.Size, target: float, codecs: list[str], seeds: list[int], o
             longest[seed] = curves[name]["validations"][-1][0] if curves[name]["validations"] else 0
             e = evals[f"eval_{name}"]
             damage[seed], accuracy[seed], valid[seed] = e["damage_loss"], e["damage_accuracy"], e["valid_loss"]
-        fwd, bwd = bits(codec, REFERENCE_SHAPE)
-        sfwd, sbwd = bits(codec, (size.seq, size.micro_batch, _hidden(out)))
+        fwd, bwd = bits(codec, REFERENCE_SHAPE, size.stages)
+        sfwd, sbwd = bits(codec, (size.seq, size.micro_batch, _hidden(out)), size.stages)
         row = {"codec": codec, "seeds": seeds, "forward_bits": fwd, "backward_bits": bwd,
                "study_forward_bits": sfwd, "study_backward_bits": sbwd,
                "steps_by_seed": {str(s): steps[s] for s in seeds},

@@ -27,7 +27,7 @@ from megatron_tah.config import TahConfig
 
 from . import simulate
 from .runs import CODECS as RUN_CODECS
-from .runs import NEEDS_LINK, entropy_coded
+from .runs import NEEDS_LINK, busiest_nbytes, entropy_coded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASUREMENTS = ROOT / "docs" / "benchmarks" / "nvidia-h100-80gb-hbm3.json"
@@ -143,7 +143,7 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
     for name, fields in codecs.items():
         cfg = TahConfig(**fields)
         fwd_codec, bwd_codec = cfg.forward_codec(), cfg.backward_codec()
-        fwd_bytes = fwd_codec.wire_nbytes(shape, torch.bfloat16)
+        fwd_bytes = busiest_nbytes(cfg, shape, SETUP.stages)  # per-boundary bits: the link that sets the pace
         bwd_bytes = bwd_codec.wire_nbytes(shape, torch.bfloat16)
         if byte_scale and name in byte_scale:
             fwd_bytes, bwd_bytes = (round(n * f) for n, f in zip((fwd_bytes, bwd_bytes), byte_scale[name]))

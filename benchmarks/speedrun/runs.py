@@ -69,6 +69,14 @@ CODECS: dict[str, dict] = {
     **{f"lowrank_g{bits}": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
                             "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "channel",
                             "tah_backward_bits": bits, "tah_backward_stochastic_rounding": True} for bits in (3, 2)},
+    # channel_h4's activations with per-channel 3-bit stochastically rounded gradients: 6.02 + 3.00 bits at
+    # [1024, 8, 1024] (per direction: a real model's gradients err below the batch-to-batch noise at 3 bits,
+    # docs/REAL_MODEL.md)
+    "channel_h4_g3": {**PRESETS["channel_h4"], "tah_backward_codec": "channel", "tah_backward_bits": 3,
+                      "tah_backward_tile_size": 32},
+    # channel5_h4 with 6 bits at the two boundaries that cost SmolLM2-135M most at 5 bits (after layers 3 and 23
+    # of 30, the first and sixth of depth 8's seven; python -m benchmarks.real_model.sensitivity): 5.31 + 4.25 bits
+    "channel_b_h4": {**PRESETS["channel_h4"], "tah_boundary_bits": "6,5,5,5,5,6,5"},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
@@ -106,9 +114,24 @@ def codec_flags(codec: str) -> list[str]:
     return flags
 
 
+def forward_codecs(config, stages: int) -> list:
+    """The forward codec of each of the ``stages - 1`` boundaries of a pipeline of ``stages`` (one and the same
+    unless ``--tah-boundary-bits`` gives each its bits)."""
+    return [config.forward_codec(i, stages - 1) for i in range(max(stages - 1, 1))] if config.boundary_bits() \
+        else [config.forward_codec()]
+
+
+def busiest_nbytes(config, shape, stages: int) -> int:
+    """Wire bytes of the largest forward message of a bf16 ``shape`` among the pipeline's boundaries: the link
+    that sets the pipeline's pace when every link has the same rate (per-boundary bits differ per link)."""
+    import torch
+
+    return max(c.wire_nbytes(shape, torch.bfloat16) for c in forward_codecs(config, stages))
+
+
 def message_nbytes(codec: str, size: "Size") -> tuple[int, int]:
     """Wire bytes of one message of ``size`` (one micro-batch's activations at a boundary), (forward, backward):
-    the codecs' own ``wire_nbytes`` for a bf16 message."""
+    the codecs' own ``wire_nbytes`` for a bf16 message (forward: the busiest boundary's, ``busiest_nbytes``)."""
     import torch
 
     from megatron_tah.config import TahConfig
@@ -118,7 +141,7 @@ def message_nbytes(codec: str, size: "Size") -> tuple[int, int]:
     if entropy_coded(codec):
         raise ValueError(f"{codec}'s messages are entropy-coded: their bytes are measured, not known")
     config = TahConfig(**CODECS[codec])
-    return (config.forward_codec().wire_nbytes(size.message_shape, torch.bfloat16),
+    return (busiest_nbytes(config, size.message_shape, size.stages),
             config.backward_codec().wire_nbytes(size.message_shape, torch.bfloat16))
 
 

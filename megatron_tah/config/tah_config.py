@@ -151,6 +151,9 @@ class TahConfig:
     tah_backward_stochastic_rounding: bool = False
     """Round stochastically in the backward codec only (lowrank: its residual): unbiased activation gradients."""
 
+    tah_boundary_bits: str | None = None
+    """Bits of the forward codec per pipeline boundary, first to last (comma list, e.g. 6,5,5,5,5,6,5), in place of --tah-forward-bits: boundary i of the p - 1 between p stages (stage i sends to stage i + 1) uses entry floor(i * n / (p - 1)) of these n. Spends bits where a model needs them (a real model's per-boundary costs: python -m benchmarks.real_model.sensitivity, docs/REAL_MODEL.md). Needs a forward codec that takes bits (not auto) and the 1F1B schedule (not interleaved). Both stages of a link must agree."""
+
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
 
@@ -296,6 +299,7 @@ class TahConfig:
             except CodecError as err:
                 name = getattr(self, f"tah_{role}_codec")
                 raise ValueError(f"tah_{role}_codec = {name!r}: {err}") from None
+        self._check_boundary_bits()
         if any(not 2 <= b <= 8 for b in self.laaq_bits()):
             raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: every entry must lie in [2, 8]")
 
@@ -385,13 +389,54 @@ class TahConfig:
         """The candidate auto links start with, before their first measurement (``AutoSettings.start``)."""
         return self.auto_settings().start()
 
-    def forward_codec(self) -> Codec:
+    def forward_codec(self, boundary: int | None = None, boundaries: int | None = None) -> Codec:
         """A new codec object for activations (one per link end: aqsgd keeps state); auto: the codec
-        its links start with (``auto_start``)."""
+        its links start with (``auto_start``). ``boundary`` of ``boundaries`` (0-based; the link from stage
+        ``boundary`` to the next of a pipeline with ``boundaries + 1`` stages): its bits (``forward_bits``)."""
         if self.is_auto("forward"):
             return self.auto_candidate_codec(self.auto_start(), "forward")
-        return self.build_codec(self.tah_forward_codec, self.tah_forward_bits, self.tah_tile_size,
+        return self.build_codec(self.tah_forward_codec, self.forward_bits(boundary, boundaries), self.tah_tile_size,
                                 checksum=self.tah_wire_checksum)
+
+    def boundary_bits(self) -> tuple[int, ...]:
+        """``tah_boundary_bits`` as integers (() when not set; ValueError naming the flag when it does not parse)."""
+        if self.tah_boundary_bits is None:
+            return ()
+        try:
+            bits = tuple(int(part) for part in str(self.tah_boundary_bits).split(","))
+        except ValueError:
+            bits = ()
+        if not bits:
+            raise ValueError(f"tah_boundary_bits = {self.tah_boundary_bits!r}: give comma-separated integers, one "
+                             "per pipeline boundary, e.g. 6,5,5,5,5,6,5")
+        return bits
+
+    def forward_bits(self, boundary: int | None = None, boundaries: int | None = None) -> int:
+        """The forward codec's bits at ``boundary`` of ``boundaries``: entry ``floor(boundary * n / boundaries)``
+        of ``tah_boundary_bits`` when set (``boundary`` None: ``tah_forward_bits``, what a message outside a
+        pipeline's links would use), else ``tah_forward_bits``."""
+        entries = self.boundary_bits()
+        if not entries or boundary is None:
+            return self.tah_forward_bits
+        if boundaries is None or not 0 <= boundary < boundaries:
+            raise ValueError(f"tah_boundary_bits: boundary {boundary} of {boundaries}: a link between neighbouring "
+                             "stages of a pipeline that does not wrap (the 1F1B schedule, not interleaved)")
+        return entries[boundary * len(entries) // boundaries]
+
+    def _check_boundary_bits(self) -> None:
+        entries = self.boundary_bits()
+        if not entries:
+            return
+        name = self.tah_forward_codec
+        if self.is_auto("forward") or name == "none" or "bits" not in codec_declaration(name).takes:
+            raise ValueError(f"tah_boundary_bits with tah_forward_codec = {name!r}: per-boundary bits need a forward "
+                             "codec that takes bits (" + ", ".join(n for n in forward_codecs()
+                                                                    if "bits" in codec_declaration(n).takes) + ")")
+        for b in sorted(set(entries)):
+            try:
+                self.build_codec(name, b, self.tah_tile_size)
+            except CodecError as err:
+                raise ValueError(f"tah_boundary_bits = {self.tah_boundary_bits!r}: entry {b}: {err}") from None
 
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients (auto: as ``forward_codec``)."""

@@ -6,7 +6,7 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
 what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
-``--tah-wire-checksum``); a direction set to ``auto`` is recorded as its candidates' names and digests
+``--tah-wire-checksum``) and, forward, ``--tah-boundary-bits``; a direction set to ``auto`` is recorded as its candidates' names and digests
 (both ends must hold the same decoders and carry the announcement trailer, ``wire.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule (the caller says how
 many virtual stages there are: the link reads nothing of Megatron).
@@ -43,6 +43,7 @@ def config_record(cfg: TahConfig) -> dict:
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
                        "both": ", evaluations through the codec and uncompressed"}[evals],
                       ", payload checksum" if checksum else "", ", entropy-coded" if coded else ""])
+    per_boundary = cfg.boundary_bits()
     record = {}
     for direction in ("forward", "backward"):
         if cfg.is_auto(direction):
@@ -52,6 +53,9 @@ def config_record(cfg: TahConfig) -> dict:
         else:
             codec = cfg.forward_codec() if direction == "forward" else cfg.backward_codec()
             digest, text = codec.config_digest(), codec.describe()
+            if direction == "forward" and per_boundary:  # each link's bits follow from the list: both ends hold it
+                digest = crc32_of(f"{digest}/boundary_bits={','.join(map(str, per_boundary))}")
+                text += f", bits per boundary {','.join(map(str, per_boundary))}"
         record[direction] = [crc32_of(f"{digest}{modes}") if modes else digest, text + suffix]
     return record
 

@@ -60,16 +60,17 @@ class Link:
 
 def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
               graphs, graph_log: set[str], trailer: bool, reply: Callable[[], Link],
-              latency: dict[int, float]) -> Link:
+              latency: dict[int, float], boundary: tuple[int, int] | None = None) -> Link:
     """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
-    otherwise the configured codec, salted for its own rounding noise and placed in CUDA graphs as
+    otherwise the configured codec -- a forward link's at its ``boundary`` (boundary, boundaries) with
+    ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
     ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
     trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s)."""
     if config.is_auto(direction):
         auto = AutoEnd(config, direction, role, peer, depth=depth() or 1)
         link = Link(direction, role, peer, auto.codec, auto=auto)
     else:
-        codec = config.forward_codec() if direction == "forward" else config.backward_codec()
+        codec = config.forward_codec(*(boundary or ())) if direction == "forward" else config.backward_codec()
         codec.salt_rounding(link_salt(direction, role, peer))  # each sender its own rounding noise
         # Only used after check_group compared the link's configs: headers are checked on the device.
         link = Link(direction, role, peer, place_codec(codec, config.tah_eager_codecs, graphs, graph_log))

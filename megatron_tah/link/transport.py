@@ -105,13 +105,15 @@ class PipelineTransport:
     ``iteration()``: the current training iteration, the same on every stage (None: unknown, e.g.
     outside a training loop; the warm-up and auto need it). ``virtual_stages()``: the interleaved
     schedule's virtual stages (None: not interleaved). ``depth()``: the pipeline's stages (auto's steps
-    multipliers; None: 1)."""
+    multipliers; None: 1). ``stage()``: this rank's pipeline stage (``--tah-boundary-bits``: a forward link's
+    boundary)."""
 
     def __init__(self, config: TahConfig, stats, iteration: Callable[[], int | None] = _unknown,
-                 virtual_stages: Callable[[], int | None] = _unknown, depth: Callable[[], int | None] = _unknown):
+                 virtual_stages: Callable[[], int | None] = _unknown, depth: Callable[[], int | None] = _unknown,
+                 stage: Callable[[], int | None] = _unknown):
         self.config = config
         self.stats = stats
-        self.iteration, self.virtual_stages, self.depth = iteration, virtual_stages, depth
+        self.iteration, self.virtual_stages, self.depth, self.stage = iteration, virtual_stages, depth, stage
         bandwidth, latency = config.emulated_bandwidth_bps, config.tah_emulate_latency_ms / 1e3
         self.emulator = self.inbound = None
         if bandwidth is not None and config.tah_emulate_wire == "inbound":
@@ -147,8 +149,26 @@ class PipelineTransport:
             other = "backward" if direction == "forward" else "forward"
             self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
                                         graph_log=self.graph_log, trailer=self.trailer_nbytes > 0,
-                                        reply=lambda: self.link(other, "send", peer), latency=self.latency)
+                                        reply=lambda: self.link(other, "send", peer), latency=self.latency,
+                                        boundary=self.boundary(direction, role))
         return self.links[key]
+
+    def boundary(self, direction: str, role: str) -> tuple[int, int] | None:
+        """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` when the forward codec's bits
+        are per boundary (``--tah-boundary-bits``): a forward send leaves boundary ``stage``, a receive comes
+        through ``stage - 1``; None otherwise. ``ValueError`` when the stage or depth is unknown or the link wraps
+        around the pipeline (the interleaved schedule)."""
+        if direction != "forward" or not self.config.boundary_bits():
+            return None
+        stage, depth = self.stage(), self.depth()
+        if stage is None or depth is None:
+            raise ValueError("megatron_tah: --tah-boundary-bits needs the pipeline's stage and depth (Megatron's "
+                             "parallel state is not initialised)")
+        boundary = stage if role == "send" else stage - 1
+        if not 0 <= boundary < depth - 1:
+            raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations "
+                             "around the pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
+        return boundary, depth - 1
 
     def training_iteration(self) -> int:
         """``iteration()``, which the warm-up and auto need: both ends of a link switch together."""

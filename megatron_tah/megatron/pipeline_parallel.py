@@ -72,6 +72,27 @@ def pipeline_depth() -> int | None:
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
+def pipeline_stage() -> int | None:
+    """This rank's pipeline stage (None: not initialised): a forward link's boundary (``--tah-boundary-bits``)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def check_args(config: TahConfig, args=None) -> None:
+    """Megatron's arguments against the pipeline's options: ``check_ring_exchange``; ``--tah-boundary-bits``
+    with the interleaved schedule (``--num-layers-per-virtual-pipeline-stage`` / ``--num-virtual-stages-per-
+    pipeline-rank``), whose links wrap around the pipeline, is a ``ValueError`` naming both."""
+    args = _megatron_args() if args is None else args
+    check_ring_exchange(config, args)
+    interleaved = any(getattr(args, name, None) for name in ("virtual_pipeline_model_parallel_size",
+                                                               "num_layers_per_virtual_pipeline_stage",
+                                                               "num_virtual_stages_per_pipeline_rank"))
+    if config.boundary_bits() and interleaved:
+        raise ValueError("megatron_tah: --tah-boundary-bits sets bits per boundary between neighbouring stages; the "
+                         "interleaved schedule (virtual pipeline stages) sends around the pipeline's end: drop one")
+
+
 def check_ring_exchange(config: TahConfig, args=None) -> None:
     """Raise ``ValueError`` when Megatron sends pipeline traffic by ring exchange (``--use-ring-exchange-p2p``,
     which bypasses the two transports) while a pipeline direction has a codec other than ``none``."""
@@ -89,7 +110,9 @@ def check_ring_exchange(config: TahConfig, args=None) -> None:
 
 def startup(config: TahConfig, args) -> list[str]:
     """The start-up line: the codecs of activations and of their gradients."""
-    return [f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}, "
+    per_boundary = config.boundary_bits()
+    bits = f" (bits per boundary {','.join(map(str, per_boundary))})" if per_boundary else ""
+    return [f"> megatron_tah: pipeline activations via {config.forward_codec().describe()}{bits}, "
             f"activation gradients via {config.backward_codec().describe()}"]
 
 
@@ -110,9 +133,9 @@ def _replacing(transport: PipelineTransport, name: str):
 def install(place) -> None:
     """Replace megatron-core's two pipeline transports by a new ``PipelineTransport``'s."""
     check_installed()  # the transports' contract, before anything is replaced
-    check_ring_exchange(place.config)
+    check_args(place.config)
     transport = PipelineTransport(place.config, place.stats, iteration=megatron_iteration,
-                                  virtual_stages=virtual_stages, depth=pipeline_depth)
+                                  virtual_stages=virtual_stages, depth=pipeline_depth, stage=pipeline_stage)
     place.transport = transport
     for name in TRANSPORTS:
         place.patches.wrap(P2P_MODULE, name, _replacing(transport, name))
@@ -131,7 +154,7 @@ def uninstall(place) -> None:
 PLACE = PlaceSpec(
     name=NAME, option=None, install=install, uninstall=uninstall,
     streams=(Stream("forward", NAME, "forward", "fwd"), Stream("backward", NAME, "backward", "bwd")),
-    check_args=check_ring_exchange, startup=startup,
+    check_args=check_args, startup=startup,
 )
 
 
