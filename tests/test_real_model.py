@@ -126,3 +126,30 @@ def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
     assert len(check["iterations"]) >= 3 and check["max_abs_diff"] < 0.1
     text = page.read_text()
     assert "| paper | 4.43 + 7.00 |" in text and "layers 2 (Megatron" in text
+
+
+def test_the_sensitivity_probe_measures_each_boundary_and_the_gradients_on_a_random_llama(tmp_path):
+    """``benchmarks.real_model.sensitivity`` on the tiny random Llama at depth 4 (boundaries after layers 1, 2,
+    3): 8 bits cost less than 2 at every boundary, alone and together; 3-bit gradients err more than 6-bit
+    ones, and both less than nothing (> 0); two batches' exact gradients differ."""
+    import transformers
+
+    from benchmarks.real_model.sensitivity import measure
+
+    runs.make_tiny_llama(tmp_path / "tiny")
+
+    def load():
+        return (transformers.AutoTokenizer.from_pretrained(tmp_path / "tiny"),
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny"))
+
+    result = measure({"tah_forward_codec": "channel"}, {"tah_backward_codec": "channel",
+                                                        "tah_backward_stochastic_rounding": True},
+                     [2, 8], [3, 6], stages=4, seq=32, batches=3, load=load)
+    assert result["boundaries"] == [1, 2, 3]
+    gap = {(r["bits"], r["boundary"]): r["gap"] for r in result["forward"]}
+    assert set(gap) == {(b, k) for b in (2, 8) for k in (1, 2, 3, "all")}
+    for k in (1, 2, 3, "all"):
+        assert abs(gap[(8, k)]) < abs(gap[(2, k)]), (k, gap)
+    errors = {r["bits"]: r["rel_error"] for r in result["backward"]}
+    assert 0 < errors[6] < errors[3]
+    assert result["between_batches"]["rel_error"] > 0

@@ -322,4 +322,15 @@ def write_page(result: dict, page: Path) -> None:
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
         bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result),
-        frontier=frontier_text(result), bf16_fall=bf16_fall_text(result)))
+        frontier=frontier_text(result), bf16_fall=bf16_fall_text(result),
+        sensitivity_json=f"data/{stem}_sensitivity.json", sensitivity=sensitivity_text(data / f"{stem}_sensitivity.json")))
+
+
+def sensitivity_text(path: Path) -> str:
+    """The section from the sensitivity probe's JSON (``sensitivity.save``) at ``path``, or how to make it."""
+    from .sensitivity import costliest, markdown
+
+    if not Path(path).is_file():
+        return "Not measured for this page (`python -m benchmarks.real_model.sensitivity --out ...` measures it)."
+    results = json.loads(Path(path).read_text())["runs"]
+    return markdown(results) + "\n\n" + costliest(results)

@@ -1,6 +1,6 @@
 """Where a real model needs bits: each pipeline boundary's cost measured alone, on the pretrained model.
 
-    python -m benchmarks.real_model.sensitivity --out runs/sensitivity.json   # SmolLM2-135M, depth 8 (minutes)
+    python -m benchmarks.real_model.sensitivity --out docs/data/real_model_sensitivity.json  # SmolLM2-135M, depth 8
 
 No training: the pretrained model (``benchmarks.real_activations``' SmolLM2-135M, fp32, through
 ``transformers``) reads ``batches`` x ``seq`` tokens of the shipped Shakespeare corpus (the study's micro-batch:
@@ -10,9 +10,10 @@ which a pipeline of ``stages`` splits it (``runs.boundaries``) the hidden state 
 * **forward**: the loss increase when only boundary ``k``'s activations go through the forward codec at ``b``
   bits (all others exact), and when all boundaries do: the one-at-a-time gap that per-boundary bit widths
   (``--tah-boundary-bits``) are chosen from;
-* **backward**: the relative error of the whole model's parameter gradient when every boundary's activation
-  gradient goes through the backward codec at ``b`` bits, against the same measure between two batches' exact
-  gradients (the noise stochastic gradient descent lives with anyway).
+* **backward**: the relative error of the first stage's transformer layers' parameter gradient (it has come
+  back through every boundary) when every boundary's activation gradient goes through the backward codec at
+  ``b`` bits, against the same measure between two batches' exact gradients (the noise stochastic gradient
+  descent lives with anyway).
 
 Each figure is the mean over the batches with its standard error. The codecs are ``TahConfig``'s, built
 from its fields (``--forward`` / ``--backward`` JSON), with the bit width of each row.
@@ -92,11 +93,12 @@ def _batches(tokenizer, seq: int, count: int) -> list[torch.Tensor]:
 
 
 def measure(forward: dict, backward: dict, bits: list[int], backward_bits: list[int], stages: int = 8,
-            seq: int = 128, batches: int = 8, model: str = "smollm2-135m") -> dict:
-    """The forward one-at-a-time gaps and the backward gradient errors (the module docstring) as a dict."""
+            seq: int = 128, batches: int = 8, model: str = "smollm2-135m", load=None) -> dict:
+    """The forward one-at-a-time gaps and the backward gradient errors (the module docstring) as a dict;
+    ``load``: a callable giving (tokenizer, Llama-shaped ``transformers`` model) instead of ``model``'s."""
     from ..real_activations import MODELS
 
-    tokenizer, net = MODELS[model].load()
+    tokenizer, net = (load or MODELS[model].load)()
     net.eval()
     layers = net.model.layers
     cuts = boundaries(len(layers), stages)
@@ -127,7 +129,8 @@ def measure(forward: dict, backward: dict, bits: list[int], backward_bits: list[
                 rows.append({"bits": b, "boundary": where, "gap": mean, "se": se})
                 print(f"[sensitivity] forward {b} bits at {where}: loss {mean:+.4f} +- {se:.4f}", flush=True)
     trips.active = set()
-    params = [p for p in net.parameters() if p.requires_grad]
+    # the first stage's transformer layers: their gradient has come back through every boundary
+    params = [p for layer in layers[:cuts[0]] for p in layer.parameters() if p.requires_grad]
 
     def gradient(ids) -> torch.Tensor:
         net.zero_grad(set_to_none=True)
@@ -152,6 +155,70 @@ def measure(forward: dict, backward: dict, bits: list[int], backward_bits: list[
             "seconds": round(time.time() - started, 1)}
 
 
+def _codec_text(fields: dict, direction: str) -> str:
+    config = TahConfig(**fields)
+    codec = config.forward_codec() if direction == "forward" else config.backward_codec()
+    return codec.describe().replace(f"bits={codec.bits}, ", "") if hasattr(codec, "bits") else codec.describe()
+
+
+def markdown(results: list[dict]) -> str:
+    """The page's section: the forward gaps per boundary and bit width, then the gradients' errors, from the
+    ``results`` of :func:`measure` (several: one per codec measured)."""
+    lines = []
+    for result in results:
+        if not result["forward"]:
+            continue
+        cuts = result["boundaries"]
+        lines += [f"Forward: {_codec_text(result['forward_fields'], 'forward')} at one boundary at a time (the layer "
+                  f"after which it sits) and at all {len(cuts)}; the mean loss increase over {result['batches']} "
+                  f"sequences of {result['seq']} tokens (exact loss {result['exact_loss']:.3f}), +- its standard "
+                  "error:", "",
+                  "| bits | " + " | ".join(f"after {k}" for k in cuts) + " | all |",
+                  "|---:|" + "---:|" * (len(cuts) + 1)]
+        for b in sorted({r["bits"] for r in result["forward"]}):
+            at = {r["boundary"]: r for r in result["forward"] if r["bits"] == b}
+            cells = [f"{at[k]['gap']:+.4f} +- {at[k]['se']:.4f}" for k in [*cuts, "all"]]
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for result in results:
+        if not result["backward"]:
+            continue
+        between = result["between_batches"]
+        errors = ", ".join(f"{r['bits']} bits {r['rel_error']:.3f} +- {r['se']:.3f}" for r in result["backward"])
+        lines += [f"Backward: {_codec_text(result['backward_fields'], 'backward')} at every boundary: the first "
+                  f"stage's layers' gradient errs by {errors} (relative, over {result['batches']} sequences); two "
+                  f"batches' exact gradients differ by {between['rel_error']:.3f} +- {between['se']:.3f}.", ""]
+    return "\n".join(lines).strip()
+
+
+def costliest(results: list[dict], count: int = 2) -> str:
+    """Per forward bit width, the ``count`` boundaries that cost most alone, and how the sum of the one-at-a-time
+    costs compares with all boundaries at once (the boundaries compound when the second is larger)."""
+    parts = []
+    for result in results:
+        for b in sorted({r["bits"] for r in result["forward"]}):
+            alone = sorted((r for r in result["forward"] if r["bits"] == b and r["boundary"] != "all"),
+                           key=lambda r: -r["gap"])
+            both = next(r["gap"] for r in result["forward"] if r["bits"] == b and r["boundary"] == "all")
+            top = ", ".join(f"after {r['boundary']} ({r['gap']:+.4f})" for r in alone[:count])
+            parts.append(f"{b} bits: {top}; one at a time they sum to {sum(r['gap'] for r in alone):+.4f}, "
+                         f"all at once {both:+.4f}")
+    return ("The costliest boundaries alone, per bit width: " + "; ".join(parts) + ".") if parts else ""
+
+
+def save(result: dict, path: Path) -> None:
+    """Add ``result`` to the JSON file ``path`` (``{"runs": [...]}``), replacing a run of the same codec fields."""
+    path = Path(path)
+    saved = json.loads(path.read_text())["runs"] if path.is_file() else []
+    key = (json.dumps(result["forward_fields"], sort_keys=True), json.dumps(result["backward_fields"], sort_keys=True),
+           bool(result["forward"]), bool(result["backward"]))
+    kept = [r for r in saved if (json.dumps(r["forward_fields"], sort_keys=True),
+                                 json.dumps(r["backward_fields"], sort_keys=True), bool(r["forward"]),
+                                 bool(r["backward"])) != key]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": [*kept, result]}, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.real_model.sensitivity",
                                      description=__doc__.split("\n")[0])
@@ -159,19 +226,20 @@ def main(argv=None) -> int:
                         help="TahConfig fields of the forward codec, JSON (its bits: --bits)")
     parser.add_argument("--backward", default='{"tah_backward_codec": "hadint", "tah_backward_tile_size": 64, '
                         '"tah_backward_stochastic_rounding": true}', help="TahConfig fields of the backward codec")
-    parser.add_argument("--bits", default="2,3,4", help="forward bit widths, comma list")
-    parser.add_argument("--backward-bits", default="2,3,4", help="backward bit widths, comma list")
+    parser.add_argument("--bits", default="2,3,4,5,6", help="forward bit widths, comma list (empty: none)")
+    parser.add_argument("--backward-bits", default="3,4", help="backward bit widths, comma list (empty: none)")
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--out", type=Path, help="write the result here (JSON)")
+    parser.add_argument("--out", type=Path, help="add the result to this JSON file's runs (the page's: "
+                        "docs/data/real_model_sensitivity.json)")
     args = parser.parse_args(argv)
-    result = measure(json.loads(args.forward), json.loads(args.backward), [int(b) for b in args.bits.split(",")],
+    result = measure(json.loads(args.forward), json.loads(args.backward), [int(b) for b in args.bits.split(",") if b],
                      [int(b) for b in args.backward_bits.split(",") if b], stages=args.stages, seq=args.seq,
                      batches=args.batches)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        save(result, args.out)
+    print(markdown([result]))
     return 0
 
 

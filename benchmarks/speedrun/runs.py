@@ -77,6 +77,9 @@ CODECS: dict[str, dict] = {
     # channel5_h4 with 6 bits at the two boundaries that cost SmolLM2-135M most at 5 bits (after layers 3 and 23
     # of 30, the first and sixth of depth 8's seven; python -m benchmarks.real_model.sensitivity): 5.31 + 4.25 bits
     "channel_b_h4": {**PRESETS["channel_h4"], "tah_boundary_bits": "6,5,5,5,5,6,5"},
+    # the same with Hadamard INT3 gradients (3.25 bits; on SmolLM2 they err less than per-channel 3-bit ones):
+    # 5.31 + 3.25 bits
+    "channel_b_h3": {**PRESETS["channel_h4"], "tah_boundary_bits": "6,5,5,5,5,6,5", "tah_backward_bits": 3},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
