@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..pages import save_data
 from ..reproduce.runner import read_log, read_meta
 from ..speedrun import projection, score
 from ..speedrun.runs import CODECS, forward_codecs
@@ -298,11 +299,7 @@ def plot(result: dict, path: Path) -> None:
 def write_page(result: dict, page: Path) -> None:
     """``page`` (markdown), with its JSON and plot under ``docs/data/`` beside it."""
     page = Path(page)
-    data = page.parent / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    stem = page.stem.lower()
-    (data / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, data / f"{stem}.png")
+    data, stem = save_data(result, page, plot)
     setup = result["setup"]
     untouched = result["untouched"] or {}
     template = (Path(__file__).parent / "page.md").read_text()

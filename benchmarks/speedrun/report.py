@@ -6,6 +6,7 @@ import datetime
 import json
 from pathlib import Path
 
+from ..pages import save_data
 from . import check, frontier, projection, runs, score
 from .frontier import PROJECTION_NAMES
 SPLITS = (16, 32, 64, 128)  # micro-batch counts the projection compares at the setup's global batch (64: its own)
@@ -314,11 +315,7 @@ def plot(result: dict, path: Path) -> None:
 def write_page(result: dict, page: Path) -> None:
     """``page`` (markdown), with its JSON and plot under ``docs/data/`` beside it."""
     page = Path(page)
-    data = page.parent / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    stem = page.stem.lower()
-    (data / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, data / f"{stem}.png")
+    data, stem = save_data(result, page, plot)
     frontier.plot(result, data / f"{stem}_frontier.png")
     template = (Path(__file__).parent / "page.md").read_text()
     page.write_text(template.format(

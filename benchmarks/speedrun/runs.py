@@ -54,6 +54,8 @@ CODECS: dict[str, dict] = {
     "channel_h4": dict(PRESETS["channel_h4"]),
     # the same with 5-, 4- and 3-bit activations: 5.02, 4.02 and 3.02 + 4.25 bits
     **{f"channel{bits}_h4": {**PRESETS["channel_h4"], "tah_forward_bits": bits} for bits in (5, 4, 3)},
+    # 5-bit activations and Hadamard INT3 gradients: 5.02 + 3.25 bits
+    "channel5_h3": {**PRESETS["channel_h4"], "tah_forward_bits": 5, "tah_backward_bits": 3},
     # channel_h4 through the lossless coder (--tah-entropy-coding): the same values, fewer bytes
     "channel_h4_ec": {**PRESETS["channel_h4"], "tah_entropy_coding": True},
     "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,

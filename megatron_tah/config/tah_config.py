@@ -381,9 +381,10 @@ class TahConfig:
         """Whether ``direction`` ("forward", "backward") chooses its codec per link (``auto``)."""
         return getattr(self, f"tah_{direction}_codec") == AUTO
 
-    def auto_candidate_codec(self, name: str, direction: str) -> Codec:
-        """A new codec object of auto candidate ``name`` on ``direction`` (this config's backend and checksum)."""
-        return candidate_codec(name, direction, self.tah_backend, checksum=self.tah_wire_checksum)
+    def auto_candidate_codec(self, name: str, direction: str, boundary: tuple[int, int] | None = None) -> Codec:
+        """A new codec object of auto candidate ``name`` on ``direction`` (this config's backend and checksum; at
+        ``boundary`` (boundary, boundaries) for a preset with per-boundary bits)."""
+        return candidate_codec(name, direction, self.tah_backend, checksum=self.tah_wire_checksum, boundary=boundary)
 
     def auto_start(self) -> str:
         """The candidate auto links start with, before their first measurement (``AutoSettings.start``)."""
@@ -457,8 +458,10 @@ class TahConfig:
         return bits
 
 
-def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False) -> Codec:
-    """A new codec object for auto candidate ``name`` on ``direction`` (forward: activations, backward: gradients).
+def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False,
+                    boundary: tuple[int, int] | None = None) -> Codec:
+    """A new codec object for auto candidate ``name`` on ``direction`` (forward: activations, backward: gradients),
+    a forward one at ``boundary`` (boundary, boundaries: ``TahConfig.forward_codec``'s) when given.
 
     ``none`` and ``fp8`` are those codecs both ways, ``fixedpoint4`` direct 4-bit activations and 6-bit
     gradients (``auto.NON_PRESET``); a preset name is that preset's codec for the direction.
@@ -469,4 +472,4 @@ def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: 
         raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
     fields = NON_PRESET[name] if name in NON_PRESET else {"tah_preset": name}
     config = TahConfig(**fields, tah_backend=backend, tah_wire_checksum=checksum)
-    return config.forward_codec() if direction == "forward" else config.backward_codec()
+    return config.forward_codec(*(boundary or ())) if direction == "forward" else config.backward_codec()

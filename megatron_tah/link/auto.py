@@ -91,15 +91,17 @@ def link_salt(direction: str, role: str, peer: int | None) -> str:
 
 class AutoEnd:
     """The auto codec of one link end: ``direction`` and ``role`` ("send" decides, "recv" follows); ``peer``: the
-    other end's rank, for the log."""
+    other end's rank, for the log; ``boundary`` (boundary, boundaries): where a candidate with per-boundary bits
+    takes its bits (None: its ``tah_forward_bits``)."""
 
-    def __init__(self, config: TahConfig, direction: str, role: str, peer: int | None = None, depth: int = 1):
+    def __init__(self, config: TahConfig, direction: str, role: str, peer: int | None = None, depth: int = 1,
+                 boundary: tuple[int, int] | None = None):
         self.config, self.direction, self.role, self.peer, self.depth = config, direction, role, peer, depth
         self.settings = config.auto_settings()
         self.codecs: dict[str, Codec] = {}
         for name in self.settings.candidates:
             try:
-                self.codecs[name] = config.auto_candidate_codec(name, direction).defer_checks().salt_rounding(
+                self.codecs[name] = config.auto_candidate_codec(name, direction, boundary).defer_checks().salt_rounding(
                     link_salt(direction, role, peer))
             except Exception as err:  # noqa: BLE001 (the candidate is left out, with its reason)
                 warnings.warn(f"auto codec: candidate {name!r} dropped ({type(err).__name__}: {err})",

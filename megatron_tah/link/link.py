@@ -67,7 +67,7 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
     ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
     trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s)."""
     if config.is_auto(direction):
-        auto = AutoEnd(config, direction, role, peer, depth=depth() or 1)
+        auto = AutoEnd(config, direction, role, peer, depth=depth() or 1, boundary=boundary)
         link = Link(direction, role, peer, auto.codec, auto=auto)
     else:
         codec = config.forward_codec(*(boundary or ())) if direction == "forward" else config.backward_codec()

@@ -155,12 +155,16 @@ class PipelineTransport:
 
     def boundary(self, direction: str, role: str) -> tuple[int, int] | None:
         """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` when the forward codec's bits
-        are per boundary (``--tah-boundary-bits``): a forward send leaves boundary ``stage``, a receive comes
-        through ``stage - 1``; None otherwise. ``ValueError`` when the stage or depth is unknown or the link wraps
+        are per boundary (``--tah-boundary-bits``, or an auto direction, whose candidates may have them): a forward
+        send leaves boundary ``stage``, a receive comes through ``stage - 1``; None otherwise (auto: also where the
+        stage is unknown or the link wraps around the pipeline). ``ValueError`` when the stage or depth is unknown or the link wraps
         around the pipeline (the interleaved schedule)."""
-        if direction != "forward" or not self.config.boundary_bits():
+        auto = self.config.is_auto("forward")  # a candidate may have per-boundary bits: lenient, its own otherwise
+        if direction != "forward" or not (self.config.boundary_bits() or auto):
             return None
         stage, depth = self.stage(), self.depth()
+        if auto and (stage is None or depth is None or not 0 <= (stage if role == "send" else stage - 1) < depth - 1):
+            return None
         if stage is None or depth is None:
             raise ValueError("megatron_tah: --tah-boundary-bits needs the pipeline's stage and depth (Megatron's "
                              "parallel state is not initialised)")
