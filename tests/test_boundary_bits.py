@@ -162,3 +162,26 @@ def test_a_three_stage_pipeline_sends_each_boundarys_bits():
     for rank in range(3):
         message = results[rank]["mismatch"]
         assert "forward codecs" in message and "bits per boundary" in message, (rank, message)
+
+
+def test_auto_links_hand_their_boundary_to_the_candidates(monkeypatch):
+    """An auto direction's link ends know their boundary (a candidate may be a preset with per-boundary bits);
+    where it is unknown or the link wraps around, its candidates take their own bits instead of an error."""
+    from megatron_tah.link.auto import AutoEnd
+
+    config = TahConfig(tah_forward_codec="auto", tah_backward_codec="auto")
+    auto = PipelineTransport(config, stats=None, depth=lambda: 4, stage=lambda: 1)
+    assert auto.boundary("forward", "send") == (1, 3) and auto.boundary("forward", "recv") == (0, 3)
+    assert auto.boundary("backward", "send") is None
+    assert PipelineTransport(config, stats=None, depth=lambda: 4, stage=lambda: 3).boundary("forward", "send") is None
+    assert PipelineTransport(config, stats=None).boundary("forward", "send") is None
+    asked = []
+    original = TahConfig.auto_candidate_codec
+
+    def candidate(self, name, direction, boundary=None):
+        asked.append(boundary)
+        return original(self, name, direction, boundary)
+
+    monkeypatch.setattr(TahConfig, "auto_candidate_codec", candidate)
+    AutoEnd(config, "forward", "send", 2, boundary=(1, 3))
+    assert asked and set(asked) == {(1, 3)}

@@ -46,7 +46,8 @@ def tile_error_norms(x, y, tile_size):
 @pytest.mark.parametrize("shape", [(8, 2, 64), (7, 3, 100), (1, 1, 8), (33, 1, 130), (16, 4, 256)])
 def test_wire_size_matches_wire_nbytes(case, dtype, shape):
     sender, receiver = case.make(), case.make()  # (one object per link end: aqsgd keeps state on each)
-    x = torch.randn(shape).to(dtype)
+    # a fixed input: the error bound is a typical one (tah at 8 values exceeds it for 1 draw in 100)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1234)).to(dtype)
     nbytes = sender.wire_nbytes(shape, dtype)
     buf = encode(sender, x)
     assert buf.dtype == torch.uint8 and buf.dim() == 1

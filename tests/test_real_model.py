@@ -93,10 +93,17 @@ def test_the_recommended_codec_reached_the_target_without_more_damage_at_the_low
     text = report.frontier_text({"table": table})
     assert text.index("`missed` 6.00 bits: missed within 100 steps") < text.index("`best` 8.00 bits: 1.10x")
     assert text.endswith("`best`.")
-    readme = report.readme_table({"table": table})
+    # of equal projected T, the fewest bits both ways (bits per boundary: T charges the busiest link)
+    tied = [*table, _table_row("fewer_bits", 1.1, "within noise", 100_000.4, (3.5, 4.0))]
+    assert report.recommended({"table": tied}) == "fewer_bits"
+    assert report.recommended({"table": [*table, _table_row("fewer_bits", 1.1, "within noise", 100_001.0,
+                                                            (3.5, 4.0))]}) == "best"
+    # the README's table: bf16 and the presets, the other candidates on the page only
+    readme = report.readme_table({"table": [table[0], {**table[2], "codec": "paper"}, table[4]]})
     assert "| [bf16 (uncompressed)](docs/REAL_MODEL.md) | 16.00 + 16.00 | 1 | – | 300,000 |" in readme
-    assert "| [`missed`](docs/REAL_MODEL.md) | 3.00 + 3.00 | missed within 100 steps | +0.10% [-0.20%, +0.40%] " \
+    assert "| [`paper`](docs/REAL_MODEL.md) | 3.00 + 3.00 | missed within 100 steps | +0.10% [-0.20%, +0.40%] " \
            "(within noise) | – |" in readme
+    assert "`best`" not in readme and readme.count("\n| [") == 2
 
 
 @pytest.mark.distributed

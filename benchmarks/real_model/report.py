@@ -203,10 +203,13 @@ def table_markdown(result: dict) -> str:
 
 def recommended(result: dict) -> str | None:
     """The codec the real model supports: of those whose every seed reached the target without more damage than
-    bf16's fine-tune, the one with the lowest projected T (None: none did)."""
+    bf16's fine-tune, the one with the lowest projected T, and of equal T (to the second) the one with the fewest
+    bits both ways (what the links carry in all; with bits per boundary T charges the busiest link) (None: none
+    did)."""
     fits = [r for r in result["table"] if r["codec"] != "bf16" and r["multiplier"] is not None
             and r["damage_verdict"] != "more damage than bf16's fine-tune" and r["projected_T"] is not None]
-    return min(fits, key=lambda r: r["projected_T"])["codec"] if fits else None
+    return min(fits, key=lambda r: (round(r["projected_T"]), r["forward_bits"] + r["backward_bits"]))["codec"] \
+        if fits else None
 
 
 def bf16_fall_text(result: dict) -> str:
@@ -232,18 +235,21 @@ def frontier_text(result: dict) -> str:
              for r in rows]
     best = recommended(result)
     verdict = (f"The point with the lowest projected T among those that reached the target without more damage than "
-               f"bf16's fine-tune: `{best}`." if best else "No codec reached the target without more damage than "
+               f"bf16's fine-tune (of equal T, the fewest bits): `{best}`." if best else "No codec reached the target without more damage than "
                "bf16's fine-tune.")
     return ("Bits per value forward + backward at [1024, 8, 1024], fewest first, and the steps each needed against "
             "bf16's: " + "; ".join(parts) + ". " + verdict)
 
 
 def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
-    """The README's summary of ``result``: per codec its bits, steps vs bf16, damage vs bf16's fine-tune and
-    projected T, each codec linked to the page that measured it (``test_readme_claims`` compares the two)."""
+    """The README's summary of ``result``: bf16 and every ``--tah-preset`` the study measured, with its bits, steps vs
+    bf16, damage vs bf16's fine-tune and projected T, each linked to the page that measured it (the page has the
+    other candidates; ``test_readme_claims`` compares the two)."""
+    from megatron_tah.config.presets import PRESETS
+
     lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps to target vs bf16 (95% interval) | "
              "damage vs bf16's fine-tune | projected T (s) |", "|---|---:|---|---|---:|"]
-    for r in result["table"]:
+    for r in (r for r in result["table"] if r["codec"] == "bf16" or r["codec"] in PRESETS):
         name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
         steps = "1" if r["codec"] == "bf16" else (
             f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))

@@ -42,4 +42,10 @@ PRESETS = {
     "channel_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_channel_outlier_tokens": 1,
                    "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
                    "tah_backward_stochastic_rounding": True},
+    # channel_h4 with bits per boundary (--tah-boundary-bits): 6 at the first and sixth of seven boundaries, 5 at the
+    # others, where 5 bits cost SmolLM2-135M most and least alone (docs/REAL_MODEL.md, "Where the model needs bits");
+    # 5.31 + 4.25 bits at [1024, 8, 1024] and depth 8 (the busiest link: 6.02 + 4.25). Any depth: the list stretches.
+    "channel_b_h4": {"tah_forward_codec": "channel", "tah_forward_bits": 6, "tah_channel_outlier_tokens": 1,
+                     "tah_backward_codec": "hadint", "tah_backward_bits": 4, "tah_backward_tile_size": 64,
+                     "tah_backward_stochastic_rounding": True, "tah_boundary_bits": "6,5,5,5,5,6,5"},
 }
