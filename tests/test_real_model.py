@@ -133,6 +133,8 @@ def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
     assert len(check["iterations"]) >= 3 and check["max_abs_diff"] < 0.1
     text = page.read_text()
     assert "| paper | 4.43 + 7.00 |" in text and "layers 2 (Megatron" in text
+    assert (page.parent / "data" / "real_model_frontier.png").stat().st_size > 0
+    assert "Not measured for this page" in text  # no sensitivity JSON beside this page
 
 
 def test_the_sensitivity_probe_measures_each_boundary_and_the_gradients_on_a_random_llama(tmp_path):

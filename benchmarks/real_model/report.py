@@ -302,10 +302,44 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_frontier(result: dict, path: Path) -> None:
+    """Bits both ways at the reference shape against the steps multiplier (with its interval) per codec; a codec
+    that missed the target sits above the plot's top line, marked "missed"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["table"] if r["codec"] != "bf16"]
+    reached = [r for r in rows if r["multiplier"] is not None]
+    top = max([r["multiplier_high"] for r in reached] + [1.5]) + 0.3
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        x = r["forward_bits"] + r["backward_bits"]
+        if r["multiplier"] is None:
+            ax.plot([x], [top], "v", color="C3")
+            ax.annotate(f"{r['codec']} (missed)", (x, top), textcoords="offset points", xytext=(4, -12), fontsize=7,
+                        rotation=30)
+        else:
+            ax.errorbar([x], [r["multiplier"]], yerr=[[r["multiplier"] - r["multiplier_low"]],
+                                                       [r["multiplier_high"] - r["multiplier"]]], fmt="o", color="C0",
+                        capsize=3)
+            ax.annotate(r["codec"], (x, r["multiplier"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
+    ax.axhline(1.0, color="grey", ls=":", label="bf16's steps")
+    ax.set_xlabel("bits per value, forward + backward, at [1024, 8, 1024]")
+    ax.set_ylabel("steps to target vs bf16 (95% interval)")
+    ax.set_title("bits against steps on the real model")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_page(result: dict, page: Path) -> None:
     """``page`` (markdown), with its JSON and plot under ``docs/data/`` beside it."""
     page = Path(page)
     data, stem = save_data(result, page, plot)
+    plot_frontier(result, data / f"{stem}_frontier.png")
     setup = result["setup"]
     untouched = result["untouched"] or {}
     template = (Path(__file__).parent / "page.md").read_text()
@@ -325,7 +359,7 @@ def write_page(result: dict, page: Path) -> None:
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
         bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result),
-        frontier=frontier_text(result), bf16_fall=bf16_fall_text(result),
+        frontier=frontier_text(result), frontier_plot=f"data/{stem}_frontier.png", bf16_fall=bf16_fall_text(result),
         sensitivity_json=f"data/{stem}_sensitivity.json", sensitivity=sensitivity_text(data / f"{stem}_sensitivity.json")))
 
 

@@ -6,8 +6,9 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
 what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
-``--tah-wire-checksum``) and, forward, ``--tah-boundary-bits``; a direction set to ``auto`` is recorded as its candidates' names and digests
-(both ends must hold the same decoders and carry the announcement trailer, ``wire.py``).
+``--tah-wire-checksum``; forward, ``--tah-boundary-bits``); a direction set to ``auto`` is recorded as its
+candidates' names and digests (both ends must hold the same decoders and carry the announcement trailer,
+``wire.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule (the caller says how
 many virtual stages there are: the link reads nothing of Megatron).
 ``link_latency`` (auto only) times a few 8-byte round trips with each neighbouring stage.

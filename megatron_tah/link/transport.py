@@ -154,25 +154,25 @@ class PipelineTransport:
         return self.links[key]
 
     def boundary(self, direction: str, role: str) -> tuple[int, int] | None:
-        """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` when the forward codec's bits
-        are per boundary (``--tah-boundary-bits``, or an auto direction, whose candidates may have them): a forward
-        send leaves boundary ``stage``, a receive comes through ``stage - 1``; None otherwise (auto: also where the
-        stage is unknown or the link wraps around the pipeline). ``ValueError`` when the stage or depth is unknown or the link wraps
-        around the pipeline (the interleaved schedule)."""
-        auto = self.config.is_auto("forward")  # a candidate may have per-boundary bits: lenient, its own otherwise
-        if direction != "forward" or not (self.config.boundary_bits() or auto):
+        """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` where the forward codec's bits
+        may be per boundary (``--tah-boundary-bits``; an auto direction, whose candidates may have them): a forward
+        send leaves boundary ``stage``, a receive comes through ``stage - 1``; None otherwise. With the flag, an
+        unknown stage or a link around the pipeline's end (the interleaved schedule) is a ``ValueError``; auto's
+        candidates take their own bits there."""
+        explicit = bool(self.config.boundary_bits())
+        if direction != "forward" or not (explicit or self.config.is_auto("forward")):
             return None
         stage, depth = self.stage(), self.depth()
-        if auto and (stage is None or depth is None or not 0 <= (stage if role == "send" else stage - 1) < depth - 1):
+        boundary = None if stage is None else (stage if role == "send" else stage - 1)
+        if boundary is not None and depth is not None and 0 <= boundary < depth - 1:
+            return boundary, depth - 1
+        if not explicit:
             return None
-        if stage is None or depth is None:
+        if boundary is None or depth is None:
             raise ValueError("megatron_tah: --tah-boundary-bits needs the pipeline's stage and depth (Megatron's "
                              "parallel state is not initialised)")
-        boundary = stage if role == "send" else stage - 1
-        if not 0 <= boundary < depth - 1:
-            raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations "
-                             "around the pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
-        return boundary, depth - 1
+        raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations around the "
+                         "pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
 
     def training_iteration(self) -> int:
         """``iteration()``, which the warm-up and auto need: both ends of a link switch together."""
