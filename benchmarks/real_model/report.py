@@ -27,7 +27,7 @@ import torch
 from ..pages import save_data
 from ..reproduce.runner import read_log, read_meta
 from ..speedrun import projection, score
-from ..speedrun.runs import CODECS, forward_codecs
+from ..speedrun.runs import CODECS, busiest_nbytes, forward_codecs
 from . import runs
 
 REFERENCE_SHAPE = (1024, 8, 1024)  # the bits every page quotes: the ProtocolNanoGPT message
@@ -241,6 +241,29 @@ def frontier_text(result: dict) -> str:
             "bf16's: " + "; ".join(parts) + ". " + verdict)
 
 
+PLACEMENTS = ("channel_h4", "channel_b_h4", "channel5_h4", "channel_b5_h4")
+"""The candidates that differ only in where the forward bits go: 6 everywhere, 6 or 5 by the sensitivity, 5
+everywhere, and 5 on average with 4 where 4 bits cost least alone."""
+
+
+def placement_text(result: dict) -> str:
+    """The steps and damage of the :data:`PLACEMENTS` the study ran ("" for fewer than two)."""
+    rows = [r for name in PLACEMENTS for r in result["table"] if r["codec"] == name]
+    if len(rows) < 2:
+        return ""
+    from megatron_tah.config import TahConfig
+
+    values = REFERENCE_SHAPE[0] * REFERENCE_SHAPE[1] * REFERENCE_SHAPE[2]
+    busiest = {r["codec"]: 8 * busiest_nbytes(TahConfig(**CODECS[r["codec"]]), REFERENCE_SHAPE,
+                                              result["setup"]["stages"]) / values for r in rows}
+    parts = [f"`{r['codec']}` ({r['forward_bits']:.2f} bits forward on average, busiest link "
+             f"{busiest[r['codec']]:.2f}): "
+             + (f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))
+             + ", " + (r["damage_verdict"] if r["damage_verdict"].endswith("fine-tune") else
+                       f"damage {r['damage_verdict']}") for r in rows]
+    return "Where the forward bits go, at the same gradients: " + "; ".join(parts) + "."
+
+
 def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
     """The README's summary of ``result``: bf16 and every ``--tah-preset`` the study measured, with its bits, steps vs
     bf16, damage vs bf16's fine-tune and projected T, each linked to the page that measured it (the page has the
@@ -313,19 +336,20 @@ def plot_frontier(result: dict, path: Path) -> None:
     rows = [r for r in result["table"] if r["codec"] != "bf16"]
     reached = [r for r in rows if r["multiplier"] is not None]
     top = max([r["multiplier_high"] for r in reached] + [1.5]) + 0.3
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     for r in rows:
         x = r["forward_bits"] + r["backward_bits"]
         if r["multiplier"] is None:
             ax.plot([x], [top], "v", color="C3")
-            ax.annotate(f"{r['codec']} (missed)", (x, top), textcoords="offset points", xytext=(4, -12), fontsize=7,
-                        rotation=30)
+            ax.annotate(f"{r['codec']} (missed)", (x, top), textcoords="offset points", xytext=(0, 6), fontsize=7,
+                        rotation=90, ha="center", va="bottom")
         else:
             ax.errorbar([x], [r["multiplier"]], yerr=[[r["multiplier"] - r["multiplier_low"]],
                                                        [r["multiplier_high"] - r["multiplier"]]], fmt="o", color="C0",
                         capsize=3)
             ax.annotate(r["codec"], (x, r["multiplier"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
     ax.axhline(1.0, color="grey", ls=":", label="bf16's steps")
+    ax.set_ylim(top=top + 1.6)  # room for the missed codecs' names
     ax.set_xlabel("bits per value, forward + backward, at [1024, 8, 1024]")
     ax.set_ylabel("steps to target vs bf16 (95% interval)")
     ax.set_title("bits against steps on the real model")
@@ -360,7 +384,8 @@ def write_page(result: dict, page: Path) -> None:
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
         bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result),
         frontier=frontier_text(result), frontier_plot=f"data/{stem}_frontier.png", bf16_fall=bf16_fall_text(result),
-        sensitivity_json=f"data/{stem}_sensitivity.json", sensitivity=sensitivity_text(data / f"{stem}_sensitivity.json")))
+        sensitivity_json=f"data/{stem}_sensitivity.json", sensitivity=sensitivity_text(data / f"{stem}_sensitivity.json"),
+        placement=placement_text(result)))
 
 
 def sensitivity_text(path: Path) -> str:
