@@ -10,7 +10,10 @@ as a real pipeline of that depth, without one process per stage. Boundaries afte
 each pipeline rank's initialisation differently.
 
 ``Boundaries.install()`` wraps ``megatron.core.transformer.transformer_layer.TransformerLayer.forward`` (looked
-up at call time by every layer) through ``megatron_tah.megatron.patching.Patches``; ``restore()`` undoes it.
+up at call time by every layer) and ``megatron_tah.megatron.pipeline_parallel.evaluation`` (the switch
+``--tah-eval-traffic`` turns on the pipeline's links for an evaluation: inside it with ``uncompressed``, the
+boundaries pass their messages untouched, as the pipeline's links send raw) through
+``megatron_tah.megatron.patching.Patches``; ``restore()`` undoes both.
 Every ``sample_every``-th call of a boundary and direction appends ``{"boundary", "direction", "call",
 "rel_error", "rms"}`` (the codec's relative round-trip error on that message and the message's rms) to
 ``log``, a JSON-lines file. With ``capture`` (a folder), the first ``capture_per`` messages of each boundary
@@ -21,6 +24,7 @@ on this model compare with a real model's, ``benchmarks.transfer``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -30,6 +34,7 @@ from megatron_tah.config import TahConfig
 from megatron_tah.megatron.patching import Patches
 
 LAYER_MODULE = "megatron.core.transformer.transformer_layer"
+PIPELINE_MODULE = "megatron_tah.megatron.pipeline_parallel"
 
 
 def _iteration() -> int:
@@ -68,6 +73,8 @@ class Boundaries:
         self.log, self.sample_every = (None if log is None else Path(log)), sample_every
         self.capture, self.capture_at = (None if capture is None else Path(capture)), frozenset(map(int, capture_at))
         self.capture_per, self.captured = int(capture_per), {}
+        self.uncompressed = False
+        """Inside an evaluation that ``--tah-eval-traffic`` sends uncompressed: messages pass untouched."""
         self.patches = Patches()
 
     def codec(self, layer: int, direction: str):
@@ -94,7 +101,7 @@ class Boundaries:
         if self.capture is not None:
             self._save(layer, direction, x)
         codec = self.codec(layer, direction)
-        if codec.name == "none" or (self.warmup_iters and _iteration() < self.warmup_iters):
+        if codec.name == "none" or self.uncompressed or (self.warmup_iters and _iteration() < self.warmup_iters):
             return x
         x = x.detach()
         y = codec.decode(codec.encode(x), x.shape, x.dtype)
@@ -122,6 +129,20 @@ class Boundaries:
             return forward
 
         self.patches.wrap(f"{LAYER_MODULE}:TransformerLayer", "forward", make)
+
+        def make_evaluation(original):
+            @contextlib.contextmanager
+            def evaluation(uncompressed: bool):
+                before, boundaries.uncompressed = boundaries.uncompressed, bool(uncompressed)
+                try:
+                    with original(uncompressed):
+                        yield
+                finally:
+                    boundaries.uncompressed = before
+
+            return evaluation
+
+        self.patches.wrap(PIPELINE_MODULE, "evaluation", make_evaluation)
 
     def restore(self) -> None:
         self.patches.restore()

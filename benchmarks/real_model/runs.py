@@ -8,16 +8,17 @@
 * **Runs**, each Megatron's own loop (``python -m megatron_tah.pretrain_gpt``) starting from the imported
   weights (``--load <model> --finetune``):
 
-  - :class:`TrainRun`: one process with the codecs at the layers after which a pipeline of ``stages`` splits
-    the model (``benchmarks.depth.run``: the same codec calls on the same tensors as the pipeline), validating
-    every ``eval_interval`` steps on the same held-out Shakespeare samples (the same for every seed,
-    ``--eval-data-seed``) through the codecs. bf16 runs the schedule and saves the model at every validation; a
-    codec's run stops at the first validation at or below the target (``--stop-at-loss``), at most
-    ``max_factor`` schedules, and saves the model where it stopped.
-  - a pipeline run (:func:`pipeline_run`): the same at pipeline depth ``stages``, one process per stage over
+  - :class:`TrainRun`: one process with the codecs at the layers after which a pipeline of ``depth`` stages
+    splits the model (``benchmarks.depth.run``: the same codec calls on the same tensors as the pipeline),
+    ``iters`` steps whatever the codec, validating every ``eval_interval`` steps from ``eval_from`` on the same
+    held-out Shakespeare samples (the same for every run and seed, ``--eval-data-seed``) twice: through the
+    codecs and uncompressed (``--tah-eval-traffic both``, which the emulated boundaries follow as the
+    pipeline's links do); at the end, the damage corpus (Megatron's test split) both ways, with the greedy
+    next-token accuracy: every model is scored after the same number of steps. bf16 has no codec and is the
+    same run at every depth.
+  - a pipeline run (:func:`pipeline_run`): the same at pipeline depth ``depth``, one process per stage over
     gloo, the check that the emulated boundaries are the pipeline.
-  - :class:`EvalRun`: a saved model evaluated uncompressed (``--skip-train``) on the held-out Shakespeare
-    samples and on the damage corpus: loss and greedy next-token accuracy (``--eval-token-accuracy``).
+  - :class:`EvalRun`: the untouched checkpoint evaluated (``--skip-train``) on the same samples.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from pathlib import Path
 from ..reproduce.runner import ReproduceError, Run, say
 from ..speedrun.runs import CODECS, codec_flags
 
-STUDY_CODECS = ("bf16", "paper", "hadint4", "channel_h4", "channel9", "lowrank")
-"""The rows of the study by default (``benchmarks.speedrun.runs.CODECS`` names)."""
+STUDY_CODECS = ("bf16", "channel_h4", "channel_b_h4", "hadint4", "paper", "lowrank", "channel9")
+"""The rows of the study by default (``benchmarks.speedrun.runs.CODECS`` names): bf16 and the presets."""
 EVAL_DATA_SEED = 1234  # the order of the validation and damage samples: the same for every run
 
 
@@ -56,25 +57,26 @@ MODELS = {
 
 @dataclasses.dataclass(frozen=True)
 class Size:
-    """One study size: model, schedule, validation and depth."""
+    """One study size: model, schedule, evaluations."""
 
     name: str
     model: str = "smollm2"
     note: str = ""
     """What the size is for, on the page."""
-    seq: int = 256
+    seq: int = 128
     micro_batch: int = 1
     micro_batches: int = 4
-    iters: int = 100
-    """bf16's schedule; the target is its worst seed's validation loss at 92% of it."""
-    eval_interval: int = 5
-    eval_iters: int = 4
-    damage_eval_iters: int = 16
+    iters: int = 40
+    """Every run's length: steps to target are read off its curve, damage is scored at its end (equal steps)."""
+    target_step: int = 20
+    """The target is bf16's mean validation loss here (interpolated over the seeds' curves), where it still falls."""
+    eval_interval: int = 2
+    eval_from: int = 10
+    """The first validation (before it the learning rate is still warming up and the loss far above the target)."""
+    eval_iters: int = 8
+    """Batches per evaluation, validation and damage alike: the same held-out samples for every run and seed."""
     lr: float = 1e-4
     warmup: int = 10
-    stages: int = 8
-    max_factor: float = 2.0
-    """A codec's run stops at the target, or at ``max_factor * iters`` steps (then: missed within that)."""
 
     def setup(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "note")}
@@ -83,10 +85,14 @@ class Size:
     def tokens_per_step(self) -> int:
         return self.seq * self.micro_batch * self.micro_batches
 
+    @property
+    def eval_tokens(self) -> int:
+        return self.eval_iters * self.tokens_per_step
+
     def train_flags(self, iters: int) -> list[str]:
         """The schedule: a constant learning rate after a linear warm-up, so that a run's curve does not depend on
-        its length (a run that goes on is the same run, longer) and bf16's still falls at the target. Batches are
-        read in the training process (the same batches as with Megatron's loader processes)."""
+        its length and bf16's still falls at the target. Batches are read in the training process (the same
+        batches as with Megatron's loader processes)."""
         return ["--seq-length", str(self.seq), "--micro-batch-size", str(self.micro_batch),
                 "--global-batch-size", str(self.micro_batch * self.micro_batches), "--train-iters", str(iters),
                 "--lr", str(self.lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", "constant",
@@ -95,13 +101,13 @@ class Size:
 
 
 SIZES = {
-    "full": Size("full", note="1,024 tokens per step, a 100-step schedule"),
-    "short": Size("short", seq=128, iters=50, note="half the full size's tokens per step and half its schedule, so "
-                  "that the study fits one working session on 2 cores"),
-    # CI: the same machinery and rules on a random 4-layer model, 2 stages, a few steps.
+    "short": Size("short", note="512 tokens per step, every run 40 steps, so that a study of a few dozen runs fits "
+                  "a working session on 2 cores"),
+    "full": Size("full", seq=256, iters=60, target_step=30, eval_interval=3, eval_from=12,
+                 note="1,024 tokens per step, every run 60 steps"),
+    # CI: the same machinery and rules on a random 4-layer model, a few steps.
     "tiny": Size("tiny", model="tiny", note="the machinery's test on a random model", seq=32, micro_batches=2,
-                 iters=12, eval_interval=3, eval_iters=1, damage_eval_iters=2, lr=3e-3, warmup=2, stages=2,
-                 max_factor=1.5),
+                 iters=12, target_step=6, eval_interval=2, eval_from=2, eval_iters=2, lr=3e-3, warmup=2),
 }
 
 
@@ -192,63 +198,65 @@ def num_layers(model_dir: Path) -> int:
 
 # ----- the runs --------------------------------------------------------------------------------------------
 def _eval_flags(data: dict[str, str], iters: int) -> list[str]:
-    return ["--valid-data-path", data["valid"], "--eval-iters", str(iters), "--fixed-validation",
-            "--eval-data-seed", str(EVAL_DATA_SEED)]
+    """Validation on held-out Shakespeare and the damage corpus as Megatron's test split, both the same samples
+    for every run and seed (``--eval-data-seed``), with the greedy next-token accuracy."""
+    return ["--valid-data-path", data["valid"], "--test-data-path", data["damage"], "--eval-iters", str(iters),
+            "--fixed-validation", "--eval-data-seed", str(EVAL_DATA_SEED), "--eval-token-accuracy"]
 
 
-def run_name(codec: str, seed: int) -> str:
-    return f"train_{codec}_s{seed}"
+def run_name(codec: str, seed: int, depth: int | None = None) -> str:
+    """``train_bf16_s<seed>`` (bf16 is the same run at every depth), ``train_<codec>_d<depth>_s<seed>``."""
+    return f"train_{codec}_s{seed}" if codec == "bf16" else f"train_{codec}_d{depth}_s{seed}"
 
 
 @dataclasses.dataclass
 class TrainRun(Run):
-    """A training run with emulated boundaries after ``layers`` (the codec's ``TahConfig`` fields both ways);
-    with ``stop_at``, it ends at the first validation at or below that loss."""
+    """A training run with emulated boundaries after ``layers`` (the codec's ``TahConfig`` fields both ways),
+    each evaluation's per-micro-batch losses in ``<name>.evals.jsonl``."""
 
     layers: tuple[int, ...] = ()
     fields: dict = dataclasses.field(default_factory=dict)
-    stop_at: float | None = None
+    eval_from: int = 0
 
     def command(self, out_dir: Path, python: str = sys.executable) -> list[str]:
         from megatron_tah.pretrain_gpt import CPU_FLAGS
 
         fields = json.dumps(self.fields)
-        stop = ["--stop-at-loss", repr(self.stop_at)] if self.stop_at is not None else []
         return [python, "-m", "benchmarks.depth.run", "--boundaries", ",".join(map(str, self.layers)),
-                "--forward", fields, "--backward", fields, *stop, "--", *CPU_FLAGS, *self.flags,
+                "--forward", fields, "--backward", fields, "--eval-from", str(self.eval_from),
+                "--eval-losses", str(Path(out_dir) / f"{self.name}.evals.jsonl"), "--", *CPU_FLAGS, *self.flags,
                 "--tah-log-json", str(Path(out_dir) / f"{self.name}.jsonl")]
 
     def complete(self, records: list[dict]) -> bool:
-        reached = self.stop_at is not None and any(r.get("valid_loss", math.inf) <= self.stop_at for r in records)
-        return reached or super().complete(records)
+        return any("test_loss" in r for r in records) and super().complete(records)
 
 
 def train_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str, str], out: Path,
-              target: float | None = None) -> TrainRun:
-    """``codec``'s run with ``seed``: bf16 (``target`` None) the schedule, saving at every validation; a codec up
-    to ``max_factor`` schedules, stopping at ``target`` and saving there."""
-    iters = size.iters if target is None else int(math.ceil(size.max_factor * size.iters / size.eval_interval)
-                                                   * size.eval_interval)
-    name = run_name(codec, seed)
-    flags = [*model_flags(model_dir), "--load", str(model_dir), "--finetune", *size.train_flags(iters),
+              depth: int = 8) -> TrainRun:
+    """``codec``'s run with ``seed`` at pipeline depth ``depth``: ``size.iters`` steps, validating every
+    ``eval_interval`` from ``eval_from`` through the codecs and uncompressed (``--tah-eval-traffic both``; bf16:
+    once, it has no codec), the damage corpus at the end both ways. No checkpoint."""
+    name = run_name(codec, seed, depth)
+    traffic = [] if codec == "bf16" else ["--tah-eval-traffic", "both"]
+    flags = [*model_flags(model_dir), "--load", str(model_dir), "--finetune", *size.train_flags(size.iters),
              "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters),
              "--eval-interval", str(size.eval_interval), "--log-interval", str(size.eval_interval),
-             "--seed", str(seed), "--save", str(Path(out) / "ckpt" / name), "--no-save-optim", "--no-save-rng",
-             "--save-interval", str(size.eval_interval if target is None else 10 * iters)]
-    return TrainRun(name, flags, 1, label=codec, layers=tuple(boundaries(num_layers(model_dir), size.stages)),
-                    fields=dict(CODECS[codec]), stop_at=target,
-                    info={"codec": codec, "seed": seed, "iters": iters, "kind": "train", "target": target})
+             "--seed", str(seed), *traffic]
+    layers = () if codec == "bf16" else tuple(boundaries(num_layers(model_dir), depth))
+    return TrainRun(name, flags, 1, label=codec, layers=layers, fields=dict(CODECS[codec]), eval_from=size.eval_from,
+                    info={"codec": codec, "seed": seed, "depth": None if codec == "bf16" else depth,
+                          "iters": size.iters, "kind": "train"})
 
 
-def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str, str]) -> Run:
-    """``codec``'s run with ``seed`` as the real pipeline of ``size.stages`` processes over gloo, bf16's schedule,
-    no checkpoint."""
-    flags = [*model_flags(model_dir, size.stages), "--load", str(model_dir), "--finetune", *size.train_flags(size.iters),
+def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str, str], depth: int = 8) -> Run:
+    """``codec``'s run with ``seed`` as the real pipeline of ``depth`` processes over gloo, the same schedule and
+    evaluations as its emulated run."""
+    flags = [*model_flags(model_dir, depth), "--load", str(model_dir), "--finetune", *size.train_flags(size.iters),
              "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters),
              "--eval-interval", str(size.eval_interval), "--log-interval", str(size.eval_interval),
-             "--seed", str(seed), *codec_flags(codec)]
-    return Run(f"pipeline_{codec}_s{seed}", flags, size.stages, label=f"{codec} (pipeline)",
-               info={"codec": codec, "seed": seed, "iters": size.iters, "kind": "pipeline"})
+             "--seed", str(seed), "--tah-eval-traffic", "both", *codec_flags(codec)]
+    return Run(f"pipeline_{codec}_d{depth}_s{seed}", flags, depth, label=f"{codec} (pipeline)",
+               info={"codec": codec, "seed": seed, "depth": depth, "iters": size.iters, "kind": "pipeline"})
 
 
 @dataclasses.dataclass
@@ -260,34 +268,53 @@ class EvalRun(Run):
         return any("test_loss" in r for r in records)
 
 
-def eval_run(name: str, size: Size, model_dir: Path, data: dict[str, str], load: Path, step: int | None = None,
-             after: tuple[str, ...] = (), info: dict | None = None) -> EvalRun:
-    """The model saved in ``load`` (at iteration ``step``; None: its latest, or the imported release)."""
-    flags = [*model_flags(model_dir), "--load", str(load), "--finetune", *(["--ckpt-step", str(step)] if step else []),
-             "--skip-train", *size.train_flags(1), "--train-data-path", data["train"],
-             *_eval_flags(data, size.damage_eval_iters), "--test-data-path", data["damage"], "--eval-interval", "1",
-             "--eval-token-accuracy", "--seed", str(EVAL_DATA_SEED)]
-    return EvalRun(name, flags, 1, label=name, after=after, info={"kind": "eval", **(info or {})})
+def eval_run(name: str, size: Size, model_dir: Path, data: dict[str, str], load: Path,
+             info: dict | None = None) -> EvalRun:
+    """The model saved in ``load`` (its latest, or the imported release) on the evaluation samples."""
+    flags = [*model_flags(model_dir), "--load", str(load), "--finetune", "--skip-train", *size.train_flags(1),
+             "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters), "--eval-interval", "1",
+             "--seed", str(EVAL_DATA_SEED)]
+    return EvalRun(name, flags, 1, label=name, info={"kind": "eval", **(info or {})})
 
 
-def validations(records: list[dict]) -> list[tuple[int, float]]:
-    """(iteration, validation loss) of a training run, in order, the end-of-training repeat left out."""
+TRAFFIC = ("uncompressed", "codec")
+"""The two evaluations of every validation: the model on its own (served elsewhere) and through the codecs
+(served through the same compressed pipeline)."""
+
+
+def validations(records: list[dict], traffic: str = "codec") -> list[tuple[int, float]]:
+    """(iteration, validation loss) of a training run, in order, through the codecs or ``"uncompressed"`` (a run
+    without a codec: its one evaluation is both); the end-of-training repeat left out."""
+    key = "valid_loss" if traffic == "codec" else "valid_loss_uncompressed"
     seen = {}
     for r in records:
         if "valid_loss" in r:
-            seen.setdefault(int(r["iteration"]), float(r["valid_loss"]))
+            seen.setdefault(int(r["iteration"]), float(r.get(key, r["valid_loss"])))
     return sorted(seen.items())
 
 
-def evaluation(records: list[dict]) -> dict:
-    """{"valid_loss", "valid_accuracy", "damage_loss", "damage_accuracy"} of an evaluation run's records."""
+def evaluation(records: list[dict], traffic: str = "uncompressed") -> dict:
+    """{"valid_loss", "valid_accuracy", "damage_loss", "damage_accuracy"} of a run's last evaluations (a training
+    run's end; an evaluation run's only), uncompressed or through the codecs (``"codec"``)."""
+    suffix = "_uncompressed" if traffic == "uncompressed" else ""
     found = {}
     for r in records:
         for split, key in (("valid", "valid"), ("test", "damage")):
             if f"{split}_loss" in r:
-                found[f"{key}_loss"] = r[f"{split}_loss"]
-                found[f"{key}_accuracy"] = r.get(f"{split}_token_accuracy")
+                found[f"{key}_loss"] = r.get(f"{split}_loss{suffix}", r[f"{split}_loss"])
+                found[f"{key}_accuracy"] = r.get(f"{split}_token_accuracy{suffix}", r.get(f"{split}_token_accuracy"))
     missing = {"valid_loss", "damage_loss"} - set(found)
     if missing:
-        raise ReproduceError(f"an evaluation run's log lacks {sorted(missing)}")
+        raise ReproduceError(f"an evaluation's log lacks {sorted(missing)}")
+    return found
+
+
+def eval_losses(path: Path) -> dict[tuple[int, str, str], list[float]]:
+    """A run's ``<name>.evals.jsonl``: {(iteration, split, traffic): per-micro-batch losses} (a repeat: the last)."""
+    found = {}
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                found[(int(r["iteration"]), r["split"], r["traffic"])] = [float(v) for v in r["losses"]]
     return found
