@@ -200,6 +200,12 @@ def load_tokenizer(vocab_file: str | Path | None = None, merge_file: str | Path 
 
 
 # ----- writing indexed datasets -------------------------------------------------------------
+def held_out_files(corpus: str, valid_fraction: float = 0.05, seed: int = 1234) -> list[Path]:
+    """The documents of ``corpus`` that :func:`prepare` (with the same fraction and seed) puts in its validation
+    split: text no training run on the prepared data reads."""
+    return _split(corpus_files(corpus), valid_fraction, seed)[1]
+
+
 def _split(files: list[Path], valid_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
     if not 0.0 < valid_fraction < 1.0:
         raise DataError(f"valid_fraction = {valid_fraction}: must lie strictly between 0 and 1")

@@ -1,24 +1,35 @@
-"""The real-model study's numbers (``build``) and its page (``write_page``: markdown, JSON, plot).
+"""The real-model study's numbers (``build``) and its page (``write_page``: markdown, JSON, plots).
 
-Scoring, the same for every codec:
+Scoring, the same for every codec, at every pipeline depth, on two evaluations of every validation (``runs.TRAFFIC``):
+**uncompressed** (the model on its own: what a user who serves it on one machine gets) and **through the
+codecs** (what a user who serves it through the same compressed pipeline gets).
 
-* **Steps to target**: the first validation at or below the target (``benchmarks.speedrun.score``). A run
-  that does not reach it within ``max_factor`` schedules has no steps and its row says "missed within N
-  steps", with no multiplier.
+* **The target**: bf16's mean validation loss over its seeds at ``target_step``, where its curve still falls (the
+  page gives the fall per step there, ``slope``).
+* **Steps to target**: where a run's curve first reaches the target, interpolated between validations
+  (``score.crossing``). A run that does not reach it within its ``iters`` steps has none: its row says "missed
+  within N steps", with no multiplier.
 * **Steps vs bf16**: the mean over seeds of a codec's steps over bf16's with the same seed (same data order),
   with a two-sided 95% Student-t interval; only when every seed reached the target.
-* **Damage**: the model where the run stopped (bf16: where each seed first reached the target), evaluated
-  uncompressed on the damage corpus; its loss against bf16's fine-tuned model of the same seed (paired, with
-  its interval; "within noise" when it holds 0) and against the untouched checkpoint. A codec whose paired
-  interval lies above 0 damages the model more than fine-tuning does, and its row says so.
+* **Along the curve**: at each validation N of a codec's run, the step M at which bf16's same-seed curve reached the
+  same loss (``score.equivalent_steps``, never extrapolated); each seed's mean N / M, then the mean over seeds with
+  its interval. It does not hang on one loss level.
+* **Damage at equal steps**: every run ends with the damage corpus (never trained on) after the same number of
+  steps; a codec's loss there against bf16's model of the same seed (paired relative difference, interval; "within
+  noise" when it holds 0), uncompressed and through the codecs, with the greedy next-token accuracy.
 * **Projected T** on the ProtocolNanoGPT setup (``benchmarks.speedrun.projection``): the codec's bytes at
-  ``[1024, 8, 1024]`` through the schedule simulator, times the bf16 record's steps x this study's multiplier.
+  ``[1024, 8, 1024]`` through the schedule simulator, times the bf16 record's steps x the multiplier, with the
+  multiplier's interval.
+* **Evaluation noise**: per validation, the paired difference of two runs' per-micro-batch losses on the same
+  held-out samples; its standard error against the gaps being judged. **Resolution**: bf16's steps to target from
+  every validation against every other one.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -31,6 +42,9 @@ from ..speedrun.runs import CODECS, busiest_nbytes, forward_codecs
 from . import runs
 
 REFERENCE_SHAPE = (1024, 8, 1024)  # the bits every page quotes: the ProtocolNanoGPT message
+TRAFFIC_LABEL = {"uncompressed": "served on its own (evaluated uncompressed)",
+                 "compressed": "served through the compressed pipeline (evaluated through the codecs)"}
+MORE_DAMAGE = "more damage than bf16's"
 
 
 def bits(codec: str, shape, stages: int = 8) -> tuple[float, float]:
@@ -44,7 +58,17 @@ def bits(codec: str, shape, stages: int = 8) -> tuple[float, float]:
     return sum(forward) / len(forward), 8 * config.backward_codec().wire_nbytes(shape, torch.bfloat16) / values
 
 
-def _paired(values: dict[int, float], base: dict[int, float], relative: bool = False) -> score.Interval | None:
+def busiest_bits(codec: str, shape, stages: int = 8) -> float:
+    """Forward + backward bits per value of the busiest link (with bits per boundary: the boundary with most)."""
+    from megatron_tah.config import TahConfig
+
+    config = TahConfig(**CODECS[codec])
+    values = shape[0] * shape[1] * shape[2]
+    return 8 * (busiest_nbytes(config, shape, stages) + config.backward_codec().wire_nbytes(shape, torch.bfloat16)) \
+        / values
+
+
+def _paired(values: dict, base: dict, relative: bool = False) -> score.Interval | None:
     seeds = sorted(set(values) & set(base))
     if not seeds:
         return None
@@ -59,84 +83,209 @@ def verdict(delta: score.Interval | None) -> str:
     if delta.n < 2:
         return "one seed"
     if delta.low > 0:
-        return "more damage than bf16's fine-tune"
+        return MORE_DAMAGE
     if delta.high < 0:
-        return "less damage than bf16's fine-tune"
+        return "less damage than bf16's"
     return "within noise"
 
 
-def build(size: runs.Size, target: float, codecs: list[str], seeds: list[int], out: Path, host: dict,
+def _interval_fields(prefix: str, interval: score.Interval | None) -> dict:
+    if interval is None:
+        return {prefix: None, f"{prefix}_low": None, f"{prefix}_high": None}
+    return {prefix: interval.mean, f"{prefix}_low": interval.low, f"{prefix}_high": interval.high}
+
+
+# ----- reading the runs ----------------------------------------------------------------------------------------
+def read_curves(out: Path, plan: dict[int, list[str]], seeds: list[int]) -> dict:
+    """{run name: {"codec", "seed", "depth", "uncompressed": curve, "codec": curve, "damage": {traffic: evaluation},
+    "ms"}} of every complete training run of ``plan`` ({depth: codecs})."""
+    curves = {}
+    for depth, codecs in plan.items():
+        for codec in codecs:
+            for seed in seeds:
+                name = runs.run_name(codec, seed, depth)
+                path = out / f"{name}.jsonl"
+                if name in curves or not path.is_file():
+                    continue
+                records = read_log(path)
+                if not any("test_loss" in r for r in records):
+                    continue  # not finished
+                curves[name] = {"codec": codec, "seed": seed, "depth": None if codec == "bf16" else depth,
+                                **{t: runs.validations(records, t) for t in runs.TRAFFIC},
+                                "damage": {t: runs.evaluation(records, t) for t in runs.TRAFFIC},
+                                "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}
+    return curves
+
+
+def target_and_slope(base: list[list[tuple[int, float]]], step: int) -> tuple[float, float]:
+    """bf16's mean validation loss at ``step`` (each seed's curve interpolated there) and the mean curve's
+    least-squares fall per step over the validations within 4 steps of it (positive: still falling)."""
+    def at(curve, x):
+        points = sorted(curve)
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x0 <= x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        raise ValueError(f"step {x} is outside a bf16 curve's validations {points[0][0]}..{points[-1][0]}")
+
+    target = statistics.fmean(at(c, step) for c in base)
+    steps = sorted({i for c in base for i, _ in c if abs(i - step) <= 4})
+    means = [statistics.fmean(at(c, i) for c in base) for i in steps]
+    mx, my = statistics.fmean(steps), statistics.fmean(means)
+    slope = sum((x - mx) * (y - my) for x, y in zip(steps, means)) / sum((x - mx) ** 2 for x in steps)
+    return round(target, 4), -slope
+
+
+def metric(curves: dict, names: dict[int, str], base_names: dict[int, str], traffic: str, target: float,
+           iters: int) -> dict:
+    """One codec's steps on one evaluation (``traffic``): per seed, to the target and along the curve."""
+    steps = {s: score.crossing(curves[n][traffic], target) for s, n in names.items()}
+    base = {s: score.crossing(curves[base_names[s]]["uncompressed"], target) for s in names}
+    along = {}
+    for s, n in names.items():
+        pairs = score.equivalent_steps(curves[n][traffic], curves[base_names[s]]["uncompressed"])
+        if pairs:
+            along[s] = statistics.fmean(n_ / m for n_, m in pairs)
+    row = {"steps_by_seed": {str(s): v for s, v in steps.items()},
+           "along_by_seed": {str(s): v for s, v in along.items()}, "missed_within": None}
+    reached = all(v is not None for v in steps.values()) and all(base.values())
+    row.update(_interval_fields("steps", score.mean_interval(list(steps.values())) if reached else None))
+    row.update(_interval_fields("multiplier", score.paired_ratio(steps, base) if reached else None))
+    row.update(_interval_fields("along", score.mean_interval(list(along.values())) if along else None))
+    if not reached:
+        row["missed_within"] = iters
+    return row
+
+
+def noise(curves: dict, out: Path, bf16: dict[int, str], target_slope: float) -> dict:
+    """Evaluation noise: at every validation of every codec run, the standard error of the mean paired difference
+    of its per-micro-batch losses (uncompressed) and bf16's same-seed ones on the same samples; its median, in loss
+    and in steps of bf16's fall per step at the target, beside the median |gap| it is judged against."""
+    errors, gaps = [], []
+    for name, curve in curves.items():
+        if curve["codec"] == "bf16":
+            continue
+        mine = runs.eval_losses(out / f"{name}.evals.jsonl")
+        theirs = runs.eval_losses(out / f"{bf16[curve['seed']]}.evals.jsonl")
+        for (iteration, split, traffic), losses in mine.items():
+            base = theirs.get((iteration, split, "codec"))
+            if split != "valid" or traffic != "uncompressed" or not base or len(base) != len(losses) or len(losses) < 2:
+                continue
+            diffs = [a - b for a, b in zip(losses, base)]
+            errors.append(statistics.stdev(diffs) / math.sqrt(len(diffs)))
+            gaps.append(abs(statistics.fmean(diffs)))
+    if not errors:
+        return {}
+    median = statistics.median(errors)
+    return {"pairs": len(errors), "samples": None, "median_se": median, "max_se": max(errors),
+            "median_gap": statistics.median(gaps), "se_in_steps": median / target_slope if target_slope > 0 else None}
+
+
+def resolution(curves: dict, target: float, interval: int) -> dict:
+    """bf16's steps to target from every validation against from every other one (twice the spacing): how far
+    interpolation between validations moves a step count."""
+    diffs, steps = [], []
+    for curve in (c for c in curves.values() if c["codec"] == "bf16"):
+        points = curve["uncompressed"]
+        every = score.crossing(points, target)
+        start = points[0][0]
+        sparse = score.crossing([(i, v) for i, v in points if (i - start) % (2 * interval) == 0], target)
+        if every is not None and sparse is not None:
+            diffs.append(abs(every - sparse))
+            steps.append(every)
+    if not diffs:
+        return {}
+    return {"interval": interval, "max_diff_steps": max(diffs), "mean_diff_steps": statistics.fmean(diffs),
+            "max_diff_fraction": max(d / s for d, s in zip(diffs, steps))}
+
+
+def build(size: runs.Size, plan: dict[int, list[str]], seeds: list[int], out: Path, host: dict, depth: int = 8,
           pipeline: str | None = None) -> dict:
-    """Everything the page shows, from the runs under ``out``."""
+    """Everything the page shows, from the runs under ``out``: ``plan`` is {pipeline depth: codecs}, ``depth`` the
+    main table's."""
     out = Path(out)
-    evals = {}
-    for path in sorted(out.glob("eval_*.jsonl")):
-        evals[path.stem] = runs.evaluation(read_log(path))
-    curves, stops = {}, {}
-    for codec in codecs:
-        for seed in seeds:
-            name = runs.run_name(codec, seed)
-            records = read_log(out / f"{name}.jsonl")
-            curves[name] = {"codec": codec, "seed": seed, "validations": runs.validations(records),
-                            "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}
-    untouched = evals.get("eval_untouched")
-    base_steps = {s: score.steps_to_target(curves[runs.run_name("bf16", s)]["validations"], target) for s in seeds}
-    base_damage = {s: evals[f"eval_{runs.run_name('bf16', s)}"]["damage_loss"] for s in seeds}
-    base_mean = statistics.fmean(base_steps.values())
-    rows = []
-    for codec in codecs:
-        steps, damage, accuracy, valid = {}, {}, {}, {}
-        longest = {}
-        for seed in seeds:
-            name = runs.run_name(codec, seed)
-            steps[seed] = score.steps_to_target(curves[name]["validations"], target)
-            longest[seed] = curves[name]["validations"][-1][0] if curves[name]["validations"] else 0
-            e = evals[f"eval_{name}"]
-            damage[seed], accuracy[seed], valid[seed] = e["damage_loss"], e["damage_accuracy"], e["valid_loss"]
-        fwd, bwd = bits(codec, REFERENCE_SHAPE, size.stages)
-        sfwd, sbwd = bits(codec, (size.seq, size.micro_batch, _hidden(out)), size.stages)
-        row = {"codec": codec, "seeds": seeds, "forward_bits": fwd, "backward_bits": bwd,
-               "study_forward_bits": sfwd, "study_backward_bits": sbwd,
-               "steps_by_seed": {str(s): steps[s] for s in seeds},
-               "damage_by_seed": {str(s): damage[s] for s in seeds},
-               "damage_loss": statistics.fmean(damage.values()),
-               "damage_accuracy": statistics.fmean(a for a in accuracy.values() if a is not None)
-               if any(a is not None for a in accuracy.values()) else None,
-               "valid_loss_uncompressed": statistics.fmean(valid.values())}
-        if all(v is not None for v in steps.values()):
-            interval = score.mean_interval([steps[s] for s in seeds])
-            ratio = score.paired_ratio(steps, base_steps)
-            row.update(steps=interval.mean, steps_low=interval.low, steps_high=interval.high,
-                       multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high, missed_within=None)
-        else:
-            row.update(steps=None, multiplier=None, missed_within=max(longest.values()))
-        delta = _paired(damage, base_damage, relative=True)
-        row.update(damage_vs_bf16=None if delta is None else delta.mean,
-                   damage_vs_bf16_low=None if delta is None else delta.low,
-                   damage_vs_bf16_high=None if delta is None else delta.high,
-                   damage_verdict="–" if codec == "bf16" else verdict(delta),
-                   damage_vs_untouched=(row["damage_loss"] / untouched["damage_loss"] - 1) if untouched else None)
-        rows.append(row)
+    curves = read_curves(out, plan, seeds)
+    bf16 = {s: runs.run_name("bf16", s) for s in seeds if runs.run_name("bf16", s) in curves}
+    if len(bf16) < 2:
+        raise ValueError(f"the study needs at least two finished bf16 runs under {out}, found {len(bf16)}")
+    untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
+        else None
+    target, slope = target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], size.target_step)
+    base_steps = {s: score.crossing(curves[n]["uncompressed"], target) for s, n in bf16.items()}
+    tables = {}
+    for d, codecs in plan.items():
+        rows = []
+        for codec in codecs:
+            names = {s: runs.run_name(codec, s, d) for s in bf16 if runs.run_name(codec, s, d) in curves}
+            if not names:
+                continue
+            rows.append(codec_row(codec, d, names, bf16, curves, target, size, out, untouched))
+        project(rows, d)
+        tables[str(d)] = rows
+    metas = [m for m in (read_meta(out, p.name[:-len(".meta.json")]) for p in out.glob("*.meta.json")) if m]
+    result = {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "setup": size.setup(),
+              "model": runs.MODELS[size.model].description, "target": target, "target_slope": slope, "depth": depth,
+              "table": tables[str(depth)], "depths": {k: v for k, v in tables.items() if k != str(depth)},
+              "untouched": untouched, "curves": curves,
+              "bf16_steps": dataclass_dict(score.mean_interval(list(base_steps.values()))),
+              "boundaries": {str(d): runs.boundaries(runs.num_layers(out / "model"), d) for d in plan},
+              "noise": noise(curves, out, bf16, slope), "resolution": resolution(curves, target, size.eval_interval),
+              "run_hours": sum(m.get("seconds", 0) for m in metas) / 3600,
+              "s_per_step": statistics.median(curves[n]["ms"] for n in bf16.values()) / 1e3,
+              "runs": len(metas), "seeds": sorted(bf16)}
+    result["noise"]["samples"] = size.eval_iters * size.micro_batches
+    if pipeline:
+        result["pipeline"] = pipeline_check(out, pipeline, seeds, curves, depth)
+    return result
+
+
+def dataclass_dict(interval: score.Interval) -> dict:
+    return {"mean": interval.mean, "low": interval.low, "high": interval.high, "n": interval.n}
+
+
+def codec_row(codec: str, depth: int, names: dict[int, str], bf16: dict[int, str], curves: dict, target: float,
+              size: runs.Size, out: Path, untouched: dict | None) -> dict:
+    fwd, bwd = bits(codec, REFERENCE_SHAPE, depth)
+    sfwd, sbwd = bits(codec, (size.seq, size.micro_batch, _hidden(out)), depth)
+    row = {"codec": codec, "depth": depth, "seeds": sorted(names), "forward_bits": fwd, "backward_bits": bwd,
+           "busiest_bits": busiest_bits(codec, REFERENCE_SHAPE, depth),
+           "study_forward_bits": sfwd, "study_backward_bits": sbwd}
+    for traffic in runs.TRAFFIC:
+        row[traffic] = metric(curves, names, bf16, traffic, target, size.iters)
+    for traffic in runs.TRAFFIC:
+        damage = {s: curves[n]["damage"][traffic]["damage_loss"] for s, n in names.items()}
+        base = {s: curves[bf16[s]]["damage"]["uncompressed"]["damage_loss"] for s in names}
+        delta = None if codec == "bf16" else _paired(damage, base, relative=True)
+        accuracy = [curves[n]["damage"][traffic]["damage_accuracy"] for n in names.values()]
+        row[traffic].update(
+            damage_by_seed={str(s): v for s, v in damage.items()}, damage_loss=statistics.fmean(damage.values()),
+            damage_accuracy=statistics.fmean(accuracy) if None not in accuracy else None,
+            **_interval_fields("damage_vs_bf16", delta),
+            damage_verdict="–" if codec == "bf16" else verdict(delta),
+            damage_vs_untouched=(statistics.fmean(damage.values()) / untouched["damage_loss"] - 1) if untouched
+            else None)
+    return row
+
+
+def project(rows: list[dict], depth: int) -> None:
+    """Each row's projected T (bf16: the record's; a codec: per evaluation, with its multiplier's interval)."""
+    base = projection.SETUP.steps_to_target
     projected = {r["codec"]: r for r in projection.project(
-        {c: r["multiplier"] for r in rows for c in [r["codec"]] if r["multiplier"] is not None},
-        codecs={("none" if r["codec"] == "bf16" else r["codec"]): CODECS[r["codec"]] for r in rows},
+        {}, codecs={("none" if r["codec"] == "bf16" else r["codec"]): CODECS[r["codec"]] for r in rows},
         multiplier_label="measured on SmolLM2-135M")}
     for row in rows:
-        p = projected["none" if row["codec"] == "bf16" else row["codec"]]
-        row["projected_T"] = p["T"] if row["multiplier"] is not None or row["codec"] == "bf16" else None
-        row["projected_s_per_step"] = p["s_per_step"]
-    metas = [m for m in (read_meta(out, p.stem[:-5] if p.stem.endswith(".meta") else p.stem)
-                         for p in out.glob("*.meta.json")) if m]
-    result = {"date": datetime.date.today().isoformat(), "host": host, "size": size.name, "setup": size.setup(),
-              "model": runs.MODELS[size.model].description, "target": target, "table": rows,
-              "untouched": untouched, "curves": curves, "bf16_steps_mean": base_mean,
-              "boundaries": runs.boundaries(runs.num_layers(out / "model"), size.stages),
-              "run_hours": sum(m.get("seconds", 0) for m in metas) / 3600,
-              "s_per_step": statistics.median(c["ms"] for c in curves.values() if c["codec"] == "bf16") / 1e3,
-              "runs": len(metas)}
-    if pipeline:
-        result["pipeline"] = pipeline_check(out, pipeline, seeds, curves)
-    return result
+        s_per_step = projected["none" if row["codec"] == "bf16" else row["codec"]]["s_per_step"]
+        row["projected_s_per_step"] = s_per_step
+        for traffic in runs.TRAFFIC:
+            m = row[traffic]
+            if row["codec"] == "bf16":
+                m.update(projected_T=s_per_step * base, projected_T_low=s_per_step * base,
+                         projected_T_high=s_per_step * base)
+            elif m["multiplier"] is not None:
+                m.update(projected_T=s_per_step * base * m["multiplier"],
+                         projected_T_low=s_per_step * base * m["multiplier_low"],
+                         projected_T_high=s_per_step * base * m["multiplier_high"])
+            else:
+                m.update(projected_T=None, projected_T_low=None, projected_T_high=None)
 
 
 def _hidden(out: Path) -> int:
@@ -144,25 +293,58 @@ def _hidden(out: Path) -> int:
     return int(flags[flags.index("--hidden-size") + 1])
 
 
-def pipeline_check(out: Path, codec: str, seeds: list[int], curves: dict) -> dict:
-    """The real pipeline's validation curve against the emulated run of the same codec and seed, on the
-    iterations both validated, beside the spread between the emulated seeds there."""
-    records = read_log(out / f"pipeline_{codec}_s{seeds[0]}.jsonl")
-    piped = dict(runs.validations(records))
-    emulated = dict(curves[runs.run_name(codec, seeds[0])]["validations"])
-    common = sorted(set(piped) & set(emulated))
-    diffs = [piped[i] - emulated[i] for i in common]
-    spread = []
-    for i in common:
-        at = [dict(curves[runs.run_name(codec, s)]["validations"]).get(i) for s in seeds]
-        at = [a for a in at if a is not None]
-        if len(at) > 1:
-            spread.append(statistics.stdev(at))
-    return {"codec": codec, "seed": seeds[0], "iterations": common, "pipeline": [piped[i] for i in common],
-            "emulated": [emulated[i] for i in common], "max_abs_diff": max(map(abs, diffs)) if diffs else None,
-            "mean_diff": statistics.fmean(diffs) if diffs else None,
-            "seed_spread": statistics.fmean(spread) if spread else None,
-            "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}
+def pipeline_check(out: Path, codec: str, seeds: list[int], curves: dict, depth: int) -> dict:
+    """The real pipeline's validation curves (both evaluations) against the emulated run of the same codec and seed,
+    on the iterations both validated, beside the spread between the emulated seeds there."""
+    records = read_log(out / f"pipeline_{codec}_d{depth}_s{seeds[0]}.jsonl")
+    emulated_name = runs.run_name(codec, seeds[0], depth)
+    found = {"codec": codec, "seed": seeds[0], "depth": depth,
+             "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}
+    for traffic in runs.TRAFFIC:
+        piped = dict(runs.validations(records, traffic))
+        emulated = dict(curves[emulated_name][traffic])
+        common = sorted(set(piped) & set(emulated))
+        diffs = [piped[i] - emulated[i] for i in common]
+        spread = []
+        for i in common:
+            at = [dict(c[traffic]).get(i) for c in curves.values() if c["codec"] == codec and c["depth"] == depth]
+            at = [a for a in at if a is not None]
+            if len(at) > 1:
+                spread.append(statistics.stdev(at))
+        found[traffic] = {"iterations": common, "pipeline": [piped[i] for i in common],
+                          "emulated": [emulated[i] for i in common],
+                          "max_abs_diff": max(map(abs, diffs)) if diffs else None,
+                          "mean_diff": statistics.fmean(diffs) if diffs else None,
+                          "seed_spread": statistics.fmean(spread) if spread else None}
+    return found
+
+
+# ----- choosing ------------------------------------------------------------------------------------------------
+def _t_ratio(a: dict, b: dict, traffic: str) -> score.Comparison | None:
+    """A's projected T over B's, paired by seed (steps ratio x s/step ratio), on one evaluation."""
+    sa = {int(k): v for k, v in a[traffic]["steps_by_seed"].items() if v is not None}
+    sb = {int(k): v for k, v in b[traffic]["steps_by_seed"].items() if v is not None}
+    if not set(sa) & set(sb):
+        return None
+    return score.compare(sa, sb, a["projected_s_per_step"] / b["projected_s_per_step"])
+
+
+def recommended(rows: list[dict], traffic: str = "uncompressed") -> str | None:
+    """The preset a user should choose on ``rows`` (one depth) for one use: of the presets whose every seed reached
+    the target on that evaluation without more damage than bf16's at equal steps (uncompressed), the lowest
+    projected T; where another's T is within noise of it (paired interval of the ratio holds 1), the one with the
+    fewest bits on the busiest link, then both ways (None: none did)."""
+    from megatron_tah.config.presets import PRESETS
+
+    fits = [r for r in rows if r["codec"] != "bf16" and r["codec"] in PRESETS and r[traffic]["multiplier"] is not None
+            and r["uncompressed"]["damage_verdict"] != MORE_DAMAGE]
+    if not fits:
+        return None
+    best = min(fits, key=lambda r: r[traffic]["projected_T"])
+    tied = [r for r in fits if r is best or ((c := _t_ratio(r, best, traffic)) is not None
+                                            and c.verdict in ("within noise", "one seed"))]
+    return min(tied, key=lambda r: (round(r["busiest_bits"], 2), r["forward_bits"] + r["backward_bits"],
+                                    r[traffic]["projected_T"]))["codec"]
 
 
 # ----- the page ----------------------------------------------------------------------------------------------
@@ -173,219 +355,272 @@ def _interval(mean, low, high, digits=2, suffix="", percent=False) -> str:
     return f"{f(mean)} [{f(low)}, {f(high)}]"
 
 
-def steps_text(row: dict) -> str:
-    if row["steps"] is None:
-        missed = [s for s, v in row["steps_by_seed"].items() if v is None]
-        return f"missed within {row['missed_within']} steps (seed {', '.join(missed)})"
-    return _interval(row["steps"], row["steps_low"], row["steps_high"], 0)
+def steps_text(m: dict) -> str:
+    if m["steps"] is None:
+        missed = [s for s, v in m["steps_by_seed"].items() if v is None]
+        return f"missed within {m['missed_within']} steps (seed {', '.join(missed)})"
+    return _interval(m["steps"], m["steps_low"], m["steps_high"], 1)
 
 
-def multiplier_text(row: dict) -> str:
-    return "–" if row["multiplier"] is None else _interval(row["multiplier"], row["multiplier_low"],
-                                                          row["multiplier_high"], suffix="x")
+def multiplier_text(m: dict) -> str:
+    if m["multiplier"] is None:
+        missed = [s for s, v in m["steps_by_seed"].items() if v is None]
+        return f"missed within {m['missed_within']} steps ({len(missed)} of {len(m['steps_by_seed'])} seeds)"
+    return _interval(m["multiplier"], m["multiplier_low"], m["multiplier_high"], suffix="x")
 
 
-def table_markdown(result: dict) -> str:
-    lines = ["| codec | bits fwd + bwd at [1024, 8, 1024] | steps to target | steps vs bf16 | damage-corpus loss | "
-             "vs bf16's fine-tune | vs untouched | greedy accuracy | projected T (s) |",
-             "|---|---:|---|---|---:|---|---:|---:|---:|"]
-    for r in result["table"]:
-        vs = "–" if r["codec"] == "bf16" else (
-            _interval(r["damage_vs_bf16"], r["damage_vs_bf16_low"], r["damage_vs_bf16_high"], percent=True)
-            + f" ({r['damage_verdict']})")
-        accuracy = "–" if r["damage_accuracy"] is None else f"{100 * r['damage_accuracy']:.2f}%"
-        projected = "–" if r["projected_T"] is None else f"{r['projected_T']:,.0f}"
-        lines.append(f"| {r['codec']} | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {steps_text(r)} | "
-                     f"{multiplier_text(r)} | {r['damage_loss']:.4f} | {vs} | "
-                     f"{100 * r['damage_vs_untouched']:+.2f}% | {accuracy} | {projected} |")
+def along_text(m: dict) -> str:
+    return "–" if m["along"] is None else _interval(m["along"], m["along_low"], m["along_high"], suffix="x")
+
+
+def damage_text(m: dict, codec: str) -> str:
+    if codec == "bf16":
+        return "–"
+    return _interval(m["damage_vs_bf16"], m["damage_vs_bf16_low"], m["damage_vs_bf16_high"], percent=True) \
+        + f" ({m['damage_verdict']})"
+
+
+def t_text(m: dict) -> str:
+    if m["projected_T"] is None:
+        return "–"
+    if m["projected_T_low"] == m["projected_T_high"]:
+        return f"{m['projected_T']:,.0f}"
+    return f"{m['projected_T']:,.0f} [{m['projected_T_low']:,.0f}, {m['projected_T_high']:,.0f}]"
+
+
+def table_markdown(rows: list[dict], traffic: str) -> str:
+    lines = ["| codec | bits fwd + bwd at [1024, 8, 1024] | seeds | steps to target | steps vs bf16 | along the curve | "
+             "damage vs bf16 at equal steps | vs untouched | greedy accuracy | projected T (s) |",
+             "|---|---:|---:|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        m = r[traffic]
+        accuracy = "–" if m["damage_accuracy"] is None else f"{100 * m['damage_accuracy']:.2f}%"
+        untouched = "–" if m["damage_vs_untouched"] is None else f"{100 * m['damage_vs_untouched']:+.2f}%"
+        lines.append(f"| {r['codec']} | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {len(r['seeds'])} | "
+                     f"{steps_text(m)} | {multiplier_text(m)} | {along_text(m)} | {damage_text(m, r['codec'])} | "
+                     f"{untouched} | {accuracy} | {t_text(m)} |")
     return "\n".join(lines)
 
 
-def recommended(result: dict) -> str | None:
-    """The codec the real model supports: of those whose every seed reached the target without more damage than
-    bf16's fine-tune, the one with the lowest projected T, and of equal T (to the second) the one with the fewest
-    bits both ways (what the links carry in all; with bits per boundary T charges the busiest link) (None: none
-    did)."""
-    fits = [r for r in result["table"] if r["codec"] != "bf16" and r["multiplier"] is not None
-            and r["damage_verdict"] != "more damage than bf16's fine-tune" and r["projected_T"] is not None]
-    return min(fits, key=lambda r: (round(r["projected_T"]), r["forward_bits"] + r["backward_bits"]))["codec"] \
-        if fits else None
+def depths_markdown(result: dict) -> str:
+    """One table over every depth: each codec's steps multiplier on both evaluations and its damage."""
+    lines = ["| depth | codec | bits fwd + bwd | seeds | steps vs bf16, uncompressed | steps vs bf16, through the "
+             "codecs | damage vs bf16 at equal steps (uncompressed) |", "|---:|---|---:|---:|---|---|---|"]
+    tables = {str(result["depth"]): result["table"], **result["depths"]}
+    for depth in sorted(tables, key=int):
+        for r in tables[depth]:
+            if r["codec"] == "bf16":
+                continue
+            lines.append(f"| {depth} | {r['codec']} | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | "
+                         f"{len(r['seeds'])} | {multiplier_text(r['uncompressed'])} | {multiplier_text(r['compressed'])} | "
+                         f"{damage_text(r['uncompressed'], r['codec'])} |")
+    return "\n".join(lines)
 
 
-def bf16_fall_text(result: dict) -> str:
-    """How much each bf16 seed's validation loss still fell over the two evaluation intervals before the target's
-    step (the schedule's 92%)."""
-    setup = result["setup"]
-    end = max(i for i in range(0, setup["iters"] + 1, setup["eval_interval"]) if i <= 0.92 * setup["iters"])
-    start = end - 2 * setup["eval_interval"]
-    falls = []
-    for curve in result["curves"].values():
-        if curve["codec"] == "bf16":
-            at = dict(curve["validations"])
-            falls.append(f"{at[start] - at[end]:+.3f}")
-    return f"bf16's validation loss fell by {', '.join(falls)} from step {start} to step {end}, per seed"
-
-
-def frontier_text(result: dict) -> str:
-    """The codecs by bits both ways at the reference shape, each with its steps, and the best point."""
-    rows = sorted((r for r in result["table"] if r["codec"] != "bf16"),
-                  key=lambda r: r["forward_bits"] + r["backward_bits"])
-    parts = [f"`{r['codec']}` {r['forward_bits'] + r['backward_bits']:.2f} bits: "
-             + (f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))
-             for r in rows]
-    best = recommended(result)
-    verdict = (f"The point with the lowest projected T among those that reached the target without more damage than "
-               f"bf16's fine-tune (of equal T, the fewest bits): `{best}`." if best else "No codec reached the target without more damage than "
-               "bf16's fine-tune.")
-    return ("Bits per value forward + backward at [1024, 8, 1024], fewest first, and the steps each needed against "
-            "bf16's: " + "; ".join(parts) + ". " + verdict)
-
-
-PLACEMENTS = ("channel_h4", "channel_b_h4", "channel5_h4", "channel_b5_h4")
-"""The candidates that differ only in where the forward bits go: 6 everywhere, 6 or 5 by the sensitivity, 5
-everywhere, and 5 on average with 4 where 4 bits cost least alone."""
-
-
-def placement_text(result: dict) -> str:
-    """The steps and damage of the :data:`PLACEMENTS` the study ran ("" for fewer than two)."""
-    rows = [r for name in PLACEMENTS for r in result["table"] if r["codec"] == name]
-    if len(rows) < 2:
-        return ""
-    from megatron_tah.config import TahConfig
-
-    values = REFERENCE_SHAPE[0] * REFERENCE_SHAPE[1] * REFERENCE_SHAPE[2]
-    busiest = {r["codec"]: 8 * busiest_nbytes(TahConfig(**CODECS[r["codec"]]), REFERENCE_SHAPE,
-                                              result["setup"]["stages"]) / values for r in rows}
-    parts = [f"`{r['codec']}` ({r['forward_bits']:.2f} bits forward on average, busiest link "
-             f"{busiest[r['codec']]:.2f}): "
-             + (f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))
-             + ", " + (r["damage_verdict"] if r["damage_verdict"].endswith("fine-tune") else
-                       f"damage {r['damage_verdict']}") for r in rows]
-    return "Where the forward bits go, at the same gradients: " + "; ".join(parts) + "."
+def presets_by_depth(result: dict) -> dict[str, dict[str, str | None]]:
+    """{depth: {traffic: the recommended preset}} over every depth the study ran."""
+    tables = {str(result["depth"]): result["table"], **result["depths"]}
+    return {d: {t: recommended(rows, t) for t in runs.TRAFFIC} for d, rows in sorted(tables.items(), key=lambda x: int(x[0]))}
 
 
 def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
-    """The README's summary of ``result``: bf16 and every ``--tah-preset`` the study measured, with its bits, steps vs
-    bf16, damage vs bf16's fine-tune and projected T, each linked to the page that measured it (the page has the
-    other candidates; ``test_readme_claims`` compares the two)."""
+    """The README's summary of ``result`` at its main depth: bf16 and every ``--tah-preset`` the study measured, with
+    its bits, steps vs bf16 on both evaluations, damage at equal steps and projected T, each linked to the page that
+    measured it (the page has the other candidates; ``test_readme_claims`` compares the two)."""
     from megatron_tah.config.presets import PRESETS
 
-    lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps to target vs bf16 (95% interval) | "
-             "damage vs bf16's fine-tune | projected T (s) |", "|---|---:|---|---|---:|"]
+    lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps vs bf16, model served on its own | steps vs bf16, "
+             "served through the pipeline | damage vs bf16 at equal steps | projected T (s) |",
+             "|---|---:|---|---|---|---:|"]
     for r in (r for r in result["table"] if r["codec"] == "bf16" or r["codec"] in PRESETS):
         name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
-        steps = "1" if r["codec"] == "bf16" else (
-            f"missed within {r['missed_within']} steps" if r["multiplier"] is None else multiplier_text(r))
-        damage = "–" if r["codec"] == "bf16" else (
-            _interval(r["damage_vs_bf16"], r["damage_vs_bf16_low"], r["damage_vs_bf16_high"], percent=True)
-            + f" ({r['damage_verdict']})")
-        projected = "–" if r["projected_T"] is None else f"{r['projected_T']:,.0f}"
-        lines.append(f"| [{name}]({page}) | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {steps} | {damage} | "
-                     f"{projected} |")
+        unc, cod = ("1", "1") if r["codec"] == "bf16" else (multiplier_text(r["uncompressed"]),
+                                                            multiplier_text(r["compressed"]))
+        lines.append(f"| [{name}]({page}) | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {unc} | {cod} | "
+                     f"{damage_text(r['uncompressed'], r['codec'])} | {t_text(r['uncompressed'])} |")
     return "\n".join(lines)
+
+
+def frontier_text(result: dict) -> str:
+    """The codecs by bits both ways at the reference shape, each with its steps on both evaluations."""
+    rows = sorted((r for r in result["table"] if r["codec"] != "bf16"),
+                  key=lambda r: r["forward_bits"] + r["backward_bits"])
+    parts = [f"`{r['codec']}` {r['forward_bits'] + r['backward_bits']:.2f} bits: "
+             f"{multiplier_text(r['uncompressed'])} uncompressed, {multiplier_text(r['compressed'])} through the codecs, "
+             f"damage {r['uncompressed']['damage_verdict']}" for r in rows]
+    return "Bits per value forward + backward at [1024, 8, 1024], fewest first: " + "; ".join(parts) + "."
 
 
 def pipeline_text(result: dict) -> str:
     check = result.get("pipeline")
     if not check:
         return "Not run for this page (`--pipeline CODEC` runs it)."
-    return (f"`{check['codec']}` with seed {check['seed']} ran as the real {result['setup']['stages']}-stage pipeline "
+    u, c = check["uncompressed"], check["compressed"]
+    return (f"`{check['codec']}` with seed {check['seed']} ran as the real {check['depth']}-stage pipeline "
             f"(one process per stage over gloo, `python -m megatron_tah.pretrain_gpt` with "
-            f"`--pipeline-model-parallel-size {result['setup']['stages']}`) for bf16's schedule. Over the "
-            f"{len(check['iterations'])} validations both runs made, its loss differs from the emulated run's of the "
-            f"same seed by at most {check['max_abs_diff']:.4f} (mean {check['mean_diff']:+.4f}); the emulated seeds' "
-            f"standard deviation at those validations is {check['seed_spread']:.4f} on average. Its median step took "
-            f"{check['ms'] / 1e3:.1f} s ({result['setup']['stages']} processes on the machine's cores).")
+            f"`--pipeline-model-parallel-size {check['depth']}` and `--tah-eval-traffic both`). Over the "
+            f"{len(c['iterations'])} validations both runs made, its loss through the codecs differs from the emulated "
+            f"run's of the same seed by at most {c['max_abs_diff']:.4f} (mean {c['mean_diff']:+.4f}), uncompressed by "
+            f"at most {u['max_abs_diff']:.4f} (mean {u['mean_diff']:+.4f}); the emulated seeds' standard deviation "
+            f"at those validations is {c['seed_spread']:.4f} on average. Its median step took "
+            f"{check['ms'] / 1e3:.1f} s ({check['depth']} processes on the machine's cores).")
+
+
+def noise_text(result: dict) -> str:
+    n, r = result.get("noise") or {}, result.get("resolution") or {}
+    parts = []
+    if n:
+        parts.append(
+            f"Each validation reads the same {n['samples']} held-out sequences ({result['setup']['eval_iters']} "
+            f"batches, {result['setup']['eval_iters'] * result['setup']['micro_batches'] * result['setup']['seq']:,} "
+            f"tokens) in every run. Over {n['pairs']} validations of the codecs' runs, the standard error of the "
+            f"paired difference to bf16's model of the same seed (per-sequence losses, uncompressed) has median "
+            f"{n['median_se']:.4f} (largest {n['max_se']:.4f}), against a median gap of {n['median_gap']:.4f}; at "
+            f"the target bf16 falls {result['target_slope']:.4f} per step, so that noise is "
+            f"{n['se_in_steps']:.2f} steps.")
+    if r:
+        parts.append(
+            f"Validations every {r['interval']} steps, steps to target interpolated between them: read from every "
+            f"other validation instead, bf16's steps to target move by {r['mean_diff_steps']:.2f} steps on average "
+            f"(at most {r['max_diff_steps']:.2f}, {100 * r['max_diff_fraction']:.1f}% of its steps).")
+    return " ".join(parts) or "Not measured."
+
+
+def presets_text(result: dict) -> str:
+    lines = ["| pipeline depth | model served on its own | served through the compressed pipeline |", "|---:|---|---|"]
+    for depth, pick in presets_by_depth(result).items():
+        lines.append(f"| {depth} | " + " | ".join("none reached the target" if pick[t] is None else f"`{pick[t]}`"
+                                                  for t in runs.TRAFFIC) + " |")
+    return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
+    """Validation loss per codec and seed at the main depth, both evaluations (two panels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = {}
-    for name, curve in sorted(result["curves"].items()):
-        codec = curve["codec"]
-        color = colors.setdefault(codec, f"C{len(colors)}")
-        xs, ys = zip(*curve["validations"]) if curve["validations"] else ((), ())
-        ax.plot(xs, ys, color=color, alpha=0.8, lw=1, label=codec if codec not in ax.get_legend_handles_labels()[1]
-                else None)
-    check = result.get("pipeline")
-    if check:
-        ax.plot(check["iterations"], check["pipeline"], "k--", lw=1, label=f"{check['codec']} (real pipeline)")
-    ax.axhline(result["target"], color="grey", ls=":", label=f"target {result['target']:.3f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (held-out Shakespeare, through the codecs)")
-    ax.set_title(f"{result['model'].split(' (')[0]}, pipeline depth {result['setup']['stages']} (emulated)")
-    ax.legend(fontsize=8)
+    for ax, traffic in zip(axes, runs.TRAFFIC):
+        seen = set()
+        for name, curve in sorted(result["curves"].items()):
+            if curve["depth"] not in (None, result["depth"]):
+                continue
+            color = colors.setdefault(curve["codec"], f"C{len(colors) % 10}")
+            xs, ys = zip(*curve[traffic]) if curve[traffic] else ((), ())
+            ax.plot(xs, ys, color=color, alpha=0.7, lw=1, label=None if curve["codec"] in seen else curve["codec"])
+            seen.add(curve["codec"])
+        ax.axhline(result["target"], color="grey", ls=":", label=f"target {result['target']:.3f}")
+        ax.set_xlabel("step")
+        ax.set_title(TRAFFIC_LABEL[traffic], fontsize=9)
+    axes[0].set_ylabel("validation loss (held-out Shakespeare)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{result['model'].split(' (')[0]}, pipeline depth {result['depth']} (emulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_along(result: dict, path: Path) -> None:
+    """N / M along the curve (uncompressed) at the main depth: each codec's mean over seeds per validation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bf16 = {c["seed"]: c for c in result["curves"].values() if c["codec"] == "bf16"}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for k, row in enumerate(r for r in result["table"] if r["codec"] != "bf16"):
+        by_step: dict[int, list[float]] = {}
+        for curve in result["curves"].values():
+            if curve["codec"] == row["codec"] and curve["depth"] == result["depth"] and curve["seed"] in bf16:
+                for n, m in score.equivalent_steps(curve["uncompressed"], bf16[curve["seed"]]["uncompressed"]):
+                    by_step.setdefault(n, []).append(n / m)
+        xs = sorted(by_step)
+        ax.plot(xs, [statistics.fmean(by_step[x]) for x in xs], marker=".", color=f"C{k % 10}", label=row["codec"])
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_xlabel("step N of the codec's run")
+    ax.set_ylabel("N / M: M = bf16's step at the same loss (mean over seeds)")
+    ax.set_title("steps multiplier along the curve, evaluated uncompressed")
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_frontier(result: dict, path: Path) -> None:
-    """Bits both ways at the reference shape against the steps multiplier (with its interval) per codec; a codec
-    that missed the target sits above the plot's top line, marked "missed"."""
+    """Bits both ways at the reference shape against the steps multiplier (with its interval) per codec, on both
+    evaluations; a codec that missed the target sits above the plot's top line, marked "missed"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["table"] if r["codec"] != "bf16"]
-    reached = [r for r in rows if r["multiplier"] is not None]
-    top = max([r["multiplier_high"] for r in reached] + [1.5]) + 0.3
+    reached = [r[t] for r in rows for t in runs.TRAFFIC if r[t]["multiplier"] is not None]
+    top = max([m["multiplier_high"] for m in reached] + [1.5]) + 0.3
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for r in rows:
-        x = r["forward_bits"] + r["backward_bits"]
-        if r["multiplier"] is None:
-            ax.plot([x], [top], "v", color="C3")
-            ax.annotate(f"{r['codec']} (missed)", (x, top), textcoords="offset points", xytext=(0, 6), fontsize=7,
-                        rotation=90, ha="center", va="bottom")
-        else:
-            ax.errorbar([x], [r["multiplier"]], yerr=[[r["multiplier"] - r["multiplier_low"]],
-                                                       [r["multiplier_high"] - r["multiplier"]]], fmt="o", color="C0",
-                        capsize=3)
-            ax.annotate(r["codec"], (x, r["multiplier"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
+    for k, traffic in enumerate(runs.TRAFFIC):
+        shift, marker = (-0.04, "o") if traffic == "uncompressed" else (0.04, "s")
+        for r in rows:
+            x, m = r["forward_bits"] + r["backward_bits"] + shift, r[traffic]
+            if m["multiplier"] is None:
+                ax.plot([x], [top], "v", color=f"C{k}")
+                if traffic == "uncompressed":
+                    ax.annotate(f"{r['codec']} (missed)", (x, top), textcoords="offset points", xytext=(0, 6),
+                                fontsize=7, rotation=90, ha="center", va="bottom")
+            else:
+                ax.errorbar([x], [m["multiplier"]], yerr=[[m["multiplier"] - m["multiplier_low"]],
+                                                           [m["multiplier_high"] - m["multiplier"]]], fmt=marker,
+                            color=f"C{k}", capsize=3, label=TRAFFIC_LABEL[traffic] if r is rows[0] else None)
+                if traffic == "uncompressed":
+                    ax.annotate(r["codec"], (x, m["multiplier"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
     ax.axhline(1.0, color="grey", ls=":", label="bf16's steps")
-    ax.set_ylim(top=top + 1.6)  # room for the missed codecs' names
+    ax.set_ylim(top=top + 1.6)
     ax.set_xlabel("bits per value, forward + backward, at [1024, 8, 1024]")
     ax.set_ylabel("steps to target vs bf16 (95% interval)")
     ax.set_title("bits against steps on the real model")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_page(result: dict, page: Path) -> None:
-    """``page`` (markdown), with its JSON and plot under ``docs/data/`` beside it."""
+    """``page`` (markdown), with its JSON and plots under ``docs/data/`` beside it."""
     page = Path(page)
     data, stem = save_data(result, page, plot)
     plot_frontier(result, data / f"{stem}_frontier.png")
+    plot_along(result, data / f"{stem}_along.png")
     setup = result["setup"]
     untouched = result["untouched"] or {}
     template = (Path(__file__).parent / "page.md").read_text()
+    bf16 = result["bf16_steps"]
     page.write_text(template.format(
         date=result["date"], size=result["size"], size_note=runs.SIZES[result["size"]].note, cpu=result["host"]["cpu"],
-        cores=result["host"]["cores"], json=f"data/{stem}.json",
-        plot=f"data/{stem}.png", model=result["model"], target=f"{result['target']:.3f}",
-        boundaries=", ".join(map(str, result["boundaries"])), stages=setup["stages"], seq=setup["seq"],
-        micro_batches=setup["micro_batches"], tokens=setup["seq"] * setup["micro_batch"] * setup["micro_batches"],
-        iters=setup["iters"], lr=f"{setup['lr']:g}", warmup=setup["warmup"], eval_interval=setup["eval_interval"],
+        cores=result["host"]["cores"], json=f"data/{stem}.json", plot=f"data/{stem}.png", model=result["model"],
+        target=f"{result['target']:.4f}", target_step=setup["target_step"], slope=f"{result['target_slope']:.4f}",
+        depth=result["depth"], boundaries=", ".join(map(str, result["boundaries"][str(result["depth"])])),
+        other_boundaries="; ".join(f"depth {d}: after layers {', '.join(map(str, b))}"
+                                   for d, b in result["boundaries"].items() if d != str(result["depth"])) or "none",
+        seq=setup["seq"], micro_batches=setup["micro_batches"],
+        tokens=setup["seq"] * setup["micro_batch"] * setup["micro_batches"], iters=setup["iters"],
+        lr=f"{setup['lr']:g}", warmup=setup["warmup"], eval_interval=setup["eval_interval"],
+        eval_from=setup["eval_from"],
         eval_tokens=setup["eval_iters"] * setup["micro_batches"] * setup["micro_batch"] * setup["seq"],
-        damage_tokens=setup["damage_eval_iters"] * setup["micro_batches"] * setup["micro_batch"] * setup["seq"],
-        max_steps=int(setup["max_factor"] * setup["iters"]), max_factor=f"{setup['max_factor']:g}",
-        seeds=", ".join(str(s) for s in result["table"][0]["seeds"]), table=table_markdown(result),
-        untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
+        seeds=", ".join(map(str, result["seeds"])),
+        table_uncompressed=table_markdown(result["table"], "uncompressed"),
+        table_codec=table_markdown(result["table"], "compressed"), depths_table=depths_markdown(result),
+        presets=presets_text(result), untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
-        bf16_steps=f"{result['bf16_steps_mean']:.0f}", pipeline=pipeline_text(result),
-        frontier=frontier_text(result), frontier_plot=f"data/{stem}_frontier.png", bf16_fall=bf16_fall_text(result),
-        sensitivity_json=f"data/{stem}_sensitivity.json", sensitivity=sensitivity_text(data / f"{stem}_sensitivity.json"),
-        placement=placement_text(result)))
+        bf16_steps=_interval(bf16["mean"], bf16["low"], bf16["high"], 1), noise=noise_text(result),
+        pipeline=pipeline_text(result), frontier=frontier_text(result), frontier_plot=f"data/{stem}_frontier.png",
+        along_plot=f"data/{stem}_along.png", sensitivity_json=f"data/{stem}_sensitivity.json",
+        sensitivity=sensitivity_text(data / f"{stem}_sensitivity.json")))
 
 
 def sensitivity_text(path: Path) -> str:

@@ -277,15 +277,15 @@ def eval_run(name: str, size: Size, model_dir: Path, data: dict[str, str], load:
     return EvalRun(name, flags, 1, label=name, info={"kind": "eval", **(info or {})})
 
 
-TRAFFIC = ("uncompressed", "codec")
+TRAFFIC = ("uncompressed", "compressed")
 """The two evaluations of every validation: the model on its own (served elsewhere) and through the codecs
 (served through the same compressed pipeline)."""
 
 
-def validations(records: list[dict], traffic: str = "codec") -> list[tuple[int, float]]:
-    """(iteration, validation loss) of a training run, in order, through the codecs or ``"uncompressed"`` (a run
-    without a codec: its one evaluation is both); the end-of-training repeat left out."""
-    key = "valid_loss" if traffic == "codec" else "valid_loss_uncompressed"
+def validations(records: list[dict], traffic: str = "compressed") -> list[tuple[int, float]]:
+    """(iteration, validation loss) of a training run, in order, through the codecs (``"compressed"``) or
+    ``"uncompressed"`` (a run without a codec: its one evaluation is both); the end-of-training repeat left out."""
+    key = "valid_loss" if traffic == "compressed" else "valid_loss_uncompressed"
     seen = {}
     for r in records:
         if "valid_loss" in r:
@@ -295,7 +295,7 @@ def validations(records: list[dict], traffic: str = "codec") -> list[tuple[int, 
 
 def evaluation(records: list[dict], traffic: str = "uncompressed") -> dict:
     """{"valid_loss", "valid_accuracy", "damage_loss", "damage_accuracy"} of a run's last evaluations (a training
-    run's end; an evaluation run's only), uncompressed or through the codecs (``"codec"``)."""
+    run's end; an evaluation run's only), uncompressed or through the codecs (``"compressed"``)."""
     suffix = "_uncompressed" if traffic == "uncompressed" else ""
     found = {}
     for r in records:

@@ -3,7 +3,8 @@
     python -m benchmarks.real_model.sensitivity --out docs/data/real_model_sensitivity.json  # SmolLM2-135M, depth 8
 
 No training: the pretrained model (``benchmarks.real_activations``' SmolLM2-135M, fp32, through
-``transformers``) reads ``batches`` x ``seq`` tokens of the shipped Shakespeare corpus (the study's micro-batch:
+``transformers``) reads ``batches`` x ``seq`` tokens of the shipped Shakespeare corpus's held-out documents (the
+study's validation split, ``megatron_tah.data.held_out_files``; the study's micro-batch:
 one sequence per message, ``[seq, 1, hidden]`` as Megatron's pipeline sends it, bf16), and at the layers after
 which a pipeline of ``stages`` splits it (``runs.boundaries``) the hidden state goes through a codec's round trip:
 
@@ -84,11 +85,13 @@ class RoundTrips:
 
 
 def _batches(tokenizer, seq: int, count: int) -> list[torch.Tensor]:
-    from ..real_activations import corpus_text
+    """``count`` sequences of ``seq + 1`` tokens from the held-out Shakespeare documents, in order."""
+    from megatron_tah.data import held_out_files, read_text
 
-    ids = tokenizer(corpus_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    text = "\n".join(read_text(path) for path in held_out_files("shakespeare"))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     if ids.numel() < seq * count + 1:
-        raise ValueError(f"the corpus gives {ids.numel()} tokens, fewer than {seq * count + 1}")
+        raise ValueError(f"the held-out documents give {ids.numel()} tokens, fewer than {seq * count + 1}")
     return [ids[i * seq:(i + 1) * seq + 1] for i in range(count)]
 
 

@@ -13,6 +13,10 @@
 * **Intervals** (``mean_interval``, ``paired_ratio``): a two-sided 95% Student-t interval of the mean
   over seeds; a codec's steps multiplier is the mean of its per-seed ratios to bf16's steps with the
   same seed (same initialisation and data order), with that interval.
+* **Interpolated steps** (``crossing``): where a curve first reaches a loss, linearly interpolated between the
+  validation before and the first at or below it; and the **equivalent steps** (``equivalent_steps``): at each
+  validation N of one run, the step M at which a baseline's curve reached the same loss (interpolated, never
+  extrapolated), so N / M is read along the curve and not at one point (the real-model study).
 * **A missed target** (``missed_bound``): a codec that did not reach the target within its longest
   schedule of N steps needs more than N steps; against bf16's steps on the same seed that is a lower
   bound on its multiplier, the smallest over the seeds that missed. Not a multiplier.
@@ -44,6 +48,36 @@ def steps_to_target(validations: Iterable[tuple[int, float]], target: float) -> 
         if math.isfinite(loss) and loss <= target:
             return int(iteration)
     return None
+
+
+def crossing(validations: Iterable[tuple[int, float]], level: float) -> float | None:
+    """The step at which the curve ``validations`` first reaches ``level``: linearly interpolated between the
+    validation before and the first at or below it; the first validation's step when that one already is (never
+    before the curve starts); None when no validation reaches it."""
+    points = sorted((int(i), float(loss)) for i, loss in validations if math.isfinite(loss))
+    for k, (step, loss) in enumerate(points):
+        if loss <= level:
+            if k == 0:
+                return float(step)
+            before, higher = points[k - 1]
+            return before + (higher - level) / (higher - loss) * (step - before)
+    return None
+
+
+def equivalent_steps(curve: Iterable[tuple[int, float]], base: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(N, M) for each validation N of ``curve`` whose loss ``base`` reaches within its own validations: M is
+    ``crossing(base, loss)``. A loss above ``base``'s first validation (reached before ``base`` was first
+    measured) or below all of ``base``'s has no M: never extrapolated."""
+    base = sorted((int(i), float(loss)) for i, loss in base if math.isfinite(loss))
+    if not base:
+        return []
+    found = []
+    for n, loss in sorted(curve):
+        if math.isfinite(loss) and loss <= base[0][1]:
+            m = crossing(base, loss)
+            if m is not None and m > 0:
+                found.append((int(n), m))
+    return found
 
 
 def target_loss(baselines: Sequence[Iterable[tuple[int, float]]], schedule: int, fraction: float = 0.92) -> float:
