@@ -1,15 +1,15 @@
 """The values the product reads from the studies: ``megatron_tah/config/measured.json`` (package data).
 
-    python -m benchmarks.measured    # rewrite it from the committed pages' JSON (docs/data/speedrun.json, depth.json)
+    python -m benchmarks.measured    # rewrite it from the committed real-model page's JSON (docs/data/real_model.json)
 
 Its ``steps_multiplier`` holds, per pipeline depth, ``auto``'s steps multipliers (``config/auto.py``): a row
 ``{"multipliers": {candidate: steps to the target loss / bf16's}, "at_least": [the candidates whose multiplier is a
-lower bound], "page", "command", "date", "host"}``, the last four saying where the numbers come from. A multiplier
-measured to the target is kept to 3 decimals, a lower bound to 2: for a speedrun codec that missed the target, the
-longest schedule N it ran over bf16's steps to target on the same seed, the smallest over the seeds that missed
-(``benchmarks.speedrun.score.missed_bound``). The speedrun (depth 8: every ``auto`` candidate it scored) and the
-depth study (depth 4: ``paper``) write their row with their page (``write_row``), keeping the other rows;
-``tests/test_auto_depth.py`` checks the file against the pages.
+lower bound], "page", "command", "date", "host"}``, the last four saying where the numbers come from. They are the
+real-model study's (SmolLM2-135M at each depth it ran, docs/REAL_MODEL.md), on the evaluation of a model served on
+its own (uncompressed): what the codecs did to training. A multiplier measured to the target is kept to 3 decimals,
+a lower bound to 2: for a codec that missed the target, its run's steps over bf16's steps to target on the same
+seed, the smallest over the seeds that missed. The study writes the rows with its page (``write_beside``);
+``tests/test_auto_depth.py`` checks the file against the page.
 """
 
 from __future__ import annotations
@@ -19,41 +19,46 @@ from pathlib import Path
 
 from megatron_tah.config import CANDIDATES
 
-from .speedrun.frontier import lower_bound
-
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = Path("megatron_tah") / "config" / "measured.json"  # under a checkout's root
-SPEEDRUN = {"page": "docs/data/speedrun.json", "command": "python -m benchmarks.speedrun --write docs/SPEEDRUN.md"}
-DEPTH = {"page": "docs/data/depth.json", "command": "python -m benchmarks.depth --write docs/DEPTH.md"}
-DEPTH_ROWS = {4: "paper_pp4"}  # the depth study's row standing for paper at each depth the speedrun does not run
+REAL_MODEL = {"page": "docs/data/real_model.json",
+              "command": "python -m benchmarks.real_model --write docs/REAL_MODEL.md"}
 DECIMALS, BOUND_DECIMALS = 3, 2  # a measured multiplier's, a lower bound's
+TRAFFIC = "uncompressed"  # the evaluation auto's charges come from: what the codecs did to training
 
 
-def _row(multipliers: dict[str, float], at_least: set[str], source: dict, result: dict, command: str | None) -> dict:
-    return {"multipliers": multipliers, "at_least": sorted(at_least), "page": source["page"],
-            "command": command or source["command"], "date": result["date"], "host": result["host"]}
+def lower_bound(row: dict, bf16: dict) -> float | None:
+    """A codec row that missed the target (on ``TRAFFIC``): its steps (``missed_within``) over bf16's steps to target
+    on each seed that missed, the smallest; None when it did not miss."""
+    metric = row[TRAFFIC]
+    if metric["multiplier"] is not None or not metric["missed_within"]:
+        return None
+    base = bf16[TRAFFIC]["steps_by_seed"]
+    bounds = [metric["missed_within"] / base[s] for s, v in metric["steps_by_seed"].items() if v is None and base.get(s)]
+    return min(bounds) if bounds else None
 
 
-def speedrun_row(result: dict, command: str | None = None) -> tuple[int, dict]:
-    """(depth, row) of a speedrun result (its page's JSON): each ``auto`` candidate it scored, with its steps
-    multiplier or, when it missed the target, the measured lower bound (``frontier.lower_bound``)."""
-    multipliers, at_least = {}, set()
-    for r in result["table"]:
-        if r["codec"] not in CANDIDATES:
-            continue
-        if r["multiplier"]:
-            multipliers[r["codec"]] = round(r["multiplier"], DECIMALS)
-        elif lower_bound(r):
-            multipliers[r["codec"]] = round(lower_bound(r), BOUND_DECIMALS)
-            at_least.add(r["codec"])
-    return result["setup"]["stages"], _row(multipliers, at_least, SPEEDRUN, result, command)
-
-
-def depth_rows(result: dict, command: str | None = None) -> dict[int, dict]:
-    """{depth: row} of a depth-study result: ``paper``'s lower bound at each depth of ``DEPTH_ROWS``."""
-    return {depth: _row({"paper": round(result["rows"][name]["multiplier_at_least"], BOUND_DECIMALS)}, {"paper"},
-                        DEPTH, result, command)
-            for depth, name in DEPTH_ROWS.items() if result["rows"].get(name, {}).get("multiplier_at_least")}
+def real_model_rows(result: dict, command: str | None = None) -> dict[int, dict]:
+    """{depth: row} of a real-model result (its page's JSON): each ``auto`` candidate it ran at that depth, with its
+    steps multiplier or, when it missed the target, the lower bound."""
+    rows = {}
+    tables = {str(result["depth"]): result["table"], **result.get("depths", {})}
+    for depth, table in tables.items():
+        bf16 = next(r for r in table if r["codec"] == "bf16")
+        multipliers, at_least = {}, set()
+        for r in table:
+            if r["codec"] not in CANDIDATES:
+                continue
+            if r[TRAFFIC]["multiplier"] is not None:
+                multipliers[r["codec"]] = round(r[TRAFFIC]["multiplier"], DECIMALS)
+            elif lower_bound(r, bf16) is not None:
+                multipliers[r["codec"]] = round(lower_bound(r, bf16), BOUND_DECIMALS)
+                at_least.add(r["codec"])
+        if multipliers:
+            rows[int(depth)] = {"multipliers": multipliers, "at_least": sorted(at_least),
+                                "page": REAL_MODEL["page"], "command": command or REAL_MODEL["command"],
+                                "date": result["date"], "host": result["host"]}
+    return rows
 
 
 def write_row(depth: int, row: dict, path: Path) -> None:
@@ -76,10 +81,11 @@ def write_beside(page: Path, rows: dict[int, dict]) -> Path | None:
 
 
 def main() -> int:
-    speedrun = json.loads((ROOT / SPEEDRUN["page"]).read_text())
-    rows = {**depth_rows(json.loads((ROOT / DEPTH["page"]).read_text())), **dict([speedrun_row(speedrun)])}
+    rows = real_model_rows(json.loads((ROOT / REAL_MODEL["page"]).read_text()))
+    path = ROOT / MEASURED
+    path.write_text(json.dumps({"steps_multiplier": {}}, indent=1) + "\n")  # only the study's rows
     for depth, row in rows.items():
-        write_row(depth, row, ROOT / MEASURED)
+        write_row(depth, row, path)
     print(f"[measured] wrote {MEASURED} (depths {', '.join(map(str, sorted(rows)))})")
     return 0
 

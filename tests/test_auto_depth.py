@@ -87,12 +87,20 @@ def test_a_lower_bound_waives_nothing_but_a_measured_alias_does(monkeypatch):
     assert chosen == "paper" and allowed == {"none", "paper", "fixedpoint4"}
 
 
+def _real_model() -> dict:
+    return json.loads((ROOT / "docs" / "data" / "real_model.json").read_text())
+
+
+def _tables(result: dict) -> dict[int, list[dict]]:
+    return {int(d): rows for d, rows in {str(result["depth"]): result["table"], **result["depths"]}.items()}
+
+
 def test_the_lower_bounds_are_the_committed_misses():
-    """``STEPS_AT_LEAST`` at depth 8 names exactly the speedrun's codecs that missed the target."""
-    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
-    missed = {row["codec"] for row in speedrun["table"] if row.get("missed_within")}
-    assert auto_config.STEPS_AT_LEAST[8] == missed & set(auto_config.STEPS_MULTIPLIER[8])
-    assert auto_config.STEPS_AT_LEAST[4] == set(auto_config.STEPS_MULTIPLIER[4])  # the depth study: all bounds
+    """``STEPS_AT_LEAST`` at each depth names exactly the real model's candidates that missed the target there
+    (evaluated uncompressed)."""
+    for depth, rows in _tables(_real_model()).items():
+        missed = {r["codec"] for r in rows if r["uncompressed"]["multiplier"] is None}
+        assert auto_config.STEPS_AT_LEAST[depth] == missed & set(auto_config.STEPS_MULTIPLIER[depth]), depth
 
 
 def test_the_transports_auto_links_know_the_pipelines_depth():
@@ -108,59 +116,57 @@ def test_the_transports_auto_links_know_the_pipelines_depth():
 
 
 def test_the_table_is_the_measured_multipliers():
-    """Each entry is a committed measurement: the depth study's lower bound at depth 4 (docs/data/depth.json), the
-    speedrun's steps multiplier at its depth, 8 (docs/data/speedrun.json), or for a codec that missed the target its
-    longest schedule over bf16's steps on the same seed, the smallest over the seeds that missed."""
-    depth = json.loads((ROOT / "docs" / "data" / "depth.json").read_text())["rows"]
-    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
-    def bound(row):
-        return min(n / row["bf16_steps_by_seed"][seed] for seed, n in row["missed_within"].items())
-
-    measured = {(speedrun["setup"]["stages"], row["codec"]): row["multiplier"] or bound(row)
-                for row in speedrun["table"] if row["multiplier"] or row.get("missed_within")}
-    measured[(4, "paper")] = depth["paper_pp4"]["multiplier_at_least"]
-    for pp, row in auto_config.STEPS_MULTIPLIER.items():
-        for candidate, multiplier in row.items():
-            assert measured[(pp, candidate)] == pytest.approx(multiplier, abs=0.005), (pp, candidate)
+    """Each entry is a committed measurement of the real-model study (docs/data/real_model.json) at its depth: the
+    steps multiplier of the model evaluated uncompressed, or for a codec that missed the target its run's steps over
+    bf16's steps to target on the same seed, the smallest over the seeds that missed."""
+    for depth, rows in _tables(_real_model()).items():
+        by_codec = {r["codec"]: r for r in rows}
+        base = by_codec["bf16"]["uncompressed"]["steps_by_seed"]
+        for candidate, multiplier in auto_config.STEPS_MULTIPLIER[depth].items():
+            m = by_codec[candidate]["uncompressed"]
+            expected = m["multiplier"] or min(m["missed_within"] / base[s] for s, v in m["steps_by_seed"].items()
+                                              if v is None)
+            assert expected == pytest.approx(multiplier, abs=0.005), (depth, candidate)
 
 
 def test_the_shipped_measurements_are_the_pages_and_say_where_they_come_from():
-    """The package data auto reads is what ``benchmarks/measured.py`` derives from the committed pages' JSON, with
-    their date and host; the speedrun's row holds every auto candidate it scored."""
+    """The package data auto reads is what ``benchmarks/measured.py`` derives from the committed real-model page's
+    JSON, with its date and host: a row per depth the study ran, each with every auto candidate it ran there."""
     from megatron_tah.config import CANDIDATES
 
     from benchmarks import measured
 
     shipped = json.loads((ROOT / measured.MEASURED).read_text())["steps_multiplier"]
-    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
-    expected = {**measured.depth_rows(json.loads((ROOT / "docs" / "data" / "depth.json").read_text())),
-                **dict([measured.speedrun_row(speedrun)])}
-    assert sorted(map(int, shipped)) == sorted(expected) == [4, 8]
+    result = _real_model()
+    expected = measured.real_model_rows(result)
+    assert sorted(map(int, shipped)) == sorted(expected) == sorted(_tables(result))
     for depth, row in expected.items():
         got = shipped[str(depth)]
         assert {k: got[k] for k in ("multipliers", "at_least", "page", "date", "host")} == \
             {k: row[k] for k in ("multipliers", "at_least", "page", "date", "host")}, depth
-        assert got["command"].startswith("python -m benchmarks.")
-    scored = {r["codec"] for r in speedrun["table"] if r["multiplier"] or r.get("missed_within")}
-    assert set(shipped["8"]["multipliers"]) == scored & set(CANDIDATES) and shipped["8"]["date"] == speedrun["date"]
+        assert got["command"].startswith("python -m benchmarks.real_model")
+        ran = {r["codec"] for r in _tables(result)[depth]}
+        assert set(got["multipliers"]) == ran & set(CANDIDATES) and got["date"] == result["date"]
     assert auto_config.MEASURED["steps_multiplier"] == shipped  # what the product reads (the installed package's)
 
 
 def test_a_study_writes_its_row_beside_its_page_and_keeps_the_others(tmp_path):
-    """The speedrun's ``--write`` puts its row into the checkout's measured file (the depth study's row kept), and
-    leaves the file alone for a page outside a checkout's docs/ (a trial run's)."""
+    """The real-model study's ``--write`` puts its rows into the checkout's measured file (rows of depths it did not
+    run kept), and leaves the file alone for a page outside a checkout's docs/ (a trial run's)."""
     from benchmarks import measured
 
     checkout = tmp_path / "checkout"
     (checkout / measured.MEASURED).parent.mkdir(parents=True)
-    (checkout / measured.MEASURED).write_text((ROOT / measured.MEASURED).read_text())
-    before = json.loads((ROOT / measured.MEASURED).read_text())["steps_multiplier"]
-    speedrun = json.loads((ROOT / "docs" / "data" / "speedrun.json").read_text())
-    speedrun["table"] = [{**r, "multiplier": 1.5} if r["codec"] == "lowrank" else r for r in speedrun["table"]]
-    row = dict([measured.speedrun_row(speedrun, "python -m benchmarks.speedrun --codecs bf16,lowrank --write x")])
-    assert measured.write_beside(tmp_path / "trial" / "SPEEDRUN.md", row) is None
-    written = measured.write_beside(checkout / "docs" / "SPEEDRUN.md", row)
+    before = {"16": {"multipliers": {"paper": 9.0}, "at_least": [], "page": "x", "command": "y", "date": "z",
+                     "host": {}}}
+    (checkout / measured.MEASURED).write_text(json.dumps({"steps_multiplier": before}))
+    result = _real_model()
+    result["table"] = [{**r, "uncompressed": {**r["uncompressed"], "multiplier": 1.5}} if r["codec"] == "paper" else r
+                       for r in result["table"]]
+    rows = measured.real_model_rows(result, "python -m benchmarks.real_model --codecs bf16,paper --write x")
+    assert measured.write_beside(tmp_path / "trial" / "REAL_MODEL.md", rows) is None
+    written = measured.write_beside(checkout / "docs" / "REAL_MODEL.md", rows)
     after = json.loads(written.read_text())["steps_multiplier"]
-    assert after["8"]["multipliers"] == {**before["8"]["multipliers"], "lowrank": 1.5}
-    assert after["8"]["command"] == "python -m benchmarks.speedrun --codecs bf16,lowrank --write x"
-    assert after["4"] == before["4"] and list(after) == ["4", "8"]
+    assert after[str(result["depth"])]["multipliers"]["paper"] == 1.5
+    assert after[str(result["depth"])]["command"] == "python -m benchmarks.real_model --codecs bf16,paper --write x"
+    assert after["16"] == before["16"] and list(after) == sorted(after, key=int)

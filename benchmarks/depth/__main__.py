@@ -16,13 +16,11 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .. import measured
 from ..reproduce.runner import host_info
 from ..speedrun import runs as speedrun_runs
 
@@ -166,12 +164,8 @@ def main(argv=None) -> int:
     if args.write:
         from .report import write_page
 
-        result = write_page(STUDIES, out, args.write, host_info())
+        write_page(STUDIES, out, args.write, host_info())
         print(f"[depth] wrote {args.write}")
-        command = shlex.join(["python", "-m", "benchmarks.depth", *(sys.argv[1:] if argv is None else argv)])
-        written = measured.write_beside(args.write, measured.depth_rows(result, command))
-        if written:  # auto's steps multiplier at depth 4 (benchmarks/measured.py)
-            print(f"[depth] wrote {written}")
     return 0
 
 

@@ -15,7 +15,8 @@ run is, ``report.py`` how it is scored):
    so that an interrupted study has whole seeds;
 4. with ``--pipeline CODEC``, runs that codec with the first seed as the real pipeline at ``--depth``;
 5. scores (``report.py``: the target from bf16's curves, steps to it and along the curve, damage, intervals)
-   and, with ``--write``, writes the page, its JSON and plots.
+   and, with ``--write``, writes the page, its JSON and plots, and ``auto``'s steps charges per depth into the
+   checkout's ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``).
 """
 
 from __future__ import annotations
@@ -91,8 +92,16 @@ def main(argv=None) -> int:
     result = build(size, plan, seeds, out, host_info(), depth=args.depth, pipeline=args.pipeline)
     print(json.dumps(result["table"], indent=1))
     if args.write:
+        import shlex
+
+        from .. import measured
+
         write_page(result, args.write)
         print(f"[real_model] wrote {args.write}")
+        command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])
+        written = measured.write_beside(args.write, measured.real_model_rows(result, command))
+        if written:  # auto's steps charges per depth (benchmarks/measured.py)
+            print(f"[real_model] wrote {written}")
     return 0
 
 

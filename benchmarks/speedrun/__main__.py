@@ -24,8 +24,7 @@ What it does, in order (runs already complete under ``--out`` are not run again)
 5. times every codec behind the emulated wire (``score.steady_seconds``);
 6. scores T = steps to target x steady s/step, with intervals over seeds, projects the ProtocolNanoGPT
    setup with the measured steps multipliers (``projection.py``) and, with ``--write``, writes the page,
-   its JSON and its plot, and the steps multipliers ``auto`` reads into the checkout's
-   ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``; not for a page outside a checkout's docs/).
+   its JSON and its plot (``auto``'s steps charges come from the real-model study, ``benchmarks/measured.py``).
 """
 
 from __future__ import annotations

@@ -429,18 +429,9 @@ def render(data: dict) -> dict:
 
 
 def publish(result: dict, page: Path, module: str, argv: list[str]) -> None:
-    """``write_page``, then ``auto``'s row of ``measured.json`` from it (``benchmarks.measured``; its command:
-    ``python -m module argv``), saying what it wrote."""
-    import shlex
-
-    from .. import measured
-
+    """``write_page``, saying what it wrote (auto's steps charges come from the real model's study, not the toy's)."""
     write_page(result, page)
     print(f"[speedrun] wrote {page}")
-    command = shlex.join(["python", "-m", module, *argv])
-    written = measured.write_beside(page, dict([measured.speedrun_row(result, command)]))
-    if written:
-        print(f"[speedrun] wrote {written}")
 
 
 def main(argv=None) -> int:
