@@ -228,29 +228,26 @@ def test_no_issue_numbers_in_the_docs(page):
 
 def test_the_first_screens_table_is_the_real_model_study():
     """The README's results table is ``benchmarks.real_model.report.readme_table`` of the committed study's JSON (bf16
-    and the presets it measured, at most 8 rows):
-    every cell is the page's number."""
+    and the presets it measured, at most 8 rows, both evaluations): every cell is the page's number."""
     from benchmarks.real_model.report import readme_table
 
     result = json.loads((DOCS / "data" / "real_model.json").read_text())
     assert readme_table(result) in README
     assert readme_table(result).count("\n| [") <= 8 and result["table"][0]["codec"] == "bf16"
     assert README.index(readme_table(result)) < README.index("## Install")
+    assert "served on its own" in readme_table(result) and "served through the pipeline" in readme_table(result)
 
 
-def test_the_preset_for_each_depth_is_the_one_the_real_model_supports():
-    """The first screen's preset per depth: at depth 8 the study's best supported codec (lowest projected T among
-    those that reached the target without more damage than bf16's fine-tune), and the same at 2 and 4 (not measured
-    there on the real model, said so)."""
-    from benchmarks.real_model.report import recommended
+def test_the_preset_for_each_depth_and_use_is_the_one_the_real_model_supports():
+    """The first screen's preset per depth (2, 4, 8) and per use (a model served on its own, or through the same
+    compressed pipeline) is the study's choice (``report.presets_text``), each depth measured or said not to be."""
+    from benchmarks.real_model.report import presets_text
 
     result = json.loads((DOCS / "data" / "real_model.json").read_text())
-    best = recommended(result)
+    table = presets_text(result, depths=(2, 4, 8), flag=True)
+    assert table in README and README.index(table) < README.index("## Install")
     rows = _table_rows(_table(README, "| pipeline depth |"), "pipeline depth")
     assert set(rows) == {"2", "4", "8"}
-    assert rows["8"][0] == f"`--tah-preset {best}`" if best else rows["8"][0] == "none (uncompressed)"
-    assert all(rows[d][0] == rows["8"][0] for d in ("2", "4"))
-    assert "not measured on the real model" in rows["2"][1] and "not measured on the real model" in rows["4"][1]
 
 
 def test_the_first_screen_is_a_guide():

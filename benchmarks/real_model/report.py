@@ -486,11 +486,18 @@ def noise_text(result: dict) -> str:
     return " ".join(parts) or "Not measured."
 
 
-def presets_text(result: dict) -> str:
+def presets_text(result: dict, depths=None, flag: bool = False) -> str:
+    """The preset per depth and per use (``presets_by_depth``) as a table; ``depths`` adds rows for depths the study
+    did not run ("not measured on the real model"); ``flag`` writes ``--tah-preset X`` (the README's)."""
+    picks = presets_by_depth(result)
     lines = ["| pipeline depth | model served on its own | served through the compressed pipeline |", "|---:|---|---|"]
-    for depth, pick in presets_by_depth(result).items():
-        lines.append(f"| {depth} | " + " | ".join("none reached the target" if pick[t] is None else f"`{pick[t]}`"
-                                                  for t in runs.TRAFFIC) + " |")
+    for depth in sorted({*picks, *map(str, depths or ())}, key=int):
+        if depth not in picks:
+            lines.append(f"| {depth} | not measured on the real model | not measured on the real model |")
+            continue
+        cells = ["none reached the target: none (uncompressed)" if picks[depth][t] is None
+                 else (f"`--tah-preset {picks[depth][t]}`" if flag else f"`{picks[depth][t]}`") for t in runs.TRAFFIC]
+        lines.append(f"| {depth} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
