@@ -22,16 +22,24 @@ API::
   other ranks get ``grace`` seconds to finish (they usually fail too, when their peer's
   connections close) and are then killed (``RankFailure("Killed", ...)``).
 * ``timeout`` bounds the whole run: ranks still running then are killed and
-  ``TimeoutError`` names them, so a hang fails the test instead of blocking CI.
+  ``TimeoutError`` names them, so a hang fails the test instead of blocking CI. Before a rank is
+  killed (timed out, or still running ``grace`` s after another failed) its threads' stacks are
+  dumped (``faulthandler`` on ``SIGUSR1``) and come back in the error.
+* No process outlives the run: each rank leads its own process group, which is killed once the rank
+  is done or stopped (helpers it spawned die with it), and a rank dies with its parent
+  (``PR_SET_PDEATHSIG``), so a killed test run leaves no rank behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
+import faulthandler
 import os
 import queue as queue_module
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -60,7 +68,27 @@ class DistributedError(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{details}")
 
 
+PR_SET_PDEATHSIG = 1
+STACKS_S = 3.0  # how long the parent waits for a rank's stack dump
+
+
+def _die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stacks_file(tmpdir: str, rank: int) -> str:
+    return os.path.join(tmpdir, f"stacks.{rank}")
+
+
 def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results, pg_timeout):
+    os.setpgid(0, 0)  # a process group of its own: killed with the helpers it spawns
+    _die_with_parent()
+    stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 (open while the rank lives)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
@@ -116,21 +144,57 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
     finally:
         for p in procs:
             p.join(timeout=5 if len(outcome) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stacks = _dump_stacks(procs, tmpdir)
+        for p in procs:
+            _kill_group(p)
         shutil.rmtree(tmpdir, ignore_errors=True)
     missing = [r for r in range(world_size) if r not in outcome]
     errors_seen = any(isinstance(v, RankFailure) for v in outcome.values())
+    dumps = "".join(f"\n--- rank {r}'s threads when it was stopped:\n{text}" for r, text in stacks.items())
     if missing and not errors_seen:
         codes = {r: procs[r].exitcode for r in missing}
         raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f} s "
-                           f"(exit codes {codes}; negative = killed by the harness or a signal)")
+                           f"(exit codes {codes}; negative = killed by the harness or a signal){dumps}")
     for r in missing:
         code = procs[r].exitcode
-        outcome[r] = RankFailure(r, "Killed", f"no result (exit code {code}) after another rank failed")
+        outcome[r] = RankFailure(r, "Killed", f"no result (exit code {code}) after another rank failed",
+                                 stacks.get(r, ""))
     ordered = [outcome[r] for r in range(world_size)]
     failures = [v for v in ordered if isinstance(v, RankFailure)]
     if failures and not return_exceptions:
         raise DistributedError(failures)
     return ordered
+
+
+def _dump_stacks(procs, tmpdir: str) -> dict[int, str]:
+    """The stacks of the ranks still running, each dumped by the rank itself on SIGUSR1 (``faulthandler``)."""
+    alive = {r: p for r, p in enumerate(procs) if p.is_alive()}
+    for p in alive.values():
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    stacks, deadline = {}, time.monotonic() + STACKS_S
+    if alive:
+        time.sleep(1.0)  # (the handler writes every thread's frames itself, even while a rank blocks in C++)
+    for r in alive:
+        text = ""
+        while not text and time.monotonic() < deadline:
+            try:
+                with open(_stacks_file(tmpdir, r)) as f:
+                    text = f.read()
+            except OSError:
+                break
+            time.sleep(0.1)
+        stacks[r] = text or "(no stack dump)"
+    return stacks
+
+
+def _kill_group(p) -> None:
+    """Kill a rank and every process of its process group (the helpers it spawned), then reap it."""
+    for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), p.kill):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+    p.join()
