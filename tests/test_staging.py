@@ -239,8 +239,8 @@ def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overl
     transport.link("backward", "send", 0).staging, transport.link("forward", "send", 2).staging = staging.values()
     encode = transport.encode
 
-    def recording_encode(link, x):
-        buf, rest = encode(link, x)
+    def recording_encode(link, x, *args):
+        buf, rest = encode(link, x, *args)
         events.append(("encode", link.direction))
         encoded[link.peer] = buf.clone()
         return buf, rest

@@ -11,9 +11,9 @@ codec encoded), copies the wire buffer into a pinned host buffer and records an 
 transport calls ``release()`` once the send's ``Work`` is complete.
 
 Receive (``HostStaging.stage_recv(nbytes)``): ``StagedRecv.host`` is a pinned host buffer for
-``dist.irecv``; once the receive's ``Work`` is complete, ``to_device()`` copies it (asynchronously,
-on the current stream) into a device wire buffer, which the codec decodes into Megatron's receive
-tensor on the same stream; then ``release()``.
+``dist.irecv``; once the receive's ``Work`` is complete, ``to_device(n)`` copies its first ``n`` bytes (the
+message, which may be shorter than the receive; asynchronously, on the current stream) into a device wire
+buffer, which the codec decodes into Megatron's receive tensor on the same stream; then ``release()``.
 
 Buffers are pooled per byte count: the second message of a size reuses the first's buffers once
 released (``allocations`` counts buffers ever made). A released host buffer that a copy still
@@ -86,21 +86,22 @@ class StagedRecv:
     def __init__(self, staging: "HostStaging", host: torch.Tensor):
         self._staging, self.host, self._device_buf, self._event = staging, host, None, None
 
-    def to_device(self) -> torch.Tensor:
-        """Copy the received bytes (the receive must be complete) to a device wire buffer, on the
-        current stream; decode from it on the same stream."""
+    def to_device(self, nbytes: int | None = None) -> torch.Tensor:
+        """Copy the received bytes (the receive must be complete; its first ``nbytes``, None: all) to a device
+        wire buffer, on the current stream; decode from it on the same stream."""
         if self.host is None:
             raise RuntimeError("StagedRecv used after release()")
         staging = self._staging
+        nbytes = self.host.numel() if nbytes is None else nbytes
         if self._device_buf is None:
             self._device_buf = staging._device.acquire(self.host.numel())
             if staging.cuda:
-                self._device_buf.copy_(self.host, non_blocking=True)
+                self._device_buf[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
                 self._event = torch.cuda.Event()
                 self._event.record(torch.cuda.current_stream(staging.device))
             else:
-                self._device_buf.copy_(self.host)
-        return self._device_buf
+                self._device_buf[:nbytes].copy_(self.host[:nbytes])
+        return self._device_buf[:nbytes]
 
     def release(self) -> None:
         """Return both buffers (call after the decode is enqueued on the current stream)."""
