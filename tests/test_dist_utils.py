@@ -61,3 +61,37 @@ def test_a_rank_left_running_after_anothers_failure_is_named_with_its_stack():
     failures = {f.rank: f for f in caught.value.failures}
     assert failures[0].type_name == "ValueError" and failures[1].type_name == "Killed"
     assert "_blocked_here" in failures[1].traceback
+
+
+# ----- tests/conftest.py: the backstop for tests that start processes themselves -----------------------------
+PROBES = """
+import subprocess, sys, time
+import pytest
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)  # tah-probe"]
+
+@pytest.mark.distributed
+def test_leaves_a_process_behind():
+    subprocess.Popen(SLEEPER)
+
+@pytest.mark.distributed
+def test_hangs_on_a_child():
+    subprocess.run(SLEEPER)
+"""
+
+
+def test_a_test_that_leaves_a_process_or_hangs_on_one_fails_and_leaves_nothing(tmp_path):
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (tmp_path / "conftest.py").write_text(open(conftest).read())
+    (tmp_path / "test_probes.py").write_text(PROBES)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "TAH_DISTRIBUTED_TIMEOUT_S": "5"})
+    out = done.stdout + done.stderr
+    assert time.monotonic() - start < 90
+    assert "processes the test started were still running after it" in out and "tah-probe" in out, out
+    assert "test_hangs_on_a_child" in out and "stopped after 5 s" in out, out
+    assert 'File "<string>", line 1 in <module>' in out, out  # the stuck child's stack (SIGABRT, PYTHONFAULTHANDLER)
+    assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+                .splitlines() if "tah-probe" in line and "ps -eo" not in line]
