@@ -18,7 +18,8 @@ API::
   start-up (~5 s with megatron-core imports) once.
 * If a rank raises, ``run_distributed`` raises ``DistributedError`` listing every rank's
   failure, unless ``return_exceptions=True``: then a failed rank's entry is a
-  ``RankFailure`` (``type_name``, ``message``, ``traceback``). After the first failure the
+  ``RankFailure`` (``type_name``, ``message``, ``traceback``). Results travel pickled by value (a tensor
+  shared by file descriptor could not be read once its rank has exited). After the first failure the
   other ranks get ``grace`` seconds to finish (they usually fail too, when their peer's
   connections close) and are then killed (``RankFailure("Killed", ...)``).
 * ``timeout`` bounds the whole run: ranks still running then are killed and
@@ -37,6 +38,7 @@ import dataclasses
 import datetime
 import faulthandler
 import os
+import pickle
 import queue as queue_module
 import shutil
 import signal
@@ -96,9 +98,10 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout))
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", value))
+        results.put((rank, "ok", pickle.dumps(value)))  # by value: a tensor shared by fd dies with its rank
     except BaseException as err:  # noqa: BLE001 - everything a rank raises is reported to the parent
-        results.put((rank, "error", RankFailure(rank, type(err).__name__, str(err), traceback.format_exc())))
+        failure = RankFailure(rank, type(err).__name__, str(err), traceback.format_exc())
+        results.put((rank, "error", pickle.dumps(failure)))
         results.close()
         results.join_thread()
         os._exit(1)  # do not wait on peers (destroy/atexit could block on a dead link)
@@ -138,7 +141,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
                     # A rank died without reporting (e.g. a crash in C++): stop waiting soon.
                     deadline = min(deadline, time.monotonic() + grace)
                 continue
-            outcome[rank] = value
+            outcome[rank] = pickle.loads(value)
             if status == "error":
                 deadline = min(deadline, time.monotonic() + grace)
     finally:
