@@ -15,8 +15,9 @@ Receive (``HostStaging.stage_recv(nbytes)``): ``StagedRecv.host`` is a pinned ho
 message, which may be shorter than the receive; asynchronously, on the current stream) into a device wire
 buffer, which the codec decodes into Megatron's receive tensor on the same stream; then ``release()``.
 
-Buffers are pooled per byte count: the second message of a size reuses the first's buffers once
-released (``allocations`` counts buffers ever made). A released host buffer that a copy still
+Buffers are pooled per size class (``size_class``: the byte count rounded up to 1/16 of its octave): a
+later message of a size reuses an earlier one's buffers once released, and messages whose lengths vary
+(entropy-coded, sent at their own length) share a few (``allocations`` counts buffers ever made). A released host buffer that a copy still
 reads or writes carries that copy's event; it is handed out again only after the event completes.
 torch's own caching host allocator would also reuse pinned blocks, but it cannot know when gloo
 is done with one; the pool is told (``release``). On CPU tensors (CI, or no CUDA) the same code
@@ -30,8 +31,19 @@ import collections
 import torch
 
 
+def size_class(nbytes: int) -> int:
+    """The pooled size a buffer of ``nbytes`` comes from: ``nbytes`` rounded up to a multiple of 1/16 of its
+    octave (of 64 bytes at least), so that messages of varying lengths (entropy-coded) reuse a few buffers, from
+    1 KiB on at most 1/16 larger."""
+    if nbytes <= 64:
+        return 64 if nbytes else 0
+    step = 1 << max(6, nbytes.bit_length() - 5)
+    return -(-nbytes // step) * step
+
+
 class _Pool:
-    """Buffers of ``nbytes`` uint8 on one device (or pinned host memory), handed out and returned."""
+    """Buffers of ``nbytes`` uint8 on one device (or pinned host memory), handed out and returned: each the first
+    ``nbytes`` of a pooled buffer of its size class (``size_class``)."""
 
     def __init__(self, device: torch.device, pin: bool):
         self.device, self.pin = device, pin
@@ -41,17 +53,20 @@ class _Pool:
     def acquire(self, nbytes: int) -> torch.Tensor:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes = {nbytes!r}: a wire buffer size is an integer >= 0")
-        free = self.free[nbytes]
+        size = size_class(nbytes)
+        free = self.free[size]
         if free:
             buf, event = free.popleft()
             if event is not None:
                 event.synchronize()  # a copy still used it: wait (copies of a message are short)
-            return buf
+            return buf[:nbytes]
         self.allocations += 1
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)[:nbytes]
 
     def release(self, buf: torch.Tensor, event=None) -> None:
-        self.free[buf.numel()].append((buf, event))
+        """Return a buffer ``acquire`` handed out (its pooled buffer goes back)."""
+        pooled = buf if buf._base is None else buf._base
+        self.free[pooled.numel()].append((pooled, event))
 
 
 class StagedSend:
