@@ -144,6 +144,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
             outcome[rank] = pickle.loads(value)
             if status == "error":
                 deadline = min(deadline, time.monotonic() + grace)
+        while len(outcome) < world_size:  # results sent before the deadline, not yet read
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue_module.Empty:
+                break
+            outcome[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(outcome) == world_size else 0.1)
