@@ -12,8 +12,9 @@ a 2-core machine a test gets about one core). A run is:
 
 * **passed** / **failed**: pytest's verdict;
 * **hang**: the test did not end within ``--timeout`` s (every process of its session gets SIGABRT -- with
-  ``PYTHONFAULTHANDLER`` set, its stacks -- then SIGKILL), or the test failed because a multi-process run
-  of its own gave no result in time (``run_distributed``'s ``TimeoutError``, the tests' watchdog);
+  ``PYTHONFAULTHANDLER`` set, its stacks -- then SIGKILL), or pytest's summary line says it failed because a
+  multi-process run of its own gave no result in time (``run_distributed``'s ``TimeoutError``, the tests'
+  watchdog);
 * **left**: a process of its session still ran after it (killed then; the table counts the runs).
 
 A failed or hung run's output is kept in ``--logs`` (default ``runs/soak/``). Exit status 1 when any run
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HANG_MARKS = ("gave no result within", "still running after", ": stopped after ")
+HANG_MARKS = ("gave no result within", "Failed: stopped after ")  # in pytest's summary line of a failed test
 
 
 def collect(paths: list[str], marker: str) -> list[str]:
@@ -90,8 +91,8 @@ def run_one(test: str, timeout: float, log: Path) -> dict:
     time.sleep(0.5)  # (a process that was ending is gone by now)
     left = session_pids(proc.pid)
     signal_all(left, signal.SIGKILL)
-    text = log.read_text(errors="replace")
-    if timed_out or (proc.returncode != 0 and any(mark in text for mark in HANG_MARKS)):
+    summary = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if timed_out or any(" - TimeoutError: " in line or any(mark in line for mark in HANG_MARKS) for line in summary):
         verdict = "hang"
     else:
         verdict = "passed" if proc.returncode == 0 else "failed"
