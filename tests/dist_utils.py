@@ -22,8 +22,10 @@ API::
   shared by file descriptor could not be read once its rank has exited). After the first failure the
   other ranks get ``grace`` seconds to finish (they usually fail too, when their peer's
   connections close) and are then killed (``RankFailure("Killed", ...)``).
-* ``timeout`` bounds the whole run: ranks still running then are killed and
-  ``TimeoutError`` names them, so a hang fails the test instead of blocking CI. Before a rank is
+* ``timeout`` bounds the run once every rank has started (process group made, ``preload`` imported:
+  megatron-core by default, which a loaded 2-core machine may take minutes to import); start-up gets
+  ``startup`` s more at most. Ranks still running then are killed and ``TimeoutError`` names them, so a
+  hang fails the test instead of blocking CI. Before a rank is
   killed (timed out, or still running ``grace`` s after another failed) its threads' stacks are
   dumped (``faulthandler`` on ``SIGUSR1``) and come back in the error.
 * No process outlives the run: each rank leads its own process group, which is killed once the rank
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 import datetime
 import faulthandler
 import os
@@ -86,7 +89,10 @@ def _stacks_file(tmpdir: str, rank: int) -> str:
     return os.path.join(tmpdir, f"stacks.{rank}")
 
 
-def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results, pg_timeout):
+PRELOAD = ("megatron.core",)  # imported before a rank counts as started (absent modules are skipped)
+
+
+def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results, pg_timeout, preload):
     os.setpgid(0, 0)  # a process group of its own: killed with the helpers it spawns
     _die_with_parent()
     stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 (open while the rank lives)
@@ -97,6 +103,12 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
         torch.distributed.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout))
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        results.put((rank, "started", pickle.dumps(None)))
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", pickle.dumps(value)))  # by value: a tensor shared by fd dies with its rank
     except BaseException as err:  # noqa: BLE001 - everything a rank raises is reported to the parent
@@ -112,7 +124,7 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0,
                     return_exceptions: bool = False, env: dict | None = None, threads: int = 1,
-                    **kwargs) -> list:
+                    startup: float = 600.0, preload: tuple = PRELOAD, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; results in rank order."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -122,12 +134,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
     init_file = os.path.join(tmpdir, "rendezvous")
     env = {k: str(v) for k, v in (env or {}).items()}
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, init_file, fn, args, kwargs, env, threads, results, timeout))
+                         args=(r, world_size, init_file, fn, args, kwargs, env, threads, results,
+                               startup + timeout, preload))
              for r in range(world_size)]
     for p in procs:
         p.start()
     outcome: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
+    started: set[int] = set()
+    deadline = time.monotonic() + startup + timeout
     try:
         while len(outcome) < world_size:
             now = time.monotonic()
@@ -141,6 +155,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
                     # A rank died without reporting (e.g. a crash in C++): stop waiting soon.
                     deadline = min(deadline, time.monotonic() + grace)
                 continue
+            if status == "started":
+                started.add(rank)
+                if len(started) == world_size:
+                    deadline = min(deadline, time.monotonic() + timeout)
+                continue
             outcome[rank] = pickle.loads(value)
             if status == "error":
                 deadline = min(deadline, time.monotonic() + grace)
@@ -149,7 +168,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
                 rank, status, value = results.get(timeout=0.5)
             except queue_module.Empty:
                 break
-            outcome[rank] = pickle.loads(value)
+            if status != "started":
+                outcome[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(outcome) == world_size else 0.1)
@@ -162,7 +182,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
     dumps = "".join(f"\n--- rank {r}'s threads when it was stopped:\n{text}" for r, text in stacks.items())
     if missing and not errors_seen:
         codes = {r: procs[r].exitcode for r in missing}
-        raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f} s "
+        late = sorted(set(range(world_size)) - started)
+        when = (f"within {timeout:.0f} s of starting" if not late else
+                f"(ranks {late} had not started within {startup:.0f} + {timeout:.0f} s)")
+        raise TimeoutError(f"ranks {missing} of {world_size} gave no result {when} "
                            f"(exit codes {codes}; negative = killed by the harness or a signal){dumps}")
     for r in missing:
         code = procs[r].exitcode

@@ -17,7 +17,8 @@ buffer, which the codec decodes into Megatron's receive tensor on the same strea
 
 Buffers are pooled per size class (``size_class``: the byte count rounded up to 1/16 of its octave): a
 later message of a size reuses an earlier one's buffers once released, and messages whose lengths vary
-(entropy-coded, sent at their own length) share a few (``allocations`` counts buffers ever made). A released host buffer that a copy still
+(entropy-coded, sent at their own length) share a few (``allocations`` counts buffers ever made). A
+released host buffer that a copy still
 reads or writes carries that copy's event; it is handed out again only after the event completes.
 torch's own caching host allocator would also reuse pinned blocks, but it cannot know when gloo
 is done with one; the pool is told (``release``). On CPU tensors (CI, or no CUDA) the same code
