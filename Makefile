@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-all demo speedrun depth faults reproduce bench real-models real-report real-model clean
+.PHONY: setup test test-all soak demo speedrun depth faults reproduce bench real-models real-report real-model clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ test: setup
 
 test-all: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+# Every multi-process test (marker `distributed`) RUNS times (default 20) with a CPU hog beside it: a table of
+# passes, failures and hangs per test (scripts/soak.py; ARGS e.g. `--hogs 2 tests/test_entropy_pipeline.py`).
+soak: setup
+	TRITON_INTERPRET=1 $(PY) scripts/soak.py --runs $(or $(RUNS),20) $(ARGS)
 
 demo: setup
 	$(PY) -m megatron_tah.demo

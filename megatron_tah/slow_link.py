@@ -239,19 +239,46 @@ class SlowLinks:
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace_s``."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM the process group ``proc`` leads (its own session), SIGKILL it after ``grace_s``; when ``proc``
+    itself has ended, whatever of its group still runs (a launcher's worker left behind) is stopped alike."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            break  # nothing of the group is left
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(proc):
+            time.sleep(0.05)
+        if not _group_alive(proc):
+            break
+    proc.poll()
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    """Whether a process of the group ``proc`` leads still runs (``proc`` itself reaped when it has ended)."""
+    proc.poll()
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return proc.returncode is None or _members_running(proc.pid)
+
+
+def _members_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (not a zombie awaiting its reaper), read from /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def delete_namespace(name: str) -> None:

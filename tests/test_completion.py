@@ -62,10 +62,10 @@ class _GlooRecv(_Work):
 
 def test_wait_completed_waits_then_polls_until_the_transfer_is_done():
     work = _Work(polls_left=3)  # NCCL-like: wait() returns at once, the kernel completes three polls later
-    completion.wait_completed(work)
+    completion.wait_completed(work, lambda w: w.wait())
     assert work.polls_left == -1 and work.waited
     gloo = _GlooRecv()
-    completion.wait_completed(gloo)  # (a poll before the wait would never end)
+    completion.wait_completed(gloo, lambda w: w.wait())  # (a poll before the wait would never end)
     assert gloo.waited
 
 

@@ -78,7 +78,8 @@ def _exchange_body(rank, world_size):
     sparse[20, 0] = 1.0  # (a NaN would make the comparison below meaningless)
     dense = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     grad = sparse if rank == 0 else dense
-    total, traffic = embedding.exchange(codec, grad, torch.distributed.group.WORLD, 1 - rank, first=rank == 0)
+    total, traffic = embedding.exchange(codec, grad, torch.distributed.group.WORLD, 1 - rank, first=rank == 0,
+                                        wait=lambda work, receiving, what: work.wait())
     # What both must hold: the dense gradient through the codec plus the exact rows, in fp32.
     expected = codec.decode(codec.encode(dense), (64, 128), torch.float32) + sparse
     return tiny_gpt.plain((total, expected, traffic.wire_nbytes, traffic.raw_nbytes))  # tensors as lists

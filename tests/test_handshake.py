@@ -49,8 +49,6 @@ def _nccl_like(monkeypatch, clock: _Clock) -> None:
     dist = torch.distributed
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # (host tensors: no CUDA here)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
-    monkeypatch.setattr(dist, "send", lambda tensor, dst, group=None: None)
-    monkeypatch.setattr(dist, "recv", lambda tensor, src, group=None: src)
     monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None: _Work(clock, clock.now))
     monkeypatch.setattr(dist, "irecv", lambda tensor, src, group=None: _Work(clock, clock.now + ROUND_TRIP))
     monkeypatch.setattr(handshake.time, "perf_counter", clock)
@@ -61,13 +59,17 @@ def test_the_latency_is_half_the_completed_round_trip_not_the_time_to_queue_it(m
     is timed to the reply's completion, so the latency read is half the link's round trip."""
     clock = _Clock()
     _nccl_like(monkeypatch, clock)
-    latency = handshake.link_latency(_Group(), torch.device("cpu"), rounds=3)
+    latency = handshake.link_latency(_Group(), torch.device("cpu"), _wait, rounds=3)
     assert list(latency) == [1]
     assert latency[1] == pytest.approx(ROUND_TRIP / 2, abs=TICK)
 
 
+def _wait(work, peer, receiving, what):
+    work.wait()
+
+
 def _gloo_latency(rank, world_size):
-    return handshake.link_latency(torch.distributed.group.WORLD, torch.device("cpu"))
+    return handshake.link_latency(torch.distributed.group.WORLD, torch.device("cpu"), _wait)
 
 
 @pytest.mark.distributed

@@ -110,6 +110,31 @@ def test_a_failure_that_is_not_passing_is_not_restarted(tmp_path, plan, reason):
     assert status != 0 and len(attempts) == min(len(plan), 2) and f"not restarting ({reason}" in out, out
 
 
+def test_an_attempt_whose_launcher_ended_leaves_none_of_its_workers_behind():
+    """The restart loop stops an attempt's whole process group (its own session), also when the launcher itself
+    has already exited and a worker of its is still running (``slow_link.stop_process``)."""
+    from megatron_tah.slow_link import stop_process
+
+    launcher = subprocess.Popen(["bash", "-c", "sleep 300 & echo $!"], start_new_session=True,
+                                stdout=subprocess.PIPE, text=True)
+    worker = int(launcher.stdout.readline())
+    launcher.wait(timeout=30)
+    assert _running(worker)  # the launcher is gone, its worker is not
+    stop_process(launcher)
+    deadline = time.monotonic() + 10
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(worker)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_the_command_line_and_resume_command():
     assert restart.resume_command(["a", "--load=x", "--finetune", "--load", "y", "--save", "s"], "s") == \
         ["a", "--save", "s", "--load", "s"]
@@ -146,30 +171,39 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2"
 _stage_pid = stage_pid  # the fault harness's: the training process of a pipeline rank of a run
 
 
-def _script(corpus: str, out: Path, port: int, **env) -> tuple[subprocess.Popen, Path]:
+def _script(corpus: str, out: Path, port: int, flags=(), **env) -> tuple[subprocess.Popen, Path]:
     """The script's run writing to ``out``, and the file its output goes to (a file, not a pipe: a pipe nobody
     reads while the test watches the run fills up and blocks the trainer)."""
     full = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", OUT=str(out), DATA_PREFIX=corpus, TRAIN_ITERS="10",
                 SAVE_INTERVAL="4", RESTART_DELAY="1", MASTER_PORT=str(port), RATE="", LR="2e-3", **env)
     output = out.parent / f"{out.name}.out"
     with open(output, "w") as sink:
-        proc = subprocess.Popen(["bash", "scripts/pretrain_gpt.sh", "2", *TINY], cwd=REPO, env=full, text=True,
+        proc = subprocess.Popen(["bash", "scripts/pretrain_gpt.sh", "2", *TINY, *flags], cwd=REPO, env=full, text=True,
                                 stdout=sink, stderr=subprocess.STDOUT)
     return proc, output
 
 
+# Entropy-coded messages with the trailer on (the inbound wire's send stamp) and the tied embedding's gradient
+# through its codec: every part of a message, and the embedding exchange, cut when the stage is killed.
+VARIANTS = {"plain": ((), {}, 29531),
+            "entropy-trailer-embedding": (("--tah-entropy-coding", "--tah-emulate-bandwidth", "1gbit",
+                                           "--tah-emulate-wire", "inbound"), {"EMBEDDINGS": "codec"}, 29541)}
+
+
 @pytest.mark.distributed
-def test_a_killed_stage_is_restarted_by_the_script_and_ends_with_the_uninterrupted_losses(corpus, tmp_path):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_killed_stage_is_restarted_by_the_script_and_ends_with_the_uninterrupted_losses(corpus, tmp_path, variant):
     from megatron_tah.megatron.logging import read_records
 
-    plain, plain_output = _script(corpus, tmp_path / "plain", 29531)
+    flags, env, port = VARIANTS[variant]
+    plain, plain_output = _script(corpus, tmp_path / "plain", port, flags, **env)
     plain.wait(timeout=900)
     assert plain.returncode == 0, plain_output.read_text()[-3000:]
     expected = read_records(tmp_path / "plain" / "log.jsonl")
     assert [r["iteration"] for r in expected] == list(range(1, 11))
 
     out = tmp_path / "killed"
-    run, run_output = _script(corpus, out, 29533)
+    run, run_output = _script(corpus, out, port + 2, flags, **env)
     deadline, killed = time.monotonic() + 900, None
     try:
         while killed is None and time.monotonic() < deadline and run.poll() is None:

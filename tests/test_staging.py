@@ -239,8 +239,8 @@ def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overl
     transport.link("backward", "send", 0).staging, transport.link("forward", "send", 2).staging = staging.values()
     encode = transport.encode
 
-    def recording_encode(link, x):
-        buf, rest = encode(link, x)
+    def recording_encode(link, x, *args):
+        buf, rest = encode(link, x, *args)
         events.append(("encode", link.direction))
         encoded[link.peer] = buf.clone()
         return buf, rest
@@ -273,3 +273,21 @@ def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overl
     assert sent.keys() == encoded.keys() == {0, 2}
     assert all(sent[peer] is staging[peer].hosts[0] for peer in sent)  # the host copy is what is posted
     assert all(torch.equal(sent[peer], encoded[peer]) for peer in sent)
+
+
+def test_messages_of_varying_lengths_share_a_few_pooled_buffers():
+    """Entropy-coded messages go at their own lengths: each comes from its size class's buffer (at most 1/16
+    larger), so a link end's pool stays a few buffers whatever the lengths."""
+    from megatron_tah.link.staging import size_class
+
+    assert [size_class(n) for n in (0, 1, 64, 65, 1000, 1024, 1025, 23720)] == [0, 64, 64, 128, 1024, 1024, 1088,
+                                                                                 24576]
+    assert all(n <= size_class(n) <= n * 17 / 16 for n in range(1024, 100_000, 997))  # (steps of 64 below)
+    staging = HostStaging("cpu")
+    gen = torch.Generator().manual_seed(0)
+    for n in torch.randint(21_000, 24_000, (200,), generator=gen).tolist():
+        sent = staging.stage_send(torch.full((n,), 7, dtype=torch.uint8))
+        host = sent.host()
+        assert host.numel() == n and bool((host == 7).all())
+        sent.release()
+    assert staging.allocations <= 4  # the classes 21504 .. 24576 (1024 apart)

@@ -6,9 +6,10 @@ received data waits for everything queued before it on the current stream too (t
 compute). A gloo ``Work``'s ``wait()`` returns when the transfer is done (and a gloo receive reads as
 complete only once waited for). Two ways to the transfer's own time on both:
 
-* ``wait_completed(work)`` calls ``wait()`` (gloo: the transfer is done; it raises the work's error, if
-  any), then polls ``is_completed()`` (NCCL: the work's end event on the device) until it is: a host
-  clock read right after it is the completion time, to within one poll.
+* ``wait_completed(work, wait)`` waits through ``wait`` (the caller's bounded wait, ``peer.PeerWatch``; gloo:
+  the transfer is done; it raises the work's error, if any), then polls ``is_completed()`` (NCCL: the work's
+  end event on the device) until it is: a host clock read right after it is the completion time, to within
+  one poll.
 * ``time_works(group)`` turns on a NCCL group's own timing of its works
   (``ProcessGroup._enable_collectives_timing``: a CUDA event before and after each kernel on the NCCL
   stream; it applies to works posted afterwards); ``work_seconds(work)`` reads a complete timed work's
@@ -25,10 +26,10 @@ import torch
 __all__ = ["time_works", "wait_completed", "work_seconds"]
 
 
-def wait_completed(work) -> None:
-    """Return once ``work``'s transfer is complete, whatever the backend: ``wait()`` (gloo), then
-    ``is_completed()`` polled (NCCL); raises the work's error as ``wait()`` does."""
-    work.wait()
+def wait_completed(work, wait) -> None:
+    """Return once ``work``'s transfer is complete, whatever the backend: ``wait(work)`` (gloo; the caller's
+    bounded wait of ``work.wait()``), then ``is_completed()`` polled (NCCL); raises what ``wait`` raises."""
+    wait(work)
     while not work.is_completed():
         time.sleep(0)  # (lets other Python threads run; the poll itself is a CUDA event query on NCCL)
 

@@ -1,28 +1,31 @@
-"""Entropy-coded pipeline messages of a size both ends agree on before the message exists.
+"""Entropy-coded pipeline messages: one transfer per message where the backend allows it, else agreed frames.
 
 With ``--tah-entropy-coding`` each pipeline message carries its codec buffer through the lossless coder
-(``codecs/entropy.py``), whose output varies in size from message to message. torch.distributed's sends and
-receives have sizes fixed in advance, so both ends of a link size message ``k`` the same way from what they
-both already know, the coded sizes of the messages before it on that link (``FrameSizes``): the largest of
-the last ``WINDOW``, plus ``MARGIN``, rounded up to ``ROUND`` bytes; the first message of a codec and shape
-is sized for the most the coder can give (``entropy.capacity_nbytes``). A frame, little endian::
+(``codecs/entropy.py``), whose output varies in size from message to message. A message, little endian::
 
     0   4   n: the coded buffer's length in bytes
-    4   n   the coded buffer (entropy.py's format), then zero bytes to the frame's agreed size
+    4   n   the coded buffer (entropy.py's format)
+            (framed only: zero bytes to the frame's agreed size)
+            then the trailer, when on (``wire.py``)
 
-A coded buffer longer than its frame holds (an overflow) fills the frame, and its remaining
-``n + 4 - size`` bytes follow as a second message on the same link, which the receiver posts once the
-frame has told it ``n``. Both ends then record ``n + 4``, so the next size is the same on both.
+* **Exact** (gloo: a receive may be larger than the send that fills it; gloo writes the message at its start
+  and leaves the rest): the receiver posts the most a message can be, the coder's most plus the 4 length bytes
+  (``entropy.capacity_nbytes`` + 4), plus the trailer; the sender sends exactly ``4 + n`` bytes (plus the
+  trailer). The length ``n`` tells the receiver where the message ends. One transfer per message, nothing
+  follows it, no size agreement: receives may be posted in any order.
+* **Framed** (NCCL, whose receive must be the send's size): both ends size message ``k`` of a link alike from
+  the coded sizes of the messages before it (``FrameSizes``): the largest of the last ``WINDOW``, plus
+  ``MARGIN``, rounded up to ``ROUND`` bytes; the first message of a codec and shape is sized for the coder's
+  most. A coded buffer longer than its frame fills it, and its remaining ``n + 4 - size`` bytes follow as a
+  second message in one more batch of the same batched call, once the frames are complete (activations first,
+  on both ends). Only on batched transfers: an unbatched call is refused (the interleaved schedule's overlapped
+  transfers keep receives from one stage open across calls, which NCCL, ignoring tags, could match to another
+  message's overflow). A receive posted before the link's previous one was read is refused too (its size
+  depends on it).
 
-Both ends must see a link's messages in turn: a receive is sized once the one before it on that link has
-been read. Megatron's 1F1B schedules do, batched and unbatched, and the interleaved one with
-``--overlap-p2p-communication``; but an overflow's second message has been seen missing (a hang) under CPU load,
-cause not found, and tests/test_entropy_pipeline.py's multi-process test is skipped until it is. A receive posted
-earlier is refused.
-
-:class:`FramingStep` is the link end's step (``steps.py``): it codes and frames each codec buffer it sends,
-sizes each receive, reads the frame's length once the receive is complete (the transport receives the
-overflow next) and decodes the coded buffer back to the codec's.
+:class:`FramingStep` is the link end's step (``steps.py``): it codes each codec buffer it sends (exact or in
+its agreed frame), sizes each receive, reads a complete receive's length (its message's end; a framed one's
+overflow) and decodes the coded buffer back to the codec's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ __all__ = ["FRAME_HEADER_NBYTES", "MARGIN", "ROUND", "WINDOW", "FrameSizes", "Fr
            "unframe"]
 
 FRAME_HEADER_NBYTES = 4
-WINDOW = 8  # messages of a link whose largest coded size sizes the next
+WINDOW = 8  # messages of a link whose largest coded size sizes the next (framed)
 MARGIN = 0.02  # share added to it: an overflow costs a second message, the margin only bytes
 ROUND = 64  # bytes the agreed size is rounded up to
 _LENGTH = struct.Struct("<I")
@@ -66,9 +69,11 @@ class FrameSizes:
         self.recent.setdefault(key, collections.deque(maxlen=WINDOW)).append(int(used))
 
 
-def frame(coded: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``coded`` in a frame of ``size`` bytes, and the bytes that did not fit (None: none)."""
+def frame(coded: torch.Tensor, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``coded`` behind its length, in ``size`` bytes (None: exactly ``4 + n``), and the bytes that did not fit
+    (None: none)."""
     n = coded.numel()
+    size = n + FRAME_HEADER_NBYTES if size is None else size
     out = torch.zeros(size, dtype=torch.uint8, device=coded.device)
     out[:FRAME_HEADER_NBYTES] = torch.tensor(list(_LENGTH.pack(n)), dtype=torch.uint8)
     fits = min(n, size - FRAME_HEADER_NBYTES)
@@ -99,13 +104,14 @@ def unframe(message: torch.Tensor, n: int, rest: torch.Tensor | None) -> torch.T
 
 
 class FramingStep(Step):
-    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors): its agreed frame sizes and,
-    on a receive end, the receive posted and not yet read (its coded size sizes the next one)."""
+    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors): framed, its agreed frame
+    sizes and, on a receive end, the receive posted and not yet read (its coded size sizes the next one). An
+    exact receive keeps nothing here: its length is its message's (``m.nbytes``)."""
 
     def __init__(self, direction: str, peer: int):
         self.direction, self.peer = direction, peer
         self.sizes = FrameSizes()
-        self.pending: tuple[tuple, int] | None = None  # receive end: (key, capacity) of the posted receive
+        self.pending: tuple[tuple, int] | None = None  # framed receive end: (key, capacity) of the posted receive
         self.coded_nbytes: int | None = None  # ... and the coded length its frame announced, once read
 
     def _frame(self, codec, shape, dtype) -> tuple[tuple, int, int]:
@@ -116,36 +122,53 @@ class FramingStep(Step):
         return key, capacity, self.sizes.size(key, capacity)
 
     def on_send(self, out: Outgoing) -> None:
-        key, _, size = self._frame(out.codec, out.shape, out.dtype)
         coded = entropy.encode(eager(out.codec), out.buf, out.shape, out.dtype)
+        if out.exact:
+            out.buf, out.rest = frame(coded)
+            return
+        key, _, size = self._frame(out.codec, out.shape, out.dtype)
         out.buf, out.rest = frame(coded, size)
         self.sizes.record(key, coded.numel() + FRAME_HEADER_NBYTES)
 
-    def post_nbytes(self, codec, shape, dtype, nbytes: int) -> int:
-        """The agreed frame size; refused while the previous receive has not been read."""
+    def post_nbytes(self, codec, shape, dtype, nbytes: int, exact: bool = False) -> int:
+        """Exact: the coder's most plus the length; framed: the agreed frame size, refused while the previous
+        receive has not been read."""
+        key, capacity, size = self._frame(codec, shape, dtype)
+        if exact:
+            return capacity
         if self.pending is not None:
             raise RuntimeError(
                 f"megatron_tah: --tah-entropy-coding sizes each message from the ones before it on its link, but a "
                 f"{self.direction} receive from rank {self.peer} was posted before the previous one had been read: "
                 "this schedule posts receives ahead; turn the entropy coding off")
-        key, capacity, size = self._frame(codec, shape, dtype)
         self.pending = (key, capacity)
         return size
 
+    def received_nbytes(self, m, nbytes: int) -> int:
+        """An exact receive's message: ``4 + n`` of its ``nbytes`` (the trailer's bytes apart); framed: all."""
+        return coded_length(m.buf, nbytes) + FRAME_HEADER_NBYTES if m.exact else nbytes
+
     def follow_nbytes(self, m) -> int:
-        """The overflow's bytes: the frame's coded length less what the frame holds."""
+        """A framed receive's overflow: the frame's coded length less what the frame holds (exact: none)."""
+        if m.exact:
+            return 0
         body = m.buf[: m.buf.numel() - m.extra_nbytes]
         self.coded_nbytes = coded_length(body, self.pending[1])
         return max(0, self.coded_nbytes + FRAME_HEADER_NBYTES - body.numel())
 
-    def check_unbatched(self, received_from: list[int], gloo: bool) -> None:
-        if not gloo and len(received_from) != len(set(received_from)):
-            raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers receives two messages from "
-                               "one stage in one call here, whose overflows only gloo tells apart: use Megatron's "
-                               "batched transfers (--no-overlap-p2p-communication) or turn the entropy coding off")
+    def check_unbatched(self, received_from: list[int], exact: bool) -> None:
+        if not exact:
+            raise RuntimeError("megatron_tah: --tah-entropy-coding on unbatched transfers needs a backend that takes "
+                               "a message shorter than its receive (gloo); on this one a message may need a second "
+                               "one, which only a batched call keeps in step: use Megatron's batched transfers "
+                               "(--no-overlap-p2p-communication) or turn the entropy coding off")
 
     def on_receive(self, m, buf: torch.Tensor) -> torch.Tensor:
-        """The codec's buffer, decoded from the frame ``buf`` and the overflow ``m.rest``."""
+        """The codec's buffer, decoded from the message ``buf`` (less its trailer) and, framed, the overflow
+        ``m.rest``."""
+        if m.exact:
+            coded = unframe(buf, buf.numel() - FRAME_HEADER_NBYTES, None)
+            return entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
         coded = unframe(buf, self.coded_nbytes, m.rest)
         decoded = entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
         self.sizes.record(self.pending[0], self.coded_nbytes + FRAME_HEADER_NBYTES)

@@ -12,12 +12,16 @@ candidates' names and digests (both ends must hold the same decoders and carry t
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule (the caller says how
 many virtual stages there are: the link reads nothing of Megatron).
 ``link_latency`` (auto only) times a few 8-byte round trips with each neighbouring stage.
+
+Both wait through ``wait(work, peer, receiving, what)`` (``Wait``: the transport's peer watch, ``peer.py``), so a
+neighbour that never reaches its first call, or dies in the handshake, ends in a ``LinkError`` naming the link.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 
 import torch
 
@@ -26,6 +30,8 @@ from ..config import TahConfig
 from .completion import wait_completed
 
 HANDSHAKE_NBYTES = 1024
+# (work, the peer's world rank, whether this rank receives from it, what it carries): a bounded wait
+Wait = Callable[[object, int, bool, str], None]
 
 
 class CodecMismatchError(RuntimeError):
@@ -61,9 +67,10 @@ def config_record(cfg: TahConfig) -> dict:
     return record
 
 
-def check_group(config: TahConfig, group, device: torch.device) -> None:
+def check_group(config: TahConfig, group, device: torch.device, wait: Wait) -> None:
     """All-gather every stage's codec configs over ``group``; raise on a neighbour that differs.
-    A collective: every rank of ``group`` calls it (each on its first transport call on the group)."""
+    A collective: every rank of ``group`` calls it (each on its first transport call on the group); waited as a
+    receive from the previous stage."""
     dist = torch.distributed
     mine = config_record(config)
     raw = json.dumps(mine).encode()[:HANDSHAKE_NBYTES]
@@ -72,7 +79,8 @@ def check_group(config: TahConfig, group, device: torch.device) -> None:
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     gathered = [torch.empty_like(record, device=device) for _ in range(group.size())]
-    dist.all_gather(gathered, record.to(device), group=group)
+    work = dist.all_gather(gathered, record.to(device), group=group, async_op=True)
+    wait(work, dist.get_global_rank(group, (group.rank() - 1) % group.size()), True, "codec configurations")
     records = []
     for buf in gathered:
         text = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
@@ -106,13 +114,14 @@ def check_schedule(config: TahConfig, group, send_next, recv_prev, virtual_stage
                            "(virtual pipeline) schedule; use tah, fixedpoint or fp8, or the 1F1B schedule")
 
 
-def link_latency(group, device: torch.device, rounds: int = 5) -> dict[int, float]:
+def link_latency(group, device: torch.device, wait: Wait, rounds: int = 5) -> dict[int, float]:
     """One-way latency to each neighbouring stage, ``{world rank: seconds}``: half the fastest of
     ``rounds`` round trips of an 8-byte message (what a message costs whatever its size: propagation and
     the backend's own overhead; ``auto`` subtracts it from transits to get the rate). A collective over
     ``group``: the pairs (i, i + 1 mod size) go in order of i, each timed by its lower stage and told to
     the other, so no rank waits on one that waits on it. A round trip ends when the reply's receive is
     complete (``completion.wait_completed``: on NCCL a ``wait()`` returns once the transfer is queued)."""
+    what = "latency probes"
     dist = torch.distributed
     me, size = group.rank(), group.size()
     if size < 2:
@@ -134,15 +143,16 @@ def link_latency(group, device: torch.device, rounds: int = 5) -> dict[int, floa
                 start = time.perf_counter()
                 sent = dist.isend(ping, peer, group=group)
                 reply = dist.irecv(pong, peer, group=group)
-                wait_completed(reply)  # the reply is here: the round trip is over (not merely queued, on NCCL)
+                # the reply is here: the round trip is over (not merely queued, on NCCL)
+                wait_completed(reply, lambda work: wait(work, peer, True, what))
                 best = min(best, time.perf_counter() - start)
-                sent.wait()
+                wait(sent, peer, False, what)
             ping.fill_(best / 2)
-            dist.send(ping, peer, group=group)
+            wait(dist.isend(ping, peer, group=group), peer, False, what)
         else:
             for _ in range(rounds):
-                dist.recv(ping, peer, group=group)
-                dist.send(ping, peer, group=group)
-            dist.recv(ping, peer, group=group)
+                wait(dist.irecv(ping, peer, group=group), peer, True, what)
+                wait(dist.isend(ping, peer, group=group), peer, False, what)
+            wait(dist.irecv(ping, peer, group=group), peer, True, what)
         latency[peer] = float(ping.item())
     return latency

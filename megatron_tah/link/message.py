@@ -23,18 +23,22 @@ class Message:
 
     def __init__(self, link, buf: torch.Tensor, *, target: torch.Tensor | None = None, codec=None,
                  staging=None, extra_nbytes: int = 0, stages=(None, None), last_stage: bool = False,
-                 rest: torch.Tensor | None = None):
+                 rest: torch.Tensor | None = None, exact: bool = False, iteration: int | None = None):
         self.link, self.buf, self.target, self.codec = link, buf, target, codec
         self.staging, self.extra_nbytes = staging, extra_nbytes
-        self.stages, self.last_stage = stages, last_stage
-        # ``rest``: a second message right behind this one (an entropy-coded frame's overflow, frames.py): a send's
-        # from the start, a receive's once its size is known (``rest_nbytes``, asked of the link end's steps)
-        self.rest, self.rest_nbytes = rest, None
+        self.stages, self.last_stage, self.iteration = stages, last_stage, iteration
+        # ``exact``: a receive posts the most the message can be and learns its length once complete (``received``)
+        self.exact = exact
+        # ``rest``: a second message right behind this one (a framed message's overflow, frames.py; batched calls
+        # only): a send's from the start, a receive's once its size is known (``rest_nbytes``, asked of the link
+        # end's steps); ``rest_work``: its posted transfer, waited with the message's own
+        self.rest, self.rest_nbytes, self.rest_work = rest, None, None
         self._trailer: bytes | None = None
-        self.group = None  # the process group it was posted on (a receive's overflow follows on the same)
+        self.group = None  # the process group it was posted on
         self.work = None
         self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
         self.done = False
+        self.failed = False  # its wait raised (a peer timed out or died): never waited again
         self.completed_at: float | None = None
         self.timed = False  # ``work`` times itself (NCCL, ``completion.time_works``)
 
@@ -84,9 +88,16 @@ class Message:
                 self.completed_at = time.monotonic()
         return self._trailer
 
+    def received(self, nbytes: int) -> None:
+        """A complete receive's message is its first ``nbytes`` (an exact one: fewer than posted); ``buf`` becomes
+        those, so that its trailer is its last bytes."""
+        if nbytes > self.buf.numel():
+            raise ValueError(f"a message of {nbytes} bytes in a receive of {self.buf.numel()}")
+        self.buf = self.buf[:nbytes]
+
     def codec_buffer(self) -> torch.Tensor:
         """A complete receive's codec buffer on the device (copied from the host buffer when staged)."""
-        wire = self.buf if self.staging is None else self.staging.to_device()
+        wire = self.buf if self.staging is None else self.staging.to_device(self.buf.numel())
         return codec_buffer(wire, self.extra_nbytes)
 
     def release(self) -> None:
@@ -99,7 +110,7 @@ class Message:
 
 class Handle:
     """What the unbatched transport returns in place of a ``Work``: ``wait()`` waits (through ``wait``, the
-    transport's bounded wait), then ``finish``es."""
+    transport's bounded wait), then ``finish``es; a wait that raised marks its message ``failed``."""
 
     def __init__(self, message: Message, finish: Callable[[Message], None], wait: Callable[[Message], None]):
         self.message, self._finish, self._wait = message, finish, wait
@@ -108,7 +119,11 @@ class Handle:
         msg = self.message
         if not msg.done:
             msg.poll()
-            self._wait(msg)
+            try:
+                self._wait(msg)
+            except BaseException:
+                msg.failed = True
+                raise
             if msg.completed_at is None:
                 msg.completed_at = time.monotonic()
             self._finish(msg)

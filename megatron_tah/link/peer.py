@@ -73,10 +73,12 @@ class PeerWatch:
         return f"{time.strftime('%H:%M:%S', time.localtime(wall))} ({self.clock() - at:.1f} s ago)"
 
     def wait(self, work, *, peer: int, stages: tuple[int, int], ranks: tuple[int, int], receiving: bool,
-             what: str, iteration: int | None, bounded: bool = True) -> None:
+             what: str, iteration: int | None, bounded: bool = True, start_up: bool = False) -> None:
         """Wait for ``work`` (a posted message to or from ``peer``); raise a :class:`LinkError` naming the link
         (``stages``, ``ranks``: sender and receiver) when it times out or fails. ``what``: the message's
-        content for the error ("activations", "activation gradients")."""
+        content for the error ("activations", "activation gradients"). ``start_up``: a start-up exchange (the
+        handshake), waited alike but not counted as data from the peer (its first message may follow a long
+        first encode)."""
         limit = self.timeout_s if bounded and self.timeout_s > 0 and peer in self.heard else None
         start = self.clock()
         try:
@@ -92,7 +94,7 @@ class PeerWatch:
                 marker in str(err).lower() for marker in TIMEOUT_MARKERS)
             raise self._error(err, timed_out, peer, stages, ranks, receiving, what, iteration, waited,
                               limit) from err
-        if receiving:
+        if receiving and not start_up:
             self.arrived(peer)
 
     def _error(self, err, timed_out: bool, peer, stages, ranks, receiving: bool, what: str, iteration,

@@ -11,12 +11,14 @@ codec encoded), copies the wire buffer into a pinned host buffer and records an 
 transport calls ``release()`` once the send's ``Work`` is complete.
 
 Receive (``HostStaging.stage_recv(nbytes)``): ``StagedRecv.host`` is a pinned host buffer for
-``dist.irecv``; once the receive's ``Work`` is complete, ``to_device()`` copies it (asynchronously,
-on the current stream) into a device wire buffer, which the codec decodes into Megatron's receive
-tensor on the same stream; then ``release()``.
+``dist.irecv``; once the receive's ``Work`` is complete, ``to_device(n)`` copies its first ``n`` bytes (the
+message, which may be shorter than the receive; asynchronously, on the current stream) into a device wire
+buffer, which the codec decodes into Megatron's receive tensor on the same stream; then ``release()``.
 
-Buffers are pooled per byte count: the second message of a size reuses the first's buffers once
-released (``allocations`` counts buffers ever made). A released host buffer that a copy still
+Buffers are pooled per size class (``size_class``: the byte count rounded up to 1/16 of its octave): a
+later message of a size reuses an earlier one's buffers once released, and messages whose lengths vary
+(entropy-coded, sent at their own length) share a few (``allocations`` counts buffers ever made). A
+released host buffer that a copy still
 reads or writes carries that copy's event; it is handed out again only after the event completes.
 torch's own caching host allocator would also reuse pinned blocks, but it cannot know when gloo
 is done with one; the pool is told (``release``). On CPU tensors (CI, or no CUDA) the same code
@@ -30,8 +32,19 @@ import collections
 import torch
 
 
+def size_class(nbytes: int) -> int:
+    """The pooled size a buffer of ``nbytes`` comes from: ``nbytes`` rounded up to a multiple of 1/16 of its
+    octave (of 64 bytes at least), so that messages of varying lengths (entropy-coded) reuse a few buffers, from
+    1 KiB on at most 1/16 larger."""
+    if nbytes <= 64:
+        return 64 if nbytes else 0
+    step = 1 << max(6, nbytes.bit_length() - 5)
+    return -(-nbytes // step) * step
+
+
 class _Pool:
-    """Buffers of ``nbytes`` uint8 on one device (or pinned host memory), handed out and returned."""
+    """Buffers of ``nbytes`` uint8 on one device (or pinned host memory), handed out and returned: each the first
+    ``nbytes`` of a pooled buffer of its size class (``size_class``)."""
 
     def __init__(self, device: torch.device, pin: bool):
         self.device, self.pin = device, pin
@@ -41,17 +54,20 @@ class _Pool:
     def acquire(self, nbytes: int) -> torch.Tensor:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes = {nbytes!r}: a wire buffer size is an integer >= 0")
-        free = self.free[nbytes]
+        size = size_class(nbytes)
+        free = self.free[size]
         if free:
             buf, event = free.popleft()
             if event is not None:
                 event.synchronize()  # a copy still used it: wait (copies of a message are short)
-            return buf
+            return buf[:nbytes]
         self.allocations += 1
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)[:nbytes]
 
     def release(self, buf: torch.Tensor, event=None) -> None:
-        self.free[buf.numel()].append((buf, event))
+        """Return a buffer ``acquire`` handed out (its pooled buffer goes back)."""
+        pooled = buf if buf._base is None else buf._base
+        self.free[pooled.numel()].append((pooled, event))
 
 
 class StagedSend:
@@ -86,21 +102,22 @@ class StagedRecv:
     def __init__(self, staging: "HostStaging", host: torch.Tensor):
         self._staging, self.host, self._device_buf, self._event = staging, host, None, None
 
-    def to_device(self) -> torch.Tensor:
-        """Copy the received bytes (the receive must be complete) to a device wire buffer, on the
-        current stream; decode from it on the same stream."""
+    def to_device(self, nbytes: int | None = None) -> torch.Tensor:
+        """Copy the received bytes (the receive must be complete; its first ``nbytes``, None: all) to a device
+        wire buffer, on the current stream; decode from it on the same stream."""
         if self.host is None:
             raise RuntimeError("StagedRecv used after release()")
         staging = self._staging
+        nbytes = self.host.numel() if nbytes is None else nbytes
         if self._device_buf is None:
             self._device_buf = staging._device.acquire(self.host.numel())
             if staging.cuda:
-                self._device_buf.copy_(self.host, non_blocking=True)
+                self._device_buf[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
                 self._event = torch.cuda.Event()
                 self._event.record(torch.cuda.current_stream(staging.device))
             else:
-                self._device_buf.copy_(self.host)
-        return self._device_buf
+                self._device_buf[:nbytes].copy_(self.host[:nbytes])
+        return self._device_buf[:nbytes]
 
     def release(self) -> None:
         """Return both buffers (call after the decode is enqueued on the current stream)."""

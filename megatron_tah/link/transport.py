@@ -16,7 +16,7 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 * Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
   receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
   returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
-  (send handles keep their buffer alive).
+  (every posted message is held, its ``Work`` and buffers with it, until finished: ``outbox.py``).
 * Configuration check: the first call on a process group all-gathers every stage's codec configs
   over that group (each stage reaches its first p2p call without waiting on another, so this
   cannot deadlock) and raises ``CodecMismatchError`` on every stage whose neighbour uses other
@@ -48,10 +48,11 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
   a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
   posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
   bytes on the wire are the same; ``none`` goes the same way.
-* A second message: a step may send bytes right behind a message (``--tah-entropy-coding``: the coded bytes
-  that did not fit the frame both ends agreed on, ``frames.py``). Batched: one more batch after the call's,
-  activations first; unbatched: right behind its message, received once the message is read. Statistics and
-  the emulated links count both: the bytes that cross the network.
+* Message lengths (``--tah-entropy-coding``, ``frames.py``): on gloo (``exact_backends``) a receive posts the
+  most a message can be and a send sends its own length, one transfer; elsewhere a frame of a size both ends
+  agree on, and what does not fit follows as a second message in one more batch of the batched call,
+  activations first (an unbatched call is refused). Statistics and the emulated links count the bytes that
+  cross the network.
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
   and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
   receiver found it (on a GPU the deferred count reaches the host one or two messages later).
@@ -80,6 +81,8 @@ from .emulate import InboundWire, LinkEmulator
 from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
 from .link import Link, open_link
 from .message import Handle, Message
+from .outbox import Outbox
+from .overflow import each_work, post_rests, read_length
 from .peer import PeerWatch
 from .steps import Outgoing
 from .wire import decode_trailer, message_extra_nbytes, wall_seconds
@@ -91,11 +94,6 @@ __all__ = ["CodecMismatchError", "PipelineTransport"]
 
 def _unknown() -> None:
     return None
-
-
-def _rest_tag(direction: str) -> int:
-    """The tag of a message's second message (gloo matches by it; NCCL by order)."""
-    return 1 if direction == "forward" else 2
 
 
 class PipelineTransport:
@@ -121,7 +119,7 @@ class PipelineTransport:
         elif bandwidth is not None:
             self.emulator = LinkEmulator(bandwidth, latency)
         self.links: dict[tuple[str, str, int], Link] = {}
-        self.sent_rests: list = []  # (work, buffer) of second messages sent and maybe not yet complete
+        self.exact_backends = ("gloo",)  # whose receives take a shorter message (frames.py; tests empty it)
         auto = config.is_auto("forward") or config.is_auto("backward")
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
         self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
@@ -130,7 +128,7 @@ class PipelineTransport:
         self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
-        self.outstanding: list[Message] = []  # unbatched messages not yet finished (completion stamps)
+        self.outbox = Outbox()  # unbatched messages not yet finished (outbox.py)
         self.peers = PeerWatch(config.tah_peer_timeout_s)  # when each neighbour was last heard from; bounded waits
         self.checked_groups: set[int] = set()
         self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
@@ -220,7 +218,7 @@ class PipelineTransport:
         return None
 
     # ----- messages ------------------------------------------------------------------------
-    def encode(self, link: Link, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode(self, link: Link, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
         (trailer included) and the bytes that follow it as a second message (None: none); records its statistics."""
         if link.auto is not None:
@@ -240,7 +238,7 @@ class PipelineTransport:
             interval = self.config.tah_error_sample_interval
             if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
-            out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds)
+            out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds, exact=exact)
             for step in link.steps:
                 step.on_send(out)
             buf, rest = out.buf, out.rest
@@ -261,23 +259,21 @@ class PipelineTransport:
         encode the sends and allocate the receive buffers (Megatron's op order)."""
         if self.closed:
             raise RuntimeError("megatron_tah transport called while not installed; call megatron_tah.install()")
-        self.sent_rests[:] = [(work, buf) for work, buf in self.sent_rests if not work.is_completed()]
-        self.outstanding[:] = [m for m in self.outstanding if not m.done]
-        for m in self.outstanding:
-            m.poll()
+        self.outbox.reap(self.iteration())
         tensors = [t for t in (tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next) if t is not None]
         if not tensors:
             return {}
         if id(group) not in self.checked_groups:
-            check_group(self.config, group, tensors[0].device)
+            check_group(self.config, group, tensors[0].device, self.handshake_wait(group))
             if self.trailer_nbytes:
-                self.latency.update(link_latency(group, tensors[0].device))
+                self.latency.update(link_latency(group, tensors[0].device, self.handshake_wait(group)))
             self.checked_groups.add(id(group))
         if self.needs_sample_ids:
             check_schedule(self.config, group, tensor_send_next, tensor_recv_prev, self.virtual_stages())
         stage, stages = group.rank(), group.size()
         prev_stage, next_stage = (stage - 1) % stages, (stage + 1) % stages
         staged = self.staged(group, tensors[0].device)
+        exact = torch.distributed.get_backend(group) in self.exact_backends
         # (name, direction, peer, send, recv, (sender stage, receiver stage))
         plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None, (stage, prev_stage)),
                 ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev, (prev_stage, stage)),
@@ -289,9 +285,10 @@ class PipelineTransport:
                 continue
             link = self.link(direction, "send" if recv is None else "recv", peer)
             host = link.host_staging((recv if send is None else send).device) if staged else None
-            known = {"extra_nbytes": self.trailer_nbytes, "stages": link_stages, "last_stage": stage == stages - 1}
+            known = {"extra_nbytes": self.trailer_nbytes, "stages": link_stages, "last_stage": stage == stages - 1,
+                     "exact": exact, "iteration": self.iteration()}
             if send is not None:
-                buf, rest = self.encode(link, send)
+                buf, rest = self.encode(link, send, exact)
                 if rest is not None and staged:
                     rest = rest.cpu()  # (gloo reads host memory)
                 messages[name] = Message.send(link, buf, host, rest=rest, **known)
@@ -301,47 +298,22 @@ class PipelineTransport:
 
     def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
         """A receive on ``link`` into ``target``: the bytes its codec and its steps say (with entropy coding the
-        frame size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
+        most a message can be, or framed the size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
         codec = self.codec(link)
         nbytes = codec.wire_nbytes(target.shape, target.dtype)
         for step in link.steps:
-            nbytes = step.post_nbytes(codec, target.shape, target.dtype, nbytes)
+            nbytes = step.post_nbytes(codec, target.shape, target.dtype, nbytes, exact=known.get("exact", False))
         return Message.receive(link, target, codec, nbytes, host=host, **known)
 
-    # ----- second messages ---------------------------------------------------------------------
-    def expect_rest(self, m: Message) -> int:
-        """A complete receive: the bytes its link end's steps say follow it as a second message (asked once;
-        ``m.rest`` is their buffer)."""
-        m.rest_nbytes = sum(step.follow_nbytes(m) for step in m.link.steps)
-        if m.rest_nbytes:
-            m.rest = torch.empty(m.rest_nbytes, dtype=torch.uint8, device=m.buf.device)
-        return m.rest_nbytes
-
-    def rest_ops(self, messages) -> list:
-        """The second messages of one batched call, in one order on both ends (activations first, then
-        gradients; gloo also tags them by direction): the sends' posted as they are, the receives' into new
-        buffers."""
-        dist = torch.distributed
-        ops = []
-        for direction in ("forward", "backward"):
-            for m in messages:
-                if m.link.direction != direction or m.group is None:
-                    continue
-                if m.is_recv and self.expect_rest(m):
-                    ops.append(dist.P2POp(dist.irecv, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
-                elif not m.is_recv and m.rest is not None:
-                    ops.append(dist.P2POp(dist.isend, m.rest, m.link.peer, m.group, tag=_rest_tag(direction)))
-        return ops
-
     def finish(self, m: Message) -> None:
-        """A message whose transfer is complete: a receive's second message, the emulated link's delay, the
-        steps' reading of a receive and its decode into Megatron's tensor; then its buffers go."""
+        """A message whose transfer is complete: a receive's length, the emulated link's delay, the steps'
+        reading of a receive and its decode into Megatron's tensor; then its buffers go."""
         if m.done:
             return
         m.done = True
         link = m.link
-        if m.is_recv and m.rest_nbytes is None and self.expect_rest(m):  # the unbatched path: its second message now
-            torch.distributed.irecv(m.rest, m.link.peer, group=m.group, tag=_rest_tag(link.direction)).wait()
+        if m.is_recv and m.rest_nbytes is None and read_length(m):  # (unbatched: refused in check_unbatched)
+            raise RuntimeError("megatron_tah: an unbatched message announced a second message")
         rest_nbytes = 0 if m.rest is None else m.rest.numel()
         trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None  # (read once complete: GPU timing)
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
@@ -362,14 +334,26 @@ class PipelineTransport:
             self._decode(m)
         m.release()
 
-    def wait(self, m: Message) -> None:
-        """Wait for ``m``'s transfer (posted: ``m.work``), bounded as ``peer.PeerWatch.wait`` says; a timeout or a
-        lost peer raises a ``peer.LinkError`` naming the link and the iteration."""
+    def wait(self, m: Message, work=None) -> None:
+        """Wait for ``m``'s transfer (``work``, None: ``m.work``), bounded as ``peer.PeerWatch.wait`` says; a
+        timeout or a lost peer raises a ``peer.LinkError`` naming the link and the iteration."""
         me = torch.distributed.get_rank()
         ranks = (m.link.peer, me) if m.is_recv else (me, m.link.peer)
         what = "activations" if m.link.direction == "forward" else "activation gradients"
-        self.peers.wait(m.work, peer=m.link.peer, stages=m.stages, ranks=ranks, receiving=m.is_recv, what=what,
-                        iteration=self.iteration(), bounded=m.bounded)
+        self.peers.wait(m.work if work is None else work, peer=m.link.peer, stages=m.stages, ranks=ranks,
+                        receiving=m.is_recv, what=what, iteration=self.iteration(), bounded=m.bounded)
+
+    def handshake_wait(self, group):
+        """The handshake's bounded wait on ``group`` (``handshake.Wait``), through the peer watch."""
+        dist = torch.distributed
+
+        def wait(work, peer: int, receiving: bool, what: str) -> None:
+            me, stage, peer_stage = dist.get_rank(), group.rank(), dist.get_group_rank(group, peer)
+            stages, ranks = ((peer_stage, stage), (peer, me)) if receiving else ((stage, peer_stage), (me, peer))
+            self.peers.wait(work, peer=peer, stages=stages, ranks=ranks, receiving=receiving, what=what,
+                            iteration=self.iteration(), bounded=dist.get_backend(group) == "gloo", start_up=True)
+
+        return wait
 
     def _decode(self, m: Message) -> None:
         """Decode a received message into Megatron's receive tensor; a checksum failure names the link and
@@ -404,19 +388,13 @@ class PipelineTransport:
             m.group = group
         ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
                for m in messages.values()]
-        works = dist.batch_isend_irecv(ops)
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
-        for m, work in zip(messages.values(), works):  # each stamped when it is done (auto's rate meter)
-            m.work, m.bounded = work, bounded
+        for m, work in zip(messages.values(), each_work(dist.batch_isend_irecv(ops), len(ops))):
+            m.work, m.bounded, m.timed = work, bounded, timed
             self.wait(m)
-            m.completed_at = time.monotonic()
-        now = time.monotonic()  # (a backend may return one work for the whole batch)
-        for m in messages.values():
-            m.completed_at = now if m.completed_at is None else m.completed_at
-            m.work, m.timed = m.work or (works[-1] if works else None), timed
-        rests = self.rest_ops(messages.values())
-        for work in dist.batch_isend_irecv(rests) if rests else ():  # both ends post theirs, then wait
-            work.wait()
+            m.completed_at = time.monotonic()  # each stamped when it is done (auto's rate meter)
+        for m in post_rests(messages.values()):  # both ends post theirs, then wait
+            self.wait(m, m.rest_work)
         for m in messages.values():
             self.finish(m)
         return []
@@ -436,8 +414,9 @@ class PipelineTransport:
                  else ("recv_prev", "send_next", "recv_next", "send_prev"))
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
         received_from = [m.link.peer for m in messages.values() if m.is_recv]
-        for step in (step for m in messages.values() for step in m.link.steps):
-            step.check_unbatched(received_from, gloo=bounded)
+        for m in messages.values():
+            for step in m.link.steps:
+                step.check_unbatched(received_from, exact=m.exact)
         handles = {}
         for name in order:
             if name not in messages:
@@ -448,12 +427,16 @@ class PipelineTransport:
             m.timed = time_works(post_group)
             m.work = post(m.buf, m.link.peer, group=post_group)
             m.bounded, m.group = bounded, post_group
-            if not m.is_recv and m.rest is not None:  # its second message right behind it (received once it is read)
-                work = dist.isend(m.rest, m.link.peer, group=post_group, tag=_rest_tag(m.link.direction))
-                self.sent_rests.append((work, m.rest))
-            self.outstanding.append(m)
             handles[name] = Handle(m, self.finish, self.wait)
+            self.outbox.post(handles[name])
         return handles
+
+    def drain(self) -> None:
+        """Uninstall: finish every send still posted (bounded waits, ``outbox.py``); then no call is taken."""
+        try:
+            self.outbox.drain()
+        finally:
+            self.closed = True
 
     # ----- codec state (checkpoints) ---------------------------------------------------------
     def codec_states(self) -> dict:

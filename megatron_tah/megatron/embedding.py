@@ -26,7 +26,10 @@ ends, so the two copies of the gradient -- and with them the two copies of the w
 optimizer step -- stay identical bit for bit. The lossy part is the output layer's contribution only
 (``tah emb rel err`` in the log: its sampled round-trip error).
 
-On a gloo group with CUDA tensors the buffers go through host memory (gloo sends host tensors).
+On a gloo group with CUDA tensors the buffers go through host memory (gloo sends host tensors). Every transfer
+is waited through the pipeline's peer watch (``link/peer.py``): bounded by ``--tah-peer-timeout-s`` once the
+other end has been heard from, and a silent or dead end raises ``PeerTimeoutError`` / ``PeerLostError`` naming
+the link between the first and the last stage and the iteration.
 
 Falls back to megatron-core's own all-reduce (one log line) when the embedding group does not hold
 exactly the first and the last stage (multi-token prediction), with Megatron-FSDP, or for a sharded
@@ -45,12 +48,14 @@ Statistics: stream ``embedding`` (``tah emb`` in the log: bytes this rank sent, 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
 from ..codecs import Codec, CodecError, timing
 from ..codecs.base import SUPPORTED_DTYPES
 from ..config import TahConfig
+from ..link.peer import PeerWatch
 from . import collectives
 from .collectives import Traffic
 from .patching import resolve
@@ -132,10 +137,12 @@ def _wire_device(group, device: torch.device) -> torch.device:
     return torch.device("cpu") if torch.distributed.get_backend(group) == "gloo" else device
 
 
-def exchange(codec, grad: torch.Tensor, group, peer: int, first: bool) -> tuple[torch.Tensor, Traffic]:
+def exchange(codec, grad: torch.Tensor, group, peer: int, first: bool,
+             wait: Callable[[object, bool, str], None]) -> tuple[torch.Tensor, Traffic]:
     """The sum of the first stage's exact rows and the last stage's gradient through ``codec``, in fp32,
     the same bits on both ends; ``first``: this rank is the first stage (``peer``: the other end's global
-    rank). Returns the sum and this rank's ``Traffic``."""
+    rank); ``wait(work, receiving, what)``: a bounded wait of one transfer. Returns the sum and this rank's
+    ``Traffic``."""
     dist = torch.distributed
     shape, device = tuple(grad.shape), grad.device
     wire = _wire_device(group, device)
@@ -148,8 +155,8 @@ def exchange(codec, grad: torch.Tensor, group, peer: int, first: bool) -> tuple[
         dense = torch.empty(dense_nbytes, dtype=torch.uint8, device=wire)
         works = [dist.isend(header.to(wire), peer, group=group), dist.isend(rows_buf.to(wire), peer, group=group),
                  dist.irecv(dense, peer, group=group)]
-        for work in works:
-            work.wait()
+        for work, receiving, what in zip(works, (False, False, True), ("rows", "rows", "dense gradient")):
+            wait(work, receiving, f"embedding gradient {what}")
         traffic.wire_nbytes = header.numel() * header.element_size() + rows_buf.numel()
         k = int(header[1])
         index, rows = decode_rows(rows_buf, k, shape[1], grad.dtype)
@@ -159,11 +166,11 @@ def exchange(codec, grad: torch.Tensor, group, peer: int, first: bool) -> tuple[
         traffic.encode_seconds = clock.stop()
         work = dist.isend(dense.to(wire), peer, group=group)
         header = torch.empty(HEADER_ELEMENTS, dtype=torch.int64, device=wire)
-        dist.recv(header, peer, group=group)
+        wait(dist.irecv(header, peer, group=group), True, "embedding gradient rows")
         k = rows_expected(header, shape)
         rows_buf = torch.empty(rows_nbytes(k, shape[1], grad.dtype), dtype=torch.uint8, device=wire)
-        dist.recv(rows_buf, peer, group=group)
-        work.wait()
+        wait(dist.irecv(rows_buf, peer, group=group), True, "embedding gradient rows")
+        wait(work, False, "embedding gradient dense gradient")
         traffic.wire_nbytes = dense.numel()
         index, rows = decode_rows(rows_buf.to(device), k, shape[1], grad.dtype)
     clock = timing.Stopwatch(device)
@@ -178,6 +185,30 @@ def _fall_back(place, reason: str) -> None:
         place.state["fallbacks"].add(reason)
         logger.warning("megatron_tah: --tah-embedding-codec: %s; megatron-core's own all-reduce carries the "
                        "tied embedding's gradient, uncompressed", reason)
+
+
+def _watched(place, group, pp_group, peer: int, first: bool):
+    """``exchange``'s wait: through the pipeline transport's peer watch (a watch of the place's own without one),
+    naming the link between the first and the last stage and Megatron's iteration."""
+    from megatron.core import parallel_state
+
+    from .pipeline_parallel import installed_transport, megatron_iteration
+
+    dist = torch.distributed
+    transport = installed_transport()
+    watch = transport.peers if transport is not None else place.state.setdefault(
+        "watch", PeerWatch(place.config.tah_peer_timeout_s))
+    stages = (dist.get_world_size(pp_group) if pp_group is not None
+              else parallel_state.get_pipeline_model_parallel_world_size())
+    mine, theirs = (0, stages - 1) if first else (stages - 1, 0)
+    me, bounded = dist.get_rank(), dist.get_backend(group) == "gloo"  # (NCCL: the group's timeout, link/peer.py)
+
+    def wait(work, receiving: bool, what: str) -> None:
+        link, ranks = ((theirs, mine), (peer, me)) if receiving else ((mine, theirs), (me, peer))
+        watch.wait(work, peer=peer, stages=link, ranks=ranks, receiving=receiving, what=what,
+                   iteration=megatron_iteration(), bounded=bounded)
+
+    return wait
 
 
 def _tied_gradient(place, model, config, embd_group, pp_group):
@@ -236,8 +267,9 @@ def _compressing(place):
             weight, attribute, first, peer = found
             grad = getattr(weight, attribute)
             rel_error = None if first else place.measure("backward", grad)
+            wait = _watched(place, group, pipeline, peer, first)
             with place.stats.codec_traffic():
-                total, traffic = exchange(place.codec, grad, group, peer, first)
+                total, traffic = exchange(place.codec, grad, group, peer, first, wait)
             with torch.no_grad():
                 grad.copy_(total)
             place.record("backward", traffic, rel_error)

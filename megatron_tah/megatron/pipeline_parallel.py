@@ -145,10 +145,11 @@ def install(place) -> None:
 
 
 def uninstall(place) -> None:
-    """Called before ``place.patches`` are restored: the transport stops taking calls."""
+    """Called before ``place.patches`` are restored: the transport finishes the sends it still holds (each wait
+    bounded by ``--tah-peer-timeout-s``, ``link/outbox.py``) and stops taking calls."""
     place.stats.buffer_source = None
     if place.transport is not None:
-        place.transport.closed = True
+        place.transport.drain()
 
 
 PLACE = PlaceSpec(

@@ -177,13 +177,22 @@ def install(config: TahConfig | None = None, **overrides) -> None:
 
 
 def _remove_places() -> None:
+    """Every place removed and its patches restored, even when a place's ``uninstall`` raises (the pipeline's,
+    whose last sends cannot be delivered: a peer gone); the first such error is raised once all are removed."""
+    error = None
     for name in reversed(list(REGISTRY.places)):
         place = REGISTRY.places.pop(name)
         REGISTRY.stats.sources.pop(name, None)
-        if PLACES[name].uninstall is not None:
-            PLACES[name].uninstall(place)
-        place.patches.restore()
+        try:
+            if PLACES[name].uninstall is not None:
+                PLACES[name].uninstall(place)
+        except Exception as err:  # noqa: BLE001 (raised below, once every place is removed)
+            error = error or err
+        finally:
+            place.patches.restore()
     REGISTRY.config = None
+    if error is not None:
+        raise error
 
 
 def uninstall() -> None:

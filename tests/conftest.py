@@ -1,0 +1,126 @@
+"""Multi-process tests (marker ``distributed``) cannot hang the suite, and no process outlives its test.
+
+* Every process the tests start runs with ``PYTHONFAULTHANDLER=1``: a Python process sent SIGABRT writes its
+  threads' stacks to its stderr before it dies.
+* The test process adopts orphans (``PR_SET_CHILD_SUBREAPER``, Linux): a launcher's worker whose parent was
+  killed (a ``subprocess.run`` timeout kills only its child) stays among the test process's descendants.
+* Around each ``distributed`` test, a watchdog: after ``DISTRIBUTED_TIMEOUT_S`` (``$TAH_DISTRIBUTED_TIMEOUT_S``,
+  default 2400) every process the test
+  started gets SIGABRT (its stacks), then SIGKILL, and the test process's own threads are dumped; and once
+  the test is over, a process it started that still runs is killed and the test fails, naming it.
+
+``run_distributed`` (``dist_utils.py``) bounds its own runs first; this is the backstop for the tests that
+start processes themselves (torchrun, the restart loop, the demo).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+DISTRIBUTED_TIMEOUT_S = float(os.environ.get("TAH_DISTRIBUTED_TIMEOUT_S", 2400))  # above every test's own bound
+PR_SET_CHILD_SUBREAPER = 36
+
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    try:
+        return {p.pid: p for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def _ours(proc: psutil.Process) -> bool:
+    """Not the test process's own helpers (multiprocessing's resource tracker, started once per session)."""
+    try:
+        return "resource_tracker" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:160]}"
+    except psutil.Error:
+        return str(proc.pid)
+
+
+def _stop(procs: list[psutil.Process], dump: bool) -> None:
+    """SIGABRT (stacks; with ``dump``) then SIGKILL ``procs``; reap those that are the test process's children."""
+    if dump:
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGABRT)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=3)
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _reap_zombies() -> None:
+    """Reap the adopted children that have ended (orphans re-parented to the test process)."""
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _bounded_processes(request):
+    if request.node.get_closest_marker("distributed") is None:
+        yield
+        return
+    before = set(_descendants())
+    fired = threading.Event()
+
+    def watchdog():
+        fired.set()
+        print(f"\n--- {request.node.nodeid}: still running after {DISTRIBUTED_TIMEOUT_S:.0f} s; stacks follow",
+              file=sys.__stderr__, flush=True)
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        _stop([p for pid, p in _descendants().items() if pid not in before and _ours(p)], dump=True)
+
+    timer = threading.Timer(DISTRIBUTED_TIMEOUT_S, watchdog)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+    time.sleep(0.2)  # (a process the test just stopped is gone by now)
+    left = [p for pid, p in _descendants().items() if pid not in before and _ours(p) and _running(p)]
+    names = [_name(p) for p in left]
+    _stop(left, dump=False)
+    _reap_zombies()
+    if fired.is_set():
+        pytest.fail(f"stopped after {DISTRIBUTED_TIMEOUT_S:.0f} s (every process it started was sent SIGABRT, "
+                    "then killed: their stacks are in the captured stderr)")
+    if names:
+        pytest.fail("processes the test started were still running after it: " + "; ".join(names))
