@@ -33,6 +33,18 @@ NON_PRESET = {"none": {"tah_forward_codec": "none", "tah_backward_codec": "none"
                               "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6,
                               "tah_backward_tile_size": 32}}
 DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")
+
+
+def check_candidate(name: str) -> None:
+    """``ValueError`` unless ``name`` is one of ``CANDIDATES``."""
+    if name not in CANDIDATES:
+        raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
+
+
+def candidate_fields(name: str) -> dict:
+    """The ``TahConfig`` fields candidate ``name`` sets on both directions: its own (``NON_PRESET``), or its preset."""
+    check_candidate(name)
+    return dict(NON_PRESET[name]) if name in NON_PRESET else {"tah_preset": name}
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 
 

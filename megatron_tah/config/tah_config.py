@@ -1,120 +1,37 @@
-"""megatron_tah's options: one dataclass, ``TahConfig``, the source of the ``--tah-*`` flags.
+"""megatron_tah's options: ``TahConfig``, the schema of the ``--tah-*`` flags, its presets' expansion and the
+pipeline's codec factory.
 
-Every field is written out here, each fact about it declared once:
+Every option is a field written out here, with its docstring under it (the flag's help), as megatron-core writes
+its configs; what makes a value valid is declared on the field (``fields.py``: its ``choices``, a codec option's
+declared range, a ``parse`` of its text). A codec's own options (``tah_high_bits``, ...) are fields made by
+``codec_option(name)`` from the ``DECLARATION`` at the top of the codec's file; ``auto``'s take their defaults from
+``auto.AutoSettings``, which checks them.
 
-- the pipeline-wide options, written as megatron-core writes its configs: a field with its
-  docstring under it; a fixed list of valid values as ``metadata={"choices": ...}`` (a codec field's,
-  ``CodecChoices``, read from the codec registry at each use);
-- every codec's own options (``tah_high_bits``, ``tah_fp8_group_size``, ...): a field each,
-  ``codec_option(name)``, whose default, help and range come from the ``DECLARATION`` at the top of
-  the codec's file (``codecs/options.py``);
-- ``auto``'s fields take their defaults from ``auto.AutoSettings``, which checks them.
-
-``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` -> ``--tah-tile-size``,
-help from the docs, ``field_docs()``: a direction parameter's help ends with the registered codecs that
-take it) and ``flags_markdown()`` into the flag table. ``__post_init__`` checks the
-choices and ranges, the rules between the pipeline's fields (from the codecs' declared capabilities) and
-builds the pipeline's codecs once, raising ``ValueError`` naming the offending field and value. A place's
-field is checked here for its own value only; what the place makes of it -- its codec, its rules with other
-fields and with Megatron's arguments -- is the place's (``megatron/place.py``, checked by ``megatron_tah.install``
-and the flags' validation).
+``__post_init__`` expands ``tah_preset``, checks every field's value against its declaration and the pipeline's
+codecs (their capabilities, their bits and tiles, by building them once) and runs the link options' rules
+(``link_options.py``: the link reads a ``TahConfig`` without the places), raising ``ValueError`` naming the field
+and value. What a place makes of its option -- its codec, its rules with other fields and with Megatron's
+arguments -- is the place's, in its module (``megatron/place.py``), checked by ``megatron_tah.install`` and
+the flags' validation. ``megatron/arguments.py`` turns every field into a flag (``tah_tile_size`` ->
+``--tah-tile-size``) and the flag table.
 
 Everything is off by default (``none`` both ways): a run without ``--tah-*`` flags is Megatron's own.
 """
 
 # No ``from __future__ import annotations``: megatron's ArgumentGroupFactory reads the annotations as types.
-import ast
 import dataclasses
-import inspect
 from typing import Any
 
-from ..codecs import CODECS, Codec, CodecError, Option, codec_declaration, get_codec
+from ..codecs import CODECS, Codec, CodecError, codec_declaration, get_codec
 from ..codecs.base import BACKENDS
 from ..codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
 from ..geometry import TILE_SIZES
 from ..units import parse_bandwidth
-from .auto import AUTO, CANDIDATES, DEFAULTS as AUTO_DEFAULTS, DIRECTIONS, NON_PRESET, AutoSettings
+from . import link_options
+from .auto import AUTO, DEFAULTS as AUTO_DEFAULTS, DIRECTIONS, AutoSettings, candidate_fields, check_candidate
+from .fields import (CODEC_OPTIONS, CodecChoices, IntList, backward_codecs, check_field, codec_option, field_docs,
+                     forward_codecs, rounding_codecs)
 from .presets import PRESETS
-
-TP_CODECS = ("none", "fp8")
-DP_CODECS = ("none", "int8")
-EMBEDDING_CODECS = ("none", "int8")
-ACTIVATION_MEMORY = ("none", "laaq")
-EVAL_TRAFFIC = ("codec", "uncompressed", "both")
-EMULATED_WIRES = ("link", "inbound")
-
-
-def forward_codecs() -> tuple[str, ...]:
-    """The registered codecs, read from the registry at each call: each carries activations."""
-    return tuple(CODECS)
-
-
-def backward_codecs() -> tuple[str, ...]:
-    """The registered codecs that carry activation gradients."""
-    return tuple(name for name in CODECS if not codec_declaration(name).forward_only)
-
-
-def rounding_codecs() -> tuple[str, ...]:
-    """The registered codecs that round stochastically on request."""
-    return tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
-
-
-class CodecChoices:
-    """A codec field's valid values, ``codecs()`` then ``extra``, read from the codec registry at each use: the
-    field's check, its flag's choices and its flag-table row follow the registry (a codec registered after this
-    module was imported included)."""
-
-    def __init__(self, codecs, *extra: str):
-        self.codecs, self.extra = codecs, extra
-
-    def values(self) -> tuple[str, ...]:
-        return (*self.codecs(), *self.extra)
-
-    def __iter__(self):
-        return iter(self.values())
-
-    def __len__(self) -> int:
-        return len(self.values())
-
-    def __contains__(self, value) -> bool:
-        return value in self.values()
-
-    def __repr__(self) -> str:
-        return repr(self.values())
-
-
-def _codec_options() -> dict[str, Option]:
-    """Every codec's declared options by field name, in registry order (an ``Option`` shared by codecs once)."""
-    options: dict[str, Option] = {}
-    for name in CODECS:
-        for option in codec_declaration(name).options:
-            if options.setdefault(option.name, option) != option:
-                raise ValueError(f"codec {name!r} declares {option.name} unlike another codec; share one Option")
-    return options
-
-
-CODEC_OPTIONS = _codec_options()
-
-
-def codec_option(name: str) -> Any:
-    """The ``TahConfig`` field of the codec option ``name``: its declared default, with the ``Option``
-    (help, range) in the field's metadata."""
-    if name not in CODEC_OPTIONS:
-        raise ValueError(f"codec_option({name!r}): no codec declares it (declared: {', '.join(CODEC_OPTIONS)})")
-    option = CODEC_OPTIONS[name]
-    return dataclasses.field(default=option.default, metadata={"option": option})
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """Docstrings written under dataclass fields, read from the source as megatron's ArgumentGroupFactory
-    reads them (not imported from there: this module, like the codecs, imports without megatron)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
 
 
 @dataclasses.dataclass
@@ -151,22 +68,23 @@ class TahConfig:
     tah_backward_stochastic_rounding: bool = False
     """Round stochastically in the backward codec only (lowrank: its residual): unbiased activation gradients."""
 
-    tah_boundary_bits: str | None = None
+    tah_boundary_bits: str | None = dataclasses.field(
+        default=None, metadata={"parse": IntList("6,5,5,5,5,6,5", what="one per pipeline boundary")})
     """Bits of the forward codec per pipeline boundary, first to last (comma list, e.g. 6,5,5,5,5,6,5), in place of --tah-forward-bits: boundary i of the p - 1 between p stages (stage i sends to stage i + 1) uses entry floor(i * n / (p - 1)) of these n. Spends bits where a model needs them (a real model's per-boundary costs: python -m benchmarks.real_model.sensitivity, docs/REAL_MODEL.md). Needs a forward codec that takes bits (not auto) and the 1F1B schedule (not interleaved). Both stages of a link must agree."""
 
-    tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": TP_CODECS})
+    tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "fp8")})
     """Tensor-parallel collectives (TACO): none (megatron-core's own, nothing replaced) or fp8 (all-gather, reduce-scatter and all-reduce of FP8 shards with fp32 sums)."""
 
-    tah_dp_codec: str = dataclasses.field(default="none", metadata={"choices": DP_CODECS})
+    tah_dp_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "int8")})
     """Data-parallel gradient reduction (AGoQ QuanGrad): none (megatron-core's own) or int8 (all-to-all of 8-bit shards, fp32 sums, all-gather of 8-bit sums)."""
 
-    tah_embedding_codec: str = dataclasses.field(default="none", metadata={"choices": EMBEDDING_CODECS})
+    tah_embedding_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "int8")})
     """Tied word-embedding gradient between the first and the last pipeline stage (megatron-core all-reduces vocabulary x hidden elements each way every iteration): none (megatron-core's own all-reduce) or int8 (the first stage sends the rows of tokens in the batch exactly, with their indices; the last stage its dense output-layer gradient as blockwise int8; both add them in fp32 in the same order, so both copies of the weight stay identical). Needs tied embeddings and two or more stages (an error otherwise); scripts/pretrain_gpt.sh unties instead when RATE is set."""
 
-    tah_activation_memory: str = dataclasses.field(default="none", metadata={"choices": ACTIVATION_MEMORY})
+    tah_activation_memory: str = dataclasses.field(default="none", metadata={"choices": ("none", "laaq")})
     """Tensors transformer layers save for backward (AGoQ LAAQ): none (kept as they are) or laaq (blockwise low-bit, attention inputs kept)."""
 
-    tah_laaq_bits: str = "4,5,6,8"
+    tah_laaq_bits: str = dataclasses.field(default="4,5,6,8", metadata={"parse": IntList("4,5,6,8", bounds=(2, 8))})
     """LAAQ bits per pipeline stage, first to last: stage i of p uses entry floor(i * n / p) of these n (each 2..8)."""
 
     tah_laaq_block_size: int = 128
@@ -175,7 +93,7 @@ class TahConfig:
     tah_warmup_iters: int = 0
     """Send the first N training iterations uncompressed in both directions (the official TAH-Quant code's warm-up; the bytes count in the statistics). Needs Megatron's training loop; not with a codec that warms up per sample (aqsgd: --tah-aqsgd-warmup-samples)."""
 
-    tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": EVAL_TRAFFIC})
+    tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": ("codec", "uncompressed", "both")})
     """Pipeline traffic of Megatron's evaluations (forward only): codec (through the codecs, like training), uncompressed (the loss is the trained model's own, not the model's through the codec), or both (through the codecs, then the same batches again uncompressed: Megatron's log shows the first, --tah-log-json records both as valid_loss and valid_loss_uncompressed). Training is unchanged. Entered by Megatron's evaluate() (a loop of one's own uses megatron_tah.megatron.pipeline_parallel.evaluation()); codec only with aqsgd."""
 
 
@@ -197,13 +115,13 @@ class TahConfig:
     tah_error_sample_interval: int = 16
     """Measure the relative round-trip error on one message in this many (0: never)."""
 
-    tah_emulate_bandwidth: str | None = None
+    tah_emulate_bandwidth: str | None = dataclasses.field(default=None, metadata={"parse": parse_bandwidth})
     """Delay every pipeline message as if the link ran at this rate (e.g. 100mbit, 1gbit); off by default."""
 
     tah_emulate_latency_ms: float = 0.0
     """Extra one-way latency per message in milliseconds, with --tah-emulate-bandwidth."""
 
-    tah_emulate_wire: str = dataclasses.field(default="link", metadata={"choices": EMULATED_WIRES})
+    tah_emulate_wire: str = dataclasses.field(default="link", metadata={"choices": ("link", "inbound")})
     """How --tah-emulate-bandwidth meters messages: link (each directed link between two stages is its own pipe; the latency delays a message without holding the pipe) or inbound (each rank has one inbound wire shared by the activations from the previous stage and the gradients from the next; a message holds it from max(wire free, its sender's send time, carried in a 24-byte trailer that is not billed) for its bytes / rate plus the latency, then the receiver may use it: the WAN speedrun's meter)."""
 
     tah_log_json: str | None = None
@@ -252,46 +170,15 @@ class TahConfig:
             raise ValueError(f"tah_backward_codec = {self.tah_backward_codec!r}: it compresses activations only; "
                              f"choose one of {', '.join(backward_codecs())} for gradients")
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            choices = field.metadata.get("choices")
-            if choices and value not in choices:
-                raise ValueError(f"{field.name} = {value!r}: choose one of {', '.join(map(str, choices))}")
-            if "option" in field.metadata:
-                field.metadata["option"].check(value)
+            check_field(field, getattr(self, field.name))
         self.auto_settings()  # checks the tah_auto_* fields
         self._check_rounding()
-        # auto chooses among none, fp8 and the presets' codecs, none of which keeps per-sample state
-        forward = codec_declaration("none" if self.is_auto("forward") else self.tah_forward_codec)
-        if self.tah_warmup_iters < 0:
-            raise ValueError(f"tah_warmup_iters = {self.tah_warmup_iters}: must be >= 0")
-        if self.tah_warmup_iters and forward.needs_sample_ids:
-            raise ValueError(f"tah_warmup_iters with tah_forward_codec = {self.tah_forward_codec!r}: a codec keeping "
-                             "state per sample warms up per sample (its own option)")
-        if self.tah_eval_traffic != "codec" and forward.needs_sample_ids:
-            raise ValueError(f"tah_eval_traffic = {self.tah_eval_traffic!r} with tah_forward_codec = "
-                             f"{self.tah_forward_codec!r}: its per-sample state follows every message of a sample; "
-                             "evaluate through the codec")
         if self.tah_backend == "triton":
             for field in self._DIRECTIONS:
                 name = getattr(self, field)
-                if name == AUTO:
-                    continue  # its candidates are checked when they are built
-                if not codec_declaration(name).kernel:
+                if name != AUTO and not codec_declaration(name).kernel:  # (auto's candidates: when built)
                     raise ValueError(f"tah_backend = 'triton' with {field} = {name!r}: it has no Triton kernel; "
                                      "use auto or torch")
-        if self.tah_entropy_coding and (self.is_auto("forward") or self.is_auto("backward")):
-            raise ValueError("tah_entropy_coding with an auto direction: auto chooses by the codecs' fixed message "
-                             "sizes; give both directions a codec or a preset")
-        if self.tah_emulate_bandwidth is not None:
-            parse_bandwidth(self.tah_emulate_bandwidth)
-        if self.tah_emulate_wire != "link" and self.tah_emulate_bandwidth is None:
-            raise ValueError(f"tah_emulate_wire = {self.tah_emulate_wire!r} meters the emulated link: it needs "
-                             "tah_emulate_bandwidth")
-        if not self.tah_peer_timeout_s >= 0:
-            raise ValueError(f"tah_peer_timeout_s = {self.tah_peer_timeout_s!r}: must be >= 0 seconds (0: no bound "
-                             "of its own, Megatron's timeouts)")
-        if self.tah_emulate_latency_ms < 0:
-            raise ValueError(f"tah_emulate_latency_ms = {self.tah_emulate_latency_ms}: must be >= 0")
         # Building the codecs validates bit widths and tile sizes with the codecs' own messages.
         for role, build in (("forward", self.forward_codec), ("backward", self.backward_codec)):
             try:
@@ -299,9 +186,7 @@ class TahConfig:
             except CodecError as err:
                 name = getattr(self, f"tah_{role}_codec")
                 raise ValueError(f"tah_{role}_codec = {name!r}: {err}") from None
-        self._check_boundary_bits()
-        if any(not 2 <= b <= 8 for b in self.laaq_bits()):
-            raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: every entry must lie in [2, 8]")
+        link_options.check(self)
 
     def _apply_preset(self) -> None:
         """Set the preset's fields; a field already set to something else than its default and the preset's
@@ -327,16 +212,26 @@ class TahConfig:
     def field_docs(cls) -> dict[str, str]:
         """Every field's help: the docstrings under the fields (a direction parameter's followed by the registered
         codecs that take it), and each codec option's declared help."""
-        docs = _field_docs(TahConfig)
+        docs = field_docs(cls)
         for field, parameter in cls._DIRECTION_PARAMETERS.items():
             takers = backward_codecs() if "backward" in field else forward_codecs()
             takers = [name for name in takers if parameter in codec_declaration(name).takes]
             docs[field] = f"{docs[field]} Codecs that take it: {', '.join(takers)}."
         return {**docs, **{name: option.help for name, option in CODEC_OPTIONS.items()}}
 
+    def parsed(self, name: str) -> Any:
+        """Field ``name`` as its readers use it: what its declared ``parse`` makes of its text (None stays None)."""
+        value = getattr(self, name)
+        parse = next(f for f in dataclasses.fields(self) if f.name == name).metadata.get("parse")
+        return value if parse is None or value is None else parse(value)
+
     @property
     def emulated_bandwidth_bps(self) -> float | None:
-        return None if self.tah_emulate_bandwidth is None else parse_bandwidth(self.tah_emulate_bandwidth)
+        return self.parsed("tah_emulate_bandwidth")
+
+    def boundary_bits(self) -> tuple[int, ...]:
+        """``tah_boundary_bits`` as integers (() when not set)."""
+        return self.parsed("tah_boundary_bits") or ()
 
     def _check_rounding(self) -> None:
         """Stochastic rounding is asked of a codec that rounds stochastically (``none`` aside), never ignored."""
@@ -358,6 +253,7 @@ class TahConfig:
         """Every option at its default: nothing is compressed, emulated or logged (Megatron runs as without us)."""
         return self == type(self)()
 
+    # ----- the codec factory ---------------------------------------------------------------------------------
     def build_codec(self, name: str, bits: int, tile_size: int, stochastic_rounding: bool = False,
                     checksum: bool = False) -> Codec:
         """A new codec ``name`` with a direction's parameters, this config's backend and the codec's own options
@@ -399,19 +295,6 @@ class TahConfig:
         return self.build_codec(self.tah_forward_codec, self.forward_bits(boundary, boundaries), self.tah_tile_size,
                                 checksum=self.tah_wire_checksum)
 
-    def boundary_bits(self) -> tuple[int, ...]:
-        """``tah_boundary_bits`` as integers (() when not set; ValueError naming the flag when it does not parse)."""
-        if self.tah_boundary_bits is None:
-            return ()
-        try:
-            bits = tuple(int(part) for part in str(self.tah_boundary_bits).split(","))
-        except ValueError:
-            bits = ()
-        if not bits:
-            raise ValueError(f"tah_boundary_bits = {self.tah_boundary_bits!r}: give comma-separated integers, one "
-                             "per pipeline boundary, e.g. 6,5,5,5,5,6,5")
-        return bits
-
     def forward_bits(self, boundary: int | None = None, boundaries: int | None = None) -> int:
         """The forward codec's bits at ``boundary`` of ``boundaries``: entry ``floor(boundary * n / boundaries)``
         of ``tah_boundary_bits`` when set (``boundary`` None: ``tah_forward_bits``, what a message outside a
@@ -424,21 +307,6 @@ class TahConfig:
                              "stages of a pipeline that does not wrap (the 1F1B schedule, not interleaved)")
         return entries[boundary * len(entries) // boundaries]
 
-    def _check_boundary_bits(self) -> None:
-        entries = self.boundary_bits()
-        if not entries:
-            return
-        name = self.tah_forward_codec
-        if self.is_auto("forward") or name == "none" or "bits" not in codec_declaration(name).takes:
-            raise ValueError(f"tah_boundary_bits with tah_forward_codec = {name!r}: per-boundary bits need a forward "
-                             "codec that takes bits (" + ", ".join(n for n in forward_codecs()
-                                                                    if "bits" in codec_declaration(n).takes) + ")")
-        for b in sorted(set(entries)):
-            try:
-                self.build_codec(name, b, self.tah_tile_size)
-            except CodecError as err:
-                raise ValueError(f"tah_boundary_bits = {self.tah_boundary_bits!r}: entry {b}: {err}") from None
-
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients (auto: as ``forward_codec``)."""
         if self.is_auto("backward"):
@@ -447,29 +315,14 @@ class TahConfig:
                                 stochastic_rounding=self.tah_backward_stochastic_rounding,
                                 checksum=self.tah_wire_checksum)
 
-    def laaq_bits(self) -> tuple[int, ...]:
-        """``tah_laaq_bits`` as integers (ValueError naming the flag when it does not parse)."""
-        try:
-            bits = tuple(int(part) for part in self.tah_laaq_bits.split(","))
-        except ValueError:
-            bits = ()
-        if not bits:
-            raise ValueError(f"tah_laaq_bits = {self.tah_laaq_bits!r}: give comma-separated integers, e.g. 4,5,6,8")
-        return bits
-
 
 def candidate_codec(name: str, direction: str, backend: str = "auto", checksum: bool = False,
                     boundary: tuple[int, int] | None = None) -> Codec:
     """A new codec object for auto candidate ``name`` on ``direction`` (forward: activations, backward: gradients),
-    a forward one at ``boundary`` (boundary, boundaries: ``TahConfig.forward_codec``'s) when given.
-
-    ``none`` and ``fp8`` are those codecs both ways, ``fixedpoint4`` direct 4-bit activations and 6-bit
-    gradients (``auto.NON_PRESET``); a preset name is that preset's codec for the direction.
-    """
+    a forward one at ``boundary`` (boundary, boundaries: ``TahConfig.forward_codec``'s) when given: the codec of a
+    ``TahConfig`` with the candidate's fields (``auto.candidate_fields``)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction = {direction!r}: choose forward or backward")
-    if name not in CANDIDATES:
-        raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
-    fields = NON_PRESET[name] if name in NON_PRESET else {"tah_preset": name}
-    config = TahConfig(**fields, tah_backend=backend, tah_wire_checksum=checksum)
+    check_candidate(name)
+    config = TahConfig(**candidate_fields(name), tah_backend=backend, tah_wire_checksum=checksum)
     return config.forward_codec(*(boundary or ())) if direction == "forward" else config.backward_codec()

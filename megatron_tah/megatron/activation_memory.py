@@ -310,7 +310,7 @@ def settings(config) -> str:
 def laaq_stage_bits(config, stage: int, stages: int) -> int:
     """Bits of stored activations on pipeline stage ``stage`` of ``stages``: entry floor(stage * n / stages) of
     the n in ``tah_laaq_bits``."""
-    bits = config.laaq_bits()
+    bits = config.parsed("tah_laaq_bits")
     return bits[stage * len(bits) // stages]
 
 
