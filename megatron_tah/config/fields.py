@@ -10,8 +10,8 @@ A field's ``metadata`` may hold
   ``units.parse_bandwidth``), raising ``ValueError`` on text it cannot read.
 
 ``check_field`` checks one value against that declaration, raising ``ValueError`` naming the field and the value;
-``TahConfig.__post_init__`` runs it on every field and ``TahConfig.parsed`` returns what ``"parse"`` makes of it. The
-flags (``megatron/arguments.py``) read the same metadata. Nothing here knows a particular field.
+``TahConfig.__post_init__`` runs it on every field and ``parsed`` returns what ``"parse"`` makes of a field's text.
+The flags (``megatron/arguments.py``) read the same metadata. Nothing here knows a particular field.
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ def backward_codecs() -> tuple[str, ...]:
 def rounding_codecs() -> tuple[str, ...]:
     """The registered codecs that round stochastically on request."""
     return tuple(name for name in CODECS if "stochastic_rounding" in codec_declaration(name).takes)
+
+
+def takers(parameter: str, backward: bool = False) -> tuple[str, ...]:
+    """The registered codecs of a direction (``backward``: gradients) that take direction parameter ``parameter``."""
+    return tuple(name for name in (backward_codecs() if backward else forward_codecs())
+                 if parameter in codec_declaration(name).takes)
 
 
 class CodecChoices:
@@ -98,6 +104,14 @@ def check_field(field: dataclasses.Field, value: Any) -> None:
             field.metadata["parse"](value)
         except ValueError as err:
             raise ValueError(f"{field.name} = {value!r}: {err}") from None
+
+
+def parsed(config: Any, name: str) -> Any:
+    """Field ``name`` of ``config`` as its readers use it: what its declared ``parse`` makes of its text (None stays
+    None; a field without ``parse``: its value)."""
+    value = getattr(config, name)
+    parse = next(f for f in dataclasses.fields(config) if f.name == name).metadata.get("parse")
+    return value if parse is None or value is None else parse(value)
 
 
 def _codec_options() -> dict[str, Option]:

@@ -57,6 +57,7 @@ import torch
 
 from ..codecs import Codec, CodecError, common, get_codec
 from ..codecs.base import SUPPORTED_DTYPES
+from ..config.fields import parsed
 from ..kernels import HAVE_TRITON
 from ..kernels import laaq as kernels
 from .place import PlaceSpec, direction
@@ -310,7 +311,7 @@ def settings(config) -> str:
 def laaq_stage_bits(config, stage: int, stages: int) -> int:
     """Bits of stored activations on pipeline stage ``stage`` of ``stages``: entry floor(stage * n / stages) of
     the n in ``tah_laaq_bits``."""
-    bits = config.parsed("tah_laaq_bits")
+    bits = parsed(config, "tah_laaq_bits")
     return bits[stage * len(bits) // stages]
 
 

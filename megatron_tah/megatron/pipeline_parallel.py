@@ -25,7 +25,8 @@ import logging
 
 import torch
 
-from ..config import TahConfig, link_options
+from ..config import TahConfig
+from ..config import pipeline as pipeline_rules
 from ..link.transport import PipelineTransport
 from .place import PlaceSpec
 from .registry import REGISTRY
@@ -154,7 +155,7 @@ def uninstall(place) -> None:
 PLACE = PlaceSpec(
     name=NAME, option=None, install=install, uninstall=uninstall,
     streams=(Stream("forward", NAME, "forward", "fwd"), Stream("backward", NAME, "backward", "bwd")),
-    check=link_options.check,  # the link's options: TahConfig runs them too (the link reads it without the places)
+    check=pipeline_rules.check,  # its codecs and link options (TahConfig runs them too: the link reads it as it is)
     check_args=check_args, startup=startup,
 )
 
