@@ -242,13 +242,14 @@ def test_registered_in_codecs_flags_config_and_report():
     assert [name for _, name, _ in report.STATELESS_ROWS].count("channel") == 2
 
 
-@pytest.mark.parametrize("preset, forward_bits, backward_bits", [("channel", 4, 3), ("channel6", 4, 2), ("channel9", 6, 3)])
-def test_the_channel_presets_bits_both_ways(preset, forward_bits, backward_bits):
+@pytest.mark.parametrize("candidate, forward_bits, backward_bits", [("channel", 4, 3), ("channel6", 4, 2),
+                                                                     ("channel9", 6, 3)])
+def test_the_channel_candidates_bits_both_ways(candidate, forward_bits, backward_bits):
     """Per-channel activations, per-channel stochastically rounded gradients: bits + 32 / rows per value
     (a bf16 scale and zero per channel) plus the 16-byte header, exactly."""
-    from megatron_tah.config import TahConfig
+    from megatron_tah.config import TahConfig, candidate_fields
 
-    config = TahConfig(tah_preset=preset)
+    config = TahConfig(**candidate_fields(candidate))
     fwd, bwd = config.forward_codec(), config.backward_codec()
     assert (fwd.name, bwd.name) == ("channel", "channel")
     for shape in ((1024, 8, 1024), (64, 1, 128)):

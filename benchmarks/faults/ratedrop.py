@@ -62,11 +62,10 @@ def dropped_rate(rate: str = RATE) -> str:
 
 def candidate_flags(name: str) -> list[str]:
     """Candidate ``name`` (``config.auto``'s) fixed on both directions, as flags: a preset, or its fields."""
-    from megatron_tah.config.auto import NON_PRESET
-    from megatron_tah.megatron.arguments import flag_name
+    from megatron_tah.config import candidate_fields
+    from megatron_tah.megatron.arguments import fields_flags
 
-    fields = NON_PRESET.get(name, {"tah_preset": name})
-    return [part for field, value in fields.items() for part in (flag_name(field), str(value))]
+    return fields_flags(candidate_fields(name))
 
 
 def run(out: Path, data_prefix: str, port: int, rate: str, iters: int, flags: list[str], fault: str | None = None,

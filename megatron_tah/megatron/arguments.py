@@ -41,6 +41,18 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def fields_flags(fields: dict) -> list[str]:
+    """``TahConfig`` fields as the flags that set them: ``{"tah_tile_size": 32}`` -> ``["--tah-tile-size", "32"]``; a
+    true bool is its bare flag, a false one nothing."""
+    flags = []
+    for field, value in fields.items():
+        if isinstance(value, bool):
+            flags += [flag_name(field)] if value else []
+        else:
+            flags += [flag_name(field), str(value)]
+    return flags
+
+
 def _choices(field: dataclasses.Field) -> tuple:
     option = field.metadata.get("option")
     return tuple(field.metadata.get("choices") or (option.choices if option else ()))
