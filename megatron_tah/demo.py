@@ -48,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from .megatron.logging import read_records
+from .megatron.run_log import read_records
 
 RUNS = {
     "bf16": ["--tah-forward-codec", "none", "--tah-backward-codec", "none"],
@@ -118,7 +118,7 @@ def prepare_data(args) -> str:
 def choose_link(mode: str, rate: str = "100mbit") -> str:
     """``"netns"`` or ``"emulate"``; in ``auto`` mode, builds the namespaces once to be sure, and says why
     it falls back to the emulation."""
-    from .slow_link import SlowLinks, require_netns
+    from .netns_link import SlowLinks, require_netns
 
     if mode == "emulate":
         return "emulate"
@@ -215,7 +215,7 @@ def _run_training(flags: list[str], link: str, rate: str, log_path: Path) -> int
     with open(log_path, "w") as log:
         if link != "netns":  # "emulate" (its flags delay messages) or "loopback" (no slow link)
             return subprocess.call(command(2, flags), stdout=log, stderr=subprocess.STDOUT)
-        from .slow_link import SlowLinks, run_stages
+        from .netns_link import SlowLinks, run_stages
 
         try:
             links = SlowLinks(2, rate).__enter__()

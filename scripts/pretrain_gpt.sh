@@ -238,7 +238,7 @@ if [[ "$DEVICE" == gpu ]]; then
     if [[ "$gpu_netns" == 1 ]]; then
         [[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p "$OUT"
         echo "== $PP GPU stages in network namespaces, links limited to $RATE by tc"
-        launch "$PYTHON" -m megatron_tah.slow_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${gpu_args[@]}"
+        launch "$PYTHON" -m megatron_tah.netns_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${gpu_args[@]}"
     fi
     launch "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NUM_NODES" \
         --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${gpu_args[@]}"
@@ -260,9 +260,9 @@ megatron_args=(--pipeline-model-parallel-size "$PP" "${cpu_model_args[@]}"
 use_netns=0
 if [[ -n "$RATE" && "$PP" -ge 2 ]] && netns_ok; then use_netns=1; fi
 if [[ "$use_netns" == 1 ]]; then
-    # One stage per network namespace; slow_link sets RANK/WORLD_SIZE/MASTER_ADDR for each.
+    # One stage per network namespace; netns_link sets RANK/WORLD_SIZE/MASTER_ADDR for each.
     echo "== $PP stages in network namespaces, links limited to $RATE by tc"
-    launch "$PYTHON" -m megatron_tah.slow_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${script[@]}" "${megatron_args[@]}"
+    launch "$PYTHON" -m megatron_tah.netns_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${script[@]}" "${megatron_args[@]}"
 fi
 if [[ -n "$RATE" ]]; then
     echo "== in-process link emulation at $RATE (LINK=emulate, or no root/ip/tc for namespaces)"

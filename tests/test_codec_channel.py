@@ -179,7 +179,7 @@ def test_bad_values_poison_their_channel_in_every_row_and_nothing_else(bad):
     assert torch.equal(y[..., others], round_trip(codec, clean)[..., others])
     layout = codec.layout(x.shape, x.dtype)  # the pattern quantize_tiles writes for a bad tile
     assert layout.view(buf, "scale", torch.int16)[70] == 0
-    assert layout.view(buf, "zero", torch.int16)[70] == common.geometry.BF16_NAN_BITS
+    assert layout.view(buf, "zero", torch.int16)[70] == common.numerics.BF16_NAN_BITS
     codes = common.unpack_bits(layout.view(buf, "codes"), 4, x.numel()).reshape(-1, 100)
     assert (codes[:, 70] == 0).all()
 

@@ -53,9 +53,9 @@ def test_scaled_down_demo(tmp_path):
 
 
 def test_demo_falls_back_to_emulation_without_root(monkeypatch, capsys):
-    import megatron_tah.slow_link as slow_link
+    import megatron_tah.netns_link as netns_link
 
-    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns_link.os, "geteuid", lambda: 1000)
     assert demo.choose_link("auto") == "emulate"
     assert "in-process emulation" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="need root"):

@@ -18,9 +18,9 @@ from test_logging import call_training_log, megatron_state  # noqa: F401  (a fix
 import megatron_tah
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments, places, plugin
-from megatron_tah.megatron import logging as tah_logging
+from megatron_tah.megatron import run_log as tah_logging
 from megatron_tah.megatron.collectives import Traffic
-from megatron_tah.megatron.place import PlaceSpec
+from megatron_tah.megatron.place_spec import PlaceSpec
 from megatron_tah.megatron.registry import REGISTRY
 from megatron_tah.megatron.stats import Stats, Stream
 

@@ -24,7 +24,7 @@ import torch
 
 from megatron_tah import pretrain_gpt
 from megatron_tah.config import TahConfig
-from megatron_tah.megatron.logging import read_records
+from megatron_tah.megatron.run_log import read_records
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[1]

@@ -160,7 +160,7 @@ def _script(corpus: str, out: Path, port: int, **env) -> tuple[subprocess.Popen,
 
 @pytest.mark.distributed
 def test_a_killed_stage_is_restarted_by_the_script_and_ends_with_the_uninterrupted_losses(corpus, tmp_path):
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     plain, plain_output = _script(corpus, tmp_path / "plain", 29531)
     plain.wait(timeout=900)

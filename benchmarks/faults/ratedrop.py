@@ -71,7 +71,7 @@ def candidate_flags(name: str) -> list[str]:
 def run(out: Path, data_prefix: str, port: int, rate: str, iters: int, flags: list[str], fault: str | None = None,
         codec: str | None = None) -> dict:
     """One run of ``scripts/pretrain_gpt.sh 2`` into ``out`` (emptied first): its records and output."""
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -94,7 +94,7 @@ def run(out: Path, data_prefix: str, port: int, rate: str, iters: int, flags: li
 def read(out: Path) -> dict:
     """The facts of runs already under ``out`` (``--rejudge``)."""
     from megatron_tah.config.auto import DEFAULT_CANDIDATES
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     def one(path: Path) -> dict:
         facts = json.loads((path / "facts.json").read_text())

@@ -60,7 +60,7 @@ from ..codecs.base import SUPPORTED_DTYPES
 from ..config.fields import parsed
 from ..kernels import HAVE_TRITON
 from ..kernels import laaq as kernels
-from .place import PlaceSpec, direction
+from .place_spec import PlaceSpec, direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 MIN_NUMEL = 4096  # smaller saved tensors are kept: a launch per tensor would cost more than it saves

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config import TahConfig
 from . import places
-from .logging import check_log_json
+from .run_log import check_log_json
 from .patching import is_ours
 from .registry import REGISTRY
 

@@ -42,7 +42,7 @@ from ..config import TahConfig
 from . import collectives
 from .collectives import Done
 from .patching import Patches, resolve
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 from .stats import Stream
 
 BUFFER_MODULE = "megatron.core.distributed.param_and_grad_buffer"

@@ -54,7 +54,7 @@ from ..config import TahConfig
 from . import collectives
 from .collectives import Traffic
 from .patching import resolve
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 from .stats import Stream
 
 logger = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ import logging
 import torch
 
 from .patching import resolve
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 
 logger = logging.getLogger(__name__)
 

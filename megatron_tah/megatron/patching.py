@@ -1,6 +1,6 @@
 """The one helper behind every attribute megatron_tah replaces (transports, flags, log, shims).
 
-A :class:`Patches` object belongs to one installer -- each place (``place.Place.patches``), the
+A :class:`Patches` object belongs to one installer -- each place (``place_spec.Place.patches``), the
 flags, the log, the plugin and the CPU shims (``registry.REGISTRY``) -- and records what it
 replaced, so that ``restore()`` puts back exactly the original objects, newest first::
 

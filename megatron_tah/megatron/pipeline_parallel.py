@@ -28,7 +28,7 @@ import torch
 from ..config import TahConfig
 from ..config import pipeline as pipeline_rules
 from ..link.transport import PipelineTransport
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 from .registry import REGISTRY
 from .stats import Stream
 from .version import TRANSPORTS, check_installed
@@ -185,7 +185,7 @@ def push_sample_ids(ids: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def evaluation(uncompressed: bool):
-    """An evaluation (forward only) runs inside this, entered on every stage together (by logging's
+    """An evaluation (forward only) runs inside this, entered on every stage together (by run_log's
     wrapper of Megatron's ``evaluate``, per ``--tah-eval-traffic``; a loop of one's own enters it around
     its evaluation): with ``uncompressed`` every link sends raw. A no-op when not installed."""
     transport = installed_transport()

@@ -20,7 +20,7 @@ from .stats import Stats
 
 if TYPE_CHECKING:
     from ..config import TahConfig
-    from .place import Place
+    from .place_spec import Place
 
 
 @dataclasses.dataclass
@@ -40,7 +40,7 @@ class Registry:
     arguments: Patches = dataclasses.field(default_factory=Patches)
     """The ``--tah-*`` flags on Megatron's parser and validation (``arguments.py``)."""
     logging: Patches = dataclasses.field(default_factory=Patches)
-    """The statistics in Megatron's training log (``logging.py``)."""
+    """The statistics in Megatron's training log (``run_log.py``)."""
     log: Any = None
     """The training log's pending counters and evaluations (``logging.LogState``) while installed."""
     plugin: Patches = dataclasses.field(default_factory=Patches)

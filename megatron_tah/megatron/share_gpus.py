@@ -79,7 +79,7 @@ def device_for(local_rank: int, device_count: int) -> int:
 
 
 def local_world_size() -> int:
-    """Local ranks on this node (torchrun's and slow_link's ``LOCAL_WORLD_SIZE``; 1 when unset)."""
+    """Local ranks on this node (torchrun's and netns_link's ``LOCAL_WORLD_SIZE``; 1 when unset)."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     try:
         return int(value)

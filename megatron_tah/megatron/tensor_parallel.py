@@ -42,7 +42,7 @@ from ..config import TahConfig
 from . import collectives
 from .collectives import Done
 from .patching import resolve
-from .place import PlaceSpec, direction
+from .place_spec import PlaceSpec, direction
 from .stats import Stream
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
