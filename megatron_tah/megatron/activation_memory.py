@@ -279,9 +279,12 @@ def _saving(place, quantize):
                 attention = getattr(self, "self_attention", None)
                 core = getattr(attention, "core_attention", None)
                 if core is not None:  # once per class (marker)
-                    place.patches.wrap(type(core), "forward", _saving(place, lambda: False))
+                    place.patches.wrap(type(core), "forward", _saving(place, lambda: False),
+                                       why="the attention core keeps its inputs as they are (LAAQ)")
                 if hasattr(attention, "_checkpointed_attention_forward"):
-                    place.patches.wrap(type(attention), "_checkpointed_attention_forward", _saving(place, lambda: False))
+                    place.patches.wrap(type(attention), "_checkpointed_attention_forward",
+                                       _saving(place, lambda: False),
+                                       why="recomputed attention keeps its inputs as they are (LAAQ)")
             pack_hook, unpack_hook = _hooks(place, quantize=quantize())
             with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
                 return original(self, *args, **kwargs)
@@ -295,7 +298,8 @@ def install(place) -> None:
     """Store what transformer layers save for backward in ``laaq`` form, and measure it."""
     place.state.setdefault("quantize", True)
     place.state["memory"] = SavedTensorMemory()
-    place.patches.wrap(LAYER, "forward", _saving(place, lambda: place.state["quantize"]))
+    place.patches.wrap(LAYER, "forward", _saving(place, lambda: place.state["quantize"]),
+                       why="store what the layer saves for backward in low-bit blocks (LAAQ)")
     place.stats.memory_source = place.state["memory"].peaks
 
 

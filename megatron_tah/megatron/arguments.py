@@ -213,8 +213,9 @@ def install_arguments() -> None:
     if patches:
         return
     module = _megatron_arguments_module()
-    patches.wrap(module, "add_megatron_arguments", _adding_tah_arguments)
-    patches.wrap(module, "validate_args", _validating_tah_arguments)
+    patches.wrap(module, "add_megatron_arguments", _adding_tah_arguments, why="add the --tah-* flags to every parser")
+    patches.wrap(module, "validate_args", _validating_tah_arguments,
+                 why="check the --tah-* flags, ending a bad run with one error line")
 
 
 def uninstall_arguments() -> None:

@@ -297,20 +297,27 @@ def apply_cpu_shims(force: bool = False) -> bool:
         return False
     try:
         for module in SHIMMED_MODULES:
-            patches.replace(module, "torch", CpuTorch())
-        patches.replace(torch.Tensor, "cuda", _on_cpu_already)
-        patches.replace(torch.nn.Module, "cuda", _on_cpu_already)
+            patches.replace(module, "torch", CpuTorch(), why="torch.cuda calls on CPU tensors (no CUDA device)")
+        patches.replace(torch.Tensor, "cuda", _on_cpu_already, why="tensors stay on the CPU")
+        patches.replace(torch.nn.Module, "cuda", _on_cpu_already, why="modules stay on the CPU")
         for owner, attribute in TYPE_CHECKED:
-            patches.wrap(owner, attribute, _with_cuda_type_names)
+            patches.wrap(owner, attribute, _with_cuda_type_names,
+                         why="CPU tensors pass the optimizer's CUDA type checks")
         tracker = resolve("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
-        patches.replace(tracker, "add", _tracker_add)
-        patches.replace(tracker, "fork", _tracker_fork)
-        patches.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped)
-        patches.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
-        patches.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
-        patches.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device)
-        patches.wrap("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state)
-        patches.wrap("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped)
+        patches.replace(tracker, "add", _tracker_add, why="the CUDA RNG tracker keeps CPU generator states")
+        patches.replace(tracker, "fork", _tracker_fork, why="the CUDA RNG tracker forks CPU generator states")
+        patches.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped,
+                     why="no JIT warm-up without CUDA")
+        patches.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable,
+                     why="no fused softmax kernel without CUDA")
+        patches.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state,
+                     why="building the data keeps the CPU RNG state")
+        patches.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device,
+                     why="the CPU runs in order: tensor parallelism validates without CUDA_DEVICE_MAX_CONNECTIONS")
+        patches.wrap("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state,
+                     why="no CUDA RNG state to read")
+        patches.wrap("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped,
+                     why="no CUDA RNG state to set")
     except Exception:
         patches.restore()
         raise

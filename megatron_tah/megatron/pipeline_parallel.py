@@ -139,7 +139,8 @@ def install(place) -> None:
                                   virtual_stages=virtual_stages, depth=pipeline_depth, stage=pipeline_stage)
     place.transport = transport
     for name in TRANSPORTS:
-        place.patches.wrap(P2P_MODULE, name, _replacing(transport, name))
+        place.patches.wrap(P2P_MODULE, name, _replacing(transport, name),
+                           why="pipeline messages through the link's codecs (TAH-Quant)")
     place.stats.buffer_source = transport.buffer_nbytes
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 place.config.forward_codec().describe(), place.config.backward_codec().describe())

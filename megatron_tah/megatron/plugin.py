@@ -83,11 +83,13 @@ def install_megatron_lm_plugin() -> None:
         install_arguments()
         install_logging()
         for module in INITIALIZE_MODULES:
-            patches.wrap(module, "initialize_megatron", _initializing_then_installing)
+            patches.wrap(module, "initialize_megatron", _initializing_then_installing,
+                         why="install the places the flags turn on, once Megatron is initialized")
         share_gpus.install(patches)
         codec_state.install(patches)
         peer_timeout.install(patches)
-        patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
+        patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python,
+                     why="compile the dataset helpers with the running Python")
         cpu_shims.hold_cpu_shims("plugin")
     except Exception:
         uninstall_megatron_lm_plugin()
