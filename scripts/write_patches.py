@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib
 import pathlib
 import re
 import sys
@@ -40,20 +39,22 @@ class Call:
     line: int
     target: str
     how: str
-    why: str
+    why: str | None
 
 
-def _text(node: ast.expr, constants: dict[str, str]) -> str:
+def _text(node: ast.expr, constants: dict[str, str]) -> str | None:
+    """A string literal or a module constant's value; None for anything else (a variable)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.Name) and node.id in constants:
         return constants[node.id]
-    return ast.unparse(node)
+    return None
 
 
 def patch_calls() -> list[Call]:
-    """Every ``<patches>.wrap(owner, attribute, ...)`` / ``.replace(...)`` call of the patch layer (``why`` empty
-    when the call gives none)."""
+    """Every ``<patches>.wrap(owner, attribute, ...)`` / ``.replace(...)`` call of the patch layer: ``why`` its
+    line, empty when the call gives none, None when a variable gives it (a loop over a table: the installers show
+    those)."""
     calls = []
     for path in sorted(PATCH_LAYER.glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -70,7 +71,7 @@ def patch_calls() -> list[Call]:
                     and node.func.attr in ("wrap", "replace") and RECEIVER.search(ast.unparse(node.func.value))):
                 continue
             why = next((_text(k.value, constants) for k in node.keywords if k.arg == "why"), "")
-            owner, attribute = (_text(arg, constants) for arg in node.args[:2])
+            owner, attribute = (_text(arg, constants) or ast.unparse(arg) for arg in node.args[:2])
             calls.append(Call(str(path.relative_to(REPO)), node.lineno, f"{owner.replace(':', '.')}.{attribute}",
                               "wraps" if node.func.attr == "wrap" else "replaces", why))
     return calls
@@ -135,7 +136,7 @@ def page() -> str:
     megatron = {when: [e for e in entries if e.target.startswith("megatron.")] for when, entries in found.items()}
     outside = [e for entries in found.values() for e in entries if not e.target.startswith("megatron.")]
     seen = {e.why for entries in found.values() for e in entries}
-    later = [c for c in patch_calls() if c.why not in seen]
+    later = [c for c in patch_calls() if c.why is not None and c.why not in seen]
     intro = ("Every replacement is an attribute set on a megatron-core or Megatron-LM module or class, where it is "
              "looked up at call time; each installer restores exactly what it replaced (`Patches.restore`), and "
              "nothing is replaced before the plugin or `megatron_tah.install` runs. Checked against "
@@ -160,18 +161,15 @@ def page() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="compare with docs/PATCHES.md instead of writing it")
-    args = parser.parse_args(argv)
-    importlib.import_module("megatron_tah")
-    text = page()
-    if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(REPO)} differs from the installers: run python scripts/write_patches.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(PAGE.relative_to(REPO))
-    return 0
+    check, text = parser.parse_args(argv).check, page()
+    stale = not PAGE.is_file() or PAGE.read_text() != text
+    if check and stale:
+        print(f"{PAGE.relative_to(REPO)} differs from the installers: run python scripts/write_patches.py",
+              file=sys.stderr)
+    elif not check:
+        PAGE.write_text(text)
+        print(PAGE.relative_to(REPO))
+    return int(check and stale)
 
 
 if __name__ == "__main__":

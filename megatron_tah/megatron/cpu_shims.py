@@ -284,6 +284,20 @@ def _tracker_fork(self, name="model-parallel-rng"):
 
 
 # ----- apply / remove ----------------------------------------------------------------------
+SHIMMED_FUNCTIONS = (
+    ("megatron.training.initialize", "_warmup_jit_function", _skipped, "no JIT warm-up without CUDA"),
+    ("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable,
+     "no fused softmax kernel without CUDA"),
+    ("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state,
+     "building the data keeps the CPU RNG state"),
+    ("megatron.training.arguments", "get_device_arch_version", _in_order_device,
+     "the CPU runs in order: tensor parallelism validates without CUDA_DEVICE_MAX_CONNECTIONS"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state, "no CUDA RNG state to read"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped, "no CUDA RNG state to set"),
+)
+"""Functions wrapped on a CPU: (owner, attribute, wrapper factory, why)."""
+
+
 def cpu_shims_active() -> bool:
     return bool(REGISTRY.cpu_shims)
 
@@ -306,18 +320,8 @@ def apply_cpu_shims(force: bool = False) -> bool:
         tracker = resolve("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
         patches.replace(tracker, "add", _tracker_add, why="the CUDA RNG tracker keeps CPU generator states")
         patches.replace(tracker, "fork", _tracker_fork, why="the CUDA RNG tracker forks CPU generator states")
-        patches.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped,
-                     why="no JIT warm-up without CUDA")
-        patches.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable,
-                     why="no fused softmax kernel without CUDA")
-        patches.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state,
-                     why="building the data keeps the CPU RNG state")
-        patches.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device,
-                     why="the CPU runs in order: tensor parallelism validates without CUDA_DEVICE_MAX_CONNECTIONS")
-        patches.wrap("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state,
-                     why="no CUDA RNG state to read")
-        patches.wrap("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped,
-                     why="no CUDA RNG state to set")
+        for owner, attribute, make, why in SHIMMED_FUNCTIONS:
+            patches.wrap(owner, attribute, make, why=why)
     except Exception:
         patches.restore()
         raise
