@@ -4,8 +4,9 @@ pipeline's codec factory.
 Every option is a field with its help under it, as megatron-core writes its configs; what makes a value valid is
 declared on the field (``fields.py``); a codec's own options come from its ``DECLARATION`` (``codec_option``).
 ``__post_init__`` expands ``tah_preset``, checks each field and the pipeline's rules (``pipeline.py``), raising
-``ValueError`` naming the field and value. What another place makes of its option is its own (``megatron/place_spec.py``),
-checked by ``megatron_tah.install`` and the flags' validation. Without ``--tah-*`` flags a run is Megatron's own.
+``ValueError`` naming the field and value. What another place makes of its option is its own (its ``PlaceSpec``,
+``megatron/place_spec.py``), checked by ``megatron_tah.install`` and the flags' validation. Without ``--tah-*`` flags
+a run is Megatron's own.
 """
 
 # No ``from __future__ import annotations``: megatron's ArgumentGroupFactory reads the annotations as types.

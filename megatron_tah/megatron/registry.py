@@ -7,7 +7,7 @@ module of this package keeps state. ``places.install`` / ``places.uninstall`` fi
 ``config`` and ``places``; the plugin, the flags, the log and the CPU shims own the other fields.
 It knows no particular place (the pipeline's transport: ``pipeline_parallel.installed_transport()``).
 This module imports nothing of megatron-core and nothing above it in the package
-(``patching``, ``place`` and ``stats`` only), so any module may import it.
+(``patching``, ``place_spec`` and ``stats`` only), so any module may import it.
 """
 
 from __future__ import annotations
