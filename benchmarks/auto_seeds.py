@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from megatron_tah import demo
-from megatron_tah.megatron.logging import read_records
+from megatron_tah.megatron.run_log import read_records
 from megatron_tah.units import parse_bandwidth
 
 from .reproduce.convergence import interval95

@@ -26,6 +26,12 @@ STATELESS_ROWS = [
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
 
+STUDIED_PRESETS = ("paper", "hadint4", "lowrank", "lowrank8", "channel", "channel6", "channel9", "channel_h4",
+                   "channel_b_h4")
+"""The sets of pipeline-codec options the reports measure as presets (``megatron_tah.config.candidate_fields``
+names): the presets (``--tah-preset``) and ``auto``'s candidates the studies measured (``lowrank8``, ``channel``,
+``channel6``, ``channel9``, each a preset when the committed runs were made)."""
+
 
 def stateless_rows() -> list[tuple[str, str, dict]]:
     """``STATELESS_ROWS``, then a row at its defaults for each registered codec they leave out (but one keeping

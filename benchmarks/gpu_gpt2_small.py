@@ -51,7 +51,7 @@ def late_losses(runs: dict[str, list[dict]], fraction: float = 0.25) -> dict[str
 
 
 def table(out: Path, docs: Path) -> Path:
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     runs = {codec: read_records(out / codec / "log.jsonl") for codec in CODECS if (out / codec / "log.jsonl").is_file()}
     if "bf16" not in runs:

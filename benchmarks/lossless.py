@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from megatron_tah.codecs import Codec, entropy
-from megatron_tah.config import TahConfig
-from megatron_tah.config.presets import PRESETS
+from megatron_tah.config import TahConfig, candidate_fields
 from megatron_tah.link import frames
 
+from .codec_rows import STUDIED_PRESETS as PRESETS
 from .pages import replace_block
 from .reproduce.runner import host_info
 from .real_activations import CACHE, MODELS, boundaries, corpus_text
@@ -118,7 +118,7 @@ def _host_cost(found: dict, preset: str, repeats: int, code, uncode) -> dict:
 
     from .speedrun import projection, simulate
 
-    config = TahConfig(tah_preset=preset)
+    config = TahConfig(**candidate_fields(preset))
     out = {"preset": preset}
     for direction, codec, index in (("forward", config.forward_codec(), 0), ("backward", config.backward_codec(), 1)):
         raw = coded_nbytes = 0
@@ -162,8 +162,8 @@ def run(model: str = MODEL, presets=None) -> dict:
     """Every preset's forward codec on the hidden states and backward codec on the gradients, every cut."""
     found = messages(model)
     rows = []
-    for preset in presets or [p for p in PRESETS if p != "none"]:
-        config = TahConfig(tah_preset=preset)
+    for preset in presets or PRESETS:
+        config = TahConfig(**candidate_fields(preset))
         for direction, codec, index in (("forward", config.forward_codec(), 0),
                                         ("backward", config.backward_codec(), 1)):
             per_cut = {layer: measure(codec.salt_rounding(f"{preset}.{layer}"), pair[index])

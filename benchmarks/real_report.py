@@ -3,7 +3,7 @@
 For each model of ``benchmarks.real_activations.MODELS`` (or ``--models``) and each of its pipeline
 boundaries (the layers after which PP 2 / PP 4 would cut it), the captured message ``[1024, 1, hidden]``
 bf16 goes through every row of :func:`rows`: the codec table's stateless rows, Hadamard INT at 3 to 6
-bits (the per-bit reference), and each ``--tah-preset``'s forward codec as ``TahConfig`` builds it.
+bits (the per-bit reference), and each of ``PRESETS``' forward codec as ``TahConfig`` builds it.
 Measured per row: bits per value on the wire (header included), the relative error
 ``||x - y|| / ||x||`` over the message (fp64; the parity study's ``link_rel_error``), the mean over
 tokens of ``||x_t - y_t|| / ||x_t||`` (one token of huge norm -- SmolLM2's first, an attention sink --
@@ -25,11 +25,12 @@ from typing import Callable
 import torch
 
 from megatron_tah.codecs import Codec, get_codec, load_all_codecs
-from megatron_tah.config.presets import PRESETS as _ALL
+from megatron_tah.config import candidate_fields
 
+from .codec_rows import STUDIED_PRESETS
 from .spectrum import energy_share
 
-PRESETS = tuple(name for name in _ALL if name != "none")  # every preset's forward codec
+PRESETS = STUDIED_PRESETS  # their forward codecs are the report's "preset" rows
 HADINT_BITS = (3, 4, 5, 6)
 ERRORS = ("rel_error", "token_rel_error")
 
@@ -45,7 +46,7 @@ def rows() -> list[tuple[str, Callable[[], Codec]]]:
     labels = {label for label, _ in out}
     out += [(f"hadint {b}b/64", lambda b=b: get_codec("hadint", bits=b, tile_size=64)) for b in HADINT_BITS
             if f"hadint {b}b/64" not in labels]
-    out += [(f"preset {p}", lambda p=p: TahConfig(tah_preset=p).forward_codec()) for p in PRESETS]
+    out += [(f"preset {p}", lambda p=p: TahConfig(**candidate_fields(p)).forward_codec()) for p in PRESETS]
     return out
 
 

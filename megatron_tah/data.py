@@ -349,7 +349,8 @@ def prepare(corpus: str | None, output_prefix: str | Path, valid_fraction: float
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m megatron_tah.data``."""
     parser = argparse.ArgumentParser(prog="python -m megatron_tah.data", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--corpus", choices=sorted(CORPORA), help="a corpus installed by `make setup`")
@@ -365,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="a pretrained model's Hugging Face tokenizer folder (tokenizer.json), e.g. the tokenizer/ "
                              "of python -m megatron_tah.hf_checkpoint import, instead of GPT-2 BPE")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
     try:
         result = prepare(args.corpus, args.output_prefix, args.valid_fraction, args.vocab_file, args.merge_file,
                          args.max_docs, args.max_tokens, args.seed, args.vocab_limit, input_files=args.input,

@@ -19,7 +19,7 @@ The link runs at a rate where, on this machine, moving bf16 activations takes lo
 computing them (as it does for GPU pipelines over 100 Mbit/s - 1 Gbit/s links: a 2-core CPU
 computes about a thousand times slower than a GPU, so the rate is scaled down accordingly; the
 table shows both times). It is real when possible (root, ``ip`` and ``tc``: one network namespace
-per stage, ``megatron_tah.slow_link``); otherwise every pipeline message is delayed in-process as
+per stage, ``megatron_tah.netns_link``); otherwise every pipeline message is delayed in-process as
 if sent at the rate (``--tah-emulate-bandwidth``), and the demo says so. The 4 layers are split 3/1
 (``--decoder-first-pipeline-num-layers 3``) because the last stage also computes the 50k-word
 output layer, and the input embedding and output layer are separate weights
@@ -33,7 +33,9 @@ Checks printed at the end (exit status 1 if one fails, else 0): TAH-Quant sends 
 pipeline's bytes, its validation loss is within 2% of the bf16 run's, and both runs learn. The speed-up
 is reported against its goal (1.5x in tokens/s) but, being a measurement of the machine, never fails
 the demo; so is auto's (the codec each link chose, and its tokens/s within 5% of TAH-Quant's on the slow
-link, of bf16's at ``--rate unlimited``). While a run trains, its progress (iteration, loss, elapsed, ETA) is printed from its log.
+link, of bf16's at ``--rate unlimited``). While a run trains, its progress (iteration, loss, elapsed, ETA) is
+printed from its log; the ETA counts measured iterations only (Megatron's time per iteration since its previous
+log line), none on the first line.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import threading
 import time
 from pathlib import Path
 
-from .megatron.logging import read_records
+from .megatron.run_log import read_records
 
 RUNS = {
     "bf16": ["--tah-forward-codec", "none", "--tah-backward-codec", "none"],
@@ -118,7 +120,7 @@ def prepare_data(args) -> str:
 def choose_link(mode: str, rate: str = "100mbit") -> str:
     """``"netns"`` or ``"emulate"``; in ``auto`` mode, builds the namespaces once to be sure, and says why
     it falls back to the emulation."""
-    from .slow_link import SlowLinks, require_netns
+    from .netns_link import SlowLinks, require_netns
 
     if mode == "emulate":
         return "emulate"
@@ -178,28 +180,31 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
-def progress_line(name: str, progress: dict, elapsed_s: float) -> str:
-    """``name: iteration 20/80, lm loss 7.12, 1m05s elapsed, ETA 3m15s``; the ETA scales the time since the
-    run started (start-up included) by the iterations left."""
+def progress_line(name: str, progress: dict, elapsed_s: float, measured: bool = True) -> str:
+    """``name: iteration 20/80, lm loss 7.12, 1m05s elapsed, ETA 0m48s``: the ETA is Megatron's own measure of the
+    iterations since its previous log line (``ms_per_iter``) times the iterations left. ``measured`` False (the
+    run's first log line, whose iterations include the first one's set-up): no ETA yet, as the line says."""
     done, total = progress["iteration"], progress["total"]
-    eta = elapsed_s / done * (total - done) if done else float("nan")
     loss = "" if progress["lm_loss"] is None else f", lm loss {progress['lm_loss']:.3f}"
-    return (f"{name}: iteration {done}/{total}{loss}, {_minutes(elapsed_s)} elapsed, "
-            f"ETA {_minutes(eta) if eta == eta else '?'}")
+    eta = (f"ETA {_minutes(progress['ms_per_iter'] / 1e3 * (total - done))}" if measured
+           else "ETA after the next log line")
+    return f"{name}: iteration {done}/{total}{loss}, {_minutes(elapsed_s)} elapsed, {eta}"
 
 
 def _with_progress(name: str, log_path: Path, start_run) -> int:
-    """Run ``start_run()`` (returns an exit status) in a thread, printing ``log_path``'s progress meanwhile."""
+    """Run ``start_run()`` (returns an exit status) in a thread, printing ``log_path``'s progress meanwhile: an ETA
+    from the second iteration line on (the first's time includes start-up work)."""
     status: list[int] = []
     worker = threading.Thread(target=lambda: status.append(start_run()), daemon=True)
-    start, shown = time.perf_counter(), None
+    start, first, shown = time.perf_counter(), None, None
     worker.start()
     while worker.is_alive():
         worker.join(PROGRESS_SECONDS)
         progress = parse_progress(log_path.read_text(errors="replace")) if log_path.is_file() else None
         if progress is not None and progress["iteration"] != shown:
             shown = progress["iteration"]
-            _say(progress_line(name, progress, time.perf_counter() - start))
+            first = shown if first is None else first
+            _say(progress_line(name, progress, time.perf_counter() - start, measured=shown != first))
     return status[0] if status else 1
 
 
@@ -215,7 +220,7 @@ def _run_training(flags: list[str], link: str, rate: str, log_path: Path) -> int
     with open(log_path, "w") as log:
         if link != "netns":  # "emulate" (its flags delay messages) or "loopback" (no slow link)
             return subprocess.call(command(2, flags), stdout=log, stderr=subprocess.STDOUT)
-        from .slow_link import SlowLinks, run_stages
+        from .netns_link import SlowLinks, run_stages
 
         try:
             links = SlowLinks(2, rate).__enter__()

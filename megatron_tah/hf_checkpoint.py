@@ -426,7 +426,8 @@ def read_flags(folder: str | Path, stages: int = 1) -> list[str]:
     return flags + split_flags(int(flags[flags.index("--num-layers") + 1]), stages) if stages > 1 else flags
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m megatron_tah.hf_checkpoint``."""
     parser = argparse.ArgumentParser(prog="python -m megatron_tah.hf_checkpoint", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("import", help="a Hugging Face checkpoint -> a Megatron release checkpoint")
@@ -445,7 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("flags", help="print the Megatron model flags of an imported folder")
     p.add_argument("folder")
     p.add_argument("--pipeline", type=int, default=1, help="with the split flags of this many pipeline stages")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
     try:
         if args.command == "verify":
             print(json.dumps(verify(args.ckpt, args.source, args.gguf_file, args.tokens)))

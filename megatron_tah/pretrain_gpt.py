@@ -274,7 +274,7 @@ def command(stages: int, flags: list[str], python: str = sys.executable) -> list
 
 
 def stage_command(flags: list[str], python: str = sys.executable) -> list[str]:
-    """One stage's process, for launchers that set RANK/WORLD_SIZE/MASTER_* themselves (slow_link)."""
+    """One stage's process, for launchers that set RANK/WORLD_SIZE/MASTER_* themselves (netns_link)."""
     return [python, "-m", "megatron_tah.pretrain_gpt", *flags]
 
 

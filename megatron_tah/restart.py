@@ -37,7 +37,7 @@ import tempfile
 import time
 
 from .megatron import failures
-from .slow_link import stop_process
+from .netns_link import stop_process
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the iteration of the latest complete checkpoint
 NOT_RESTARTED = (2,)  # usage errors: the same command fails the same way

@@ -4,7 +4,7 @@
 Input: a run directory with one folder per run, each holding ``meta.json`` (written by
 gpu_pipeline.sh: ``pp``, ``rate``, ``codec``, ``link``, ``gpu``, ``layers_per_stage``,
 ``micro_batches``, ``warmup``), ``log.jsonl`` (``--tah-log-json``: one record per iteration, see
-``megatron_tah/megatron/logging.py``) and ``stdout.log`` (Megatron's ``[Rank r] ... max allocated:``
+``megatron_tah/megatron/run_log.py``) and ``stdout.log`` (Megatron's ``[Rank r] ... max allocated:``
 memory lines). ``calib_pp1`` is one stage alone on the GPU (PP=1, the same layers per stage).
 
 Per run, over the iterations after ``warmup`` (medians of per-iteration values):
@@ -56,7 +56,7 @@ def iteration_seconds(compute_s: float, link_bytes: float, rate_bps: float, code
 
 
 def _records(run: pathlib.Path, warmup: int) -> list[dict]:
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     path = run / "log.jsonl"
     if not path.exists():

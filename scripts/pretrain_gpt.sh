@@ -21,6 +21,8 @@
 # Environment (all optional):
 #   CODEC, BWD_CODEC   forward codec (tah | none | fixedpoint | fp8 | aqsgd; default tah) and backward
 #                      codec (fixedpoint | none | tah | fp8; default fixedpoint, 6-bit as in the paper)
+#   PRESET       a --tah-preset (e.g. channel_h4; docs/FLAGS.md lists them) in place of CODEC/BWD_CODEC's defaults;
+#                a --tah-preset among the extra flags does the same
 #   RATE         slow link between stages, e.g. 100mbit, 1gbit (default: none, the real network)
 #   CHECKSUM     1: a checksum on every pipeline message's payload, checked on receipt (--tah-wire-checksum; a
 #                corrupted message stops the run naming the link, and the restart loop resumes it); default 1
@@ -32,7 +34,8 @@
 #                RATE: every iteration all-reduces the vocabulary x hidden gradient between the first and
 #                the last stage, uncompressed -- on a slow link more bytes than the whole pipeline), or
 #                codec (tied, that all-reduce through --tah-embedding-codec int8). A fine-tuning run loads a
-#                checkpoint of the same kind: set EMBEDDINGS as its pretraining had it
+#                checkpoint of the same kind: set EMBEDDINGS as its pretraining had it. An imported model
+#                (LOAD, HF) keeps its own (model); with RATE and tied embeddings, codec by default
 #   DATA_PREFIX  tokenized corpus prefix (default data/$CORPUS; made with python -m megatron_tah.data)
 #   CORPUS       corpus to tokenize when DATA_PREFIX is missing (default shakespeare)
 #   TRAIN_ITERS, LR, MICRO_BATCH, GLOBAL_BATCH   training length and batch sizes
@@ -65,8 +68,14 @@ if ! [[ "$PP" =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 TASK="${TASK:-pretrain}"
+CODEC_SET="${CODEC:-}"
+BWD_CODEC_SET="${BWD_CODEC:-}"
 CODEC="${CODEC:-tah}"
 BWD_CODEC="${BWD_CODEC:-fixedpoint}"
+PRESET="${PRESET:-}"
+preset_given=0  # PRESET, or --tah-preset among the extra flags: the codec defaults would conflict with it
+[[ -n "$PRESET" ]] && preset_given=1
+for arg in "$@"; do [[ "$arg" == --tah-preset || "$arg" == --tah-preset=* ]] && preset_given=1; done
 RATE="${RATE:-}"
 LINK="${LINK:-auto}"
 EMBEDDINGS_SET="${EMBEDDINGS:-}"
@@ -141,15 +150,28 @@ if [[ "$imported" == 1 ]]; then
 else
     data_args+=(--tokenizer-type NullTokenizer --vocab-size 50257)
 fi
-tah_args=(--tah-forward-codec "$CODEC" --tah-backward-codec "$BWD_CODEC" --tah-log-json "$OUT/log.jsonl")
+if [[ "$preset_given" == 1 ]]; then  # the preset's codecs, and only the codecs given explicitly
+    tah_args=(${PRESET:+--tah-preset "$PRESET"} ${CODEC_SET:+--tah-forward-codec "$CODEC_SET"}
+              ${BWD_CODEC_SET:+--tah-backward-codec "$BWD_CODEC_SET"})
+else
+    tah_args=(--tah-forward-codec "$CODEC" --tah-backward-codec "$BWD_CODEC")
+fi
+tah_args+=(--tah-log-json "$OUT/log.jsonl")
 case "$CHECKSUM" in
     1) tah_args+=(--tah-wire-checksum) ;;
     0) ;;
     *) echo "pretrain_gpt: error: CHECKSUM=$CHECKSUM: choose 1 or 0" >&2; exit 2 ;;
 esac
 if [[ "$imported" == 1 ]]; then  # the model's own: tied unless its flags untie them
+    model_ties=1
+    [[ " ${hf_model_args[*]} " == *" --untie-embeddings-and-output-weights "* ]] && model_ties=0
     EMBEDDINGS="${EMBEDDINGS_SET:-model}"
-    if [[ "$EMBEDDINGS" == untied && ! " ${hf_model_args[*]} " == *" --untie-embeddings-and-output-weights "* ]]; then
+    if [[ -z "$EMBEDDINGS_SET" && -n "$RATE" && "$model_ties" == 1 && "$PP" -ge 2 ]]; then
+        EMBEDDINGS=codec  # its tied weights cannot be untied; their gradient exchange crosses the slow link
+        echo "== the imported model ties its embeddings: behind RATE=$RATE their gradient exchange between the first" \
+             "and the last stage goes through --tah-embedding-codec int8 (EMBEDDINGS=model: uncompressed)"
+    fi
+    if [[ "$EMBEDDINGS" == untied && "$model_ties" == 1 ]]; then
         echo "pretrain_gpt: error: EMBEDDINGS=untied: the imported model in $LOAD ties its embeddings" >&2
         exit 2
     fi
@@ -238,7 +260,7 @@ if [[ "$DEVICE" == gpu ]]; then
     if [[ "$gpu_netns" == 1 ]]; then
         [[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p "$OUT"
         echo "== $PP GPU stages in network namespaces, links limited to $RATE by tc"
-        launch "$PYTHON" -m megatron_tah.slow_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${gpu_args[@]}"
+        launch "$PYTHON" -m megatron_tah.netns_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${gpu_args[@]}"
     fi
     launch "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NUM_NODES" \
         --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${gpu_args[@]}"
@@ -260,9 +282,9 @@ megatron_args=(--pipeline-model-parallel-size "$PP" "${cpu_model_args[@]}"
 use_netns=0
 if [[ -n "$RATE" && "$PP" -ge 2 ]] && netns_ok; then use_netns=1; fi
 if [[ "$use_netns" == 1 ]]; then
-    # One stage per network namespace; slow_link sets RANK/WORLD_SIZE/MASTER_ADDR for each.
+    # One stage per network namespace; netns_link sets RANK/WORLD_SIZE/MASTER_ADDR for each.
     echo "== $PP stages in network namespaces, links limited to $RATE by tc"
-    launch "$PYTHON" -m megatron_tah.slow_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${script[@]}" "${megatron_args[@]}"
+    launch "$PYTHON" -m megatron_tah.netns_link --stages "$PP" --rate "$RATE" -- "$PYTHON" "${script[@]}" "${megatron_args[@]}"
 fi
 if [[ -n "$RATE" ]]; then
     echo "== in-process link emulation at $RATE (LINK=emulate, or no root/ip/tc for namespaces)"

@@ -6,7 +6,9 @@
 
 The table is ``megatron_tah.megatron.arguments.flags_markdown()``: one row per ``TahConfig`` field, the
 pipeline-wide options and every codec's declared options alike, with the flag's default, valid values
-and help as the parser has them. ``tests/test_places.py`` checks that the committed page is this output.
+and help as the parser has them; then the presets (``config.PRESETS``) and auto's candidates
+(``config.CANDIDATES``), each with its declared description. ``tests/test_places.py`` checks that the committed
+page is this output.
 """
 
 from __future__ import annotations
@@ -32,11 +34,51 @@ and the preset's is an error.
 """
 
 
+PRESETS_INTRO = """\
+## Presets
+
+`--tah-preset NAME` sets these flags at once (`megatron_tah/config/presets.py`). Steps to a loss and damage per
+preset: [REAL_MODEL.md](REAL_MODEL.md) (a real model), [SPEEDRUN.md](SPEEDRUN.md) (the toy); bits per value: the
+README's presets table.
+"""
+
+CANDIDATES_INTRO = """\
+## auto's candidates
+
+`--tah-forward-codec auto` / `--tah-backward-codec auto` choose per link among `--tah-auto-candidates`, each standing
+for its codec of the direction (`megatron_tah/config/auto.py`; the protocol: [DESIGN.md](DESIGN.md)); a link starts
+with `none`, else `paper`, else the first, until it is measured. The candidates that are not presets include the
+studies' others whose steps were measured ([SPEEDRUN.md](SPEEDRUN.md)).
+"""
+
+
+def presets_markdown() -> str:
+    """The presets' table: each ``--tah-preset``, its declared description and the flags it sets (``PRESETS``)."""
+    from megatron_tah.config import PRESETS
+    from megatron_tah.megatron.arguments import fields_flags
+
+    rows = ["| preset | what it is | the flags it sets |", "|---|---|---|"]
+    rows += [f"| `{name}` | {preset.description} | `{' '.join(fields_flags(preset.fields)) or '(none)'}` |"
+             for name, preset in PRESETS.items()]
+    return "\n".join(rows)
+
+
+def candidates_markdown() -> str:
+    """auto's candidates' table: each of ``CANDIDATES``, its description and whether it is a default candidate."""
+    from megatron_tah.config import CANDIDATES, DEFAULT_CANDIDATES, NON_PRESET, candidate_description
+
+    rows = ["| candidate | what it is | a preset | by default |", "|---|---|---|---|"]
+    rows += [f"| `{name}` | {candidate_description(name)} | {'no' if name in NON_PRESET else 'yes'} | "
+             f"{'yes' if name in DEFAULT_CANDIDATES else 'no'} |" for name in CANDIDATES]
+    return "\n".join(rows)
+
+
 def page() -> str:
     """The whole of docs/FLAGS.md."""
     from megatron_tah.megatron.arguments import flags_markdown
 
-    return INTRO + "\n" + flags_markdown().rstrip("\n") + "\n"
+    return (INTRO + "\n" + flags_markdown().rstrip("\n") + "\n\n" + PRESETS_INTRO + "\n" + presets_markdown() + "\n\n"
+            + CANDIDATES_INTRO + "\n" + candidates_markdown() + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

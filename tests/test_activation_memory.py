@@ -155,7 +155,7 @@ def test_pp1_megatron_loop_laaq_with_selective_recompute_drops_attention_tensors
     """``python -m megatron_tah.pretrain_gpt`` at sequence 128 (so attention's ``[b, heads, s, s]`` tensors are
     most of what a layer saves), same seed: uncompressed, LAAQ, LAAQ + selective recompute."""
     from megatron_tah import pretrain_gpt
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     model = ["--seq-length", "128", "--max-position-embeddings", "128", "--train-iters", "6"]
     runs = {"off": [], "laaq": ["--tah-activation-memory", "laaq"],

@@ -204,6 +204,40 @@ def test_auto_fields_take_their_defaults_and_checks_from_auto_settings():
         TahConfig(tah_auto_max_error=float("nan"))
 
 
+HELP_LINE = 120  # characters: the project's line length
+
+
+def test_every_flag_s_help_is_at_most_two_lines_and_quotes_no_measured_number():
+    """The help argparse shows (generated lists and the default included) fits in two lines of ``HELP_LINE``, and holds
+    no decimal number, ratio or percentage but its default and its examples' (the numbers live on the docs pages the
+    help names)."""
+    import re
+    import textwrap
+
+    parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
+    for field in dataclasses.fields(TahConfig):
+        text = parser._option_string_actions[tah_arguments.flag_name(field.name)].help.replace("%%", "%")
+        assert len(textwrap.wrap(text, HELP_LINE)) <= 2, field.name
+        prose = text.rpartition(" Default: ")[0] or text
+        assert not re.search(r"\d\.\d|\d+(\.\d+)?x\b|\d\.?\d*%", prose.replace("plus 2%", "")), field.name
+
+
+def test_preset_and_candidate_lists_come_from_the_registries():
+    """auto's candidate help lists ``CANDIDATES`` as they are; the flag page's preset and candidate tables have a row
+    per registered preset and candidate, with the description declared with it."""
+    from megatron_tah.config import CANDIDATES, PRESETS, candidate_description
+    from scripts import write_flags
+
+    assert TahConfig.field_docs()["tah_auto_candidates"].endswith(f"Candidates: {', '.join(CANDIDATES)}.")
+    assert "channel_b_h4" in CANDIDATES
+    presets, candidates = write_flags.presets_markdown(), write_flags.candidates_markdown()
+    assert [row.split(" | ")[0] for row in presets.splitlines()[2:]] == [f"| `{name}`" for name in PRESETS]
+    assert [row.split(" | ")[1] for row in presets.splitlines()[2:]] == [p.description for p in PRESETS.values()]
+    assert [row.split(" | ")[:2] for row in candidates.splitlines()[2:]] == [
+        [f"| `{name}`", candidate_description(name)] for name in CANDIDATES]
+    assert all(p.description and "\n" not in p.description for p in PRESETS.values())
+
+
 @pytest.mark.parametrize("case", cases())
 def test_every_codec_is_a_flag_value_its_options_config_fields_and_both_flag_table_rows(case):
     from megatron_tah.codecs import codec_class

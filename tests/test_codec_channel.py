@@ -179,7 +179,7 @@ def test_bad_values_poison_their_channel_in_every_row_and_nothing_else(bad):
     assert torch.equal(y[..., others], round_trip(codec, clean)[..., others])
     layout = codec.layout(x.shape, x.dtype)  # the pattern quantize_tiles writes for a bad tile
     assert layout.view(buf, "scale", torch.int16)[70] == 0
-    assert layout.view(buf, "zero", torch.int16)[70] == common.geometry.BF16_NAN_BITS
+    assert layout.view(buf, "zero", torch.int16)[70] == common.numerics.BF16_NAN_BITS
     codes = common.unpack_bits(layout.view(buf, "codes"), 4, x.numel()).reshape(-1, 100)
     assert (codes[:, 70] == 0).all()
 
@@ -242,13 +242,14 @@ def test_registered_in_codecs_flags_config_and_report():
     assert [name for _, name, _ in report.STATELESS_ROWS].count("channel") == 2
 
 
-@pytest.mark.parametrize("preset, forward_bits, backward_bits", [("channel", 4, 3), ("channel6", 4, 2), ("channel9", 6, 3)])
-def test_the_channel_presets_bits_both_ways(preset, forward_bits, backward_bits):
+@pytest.mark.parametrize("candidate, forward_bits, backward_bits", [("channel", 4, 3), ("channel6", 4, 2),
+                                                                     ("channel9", 6, 3)])
+def test_the_channel_candidates_bits_both_ways(candidate, forward_bits, backward_bits):
     """Per-channel activations, per-channel stochastically rounded gradients: bits + 32 / rows per value
     (a bf16 scale and zero per channel) plus the 16-byte header, exactly."""
-    from megatron_tah.config import TahConfig
+    from megatron_tah.config import TahConfig, candidate_fields
 
-    config = TahConfig(tah_preset=preset)
+    config = TahConfig(**candidate_fields(candidate))
     fwd, bwd = config.forward_codec(), config.backward_codec()
     assert (fwd.name, bwd.name) == ("channel", "channel")
     for shape in ((1024, 8, 1024), (64, 1, 128)):

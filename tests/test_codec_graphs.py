@@ -163,7 +163,7 @@ def test_the_host_read_checker_can_fail():
 def test_bf16_metadata_bits_build_nothing_on_the_host():
     """The NaN bits of bad tiles' metadata come from a fill, not a host-built tensor: lowrank's residual
     (through hadint) reaches this in every encode, and a pageable copy there cannot be captured."""
-    from megatron_tah import geometry
+    from megatron_tah import numerics
     from megatron_tah.codecs.common import bf16_bits
 
     values = torch.tensor([1.0, -2.5, 0.0, 3.0])
@@ -171,7 +171,7 @@ def test_bf16_metadata_bits_build_nothing_on_the_host():
     with no_host_reads():
         bits = bf16_bits(values, nan)
     assert bits.dtype == torch.int16
-    assert bits.tolist() == [0x3F80, geometry.BF16_NAN_BITS, 0, geometry.BF16_NAN_BITS]
+    assert bits.tolist() == [0x3F80, numerics.BF16_NAN_BITS, 0, numerics.BF16_NAN_BITS]
 
 
 def test_the_wrapper_stands_where_its_codec_stood():

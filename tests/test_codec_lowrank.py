@@ -14,7 +14,7 @@ from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
 from benchmarks import codec_report as report
 from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
 from megatron_tah.codecs.lowrank import principal_directions
-from megatron_tah.config import TahConfig
+from megatron_tah.config import TahConfig, candidate_fields
 from megatron_tah.kernels import common as kcommon
 from megatron_tah.megatron import arguments
 
@@ -281,11 +281,12 @@ def test_registered_in_codecs_flags_preset_and_report():
         "lowrank(bits=3, tile_size=64, rank=16, coef_bits=6, hadamard_seed=0, stochastic_rounding=False)"
     assert preset.backward_codec().describe() == \
         "hadint(hadamard=True, hadamard_seed=0, bits=4, tile_size=64, stochastic_rounding=True)"
-    # lowrank8 is the same with rank 8 (the parity runs of rank 8 were made with these flags spelled out).
+    # auto's candidate lowrank8 is the same with rank 8 (the parity runs of rank 8 were made with these flags spelled
+    # out).
     spelled = parser.parse_args(["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3", "--tah-lowrank-rank", "8",
                                  "--tah-backward-codec", "hadint", "--tah-backward-bits", "4",
                                  "--tah-backward-tile-size", "64", "--tah-backward-stochastic-rounding"])
-    assert dataclasses.replace(TahConfig(tah_preset="lowrank8"), tah_preset="none") == \
+    assert dataclasses.replace(TahConfig(**candidate_fields("lowrank8")), tah_preset="none") == \
         arguments.tah_config_from_args(spelled)
     with pytest.raises(ValueError, match="tah_lowrank_rank = 8 conflicts with tah_preset = 'lowrank'"):
         TahConfig(tah_preset="lowrank", tah_lowrank_rank=8)

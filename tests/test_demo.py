@@ -53,9 +53,9 @@ def test_scaled_down_demo(tmp_path):
 
 
 def test_demo_falls_back_to_emulation_without_root(monkeypatch, capsys):
-    import megatron_tah.slow_link as slow_link
+    import megatron_tah.netns_link as netns_link
 
-    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns_link.os, "geteuid", lambda: 1000)
     assert demo.choose_link("auto") == "emulate"
     assert "in-process emulation" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="need root"):
@@ -90,9 +90,14 @@ def test_progress_is_the_last_iteration_line_of_a_megatron_log():
     assert demo.parse_progress(cut)["iteration"] == 20 and demo.parse_progress(cut)["lm_loss"] is None
 
 
-def test_progress_line_estimates_time_left_from_the_time_so_far():
-    line = demo.progress_line("bf16", {"iteration": 20, "total": 80, "ms_per_iter": 812.0, "lm_loss": 7.1234}, 65.0)
-    assert line == "bf16: iteration 20/80, lm loss 7.123, 1m05s elapsed, ETA 3m15s"
+def test_progress_line_estimates_time_left_from_measured_iterations_only():
+    """The ETA is Megatron's time per iteration times the iterations left, not the time since the start (which
+    holds the start-up); the first line, whose iterations include the first one's set-up, gives none."""
+    progress = {"iteration": 20, "total": 80, "ms_per_iter": 812.0, "lm_loss": 7.1234}
+    assert demo.progress_line("bf16", progress, 65.0) == "bf16: iteration 20/80, lm loss 7.123, 1m05s elapsed, ETA 0m48s"
+    first = {"iteration": 1, "total": 80, "ms_per_iter": 45000.0, "lm_loss": 10.9}
+    assert demo.progress_line("bf16", first, 45.0, measured=False) == \
+        "bf16: iteration 1/80, lm loss 10.900, 0m45s elapsed, ETA after the next log line"
 
 
 def test_progress_is_printed_while_a_run_writes_its_log(tmp_path, monkeypatch, capsys):
@@ -110,6 +115,8 @@ def test_progress_is_printed_while_a_run_writes_its_log(tmp_path, monkeypatch, c
     assert demo._with_progress("tah", log, run) == 0
     out = capsys.readouterr().out
     assert "tah: iteration 1/30, lm loss 10.846" in out and "tah: iteration 30/30, lm loss 8.686" in out
+    lines = [line for line in out.splitlines() if "] tah: iteration" in line]
+    assert lines[0].endswith("ETA after the next log line") and lines[-1].endswith("ETA 0m00s")
 
 
 def _rows(tah_bytes=0.3, tah_loss=5.0, tah_tokens=98.0, tah_first=9.0):

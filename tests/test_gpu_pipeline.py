@@ -11,7 +11,7 @@ import types
 import pytest
 
 from megatron_tah.megatron import places, stats
-from megatron_tah.megatron.logging import append_json, iteration_record
+from megatron_tah.megatron.run_log import append_json, iteration_record
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -111,7 +111,7 @@ def test_dry_run_commands(tmp_path):
         for cmd in (bf16, lowrank):
             assert f"--pipeline-model-parallel-size {pp}" in cmd and f"--num-layers {4 * pp} " in cmd
             assert "--tah-share-gpus --distributed-backend gloo" in cmd and "--global-batch-size 8" in cmd
-            assert ("megatron_tah.slow_link --stages" in cmd) or ("--tah-emulate-bandwidth 100mbit" in cmd)
+            assert ("megatron_tah.netns_link --stages" in cmd) or ("--tah-emulate-bandwidth 100mbit" in cmd)
         assert "--tah-forward-codec none --tah-backward-codec none" in bf16
         assert "--tah-preset lowrank" in lowrank and "--tah-forward-codec tah" in lowrank
     assert json.loads((tmp_path / "runs" / "pp4_100mbit_lowrank" / "meta.json").read_text())["pp"] == 4

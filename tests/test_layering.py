@@ -1,15 +1,15 @@
 """Imports run one way, and no module imports itself back (read from the source with ``ast``, nothing imported).
 
-The layers, lowest first (``LAYERS``): ``geometry`` / ``units`` <- ``kernels`` <- ``codecs`` <- ``config``
+The layers, lowest first (``LAYERS``): ``geometry`` / ``numerics`` / ``units`` <- ``kernels`` <- ``codecs`` <- ``config``
 <- ``link`` <- ``megatron`` (the Megatron patches) <- the entry points (``pretrain_gpt``, ``launch``,
-``demo``, ``data``, ``slow_link``, ``restart``, the package's ``__init__``) <- ``benchmarks`` / ``scripts``. A module
+``demo``, ``data``, ``netns_link``, ``restart``, the package's ``__init__``) <- ``benchmarks`` / ``scripts``. A module
 may import its own layer and the ones below. Every import counts: module-level, inside functions,
 under ``TYPE_CHECKING``, and the names given to ``importlib.import_module`` / ``__import__`` (a string,
 a module-level string constant, or ``f"{__name__}.{...}"``: every module of that package).
 Within one layer there is no circle either.
 
-Further: ``geometry`` imports no torch; the kernels import only each other and geometry and take plain
-values; the codecs import only codecs, kernels and geometry; the link reads nothing of Megatron.
+Further: ``geometry`` and ``numerics`` import no torch; the kernels import only each other, geometry and numerics and
+take plain values; the codecs import only codecs, kernels, geometry and numerics; the link reads nothing of Megatron.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatron_tah"
 
 LAYERS = (
-    ("geometry", "units"),
+    ("geometry", "numerics", "units"),
     ("kernels",),
     ("codecs",),
     ("config",),
     ("link",),
     ("megatron",),
-    ("pretrain_gpt", "launch", "demo", "data", "slow_link", "restart", "hf_checkpoint", "__init__"),  # "__init__": the package itself
+    ("pretrain_gpt", "launch", "demo", "data", "netns_link", "restart", "hf_checkpoint", "__init__"),  # "__init__": the package itself
     ("benchmarks", "scripts"),
 )
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
@@ -253,21 +253,23 @@ KERNELS = sorted((PACKAGE / "kernels").glob("*.py"))
 CODECS = sorted((PACKAGE / "codecs").glob("*.py"))
 
 
-def test_geometry_imports_nothing_of_the_package_and_no_torch():
-    names = imports_of(PACKAGE / "geometry.py")
+@pytest.mark.parametrize("name", ["geometry", "numerics"])
+def test_geometry_and_numerics_import_nothing_of_the_package_and_no_torch(name):
+    names = imports_of(PACKAGE / f"{name}.py")
     assert not outside(names, ())
     assert not {n for n in names if n.split(".")[0] in ("torch", "triton")}
-    assert not (PACKAGE / "codecs" / "geometry.py").exists()  # one place
+    assert not (PACKAGE / "codecs" / f"{name}.py").exists()  # one place
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
-def test_kernels_import_only_kernels_and_geometry(path):
-    assert not outside(imports_of(path), ("megatron_tah.kernels", "megatron_tah.geometry"))
+def test_kernels_import_only_kernels_geometry_and_numerics(path):
+    assert not outside(imports_of(path), ("megatron_tah.kernels", "megatron_tah.geometry", "megatron_tah.numerics"))
 
 
 @pytest.mark.parametrize("path", CODECS, ids=lambda p: p.name)
-def test_codecs_import_only_codecs_kernels_and_geometry(path):
-    assert not outside(imports_of(path), ("megatron_tah.codecs", "megatron_tah.kernels", "megatron_tah.geometry"))
+def test_codecs_import_only_codecs_kernels_geometry_and_numerics(path):
+    assert not outside(imports_of(path), ("megatron_tah.codecs", "megatron_tah.kernels", "megatron_tah.geometry",
+                                          "megatron_tah.numerics"))
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from test_arguments import gpt_argv
 
 from megatron_tah.megatron import arguments as tah_arguments
-from megatron_tah.megatron import logging as tah_logging
+from megatron_tah.megatron import run_log as tah_logging
 from megatron_tah.megatron.registry import REGISTRY
 
 

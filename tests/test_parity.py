@@ -96,7 +96,7 @@ def _write(folder: Path, codec: str, seed: int, hidden: int, records, size="full
 
 
 def test_late_loss_bits_and_errors_per_boundary(tmp_path):
-    from megatron_tah.megatron.logging import read_records  # evaluations merged as the runner reads them
+    from megatron_tah.megatron.run_log import read_records  # evaluations merged as the runner reads them
 
     name = _write(tmp_path, "tah", 1234, 128,
                   _records(4.0, errors={1: {"0->1": 0.2, "1->0": 0.05}, 3: {"0->1": 0.4}, 7: {"0->1": 0.1}}))

@@ -262,7 +262,7 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
 
     from megatron.training import global_vars, training
 
-    from megatron_tah.megatron import logging as tah_logging
+    from megatron_tah.megatron import run_log as tah_logging
     from megatron_tah.megatron import plugin
 
     original = training.evaluate
@@ -300,7 +300,7 @@ def test_two_iterators_replay_what_megatron_hands_evaluate():
     """--tah-eval-traffic both: the second pass sees the first pass's batches, whatever the stage holds:
     no iterator (a middle stage), one with only ``__next__`` (Megatron's RerunDataIterator), a list of
     them (virtual pipeline stages)."""
-    from megatron_tah.megatron.logging import _two_iterators
+    from megatron_tah.megatron.run_log import _two_iterators
 
     class NextOnly:
         def __init__(self, n):

@@ -1,11 +1,13 @@
 """A place is its own module plus one registry line: a throwaway place, declared in this module and put into
 ``places.PLACES`` by a fixture, has its checks run by ``install`` and by the flags' validation, its start-up line
 printed by the plugin, and its statistics (a stream and its own levels) in the iteration line, the writers and the
-JSON log -- with no other edit to megatron_tah."""
+JSON log -- with no other edit to megatron_tah. A second throwaway place has a flag of its own: its field line (here
+in a subclass of ``TahConfig``, standing for the one line a new place adds to the schema) is all the flags, the
+flag table, the config's checks and the installer need."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: megatron's flag factory reads ConfigWithItsFlag's annotations as types.
 import argparse
+import dataclasses
 import json
 
 import megatron.training.arguments as megatron_arguments
@@ -16,9 +18,9 @@ from test_logging import call_training_log, megatron_state  # noqa: F401  (a fix
 import megatron_tah
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments, places, plugin
-from megatron_tah.megatron import logging as tah_logging
+from megatron_tah.megatron import run_log as tah_logging
 from megatron_tah.megatron.collectives import Traffic
-from megatron_tah.megatron.place import PlaceSpec
+from megatron_tah.megatron.place_spec import PlaceSpec
 from megatron_tah.megatron.registry import REGISTRY
 from megatron_tah.megatron.stats import Stats, Stream
 
@@ -121,3 +123,81 @@ def test_its_stream_and_levels_reach_the_line_the_writers_and_the_json_log(throw
     assert megatron_state.writer.scalars["tah/throwaway_items"] == (3.0, 2)
     record = json.loads(log.read_text().splitlines()[-1])
     assert record["tah"][NAME]["wire_bytes"] == 1_000_000 and record["places"] == {NAME: {"items": 3.0}}
+
+
+# ----- a place with a flag of its own ----------------------------------------------------------------------------
+FLAGGED = "flagged"
+REFUSED_BLOCK = 32  # a tah_int8_block_size the flagged place's check refuses while it is on
+
+
+@dataclasses.dataclass
+class ConfigWithItsFlag(TahConfig):
+    tah_flagged_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "int8")})
+    """The flagged place's traffic: none (left alone) or int8."""
+
+
+def _flagged_codec(config):
+    return None if config.tah_flagged_codec == "none" else config.build_codec(config.tah_flagged_codec, 8,
+                                                                              config.tah_int8_block_size)
+
+
+def _flagged_check(config) -> None:
+    if config.tah_flagged_codec != "none" and config.tah_int8_block_size == REFUSED_BLOCK:
+        raise ValueError(f"tah_flagged_codec = {config.tah_flagged_codec!r} with tah_int8_block_size = "
+                         f"{REFUSED_BLOCK}: the flagged place refuses it")
+
+
+FLAGGED_PLACE = PlaceSpec(name=FLAGGED, option="tah_flagged_codec", install=lambda place: None, codec=_flagged_codec,
+                          settings=lambda config: _flagged_codec(config).describe(), check=_flagged_check)
+
+
+@pytest.fixture
+def flagged(monkeypatch):
+    """``FLAGGED_PLACE`` in ``places.PLACES`` and its field in the schema the flags are made from."""
+    monkeypatch.setitem(places.PLACES, FLAGGED, FLAGGED_PLACE)
+    monkeypatch.setattr(arguments, "TahConfig", ConfigWithItsFlag)
+    monkeypatch.setattr(REGISTRY, "stats", Stats())
+    yield FLAGGED_PLACE
+    megatron_tah.uninstall()
+
+
+def test_its_flag_its_row_and_its_values_come_from_its_field_line(flagged):
+    parser = arguments.add_tah_arguments(argparse.ArgumentParser())
+    action = parser._option_string_actions["--tah-flagged-codec"]
+    assert action.choices == ("none", "int8") and action.default == "none"
+    assert action.help == "The flagged place's traffic: none (left alone) or int8."
+    assert "| `--tah-flagged-codec` | none | none, int8 | The flagged place's traffic: none (left alone) or int8. |" \
+        in arguments.flags_markdown().splitlines()
+    with pytest.raises(ValueError, match="tah_flagged_codec = 'fp8': choose one of none, int8"):
+        ConfigWithItsFlag(tah_flagged_codec="fp8")
+    with pytest.raises(ValueError, match="the flagged place refuses it"):  # its check, run by every place's check
+        places.check(ConfigWithItsFlag(tah_flagged_codec="int8", tah_int8_block_size=REFUSED_BLOCK))
+    places.check(ConfigWithItsFlag(tah_int8_block_size=REFUSED_BLOCK))  # off: nothing to refuse
+    with pytest.raises(ValueError, match="is not a field of TahConfig"):  # a config without its field line
+        places.check(TahConfig())
+
+
+def test_its_flag_turns_it_on_and_its_settings_are_compared(flagged):
+    megatron_tah.install(ConfigWithItsFlag(tah_preset="paper"))
+    assert places.installed(FLAGGED) is None and places.settings(REGISTRY.config)[FLAGGED] == "none"
+    megatron_tah.install(ConfigWithItsFlag(tah_preset="paper", tah_flagged_codec="int8"))
+    assert places.installed(FLAGGED).codec.describe() == "int8(block_size=128)"
+    assert places.settings(REGISTRY.config)[FLAGGED] == "int8(block_size=128)"
+    lines = places.startup_lines(REGISTRY.config, argparse.Namespace(hidden_size=256))
+    assert "flagged via int8(block_size=128)" in lines[1]
+
+
+def test_megatron_s_argument_validation_names_its_flag(flagged, monkeypatch, capsys):
+    arguments.install_arguments()
+    try:
+        args = parse(monkeypatch, gpt_argv(2, "--tah-flagged-codec", "int8", "--tah-int8-block-size",
+                                           str(REFUSED_BLOCK)))
+        assert args.tah_flagged_codec == "int8"
+        with pytest.raises(SystemExit) as exit_info:
+            megatron_arguments.validate_args(args)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            "error: invalid megatron_tah flags (--tah-int8-block-size 32 --tah-flagged-codec int8): "
+            "--tah-flagged-codec = 'int8' with --tah-int8-block-size = 32: the flagged place refuses it"]
+    finally:
+        arguments.uninstall_arguments()

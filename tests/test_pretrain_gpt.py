@@ -24,7 +24,7 @@ import torch
 
 from megatron_tah import pretrain_gpt
 from megatron_tah.config import TahConfig
-from megatron_tah.megatron.logging import read_records
+from megatron_tah.megatron.run_log import read_records
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[1]
@@ -353,6 +353,39 @@ def test_scripts_fine_tune_an_imported_model_with_its_flags_tokenizer_and_split(
     assert "--decoder-first-pipeline-num-layers" not in out  # 30 layers split evenly over 2 stages
     rc, out = run("2", LOAD=str(imported), EMBEDDINGS="untied")
     assert rc == 2 and "ties its embeddings" in out
+
+
+def test_an_imported_model_s_tied_embeddings_behind_a_slow_link_go_through_the_embedding_codec(tmp_path):
+    """RATE set and an imported model that ties its embeddings (they stay tied: untying would change the model):
+    their gradient exchange goes through --tah-embedding-codec int8 by default, and the script says so;
+    EMBEDDINGS=model keeps Megatron's uncompressed all-reduce; without RATE, or at one stage, nothing is added; a
+    model that unties them needs nothing."""
+    def imported(name, *flags):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "megatron_flags.txt").write_text(" ".join(("--num-layers 8 --hidden-size 64 --num-attention-heads 4 "
+                                                             "--tokenizer-type NullTokenizer --vocab-size 49152",
+                                                             *flags)) + "\n")
+        return folder
+
+    tied, untied = imported("tied"), imported("untied", "--untie-embeddings-and-output-weights")
+
+    def run(pp="2", **env):
+        done = subprocess.run(["bash", "scripts/pretrain_gpt.sh", pp], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, DRY_RUN="1", DEVICE="cpu", PYTHON=sys.executable, LINK="emulate",
+                                       **env))
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    codec = "--tah-embedding-codec int8"
+    out = run(LOAD=str(tied), RATE="20mbit")
+    assert codec in out and "--untie-embeddings-and-output-weights" not in out
+    assert "the imported model ties its embeddings: behind RATE=20mbit" in out
+    assert codec not in run(LOAD=str(tied), RATE="20mbit", EMBEDDINGS="model")
+    assert codec not in run(LOAD=str(tied))
+    assert codec not in run("1", LOAD=str(tied), RATE="20mbit")
+    out = run(LOAD=str(untied), RATE="20mbit")
+    assert codec not in out and "--untie-embeddings-and-output-weights" in out
 
 
 def test_scripts_untie_embeddings_on_a_slow_link_unless_told_otherwise():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import codec_report, real_activations, real_report, spectrum
-from megatron_tah.config import TahConfig
+from megatron_tah.config import TahConfig, candidate_fields
 
 
 # ----------------------------------------------------------------------------- energy share
@@ -127,7 +127,7 @@ def test_real_report_measures_every_row_and_preset(tiny_model, tmp_path):
         assert list(rows) == labels
         assert rows["none"]["rel_error"] == 0.0 and rows["none"]["bits"] == pytest.approx(16 + 128 / (256 * 128))
         for preset in real_report.PRESETS:
-            codec = TahConfig(tah_preset=preset).forward_codec()
+            codec = TahConfig(**candidate_fields(preset)).forward_codec()
             bits = 8 * codec.wire_nbytes((256, 1, 128), torch.bfloat16) / (256 * 128)
             p = layer["presets"][preset]
             assert p["bits"] == pytest.approx(bits) == rows[f"preset {preset}"]["bits"]

@@ -193,7 +193,7 @@ VARIANTS = {"plain": ((), {}, 29531),
 @pytest.mark.distributed
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_killed_stage_is_restarted_by_the_script_and_ends_with_the_uninterrupted_losses(corpus, tmp_path, variant):
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     flags, env, port = VARIANTS[variant]
     plain, plain_output = _script(corpus, tmp_path / "plain", port, flags, **env)

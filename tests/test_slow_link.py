@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from megatron_tah import slow_link
-from megatron_tah.slow_link import SlowLinks, check_rate, list_namespaces
+from megatron_tah import netns_link
+from megatron_tah.netns_link import SlowLinks, check_rate, list_namespaces
 
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                  reason="needs root and iproute2 (ip, tc) to create network namespaces")
-CLI = [sys.executable, "-m", "megatron_tah.slow_link"]
+CLI = [sys.executable, "-m", "megatron_tah.netns_link"]
 
 
 def _owned_by(pid: int) -> list[str]:
@@ -52,7 +52,7 @@ def test_tcp_throughput_matches_rate(rate, mbytes):
     # 2-core machine can take, so the best of three tries counts (contention only lowers it).
     results = []
     for _ in range(3):
-        results.append(slow_link.measure(rate, nbytes=mbytes << 20))
+        results.append(netns_link.measure(rate, nbytes=mbytes << 20))
         assert results[-1]["ratio"] <= 1.1, results[-1]
         if results[-1]["ratio"] >= 0.7:
             break
@@ -64,7 +64,7 @@ def test_tcp_throughput_matches_rate(rate, mbytes):
 @pytest.mark.distributed
 def test_gloo_three_stages_full_mesh_and_rate():
     # all-reduce needs every pair connected; the timed send crosses the switch from stage 0 to stage 2.
-    result = slow_link.measure("100mbit", nbytes=6 << 20, transport="gloo", n_stages=3)
+    result = netns_link.measure("100mbit", nbytes=6 << 20, transport="gloo", n_stages=3)
     assert result["world_size"] == 3 and result["all_reduce"] == 3.0
     assert 0.7 <= result["ratio"] <= 1.1, result
     assert _owned_by(os.getpid()) == []
@@ -159,7 +159,7 @@ def test_cleanup_removes_only_dead_runs():
     try:
         for name in names:
             subprocess.run(["ip", "netns", "add", name], check=True)
-        removed = slow_link.cleanup()
+        removed = netns_link.cleanup()
         assert names[0] in removed and names[1] not in removed
         assert names[1] in list_namespaces() and names[0] not in list_namespaces()
     finally:

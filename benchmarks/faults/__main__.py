@@ -161,7 +161,7 @@ def run_scenario(s: Scenario, out: Path, data_prefix: str, port: int, deadline_s
 
 def read_facts(out: Path) -> dict:
     """A finished scenario's facts from its directory (``--rejudge`` reads them without running again)."""
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     facts = json.loads((out / "facts.json").read_text())
     records = read_records(out / "log.jsonl") if (out / "log.jsonl").exists() else []

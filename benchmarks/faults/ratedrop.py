@@ -62,17 +62,16 @@ def dropped_rate(rate: str = RATE) -> str:
 
 def candidate_flags(name: str) -> list[str]:
     """Candidate ``name`` (``config.auto``'s) fixed on both directions, as flags: a preset, or its fields."""
-    from megatron_tah.config.auto import NON_PRESET
-    from megatron_tah.megatron.arguments import flag_name
+    from megatron_tah.config import candidate_fields
+    from megatron_tah.megatron.arguments import fields_flags
 
-    fields = NON_PRESET.get(name, {"tah_preset": name})
-    return [part for field, value in fields.items() for part in (flag_name(field), str(value))]
+    return fields_flags(candidate_fields(name))
 
 
 def run(out: Path, data_prefix: str, port: int, rate: str, iters: int, flags: list[str], fault: str | None = None,
         codec: str | None = None) -> dict:
     """One run of ``scripts/pretrain_gpt.sh 2`` into ``out`` (emptied first): its records and output."""
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -95,7 +94,7 @@ def run(out: Path, data_prefix: str, port: int, rate: str, iters: int, flags: li
 def read(out: Path) -> dict:
     """The facts of runs already under ``out`` (``--rejudge``)."""
     from megatron_tah.config.auto import DEFAULT_CANDIDATES
-    from megatron_tah.megatron.logging import read_records
+    from megatron_tah.megatron.run_log import read_records
 
     def one(path: Path) -> dict:
         facts = json.loads((path / "facts.json").read_text())

@@ -29,6 +29,15 @@ from .runner import ReproduceError, Run, read_log, read_meta
 
 # The 6-bit backward codec (fixedpoint, tile 32) of every "6-bit bwd" run: flags are explicit, nothing is on by default.
 BACKWARD_6BIT = ["--tah-backward-codec", "fixedpoint"]
+
+
+def _candidate(name: str) -> list[str]:
+    """``auto``'s candidate ``name`` that is no preset, as the flags that set its fields."""
+    from megatron_tah.config import candidate_fields
+    from megatron_tah.megatron.arguments import fields_flags
+
+    return fields_flags(candidate_fields(name))
+
 # name -> (label, --tah-* flags)
 CODECS = {
     "none": ("uncompressed (fp32)", ["--tah-forward-codec", "none", "--tah-backward-codec", "none"]),
@@ -52,7 +61,7 @@ CODECS = {
     "lowrank": ("lowrank: 16 principal directions + Hadamard INT3 residual fwd, Hadamard INT4 bwd with "
                 "stochastic rounding (4.25 bits): --tah-preset lowrank", ["--tah-preset", "lowrank"]),
     "lowrank_r8": ("lowrank rank 8: 8 principal directions + Hadamard INT3 residual fwd, Hadamard INT4 bwd with "
-                   "stochastic rounding (4.25 bits): --tah-preset lowrank8", ["--tah-preset", "lowrank8"]),
+                   "stochastic rounding (4.25 bits): candidate lowrank8", _candidate("lowrank8")),
     "lowrank_bwdnone": ("lowrank: 16 principal directions + Hadamard INT3 residual fwd, uncompressed bwd "
                         "(diagnostic)", ["--tah-forward-codec", "lowrank", "--tah-forward-bits", "3",
                                          "--tah-backward-codec", "none"]),
@@ -76,12 +85,12 @@ CODECS = {
     "bwd5_only": ("uncompressed fwd, Hadamard INT5 bwd (5.25 bits) (diagnostic)",
                   ["--tah-forward-codec", "none", "--tah-backward-codec", "hadint", "--tah-backward-bits", "5",
                    "--tah-backward-tile-size", "64"]),
-    "channel": ("channel: per-channel 4-bit fwd, per-channel 3-bit bwd with stochastic rounding: --tah-preset channel",
-                ["--tah-preset", "channel"]),
-    "channel6": ("channel6: per-channel 4-bit fwd, per-channel 2-bit bwd with stochastic rounding: --tah-preset "
-                 "channel6", ["--tah-preset", "channel6"]),
-    "channel9": ("channel9: per-channel 6-bit fwd, per-channel 3-bit bwd with stochastic rounding: --tah-preset "
-                 "channel9", ["--tah-preset", "channel9"]),
+    "channel": ("channel: per-channel 4-bit fwd, per-channel 3-bit bwd with stochastic rounding: candidate channel",
+                _candidate("channel")),
+    "channel6": ("channel6: per-channel 4-bit fwd, per-channel 2-bit bwd with stochastic rounding: candidate "
+                 "channel6", _candidate("channel6")),
+    "channel9": ("channel9: per-channel 6-bit fwd, per-channel 3-bit bwd with stochastic rounding: candidate "
+                 "channel9", _candidate("channel9")),
     "channel_h4": ("channel_h4: per-channel 6-bit fwd with each sequence's largest token apart, Hadamard INT4 bwd with "
                    "stochastic rounding: --tah-preset channel_h4", ["--tah-preset", "channel_h4"]),
     "int8_both": ("8-bit blockwise both ways, noise-floor control (diagnostic)",

@@ -54,7 +54,7 @@ def _throughput_section(t: dict, docs: Path, size: str) -> tuple[list[str], dict
     lines += [f"Model: `{' '.join(cfg['model'])}`, PP {t['pipeline']}, synthetic tokens (vocabulary "
               f"{throughput.VOCAB}), {cfg['iters']} iterations per run ({cfg['paper_iters']} in the paper regime); tokens/s and ms are medians over "
               "iterations 3 and later. Links: one network namespace per stage, `tc tbf` at the rate "
-              "(`megatron_tah.slow_link`), gloo over TCP.", "",
+              "(`megatron_tah.netns_link`), gloo over TCP.", "",
               "**Model of an iteration.** " + throughput.MODEL_TEXT, ""]
     lines += ["Compute time per iteration on an unthrottled loopback link (`c` is the fp32 row):", "",
               "| codec | ms/iter | tokens/s | critical-link MB/iter | compression vs fp32 |", "|---|---:|---:|---:|---:|"]
@@ -66,7 +66,7 @@ def _throughput_section(t: dict, docs: Path, size: str) -> tuple[list[str], dict
                          f"{base['critical_raw_bytes'] / row['critical_wire_bytes']:.2f}x |")
     lines.append("")
     if t.get("links"):
-        lines += ["Achieved TCP rate of the namespaced links (`slow_link.measure`):", "",
+        lines += ["Achieved TCP rate of the namespaced links (`netns_link.measure`):", "",
                   "| requested | achieved | ratio |", "|---|---:|---:|"]
         for rate, m in t["links"].items():
             lines.append(f"| {rate} | {m['achieved_bps'] / 1e6:.1f} Mbit/s | {100 * m['ratio']:.0f}% |")

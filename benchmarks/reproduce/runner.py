@@ -3,7 +3,7 @@
 A :class:`Run` is one training run: its Megatron flags, its pipeline size, and its link
 (``rate=None``: unthrottled, one process per stage on loopback through ``torchrun``; otherwise
 one network namespace per stage behind ``tc`` links at ``rate``, through
-``python -m megatron_tah.slow_link``). :func:`execute` writes, under ``out_dir``::
+``python -m megatron_tah.netns_link``). :func:`execute` writes, under ``out_dir``::
 
     NAME.jsonl       the plugin's per-iteration records (``--tah-log-json``)
     NAME.meta.json   {"name", "label", "command", "rate", "status", "seconds", "started", "host",
@@ -67,14 +67,14 @@ class Run:
                  "--tah-log-json", str(out_dir / f"{self.name}.jsonl")]
         if self.rate is None:
             return command(self.pipeline, flags, python)
-        return [python, "-m", "megatron_tah.slow_link", "--stages", str(self.pipeline), "--rate", self.rate,
+        return [python, "-m", "megatron_tah.netns_link", "--stages", str(self.pipeline), "--rate", self.rate,
                 "--", *stage_command(flags, python)]
 
 
 def read_log(path: Path) -> list[dict]:
     """The per-iteration records of a run's ``--tah-log-json`` file (evaluations merged into them,
-    see ``megatron_tah.megatron.logging.read_records``); ``ReproduceError`` when missing or empty."""
-    from megatron_tah.megatron.logging import read_records
+    see ``megatron_tah.megatron.run_log.read_records``); ``ReproduceError`` when missing or empty."""
+    from megatron_tah.megatron.run_log import read_records
 
     path = Path(path)
     if not path.is_file():

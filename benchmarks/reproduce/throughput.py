@@ -162,7 +162,7 @@ def regime_rate(c: float, raw_critical_bytes: float, factor: float = PAPER_REGIM
 
 
 def rate_text(bps: float) -> str:
-    """``"4.2mbit"``-style text Megatron's --tah-* flags and slow_link accept (kbit precision)."""
+    """``"4.2mbit"``-style text Megatron's --tah-* flags and netns_link accept (kbit precision)."""
     return f"{round(bps / 1e3)}kbit"
 
 
@@ -209,8 +209,8 @@ def wait_for_quiet(max_load: float, timeout_s: float = 900.0) -> float:
 
 
 def measure_links(rates, out: Path, n_stages: int) -> dict:
-    """Achieved TCP rate per requested rate (``slow_link.measure``), saved to ``out``."""
-    from megatron_tah.slow_link import measure
+    """Achieved TCP rate per requested rate (``netns_link.measure``), saved to ``out``."""
+    from megatron_tah.netns_link import measure
 
     result = json.loads(out.read_text()) if out.is_file() else {}
     for rate in rates:

@@ -26,7 +26,7 @@ import math
 import sys
 from pathlib import Path
 
-from megatron_tah.config.presets import PRESETS
+from megatron_tah.config import PRESETS, candidate_fields
 
 from ..reproduce.runner import Run
 
@@ -35,7 +35,8 @@ CODECS: dict[str, dict] = {
     "paper": {"tah_preset": "paper"},
     "hadint4": {"tah_preset": "hadint4"},
     "lowrank": {"tah_preset": "lowrank"},
-    "lowrank8": {"tah_preset": "lowrank8"},
+    # auto's candidates that are no preset: lowrank with 8 directions, per-channel codecs (their fields: config.auto)
+    "lowrank8": candidate_fields("lowrank8"),
     # lowrank both ways, the gradients' residual rounded stochastically (unbiased): 3.38 bits each way at
     # [1024, 8, 1024]. The toy's gradients hold 0.87 of their energy in 16 directions, SmolLM2's 0.28
     # (docs/CODECS.md): a toy-only candidate, not a preset.
@@ -58,11 +59,10 @@ CODECS: dict[str, dict] = {
     "channel5_h3": {**PRESETS["channel_h4"], "tah_forward_bits": 5, "tah_backward_bits": 3},
     # channel_h4 through the lossless coder (--tah-entropy-coding): the same values, fewer bytes
     "channel_h4_ec": {**PRESETS["channel_h4"], "tah_entropy_coding": True},
-    "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
-                    "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32},
-    "channel": {"tah_preset": "channel"},
-    "channel6": {"tah_preset": "channel6"},
-    "channel9": {"tah_preset": "channel9"},
+    "fixedpoint4": candidate_fields("fixedpoint4"),
+    "channel": candidate_fields("channel"),
+    "channel6": candidate_fields("channel6"),
+    "channel9": candidate_fields("channel9"),
     # between channel and channel9: 5-bit activations (the forward codec carries the PP 8 penalty, docs/DEPTH.md)
     "channel_f5": {"tah_forward_codec": "channel", "tah_forward_bits": 5, "tah_backward_codec": "channel",
                    "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True},
@@ -117,16 +117,9 @@ def emulated_for(codec: str, emulated: bool) -> bool:
 
 def codec_flags(codec: str) -> list[str]:
     """``CODECS[codec]`` as Megatron flags: ``tah_tile_size`` -> ``--tah-tile-size``; a true bool is its bare flag."""
-    from megatron_tah.megatron.arguments import flag_name
+    from megatron_tah.megatron.arguments import fields_flags
 
-    flags = []
-    for field, value in CODECS[codec].items():
-        flag = flag_name(field)
-        if isinstance(value, bool):
-            flags += [flag] if value else []
-        else:
-            flags += [flag, str(value)]
-    return flags
+    return fields_flags(CODECS[codec])
 
 
 def forward_codecs(config, stages: int) -> list:

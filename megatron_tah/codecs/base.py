@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 
 from . import checksum as wire_checksum
-from ..geometry import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
+from ..numerics import MAX_ABS_VALUE  # noqa: F401  (re-exported: finite inputs up to it round-trip)
 
 MAGIC = b"MT"
 WIRE_VERSION = 2  # 2: bytes 12-15 hold the payload checksum (1: reserved, zero)

@@ -16,7 +16,7 @@ import zlib
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from ..geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
 from .base import CodecError
 
@@ -42,7 +42,7 @@ def bad_mask(values: torch.Tensor) -> torch.Tensor:
 
     Compared on the bits of ``|x|`` (NaN and Inf have the largest), as the kernels do.
     """
-    return (values.abs().view(torch.int32) > geometry.MAX_ABS_BITS)
+    return (values.abs().view(torch.int32) > numerics.MAX_ABS_BITS)
 
 
 def to_tiles(x: torch.Tensor, tile_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +166,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
     Butterflies of stride 1, 2, 4, ..., G/2 in that order, each turning the pair ``(a, b)``
     (``a`` at the lower index) into ``(a + b, a - b)``; then one multiply by the fp32 value
-    of ``1/sqrt(G)`` (``geometry.hadamard_entry``). Its own inverse up to rounding.
+    of ``1/sqrt(G)`` (``numerics.hadamard_entry``). Its own inverse up to rounding.
     """
     g = x.shape[-1]
     lead = x.shape[:-1]
@@ -180,7 +180,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
         torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
         source, stride, step = target, stride * 2, step + 1
-    return (source * geometry.hadamard_entry(g)).reshape(*lead, g)
+    return (source * numerics.hadamard_entry(g)).reshape(*lead, g)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -191,13 +191,13 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def log2_approx(x: torch.Tensor) -> torch.Tensor:
-    """log2 of fp32 ``x >= 0`` to within 3.1e-5: exponent from the bits plus ``geometry.LOG2_POLY`` of the mantissa.
+    """log2 of fp32 ``x >= 0`` to within 3.1e-5: exponent from the bits plus ``numerics.LOG2_POLY`` of the mantissa.
 
     Separate fp32 multiplies and adds, so every device computes the same bits. ``x = 0`` gives -127.
     """
     bits = x.contiguous().view(torch.int32)
     t = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32).sub_(1.0)
-    c = geometry.LOG2_POLY
+    c = numerics.LOG2_POLY
     p = t * c[-1]  # (in place from here on: the same fp32 operations, fewer allocations)
     for coefficient in reversed(c[:-1]):
         p.add_(coefficient).mul_(t)
@@ -214,7 +214,7 @@ def e2m1_round(scaled: torch.Tensor) -> torch.Tensor:
     """
     magnitude = scaled.abs()
     step = torch.where(magnitude < 2.0, 0.5, torch.where(magnitude < 4.0, 1.0, 2.0))
-    rounded = ((magnitude / step).round_() * step).clamp_max_(geometry.E2M1_MAX)
+    rounded = ((magnitude / step).round_() * step).clamp_max_(numerics.E2M1_MAX)
     return torch.where(scaled < 0, -rounded, rounded) + 0.0
 
 
@@ -280,7 +280,7 @@ def bf16_bits(values: torch.Tensor, nan: torch.Tensor | None = None) -> torch.Te
     pageable memory per call (a sync, and refused inside a CUDA graph capture)."""
     bits = (values.contiguous().view(torch.int32) >> 16).to(torch.int16)
     if nan is not None:
-        bits = bits.masked_fill(nan, geometry.BF16_NAN_BITS)
+        bits = bits.masked_fill(nan, numerics.BF16_NAN_BITS)
     return bits
 
 
@@ -295,16 +295,16 @@ def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
 def hash32(x: torch.Tensor) -> torch.Tensor:
     """``lowbias32`` of the uint32 values held in int64 ``x`` (see ``geometry``)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, geometry.HASH_MUL1)
+    x = _mul32(x, numerics.HASH_MUL1)
     x = x ^ (x >> 15)
-    x = _mul32(x, geometry.HASH_MUL2)
+    x = _mul32(x, numerics.HASH_MUL2)
     return x ^ (x >> 16)
 
 
 def hash_uniform(seed: int, count: int, device) -> torch.Tensor:
     """Uniform [0, 1) fp32 noise for elements ``0 .. count-1`` of one encode call seeded with ``seed`` (uint32)."""
     index = torch.arange(count, device=device, dtype=torch.int64)
-    x = (_mul32(index, geometry.HASH_STEP) + seed) & 0xFFFFFFFF
+    x = (_mul32(index, numerics.HASH_STEP) + seed) & 0xFFFFFFFF
     return (hash32(x) >> 8).float() * 2.0**-24
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import geometry
-from ..geometry import FP8_MAX  # noqa: F401  (re-exported)
+from ..numerics import FP8_MAX  # noqa: F401  (re-exported)
 from ..kernels.fp8 import FP32_NAN_BITS, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS, fp8_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
@@ -100,9 +100,6 @@ class Fp8Codec(Codec):
 
     def config(self) -> dict:
         return {"group_size": self.group_size}
-
-    def num_groups(self, shape) -> int:
-        return geometry.total_tiles(shape, self.group_size)
 
     def _sections(self, shape, dtype):
         return fp8_sections(shape, self.group_size)

@@ -60,7 +60,7 @@ from typing import Sequence
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from ..kernels.hadint import hadint_sections
 from . import common
 from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
@@ -217,7 +217,7 @@ class LowRankCodec(Codec):
     def _low_rank(self, x: torch.Tensor, buf, layout) -> torch.Tensor:
         """Write basis and coefficients of ``x`` [rows, h] fp32; return the decoded low-rank part (0 on bad rows)."""
         # A row within the bound has a residual within MAX_ABS_VALUE whatever the basis (|r_j| <= (1 + sqrt h) m).
-        bound = geometry.MAX_ABS_VALUE / (2 * (1 + x.shape[1] ** 0.5))
+        bound = numerics.MAX_ABS_VALUE / (2 * (1 + x.shape[1] ** 0.5))
         good = (x.abs() <= bound).all(dim=1)  # False for NaN too
         x = torch.where(good[:, None], x, 0.0)
         k = lowrank_rank(x.shape[1], self.rank)

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from . import common
 from .base import register_codec_id
 from .mxfp4 import RotatedBlockCodec
@@ -50,7 +50,7 @@ DECLARATION = CodecDeclaration(kernel=False, options=(HADAMARD_OPTION,))
 
 BLOCK_SIZE = 16  # values per E4M3 scale (NVFP4)
 E4M3_NAN = 0x7F  # the NaN every nvfp4 encoder writes as a bad block's scale
-GLOBAL_DIVISOR = geometry.E2M1_MAX * geometry.FP8_MAX  # per-tensor decode scale = global amax / (6 * 448)
+GLOBAL_DIVISOR = numerics.E2M1_MAX * numerics.FP8_MAX  # per-tensor decode scale = global amax / (6 * 448)
 
 
 def nvfp4_sections(shape: Sequence[int]) -> list[tuple[str, int]]:
@@ -73,9 +73,9 @@ def nvfp4_encode_reference(blocks: torch.Tensor, bad: torch.Tensor
     magnitude = blocks.abs()
     amax = magnitude.amax(dim=-1)
     global_scale = common.div_rn(amax.amax().reshape(1), GLOBAL_DIVISOR)
-    denominator = global_scale * geometry.E2M1_MAX
+    denominator = global_scale * numerics.E2M1_MAX
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    ratio = common.div_rn(amax, safe).clamp_(0.0, geometry.FP8_MAX)
+    ratio = common.div_rn(amax, safe).clamp_(0.0, numerics.FP8_MAX)
     scale = ratio.to(torch.float8_e4m3fn).view(torch.uint8)
     decode_scale = block_decode_scale(scale, global_scale)
     flat = ~(decode_scale > 0)

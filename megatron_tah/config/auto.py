@@ -8,9 +8,10 @@ the link's auto (``link/auto.py``, ``link/choice.py``) reads the same object.
 The steps multipliers (``STEPS_MULTIPLIER``, ``STEPS_AT_LEAST``) are read from ``measured.json``, the package's
 record of what the studies measured (``MEASURED``), not written here.
 
-The candidates (``CANDIDATES``) are ``none``, ``fp8``, ``fixedpoint4`` (``NON_PRESET``: the fields
-each sets) and every ``--tah-preset`` but ``none``, each standing for that preset's codec of the
-direction; ``TahConfig.auto_candidate_codec`` builds them.
+The candidates (``CANDIDATES``) are ``none``, ``fp8``, every ``--tah-preset`` but ``none`` and the candidates that
+are not a preset (``NON_PRESET``: ``fixedpoint4`` and the studies' candidates whose steps were measured), each with
+its fields and one-line description (``candidate_fields``, ``candidate_description``) and standing for its codec of
+the direction; ``TahConfig.auto_candidate_codec`` builds them.
 """
 
 from __future__ import annotations
@@ -20,19 +21,49 @@ import importlib.resources
 import json
 import math
 
-from .presets import PRESETS
+from .presets import PRESETS, Preset
 
 AUTO = "auto"  # a value of tah_forward_codec / tah_backward_codec
 DIRECTIONS = ("forward", "backward")
-CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none") + ("fixedpoint4",)
-# Candidates that are not a preset: the fields they set (besides the backend and checksum).
-NON_PRESET = {"none": {"tah_forward_codec": "none", "tah_backward_codec": "none"},
-              "fp8": {"tah_forward_codec": "fp8", "tah_backward_codec": "fp8"},
-              # direct 4-bit fixed point activations (tile 64), the paper's 6-bit tile-32 gradients
-              "fixedpoint4": {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
-                              "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6,
-                              "tah_backward_tile_size": 32}}
+CHANNEL_GRADIENTS = {"tah_backward_codec": "channel", "tah_backward_bits": 3, "tah_backward_stochastic_rounding": True}
+NON_PRESET: dict[str, Preset] = {
+    "none": Preset("uncompressed both ways", {"tah_forward_codec": "none", "tah_backward_codec": "none"}),
+    "fp8": Preset("FP8 both ways", {"tah_forward_codec": "fp8", "tah_backward_codec": "fp8"}),
+    "fixedpoint4": Preset("direct 4-bit fixed-point activations, paper's 6-bit gradients",
+                          {"tah_forward_codec": "fixedpoint", "tah_forward_bits": 4, "tah_tile_size": 64,
+                           "tah_backward_codec": "fixedpoint", "tah_backward_bits": 6, "tah_backward_tile_size": 32}),
+    # The studies' candidates whose steps at depth 8 were measured (MEASURED): auto may choose them too.
+    "lowrank8": Preset("lowrank with 8 principal directions", {**PRESETS["lowrank"], "tah_lowrank_rank": 8}),
+    "channel": Preset("per-channel 4-bit activations, per-channel 3-bit gradients rounded stochastically",
+                      {"tah_forward_codec": "channel", "tah_forward_bits": 4, **CHANNEL_GRADIENTS}),
+    "channel6": Preset("channel with 2-bit gradients", {"tah_forward_codec": "channel", "tah_forward_bits": 4,
+                                                        **CHANNEL_GRADIENTS, "tah_backward_bits": 2}),
+    "channel9": Preset("channel with 6-bit activations",
+                       {"tah_forward_codec": "channel", "tah_forward_bits": 6, **CHANNEL_GRADIENTS}),
+}
+"""Candidates that are not a ``--tah-preset``: the fields each sets (besides the backend and checksum)."""
+CANDIDATES = ("none", "fp8") + tuple(name for name in PRESETS if name != "none") + tuple(
+    name for name in NON_PRESET if name not in ("none", "fp8"))
 DEFAULT_CANDIDATES = ("none", "fp8", "paper", "hadint4", "lowrank", "fixedpoint4")
+
+
+def check_candidate(name: str) -> None:
+    """``ValueError`` unless ``name`` is one of ``CANDIDATES``."""
+    if name not in CANDIDATES:
+        raise ValueError(f"candidate {name!r}: choose among {', '.join(CANDIDATES)}")
+
+
+def candidate_fields(name: str) -> dict:
+    """The ``TahConfig`` fields candidate ``name`` sets on both directions: its own (``NON_PRESET``), or its preset's
+    name."""
+    check_candidate(name)
+    return dict(NON_PRESET[name]) if name in NON_PRESET else {"tah_preset": name}
+
+
+def candidate_description(name: str) -> str:
+    """Candidate ``name``'s one line: its own, or its preset's."""
+    check_candidate(name)
+    return (NON_PRESET.get(name) or PRESETS[name]).description
 FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the default accuracy floor
 
 
@@ -87,8 +118,7 @@ def _is_int(value) -> bool:
 @dataclasses.dataclass(frozen=True)
 class AutoSettings:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    """Codecs auto chooses among: none, fp8, fixedpoint4 or a preset's codec for the direction (paper, hadint4,
-    lowrank, lowrank8, channel, channel6, channel9, channel_h4); a comma-separated string is split."""
+    """Codecs auto chooses among, names of ``CANDIDATES``; a comma-separated string is split."""
 
     max_error: float | None = None
     """Accuracy floor: largest relative round-trip error allowed; None: the default TAH-Quant codec's (paper) error,

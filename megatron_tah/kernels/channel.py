@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from .common import (
     DEFAULT_WARPS, HAVE_TRITON, Blocking, as_kernel_input, as_kernel_output, as_units, block_flip, blocking,
     check_launch, index_is_64bit, is_interpreted, launch, native_conversions, next_power_of_2, recording_active,
@@ -298,7 +298,7 @@ def triton_channel_range(x: torch.Tensor, sections: dict[str, torch.Tensor], bit
         f"channel_range b{bits}{'' if final else ' split'}", channel_range_kernel,
         (geometry.cdiv(h, bc), splits),
         (x_in, scale, zero, lo, hi, worst, rows, h, per_split),
-        dict(BR=br, BC=bc, LEVELS=levels, INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+        dict(BR=br, BC=bc, LEVELS=levels, INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=numerics.MAX_ABS_BITS,
              FINAL=final, num_warps=DEFAULT_WARPS, enable_fp_fusion=False),
         br * bc, loops=True,
     )
@@ -307,7 +307,7 @@ def triton_channel_range(x: torch.Tensor, sections: dict[str, torch.Tensor], bit
         launch(
             f"channel_merge b{bits}", channel_merge_kernel, (geometry.cdiv(h, merge),),
             (scale, zero, lo, hi, worst, h, splits),
-            dict(BC=merge, LEVELS=levels, MAX_BITS=geometry.MAX_ABS_BITS, num_warps=DEFAULT_WARPS,
+            dict(BC=merge, LEVELS=levels, MAX_BITS=numerics.MAX_ABS_BITS, num_warps=DEFAULT_WARPS,
                  enable_fp_fusion=False),
             0,
         )

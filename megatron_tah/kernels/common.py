@@ -339,15 +339,6 @@ if HAVE_TRITON:
         return tl.min(tl.min(tl.min(x, axis=3), axis=0), axis=1)
 
     @triton.jit
-    def pair_sum_last_kernel(x, S: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
-                             N: tl.constexpr):
-        """Sum pairs ``(i, i + S)`` along the last dim (size N) of ``[H, BT, C, N]``, keeping index order."""
-        y = tl.reshape(x, [H, BT, C, N // (2 * S), 2, S])
-        y = tl.permute(y, [0, 1, 2, 3, 5, 4])
-        a, b = tl.split(y)
-        return tl.reshape(a + b, [H, BT, C, N // 2])
-
-    @triton.jit
     def halve_h_kernel(x, N: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
         """``[N, BT, C]`` -> ``[N/2, BT, C]``: sum of register vectors ``2i`` and ``2i + 1``."""
         a, b = tl.split(tl.permute(tl.reshape(x, [N // 2, 2, BT, C]), [0, 2, 3, 1]))

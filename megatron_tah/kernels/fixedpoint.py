@@ -15,7 +15,7 @@ import torch
 
 from typing import Sequence
 
-from .. import geometry
+from .. import geometry, numerics
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
     launch, native_conversions, sections_nbytes, store_units, tl, triton,
@@ -141,7 +141,7 @@ def triton_fixedpoint_encode(
         (x_in, as_units(sections["scale"], 2), as_units(sections["zero"], 2), as_units(sections["codes"], unit),
          n_tiles, h, tiles_per_token, 0 if seed is None else int(seed)),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
-             INDEX64=index64, STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+             INDEX64=index64, STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=numerics.MAX_ABS_BITS,
              UNIT=unit, NUNITS=nunits, FLIP=block_flip(), num_warps=blk.num_warps,
              enable_fp_fusion=False),
         blk.elements,

@@ -17,7 +17,7 @@ import torch
 
 from typing import Sequence
 
-from .. import geometry
+from .. import geometry, numerics
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, block_flip, blocking, check_launch, index_is_64bit, launch,
     native_conversions, sections_nbytes, tl, triton,
@@ -168,8 +168,8 @@ def triton_fp8_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], group_
         (x_in, sections["prescale"].view(torch.int32), sections["postscale"].view(torch.float32),
          sections["codes"], n_groups, h, groups_per_token),
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
-             INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
-             ENTRY=geometry.hadamard_entry(group_size), FMAX=geometry.FP8_MAX, RMS_FLOOR=RMS_EPS,
+             INDEX64=index64, BF16_BITS=bf16_bits, MAX_BITS=numerics.MAX_ABS_BITS,
+             ENTRY=numerics.hadamard_entry(group_size), FMAX=numerics.FP8_MAX, RMS_FLOOR=RMS_EPS,
              PRE_MIN=PRESCALE_MIN, PRE_MAX=PRESCALE_MAX, HW_FP8=hw_fp8, FLIP=block_flip(),
              num_warps=blk.num_warps, enable_fp_fusion=False),
         blk.elements,
@@ -195,7 +195,7 @@ def triton_fp8_decode(sections: dict[str, torch.Tensor], shape, dtype: torch.dty
          n_groups, h, groups_per_token),
         dict(G=group_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % group_size == 0,
              INDEX64=index64, OUT_KIND=out_kind, NATIVE_BF16=native_bf16,
-             ENTRY=geometry.hadamard_entry(group_size), HW_FP8=hw_fp8, FLIP=block_flip(), num_warps=blk.num_warps,
+             ENTRY=numerics.hadamard_entry(group_size), HW_FP8=hw_fp8, FLIP=block_flip(), num_warps=blk.num_warps,
              enable_fp_fusion=False),
         blk.elements,
     )

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, launch,
     native_conversions, sections_nbytes, store_units, tl, triton,
@@ -128,8 +128,8 @@ def triton_hadint_encode(
         (x_in, _signs(signs, tile_size, x.device), as_units(sections["scale"], 2), as_units(sections["codes"], unit),
          n_tiles, h, tiles_per_token, 0 if seed is None else int(seed)),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
-             INDEX64=index64, HADAMARD=signs is not None, ENTRY=geometry.hadamard_entry(tile_size),
-             STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS, UNIT=unit,
+             INDEX64=index64, HADAMARD=signs is not None, ENTRY=numerics.hadamard_entry(tile_size),
+             STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=numerics.MAX_ABS_BITS, UNIT=unit,
              NUNITS=nunits, FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
         blk.elements,
     )
@@ -156,7 +156,7 @@ def triton_hadint_decode(
         (out_view, _signs(signs, tile_size, codes.device), as_units(sections["scale"], 2), as_units(codes, unit),
          n_tiles, h, tiles_per_token),
         dict(G=tile_size, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
-             INDEX64=index64, HADAMARD=signs is not None, ENTRY=geometry.hadamard_entry(tile_size),
+             INDEX64=index64, HADAMARD=signs is not None, ENTRY=numerics.hadamard_entry(tile_size),
              OUT_KIND=out_kind, NATIVE_BF16=native_bf16, UNIT=unit, NUNITS=nunits, FLIP=block_flip(),
              num_warps=blk.num_warps, enable_fp_fusion=False),
         blk.elements,

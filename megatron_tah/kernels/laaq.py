@@ -12,7 +12,7 @@ viewed as a single row of ``n`` channels. The buffer holds, back to back::
 ``nbytes(n, bits, block)`` is its size: ``(bits + 32 / block) / 8`` bytes per element. Every
 element decodes within half a step (``scale / 2``) of its input; a constant block decodes to its
 value rounded down to bf16 (exactly when it is bf16-representable, zeros included); a block
-holding NaN, +-Inf or a magnitude above ``geometry.MAX_ABS_VALUE`` decodes to NaN throughout.
+holding NaN, +-Inf or a magnitude above ``numerics.MAX_ABS_VALUE`` decodes to NaN throughout.
 
 The launchers take plain tensors and ints; ``sections`` gives the named views of a buffer.
 """

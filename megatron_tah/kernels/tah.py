@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from . import tah_alloc
 from .common import (
     HAVE_TRITON, as_kernel_input, as_kernel_output, as_units, block_flip, blocking, check_launch, index_is_64bit,
@@ -257,12 +257,12 @@ def triton_tah_partials(x: torch.Tensor, tile_size: int, entropy: bool = False, 
     out = torch.empty((n_tiles,) if entropy else (2, n_tiles), dtype=torch.float32, device=x.device)
     blk = blocking(tah_partials_kernel, tile_size, per_lane, tiles_per_prog)
     x_in, bf16_bits = as_kernel_input(x)
-    c1, c2, c3, c4, c5 = geometry.LOG2_POLY
+    c1, c2, c3, c4, c5 = numerics.LOG2_POLY
     launch(
         f"tah_partials G{tile_size}{' entropy' if entropy else ''}", tah_partials_kernel, (blk.programs(n_tiles),),
         (x_in, out, n_tiles, h, geometry.num_tiles(h, tile_size)),
         dict(G=tile_size, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % tile_size == 0,
-             INDEX64=index_is_64bit(n_tiles * tile_size), BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+             INDEX64=index_is_64bit(n_tiles * tile_size), BF16_BITS=bf16_bits, MAX_BITS=numerics.MAX_ABS_BITS,
              C1=c1, C2=c2, C3=c3, C4=c4, C5=c5, FLIP=block_flip(), ENTROPY=entropy, num_warps=blk.num_warps,
              enable_fp_fusion=False),
         blk.elements,
@@ -340,9 +340,9 @@ def triton_tah_encode(x: torch.Tensor, sections: dict[str, torch.Tensor], high_u
              as_units(sections[name], unit), table, rotated, n_rank, h, tiles_per_token, tiles_per_unit, units,
              first_slot, 0 if seed is None else int(seed)),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
-                 STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=geometry.MAX_ABS_BITS,
+                 STOCHASTIC=seed is not None, BF16_BITS=bf16_bits, MAX_BITS=numerics.MAX_ABS_BITS,
                  TAU=tau if math.isfinite(tau) else 0.0, EPSILON=TAH_EPS, ALWAYS=tau == 0,
-                 NEVER=tau == math.inf, ENTRY=geometry.hadamard_entry(g), UNIT=unit, NUNITS=nunits,
+                 NEVER=tau == math.inf, ENTRY=numerics.hadamard_entry(g), UNIT=unit, NUNITS=nunits,
                  FLIP=block_flip(), num_warps=blk.num_warps, enable_fp_fusion=False),
             blk.elements,
         )
@@ -376,7 +376,7 @@ def triton_tah_decode(sections: dict[str, torch.Tensor], shape, dtype: torch.dty
             (out_view, as_units(sections["scale"], 2), as_units(sections["zero"], 2), meta,
              as_units(sections[name], unit), table, error, n_rank, h, tiles_per_token, tiles_per_unit, units),
             dict(G=g, BITS=bits, H=blk.per_lane // 8, BT=blk.tiles, C=blk.lanes, EVEN=h % g == 0, INDEX64=index64,
-                 OUT_KIND=out_kind, NATIVE_BF16=native_bf16, ENTRY=geometry.hadamard_entry(g), UNIT=unit,
+                 OUT_KIND=out_kind, NATIVE_BF16=native_bf16, ENTRY=numerics.hadamard_entry(g), UNIT=unit,
                  NUNITS=nunits, ROTATES=rotates, FLIP=block_flip(), num_warps=blk.num_warps,
                  enable_fp_fusion=False),
             blk.elements,

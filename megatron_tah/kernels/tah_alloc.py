@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import geometry
+from .. import geometry, numerics
 from .common import HAVE_TRITON, check_launch, launch, next_power_of_2, tl, triton
 
 if HAVE_TRITON:
@@ -179,7 +179,7 @@ else:  # pragma: no cover - without triton
 
 
 def _poly():
-    c1, c2, c3, c4, c5 = geometry.LOG2_POLY
+    c1, c2, c3, c4, c5 = numerics.LOG2_POLY
     return dict(C1=c1, C2=c2, C3=c3, C4=c4, C5=c5)
 
 

@@ -11,8 +11,8 @@ default; ``none`` has error 0; if ``paper`` itself was dropped the floor is 0), 
 prediction wins, ties to the earlier candidate. The default floor is a proxy for steps to a loss; a
 candidate whose steps were measured at the pipeline's depth (``config.auto.steps_measured``: its multiplier
 is in the table as steps to target, not as a lower bound) is judged by them instead and passes it (at depth 8,
-``lowrank``'s larger round-trip error costs 1.09x the steps, ``fixedpoint4``'s smaller one at least 2.0x:
-docs/SPEEDRUN.md); so does a candidate left out as the same codec as a measured one (in the backward direction
+``lowrank``'s larger round-trip error costs fewer steps than ``fixedpoint4``'s smaller one, a lower bound:
+``config/measured.json``, docs/SPEEDRUN.md); so does a candidate left out as the same codec as a measured one (in the backward direction
 ``lowrank``'s gradients are ``hadint4``'s). A lower bound waives nothing: ``channel6``'s 2-bit gradients, which
 cost steps, are held to the floor. An explicit ``max_error`` binds every candidate. The rate a candidate is predicted with is the
 slowest of the rates measured in the last ``memory`` (4) measurements on messages at least as

@@ -76,10 +76,6 @@ class StagedSend:
     def __init__(self, staging: "HostStaging", buf: torch.Tensor, event):
         self._staging, self._buf, self._event = staging, buf, event
 
-    def ready(self) -> bool:
-        """Whether the device-to-host copy is complete (never blocks)."""
-        return self._event is None or self._event.query()
-
     def host(self) -> torch.Tensor:
         """The host buffer, once the copy is complete (waits for it): what ``dist.isend`` sends."""
         if self._buf is None:

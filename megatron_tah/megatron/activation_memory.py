@@ -57,9 +57,10 @@ import torch
 
 from ..codecs import Codec, CodecError, common, get_codec
 from ..codecs.base import SUPPORTED_DTYPES
+from ..config.fields import parsed
 from ..kernels import HAVE_TRITON
 from ..kernels import laaq as kernels
-from .place import PlaceSpec, direction
+from .place_spec import PlaceSpec, direction
 
 LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 MIN_NUMEL = 4096  # smaller saved tensors are kept: a launch per tensor would cost more than it saves
@@ -278,9 +279,12 @@ def _saving(place, quantize):
                 attention = getattr(self, "self_attention", None)
                 core = getattr(attention, "core_attention", None)
                 if core is not None:  # once per class (marker)
-                    place.patches.wrap(type(core), "forward", _saving(place, lambda: False))
+                    place.patches.wrap(type(core), "forward", _saving(place, lambda: False),
+                                       why="the attention core keeps its inputs as they are (LAAQ)")
                 if hasattr(attention, "_checkpointed_attention_forward"):
-                    place.patches.wrap(type(attention), "_checkpointed_attention_forward", _saving(place, lambda: False))
+                    place.patches.wrap(type(attention), "_checkpointed_attention_forward",
+                                       _saving(place, lambda: False),
+                                       why="recomputed attention keeps its inputs as they are (LAAQ)")
             pack_hook, unpack_hook = _hooks(place, quantize=quantize())
             with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
                 return original(self, *args, **kwargs)
@@ -294,7 +298,8 @@ def install(place) -> None:
     """Store what transformer layers save for backward in ``laaq`` form, and measure it."""
     place.state.setdefault("quantize", True)
     place.state["memory"] = SavedTensorMemory()
-    place.patches.wrap(LAYER, "forward", _saving(place, lambda: place.state["quantize"]))
+    place.patches.wrap(LAYER, "forward", _saving(place, lambda: place.state["quantize"]),
+                       why="store what the layer saves for backward in low-bit blocks (LAAQ)")
     place.stats.memory_source = place.state["memory"].peaks
 
 
@@ -310,7 +315,7 @@ def settings(config) -> str:
 def laaq_stage_bits(config, stage: int, stages: int) -> int:
     """Bits of stored activations on pipeline stage ``stage`` of ``stages``: entry floor(stage * n / stages) of
     the n in ``tah_laaq_bits``."""
-    bits = config.laaq_bits()
+    bits = parsed(config, "tah_laaq_bits")
     return bits[stage * len(bits) // stages]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config import TahConfig
 from . import places
-from .logging import check_log_json
+from .run_log import check_log_json
 from .patching import is_ours
 from .registry import REGISTRY
 
@@ -39,6 +39,18 @@ GROUP_TITLE = "megatron_tah (compressed pipeline communication)"
 def flag_name(field_name: str) -> str:
     """``tah_tile_size`` -> ``--tah-tile-size``."""
     return "--" + field_name.replace("_", "-")
+
+
+def fields_flags(fields: dict) -> list[str]:
+    """``TahConfig`` fields as the flags that set them: ``{"tah_tile_size": 32}`` -> ``["--tah-tile-size", "32"]``; a
+    true bool is its bare flag, a false one nothing."""
+    flags = []
+    for field, value in fields.items():
+        if isinstance(value, bool):
+            flags += [flag_name(field)] if value else []
+        else:
+            flags += [flag_name(field), str(value)]
+    return flags
 
 
 def _choices(field: dataclasses.Field) -> tuple:
@@ -201,8 +213,9 @@ def install_arguments() -> None:
     if patches:
         return
     module = _megatron_arguments_module()
-    patches.wrap(module, "add_megatron_arguments", _adding_tah_arguments)
-    patches.wrap(module, "validate_args", _validating_tah_arguments)
+    patches.wrap(module, "add_megatron_arguments", _adding_tah_arguments, why="add the --tah-* flags to every parser")
+    patches.wrap(module, "validate_args", _validating_tah_arguments,
+                 why="check the --tah-* flags, ending a bad run with one error line")
 
 
 def uninstall_arguments() -> None:

@@ -93,5 +93,7 @@ def _loading(original):
 
 
 def install(patches) -> None:
-    patches.wrap("megatron.training.training", "save_checkpoint", _saving)
-    patches.wrap("megatron.training.training", "load_checkpoint", _loading)
+    patches.wrap("megatron.training.training", "save_checkpoint", _saving,
+                 why="save the codecs' state with the checkpoint")
+    patches.wrap("megatron.training.training", "load_checkpoint", _loading,
+                 why="load the codecs' state with the checkpoint")

@@ -284,6 +284,20 @@ def _tracker_fork(self, name="model-parallel-rng"):
 
 
 # ----- apply / remove ----------------------------------------------------------------------
+SHIMMED_FUNCTIONS = (
+    ("megatron.training.initialize", "_warmup_jit_function", _skipped, "no JIT warm-up without CUDA"),
+    ("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable,
+     "no fused softmax kernel without CUDA"),
+    ("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state,
+     "building the data keeps the CPU RNG state"),
+    ("megatron.training.arguments", "get_device_arch_version", _in_order_device,
+     "the CPU runs in order: tensor parallelism validates without CUDA_DEVICE_MAX_CONNECTIONS"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state, "no CUDA RNG state to read"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped, "no CUDA RNG state to set"),
+)
+"""Functions wrapped on a CPU: (owner, attribute, wrapper factory, why)."""
+
+
 def cpu_shims_active() -> bool:
     return bool(REGISTRY.cpu_shims)
 
@@ -297,20 +311,17 @@ def apply_cpu_shims(force: bool = False) -> bool:
         return False
     try:
         for module in SHIMMED_MODULES:
-            patches.replace(module, "torch", CpuTorch())
-        patches.replace(torch.Tensor, "cuda", _on_cpu_already)
-        patches.replace(torch.nn.Module, "cuda", _on_cpu_already)
+            patches.replace(module, "torch", CpuTorch(), why="torch.cuda calls on CPU tensors (no CUDA device)")
+        patches.replace(torch.Tensor, "cuda", _on_cpu_already, why="tensors stay on the CPU")
+        patches.replace(torch.nn.Module, "cuda", _on_cpu_already, why="modules stay on the CPU")
         for owner, attribute in TYPE_CHECKED:
-            patches.wrap(owner, attribute, _with_cuda_type_names)
+            patches.wrap(owner, attribute, _with_cuda_type_names,
+                         why="CPU tensors pass the optimizer's CUDA type checks")
         tracker = resolve("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
-        patches.replace(tracker, "add", _tracker_add)
-        patches.replace(tracker, "fork", _tracker_fork)
-        patches.wrap("megatron.training.initialize", "_warmup_jit_function", _skipped)
-        patches.wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax", "is_kernel_available", _unavailable)
-        patches.wrap("megatron.training.training", "build_train_valid_test_data_iterators", _keeping_cpu_rng_state)
-        patches.wrap("megatron.training.arguments", "get_device_arch_version", _in_order_device)
-        patches.wrap("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _no_cuda_rng_state)
-        patches.wrap("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _skipped)
+        patches.replace(tracker, "add", _tracker_add, why="the CUDA RNG tracker keeps CPU generator states")
+        patches.replace(tracker, "fork", _tracker_fork, why="the CUDA RNG tracker forks CPU generator states")
+        for owner, attribute, make, why in SHIMMED_FUNCTIONS:
+            patches.wrap(owner, attribute, make, why=why)
     except Exception:
         patches.restore()
         raise

@@ -42,7 +42,7 @@ from ..config import TahConfig
 from . import collectives
 from .collectives import Done
 from .patching import Patches, resolve
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 from .stats import Stream
 
 BUFFER_MODULE = "megatron.core.distributed.param_and_grad_buffer"
@@ -94,9 +94,11 @@ def _compressing(place):
         def start_grad_sync(self, *args, **kwargs):
             module = resolve(BUFFER_MODULE)
             during = Patches()
-            during.replace(module, "torch", _TorchView(module.torch, _CompressingDistributed(place)))
+            during.replace(module, "torch", _TorchView(module.torch, _CompressingDistributed(place)),
+                           why="the bucket's collectives through the int8 codec, during one call")
             during.replace(module, "dist_reduce_scatter_func",
-                           functools.partial(_reduce_scatter, place, module.dist_reduce_scatter_func))
+                           functools.partial(_reduce_scatter, place, module.dist_reduce_scatter_func),
+                           why="the bucket's reduce-scatter through the int8 codec, during one call")
             try:
                 return original(self, *args, **kwargs)
             finally:
@@ -111,7 +113,8 @@ def install(place) -> None:
     """Compress megatron-core's data-parallel gradient reduction with ``place.codec``."""
     collectives.check_codec(place.codec)
     place.codec = place_codec(place.codec, place.config.tah_eager_codecs)  # CUDA graphs per message shape
-    place.patches.wrap(BUCKET_GROUP, "start_grad_sync", _compressing(place))
+    place.patches.wrap(BUCKET_GROUP, "start_grad_sync", _compressing(place),
+                       why="reduce data-parallel gradients through the int8 codec (AGoQ QuanGrad)")
 
 
 def codec(config: TahConfig) -> Codec | None:

@@ -59,7 +59,7 @@ from ..link.peer import PeerWatch
 from . import collectives
 from .collectives import Traffic
 from .patching import resolve
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 from .stats import Stream
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,8 @@ def _compressing(place):
 def install(place) -> None:
     """Send the tied word-embedding gradient as the first stage's exact rows and the last stage's ``place.codec``."""
     collectives.check_codec(place.codec)
-    place.patches.wrap(FINALIZE, "_allreduce_word_embedding_grads", _compressing(place))
+    place.patches.wrap(FINALIZE, "_allreduce_word_embedding_grads", _compressing(place),
+                       why="the tied embedding gradient as exact rows and int8 instead of a dense all-reduce")
 
 
 # ----- its codec, checks and start-up line --------------------------------------------------------

@@ -57,7 +57,7 @@ import logging
 import torch
 
 from .patching import resolve
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +239,9 @@ def _counting(ledger: Ledger, name: str, original):
     return counted
 
 
+WHY = "count the bytes that cross a pipeline-stage boundary (the WAN ledger)"
+
+
 def install(place) -> None:
     """Count every operation of ``COUNTED`` (and megatron-core's ``ALIASES`` of them) that crosses a stage."""
     ledger = Ledger(place)
@@ -249,9 +252,9 @@ def install(place) -> None:
         original = getattr(c10d, name)
         counted = _counting(ledger, name, original)
         replaced[original] = counted
-        place.patches.replace(c10d, name, counted)
+        place.patches.replace(c10d, name, counted, why=WHY)
         if getattr(package, name, None) is original:
-            place.patches.replace(package, name, counted)
+            place.patches.replace(package, name, counted, why=WHY)
     for module_name, attributes in ALIASES.items():
         try:
             module = resolve(module_name)
@@ -260,7 +263,7 @@ def install(place) -> None:
         for attribute in attributes:
             counted = replaced.get(getattr(module, attribute, None))
             if counted is not None:
-                place.patches.replace(module, attribute, counted)
+                place.patches.replace(module, attribute, counted, why=WHY)
 
 
 def uninstall(place) -> None:

@@ -1,6 +1,6 @@
 """The one helper behind every attribute megatron_tah replaces (transports, flags, log, shims).
 
-A :class:`Patches` object belongs to one installer -- each place (``place.Place.patches``), the
+A :class:`Patches` object belongs to one installer -- each place (``place_spec.Place.patches``), the
 flags, the log, the plugin and the CPU shims (``registry.REGISTRY``) -- and records what it
 replaced, so that ``restore()`` puts back exactly the original objects, newest first::
 
@@ -9,7 +9,9 @@ replaced, so that ``restore()`` puts back exactly the original objects, newest f
     patches.replace(torch.Tensor, "cuda", cpu_cuda)                             # plain replacement
     patches.restore()
 
-Every replacement carries the marker attribute ``_megatron_tah`` and the original in
+Each call says why in one line (``why=``); ``entries()`` lists what is replaced, with that line, the module that
+made the replacement and whether it wraps or replaces: ``scripts/write_patches.py`` writes docs/PATCHES.md from the
+installers' entries. Every replacement carries the marker attribute ``_megatron_tah`` and the original in
 ``__wrapped__`` where it accepts attributes; ``wrap`` leaves an attribute that already carries the
 marker alone (installing twice is a no-op). A class attribute that was inherited (absent from the
 class's own ``__dict__``) is deleted again on restore, so the inherited one shows through.
@@ -19,6 +21,7 @@ Owners named by a string are imported on first use; a missing module or attribut
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from typing import Any, Callable
@@ -55,14 +58,41 @@ def _mark(value: Any, original: Any) -> None:
         pass  # e.g. a bound method; the Patches record is what restores it
 
 
+def qualified_name(owner: Any) -> str:
+    """``megatron.core.x`` for a module, ``megatron.core.x.Class`` for a class (where it is defined)."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return getattr(owner, "__name__", repr(owner))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One replaced attribute: ``target`` (``owner.attribute``), ``how`` ("wraps" or "replaces"), ``why`` (the
+    call's line) and ``by`` (the module of megatron_tah that made the replacement)."""
+
+    target: str
+    how: str
+    why: str
+    by: str
+
+
+def _maker_module(value: Any) -> str:
+    return getattr(value, "__module__", None) or type(value).__module__
+
+
 class Patches:
     """Attributes replaced by one installer, restorable exactly and in reverse order."""
 
     def __init__(self):
         self._applied: list[tuple[Any, str, Any]] = []
+        self._entries: list[Entry] = []
 
     def __bool__(self) -> bool:
         return bool(self._applied)
+
+    def entries(self) -> list[Entry]:
+        """What is replaced now, in the order it was (empty after ``restore``)."""
+        return list(self._entries)
 
     def original(self, owner: Any, attribute: str) -> Any:
         owner = resolve(owner)
@@ -71,9 +101,21 @@ class Patches:
             raise RuntimeError(f"megatron_tah: {name}.{attribute} not found; this megatron-core is not supported")
         return getattr(owner, attribute)
 
-    def replace(self, owner: Any, attribute: str, replacement: Any) -> None:
-        """Set ``owner.attribute = replacement`` and remember what was there."""
+    def replace(self, owner: Any, attribute: str, replacement: Any, why: str = "") -> None:
+        """Set ``owner.attribute = replacement`` and remember what was there; ``why``: its line on the patch page."""
+        self._set(resolve(owner), attribute, replacement, Entry("", "replaces", why, _maker_module(replacement)))
+
+    def wrap(self, owner: Any, attribute: str, make_wrapper: Callable[[Callable], Callable], why: str = "") -> None:
+        """Replace a function by ``make_wrapper(original)`` (``functools.wraps``-ed); no-op when ours; ``why``: its
+        line on the patch page."""
         owner = resolve(owner)
+        original = self.original(owner, attribute)
+        if is_ours(original):
+            return
+        self._set(owner, attribute, functools.wraps(original)(make_wrapper(original)),
+                  Entry("", "wraps", why, _maker_module(make_wrapper)))
+
+    def _set(self, owner: Any, attribute: str, replacement: Any, entry: Entry) -> None:
         current = self.original(owner, attribute)
         if isinstance(owner, type) and attribute not in owner.__dict__:
             saved = _INHERITED
@@ -82,17 +124,11 @@ class Patches:
         _mark(replacement, current)
         setattr(owner, attribute, replacement)
         self._applied.append((owner, attribute, saved))
-
-    def wrap(self, owner: Any, attribute: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-        """Replace a function by ``make_wrapper(original)`` (``functools.wraps``-ed); no-op when ours."""
-        owner = resolve(owner)
-        original = self.original(owner, attribute)
-        if is_ours(original):
-            return
-        self.replace(owner, attribute, functools.wraps(original)(make_wrapper(original)))
+        self._entries.append(dataclasses.replace(entry, target=f"{qualified_name(owner)}.{attribute}"))
 
     def restore(self) -> None:
         """Put every replaced attribute back (no-op when nothing is replaced)."""
+        self._entries.clear()
         while self._applied:
             owner, attribute, saved = self._applied.pop()
             if saved is _INHERITED:

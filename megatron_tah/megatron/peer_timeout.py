@@ -157,6 +157,8 @@ def _rank() -> int:
 def install(patches) -> None:
     """Wrap ``train_step``, ``save_checkpoint_and_time`` and ``train`` (each acts only while a configuration with a
     bound is installed)."""
-    patches.wrap(TRAINING, "train_step", _bounding_after_the_first_step)
-    patches.wrap(TRAINING, "save_checkpoint_and_time", _saving_with_the_start_up_timeout)
-    patches.wrap(TRAINING, "train", _naming_failures)
+    patches.wrap(TRAINING, "train_step", _bounding_after_the_first_step,
+                 why="after the first step, bound the process groups' waits by --tah-peer-timeout-s")
+    patches.wrap(TRAINING, "save_checkpoint_and_time", _saving_with_the_start_up_timeout,
+                 why="checkpoint saves keep --distributed-timeout-minutes")
+    patches.wrap(TRAINING, "train", _naming_failures, why="a failed collective names the link and iteration")

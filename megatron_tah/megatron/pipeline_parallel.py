@@ -26,8 +26,9 @@ import logging
 import torch
 
 from ..config import TahConfig
+from ..config import pipeline as pipeline_rules
 from ..link.transport import PipelineTransport
-from .place import PlaceSpec
+from .place_spec import PlaceSpec
 from .registry import REGISTRY
 from .stats import Stream
 from .version import TRANSPORTS, check_installed
@@ -138,7 +139,8 @@ def install(place) -> None:
                                   virtual_stages=virtual_stages, depth=pipeline_depth, stage=pipeline_stage)
     place.transport = transport
     for name in TRANSPORTS:
-        place.patches.wrap(P2P_MODULE, name, _replacing(transport, name))
+        place.patches.wrap(P2P_MODULE, name, _replacing(transport, name),
+                           why="pipeline messages through the link's codecs (TAH-Quant)")
     place.stats.buffer_source = transport.buffer_nbytes
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 place.config.forward_codec().describe(), place.config.backward_codec().describe())
@@ -155,6 +157,7 @@ def uninstall(place) -> None:
 PLACE = PlaceSpec(
     name=NAME, option=None, install=install, uninstall=uninstall,
     streams=(Stream("forward", NAME, "forward", "fwd"), Stream("backward", NAME, "backward", "bwd")),
+    check=pipeline_rules.check,  # its codecs and link options (TahConfig runs them too: the link reads it as it is)
     check_args=check_args, startup=startup,
 )
 
@@ -184,7 +187,7 @@ def push_sample_ids(ids: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def evaluation(uncompressed: bool):
-    """An evaluation (forward only) runs inside this, entered on every stage together (by logging's
+    """An evaluation (forward only) runs inside this, entered on every stage together (by run_log's
     wrapper of Megatron's ``evaluate``, per ``--tah-eval-traffic``; a loop of one's own enters it around
     its evaluation): with ``uncompressed`` every link sends raw. A no-op when not installed."""
     transport = installed_transport()

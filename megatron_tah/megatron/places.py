@@ -12,7 +12,7 @@ place                  option (``TahConfig``)            what it replaces (modul
 ``wan`` (ledger)       always                            counts bytes that cross a stage (``ledger``)
 =====================  ================================  ===============================================
 
-Each place declares itself at the end of its module (``PLACE``, a ``place.PlaceSpec``: its option,
+Each place declares itself at the end of its module (``PLACE``, a ``place_spec.PlaceSpec``: its option,
 codec, statistics, settings text, install and uninstall, and its hooks); ``PLACES`` is the table of those
 declarations, in install order, and ``streams()`` their statistics streams (``STREAMS``: the table's at
 import, for a sink built outside ``install``). The ledger comes last: the
@@ -33,7 +33,7 @@ the statistics sink's source under its name (``Stats.sources``).
 (every rank that installs takes part, whatever its settings) and raises :class:`PlaceMismatchError`
 on every rank if any differ, naming them, instead of letting one rank wait in a collective the
 others never join (the pipeline checks its neighbours itself, per group: ``link/handshake.py``). It
-then builds one :class:`place.Place` per place that is on and lets the place install its patches
+then builds one :class:`place_spec.Place` per place that is on and lets the place install its patches
 into ``place.patches``. A place that is off installs nothing, so megatron-core's own code runs
 unchanged. Everything installed is recorded in ``registry.REGISTRY`` (``config``, ``places``);
 ``uninstall()`` restores every patch exactly, newest first. Installing the same configuration
@@ -61,7 +61,7 @@ import torch
 
 from ..config import TahConfig
 from . import activation_memory, cpu_shims, data_parallel, embedding, ledger, pipeline_parallel, tensor_parallel
-from .place import Place, PlaceSpec
+from .place_spec import Place, PlaceSpec
 from .registry import REGISTRY
 from .stats import Stream
 
@@ -202,5 +202,5 @@ def uninstall() -> None:
 
 
 def installed(name: str) -> Place | None:
-    """The installed :class:`place.Place` called ``name`` (None when that place is off)."""
+    """The installed :class:`place_spec.Place` called ``name`` (None when that place is off)."""
     return REGISTRY.places.get(name)

@@ -6,7 +6,7 @@ idempotently and before Megatron parses its arguments:
 
 - ``--tah-*`` flags on Megatron's parser, validated with its arguments (``arguments.py``): a bad
   value ends the run with one ``error:`` line before anything is built;
-- the statistics in the iteration log line, TensorBoard/wandb and ``--tah-log-json`` (``logging.py``);
+- the statistics in the iteration log line, TensorBoard/wandb and ``--tah-log-json`` (``run_log.py``);
 - wraps ``initialize_megatron`` (in ``megatron.training.training``, where ``pretrain()`` looks it up,
   and in ``megatron.training`` / ``megatron.training.initialize``, where scripts import it from) so
   that right after it returns -- arguments parsed, distributed and model-parallel state up, no model
@@ -20,7 +20,7 @@ idempotently and before Megatron parses its arguments:
 - wraps Megatron's ``_initialize_distributed`` for several ranks per GPU (``share_gpus.py``): on with
   ``--tah-share-gpus`` or when two ranks' devices are one GPU (their UUIDs, exchanged through the
   rendezvous store), decided once the flags are parsed;
-- runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (logging's wrapper of it), so
+- runs Megatron's ``evaluate`` inside ``pipeline_parallel.evaluation()`` (run_log's wrapper of it), so
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
@@ -43,7 +43,7 @@ import torch
 from . import codec_state, cpu_shims, peer_timeout, places, share_gpus
 from .arguments import install_arguments, tah_config_from_args, uninstall_arguments
 from .dataset_helpers import compiling_with_this_python
-from .logging import install_logging, uninstall_logging
+from .run_log import install_logging, uninstall_logging
 from .registry import REGISTRY
 
 INITIALIZE_MODULES = ("megatron.training.training", "megatron.training.initialize", "megatron.training")
@@ -83,11 +83,13 @@ def install_megatron_lm_plugin() -> None:
         install_arguments()
         install_logging()
         for module in INITIALIZE_MODULES:
-            patches.wrap(module, "initialize_megatron", _initializing_then_installing)
+            patches.wrap(module, "initialize_megatron", _initializing_then_installing,
+                         why="install the places the flags turn on, once Megatron is initialized")
         share_gpus.install(patches)
         codec_state.install(patches)
         peer_timeout.install(patches)
-        patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python)
+        patches.wrap("megatron.core.datasets.utils", "compile_helpers", compiling_with_this_python,
+                     why="compile the dataset helpers with the running Python")
         cpu_shims.hold_cpu_shims("plugin")
     except Exception:
         uninstall_megatron_lm_plugin()

@@ -7,7 +7,7 @@ module of this package keeps state. ``places.install`` / ``places.uninstall`` fi
 ``config`` and ``places``; the plugin, the flags, the log and the CPU shims own the other fields.
 It knows no particular place (the pipeline's transport: ``pipeline_parallel.installed_transport()``).
 This module imports nothing of megatron-core and nothing above it in the package
-(``patching``, ``place`` and ``stats`` only), so any module may import it.
+(``patching``, ``place_spec`` and ``stats`` only), so any module may import it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .stats import Stats
 
 if TYPE_CHECKING:
     from ..config import TahConfig
-    from .place import Place
+    from .place_spec import Place
 
 
 @dataclasses.dataclass
@@ -40,7 +40,7 @@ class Registry:
     arguments: Patches = dataclasses.field(default_factory=Patches)
     """The ``--tah-*`` flags on Megatron's parser and validation (``arguments.py``)."""
     logging: Patches = dataclasses.field(default_factory=Patches)
-    """The statistics in Megatron's training log (``logging.py``)."""
+    """The statistics in Megatron's training log (``run_log.py``)."""
     log: Any = None
     """The training log's pending counters and evaluations (``logging.LogState``) while installed."""
     plugin: Patches = dataclasses.field(default_factory=Patches)

@@ -79,7 +79,7 @@ def device_for(local_rank: int, device_count: int) -> int:
 
 
 def local_world_size() -> int:
-    """Local ranks on this node (torchrun's and slow_link's ``LOCAL_WORLD_SIZE``; 1 when unset)."""
+    """Local ranks on this node (torchrun's and netns_link's ``LOCAL_WORLD_SIZE``; 1 when unset)."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     try:
         return int(value)
@@ -193,7 +193,8 @@ def one_collective_at_a_time(group=None, device=None, async_ops=False):
 def share_collectives(patches: Patches) -> None:
     """DDP's gradient collectives one at a time (item 4 of the module docstring); ``restore()`` undoes it."""
     if patches.original(GRAD_BUFFER, "_coalescing_manager") is not one_collective_at_a_time:
-        patches.replace(GRAD_BUFFER, "_coalescing_manager", one_collective_at_a_time)
+        patches.replace(GRAD_BUFFER, "_coalescing_manager", one_collective_at_a_time,
+                        why="ranks sharing a GPU run DDP's gradient collectives one at a time (gloo)")
 
 
 # ----- the wrapper -------------------------------------------------------------------------------------
@@ -241,7 +242,8 @@ def _sharing_gpus_when_on(original, patches: Patches):
                 getattr(margs, "pipeline_model_parallel_comm_backend", None))
             share_collectives(patches)
             if hasattr(resolve_p2p_communicator(), "_communicate_shapes"):
-                patches.wrap(P2P_COMMUNICATOR, "_communicate_shapes", _refusing_variable_shapes)
+                patches.wrap(P2P_COMMUNICATOR, "_communicate_shapes", _refusing_variable_shapes,
+                             why="variable sequence lengths are refused when ranks share a GPU")
         elif device != local_rank:
             logger.warning("megatron_tah: local_rank %d sees %d GPU(s), device %d; every rank has its own GPU "
                            "(%s), backend unchanged", local_rank, count, device,
@@ -276,4 +278,5 @@ def install(patches: Patches) -> None:
     function with the device index and the store it made, when they do it applies the shims of the module
     docstring. Installed by the plugin (``plugin.install_megatron_lm_plugin``); idempotent.
     """
-    patches.wrap(INITIALIZE, "_initialize_distributed", lambda original: _sharing_gpus_when_on(original, patches))
+    patches.wrap(INITIALIZE, "_initialize_distributed", lambda original: _sharing_gpus_when_on(original, patches),
+                 why="ranks sharing a GPU: its device, gloo, staged pipeline messages")

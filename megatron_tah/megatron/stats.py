@@ -31,7 +31,7 @@ than their tensor (``record_send``: a codec other than ``none``) and what a comp
 ``codec_traffic()``.
 
 ``places``: each installed place's own levels, read from the sink's ``sources`` (a place's ``statistics`` hook,
-``place.PlaceSpec``) at every ``collect``; summed over ranks, the later one kept by ``merge`` (levels, not counts).
+``place_spec.PlaceSpec``) at every ``collect``; summed over ranks, the later one kept by ``merge`` (levels, not counts).
 
 ``auto`` (``--tah-*-codec auto``): per pipeline link, the codec its sender used last and the last
 measured rate and spread of the link (None before the first measurement); a level, not a count.

@@ -42,7 +42,7 @@ from ..config import TahConfig
 from . import collectives
 from .collectives import Done
 from .patching import resolve
-from .place import PlaceSpec, direction
+from .place_spec import PlaceSpec, direction
 from .stats import Stream
 
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
@@ -124,12 +124,14 @@ def install(place) -> None:
     collectives.check_codec(place.codec)
     place.codec = place_codec(place.codec, place.config.tah_eager_codecs)  # CUDA graphs per message shape
     patches = place.patches
-    patches.wrap(MAPPINGS, "_reduce", _reducing(place))
+    patches.wrap(MAPPINGS, "_reduce", _reducing(place), why="tensor-parallel all-reduce of FP8 shards (TACO)")
     for module in (MAPPINGS, LAYERS):
-        patches.wrap(module, "dist_all_gather_func", _gathering(place))
-        patches.wrap(module, "dist_reduce_scatter_func", _scattering(place))
+        patches.wrap(module, "dist_all_gather_func", _gathering(place), why="tensor-parallel all-gather in FP8 (TACO)")
+        patches.wrap(module, "dist_reduce_scatter_func", _scattering(place),
+                     why="tensor-parallel reduce-scatter of FP8 shards (TACO)")
     for name in LINEAR_FUNCTIONS:
-        patches.wrap(LAYERS, name, _dgrad_through_reduce)
+        patches.wrap(LAYERS, name, _dgrad_through_reduce,
+                     why="the input-gradient all-reduce through the FP8 all-reduce")
 
 
 def codec(config: TahConfig) -> Codec | None:

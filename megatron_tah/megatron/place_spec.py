@@ -71,9 +71,6 @@ class PlaceSpec:
     statistics: Callable[["Place"], dict[str, float]] | None = None
 
     def __post_init__(self):
-        fields = {f.name for f in dataclasses.fields(TahConfig)}
-        if self.option is not None and self.option not in fields:
-            raise ValueError(f"place {self.name!r}: option = {self.option!r} is not a TahConfig field")
         for stream in self.streams:
             if stream.place != self.name:
                 raise ValueError(f"place {self.name!r}: stream {stream.key!r} counts place {stream.place!r}")
@@ -83,7 +80,10 @@ class PlaceSpec:
 
     def validate(self, config: TahConfig) -> None:
         """``ValueError`` naming the field and value when ``config`` cannot run this place: its codec, when on,
-        must build and, with ``tah_backend = 'triton'``, have a kernel; then the place's own ``check``."""
+        must build and, with ``tah_backend = 'triton'``, have a kernel; then the place's own ``check``. Its option
+        must be a field of ``config`` (a ``TahConfig``: its field line declares the option's values)."""
+        if self.option is not None and self.option not in {f.name for f in dataclasses.fields(config)}:
+            raise ValueError(f"place {self.name!r}: option = {self.option!r} is not a field of {type(config).__name__}")
         if self.codec is not None and self.is_on(config):
             name = getattr(config, self.option)
             try:

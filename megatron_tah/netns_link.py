@@ -20,9 +20,9 @@ API: ``with SlowLinks(n_stages, "100mbit", delay_ms=0) as links: links.popen(i, 
 
 CLI::
 
-    python -m megatron_tah.slow_link --stages N --rate 100mbit [--delay-ms D] -- COMMAND...
-    python -m megatron_tah.slow_link measure --rate 100mbit [--delay-ms D] [--mbytes 8] [--transport tcp|gloo]
-    python -m megatron_tah.slow_link cleanup [--all]
+    python -m megatron_tah.netns_link --stages N --rate 100mbit [--delay-ms D] -- COMMAND...
+    python -m megatron_tah.netns_link measure --rate 100mbit [--delay-ms D] [--mbytes 8] [--transport tcp|gloo]
+    python -m megatron_tah.netns_link cleanup [--all]
 
 ``run`` starts COMMAND once per stage inside its namespace with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR (stage 0), MASTER_PORT, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME=eth0
@@ -418,7 +418,7 @@ def measure(rate: str | float, delay_ms: float = 0.0, nbytes: int = 8 << 20, tra
         raise ValueError(f"transport = {transport!r}: choose tcp or gloo")
     if nbytes < 1024:
         raise ValueError(f"nbytes = {nbytes}: send at least 1024 bytes")
-    me = [sys.executable, "-m", __spec__.name if __spec__ else "megatron_tah.slow_link"]
+    me = [sys.executable, "-m", __spec__.name if __spec__ else "megatron_tah.netns_link"]
     with SlowLinks(n_stages, rate, delay_ms) as links:
         timeout = 60 + 4 * nbytes * 8 / links.rate_bps + n_stages * 30
         if transport == "tcp":
@@ -449,7 +449,7 @@ _SUBCOMMANDS = ("run", "measure", "cleanup", "_tcp-sink", "_tcp-source", "_gloo-
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_tah.slow_link",
+    parser = argparse.ArgumentParser(prog="python -m megatron_tah.netns_link",
                                      description="Pipeline stages in network namespaces joined by tc-limited links.",
                                      epilog="run form: --stages N --rate 100mbit [--delay-ms D] -- COMMAND...")
     sub = parser.add_subparsers(dest="action", required=True, metavar="{run,measure,cleanup}")

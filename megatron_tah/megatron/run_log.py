@@ -253,7 +253,8 @@ def _call_appending(original, args, kwargs, fragment: str, iteration: int):
             message = message + fragment
         return printer(message, *p_args, **p_kwargs)
 
-    patches.replace(module, "print_rank_last", print_rank_last)
+    patches.replace(module, "print_rank_last", print_rank_last,
+                    why="the iteration line gets the tah columns, during one call")
     try:
         result = original(*args, **kwargs)
     finally:
@@ -399,9 +400,11 @@ def install_logging() -> None:
         return
     REGISTRY.log = LogState()
     REGISTRY.stats.declare(places.streams())  # every stream is in the records, installed or not
-    patches.wrap(TRAINING, "training_log", _logging_training_log)
-    patches.wrap(TRAINING, "evaluate", _recording_evaluate)
-    patches.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation)
+    patches.wrap(TRAINING, "training_log", _logging_training_log,
+                 why="the statistics in the log line, TensorBoard/wandb and --tah-log-json")
+    patches.wrap(TRAINING, "evaluate", _recording_evaluate, why="evaluations' traffic per --tah-eval-traffic")
+    patches.wrap(TRAINING, "evaluate_and_print_results", _logging_evaluation,
+                 why="the evaluation's traffic on its own line and in --tah-log-json")
 
 
 def uninstall_logging() -> None:
