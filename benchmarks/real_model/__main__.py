@@ -14,7 +14,7 @@ run is, ``report.py`` how it is scored):
    and ``--other-codecs`` (default: the presets among ``--codecs``) at each of ``--other-depths``; seed by seed,
    so that an interrupted study has whole seeds;
 4. with ``--pipeline CODEC``, runs that codec with the first seed as the real pipeline at ``--depth``;
-5. scores (``report.py``: the target from bf16's curves, steps to it and along the curve, damage, intervals)
+5. scores (``report.py``; ``--score-only``: only this, over the runs finished so far: the target from bf16's curves, steps to it and along the curve, damage, intervals)
    and, with ``--write``, writes the page, its JSON and plots, and ``auto``'s steps charges per depth into the
    checkout's ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``).
 """
@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each, one thread)")
     parser.add_argument("--pipeline", help="a codec to run once as the real pipeline (the emulation's check)")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plots under docs/data/)")
+    parser.add_argument("--score-only", action="store_true",
+                        help="run nothing: score the runs of the plan already finished under --out (a study going on)")
     args = parser.parse_args(argv)
     size = runs.SIZES[args.size]
     codecs = _codecs(parser, args.codecs, "--codecs")
@@ -69,23 +71,7 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     plan = {args.depth: codecs, **{d: ["bf16", *(c for c in other_codecs if c != "bf16")] for d in others}}
     out = args.out.resolve()
-    try:
-        model_dir = runs.prepare_model(out, size)
-        data = runs.prepare_data(out, model_dir, size)
-        todo = [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
-        names = set()
-        for depth, listed in plan.items():
-            for seed in seeds:
-                for codec in listed:
-                    run = runs.train_run(codec, seed, size, model_dir, data, out, depth)
-                    if run.name not in names:  # bf16 is one run for every depth
-                        names.add(run.name)
-                        todo.append(run)
-        if args.pipeline:
-            todo.append(runs.pipeline_run(args.pipeline, seeds[0], size, model_dir, data, args.depth))
-        execute_all(todo, out, jobs=args.jobs, env=ONE_THREAD)
-    except ReproduceError as err:
-        print(f"real_model: {err}", file=sys.stderr)
+    if not args.score_only and not run_plan(plan, seeds, size, out, args):
         return 1
     from .report import build, write_page
 
@@ -103,6 +89,29 @@ def main(argv=None) -> int:
         if written:  # auto's steps charges per depth (benchmarks/measured.py)
             print(f"[real_model] wrote {written}")
     return 0
+
+
+def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args) -> bool:
+    """Runs what the plan lacks under ``out`` (complete runs are kept); False (said why) when one fails."""
+    try:
+        model_dir = runs.prepare_model(out, size)
+        data = runs.prepare_data(out, model_dir, size)
+        todo = [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
+        names = set()
+        for depth, listed in plan.items():
+            for seed in seeds:
+                for codec in listed:
+                    run = runs.train_run(codec, seed, size, model_dir, data, out, depth)
+                    if run.name not in names:  # bf16 is one run for every depth
+                        names.add(run.name)
+                        todo.append(run)
+        if args.pipeline:
+            todo.append(runs.pipeline_run(args.pipeline, seeds[0], size, model_dir, data, args.depth))
+        execute_all(todo, out, jobs=args.jobs, env=ONE_THREAD)
+    except ReproduceError as err:
+        print(f"real_model: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

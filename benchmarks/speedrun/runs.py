@@ -86,12 +86,15 @@ CODECS: dict[str, dict] = {
     # channel5_h4's mean bits placed by the same measure: 6 where 5 bits cost most alone, 4 where 4 bits cost least
     # (after layers 11 and 19): 5.02 + 4.25 bits on average, as channel5_h4's
     "channel_b5_h4": {**PRESETS["channel_b_h4"], "tah_boundary_bits": "6,5,4,5,4,6,5"},
-    # about 6 bits both ways at [1024, 8, 1024], per-channel stochastically rounded gradients: channel_h4's
-    # activations at 4 bits with 2-bit gradients (4.02 + 2.00), at 3 bits with 3-bit gradients (3.02 + 3.00)
+    # about 6 bits both ways at [1024, 8, 1024]: channel_h4's activations at 4 bits with per-channel 2-bit
+    # stochastically rounded gradients (4.02 + 2.00)
     "channel4_g2": {**PRESETS["channel_h4"], "tah_forward_bits": 4, "tah_backward_codec": "channel",
                     "tah_backward_bits": 2, "tah_backward_tile_size": 32},
-    "channel3_g3": {**PRESETS["channel_h4"], "tah_forward_bits": 3, "tah_backward_codec": "channel",
-                    "tah_backward_bits": 3, "tah_backward_tile_size": 32},
+    # channel_h4's activations at 4 and 3 bits with Hadamard INT3 gradients rounded stochastically (per-channel
+    # gradients at 2-3 bits cost SmolLM2 steps even evaluated uncompressed, Hadamard INT4 ones did not):
+    # 4.02 + 3.25 and 3.02 + 3.25 bits at [1024, 8, 1024]
+    "channel4_h3": {**PRESETS["channel_h4"], "tah_forward_bits": 4, "tah_backward_bits": 3},
+    "channel3_h3": {**PRESETS["channel_h4"], "tah_forward_bits": 3, "tah_backward_bits": 3},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
