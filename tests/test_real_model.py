@@ -244,6 +244,11 @@ def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_
     # not within noise (the seeds agree closely on a clearly larger T): the best stays
     apart = [*table, _table_row("channel_b_h4", 1.5, "within noise", 150_000.0, (5, 4), spread=0.001, busiest=9.0)]
     assert report.recommended(apart) == "channel_h4"
+    # one seed is no evidence: a preset must have reached the target in two or more
+    alone = [*table, _table_row("channel_b_h4", 1.0, "within noise", 60_000.0, (5, 4), seeds=(1,), busiest=9.0)]
+    assert report.recommended(alone) == "channel_h4"
+    one = {**alone[-1]["uncompressed"], "multiplier_low": 1.0, "multiplier_high": 1.0}
+    assert report.multiplier_text(one) == "1.00x (one seed)"
     text = report.frontier_text({"table": table})
     assert text.index("`paper` 6.00 bits: missed within 40 steps") < text.index("`channel_h4` 10.00 bits: 1.10x")
     # the README's table: bf16 and the presets on both evaluations, the other candidates on the page only

@@ -82,9 +82,10 @@ def main(argv=None) -> int:
 
         from .. import measured
 
+        command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])
+        result["command"] = command
         write_page(result, args.write)
         print(f"[real_model] wrote {args.write}")
-        command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])
         written = measured.write_beside(args.write, measured.real_model_rows(result, command))
         if written:  # auto's steps charges per depth (benchmarks/measured.py)
             print(f"[real_model] wrote {written}")

@@ -330,14 +330,14 @@ def _t_ratio(a: dict, b: dict, traffic: str) -> score.Comparison | None:
 
 
 def recommended(rows: list[dict], traffic: str = "uncompressed") -> str | None:
-    """The preset a user should choose on ``rows`` (one depth) for one use: of the presets whose every seed reached
-    the target on that evaluation without more damage than bf16's at equal steps (uncompressed), the lowest
+    """The preset a user should choose on ``rows`` (one depth) for one use: of the presets whose every seed (two or
+    more) reached the target on that evaluation without more damage than bf16's at equal steps (uncompressed), the lowest
     projected T; where another's T is within noise of it (paired interval of the ratio holds 1), the one with the
     fewest bits on the busiest link, then both ways (None: none did)."""
     from megatron_tah.config.presets import PRESETS
 
     fits = [r for r in rows if r["codec"] != "bf16" and r["codec"] in PRESETS and r[traffic]["multiplier"] is not None
-            and r["uncompressed"]["damage_verdict"] != MORE_DAMAGE]
+            and len(r["seeds"]) >= 2 and r["uncompressed"]["damage_verdict"] != MORE_DAMAGE]
     if not fits:
         return None
     best = min(fits, key=lambda r: r[traffic]["projected_T"])
@@ -352,6 +352,8 @@ def _interval(mean, low, high, digits=2, suffix="", percent=False) -> str:
     if mean is None:
         return "–"
     f = (lambda v: f"{100 * v:+.{digits}f}%") if percent else (lambda v: f"{v:.{digits}f}{suffix}")
+    if low == high:  # one value: no interval
+        return f(mean)
     return f"{f(mean)} [{f(low)}, {f(high)}]"
 
 
@@ -366,7 +368,8 @@ def multiplier_text(m: dict) -> str:
     if m["multiplier"] is None:
         missed = [s for s, v in m["steps_by_seed"].items() if v is None]
         return f"missed within {m['missed_within']} steps ({len(missed)} of {len(m['steps_by_seed'])} seeds)"
-    return _interval(m["multiplier"], m["multiplier_low"], m["multiplier_high"], suffix="x")
+    one = " (one seed)" if len(m["steps_by_seed"]) == 1 else ""
+    return _interval(m["multiplier"], m["multiplier_low"], m["multiplier_high"], suffix="x") + one
 
 
 def along_text(m: dict) -> str:
@@ -606,7 +609,7 @@ def write_page(result: dict, page: Path) -> None:
     template = (Path(__file__).parent / "page.md").read_text()
     bf16 = result["bf16_steps"]
     page.write_text(template.format(
-        date=result["date"], size=result["size"], size_note=runs.SIZES[result["size"]].note, cpu=result["host"]["cpu"],
+        date=result["date"], command=result.get("command", "python -m benchmarks.real_model"), size=result["size"], size_note=runs.SIZES[result["size"]].note, cpu=result["host"]["cpu"],
         cores=result["host"]["cores"], json=f"data/{stem}.json", plot=f"data/{stem}.png", model=result["model"],
         target=f"{result['target']:.4f}", target_step=setup["target_step"], slope=f"{result['target_slope']:.4f}",
         depth=result["depth"], boundaries=", ".join(map(str, result["boundaries"][str(result["depth"])])),
