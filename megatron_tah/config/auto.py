@@ -75,9 +75,9 @@ and host."""
 STEPS_MULTIPLIER: dict[int, dict[str, float]] = {
     int(depth): dict(row["multipliers"]) for depth, row in MEASURED["steps_multiplier"].items()}
 """Measured steps to a loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``, both
-directions compressed (``MEASURED``): depth 4 from the depth study (docs/DEPTH.md: a lower bound, the final loss
-against the uncompressed curve), depth 8 from the speedrun (docs/SPEEDRUN.md: steps to target over seeds, or the
-lower bound of a codec that missed it); ``tests/test_auto_depth.py`` checks them against the pages' committed JSON."""
+directions compressed (``MEASURED``): from the real-model study at each depth it ran (docs/REAL_MODEL.md: steps to
+bf16's target over seeds, the model evaluated uncompressed, or the lower bound of a codec that missed it);
+``tests/test_auto_depth.py`` checks them against the page's committed JSON."""
 
 
 def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> float:

@@ -10,11 +10,10 @@ codec, candidate ``paper``, on the same tensor, so auto never sends less accurat
 default; ``none`` has error 0; if ``paper`` itself was dropped the floor is 0), the smallest
 prediction wins, ties to the earlier candidate. The default floor is a proxy for steps to a loss; a
 candidate whose steps were measured at the pipeline's depth (``config.auto.steps_measured``: its multiplier
-is in the table as steps to target, not as a lower bound) is judged by them instead and passes it (at depth 8,
-``lowrank``'s larger round-trip error costs fewer steps than ``fixedpoint4``'s smaller one, a lower bound:
-``config/measured.json``, docs/SPEEDRUN.md); so does a candidate left out as the same codec as a measured one (in the backward direction
-``lowrank``'s gradients are ``hadint4``'s). A lower bound waives nothing: ``channel6``'s 2-bit gradients, which
-cost steps, are held to the floor. An explicit ``max_error`` binds every candidate. The rate a candidate is predicted with is the
+is in the table as steps to target, not as a lower bound) is judged by them instead and passes it (a larger
+round-trip error need not cost more steps: ``config/measured.json``, docs/REAL_MODEL.md); so does a candidate left
+out as the same codec as a measured one (in the backward direction ``lowrank``'s gradients are ``hadint4``'s). A
+lower bound waives nothing: a candidate that missed the target is held to the floor. An explicit ``max_error`` binds every candidate. The rate a candidate is predicted with is the
 slowest of the rates measured in the last ``memory`` (4) measurements on messages at least as
 large as its own, if any, else the current measurement: a link with a burst allowance (a token
 bucket, e.g. tc's tbf) carries messages smaller than its burst far faster than its sustained
