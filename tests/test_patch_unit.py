@@ -120,12 +120,12 @@ def test_sample_id_queue_is_fifo_and_validated(_clean):
     pipeline_parallel.push_sample_ids(torch.tensor([1, 2]))
     pipeline_parallel.push_sample_ids(torch.tensor([3, 4], dtype=torch.int32))
     assert len(transport.sample_ids) == 2
-    assert transport.pop_sample_ids(required=True).tolist() == [1, 2]
-    popped = transport.pop_sample_ids(required=False)
+    assert transport.sample_ids.pop(required=True).tolist() == [1, 2]
+    popped = transport.sample_ids.pop(required=False)
     assert popped.tolist() == [3, 4] and popped.dtype == torch.long
-    assert transport.pop_sample_ids(required=False) is None
+    assert transport.sample_ids.pop(required=False) is None
     with pytest.raises(RuntimeError, match="push_sample_ids"):
-        transport.pop_sample_ids(required=True)
+        transport.sample_ids.pop(required=True)
     with pytest.raises(ValueError, match="1-D"):
         pipeline_parallel.push_sample_ids(torch.zeros(2, 2, dtype=torch.long))
 

@@ -64,7 +64,6 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -84,6 +83,7 @@ from .message import Handle, Message
 from .outbox import Outbox
 from .overflow import each_work, post_rests, read_length
 from .peer import PeerWatch
+from .sample_ids import SampleIds
 from .steps import Outgoing
 from .wire import decode_trailer, message_extra_nbytes, wall_seconds
 
@@ -127,7 +127,7 @@ class PipelineTransport:
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
         self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
-        self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
+        self.sample_ids = SampleIds()  # AQ-SGD's (sample_ids.py)
         self.outbox = Outbox()  # unbatched messages not yet finished (outbox.py)
         self.peers = PeerWatch(config.tah_peer_timeout_s)  # when each neighbour was last heard from; bounded waits
         self.checked_groups: set[int] = set()
@@ -203,20 +203,6 @@ class PipelineTransport:
         finally:
             self.eval_uncompressed = before
 
-    # ----- AQ-SGD sample ids ---------------------------------------------------------------
-    def push_sample_ids(self, ids: torch.Tensor) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-            raise ValueError(f"sample ids must be a 1-D LongTensor [micro_batch], got {ids!r}")
-        self.sample_ids.append(ids.detach().to(torch.long))
-
-    def pop_sample_ids(self, required: bool) -> torch.Tensor | None:
-        if self.sample_ids:
-            return self.sample_ids.popleft()
-        if required:
-            raise RuntimeError("aqsgd needs the sample ids of every micro-batch: call megatron_tah.megatron."
-                               "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
-        return None
-
     # ----- messages ------------------------------------------------------------------------
     def encode(self, link: Link, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
@@ -227,9 +213,7 @@ class PipelineTransport:
         with torch.no_grad():
             x = x.detach()
             with_ids = codec.needs_sample_ids
-            # An activation send consumes the oldest queued ids (other codecs ignore them), so the
-            # queue stays bounded whatever codec runs; aqsgd needs them.
-            ids = self.pop_sample_ids(required=with_ids) if link.direction == "forward" else None
+            ids = self.sample_ids.sending(link.direction, codec)
             clock = timing.Stopwatch(x.device)
             buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
             encode_seconds = clock.stop()
@@ -371,8 +355,7 @@ class PipelineTransport:
                 raise err.at(*m.stages, self.iteration()) from err
         self.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
         link.messages += 1
-        if codec.needs_sample_ids and link.direction == "forward" and not m.last_stage:
-            self.push_sample_ids(codec.last_sample_ids)
+        self.sample_ids.received(m)
 
     def batched_p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                         group, prev_pipeline_rank, next_pipeline_rank):

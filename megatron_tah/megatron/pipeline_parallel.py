@@ -182,7 +182,7 @@ def _installed() -> PipelineTransport:
 
 def push_sample_ids(ids: torch.Tensor) -> None:
     """Queue the sample ids of the next micro-batch this rank will send (first stage: per forward step)."""
-    _installed().push_sample_ids(ids)
+    _installed().sample_ids.push(ids)
 
 
 @contextlib.contextmanager
