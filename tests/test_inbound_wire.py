@@ -92,7 +92,7 @@ def test_the_transport_meters_each_receive_on_the_inbound_wire_from_the_senders_
 
     def receive(direction, sent_at, x):
         link = transport.link(direction, "recv", 0)
-        codec = transport.codec(link)
+        codec = transport.traffic.codec(link)
         message = append_trailer(codec.encode(x), Trailer(None, sent_at, None))
         target = torch.empty_like(x)
         m = Message(link, message, target=target, codec=codec, extra_nbytes=TRAILER_NBYTES, stages=(0, 1))

@@ -64,7 +64,6 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -72,7 +71,7 @@ from typing import Callable
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, get_codec, timing
+from ..codecs import PayloadChecksumError, timing
 from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
 from .completion import time_works
@@ -85,6 +84,7 @@ from .overflow import each_work, post_rests, read_length
 from .peer import PeerWatch
 from .sample_ids import SampleIds
 from .steps import Outgoing
+from .traffic import Traffic
 from .wire import decode_trailer, message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
@@ -125,13 +125,12 @@ class PipelineTransport:
         self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
         self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
-        self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
+        self.traffic = Traffic(config, iteration)  # the warm-up / evaluation switch (traffic.py)
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids = SampleIds()  # AQ-SGD's (sample_ids.py)
         self.outbox = Outbox()  # unbatched messages not yet finished (outbox.py)
         self.peers = PeerWatch(config.tah_peer_timeout_s)  # when each neighbour was last heard from; bounded waits
         self.checked_groups: set[int] = set()
-        self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
         self.graphs = CudaGraphs  # how the link ends' GraphedCodecs capture (tests give a fake)
         self.graph_log: set[str] = set()  # the eager fallbacks' reasons logged, shared by the link ends
@@ -172,22 +171,6 @@ class PipelineTransport:
         raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations around the "
                          "pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
 
-    def training_iteration(self) -> int:
-        """``iteration()``, which the warm-up and auto need: both ends of a link switch together."""
-        iteration = self.iteration()
-        if iteration is None:
-            raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
-                               "its training loop (megatron.training's args are not set)")
-        return iteration
-
-    def codec(self, link: Link) -> Codec:
-        """The codec of ``link``'s next message: ``none`` during the warm-up and uncompressed evaluations."""
-        if link.auto is not None:
-            link.codec = link.auto.begin(self.training_iteration())
-        if self.config.tah_warmup_iters and self.training_iteration() < self.config.tah_warmup_iters:
-            return self.uncompressed
-        return self.uncompressed if self.eval_uncompressed else link.codec
-
     def staged(self, group, device: torch.device) -> bool:
         """Whether messages on ``group`` go through host staging: on gloo groups, with CUDA tensors or
         --tah-share-gpus (other backends read device memory themselves)."""
@@ -195,21 +178,13 @@ class PipelineTransport:
             return False
         return self.config.tah_share_gpus or device.type == "cuda"
 
-    @contextlib.contextmanager
-    def evaluation(self, uncompressed: bool):
-        before, self.eval_uncompressed = self.eval_uncompressed, bool(uncompressed)
-        try:
-            yield
-        finally:
-            self.eval_uncompressed = before
-
     # ----- messages ------------------------------------------------------------------------
     def encode(self, link: Link, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
         (trailer included) and the bytes that follow it as a second message (None: none); records its statistics."""
         if link.auto is not None:
             link.auto.prepare(x)
-        codec = self.codec(link)
+        codec = self.traffic.codec(link)
         with torch.no_grad():
             x = x.detach()
             with_ids = codec.needs_sample_ids
@@ -220,7 +195,7 @@ class PipelineTransport:
             self.stats.record_codec_time(link.direction, encode_seconds=encode_seconds)
             rel_error = None
             interval = self.config.tah_error_sample_interval
-            if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
+            if interval and not with_ids and codec is not self.traffic.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
             out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds, exact=exact)
             for step in link.steps:
@@ -283,7 +258,7 @@ class PipelineTransport:
     def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
         """A receive on ``link`` into ``target``: the bytes its codec and its steps say (with entropy coding the
         most a message can be, or framed the size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
-        codec = self.codec(link)
+        codec = self.traffic.codec(link)
         nbytes = codec.wire_nbytes(target.shape, target.dtype)
         for step in link.steps:
             nbytes = step.post_nbytes(codec, target.shape, target.dtype, nbytes, exact=known.get("exact", False))

@@ -194,7 +194,7 @@ def evaluation(uncompressed: bool):
     if transport is None:
         yield
         return
-    with transport.evaluation(uncompressed):
+    with transport.traffic.evaluation(uncompressed):
         yield
 
 
