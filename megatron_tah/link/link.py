@@ -1,4 +1,4 @@
-"""One end of one pipeline link (``Link``), and how the transport opens one (``open_link``).
+"""One end of one pipeline link (``Link``), and how the transport opens one (``open_link``): its boundary and codec.
 
 A link end is (direction, role, peer): "forward" carries activations, "backward" their gradients; "send" or
 "recv"; the world rank at the other end. It owns its codec (AQ-SGD and stochastic rounding keep state), or on
@@ -23,7 +23,7 @@ from .staging import HostStaging
 from .steps import Step
 from .trailer import TrailerStep
 
-__all__ = ["Link", "open_link"]
+__all__ = ["Link", "link_boundary", "open_link"]
 
 
 @dataclasses.dataclass
@@ -58,14 +58,38 @@ class Link:
         return self.direction, self.role, self.peer
 
 
+def link_boundary(config: TahConfig, direction: str, role: str, stage: Callable[[], int | None],
+                  depth: Callable[[], int | None]) -> tuple[int, int] | None:
+    """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` where the forward codec's bits
+    may be per boundary (``--tah-boundary-bits``; an auto direction, whose candidates may have them): a forward
+    send leaves boundary ``stage()``, a receive comes through ``stage() - 1`` of the pipeline's ``depth()``
+    stages; None otherwise. With the flag, an unknown stage or a link around the pipeline's end (the interleaved
+    schedule) is a ``ValueError``; auto's candidates take their own bits there."""
+    explicit = bool(config.boundary_bits())
+    if direction != "forward" or not (explicit or config.is_auto("forward")):
+        return None
+    stage, depth = stage(), depth()
+    boundary = None if stage is None else (stage if role == "send" else stage - 1)
+    if boundary is not None and depth is not None and 0 <= boundary < depth - 1:
+        return boundary, depth - 1
+    if not explicit:
+        return None
+    if boundary is None or depth is None:
+        raise ValueError("megatron_tah: --tah-boundary-bits needs the pipeline's stage and depth (Megatron's "
+                         "parallel state is not initialised)")
+    raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations around the "
+                     "pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
+
+
 def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
-              graphs, graph_log: set[str], trailer: bool, reply: Callable[[], Link],
-              latency: dict[int, float], boundary: tuple[int, int] | None = None) -> Link:
+              stage: Callable[[], int | None], graphs, graph_log: set[str], trailer: bool,
+              reply: Callable[[], Link], latency: dict[int, float]) -> Link:
     """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
-    otherwise the configured codec -- a forward link's at its ``boundary`` (boundary, boundaries) with
-    ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
+    otherwise the configured codec -- a forward link's at its boundary (``link_boundary``, from this rank's
+    ``stage()``) with ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
     ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
     trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s)."""
+    boundary = link_boundary(config, direction, role, stage, depth)
     if config.is_auto(direction):
         auto = AutoEnd(config, direction, role, peer, depth=depth() or 1, boundary=boundary)
         link = Link(direction, role, peer, auto.codec, auto=auto)

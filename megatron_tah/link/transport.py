@@ -147,29 +147,8 @@ class PipelineTransport:
             self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
                                         graph_log=self.graph_log, trailer=self.trailer_nbytes > 0,
                                         reply=lambda: self.link(other, "send", peer), latency=self.latency,
-                                        boundary=self.boundary(direction, role))
+                                        stage=self.stage)
         return self.links[key]
-
-    def boundary(self, direction: str, role: str) -> tuple[int, int] | None:
-        """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` where the forward codec's bits
-        may be per boundary (``--tah-boundary-bits``; an auto direction, whose candidates may have them): a forward
-        send leaves boundary ``stage``, a receive comes through ``stage - 1``; None otherwise. With the flag, an
-        unknown stage or a link around the pipeline's end (the interleaved schedule) is a ``ValueError``; auto's
-        candidates take their own bits there."""
-        explicit = bool(self.config.boundary_bits())
-        if direction != "forward" or not (explicit or self.config.is_auto("forward")):
-            return None
-        stage, depth = self.stage(), self.depth()
-        boundary = None if stage is None else (stage if role == "send" else stage - 1)
-        if boundary is not None and depth is not None and 0 <= boundary < depth - 1:
-            return boundary, depth - 1
-        if not explicit:
-            return None
-        if boundary is None or depth is None:
-            raise ValueError("megatron_tah: --tah-boundary-bits needs the pipeline's stage and depth (Megatron's "
-                             "parallel state is not initialised)")
-        raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations around the "
-                         "pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
 
     def staged(self, group, device: torch.device) -> bool:
         """Whether messages on ``group`` go through host staging: on gloo groups, with CUDA tensors or
