@@ -102,7 +102,7 @@ def test_one_transport_per_install_registered_as_the_pp_place(_clean):
     megatron_tah.install(tah_forward_codec="none", tah_backward_codec="fixedpoint", tah_backend="torch")
     transport = installed_transport()
     assert REGISTRY.places["pp"].transport is transport and REGISTRY.places["pp"].stats is REGISTRY.stats
-    assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.buffer_nbytes
+    assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.states.buffer_nbytes
     link = transport.link("forward", "send", 3)
     assert transport.link("forward", "send", 3) is link and link.key == ("forward", "send", 3)
     assert transport.link("backward", "send", 3).codec.name == "fixedpoint" and link.codec.name == "none"

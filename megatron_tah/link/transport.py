@@ -64,7 +64,6 @@ training iteration, the same on every stage; ``virtual_stages``: the interleaved
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Callable
@@ -76,13 +75,14 @@ from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
 from .completion import time_works
 from .emulate import InboundWire, LinkEmulator
-from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
+from .handshake import CodecMismatchError, check_group, check_schedule, link_latency
 from .link import Link, open_link
 from .message import Handle, Message
 from .outbox import Outbox
 from .overflow import each_work, post_rests, read_length
 from .peer import PeerWatch
 from .sample_ids import SampleIds
+from .states import CodecStates
 from .steps import Outgoing
 from .traffic import Traffic
 from .wire import decode_trailer, message_extra_nbytes, wall_seconds
@@ -119,6 +119,7 @@ class PipelineTransport:
         elif bandwidth is not None:
             self.emulator = LinkEmulator(bandwidth, latency)
         self.links: dict[tuple[str, str, int], Link] = {}
+        self.states = CodecStates(config, self.links, self.link)  # the link ends' codec state (states.py)
         self.exact_backends = ("gloo",)  # whose receives take a shorter message (frames.py; tests empty it)
         auto = config.is_auto("forward") or config.is_auto("backward")
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
@@ -374,35 +375,3 @@ class PipelineTransport:
             self.outbox.drain()
         finally:
             self.closed = True
-
-    # ----- codec state (checkpoints) ---------------------------------------------------------
-    def codec_states(self) -> dict:
-        """``{(direction, role, peer): codec.state_dict()}`` of the link ends whose codecs hold state
-        (an auto link end: ``AutoEnd.state_dict()``, its choice and its candidates' states)."""
-        states = {key: link.auto.state_dict() if link.auto is not None else link.codec.state_dict()
-                  for key, link in self.links.items()}
-        return {key: state for key, state in states.items() if state}
-
-    def load_codec_states(self, states: dict, saved_config: dict | None = None) -> None:
-        """Give each link end's codec its saved state (creating the link ends it names)."""
-        if saved_config is not None:
-            fields = {f.name for f in dataclasses.fields(TahConfig)}
-            saved = TahConfig(**{k: v for k, v in saved_config.items() if k in fields})
-            if config_record(saved) != config_record(self.config):
-                raise CodecMismatchError(
-                    f"megatron_tah: the checkpoint's codec state was saved with other codecs "
-                    f"({config_record(saved)}) than this run's ({config_record(self.config)}); "
-                    "load it with the same --tah-* flags, or use --finetune to start the codecs afresh")
-        for (direction, role, peer), codec_state in states.items():
-            link = self.link(direction, role, peer)
-            (link.codec if link.auto is None else link.auto).load_state_dict(codec_state)
-
-    def stateful(self) -> bool:
-        """Whether the configured codecs keep state between messages (AQ-SGD, stochastic rounding, auto's choice)."""
-        if self.config.is_auto("forward") or self.config.is_auto("backward"):
-            return True
-        return any(codec.stateful for codec in (self.config.forward_codec(), self.config.backward_codec()))
-
-    def buffer_nbytes(self) -> int:
-        """Bytes held in per-sample buffers (AQ-SGD) by this rank's codecs (the statistics' buffer source)."""
-        return sum(link.codec.buffer_nbytes() for link in self.links.values() if hasattr(link.codec, "buffer_nbytes"))

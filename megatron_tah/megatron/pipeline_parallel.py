@@ -141,7 +141,7 @@ def install(place) -> None:
     for name in TRANSPORTS:
         place.patches.wrap(P2P_MODULE, name, _replacing(transport, name),
                            why="pipeline messages through the link's codecs (TAH-Quant)")
-    place.stats.buffer_source = transport.buffer_nbytes
+    place.stats.buffer_source = transport.states.buffer_nbytes
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 place.config.forward_codec().describe(), place.config.backward_codec().describe())
 
@@ -199,11 +199,11 @@ def evaluation(uncompressed: bool):
 
 
 def codec_states() -> dict:
-    """The installed transport's ``codec_states()`` ({} when not installed)."""
+    """The installed transport's link ends' codec state (``states.CodecStates.state_dict``; {} when not installed)."""
     transport = installed_transport()
-    return {} if transport is None else transport.codec_states()
+    return {} if transport is None else transport.states.state_dict()
 
 
 def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
-    """The installed transport's ``load_codec_states`` (an error when not installed)."""
-    _installed().load_codec_states(states, saved_config)
+    """The installed transport's ``states.CodecStates.load_state_dict`` (an error when not installed)."""
+    _installed().states.load_state_dict(states, saved_config)
