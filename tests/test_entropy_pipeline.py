@@ -82,7 +82,7 @@ def _run(build, framed: bool = False, late_s: float = 0.0, iterations: int = ITE
     try:
         with _Sends() as spy, _LateReceiver(late_s):
             losses, grads = _train(build(), iterations, lr=3e-3)
-            inbound = installed_transport().inbound
+            inbound = installed_transport().emulation
             billed = inbound.billed_bytes if inbound is not None else None
             held = installed_transport().outbox.holdings()
             megatron_tah.uninstall()  # right after the last send: its sends are drained, not dropped

@@ -191,10 +191,10 @@ def test_link_emulator_validates():
 
 def test_install_builds_an_emulator_from_the_config(_clean):
     megatron_tah.install(tah_emulate_bandwidth="100mbit", tah_emulate_latency_ms=5)
-    emu = installed_transport().emulator
+    emu = installed_transport().emulation
     assert emu.bandwidth_bps == 1e8 and emu.latency_s == pytest.approx(0.005)
     megatron_tah.install(tah_emulate_bandwidth=None)
-    assert installed_transport().emulator is None
+    assert installed_transport().emulation is None
 
 
 def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypatch, _clean):

@@ -18,6 +18,7 @@ from ..codecs import Codec
 from ..codecs.graphs import GraphedCodec, place_codec
 from ..config import TahConfig
 from .auto import AutoEnd, link_salt
+from .emulate import EmulationStep
 from .frames import FramingStep
 from .staging import HostStaging
 from .steps import Step
@@ -83,12 +84,13 @@ def link_boundary(config: TahConfig, direction: str, role: str, stage: Callable[
 
 def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
               stage: Callable[[], int | None], graphs, graph_log: set[str], trailer: bool,
-              reply: Callable[[], Link], latency: dict[int, float]) -> Link:
+              reply: Callable[[], Link], latency: dict[int, float], emulation=None) -> Link:
     """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
     otherwise the configured codec -- a forward link's at its boundary (``link_boundary``, from this rank's
     ``stage()``) with ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
     ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
-    trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s)."""
+    trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s), then the emulated
+    link (``emulation``: the process's ``emulate.LinkEmulator`` or ``InboundWire``, None: none)."""
     boundary = link_boundary(config, direction, role, stage, depth)
     if config.is_auto(direction):
         auto = AutoEnd(config, direction, role, peer, depth=depth() or 1, boundary=boundary)
@@ -100,7 +102,9 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
         link = Link(direction, role, peer, place_codec(codec, config.tah_eager_codecs, graphs, graph_log))
     if config.tah_entropy_coding:
         link.steps.append(FramingStep(direction, peer))
+    measure = config.is_auto("forward") or config.is_auto("backward")
     if trailer:
-        measure = config.is_auto("forward") or config.is_auto("backward")
         link.steps.append(TrailerStep(link, measure=measure, reply=reply, latency=latency))
+    if emulation is not None:
+        link.steps.append(EmulationStep(emulation, bill_trailer=measure))
     return link

@@ -74,7 +74,7 @@ from ..codecs import PayloadChecksumError, timing
 from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
 from .completion import time_works
-from .emulate import InboundWire, LinkEmulator
+from .emulate import InboundWire, emulation
 from .handshake import CodecMismatchError, check_group, check_schedule, link_latency
 from .link import Link, open_link
 from .message import Handle, Message
@@ -85,7 +85,7 @@ from .sample_ids import SampleIds
 from .states import CodecStates
 from .steps import Outgoing
 from .traffic import Traffic
-from .wire import decode_trailer, message_extra_nbytes, wall_seconds
+from .wire import message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +112,13 @@ class PipelineTransport:
         self.config = config
         self.stats = stats
         self.iteration, self.virtual_stages, self.depth, self.stage = iteration, virtual_stages, depth, stage
-        bandwidth, latency = config.emulated_bandwidth_bps, config.tah_emulate_latency_ms / 1e3
-        self.emulator = self.inbound = None
-        if bandwidth is not None and config.tah_emulate_wire == "inbound":
-            self.inbound = InboundWire(bandwidth, latency, clock=time.time)  # the trailer's stamps are wall time
-        elif bandwidth is not None:
-            self.emulator = LinkEmulator(bandwidth, latency)
+        self.emulation = emulation(config)  # the emulated link, crossed through the link ends' steps (emulate.py)
         self.links: dict[tuple[str, str, int], Link] = {}
         self.states = CodecStates(config, self.links, self.link)  # the link ends' codec state (states.py)
         self.exact_backends = ("gloo",)  # whose receives take a shorter message (frames.py; tests empty it)
         auto = config.is_auto("forward") or config.is_auto("backward")
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
-        self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
+        self.trailer_nbytes = message_extra_nbytes(auto or isinstance(self.emulation, InboundWire))
         self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
         self.traffic = Traffic(config, iteration)  # the warm-up / evaluation switch (traffic.py)
@@ -148,7 +143,7 @@ class PipelineTransport:
             self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
                                         graph_log=self.graph_log, trailer=self.trailer_nbytes > 0,
                                         reply=lambda: self.link(other, "send", peer), latency=self.latency,
-                                        stage=self.stage)
+                                        stage=self.stage, emulation=self.emulation)
         return self.links[key]
 
     def staged(self, group, device: torch.device) -> bool:
@@ -253,22 +248,14 @@ class PipelineTransport:
         link = m.link
         if m.is_recv and m.rest_nbytes is None and read_length(m):  # (unbatched: refused in check_unbatched)
             raise RuntimeError("megatron_tah: an unbatched message announced a second message")
-        rest_nbytes = 0 if m.rest is None else m.rest.numel()
-        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None  # (read once complete: GPU timing)
+        if m.is_recv and self.trailer_nbytes:
+            m.trailer()  # read once complete (on a GPU the read waits for the data: its completion time)
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
-        if self.emulator is not None:
-            me = torch.distributed.get_rank()
-            pair = (link.peer, me) if m.is_recv else (me, link.peer)
-            self.emulator.complete(pair, m.buf.numel() + rest_nbytes, m.completed_at, receiver=m.is_recv)
-            done_at = wall_seconds(self.emulator.last_finish)
-        if self.inbound is not None and trailer is not None:
-            billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes + rest_nbytes
-            self.inbound.receive(decode_trailer(trailer).sent_at, billed)
-            done_at = self.inbound.free_at
+        for step in link.steps:
+            done_at = step.on_complete(m, done_at)
         if m.is_recv:
-            emulated = self.emulator is not None or self.inbound is not None
             for step in reversed(link.steps):
-                step.on_arrival(m, done_at, emulated)
+                step.on_arrival(m, done_at, self.emulation is not None)
             self.peers.arrived(link.peer)
             self._decode(m)
         m.release()
