@@ -77,7 +77,7 @@ from .completion import time_works
 from .emulate import InboundWire, emulation
 from .handshake import CodecMismatchError, check_group, check_schedule, link_latency
 from .link import Link, open_link
-from .message import Handle, Message
+from .message import Handle, Message, MessagePlan
 from .outbox import Outbox
 from .overflow import each_work, post_rests, read_length
 from .peer import PeerWatch
@@ -208,26 +208,25 @@ class PipelineTransport:
         prev_stage, next_stage = (stage - 1) % stages, (stage + 1) % stages
         staged = self.staged(group, tensors[0].device)
         exact = torch.distributed.get_backend(group) in self.exact_backends
-        # (name, direction, peer, send, recv, (sender stage, receiver stage))
-        plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None, (stage, prev_stage)),
-                ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev, (prev_stage, stage)),
-                ("send_next", "forward", next_pipeline_rank, tensor_send_next, None, (stage, next_stage)),
-                ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next, (next_stage, stage)))
+        plan = (MessagePlan("send_prev", "backward", prev_pipeline_rank, (stage, prev_stage), send=tensor_send_prev),
+                MessagePlan("recv_prev", "forward", prev_pipeline_rank, (prev_stage, stage), recv=tensor_recv_prev),
+                MessagePlan("send_next", "forward", next_pipeline_rank, (stage, next_stage), send=tensor_send_next),
+                MessagePlan("recv_next", "backward", next_pipeline_rank, (next_stage, stage), recv=tensor_recv_next))
         messages = {}
-        for name, direction, peer, send, recv, link_stages in plan:
-            if send is None and recv is None:
+        for p in plan:
+            if p.tensor is None:
                 continue
-            link = self.link(direction, "send" if recv is None else "recv", peer)
-            host = link.host_staging((recv if send is None else send).device) if staged else None
-            known = {"extra_nbytes": self.trailer_nbytes, "stages": link_stages, "last_stage": stage == stages - 1,
+            link = self.link(p.direction, p.role, p.peer)
+            host = link.host_staging(p.tensor.device) if staged else None
+            known = {"extra_nbytes": self.trailer_nbytes, "stages": p.stages, "last_stage": stage == stages - 1,
                      "exact": exact, "iteration": self.iteration()}
-            if send is not None:
-                buf, rest = self.encode(link, send, exact)
+            if p.send is not None:
+                buf, rest = self.encode(link, p.send, exact)
                 if rest is not None and staged:
                     rest = rest.cpu()  # (gloo reads host memory)
-                messages[name] = Message.send(link, buf, host, rest=rest, **known)
+                messages[p.name] = Message.send(link, buf, host, rest=rest, **known)
             else:
-                messages[name] = self.receive(link, recv, host, known)
+                messages[p.name] = self.receive(link, p.recv, host, known)
         return messages
 
     def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
