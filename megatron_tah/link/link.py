@@ -5,6 +5,15 @@ A link end is (direction, role, peer): "forward" carries activations, "backward"
 an auto direction its ``auto.AutoEnd``, which picks the codec per iteration; its counters; its host staging
 buffers; the report it owes its peer (auto); and the steps its messages go through (``steps.py``), built once
 from the configuration.
+
+CUDA graphs: a link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
+``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and replayed. A
+replayed decode writes the graph's static output and copies it into Megatron's receive tensor (one device copy):
+Megatron allocates a new receive tensor per message, so a capture per receive pointer would never be replayed.
+Eager where a graph cannot replay the call (CPU tensors, ``none``, AQ-SGD, stochastic rounding, ...), with one
+log line per reason for all link ends together. Auto links stay eager: their cost table times each candidate's
+eager call and the sender folds its measured encode time into that table (``auto.py``); a replayed current codec
+would skew the choice.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The pipeline transport: one process's pipeline messages through codecs (``PipelineTransport``).
+"""The pipeline transport: one process's pipeline messages moved as codec buffers (``PipelineTransport``).
 
 ``batched_p2p_ops`` and ``p2p_ops`` take megatron-core's transport arguments (``_batched_p2p_ops`` /
 ``_p2p_ops``: the tensors to send and receive, the process group, the peers' ranks; the pipeline place
@@ -6,60 +6,34 @@
 message pattern -- one message per direction per call, same peers, same process groups, same posting
 order -- but each message is a codec's uint8 buffer (``wire.py``). The transport reads nothing of
 Megatron: what it needs from the training loop is given at construction (``iteration``: the current
-training iteration, the same on every stage; ``virtual_stages``: the interleaved schedule's size).
+training iteration, the same on every stage; ``virtual_stages``: the interleaved schedule's size; ``depth``
+and ``stage``: the pipeline's stages and this rank's).
 
-* ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
-  ``recv_next`` activation gradients through the *backward* codec. Each link end
-  (direction, role, peer) is a ``link.Link`` owning its codec (AQ-SGD keeps state), its counters and the
-  steps its messages go through between the codec and the wire (``steps.py``): the transport encodes, hands
-  the buffer to the steps, posts what they made, and hands a complete receive back through them to decode.
-* Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
-  receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
-  returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
-  (every posted message is held, its ``Work`` and buffers with it, until finished: ``outbox.py``).
-* Configuration check: the first call on a process group all-gathers every stage's codec configs
-  over that group (each stage reaches its first p2p call without waiting on another, so this
-  cannot deadlock) and raises ``CodecMismatchError`` on every stage whose neighbour uses other
-  codecs, on the receiver and on the sender, instead of a hang or a gloo size mismatch.
-* AQ-SGD: sample ids travel in the codec's buffer. The first stage's forward step calls
-  ``push_sample_ids(ids)`` per micro-batch; an activation send pops the oldest ids, an activation
-  receive pushes the ids it decoded (unless this is the last stage).
-* ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
-* ``auto`` (a direction's codec chosen per link): the link end's ``auto.AutoEnd`` picks the codec
-  per iteration in lockstep with its peer. When either direction is auto, every message carries a
-  24-byte trailer after the codec buffer (``wire.py``), written and read by the trailer step
-  (``trailer.py``; protocol in ``auto.py``): each receiver measures its peer's messages and reports back,
-  so each direction's sender learns its own direction's rate.
-* CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
-  ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and
-  replayed. A replayed decode writes the graph's static output and copies it into Megatron's receive
-  tensor (one device copy): Megatron allocates a new receive tensor per message, so a capture per
-  receive pointer would never be replayed. Eager where a graph cannot replay the call (CPU tensors,
-  ``none``, AQ-SGD, stochastic rounding, ...), with one log line per reason for all link ends together.
-  Auto links stay eager: their cost table times each candidate's eager call and the sender folds its
-  measured encode time into that table (``auto.py``); a replayed current codec would skew the choice.
-* Statistics go to the sink the transport is given (``record_send``, ``record_codec_time``,
-  ``record_auto``: ``megatron/stats.py``'s ``Stats``); ``tah_emulate_bandwidth`` delays message
-  completion: per directed link (``emulate.LinkEmulator``), or with ``tah_emulate_wire = "inbound"`` on
-  the receiver's one inbound wire (``emulate.InboundWire``), from the sender's send time that every
-  message then carries in the trailer (``wire.py``; not billed unless auto sends it anyway).
-* Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
-  (gloo's send/recv read host memory) or with ``--tah-share-gpus`` (on CPU too: how CI runs this path),
-  a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
-  posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
-  bytes on the wire are the same; ``none`` goes the same way.
-* Message lengths (``--tah-entropy-coding``, ``frames.py``): on gloo (``exact_backends``) a receive posts the
-  most a message can be and a send sends its own length, one transfer; elsewhere a frame of a size both ends
-  agree on, and what does not fit follows as a second message in one more batch of the batched call,
-  activations first (an unbatched call is refused). Statistics and the emulated links count the bytes that
-  cross the network.
-* A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
-  and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
-  receiver found it (on a GPU the deferred count reaches the host one or two messages later).
-* A silent or dead peer: every wait goes through ``peer.PeerWatch`` (``self.peers``), which bounds it by
-  ``--tah-peer-timeout-s`` on gloo groups once the peer has been heard from and raises ``PeerTimeoutError``
-  / ``PeerLostError`` naming the link, the iteration and when the peer's data last arrived; on NCCL groups
-  the process group's timeout bounds it (``peer.py``).
+* ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` / ``recv_next``
+  activation gradients through the *backward* codec, each on its link end (``link.Link``: its codec, its
+  counters and the steps its messages go through between the codec and the wire, ``steps.py``). A send
+  encodes, hands the buffer to the steps and posts what they made; a receive posts the bytes the codec and
+  the steps say and, once complete, hands it back through the steps and decodes into Megatron's receive
+  tensor under ``no_grad``. The batched path waits and decodes before returning ``[]``; the unbatched path
+  returns handles whose ``.wait()`` waits, then decodes (every posted message is held, its ``Work`` and
+  buffers with it, until finished: ``outbox.py``).
+* The first call on a process group all-gathers every stage's codec configs over it (each stage reaches its
+  first p2p call without waiting on another, so this cannot deadlock) and raises ``CodecMismatchError`` on both
+  ends of a link whose stages use other codecs (``handshake.py``); with the trailer on, it also measures each
+  neighbour's latency.
+* Host staging (``staging.HostStaging``, per link end): on a gloo group with CUDA tensors or
+  ``--tah-share-gpus``, wire buffers cross through pinned host memory; the bytes on the wire are the same.
+* Message lengths (``--tah-entropy-coding``): on ``exact_backends`` a receive posts the most a message can be;
+  elsewhere a frame, and what does not fit follows as a second message (``frames.py``, ``overflow.py``).
+* A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages and
+  the training iteration; every wait goes through ``peer.PeerWatch``, which bounds it (``peer.py``).
+* Statistics go to the sink it is given (``record_send``, ``record_codec_time``, ``record_auto``:
+  ``megatron/stats.py``'s ``Stats``), counting the bytes that cross the network.
+
+Elsewhere: which codec a message goes through (the warm-up, uncompressed evaluations, auto's choice per
+iteration): ``traffic.py``; a link end's boundary, codec (CUDA graphs: ``codecs.graphs.place_codec``) and
+steps: ``link.py``; the trailer: ``trailer.py``; the emulated slow link, a link end's last step:
+``emulate.py``; AQ-SGD's sample ids: ``sample_ids.py``; the codecs' state for checkpoints: ``states.py``.
 """
 
 from __future__ import annotations
@@ -97,8 +71,9 @@ def _unknown() -> None:
 
 
 class PipelineTransport:
-    """This process's pipeline transport: the configuration, the link ends, the AQ-SGD sample-id
-    queue, the unbatched messages not yet finished, the link emulator and the statistics sink.
+    """This process's pipeline transport: the configuration, the link ends and what they share (the traffic
+    switch, the sample-id queue, the emulated link, their codec state), the unbatched messages not yet
+    finished and the statistics sink.
 
     ``iteration()``: the current training iteration, the same on every stage (None: unknown, e.g.
     outside a training loop; the warm-up and auto need it). ``virtual_stages()``: the interleaved
