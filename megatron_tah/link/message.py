@@ -30,14 +30,6 @@ class MessagePlan(NamedTuple):
     send: torch.Tensor | None = None
     recv: torch.Tensor | None = None
 
-    @property
-    def role(self) -> str:
-        return "send" if self.recv is None else "recv"
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self.recv if self.send is None else self.send
-
 
 class Message:
     """A send (``target`` None) or a receive posted on ``link``; ``extra_nbytes``: the trailer's bytes after the

@@ -189,10 +189,10 @@ class PipelineTransport:
                 MessagePlan("recv_next", "backward", next_pipeline_rank, (next_stage, stage), recv=tensor_recv_next))
         messages = {}
         for p in plan:
-            if p.tensor is None:
+            if p.send is None and p.recv is None:
                 continue
-            link = self.link(p.direction, p.role, p.peer)
-            host = link.host_staging(p.tensor.device) if staged else None
+            link = self.link(p.direction, "send" if p.recv is None else "recv", p.peer)
+            host = link.host_staging((p.recv if p.send is None else p.send).device) if staged else None
             known = {"extra_nbytes": self.trailer_nbytes, "stages": p.stages, "last_stage": stage == stages - 1,
                      "exact": exact, "iteration": self.iteration()}
             if p.send is not None:
