@@ -16,6 +16,7 @@ import torch
 from dist_utils import run_distributed
 from megatron_tah.config import TahConfig
 from megatron_tah.link.handshake import config_record
+from megatron_tah.link.link import link_boundary
 from megatron_tah.link.transport import PipelineTransport
 
 
@@ -64,28 +65,33 @@ def _transport(stage, depth, bits="2,4,8"):
     return PipelineTransport(_config(bits), stats=None, depth=lambda: depth, stage=lambda: stage)
 
 
+def _boundary(transport, direction, role):
+    """The boundary ``transport``'s ``direction`` link end as ``role`` goes through (``link.link_boundary``)."""
+    return link_boundary(transport.config, direction, role, transport.stage, transport.depth)
+
+
 @pytest.mark.parametrize("stage, send_bits, recv_bits", [(0, 2, None), (1, 4, 2), (2, 8, 4), (3, None, 8)])
 def test_a_link_end_builds_its_boundarys_codec(stage, send_bits, recv_bits):
     """Stage s sends activations through boundary s and receives them through boundary s - 1; gradients are
     not per boundary."""
     transport = _transport(stage, 4)
     if send_bits is not None:
-        assert transport.boundary("forward", "send") == (stage, 3)
+        assert _boundary(transport, "forward", "send") == (stage, 3)
         assert transport.link("forward", "send", stage + 1).codec.bits == send_bits
     if recv_bits is not None:
-        assert transport.boundary("forward", "recv") == (stage - 1, 3)
+        assert _boundary(transport, "forward", "recv") == (stage - 1, 3)
         assert transport.link("forward", "recv", stage - 1).codec.bits == recv_bits
-    assert transport.boundary("backward", "send") is None
+    assert _boundary(transport, "backward", "send") is None
 
 
 def test_links_around_the_pipelines_end_or_an_unknown_stage_are_errors():
     with pytest.raises(ValueError, match="interleaved"):
-        _transport(3, 4).boundary("forward", "send")  # the last stage sends on only when interleaved
+        _boundary(_transport(3, 4), "forward", "send")  # the last stage sends on only when interleaved
     with pytest.raises(ValueError, match="interleaved"):
-        _transport(0, 4).boundary("forward", "recv")
+        _boundary(_transport(0, 4), "forward", "recv")
     with pytest.raises(ValueError, match="parallel state"):
-        _transport(None, None).boundary("forward", "send")
-    assert _transport(None, None, bits=None).boundary("forward", "send") is None  # not set: no stage needed
+        _boundary(_transport(None, None), "forward", "send")
+    assert _boundary(_transport(None, None, bits=None), "forward", "send") is None  # not set: no stage needed
 
 
 def test_the_interleaved_schedule_is_refused_with_megatrons_arguments():
@@ -171,10 +177,10 @@ def test_auto_links_hand_their_boundary_to_the_candidates(monkeypatch):
 
     config = TahConfig(tah_forward_codec="auto", tah_backward_codec="auto")
     auto = PipelineTransport(config, stats=None, depth=lambda: 4, stage=lambda: 1)
-    assert auto.boundary("forward", "send") == (1, 3) and auto.boundary("forward", "recv") == (0, 3)
-    assert auto.boundary("backward", "send") is None
-    assert PipelineTransport(config, stats=None, depth=lambda: 4, stage=lambda: 3).boundary("forward", "send") is None
-    assert PipelineTransport(config, stats=None).boundary("forward", "send") is None
+    assert _boundary(auto, "forward", "send") == (1, 3) and _boundary(auto, "forward", "recv") == (0, 3)
+    assert _boundary(auto, "backward", "send") is None
+    assert _boundary(PipelineTransport(config, stats=None, depth=lambda: 4, stage=lambda: 3), "forward", "send") is None
+    assert _boundary(PipelineTransport(config, stats=None), "forward", "send") is None
     asked = []
     original = TahConfig.auto_candidate_codec
 

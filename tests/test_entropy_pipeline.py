@@ -82,7 +82,7 @@ def _run(build, framed: bool = False, late_s: float = 0.0, iterations: int = ITE
     try:
         with _Sends() as spy, _LateReceiver(late_s):
             losses, grads = _train(build(), iterations, lr=3e-3)
-            inbound = installed_transport().inbound
+            inbound = installed_transport().emulation
             billed = inbound.billed_bytes if inbound is not None else None
             held = installed_transport().outbox.holdings()
             megatron_tah.uninstall()  # right after the last send: its sends are drained, not dropped
@@ -213,7 +213,7 @@ def test_a_framed_receive_posted_before_the_links_previous_one_was_read_is_refus
     transport = PipelineTransport(TahConfig(**CODECS, tah_entropy_coding=True), Stats(STREAMS))
     link = transport.link("forward", "recv", 0)
     target = torch.empty(64, 2, 128)
-    capacity = entropy.capacity_nbytes(transport.codec(link), target.shape, target.dtype) + 4
+    capacity = entropy.capacity_nbytes(transport.traffic.codec(link), target.shape, target.dtype) + 4
     exact = [transport.receive(link, target, None, {"stages": (0, 1), "extra_nbytes": 0, "exact": True})
              for _ in range(3)]
     assert [m.buf.numel() for m in exact] == [capacity] * 3 and all(m.exact for m in exact)

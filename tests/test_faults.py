@@ -201,7 +201,7 @@ def test_the_rate_drop_fault_changes_the_emulated_rate_of_its_iterations_only(tm
              "rates = []\n"
              "for k[0] in range(6):\n"
              "    t.finish(types.SimpleNamespace(done=True))\n"
-             "    rates.append(t.emulator.bandwidth_bps)\n"
+             "    rates.append(t.emulation.bandwidth_bps)\n"
              "print(rates)\n")
     env = dict(os.environ, TAH_FAULT="ratedrop:*:2:3:10", RANK="0",
                PYTHONPATH=os.pathsep.join([str(faults.SITE), str(faults.ROOT)]))

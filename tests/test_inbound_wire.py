@@ -85,14 +85,14 @@ def test_the_transport_meters_each_receive_on_the_inbound_wire_from_the_senders_
     config = TahConfig(tah_forward_codec="fixedpoint", tah_forward_bits=8, tah_emulate_bandwidth="8mbit",
                        tah_emulate_latency_ms=500, tah_emulate_wire="inbound")
     transport = PipelineTransport(config, Stats(STREAMS))
-    assert transport.emulator is None and transport.trailer_nbytes == TRAILER_NBYTES
+    assert isinstance(transport.emulation, InboundWire) and transport.trailer_nbytes == TRAILER_NBYTES
     clock = _FakeClock()
     clock.now = 100.0
-    transport.inbound = InboundWire(8e6, 0.5, clock=clock, sleep=clock.sleep)
+    transport.emulation = InboundWire(8e6, 0.5, clock=clock, sleep=clock.sleep)
 
     def receive(direction, sent_at, x):
         link = transport.link(direction, "recv", 0)
-        codec = transport.codec(link)
+        codec = transport.traffic.codec(link)
         message = append_trailer(codec.encode(x), Trailer(None, sent_at, None))
         target = torch.empty_like(x)
         m = Message(link, message, target=target, codec=codec, extra_nbytes=TRAILER_NBYTES, stages=(0, 1))
@@ -108,4 +108,4 @@ def test_the_transport_meters_each_receive_on_the_inbound_wire_from_the_senders_
     g = 1e-5 * torch.randn(64, 2, 128)
     grad_nbytes, _ = receive("backward", 100.0, g)  # sent before the wire was free: it queues behind the activation
     assert clock.now == pytest.approx(first + grad_nbytes * 8 / 8e6 + 0.5)
-    assert transport.inbound.billed_bytes == nbytes + grad_nbytes
+    assert transport.emulation.billed_bytes == nbytes + grad_nbytes

@@ -257,7 +257,7 @@ def _emulated(build, bandwidth):
     start = time.monotonic()
     _train(chunks, 1)
     elapsed = time.monotonic() - start
-    slept = installed_transport().emulator.total_delay_s
+    slept = installed_transport().emulation.total_delay_s
     megatron_tah.uninstall()
     links = REGISTRY.stats.collect(reset=True)["links"]
     return elapsed, max(links.values(), default=0), slept
@@ -278,7 +278,7 @@ def _inbound(build, bandwidth="2mbit", latency_ms=20.0):
     elapsed = time.monotonic() - start
     transport = installed_transport()
     received = sum(link.messages for link in transport.links.values() if link.role == "recv")
-    result = (elapsed, transport.inbound.billed_bytes, received, transport.inbound.total_delay_s)
+    result = (elapsed, transport.emulation.billed_bytes, received, transport.emulation.total_delay_s)
     megatron_tah.uninstall()
     return result
 

@@ -102,7 +102,7 @@ def test_one_transport_per_install_registered_as_the_pp_place(_clean):
     megatron_tah.install(tah_forward_codec="none", tah_backward_codec="fixedpoint", tah_backend="torch")
     transport = installed_transport()
     assert REGISTRY.places["pp"].transport is transport and REGISTRY.places["pp"].stats is REGISTRY.stats
-    assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.buffer_nbytes
+    assert transport.stats is REGISTRY.stats and REGISTRY.stats.buffer_source == transport.states.buffer_nbytes
     link = transport.link("forward", "send", 3)
     assert transport.link("forward", "send", 3) is link and link.key == ("forward", "send", 3)
     assert transport.link("backward", "send", 3).codec.name == "fixedpoint" and link.codec.name == "none"
@@ -120,12 +120,12 @@ def test_sample_id_queue_is_fifo_and_validated(_clean):
     pipeline_parallel.push_sample_ids(torch.tensor([1, 2]))
     pipeline_parallel.push_sample_ids(torch.tensor([3, 4], dtype=torch.int32))
     assert len(transport.sample_ids) == 2
-    assert transport.pop_sample_ids(required=True).tolist() == [1, 2]
-    popped = transport.pop_sample_ids(required=False)
+    assert transport.sample_ids.pop(required=True).tolist() == [1, 2]
+    popped = transport.sample_ids.pop(required=False)
     assert popped.tolist() == [3, 4] and popped.dtype == torch.long
-    assert transport.pop_sample_ids(required=False) is None
+    assert transport.sample_ids.pop(required=False) is None
     with pytest.raises(RuntimeError, match="push_sample_ids"):
-        transport.pop_sample_ids(required=True)
+        transport.sample_ids.pop(required=True)
     with pytest.raises(ValueError, match="1-D"):
         pipeline_parallel.push_sample_ids(torch.zeros(2, 2, dtype=torch.long))
 
@@ -191,10 +191,10 @@ def test_link_emulator_validates():
 
 def test_install_builds_an_emulator_from_the_config(_clean):
     megatron_tah.install(tah_emulate_bandwidth="100mbit", tah_emulate_latency_ms=5)
-    emu = installed_transport().emulator
+    emu = installed_transport().emulation
     assert emu.bandwidth_bps == 1e8 and emu.latency_s == pytest.approx(0.005)
     megatron_tah.install(tah_emulate_bandwidth=None)
-    assert installed_transport().emulator is None
+    assert installed_transport().emulation is None
 
 
 def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypatch, _clean):
@@ -207,14 +207,14 @@ def test_warmup_sends_uncompressed_until_megatrons_iteration_reaches_it(monkeypa
     megatron_tah.install(tah_preset="paper", tah_warmup_iters=2, tah_backend="torch")
     transport = installed_transport()
     with pytest.raises(RuntimeError, match="needs its training loop"):
-        transport.codec(transport.link("forward", "send", 1))
+        transport.traffic.codec(transport.link("forward", "send", 1))
     args = types.SimpleNamespace()  # before Megatron's loop sets curr_iteration: iteration 0
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     for iteration, want in ((None, "none"), (0, "none"), (1, "none"), (2, "tah"), (7, "tah")):
         if iteration is not None:
             args.curr_iteration = iteration
-        assert transport.codec(transport.link("forward", "send", 1)).name == want
-        assert transport.codec(transport.link("backward", "recv", 1)).name == ("none" if want == "none" else "fixedpoint")
+        assert transport.traffic.codec(transport.link("forward", "send", 1)).name == want
+        assert transport.traffic.codec(transport.link("backward", "recv", 1)).name == ("none" if want == "none" else "fixedpoint")
     # Stages configured with different warm-ups disagree in the handshake record, in both directions.
     plain, warm = handshake.config_record(megatron_tah.TahConfig(tah_preset="paper")), handshake.config_record(
         megatron_tah.TahConfig(tah_preset="paper", tah_warmup_iters=2))
@@ -234,15 +234,15 @@ def test_evaluation_sends_uncompressed_only_when_asked(_clean):
     megatron_tah.install(tah_preset="paper", tah_backend="torch")
     transport = installed_transport()
     with pipeline_parallel.evaluation(uncompressed=False):
-        assert transport.codec(transport.link("forward", "send", 1)).name == "tah"
+        assert transport.traffic.codec(transport.link("forward", "send", 1)).name == "tah"
     with pytest.raises(KeyError):
         with pipeline_parallel.evaluation(uncompressed=True):
-            assert transport.codec(transport.link("forward", "recv", 1)).name == "none" == transport.codec(transport.link("backward", "send", 0)).name
+            assert transport.traffic.codec(transport.link("forward", "recv", 1)).name == "none" == transport.traffic.codec(transport.link("backward", "send", 0)).name
             with pipeline_parallel.evaluation(uncompressed=False):
-                assert transport.codec(transport.link("forward", "recv", 1)).name == "tah"
-            assert transport.eval_uncompressed
+                assert transport.traffic.codec(transport.link("forward", "recv", 1)).name == "tah"
+            assert transport.traffic.eval_uncompressed
             raise KeyError("an evaluation that fails")
-    assert not transport.eval_uncompressed and transport.codec(transport.link("forward", "recv", 1)).name == "tah"
+    assert not transport.traffic.eval_uncompressed and transport.traffic.codec(transport.link("forward", "recv", 1)).name == "tah"
     records = {mode: handshake.config_record(megatron_tah.TahConfig(tah_eval_traffic=mode))
                for mode in ("codec", "uncompressed", "both")}
     assert len({r["forward"][0] for r in records.values()}) == 3  # stages set differently are refused
@@ -271,7 +271,7 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
     def fake_evaluate(step, data_iterator, model, *rest, **kwargs):
         batches = [next(data_iterator) for _ in range(3)]
         global_vars.get_args().consumed_valid_samples += 3
-        passes.append((installed_transport().eval_uncompressed, batches))
+        passes.append((installed_transport().traffic.eval_uncompressed, batches))
         return ({"lm loss": 1.0 + len(passes)}, None, False)
 
     try:
@@ -290,7 +290,7 @@ def test_logging_runs_megatrons_evaluate_per_eval_traffic(_clean, traffic):
         assert [raw for raw, _ in passes] == want and all(b == [0, 1, 2] for _, b in passes)
         recorded = REGISTRY.log.evaluations[-1]
         assert recorded == ({"lm loss": 2.0, "lm loss uncompressed": 3.0} if traffic == "both" else {"lm loss": 2.0})
-        assert not installed_transport().eval_uncompressed
+        assert not installed_transport().traffic.eval_uncompressed
     finally:
         plugin.uninstall_megatron_lm_plugin()
         training.evaluate = original

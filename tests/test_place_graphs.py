@@ -63,12 +63,12 @@ def _run(rank, graphs, eager=False, states=None, start=0):
         if graphs is not None:
             transport.graphs = graphs
         if states is not None:
-            transport.load_codec_states(states)
+            transport.states.load_state_dict(states)
         received, saved = [], None
         for i, (activation, gradient) in enumerate(_messages()[start:], start):
             received.append(_exchange(rank, i % 2 == 0, activation, gradient))
             if i + 1 == SAVE_AFTER:
-                saved = copy.deepcopy(transport.codec_states())
+                saved = copy.deepcopy(transport.states.state_dict())
         links = {key: (link.codec.captured if hasattr(link.codec, "captured") else None,
                        sorted(set(getattr(link.codec, "eager_reasons", {}).values())), link.codec.checks)
                  for key, link in transport.links.items()}

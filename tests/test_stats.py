@@ -46,7 +46,7 @@ def test_a_codecs_message_is_counted_before_and_on_the_wire_with_its_error(case,
     link = transport.link("forward", "send", 1)
     x = activation_like((16, 2, 128), torch.bfloat16, seed=2)
     if case.declaration.needs_sample_ids:
-        transport.push_sample_ids(torch.arange(2))
+        transport.sample_ids.push(torch.arange(2))
     buf, rest = transport.encode(link, x)
     forward = sink.collect()["forward"]
     assert rest is None and forward["messages"] == 1 and forward["raw_bytes"] == x.numel() * x.element_size()

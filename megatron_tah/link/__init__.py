@@ -3,12 +3,14 @@
 ``transport.PipelineTransport`` takes megatron-core's p2p transport arguments (the tensors, the process
 group, the peers) and sends each message as a codec buffer (``wire.py``: the codec buffer and, with
 ``auto``, a 24-byte trailer), decoding into the receiver's tensor. Around it: ``link.py`` (a link end: its
-codec and its steps), ``steps.py`` (what a message goes through between the codec and the wire: entropy
-framing, ``frames.py``; the trailer, ``trailer.py``), ``message.py`` (one posted message), ``outbox.py`` (the
-posted messages held until finished), ``overflow.py`` (a receive's length, a batched call's second messages),
-``handshake.py`` (neighbouring stages agree on their codecs), ``peer.py`` (bounded waits), ``staging.py`` (gloo
-through pinned host memory), ``emulate.py`` (a slow link in process), and ``auto``: ``measure.py`` (link rate,
-codec costs), ``choice.py`` (the choice, its probation) and ``auto.py`` (the lockstep protocol per link end).
+boundary, codec and steps), ``steps.py`` (what a message goes through between the codec and the wire: entropy
+framing, ``frames.py``; the trailer, ``trailer.py``; the emulated slow link, ``emulate.py``), ``traffic.py``
+(the codec of the next message: the warm-up and evaluation switch), ``sample_ids.py`` (AQ-SGD's sample-id
+queue), ``states.py`` (the link ends' codec state, for checkpoints), ``message.py`` (one posted message),
+``outbox.py`` (the posted messages held until finished), ``overflow.py`` (a receive's length, a batched call's
+second messages), ``handshake.py`` (neighbouring stages agree on their codecs), ``peer.py`` (bounded waits),
+``staging.py`` (gloo through pinned host memory), and ``auto``: ``measure.py`` (link rate, codec costs),
+``choice.py`` (the choice, its probation) and ``auto.py`` (the lockstep protocol per link end).
 
 The message protocol -- no part of a message is lost, no wait is unbounded:
 

@@ -1,5 +1,10 @@
 """In-process slow-link emulation for the compressing transports.
 
+``emulation(config)`` is a process's emulated link (``--tah-emulate-bandwidth``): a ``LinkEmulator``, or with
+``--tah-emulate-wire inbound`` an ``InboundWire``, shared by the process's link ends; each link end's messages
+cross it through its last step, an ``EmulationStep`` (``steps.py``), which delays each message's completion
+until the emulated link has carried it.
+
 Model: every directed link ``(src, dst)`` is a serial pipe of ``bandwidth_bps`` bits/s
 with a one-way ``latency_s``. A message whose real transfer completed at time ``t``
 (the moment both ends had posted it, on the fast real link) starts on the emulated
@@ -15,6 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+
+import torch
+
+from .steps import Step
+from .wire import decode_trailer, wall_seconds
+
+__all__ = ["EmulationStep", "InboundWire", "LinkEmulator", "emulation"]
 
 
 class LinkEmulator:
@@ -107,3 +119,38 @@ class InboundWire:
         self.sleep(wait)
         self.total_delay_s += wait
         return wait
+
+
+def emulation(config) -> LinkEmulator | InboundWire | None:
+    """The emulated link of a ``TahConfig`` (None: ``tah_emulate_bandwidth`` not set). The inbound wire reads the
+    send stamps the trailer carries, wall time (``wire.py``)."""
+    bandwidth, latency = config.emulated_bandwidth_bps, config.tah_emulate_latency_ms / 1e3
+    if bandwidth is None:
+        return None
+    if config.tah_emulate_wire == "inbound":
+        return InboundWire(bandwidth, latency, clock=time.time)
+    return LinkEmulator(bandwidth, latency)
+
+
+class EmulationStep(Step):
+    """A link end's messages on the process's emulated link ``meter``; ``bill_trailer``: the trailer is traffic
+    (auto's) and the inbound wire bills it (a trailer that only carries the send stamp is not)."""
+
+    def __init__(self, meter: LinkEmulator | InboundWire, bill_trailer: bool):
+        self.meter, self.bill_trailer = meter, bill_trailer
+
+    def on_complete(self, m, done_at: float | None) -> float | None:
+        """Sleep until the emulated link has carried ``m`` and return when that was (wall time): on a
+        ``LinkEmulator`` every message, both ends, its second message included; on an ``InboundWire`` a receive,
+        from its trailer's send stamp, billed what crossed the network."""
+        rest_nbytes = 0 if m.rest is None else m.rest.numel()
+        if isinstance(self.meter, LinkEmulator):
+            me = torch.distributed.get_rank()
+            pair = (m.link.peer, me) if m.is_recv else (me, m.link.peer)
+            self.meter.complete(pair, m.buf.numel() + rest_nbytes, m.completed_at, receiver=m.is_recv)
+            return wall_seconds(self.meter.last_finish)
+        if not (m.is_recv and m.extra_nbytes):
+            return done_at
+        billed = m.buf.numel() - (0 if self.bill_trailer else m.extra_nbytes) + rest_nbytes
+        self.meter.receive(decode_trailer(m.trailer()).sent_at, billed)
+        return self.meter.free_at

@@ -1,4 +1,5 @@
-"""One posted message of the pipeline transport, and the handle the unbatched transport returns for it.
+"""One posted message of the pipeline transport, the handle the unbatched transport returns for it, and the
+plan of one of a transport call's messages before it is made (``MessagePlan``).
 
 A :class:`Message` is data: which link end it is on, what is posted (``buf``: the message of
 ``wire.py``, or with host staging its host copy from when it is posted), the ``Work`` and the time the transfer completed;
@@ -9,12 +10,25 @@ transport (``transport.PipelineTransport.finish``) acts on it once the transfer 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from .staging import HostStaging
 from .wire import codec_buffer, read_trailer, stamp_sent_at
+
+
+class MessagePlan(NamedTuple):
+    """One of a transport call's four messages, by Megatron's ``name`` for it ("send_next", "recv_prev", ...):
+    its link's ``direction`` and ``peer`` (world rank), its ``stages`` (sender, receiver), and the tensor it sends
+    (``send``) or receives into (``recv``); neither: not in this call."""
+
+    name: str
+    direction: str
+    peer: int
+    stages: tuple[int, int]
+    send: torch.Tensor | None = None
+    recv: torch.Tensor | None = None
 
 
 class Message:

@@ -2,17 +2,19 @@
 
 A message feature that changes the bytes on the wire is a :class:`Step`: ``frames.FramingStep``
 (``--tah-entropy-coding``: the codec buffer entropy-coded into a frame of an agreed size, an overflow as a
-second message) and ``trailer.TrailerStep`` (the trailer after every message: auto's announcement and
-transit reports, the send stamp the inbound wire's emulation reads). ``link.open_link`` builds a link
-end's steps once, from the configuration, in send order; the transport calls them in turn:
+second message), ``trailer.TrailerStep`` (the trailer after every message: auto's announcement and
+transit reports, the send stamp the inbound wire's emulation reads) and ``emulate.EmulationStep`` (the emulated
+slow link, ``--tah-emulate-bandwidth``). ``link.open_link`` builds a link end's steps once, from the
+configuration, in send order; the transport calls them in turn:
 
 * a send: ``on_send`` in order, from the codec's buffer to the message posted;
 * a receive being posted: ``post_nbytes`` in order, from the codec's buffer size to the bytes posted (with
   ``exact``, the most the message can be: the backend delivers a shorter message into it);
 * a complete receive: ``received_nbytes`` in order (how much of the receive the message filled), then
-  ``follow_nbytes`` (the bytes of a second message behind it, received next), then, once the emulated link
-  has delayed it, ``on_arrival``; then ``on_receive`` in reverse order, from the message (less its trailer)
-  back to the codec's buffer, which the codec decodes.
+  ``follow_nbytes`` (the bytes of a second message behind it, received next);
+* a complete message, either way: ``on_complete`` in order (when it was complete: the emulated link's time);
+* then a receive: ``on_arrival`` in reverse order; then ``on_receive`` in reverse order, from the message (less
+  its trailer) back to the codec's buffer, which the codec decodes.
 
 The transport itself only posts, waits and completes messages: what a step adds or reads is the step's.
 """
@@ -68,6 +70,11 @@ class Step:
     def check_unbatched(self, received_from: list[int], exact: bool) -> None:
         """Before an unbatched call posts: raise if this step's messages cannot go that way (``received_from``:
         the ranks the call receives from; ``exact``: whether its messages go exact, ``Outgoing``)."""
+
+    def on_complete(self, m, done_at: float | None) -> float | None:
+        """A complete message, send or receive (a receive's length read, its second message too): returns when
+        it was complete, wall time, given ``done_at`` from the steps before (None: unknown)."""
+        return done_at
 
     def on_arrival(self, m, done_at: float | None, emulated: bool) -> None:
         """A complete receive, at wall time ``done_at`` (the emulated link's, when ``emulated``)."""

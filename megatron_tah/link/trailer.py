@@ -2,7 +2,7 @@
 
 The trailer (``wire.py``: 24 bytes after the codec buffer or frame) is on when either direction is auto, or
 with the inbound wire's emulation, which reads its send stamp (``Message.stamp`` writes it just before the
-message is posted; the transport's emulation reads it). :class:`TrailerStep` fills the rest on a send end
+message is posted; ``emulate.EmulationStep`` reads it). :class:`TrailerStep` fills the rest on a send end
 and, when a direction is auto (``measure``), reads it on a receive end (the protocol: ``auto.py``):
 
 * a send appends the trailer: the announcement of the next iteration's codec (an auto direction's sender,

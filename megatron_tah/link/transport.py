@@ -1,4 +1,4 @@
-"""The pipeline transport: one process's pipeline messages through codecs (``PipelineTransport``).
+"""The pipeline transport: one process's pipeline messages moved as codec buffers (``PipelineTransport``).
 
 ``batched_p2p_ops`` and ``p2p_ops`` take megatron-core's transport arguments (``_batched_p2p_ops`` /
 ``_p2p_ops``: the tensors to send and receive, the process group, the peers' ranks; the pipeline place
@@ -6,86 +6,60 @@
 message pattern -- one message per direction per call, same peers, same process groups, same posting
 order -- but each message is a codec's uint8 buffer (``wire.py``). The transport reads nothing of
 Megatron: what it needs from the training loop is given at construction (``iteration``: the current
-training iteration, the same on every stage; ``virtual_stages``: the interleaved schedule's size).
+training iteration, the same on every stage; ``virtual_stages``: the interleaved schedule's size; ``depth``
+and ``stage``: the pipeline's stages and this rank's).
 
-* ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` /
-  ``recv_next`` activation gradients through the *backward* codec. Each link end
-  (direction, role, peer) is a ``link.Link`` owning its codec (AQ-SGD keeps state), its counters and the
-  steps its messages go through between the codec and the wire (``steps.py``): the transport encodes, hands
-  the buffer to the steps, posts what they made, and hands a complete receive back through them to decode.
-* Receives post ``codec.wire_nbytes(recv.shape, recv.dtype)`` bytes and decode into Megatron's own
-  receive tensor under ``no_grad`` once complete. The batched path waits and decodes before
-  returning ``[]``; the unbatched path returns handles whose ``.wait()`` waits, then decodes
-  (every posted message is held, its ``Work`` and buffers with it, until finished: ``outbox.py``).
-* Configuration check: the first call on a process group all-gathers every stage's codec configs
-  over that group (each stage reaches its first p2p call without waiting on another, so this
-  cannot deadlock) and raises ``CodecMismatchError`` on every stage whose neighbour uses other
-  codecs, on the receiver and on the sender, instead of a hang or a gloo size mismatch.
-* AQ-SGD: sample ids travel in the codec's buffer. The first stage's forward step calls
-  ``push_sample_ids(ids)`` per micro-batch; an activation send pops the oldest ids, an activation
-  receive pushes the ids it decoded (unless this is the last stage).
-* ``--tah-warmup-iters`` and ``evaluation(uncompressed=True)`` send through ``none`` instead.
-* ``auto`` (a direction's codec chosen per link): the link end's ``auto.AutoEnd`` picks the codec
-  per iteration in lockstep with its peer. When either direction is auto, every message carries a
-  24-byte trailer after the codec buffer (``wire.py``), written and read by the trailer step
-  (``trailer.py``; protocol in ``auto.py``): each receiver measures its peer's messages and reports back,
-  so each direction's sender learns its own direction's rate.
-* CUDA graphs: each link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
-  ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and
-  replayed. A replayed decode writes the graph's static output and copies it into Megatron's receive
-  tensor (one device copy): Megatron allocates a new receive tensor per message, so a capture per
-  receive pointer would never be replayed. Eager where a graph cannot replay the call (CPU tensors,
-  ``none``, AQ-SGD, stochastic rounding, ...), with one log line per reason for all link ends together.
-  Auto links stay eager: their cost table times each candidate's eager call and the sender folds its
-  measured encode time into that table (``auto.py``); a replayed current codec would skew the choice.
-* Statistics go to the sink the transport is given (``record_send``, ``record_codec_time``,
-  ``record_auto``: ``megatron/stats.py``'s ``Stats``); ``tah_emulate_bandwidth`` delays message
-  completion: per directed link (``emulate.LinkEmulator``), or with ``tah_emulate_wire = "inbound"`` on
-  the receiver's one inbound wire (``emulate.InboundWire``), from the sender's send time that every
-  message then carries in the trailer (``wire.py``; not billed unless auto sends it anyway).
-* Host staging (``staging.HostStaging``, one per link end): on a gloo group, when the tensors are CUDA
-  (gloo's send/recv read host memory) or with ``--tah-share-gpus`` (on CPU too: how CI runs this path),
-  a send encodes on the device, copies the wire buffer to pinned host memory and posts that; a receive
-  posts a host buffer, copies it to a device wire buffer once complete and decodes from there. The
-  bytes on the wire are the same; ``none`` goes the same way.
-* Message lengths (``--tah-entropy-coding``, ``frames.py``): on gloo (``exact_backends``) a receive posts the
-  most a message can be and a send sends its own length, one transfer; elsewhere a frame of a size both ends
-  agree on, and what does not fit follows as a second message in one more batch of the batched call,
-  activations first (an unbatched call is refused). Statistics and the emulated links count the bytes that
-  cross the network.
-* A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages
-  and the training iteration (``link stage 0 -> stage 1, iteration 12``): the iteration at which the
-  receiver found it (on a GPU the deferred count reaches the host one or two messages later).
-* A silent or dead peer: every wait goes through ``peer.PeerWatch`` (``self.peers``), which bounds it by
-  ``--tah-peer-timeout-s`` on gloo groups once the peer has been heard from and raises ``PeerTimeoutError``
-  / ``PeerLostError`` naming the link, the iteration and when the peer's data last arrived; on NCCL groups
-  the process group's timeout bounds it (``peer.py``).
+* ``send_next`` / ``recv_prev`` carry activations through the *forward* codec, ``send_prev`` / ``recv_next``
+  activation gradients through the *backward* codec, each on its link end (``link.Link``: its codec, its
+  counters and the steps its messages go through between the codec and the wire, ``steps.py``). A send
+  encodes, hands the buffer to the steps and posts what they made; a receive posts the bytes the codec and
+  the steps say and, once complete, hands it back through the steps and decodes into Megatron's receive
+  tensor under ``no_grad``. The batched path waits and decodes before returning ``[]``; the unbatched path
+  returns handles whose ``.wait()`` waits, then decodes (every posted message is held, its ``Work`` and
+  buffers with it, until finished: ``outbox.py``).
+* The first call on a process group all-gathers every stage's codec configs over it (each stage reaches its
+  first p2p call without waiting on another, so this cannot deadlock) and raises ``CodecMismatchError`` on both
+  ends of a link whose stages use other codecs (``handshake.py``); with the trailer on, it also measures each
+  neighbour's latency.
+* Host staging (``staging.HostStaging``, per link end): on a gloo group with CUDA tensors or
+  ``--tah-share-gpus``, wire buffers cross through pinned host memory; the bytes on the wire are the same.
+* Message lengths (``--tah-entropy-coding``): on ``exact_backends`` a receive posts the most a message can be;
+  elsewhere a frame, and what does not fit follows as a second message (``frames.py``, ``overflow.py``).
+* A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages and
+  the training iteration; every wait goes through ``peer.PeerWatch``, which bounds it (``peer.py``).
+* Statistics go to the sink it is given (``record_send``, ``record_codec_time``, ``record_auto``:
+  ``megatron/stats.py``'s ``Stats``), counting the bytes that cross the network.
+
+Elsewhere: which codec a message goes through (the warm-up, uncompressed evaluations, auto's choice per
+iteration): ``traffic.py``; a link end's boundary, codec (CUDA graphs: ``codecs.graphs.place_codec``) and
+steps: ``link.py``; the trailer: ``trailer.py``; the emulated slow link, a link end's last step:
+``emulate.py``; AQ-SGD's sample ids: ``sample_ids.py``; the codecs' state for checkpoints: ``states.py``.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import dataclasses
 import logging
 import time
 from typing import Callable
 
 import torch
 
-from ..codecs import Codec, PayloadChecksumError, get_codec, timing
+from ..codecs import PayloadChecksumError, timing
 from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
 from .completion import time_works
-from .emulate import InboundWire, LinkEmulator
-from .handshake import CodecMismatchError, check_group, check_schedule, config_record, link_latency
+from .emulate import InboundWire, emulation
+from .handshake import CodecMismatchError, check_group, check_schedule, link_latency
 from .link import Link, open_link
-from .message import Handle, Message
+from .message import Handle, Message, MessagePlan
 from .outbox import Outbox
 from .overflow import each_work, post_rests, read_length
 from .peer import PeerWatch
+from .sample_ids import SampleIds
+from .states import CodecStates
 from .steps import Outgoing
-from .wire import decode_trailer, message_extra_nbytes, wall_seconds
+from .traffic import Traffic
+from .wire import message_extra_nbytes, wall_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +71,9 @@ def _unknown() -> None:
 
 
 class PipelineTransport:
-    """This process's pipeline transport: the configuration, the link ends, the AQ-SGD sample-id
-    queue, the unbatched messages not yet finished, the link emulator and the statistics sink.
+    """This process's pipeline transport: the configuration, the link ends and what they share (the traffic
+    switch, the sample-id queue, the emulated link, their codec state), the unbatched messages not yet
+    finished and the statistics sink.
 
     ``iteration()``: the current training iteration, the same on every stage (None: unknown, e.g.
     outside a training loop; the warm-up and auto need it). ``virtual_stages()``: the interleaved
@@ -112,26 +87,21 @@ class PipelineTransport:
         self.config = config
         self.stats = stats
         self.iteration, self.virtual_stages, self.depth, self.stage = iteration, virtual_stages, depth, stage
-        bandwidth, latency = config.emulated_bandwidth_bps, config.tah_emulate_latency_ms / 1e3
-        self.emulator = self.inbound = None
-        if bandwidth is not None and config.tah_emulate_wire == "inbound":
-            self.inbound = InboundWire(bandwidth, latency, clock=time.time)  # the trailer's stamps are wall time
-        elif bandwidth is not None:
-            self.emulator = LinkEmulator(bandwidth, latency)
+        self.emulation = emulation(config)  # the emulated link, crossed through the link ends' steps (emulate.py)
         self.links: dict[tuple[str, str, int], Link] = {}
+        self.states = CodecStates(config, self.links, self.link)  # the link ends' codec state (states.py)
         self.exact_backends = ("gloo",)  # whose receives take a shorter message (frames.py; tests empty it)
         auto = config.is_auto("forward") or config.is_auto("backward")
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
-        self.trailer_nbytes = message_extra_nbytes(auto or self.inbound is not None)
+        self.trailer_nbytes = message_extra_nbytes(auto or isinstance(self.emulation, InboundWire))
         self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
-        self.uncompressed = get_codec("none").defer_checks()  # warm-up and uncompressed evaluations
+        self.traffic = Traffic(config, iteration)  # the warm-up / evaluation switch (traffic.py)
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
-        self.sample_ids: collections.deque[torch.Tensor] = collections.deque()
+        self.sample_ids = SampleIds()  # AQ-SGD's (sample_ids.py)
         self.outbox = Outbox()  # unbatched messages not yet finished (outbox.py)
         self.peers = PeerWatch(config.tah_peer_timeout_s)  # when each neighbour was last heard from; bounded waits
         self.checked_groups: set[int] = set()
-        self.eval_uncompressed = False  # inside ``evaluation(uncompressed=True)``
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
         self.graphs = CudaGraphs  # how the link ends' GraphedCodecs capture (tests give a fake)
         self.graph_log: set[str] = set()  # the eager fallbacks' reasons logged, shared by the link ends
@@ -148,45 +118,8 @@ class PipelineTransport:
             self.links[key] = open_link(self.config, direction, role, int(peer), depth=self.depth, graphs=self.graphs,
                                         graph_log=self.graph_log, trailer=self.trailer_nbytes > 0,
                                         reply=lambda: self.link(other, "send", peer), latency=self.latency,
-                                        boundary=self.boundary(direction, role))
+                                        stage=self.stage, emulation=self.emulation)
         return self.links[key]
-
-    def boundary(self, direction: str, role: str) -> tuple[int, int] | None:
-        """(boundary, boundaries) of this rank's ``direction`` link end as ``role`` where the forward codec's bits
-        may be per boundary (``--tah-boundary-bits``; an auto direction, whose candidates may have them): a forward
-        send leaves boundary ``stage``, a receive comes through ``stage - 1``; None otherwise. With the flag, an
-        unknown stage or a link around the pipeline's end (the interleaved schedule) is a ``ValueError``; auto's
-        candidates take their own bits there."""
-        explicit = bool(self.config.boundary_bits())
-        if direction != "forward" or not (explicit or self.config.is_auto("forward")):
-            return None
-        stage, depth = self.stage(), self.depth()
-        boundary = None if stage is None else (stage if role == "send" else stage - 1)
-        if boundary is not None and depth is not None and 0 <= boundary < depth - 1:
-            return boundary, depth - 1
-        if not explicit:
-            return None
-        if boundary is None or depth is None:
-            raise ValueError("megatron_tah: --tah-boundary-bits needs the pipeline's stage and depth (Megatron's "
-                             "parallel state is not initialised)")
-        raise ValueError(f"megatron_tah: --tah-boundary-bits: stage {stage} of {depth} {role}s activations around the "
-                         "pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
-
-    def training_iteration(self) -> int:
-        """``iteration()``, which the warm-up and auto need: both ends of a link switch together."""
-        iteration = self.iteration()
-        if iteration is None:
-            raise RuntimeError("megatron_tah: --tah-warmup-iters counts Megatron's training iterations and needs "
-                               "its training loop (megatron.training's args are not set)")
-        return iteration
-
-    def codec(self, link: Link) -> Codec:
-        """The codec of ``link``'s next message: ``none`` during the warm-up and uncompressed evaluations."""
-        if link.auto is not None:
-            link.codec = link.auto.begin(self.training_iteration())
-        if self.config.tah_warmup_iters and self.training_iteration() < self.config.tah_warmup_iters:
-            return self.uncompressed
-        return self.uncompressed if self.eval_uncompressed else link.codec
 
     def staged(self, group, device: torch.device) -> bool:
         """Whether messages on ``group`` go through host staging: on gloo groups, with CUDA tensors or
@@ -195,48 +128,24 @@ class PipelineTransport:
             return False
         return self.config.tah_share_gpus or device.type == "cuda"
 
-    @contextlib.contextmanager
-    def evaluation(self, uncompressed: bool):
-        before, self.eval_uncompressed = self.eval_uncompressed, bool(uncompressed)
-        try:
-            yield
-        finally:
-            self.eval_uncompressed = before
-
-    # ----- AQ-SGD sample ids ---------------------------------------------------------------
-    def push_sample_ids(self, ids: torch.Tensor) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-            raise ValueError(f"sample ids must be a 1-D LongTensor [micro_batch], got {ids!r}")
-        self.sample_ids.append(ids.detach().to(torch.long))
-
-    def pop_sample_ids(self, required: bool) -> torch.Tensor | None:
-        if self.sample_ids:
-            return self.sample_ids.popleft()
-        if required:
-            raise RuntimeError("aqsgd needs the sample ids of every micro-batch: call megatron_tah.megatron."
-                               "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
-        return None
-
     # ----- messages ------------------------------------------------------------------------
     def encode(self, link: Link, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
         (trailer included) and the bytes that follow it as a second message (None: none); records its statistics."""
         if link.auto is not None:
             link.auto.prepare(x)
-        codec = self.codec(link)
+        codec = self.traffic.codec(link)
         with torch.no_grad():
             x = x.detach()
             with_ids = codec.needs_sample_ids
-            # An activation send consumes the oldest queued ids (other codecs ignore them), so the
-            # queue stays bounded whatever codec runs; aqsgd needs them.
-            ids = self.pop_sample_ids(required=with_ids) if link.direction == "forward" else None
+            ids = self.sample_ids.sending(link.direction, codec)
             clock = timing.Stopwatch(x.device)
             buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
             encode_seconds = clock.stop()
             self.stats.record_codec_time(link.direction, encode_seconds=encode_seconds)
             rel_error = None
             interval = self.config.tah_error_sample_interval
-            if interval and not with_ids and codec is not self.uncompressed and link.messages % interval == 0:
+            if interval and not with_ids and codec is not self.traffic.uncompressed and link.messages % interval == 0:
                 rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
             out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds, exact=exact)
             for step in link.steps:
@@ -274,32 +183,31 @@ class PipelineTransport:
         prev_stage, next_stage = (stage - 1) % stages, (stage + 1) % stages
         staged = self.staged(group, tensors[0].device)
         exact = torch.distributed.get_backend(group) in self.exact_backends
-        # (name, direction, peer, send, recv, (sender stage, receiver stage))
-        plan = (("send_prev", "backward", prev_pipeline_rank, tensor_send_prev, None, (stage, prev_stage)),
-                ("recv_prev", "forward", prev_pipeline_rank, None, tensor_recv_prev, (prev_stage, stage)),
-                ("send_next", "forward", next_pipeline_rank, tensor_send_next, None, (stage, next_stage)),
-                ("recv_next", "backward", next_pipeline_rank, None, tensor_recv_next, (next_stage, stage)))
+        plan = (MessagePlan("send_prev", "backward", prev_pipeline_rank, (stage, prev_stage), send=tensor_send_prev),
+                MessagePlan("recv_prev", "forward", prev_pipeline_rank, (prev_stage, stage), recv=tensor_recv_prev),
+                MessagePlan("send_next", "forward", next_pipeline_rank, (stage, next_stage), send=tensor_send_next),
+                MessagePlan("recv_next", "backward", next_pipeline_rank, (next_stage, stage), recv=tensor_recv_next))
         messages = {}
-        for name, direction, peer, send, recv, link_stages in plan:
-            if send is None and recv is None:
+        for p in plan:
+            if p.send is None and p.recv is None:
                 continue
-            link = self.link(direction, "send" if recv is None else "recv", peer)
-            host = link.host_staging((recv if send is None else send).device) if staged else None
-            known = {"extra_nbytes": self.trailer_nbytes, "stages": link_stages, "last_stage": stage == stages - 1,
+            link = self.link(p.direction, "send" if p.recv is None else "recv", p.peer)
+            host = link.host_staging((p.recv if p.send is None else p.send).device) if staged else None
+            known = {"extra_nbytes": self.trailer_nbytes, "stages": p.stages, "last_stage": stage == stages - 1,
                      "exact": exact, "iteration": self.iteration()}
-            if send is not None:
-                buf, rest = self.encode(link, send, exact)
+            if p.send is not None:
+                buf, rest = self.encode(link, p.send, exact)
                 if rest is not None and staged:
                     rest = rest.cpu()  # (gloo reads host memory)
-                messages[name] = Message.send(link, buf, host, rest=rest, **known)
+                messages[p.name] = Message.send(link, buf, host, rest=rest, **known)
             else:
-                messages[name] = self.receive(link, recv, host, known)
+                messages[p.name] = self.receive(link, p.recv, host, known)
         return messages
 
     def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
         """A receive on ``link`` into ``target``: the bytes its codec and its steps say (with entropy coding the
         most a message can be, or framed the size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
-        codec = self.codec(link)
+        codec = self.traffic.codec(link)
         nbytes = codec.wire_nbytes(target.shape, target.dtype)
         for step in link.steps:
             nbytes = step.post_nbytes(codec, target.shape, target.dtype, nbytes, exact=known.get("exact", False))
@@ -314,22 +222,14 @@ class PipelineTransport:
         link = m.link
         if m.is_recv and m.rest_nbytes is None and read_length(m):  # (unbatched: refused in check_unbatched)
             raise RuntimeError("megatron_tah: an unbatched message announced a second message")
-        rest_nbytes = 0 if m.rest is None else m.rest.numel()
-        trailer = m.trailer() if m.is_recv and self.trailer_nbytes else None  # (read once complete: GPU timing)
+        if m.is_recv and self.trailer_nbytes:
+            m.trailer()  # read once complete (on a GPU the read waits for the data: its completion time)
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
-        if self.emulator is not None:
-            me = torch.distributed.get_rank()
-            pair = (link.peer, me) if m.is_recv else (me, link.peer)
-            self.emulator.complete(pair, m.buf.numel() + rest_nbytes, m.completed_at, receiver=m.is_recv)
-            done_at = wall_seconds(self.emulator.last_finish)
-        if self.inbound is not None and trailer is not None:
-            billed = m.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes + rest_nbytes
-            self.inbound.receive(decode_trailer(trailer).sent_at, billed)
-            done_at = self.inbound.free_at
+        for step in link.steps:
+            done_at = step.on_complete(m, done_at)
         if m.is_recv:
-            emulated = self.emulator is not None or self.inbound is not None
             for step in reversed(link.steps):
-                step.on_arrival(m, done_at, emulated)
+                step.on_arrival(m, done_at, self.emulation is not None)
             self.peers.arrived(link.peer)
             self._decode(m)
         m.release()
@@ -371,8 +271,7 @@ class PipelineTransport:
                 raise err.at(*m.stages, self.iteration()) from err
         self.stats.record_codec_time(link.direction, decode_seconds=clock.stop())
         link.messages += 1
-        if codec.needs_sample_ids and link.direction == "forward" and not m.last_stage:
-            self.push_sample_ids(codec.last_sample_ids)
+        self.sample_ids.received(m)
 
     def batched_p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                         group, prev_pipeline_rank, next_pipeline_rank):
@@ -437,35 +336,3 @@ class PipelineTransport:
             self.outbox.drain()
         finally:
             self.closed = True
-
-    # ----- codec state (checkpoints) ---------------------------------------------------------
-    def codec_states(self) -> dict:
-        """``{(direction, role, peer): codec.state_dict()}`` of the link ends whose codecs hold state
-        (an auto link end: ``AutoEnd.state_dict()``, its choice and its candidates' states)."""
-        states = {key: link.auto.state_dict() if link.auto is not None else link.codec.state_dict()
-                  for key, link in self.links.items()}
-        return {key: state for key, state in states.items() if state}
-
-    def load_codec_states(self, states: dict, saved_config: dict | None = None) -> None:
-        """Give each link end's codec its saved state (creating the link ends it names)."""
-        if saved_config is not None:
-            fields = {f.name for f in dataclasses.fields(TahConfig)}
-            saved = TahConfig(**{k: v for k, v in saved_config.items() if k in fields})
-            if config_record(saved) != config_record(self.config):
-                raise CodecMismatchError(
-                    f"megatron_tah: the checkpoint's codec state was saved with other codecs "
-                    f"({config_record(saved)}) than this run's ({config_record(self.config)}); "
-                    "load it with the same --tah-* flags, or use --finetune to start the codecs afresh")
-        for (direction, role, peer), codec_state in states.items():
-            link = self.link(direction, role, peer)
-            (link.codec if link.auto is None else link.auto).load_state_dict(codec_state)
-
-    def stateful(self) -> bool:
-        """Whether the configured codecs keep state between messages (AQ-SGD, stochastic rounding, auto's choice)."""
-        if self.config.is_auto("forward") or self.config.is_auto("backward"):
-            return True
-        return any(codec.stateful for codec in (self.config.forward_codec(), self.config.backward_codec()))
-
-    def buffer_nbytes(self) -> int:
-        """Bytes held in per-sample buffers (AQ-SGD) by this rank's codecs (the statistics' buffer source)."""
-        return sum(link.codec.buffer_nbytes() for link in self.links.values() if hasattr(link.codec, "buffer_nbytes"))

@@ -35,7 +35,7 @@ def state_file(root: str, iteration: int, rank: int) -> str:
 def save(root: str, iteration: int) -> str | None:
     """Write this rank's codec state for ``iteration`` under ``root``; returns the file (None: no state)."""
     transport = installed_transport()
-    states = transport.codec_states() if transport is not None else {}
+    states = transport.states.state_dict() if transport is not None else {}
     if not states:
         return None
     path = state_file(root, iteration, torch.distributed.get_rank())
@@ -55,7 +55,7 @@ def load(root: str, iteration: int) -> str | None:
     if not os.path.isfile(path):
         return None
     saved = torch.load(path, weights_only=False)
-    transport.load_codec_states(saved["codecs"], saved_config=saved["config"])
+    transport.states.load_state_dict(saved["codecs"], saved_config=saved["config"])
     return path
 
 
@@ -84,7 +84,7 @@ def _loading(original):
         root = getattr(margs, load_arg, None)
         transport = installed_transport()
         if iteration > 0 and root and not margs.finetune and load_arg == "load" and transport is not None:
-            if load(root, iteration) is None and transport.stateful():
+            if load(root, iteration) is None and transport.states.stateful():
                 print_rank_0(f"> megatron_tah: no codec state in {root} at iteration {iteration}; "
                              "stateful codecs start fresh")
         return result

@@ -141,7 +141,7 @@ def install(place) -> None:
     for name in TRANSPORTS:
         place.patches.wrap(P2P_MODULE, name, _replacing(transport, name),
                            why="pipeline messages through the link's codecs (TAH-Quant)")
-    place.stats.buffer_source = transport.buffer_nbytes
+    place.stats.buffer_source = transport.states.buffer_nbytes
     logger.info("megatron_tah: pipeline p2p compressed (forward %s, backward %s)",
                 place.config.forward_codec().describe(), place.config.backward_codec().describe())
 
@@ -182,7 +182,7 @@ def _installed() -> PipelineTransport:
 
 def push_sample_ids(ids: torch.Tensor) -> None:
     """Queue the sample ids of the next micro-batch this rank will send (first stage: per forward step)."""
-    _installed().push_sample_ids(ids)
+    _installed().sample_ids.push(ids)
 
 
 @contextlib.contextmanager
@@ -194,16 +194,16 @@ def evaluation(uncompressed: bool):
     if transport is None:
         yield
         return
-    with transport.evaluation(uncompressed):
+    with transport.traffic.evaluation(uncompressed):
         yield
 
 
 def codec_states() -> dict:
-    """The installed transport's ``codec_states()`` ({} when not installed)."""
+    """The installed transport's link ends' codec state (``states.CodecStates.state_dict``; {} when not installed)."""
     transport = installed_transport()
-    return {} if transport is None else transport.codec_states()
+    return {} if transport is None else transport.states.state_dict()
 
 
 def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
-    """The installed transport's ``load_codec_states`` (an error when not installed)."""
-    _installed().load_codec_states(states, saved_config)
+    """The installed transport's ``states.CodecStates.load_state_dict`` (an error when not installed)."""
+    _installed().states.load_state_dict(states, saved_config)

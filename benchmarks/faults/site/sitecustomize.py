@@ -44,7 +44,7 @@ if _SPEC and os.environ.get("RANK") is not None:
         _finish = _transport.PipelineTransport.finish
 
         def _rate_dropping_finish(self, m):
-            meter = self.emulator if self.emulator is not None else self.inbound
+            meter = self.emulation
             if meter is not None:
                 if not hasattr(meter, "base_bps"):
                     meter.base_bps = meter.bandwidth_bps
