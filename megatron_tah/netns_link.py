@@ -268,6 +268,13 @@ def _group_alive(proc: subprocess.Popen) -> bool:
 
 def _members_running(pgid: int) -> bool:
     """Whether a process of group ``pgid`` runs (not a zombie awaiting its reaper), read from /proc."""
+    return bool(processes(group=pgid))
+
+
+def processes(group: int | None = None, session: int | None = None) -> list[int]:
+    """The live processes (zombies apart) of process group ``group`` or session ``session``, read from /proc."""
+    column, wanted = (2, group) if group is not None else (3, session)
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -276,9 +283,9 @@ def _members_running(pgid: int) -> bool:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if int(fields[column]) == wanted and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
 
 
 def delete_namespace(name: str) -> None:

@@ -50,18 +50,9 @@ def collect(paths: list[str], marker: str) -> list[str]:
 
 def session_pids(sid: int) -> list[int]:
     """The processes of session ``sid`` (read from /proc), zombies apart."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
+    from megatron_tah.netns_link import processes
+
+    return processes(session=sid)
 
 
 def signal_all(pids: list[int], sig: int) -> None:

@@ -30,16 +30,23 @@ def test_a_30_layer_model_splits_over_8_stages_as_megatron_does_with_a_lighter_f
         stage_layers(31, 8)
 
 
-def test_stop_at_loss_ends_training_at_the_first_validation_at_or_below_the_target(monkeypatch):
-    from benchmarks.depth.run import StopAtLoss
-
+def _fake_training(monkeypatch, losses, passes):
+    """A stand-in for ``megatron.training.training`` whose ``evaluate`` returns ``losses`` in turn and whose
+    ``evaluate_and_print_results`` evaluates ``passes`` times (2: ``--tah-eval-traffic both``); and Megatron's args."""
     module = types.ModuleType("fake_training")
-    losses = iter([3.0, 2.6, 2.4, 2.2])
+    losses = iter(losses)
     module.evaluate = lambda *a, **k: ({"lm loss": next(losses)}, None, False)
-    module.evaluate_and_print_results = lambda prefix, *args, **kwargs: module.evaluate()
+    module.evaluate_and_print_results = lambda prefix, *args, **kwargs: tuple(module.evaluate() for _ in range(passes))
     args = types.SimpleNamespace(train_iters=100)
     monkeypatch.setattr("megatron.training.global_vars.get_args", lambda: args)
     monkeypatch.setitem(sys.modules, "megatron.training.training", module)
+    return module, args
+
+
+def test_stop_at_loss_ends_training_at_the_first_validation_at_or_below_the_target(monkeypatch):
+    from benchmarks.depth.run import StopAtLoss
+
+    module, args = _fake_training(monkeypatch, [3.0, 2.6, 2.4, 2.2], passes=1)
     stop = StopAtLoss(2.5)
     stop.install()
     try:
@@ -58,13 +65,7 @@ def test_stop_at_loss_stops_on_the_evaluation_through_the_codecs_when_both_are_m
     uncompressed): the first pass decides."""
     from benchmarks.depth.run import StopAtLoss
 
-    module = types.ModuleType("fake_training")
-    losses = iter([2.6, 2.4, 2.4, 2.6])
-    module.evaluate = lambda *a, **k: ({"lm loss": next(losses)}, None, False)
-    module.evaluate_and_print_results = lambda prefix, *args, **kwargs: (module.evaluate(), module.evaluate())
-    args = types.SimpleNamespace(train_iters=100)
-    monkeypatch.setattr("megatron.training.global_vars.get_args", lambda: args)
-    monkeypatch.setitem(sys.modules, "megatron.training.training", module)
+    module, args = _fake_training(monkeypatch, [2.6, 2.4, 2.4, 2.6], passes=2)
     stop = StopAtLoss(2.5)
     stop.install()
     try:

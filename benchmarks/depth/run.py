@@ -27,15 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class StopAtLoss:
-    """Training ends at the first validation whose loss is at or below ``target``: Megatron's loop runs while
-    ``iteration < args.train_iters``, so that iteration becomes the last; the end of training (its checkpoint,
-    its final evaluations) follows as usual. Wraps ``megatron.training.training``'s ``evaluate`` (the loss) and
-    ``evaluate_and_print_results`` (the iteration), looked up at call time, as plain attributes: megatron_tah's
-    ``Patches`` would mark them, and the plugin's logging then leaves marked functions alone."""
+class EvaluateWrap:
+    """Wraps Megatron's ``evaluate`` and ``evaluate_and_print_results`` (``megatron.training.training``) with the
+    subclass's ``_evaluate`` / ``_evaluate_and_print_results`` (each takes the original, returns its wrapper);
+    ``restore`` puts the originals back."""
 
-    def __init__(self, target: float):
-        self.target, self.loss, self.stopped_at, self.saved = float(target), None, None, []
+    saved: list
 
     def install(self) -> None:
         import functools
@@ -51,6 +48,17 @@ class StopAtLoss:
         while self.saved:
             module, name, original = self.saved.pop()
             setattr(module, name, original)
+
+
+class StopAtLoss(EvaluateWrap):
+    """Training ends at the first validation whose loss is at or below ``target``: Megatron's loop runs while
+    ``iteration < args.train_iters``, so that iteration becomes the last; the end of training (its checkpoint,
+    its final evaluations) follows as usual. Wraps ``megatron.training.training``'s ``evaluate`` (the loss) and
+    ``evaluate_and_print_results`` (the iteration), looked up at call time, as plain attributes: megatron_tah's
+    ``Patches`` would mark them, and the plugin's logging then leaves marked functions alone."""
+
+    def __init__(self, target: float):
+        self.target, self.loss, self.stopped_at, self.saved = float(target), None, None, []
 
     def _evaluate(self, original):
         def evaluate(*args, **kwargs):
@@ -79,7 +87,7 @@ class StopAtLoss:
         return evaluate_and_print_results
 
 
-class EvalLosses:
+class EvalLosses(EvaluateWrap):
     """Each evaluation's losses per micro-batch, for the noise of a comparison on the same held-out tokens.
 
     Wraps ``megatron.training.training``'s ``evaluate_and_print_results`` (the split and the iteration;
@@ -92,21 +100,6 @@ class EvalLosses:
     def __init__(self, path, boundaries, first: int = 0):
         self.path, self.boundaries, self.first = path, boundaries, int(first)
         self.at, self.last, self.saved = None, None, []
-
-    def install(self) -> None:
-        import functools
-        import importlib
-
-        module = importlib.import_module("megatron.training.training")
-        for name, make in (("evaluate", self._evaluate), ("evaluate_and_print_results", self._evaluate_and_print_results)):
-            original = getattr(module, name)
-            self.saved.append((module, name, original))
-            setattr(module, name, functools.wraps(original)(make(original)))
-
-    def restore(self) -> None:
-        while self.saved:
-            module, name, original = self.saved.pop()
-            setattr(module, name, original)
 
     def _evaluate_and_print_results(self, original):
         def evaluate_and_print_results(prefix, *args, **kwargs):
