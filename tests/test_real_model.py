@@ -262,6 +262,18 @@ def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_
     assert "not_a_preset" not in readme and readme.count("\n| [") == 3
 
 
+def test_the_study_rewrites_the_readmes_sections_between_their_markers_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "README_SECTIONS", {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- real_model:table -->\nold\n<!-- /real_model:table -->\nb\n"
+                      "<!-- real_model:presets -->\n<!-- /real_model:presets -->\nc\n")
+    assert report.write_readme({"n": 1}, readme) and report.write_readme({"n": 2}, readme)
+    assert readme.read_text() == ("a\n<!-- real_model:table -->\nT2\n<!-- /real_model:table -->\nb\n"
+                                  "<!-- real_model:presets -->\nP\n<!-- /real_model:presets -->\nc\n")
+    readme.write_text("no markers\n")
+    assert not report.write_readme({"n": 1}, readme) and readme.read_text() == "no markers\n"
+
+
 def test_evaluation_noise_is_the_paired_standard_error_on_the_same_samples(tmp_path):
     curves = _curves(0.01, seeds=(1,), noise=(0.0,))
     for name, losses in ((runs.run_name("bf16", 1), [3.0, 3.2, 2.8, 3.0]), (runs.run_name("x", 1, 8), [3.1, 3.3, 2.9, 3.3])):

@@ -16,7 +16,8 @@ run is, ``report.py`` how it is scored):
 4. with ``--pipeline CODEC``, runs that codec with the first seed as the real pipeline at ``--depth``;
 5. scores (``report.py``; ``--score-only``: only this, over the runs finished so far: the target from bf16's curves, steps to it and along the curve, damage, intervals)
    and, with ``--write``, writes the page, its JSON and plots, and ``auto``'s steps charges per depth into the
-   checkout's ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``).
+   checkout's ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``) and the README's table and preset
+   per depth (between its ``<!-- real_model:... -->`` markers).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     if not args.score_only and not run_plan(plan, seeds, size, out, args):
         return 1
-    from .report import build, write_page
+    from .report import build, write_page, write_readme
 
     result = build(size, plan, seeds, out, host_info(), depth=args.depth, pipeline=args.pipeline)
     print(json.dumps(result["table"], indent=1))
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
         written = measured.write_beside(args.write, measured.real_model_rows(result, command))
         if written:  # auto's steps charges per depth (benchmarks/measured.py)
             print(f"[real_model] wrote {written}")
+        readme = args.write.resolve().parent.parent / "README.md"
+        if write_readme(result, readme):  # its table and preset per depth
+            print(f"[real_model] wrote {readme}")
     return 0
 
 

@@ -504,6 +504,27 @@ def presets_text(result: dict, depths=None, flag: bool = False) -> str:
     return "\n".join(lines)
 
 
+README_SECTIONS = {"table": readme_table, "presets": lambda result: presets_text(result, depths=(2, 4, 8), flag=True)}
+"""The README's parts a study writes: each between ``<!-- real_model:NAME -->`` and ``<!-- /real_model:NAME -->``."""
+
+
+def write_readme(result: dict, readme: Path) -> bool:
+    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result``; False (nothing written) when the
+    file or a section's markers are missing."""
+    readme = Path(readme)
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    for name, make in README_SECTIONS.items():
+        begin, end = f"<!-- real_model:{name} -->", f"<!-- /real_model:{name} -->"
+        if begin not in text or end not in text:
+            return False
+        head, rest = text.split(begin, 1)
+        text = head + begin + "\n" + make(result) + "\n" + end + rest.split(end, 1)[1]
+    readme.write_text(text)
+    return True
+
+
 def plot(result: dict, path: Path) -> None:
     """Validation loss per codec and seed at the main depth, both evaluations (two panels)."""
     import matplotlib
