@@ -262,6 +262,18 @@ def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_
     assert "not_a_preset" not in readme and readme.count("\n| [") == 3
 
 
+def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_end_over_two_seeds():
+    row = _table_row("cheap", 1.04, "within noise", 90_000.0, (4, 3))  # damage +0.1% [-0.2%, +0.4%]
+    assert report.meets(row, 8.0, 1.05, 0.005)
+    assert not report.meets(row, 6.0, 1.05, 0.005)  # 7 bits
+    assert not report.meets(row, 8.0, 1.03, 0.005)  # its multiplier
+    assert not report.meets(row, 8.0, 1.05, 0.003)  # its damage interval's upper end
+    assert not report.meets(_table_row("cheap", 1.04, "one seed", 90_000.0, (4, 3), seeds=(1,)), 8.0, 1.05, 0.005)
+    text = report.goals_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), row]})
+    assert "At most 8 bits" in text and "met by `cheap`" in text
+    assert "At most 6 bits" in text and "not met. Within the bits: no candidate run had so few bits" in text
+
+
 def test_the_study_rewrites_the_readmes_sections_between_their_markers_only(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "README_SECTIONS", {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
     readme = tmp_path / "README.md"

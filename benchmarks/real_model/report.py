@@ -454,6 +454,40 @@ def frontier_text(result: dict) -> str:
     return "Bits per value forward + backward at [1024, 8, 1024], fewest first: " + "; ".join(parts) + "."
 
 
+GOALS = ((8.0, 1.05, 0.005), (6.0, 1.10, 0.005))
+"""(bits both ways at most, steps multiplier at most on the uncompressed evaluation, damage vs bf16 at most): the
+study's goals, each answered by ``goals_text``."""
+
+
+def meets(row: dict, bits: float, multiplier: float, damage: float) -> bool:
+    """Whether ``row`` meets a goal: its bits, its mean multiplier and the upper end of its damage interval vs bf16
+    (uncompressed), over two or more seeds."""
+    m = row["uncompressed"]
+    return (row["codec"] != "bf16" and len(row["seeds"]) >= 2 and row["forward_bits"] + row["backward_bits"] <= bits
+            and m["multiplier"] is not None and m["multiplier"] <= multiplier
+            and m["damage_vs_bf16_high"] is not None and m["damage_vs_bf16_high"] <= damage)
+
+
+def goals_text(result: dict) -> str:
+    """Each goal (``GOALS``) at the main depth: the candidates that meet it, or the closest ones and why not."""
+    lines = []
+    for bits, multiplier, damage in GOALS:
+        goal = (f"**At most {bits:g} bits both ways, at most {multiplier:.2f}x bf16's steps (model served on its "
+                f"own), damage at most {100 * damage:.1f}% above bf16's (upper end of its interval):**")
+        rows = [r for r in result["table"] if r["codec"] != "bf16"]
+        met = [r["codec"] for r in rows if meets(r, bits, multiplier, damage)]
+        if met:
+            lines.append(f"- {goal} met by " + ", ".join(f"`{c}`" for c in met) + ".")
+            continue
+        within = sorted((r for r in rows if r["forward_bits"] + r["backward_bits"] <= bits),
+                        key=lambda r: r["forward_bits"] + r["backward_bits"])
+        why = "; ".join(f"`{r['codec']}` ({r['forward_bits'] + r['backward_bits']:.2f} bits): "
+                        f"{multiplier_text(r['uncompressed'])}, damage {damage_text(r['uncompressed'], r['codec'])}"
+                        for r in within) or "no candidate run had so few bits"
+        lines.append(f"- {goal} not met. Within the bits: {why}.")
+    return "\n".join(lines)
+
+
 def pipeline_text(result: dict) -> str:
     check = result.get("pipeline")
     if not check:
@@ -644,7 +678,8 @@ def write_page(result: dict, page: Path) -> None:
         seeds=", ".join(map(str, result["seeds"])),
         table_uncompressed=table_markdown(result["table"], "uncompressed"),
         table_codec=table_markdown(result["table"], "compressed"), depths_table=depths_markdown(result),
-        presets=presets_text(result), untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
+        presets=presets_text(result), goals=goals_text(result),
+        untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
