@@ -77,7 +77,8 @@ STEPS_MULTIPLIER: dict[int, dict[str, float]] = {
 """Measured steps to a loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``, both
 directions compressed (``MEASURED``): depth 4 from the depth study (docs/DEPTH.md: a lower bound, the final loss
 against the uncompressed curve), depth 8 from the speedrun (docs/SPEEDRUN.md: steps to target over seeds, or the
-lower bound of a codec that missed it); ``tests/test_auto_depth.py`` checks them against the pages' committed JSON."""
+lower bound of a codec that missed it); ``tests/studies/test_auto_depth.py`` checks them against the pages' committed
+JSON."""
 
 
 def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> float:
