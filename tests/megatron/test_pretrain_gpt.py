@@ -34,15 +34,6 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2
          "--eval-interval", "4", "--eval-iters", "1", "--untie-embeddings-and-output-weights"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from megatron_tah.data import prepare
-
-    prefix = tmp_path_factory.mktemp("data") / "shk"
-    prepare("shakespeare", prefix, max_docs=6, max_tokens=20_000)
-    return str(prefix)
-
-
 PAPER = ["--tah-preset", "paper"]  # TAH-Quant with the 6-bit backward codec (nothing is on without a flag)
 
 

@@ -154,15 +154,6 @@ def test_the_scripts_run_under_the_restart_loop_unless_told_not_to():
 
 
 # ----- for real: a stage killed mid-run, resumed by the script ------------------------------------------
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from megatron_tah.data import prepare
-
-    prefix = tmp_path_factory.mktemp("data") / "shk"
-    prepare("shakespeare", prefix, max_docs=6, max_tokens=20_000)
-    return str(prefix)
-
-
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--eval-interval", "1000", "--log-interval", "1", "--tah-stochastic-rounding"]
