@@ -1,4 +1,4 @@
-"""channel (torch reference; the kernels are compared with it in test_kernels_channel.py): wire size, the error
+"""channel (torch reference; the kernels are compared with it in kernels/test_channel.py): wire size, the error
 bound per element, one grid per channel shared by every token, unbiased stochastic rounding, bad input poisoning
 its channel only, config mismatches, resume of the rounding noise, and its place in registry, flags and report."""
 
@@ -214,7 +214,7 @@ def test_bad_options_shapes_and_dtypes_raise():
     with pytest.raises(CodecError, match="unsupported dtype"):
         make().encode(torch.zeros(2, 8, dtype=torch.float64))
     x = torch.randn(3, 40)
-    assert get_codec("channel").has_triton_path()  # (kernels: tests/test_kernels_channel.py)
+    assert get_codec("channel").has_triton_path()  # (kernels: tests/kernels/test_channel.py)
     assert torch.equal(get_codec("channel").encode(x), make().encode(x))  # auto on CPU tensors: the reference
 
 

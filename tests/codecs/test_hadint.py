@@ -1,4 +1,4 @@
-"""hadint (torch reference; the kernels are compared with it in test_kernels_hadint.py): wire size, the error bound in both domains, unbiased stochastic rounding,
+"""hadint (torch reference; the kernels are compared with it in kernels/test_hadint.py): wire size, the error bound in both domains, unbiased stochastic rounding,
 bad input, config mismatches, resume of the rounding noise, and its place in registry, flags and report."""
 
 import argparse
@@ -170,7 +170,7 @@ def test_bad_options_and_backends_raise():
         with pytest.raises(CodecError, match=match):
             get_codec("hadint", **options)
     x = torch.randn(3, 40)
-    assert get_codec("hadint").has_triton_path()  # (kernels: tests/test_kernels_hadint.py)
+    assert get_codec("hadint").has_triton_path()  # (kernels: tests/kernels/test_hadint.py)
     assert torch.equal(get_codec("hadint").encode(x), make().encode(x))  # auto on CPU tensors: the reference
 
 

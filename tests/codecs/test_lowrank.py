@@ -1,6 +1,6 @@
 """lowrank: wire size and its formula, the residual coded exactly as hadint codes it, the gain on a
 low-rank input, bad input, config mismatches, and its place in registry, flags, preset and report.
-The residual's Triton path is hadint's kernels (compared with the reference here and in test_kernels_hadint.py)."""
+The residual's Triton path is hadint's kernels (compared with the reference here and in kernels/test_hadint.py)."""
 
 import argparse
 import dataclasses

@@ -1,5 +1,5 @@
 """``auto`` through the real pipeline transport at PP=2 (CPU, gloo; the GPT and schedule of
-``test_patch_pipeline.py``): the lockstep switch decodes every message right (losses bit-identical to a
+``megatron/test_patch_pipeline.py``): the lockstep switch decodes every message right (losses bit-identical to a
 run whose codecs are switched by hand in the same sequence), and the real measurements choose a
 compressing codec on a slow emulated link."""
 
