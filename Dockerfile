@@ -42,7 +42,7 @@ RUN git init -q "${MEGATRON_LM}" \
 
 WORKDIR /opt/megatron_tah
 # What the package, its scripts and `make test` need: the tests read the Dockerfile and docs/
-# (tests/test_docker.py checks that every file they name is copied). No virtual environment, runs
+# (tests/project/test_docker.py checks that every file they name is copied). No virtual environment, runs
 # or data (.dockerignore keeps them out of the build context).
 COPY pyproject.toml README.md Makefile Dockerfile .dockerignore ./
 COPY megatron_tah ./megatron_tah

@@ -38,7 +38,7 @@ test-all: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 # Every multi-process test (marker `distributed`) RUNS times (default 20) with a CPU hog beside it: a table of
-# passes, failures and hangs per test (scripts/soak.py; ARGS e.g. `--hogs 2 tests/test_entropy_pipeline.py`).
+# passes, failures and hangs per test (scripts/soak.py; ARGS e.g. `--hogs 2 tests/link/test_entropy_pipeline.py`).
 soak: setup
 	TRITON_INTERPRET=1 $(PY) scripts/soak.py --runs $(or $(RUNS),20) $(ARGS)
 

@@ -9,7 +9,7 @@ real-model study's (SmolLM2-135M at each depth it ran, docs/REAL_MODEL.md), on t
 its own (uncompressed): what the codecs did to training. A multiplier measured to the target is kept to 3 decimals,
 a lower bound to 2: for a codec that missed the target, its run's steps over bf16's steps to target on the same
 seed, the smallest over the seeds that missed. The study writes the rows with its page (``write_beside``);
-``tests/test_auto_depth.py`` checks the file against the page.
+``tests/studies/test_auto_depth.py`` checks the file against the page.
 """
 
 from __future__ import annotations

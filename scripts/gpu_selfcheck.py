@@ -15,7 +15,7 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
 
 ``kernels``   the Triton kernels compiled for this GPU, byte-exact against the torch references.
 ``graphs``    the codecs replayed from real CUDA graphs, a capture that syncs failing cleanly; after every
-              test the thread is on the default stream and nothing is capturing (``tests/test_codec_graphs.py``).
+              test the thread is on the default stream and nothing is capturing (``tests/codecs/test_graphs.py``).
 ``sync``      each codec's encode and decode, eager and replayed, under ``torch.cuda.set_sync_debug_mode("error")``.
 ``staging``   host-staging loopback: 2 processes on 1 GPU over gloo, ``torch.cuda._sleep`` queued before each
               encode and each copy back, 1000 messages of mixed sizes: bytes equal, buffers and memory constant.
@@ -35,7 +35,7 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
 The sum of the estimates is about 20 minutes; the runner stops starting steps when the budget (25 minutes
 by default) could not hold the next one's estimate, and cuts each step's limit to what is left, so the
 whole check never takes more than the budget. ``--device cpu`` runs the steps that can run without a GPU
-(``staging``, ``laaq``, ``entropy``) at small sizes: what the CPU test (``tests/test_gpu_selfcheck.py``) does.
+(``staging``, ``laaq``, ``entropy``) at small sizes: what the CPU test (``tests/project/test_gpu_selfcheck.py``) does.
 """
 
 from __future__ import annotations
@@ -237,9 +237,9 @@ def device_name(device: str) -> str:
 
 
 # ----- kernels, graphs: the test files on this GPU ---------------------------------------------------------
-KERNEL_TESTS = ["tests/test_kernels_fixedpoint.py", "tests/test_kernels_fp8.py", "tests/test_kernels_tah.py",
-                "tests/test_kernels_hadint.py", "tests/test_kernels_channel.py", "tests/test_kernels_laaq.py",
-                "tests/test_codec_lowrank.py"]
+KERNEL_TESTS = ["tests/kernels/test_fixedpoint.py", "tests/kernels/test_fp8.py", "tests/kernels/test_tah.py",
+                "tests/kernels/test_hadint.py", "tests/kernels/test_channel.py", "tests/kernels/test_laaq.py",
+                "tests/codecs/test_lowrank.py"]
 
 
 def _pytest(args: list[str], log: Path) -> tuple[bool, str]:
@@ -256,7 +256,7 @@ def step_kernels(ctx: Context):
 
 
 def step_graphs(ctx: Context):
-    return _pytest(["tests/test_codec_graphs.py", "-k", "gpu"], ctx.files("graphs") / "pytest.log")
+    return _pytest(["tests/codecs/test_graphs.py", "-k", "gpu"], ctx.files("graphs") / "pytest.log")
 
 
 # ----- sync: no host sync in any codec call ----------------------------------------------------------------

@@ -3,7 +3,7 @@
 its passes, failures and hangs.
 
     python scripts/soak.py --runs 20                         # every `distributed` test, 20 rounds
-    python scripts/soak.py --runs 20 tests/test_entropy_pipeline.py tests/test_peer_timeout.py
+    python scripts/soak.py --runs 20 tests/link/test_entropy_pipeline.py tests/link/test_peer_timeout.py
     python scripts/soak.py --runs 3 --hogs 2 --timeout 1800 --json runs/soak.json
 
 Each round runs each selected test once (in turn: the load varies alike for all), a file's tests in one

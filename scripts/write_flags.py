@@ -7,8 +7,8 @@
 The table is ``megatron_tah.megatron.arguments.flags_markdown()``: one row per ``TahConfig`` field, the
 pipeline-wide options and every codec's declared options alike, with the flag's default, valid values
 and help as the parser has them; then the presets (``config.PRESETS``) and auto's candidates
-(``config.CANDIDATES``), each with its declared description. ``tests/test_places.py`` checks that the committed
-page is this output.
+(``config.CANDIDATES``), each with its declared description. ``tests/megatron/test_places.py`` checks that the
+committed page is this output.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Megatron-LM plugin (flags, log, its hooks) and ``megatron_tah.install`` with eve
 ``Patches`` lists what it replaced with the line its call gave (``why=``), and everything is restored afterwards.
 What is replaced only while a run goes on -- during one call, or in a mode such as several ranks per GPU -- is read
 from the source (``patch_calls``): each ``wrap`` / ``replace`` call of ``megatron_tah/megatron/`` whose line the
-installers did not show. ``tests/test_patching.py`` checks that the committed page is this output and that every
-such call gives its line.
+installers did not show. ``tests/megatron/test_patching.py`` checks that the committed page is this output and that
+every such call gives its line.
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@
   started gets SIGABRT (its stacks), then SIGKILL, and the test process's own threads are dumped; and once
   the test is over, a process it started that still runs is killed and the test fails, naming it.
 
-``run_distributed`` (``dist_utils.py``) bounds its own runs first; this is the backstop for the tests that
+``run_distributed`` (``helpers/dist_utils.py``) bounds its own runs first; this is the backstop for the tests that
 start processes themselves (torchrun, the restart loop, the demo).
+
+The fixtures several test files use live here too (``corpus``). This file imports nothing of the tests' own
+(``tests/project/test_dist_utils.py`` runs a copy of it alone).
 """
 
 from __future__ import annotations
@@ -124,3 +127,16 @@ def _bounded_processes(request):
                     "then killed: their stacks are in the captured stderr)")
     if names:
         pytest.fail("processes the test started were still running after it: " + "; ".join(names))
+
+
+# ----- shared fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small Shakespeare corpus for Megatron's loop (6 documents, at most 20k tokens): its indexed-dataset
+    prefix. Made once per test module (``megatron/test_pretrain_gpt.py``, ``megatron/test_restart.py``,
+    ``megatron/test_activation_memory.py``)."""
+    from megatron_tah.data import prepare
+
+    prefix = tmp_path_factory.mktemp("data") / "shk"
+    prepare("shakespeare", prefix, max_docs=6, max_tokens=20_000)
+    return str(prefix)

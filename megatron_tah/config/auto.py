@@ -77,7 +77,7 @@ STEPS_MULTIPLIER: dict[int, dict[str, float]] = {
 """Measured steps to a loss relative to uncompressed training, ``{pipeline depth: {candidate: multiplier}}``, both
 directions compressed (``MEASURED``): from the real-model study at each depth it ran (docs/REAL_MODEL.md: steps to
 bf16's target over seeds, the model evaluated uncompressed, or the lower bound of a codec that missed it);
-``tests/test_auto_depth.py`` checks them against the page's committed JSON."""
+``tests/studies/test_auto_depth.py`` checks them against the page's committed JSON."""
 
 
 def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> float:

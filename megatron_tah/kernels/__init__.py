@@ -9,7 +9,7 @@ quantizer, bit packing) and the launch/recording machinery live in ``common``.
 
 Dependencies point one way, codecs -> kernels -> geometry: the launchers take plain ints and
 tensors (the wire sections as uint8 views, by the names the codec's layout gives them), never codec
-objects, and import nothing from ``codecs/`` (``tests/test_layering.py`` checks). A codec with a
+objects, and import nothing from ``codecs/`` (``tests/project/test_layering.py`` checks). A codec with a
 kernel keeps its wire layout here, in its kernel module (``fixedpoint_sections`` ...), and imports it
 from there: one stem per codec across the layers.
 

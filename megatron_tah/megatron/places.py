@@ -44,7 +44,7 @@ How to add a place:
 1. a module here with ``install(place)`` that replaces megatron-core functions only through
    ``place.patches`` and counts traffic with ``place.record`` (optionally ``uninstall(place)``), its codec
    builder, checks and start-up lines, ending with its ``PLACE = PlaceSpec(...)``; tests in
-   ``tests/test_<module>.py``;
+   ``tests/megatron/test_<module>.py``;
 2. its ``PLACE`` in ``PLACES`` below;
 3. with an option: its ``TahConfig`` field (``"none"``: off; its choices in the field's metadata), from
    which the ``--tah-*`` flag follows.

@@ -1,0 +1,232 @@
+"""Run a function in N CPU/gloo processes and get each rank's result back (for multi-process tests).
+
+API::
+
+    from tests.helpers.dist_utils import run_distributed, RankFailure
+
+    def body(rank, world_size, scale):        # module level (it is pickled by reference)
+        t = torch.full((1,), float(rank))
+        torch.distributed.all_reduce(t)
+        return t.item() * scale               # must be picklable
+
+    results = run_distributed(body, 2, 10.0)  # -> [10.0, 10.0], one entry per rank
+
+* Each rank is a fresh ``spawn`` process with ``torch.distributed`` initialised (gloo,
+  file rendezvous, no fixed port), ``torch.set_num_threads(threads)`` (default 1; the CI
+  machine has 2 cores) and the parent's environment plus ``env``. The process group is
+  destroyed after ``fn`` returns. Run several scenarios inside one ``fn`` to pay the
+  start-up (~5 s with megatron-core imports) once.
+* If a rank raises, ``run_distributed`` raises ``DistributedError`` listing every rank's
+  failure, unless ``return_exceptions=True``: then a failed rank's entry is a
+  ``RankFailure`` (``type_name``, ``message``, ``traceback``). Results travel pickled by value (a tensor
+  shared by file descriptor could not be read once its rank has exited). After the first failure the
+  other ranks get ``grace`` seconds to finish (they usually fail too, when their peer's
+  connections close) and are then killed (``RankFailure("Killed", ...)``).
+* ``timeout`` bounds the run once every rank has started (process group made, ``preload`` imported:
+  megatron-core by default, which a loaded 2-core machine may take minutes to import); start-up gets
+  ``startup`` s more at most. Ranks still running then are killed and ``TimeoutError`` names them, so a
+  hang fails the test instead of blocking CI. Before a rank is
+  killed (timed out, or still running ``grace`` s after another failed) its threads' stacks are
+  dumped (``faulthandler`` on ``SIGUSR1``) and come back in the error.
+* No process outlives the run: each rank leads its own process group, which is killed once the rank
+  is done or stopped (helpers it spawned die with it), and a rank dies with its parent
+  (``PR_SET_PDEATHSIG``), so a killed test run leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib
+import datetime
+import faulthandler
+import os
+import pickle
+import queue as queue_module
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclasses.dataclass
+class RankFailure:
+    """What a failed rank raised (or why it was stopped)."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+
+class DistributedError(RuntimeError):
+    def __init__(self, failures: list[RankFailure]):
+        self.failures = failures
+        details = "\n".join(f"--- {f}\n{f.traceback}" for f in failures)
+        super().__init__(f"{len(failures)} rank(s) failed:\n{details}")
+
+
+PR_SET_PDEATHSIG = 1
+STACKS_S = 3.0  # how long the parent waits for a rank's stack dump
+
+
+def _die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stacks_file(tmpdir: str, rank: int) -> str:
+    return os.path.join(tmpdir, f"stacks.{rank}")
+
+
+PRELOAD = ("megatron.core",)  # imported before a rank counts as started (absent modules are skipped)
+
+
+def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results, pg_timeout, preload):
+    os.setpgid(0, 0)  # a process group of its own: killed with the helpers it spawns
+    _die_with_parent()
+    stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 (open while the rank lives)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    try:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout))
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        results.put((rank, "started", pickle.dumps(None)))
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", pickle.dumps(value)))  # by value: a tensor shared by fd dies with its rank
+    except BaseException as err:  # noqa: BLE001 - everything a rank raises is reported to the parent
+        failure = RankFailure(rank, type(err).__name__, str(err), traceback.format_exc())
+        results.put((rank, "error", pickle.dumps(failure)))
+        results.close()
+        results.join_thread()
+        os._exit(1)  # do not wait on peers (destroy/atexit could block on a dead link)
+    torch.distributed.destroy_process_group()
+    results.close()
+    results.join_thread()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0,
+                    return_exceptions: bool = False, env: dict | None = None, threads: int = 1,
+                    startup: float = 600.0, preload: tuple = PRELOAD, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="tah_dist_")
+    init_file = os.path.join(tmpdir, "rendezvous")
+    env = {k: str(v) for k, v in (env or {}).items()}
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, init_file, fn, args, kwargs, env, threads, results,
+                               startup + timeout, preload))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, object] = {}
+    started: set[int] = set()
+    deadline = time.monotonic() + startup + timeout
+    try:
+        while len(outcome) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(1.0, deadline - now))
+            except queue_module.Empty:
+                if any(not p.is_alive() and p.exitcode not in (0, None) and r not in outcome
+                       for r, p in enumerate(procs)):
+                    # A rank died without reporting (e.g. a crash in C++): stop waiting soon.
+                    deadline = min(deadline, time.monotonic() + grace)
+                continue
+            if status == "started":
+                started.add(rank)
+                if len(started) == world_size:
+                    deadline = min(deadline, time.monotonic() + timeout)
+                continue
+            outcome[rank] = pickle.loads(value)
+            if status == "error":
+                deadline = min(deadline, time.monotonic() + grace)
+        while len(outcome) < world_size:  # results sent before the deadline, not yet read
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue_module.Empty:
+                break
+            if status != "started":
+                outcome[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outcome) == world_size else 0.1)
+        stacks = _dump_stacks(procs, tmpdir)
+        for p in procs:
+            _kill_group(p)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    missing = [r for r in range(world_size) if r not in outcome]
+    errors_seen = any(isinstance(v, RankFailure) for v in outcome.values())
+    dumps = "".join(f"\n--- rank {r}'s threads when it was stopped:\n{text}" for r, text in stacks.items())
+    if missing and not errors_seen:
+        codes = {r: procs[r].exitcode for r in missing}
+        late = sorted(set(range(world_size)) - started)
+        when = (f"within {timeout:.0f} s of starting" if not late else
+                f"(ranks {late} had not started within {startup:.0f} + {timeout:.0f} s)")
+        raise TimeoutError(f"ranks {missing} of {world_size} gave no result {when} "
+                           f"(exit codes {codes}; negative = killed by the harness or a signal){dumps}")
+    for r in missing:
+        code = procs[r].exitcode
+        outcome[r] = RankFailure(r, "Killed", f"no result (exit code {code}) after another rank failed",
+                                 stacks.get(r, ""))
+    ordered = [outcome[r] for r in range(world_size)]
+    failures = [v for v in ordered if isinstance(v, RankFailure)]
+    if failures and not return_exceptions:
+        raise DistributedError(failures)
+    return ordered
+
+
+def _dump_stacks(procs, tmpdir: str) -> dict[int, str]:
+    """The stacks of the ranks still running, each dumped by the rank itself on SIGUSR1 (``faulthandler``)."""
+    alive = {r: p for r, p in enumerate(procs) if p.is_alive()}
+    for p in alive.values():
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    stacks, deadline = {}, time.monotonic() + STACKS_S
+    if alive:
+        time.sleep(1.0)  # (the handler writes every thread's frames itself, even while a rank blocks in C++)
+    for r in alive:
+        text = ""
+        while not text and time.monotonic() < deadline:
+            try:
+                with open(_stacks_file(tmpdir, r)) as f:
+                    text = f.read()
+            except OSError:
+                break
+            time.sleep(0.1)
+        stacks[r] = text or "(no stack dump)"
+    return stacks
+
+
+def _kill_group(p) -> None:
+    """Kill a rank and every process of its process group (the helpers it spawned), then reap it."""
+    for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), p.kill):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+    p.join()

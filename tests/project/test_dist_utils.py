@@ -1,0 +1,97 @@
+"""The multi-process harness (``dist_utils.run_distributed``): a hang is stopped at its timeout with every
+stuck rank's stack in the error, and no rank nor any helper a rank spawned outlives the run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.dist_utils import DistributedError, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # (a zombie has ended)
+    except OSError:
+        return False
+
+
+def _stuck_with_a_helper(rank, world_size, where):
+    """Each rank starts a helper process and writes both pids; rank 1 then blocks in ``_blocked_here``."""
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(f"{where}.{rank}", "w") as f:
+        f.write(f"{os.getpid()} {helper.pid}")
+    if rank == 1:
+        _blocked_here()
+    return rank
+
+
+def _blocked_here():
+    time.sleep(600)
+
+
+def test_a_hang_is_stopped_with_the_stuck_ranks_stack_and_nothing_outlives_it(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        run_distributed(_stuck_with_a_helper, 2, str(tmp_path / "pids"), timeout=120, startup=120)
+    assert time.monotonic() - start < 120 + 120 + 20
+    text = str(caught.value)
+    assert "ranks [1] of 2 gave no result within 120 s of starting" in text
+    assert "rank 1's threads when it was stopped" in text and "_blocked_here" in text, text
+    pids = [int(pid) for rank in range(2) for pid in (tmp_path / f"pids.{rank}").read_text().split()]
+    assert len(pids) == 4 and not any(_alive(pid) for pid in pids), pids
+
+
+def _fails_or_blocks(rank, world_size):
+    if rank == 0:
+        raise ValueError("rank 0 stops")
+    _blocked_here()
+
+
+def test_a_rank_left_running_after_anothers_failure_is_named_with_its_stack():
+    with pytest.raises(DistributedError) as caught:
+        run_distributed(_fails_or_blocks, 2, timeout=60, grace=3)
+    failures = {f.rank: f for f in caught.value.failures}
+    assert failures[0].type_name == "ValueError" and failures[1].type_name == "Killed"
+    assert "_blocked_here" in failures[1].traceback
+
+
+# ----- tests/conftest.py: the backstop for tests that start processes themselves -----------------------------
+PROBES = """
+import subprocess, sys, time
+import pytest
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)  # tah-probe"]
+
+@pytest.mark.distributed
+def test_leaves_a_process_behind():
+    subprocess.Popen(SLEEPER)
+
+@pytest.mark.distributed
+def test_hangs_on_a_child():
+    subprocess.run(SLEEPER)
+"""
+
+
+def test_a_test_that_leaves_a_process_or_hangs_on_one_fails_and_leaves_nothing(tmp_path):
+    conftest = os.path.join(os.path.dirname(os.path.dirname(__file__)), "conftest.py")  # tests/conftest.py
+    (tmp_path / "conftest.py").write_text(open(conftest).read())
+    (tmp_path / "test_probes.py").write_text(PROBES)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "TAH_DISTRIBUTED_TIMEOUT_S": "5"})
+    out = done.stdout + done.stderr
+    assert time.monotonic() - start < 90
+    assert "processes the test started were still running after it" in out and "tah-probe" in out, out
+    assert "test_hangs_on_a_child" in out and "stopped after 5 s" in out, out
+    assert 'File "<string>", line 1 in <module>' in out, out  # the stuck child's stack (SIGABRT, PYTHONFAULTHANDLER)
+    assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+                .splitlines() if "tah-probe" in line and "ps -eo" not in line]

@@ -1,0 +1,1 @@
+"""benchmarks/ and the study scripts: speedrun, depth, real models, reproduce, faults, the reports."""

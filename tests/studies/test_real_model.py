@@ -1,0 +1,366 @@
+"""The real-model study (``benchmarks.real_model``): where a pipeline splits a model, stopping at the target, both
+evaluations and their per-micro-batch losses, the scoring rules, and the whole study on a random 4-layer Llama at
+depths 2 and 4 (``--size tiny``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks.real_model import report, runs
+from benchmarks.speedrun import score
+from megatron_tah.hf_checkpoint import UnsupportedModel, split_flags, stage_layers
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_30_layer_model_splits_over_8_stages_as_megatron_does_with_a_lighter_first_and_last_stage():
+    assert stage_layers(30, 8) == [3, 4, 4, 4, 4, 4, 4, 3]
+    assert runs.boundaries(30, 8) == [3, 7, 11, 15, 19, 23, 27]
+    assert split_flags(30, 8) == ["--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "3"]
+    assert stage_layers(32, 8) == [4] * 8 and split_flags(32, 8) == [] and runs.boundaries(4, 2) == [2]
+    with pytest.raises(UnsupportedModel, match="31 layers do not split over 8"):
+        stage_layers(31, 8)
+
+
+def _fake_training(monkeypatch, losses, passes):
+    """A stand-in for ``megatron.training.training`` whose ``evaluate`` returns ``losses`` in turn and whose
+    ``evaluate_and_print_results`` evaluates ``passes`` times (2: ``--tah-eval-traffic both``); and Megatron's args."""
+    module = types.ModuleType("fake_training")
+    losses = iter(losses)
+    module.evaluate = lambda *a, **k: ({"lm loss": next(losses)}, None, False)
+    module.evaluate_and_print_results = lambda prefix, *args, **kwargs: tuple(module.evaluate() for _ in range(passes))
+    args = types.SimpleNamespace(train_iters=100)
+    monkeypatch.setattr("megatron.training.global_vars.get_args", lambda: args)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", module)
+    return module, args
+
+
+def test_stop_at_loss_ends_training_at_the_first_validation_at_or_below_the_target(monkeypatch):
+    from benchmarks.depth.run import StopAtLoss
+
+    module, args = _fake_training(monkeypatch, [3.0, 2.6, 2.4, 2.2], passes=1)
+    stop = StopAtLoss(2.5)
+    stop.install()
+    try:
+        for iteration in (10, 20, 30):
+            module.evaluate_and_print_results("validation", None, None, None, iteration)
+            assert args.train_iters == (100 if iteration < 30 else 30)
+        module.evaluate_and_print_results("validation", None, None, None, 30)  # the end-of-training repeat
+        assert (stop.stopped_at, args.train_iters) == (30, 30)
+    finally:
+        stop.restore()
+    assert not hasattr(module.evaluate, "__wrapped__")
+
+
+def test_stop_at_loss_stops_on_the_evaluation_through_the_codecs_when_both_are_made(monkeypatch):
+    """With ``--tah-eval-traffic both`` Megatron's ``evaluate`` runs twice per validation (through the codecs, then
+    uncompressed): the first pass decides."""
+    from benchmarks.depth.run import StopAtLoss
+
+    module, args = _fake_training(monkeypatch, [2.6, 2.4, 2.4, 2.6], passes=2)
+    stop = StopAtLoss(2.5)
+    stop.install()
+    try:
+        module.evaluate_and_print_results("validation", None, None, None, 10)  # compressed 2.6, uncompressed 2.4
+        assert args.train_iters == 100
+        module.evaluate_and_print_results("validation", None, None, None, 20)  # compressed 2.4
+        assert args.train_iters == 20
+    finally:
+        stop.restore()
+
+
+def test_eval_losses_records_each_pass_per_micro_batch_and_skips_early_and_repeated_validations(monkeypatch, tmp_path):
+    from benchmarks.depth.run import EvalLosses
+
+    module = types.ModuleType("fake_training")
+    boundaries = types.SimpleNamespace(uncompressed=False)
+
+    def evaluate(forward_step_func, *args, **kwargs):  # Megatron's: the forward step's loss report per micro-batch
+        for total in (6.0, 9.0):
+            _, loss_func = forward_step_func(None, None)
+            loss_func(None)
+        return ({"lm loss": 2.5}, None, False)
+
+    def step(data_iterator, model):
+        return None, lambda output: (None, None, {"lm loss": torch.tensor([next(totals), 3.0])})
+
+    import torch
+
+    totals = iter([6.0, 9.0, 3.0, 6.0, 9.0, 9.0])
+    module.evaluate = evaluate
+
+    def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, *a, **k):
+        module.evaluate(forward_step_func)
+        if "validation set" in prefix and iteration == 20:  # as --tah-eval-traffic both: a second, raw pass
+            boundaries.uncompressed = True
+            module.evaluate(forward_step_func)
+            boundaries.uncompressed = False
+
+    module.evaluate_and_print_results = evaluate_and_print_results
+    args = types.SimpleNamespace(train_iters=20)
+    monkeypatch.setattr("megatron.training.global_vars.get_args", lambda: args)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", module)
+    path = tmp_path / "evals.jsonl"
+    recorder = EvalLosses(path, boundaries, first=10)
+    recorder.install()
+    try:
+        module.evaluate_and_print_results("iteration 5 on validation set", step, None, None, 5)  # before the first
+        module.evaluate_and_print_results("iteration 20 on validation set", step, None, None, 20)
+        module.evaluate_and_print_results("iteration 20 on validation set", step, None, None, 20)  # the end's repeat
+        module.evaluate_and_print_results("iteration 20 on test set", step, None, None, 20)
+    finally:
+        recorder.restore()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["iteration"], r["split"], r["traffic"]) for r in records] == [
+        (20, "valid", "codec"), (20, "valid", "uncompressed"), (20, "test", "codec")]
+    assert records[0]["losses"] == [2.0, 3.0] and records[1]["losses"] == [1.0, 2.0]
+    assert records[2]["losses"] == [3.0, 3.0]
+    assert runs.eval_losses(path)[(20, "valid", "uncompressed")] == [1.0, 2.0]
+
+
+def test_the_emulated_boundaries_pass_messages_untouched_inside_an_uncompressed_evaluation():
+    """``--tah-eval-traffic``'s switch (``pipeline_parallel.evaluation``) reaches the emulated boundaries as it
+    reaches the pipeline's links."""
+    import torch
+
+    from benchmarks.depth.boundaries import Boundaries
+    from megatron_tah.megatron import pipeline_parallel
+
+    x = torch.randn(16, 1, 64).to(torch.bfloat16)
+    boundaries = Boundaries([1], {"tah_preset": "hadint4"}, {"tah_preset": "hadint4"})
+    boundaries.install()
+    try:
+        compressed = boundaries.round_trip(1, "forward", x)
+        with pipeline_parallel.evaluation(uncompressed=True):
+            raw = boundaries.round_trip(1, "forward", x)
+        with pipeline_parallel.evaluation(uncompressed=False):
+            again = boundaries.round_trip(1, "forward", x)
+    finally:
+        boundaries.restore()
+    assert torch.equal(raw, x) and not torch.equal(compressed, x) and not torch.equal(again, x)
+    assert not boundaries.uncompressed and pipeline_parallel.evaluation.__name__ == "evaluation"
+    assert not hasattr(pipeline_parallel.evaluation, "_megatron_tah")
+
+
+def test_steps_to_a_loss_are_interpolated_between_validations_and_never_extrapolated():
+    curve = [(10, 4.0), (12, 3.8), (14, 3.7), (16, 3.75), (18, 3.6)]
+    assert score.crossing(curve, 3.9) == pytest.approx(11.0)
+    assert score.crossing(curve, 3.7) == pytest.approx(14.0)
+    assert score.crossing(curve, 3.65) == pytest.approx(16 + 2 * 0.1 / 0.15)  # the first crossing after the bump
+    assert score.crossing(curve, 4.2) == 10.0 and score.crossing(curve, 3.5) is None
+    base = [(10, 4.0), (12, 3.9), (14, 3.8), (16, 3.7)]
+    # 4.1 lies before bf16's first validation and 3.6 below all of it: no M; 3.85 is reached at step 13
+    assert score.equivalent_steps([(10, 4.1), (14, 3.85), (16, 3.8), (20, 3.6)], base) == [(14, pytest.approx(13.0)),
+                                                                                           (16, pytest.approx(14.0))]
+
+
+def _curves(slope_codec: float, seeds=(1, 2, 3), noise=(0.0, 0.004, -0.003)):
+    """bf16 falling 0.02 per step from 4.0 at step 10, a codec falling ``slope_codec`` per step from the same start."""
+    curves = {}
+    for seed, jitter in zip(seeds, noise):
+        for codec, slope in (("bf16", 0.02), ("x", slope_codec)):
+            curve = [(i, 4.0 - slope * (i - 10) + jitter) for i in range(10, 41, 2)]
+            damage = {t: {"damage_loss": 3.0 + (0.03 if codec == "x" else 0.0) + jitter, "damage_accuracy": 0.3}
+                      for t in runs.TRAFFIC}
+            curves[runs.run_name(codec, seed, 8)] = {"codec": codec, "seed": seed, "depth": 8, "uncompressed": curve,
+                                                     "compressed": curve, "damage": damage, "ms": 1.0}
+    return curves
+
+
+def test_the_target_is_bf16s_mean_loss_at_its_step_where_the_slope_is_measured():
+    base = [[(i, 4.0 - 0.02 * (i - 10) + d) for i in range(10, 41, 2)] for d in (0.0, 0.01, -0.01)]
+    target, slope = report.target_and_slope(base, 21)
+    assert target == pytest.approx(4.0 - 0.02 * 11, abs=1e-4) and slope == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="outside"):
+        report.target_and_slope(base, 50)
+
+
+def test_a_codec_at_half_the_slope_needs_more_steps_and_one_that_missed_gets_no_multiplier():
+    curves = _curves(0.01)
+    names = {s: runs.run_name("x", s, 8) for s in (1, 2, 3)}
+    bf16 = {s: runs.run_name("bf16", s) for s in (1, 2, 3)}
+    m = report.metric(curves, names, bf16, "uncompressed", 3.8, 40)
+    # bf16 reaches 3.8 at step 20 (+ the jitter / 0.02), the codec at step 30 (+ the jitter / 0.01)
+    assert m["steps_by_seed"]["2"] == pytest.approx(30.4) and m["multiplier"] == pytest.approx(
+        statistics.fmean([30 / 20, 30.4 / 20.2, 29.7 / 19.85]), rel=1e-6)
+    assert m["multiplier_low"] < m["multiplier"] < m["multiplier_high"] and m["missed_within"] is None
+    assert m["along"] > 1.2  # at every N where bf16 reached the codec's loss, bf16 had taken fewer steps
+    missed = report.metric(curves, names, bf16, "uncompressed", 3.6, 40)  # the codec ends at 3.7
+    assert missed["multiplier"] is None and missed["missed_within"] == 40
+    assert report.multiplier_text(missed) == "missed within 40 steps (3 of 3 seeds)"
+    assert report.steps_text(missed) == "missed within 40 steps (seed 1, 2, 3)"
+
+
+def test_damage_verdicts_follow_the_paired_interval():
+    assert report.verdict(score.mean_interval([0.02, 0.03, 0.025])) == report.MORE_DAMAGE
+    assert report.verdict(score.mean_interval([-0.02, -0.03, -0.025])) == "less damage than bf16's"
+    assert report.verdict(score.mean_interval([0.02, -0.03, 0.01])) == "within noise"
+    assert report.verdict(score.mean_interval([0.02])) == "one seed"
+
+
+def test_bits_are_the_codecs_exact_wire_bytes_at_the_reference_shape():
+    fwd, bwd = report.bits("paper", report.REFERENCE_SHAPE)
+    assert fwd == pytest.approx(4.43, abs=0.01) and bwd == pytest.approx(7.0, abs=0.01)
+    assert report.bits("bf16", report.REFERENCE_SHAPE) == pytest.approx((16.0, 16.0), abs=0.001)
+    # bits per boundary: the mean over the boundaries; the busiest link carries the most
+    fwd, _ = report.bits("channel_b_h4", report.REFERENCE_SHAPE, 8)
+    assert fwd == pytest.approx(5.31, abs=0.01)
+    assert report.busiest_bits("channel_b_h4", report.REFERENCE_SHAPE, 8) == pytest.approx(6.02 + 4.25, abs=0.01)
+
+
+def _table_row(codec, multiplier, verdict, t, bits=(4.0, 4.0), seeds=(1, 2, 3), spread=0.01, busiest=None):
+    steps = {str(s): None if multiplier is None else 20 * (multiplier + spread * (k - 1)) for k, s in enumerate(seeds)}
+    m = {"multiplier": multiplier, "steps_by_seed": steps, "missed_within": None if multiplier else 40,
+         "projected_T": t, "projected_T_low": t and t * (1 if codec == "bf16" else 0.9),
+         "projected_T_high": t and t * (1 if codec == "bf16" else 1.1),
+         "damage_verdict": verdict, "damage_vs_bf16": 0.001, "damage_vs_bf16_low": -0.002,
+         "damage_vs_bf16_high": 0.004}
+    if multiplier is not None:
+        m.update(multiplier_low=multiplier - 0.1, multiplier_high=multiplier + 0.1)
+    return {"codec": codec, "forward_bits": bits[0], "backward_bits": bits[1], "seeds": list(seeds),
+            "busiest_bits": busiest or sum(bits), "projected_s_per_step": (t or 1.0) / (20 * (multiplier or 1)),
+            "uncompressed": dict(m), "compressed": dict(m)}
+
+
+def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_go_to_fewer_bits():
+    table = [_table_row("bf16", 1.0, "–", 300_000.0, (16, 16)),
+             _table_row("hadint4", 1.0, report.MORE_DAMAGE, 50_000.0),
+             _table_row("paper", None, "within noise", None, (3, 3)),
+             _table_row("channel9", 1.6, "within noise", 160_000.0),
+             _table_row("channel_h4", 1.1, "less damage than bf16's", 100_000.0, (6, 4)),
+             _table_row("not_a_preset", 1.0, "within noise", 90_000.0)]
+    assert report.recommended(table) == "channel_h4"
+    assert report.recommended(table[:3]) is None
+    # a preset within noise of the best projected T, with fewer bits on the busiest link, is chosen instead
+    tied = [*table, _table_row("channel_b_h4", 1.12, "within noise", 101_000.0, (5, 4), spread=-0.05, busiest=9.0)]
+    assert report.recommended(tied) == "channel_b_h4"
+    # not within noise (the seeds agree closely on a clearly larger T): the best stays
+    apart = [*table, _table_row("channel_b_h4", 1.5, "within noise", 150_000.0, (5, 4), spread=0.001, busiest=9.0)]
+    assert report.recommended(apart) == "channel_h4"
+    # one seed is no evidence: a preset must have reached the target in two or more
+    alone = [*table, _table_row("channel_b_h4", 1.0, "within noise", 60_000.0, (5, 4), seeds=(1,), busiest=9.0)]
+    assert report.recommended(alone) == "channel_h4"
+    one = {**alone[-1]["uncompressed"], "multiplier_low": 1.0, "multiplier_high": 1.0}
+    assert report.multiplier_text(one) == "1.00x (one seed)"
+    text = report.frontier_text({"table": table})
+    assert text.index("`paper` 6.00 bits: missed within 40 steps") < text.index("`channel_h4` 10.00 bits: 1.10x")
+    # the README's table: bf16 and the presets on both evaluations, the other candidates on the page only
+    readme = report.readme_table({"table": [table[0], table[2], table[4], table[5]]})
+    assert "| [bf16 (uncompressed)](docs/REAL_MODEL.md) | 16.00 + 16.00 | 1 | 1 | – | 300,000 |" in readme
+    assert "| [`paper`](docs/REAL_MODEL.md) | 3.00 + 3.00 | missed within 40 steps (3 of 3 seeds) | missed within 40 " \
+           "steps (3 of 3 seeds) | +0.10% [-0.20%, +0.40%] (within noise) | – |" in readme
+    assert "| [`channel_h4`](docs/REAL_MODEL.md) | 6.00 + 4.00 | 1.10x [1.00x, 1.20x] | 1.10x [1.00x, 1.20x] | " \
+           "+0.10% [-0.20%, +0.40%] (less damage than bf16's) | 100,000 [90,000, 110,000] |" in readme
+    assert "not_a_preset" not in readme and readme.count("\n| [") == 3
+
+
+def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_end_over_two_seeds():
+    row = _table_row("cheap", 1.04, "within noise", 90_000.0, (4, 3))  # damage +0.1% [-0.2%, +0.4%]
+    assert report.meets(row, 8.0, 1.05, 0.005)
+    assert not report.meets(row, 6.0, 1.05, 0.005)  # 7 bits
+    assert not report.meets(row, 8.0, 1.03, 0.005)  # its multiplier
+    assert not report.meets(row, 8.0, 1.05, 0.003)  # its damage interval's upper end
+    assert not report.meets(_table_row("cheap", 1.04, "one seed", 90_000.0, (4, 3), seeds=(1,)), 8.0, 1.05, 0.005)
+    text = report.goals_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), row]})
+    assert "At most 8 bits" in text and "met by `cheap`" in text
+    assert "At most 6 bits" in text and "not met. Within the bits: no candidate run had so few bits" in text
+
+
+def test_the_study_rewrites_the_readmes_sections_between_their_markers_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "README_SECTIONS", {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- real_model:table -->\nold\n<!-- /real_model:table -->\nb\n"
+                      "<!-- real_model:presets -->\n<!-- /real_model:presets -->\nc\n")
+    assert report.write_readme({"n": 1}, readme) and report.write_readme({"n": 2}, readme)
+    assert readme.read_text() == ("a\n<!-- real_model:table -->\nT2\n<!-- /real_model:table -->\nb\n"
+                                  "<!-- real_model:presets -->\nP\n<!-- /real_model:presets -->\nc\n")
+    readme.write_text("no markers\n")
+    assert not report.write_readme({"n": 1}, readme) and readme.read_text() == "no markers\n"
+
+
+def test_evaluation_noise_is_the_paired_standard_error_on_the_same_samples(tmp_path):
+    curves = _curves(0.01, seeds=(1,), noise=(0.0,))
+    for name, losses in ((runs.run_name("bf16", 1), [3.0, 3.2, 2.8, 3.0]), (runs.run_name("x", 1, 8), [3.1, 3.3, 2.9, 3.3])):
+        traffic = "codec" if "bf16" in name else "uncompressed"
+        (tmp_path / f"{name}.evals.jsonl").write_text(
+            json.dumps({"iteration": 20, "split": "valid", "traffic": traffic, "losses": losses}) + "\n")
+    found = report.noise(curves, tmp_path, {1: runs.run_name("bf16", 1)}, 0.02)
+    diffs = [0.1, 0.1, 0.1, 0.3]
+    assert found["pairs"] == 1 and found["median_gap"] == pytest.approx(0.15)
+    assert found["median_se"] == pytest.approx(statistics.stdev(diffs) / 2)
+    assert found["se_in_steps"] == pytest.approx(found["median_se"] / 0.02)
+    resolution = report.resolution(_curves(0.01), 3.81, 2)
+    assert resolution["max_diff_steps"] == pytest.approx(0.0, abs=1e-9)  # a straight line interpolates exactly
+
+
+@pytest.mark.distributed
+def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
+    pytest.importorskip("transformers")
+    out, page = tmp_path / "study", tmp_path / "docs" / "REAL_MODEL.md"
+    cmd = [sys.executable, "-m", "benchmarks.real_model", "--size", "tiny", "--out", str(out), "--codecs", "bf16,paper",
+           "--depth", "2", "--other-depths", "4", "--seeds", "1,2", "--pipeline", "paper", "--write", str(page)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((page.parent / "data" / "real_model.json").read_text())
+    size = runs.SIZES["tiny"]
+    rows = {r["codec"]: r for r in result["table"]}
+    assert set(rows) == {"bf16", "paper"} and [r["codec"] for r in result["depths"]["4"]] == ["bf16", "paper"]
+    assert result["boundaries"] == {"2": [2], "4": [1, 2, 3]}
+    bf16 = [result["curves"][runs.run_name("bf16", s)]["uncompressed"] for s in (1, 2)]
+    assert result["target"] == pytest.approx(report.target_and_slope(bf16, size.target_step)[0])
+    for name, curve in result["curves"].items():  # every run the same steps, validated from eval_from on, both ways
+        assert [i for i, _ in curve["uncompressed"]] == list(range(size.eval_from, size.iters + 1, size.eval_interval))
+        same = curve["uncompressed"] == curve["compressed"]
+        assert same == (curve["codec"] == "bf16"), name  # bf16 has no codec; paper's evaluations differ
+        assert curve["damage"]["uncompressed"]["damage_loss"] > 0
+        assert 0 <= curve["damage"]["compressed"]["damage_accuracy"] <= 1
+    for seed in (1, 2):
+        curve = result["curves"][runs.run_name("paper", seed, 2)]["uncompressed"]
+        assert rows["paper"]["uncompressed"]["steps_by_seed"][str(seed)] == score.crossing(curve, result["target"])
+    assert result["untouched"]["damage_loss"] > 0
+    assert result["noise"]["pairs"] >= 2 * len(bf16[0]) and result["noise"]["median_se"] > 0
+    check = result["pipeline"]  # the real 2-stage pipeline from the same weights tracks the emulated run, both ways
+    for traffic in runs.TRAFFIC:
+        assert len(check[traffic]["iterations"]) >= 3 and check[traffic]["max_abs_diff"] < 0.1
+    text = page.read_text()
+    assert "| paper | 4.43 + 7.00 | 2 |" in text and "layers 2 (Megatron" in text
+    assert "| 4 | paper | 4.43 + 7.00 | 2 |" in text
+    for plot in ("real_model.png", "real_model_frontier.png", "real_model_along.png"):
+        assert (page.parent / "data" / plot).stat().st_size > 0
+    assert "Not measured for this page" in text  # no sensitivity JSON beside this page
+
+
+def test_the_sensitivity_probe_measures_each_boundary_and_the_gradients_on_a_random_llama(tmp_path):
+    """``benchmarks.real_model.sensitivity`` on the tiny random Llama at depth 4 (boundaries after layers 1, 2,
+    3): 8 bits cost less than 2 at every boundary, alone and together; 3-bit gradients err more than 6-bit
+    ones, and both less than nothing (> 0); two batches' exact gradients differ."""
+    import transformers
+
+    from benchmarks.real_model.sensitivity import measure
+
+    runs.make_tiny_llama(tmp_path / "tiny")
+
+    def load():
+        return (transformers.AutoTokenizer.from_pretrained(tmp_path / "tiny"),
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny"))
+
+    result = measure({"tah_forward_codec": "channel"}, {"tah_backward_codec": "channel",
+                                                        "tah_backward_stochastic_rounding": True},
+                     [2, 8], [3, 6], stages=4, seq=32, batches=3, load=load)
+    assert result["boundaries"] == [1, 2, 3]
+    gap = {(r["bits"], r["boundary"]): r["gap"] for r in result["forward"]}
+    assert set(gap) == {(b, k) for b in (2, 8) for k in (1, 2, 3, "all")}
+    for k in (1, 2, 3, "all"):
+        assert abs(gap[(8, k)]) < abs(gap[(2, k)]), (k, gap)
+    errors = {r["bits"]: r["rel_error"] for r in result["backward"]}
+    assert 0 < errors[6] < errors[3]
+    assert result["between_batches"]["rel_error"] > 0
