@@ -272,8 +272,8 @@ def _corrupted_on_the_link(rank, world_size):
         transport = installed_transport()
         encode = transport.encode
 
-        def corrupting(link, x):
-            buf, rest = encode(link, x)
+        def corrupting(link, x, *rest_args, **kwargs):
+            buf, rest = encode(link, x, *rest_args, **kwargs)
             if link.direction == "forward" and args.curr_iteration == 3:
                 buf[-5] ^= 0x10
             return buf, rest

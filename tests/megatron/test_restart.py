@@ -112,8 +112,8 @@ def test_a_failure_that_is_not_passing_is_not_restarted(tmp_path, plan, reason):
 
 def test_an_attempt_whose_launcher_ended_leaves_none_of_its_workers_behind():
     """The restart loop stops an attempt's whole process group (its own session), also when the launcher itself
-    has already exited and a worker of its is still running (``slow_link.stop_process``)."""
-    from megatron_tah.slow_link import stop_process
+    has already exited and a worker of its is still running (``netns_link.stop_process``)."""
+    from megatron_tah.netns_link import stop_process
 
     launcher = subprocess.Popen(["bash", "-c", "sleep 300 & echo $!"], start_new_session=True,
                                 stdout=subprocess.PIPE, text=True)
