@@ -183,3 +183,61 @@ def test_the_emulated_boundaries_evaluate_through_the_evaluation_codec(monkeypat
     unset = module.Boundaries([2], TRAINING, TRAINING)
     unset.evaluating = True
     assert torch.equal(unset.round_trip(2, "forward", x), training.decode(training.encode(x), SHAPE, x.dtype))
+
+
+# ----- a 2-stage gloo pipeline ------------------------------------------------------------------------
+def _pipeline(rank, world_size):
+    """Every rank: one step (lr 0) trained, one inside an evaluation through the codecs, one inside an
+    uncompressed one (bytes sent to each rank and the last stage's losses of each), then a start with the last
+    stage given other evaluation bits (each rank's mismatch message)."""
+    import megatron_tah
+    from megatron_tah.link.handshake import CodecMismatchError
+    from megatron_tah.megatron import pipeline_parallel
+    from megatron_tah.megatron.cpu_shims import apply_cpu_shims
+    from test_patch_pipeline import _build, _train, _WireSpy
+
+    apply_cpu_shims()
+    fields = {"tah_forward_codec": "channel", "tah_forward_bits": 4, "tah_backend": "torch"}
+    megatron_tah.install(**fields, tah_eval_forward_bits=8)
+    chunks = _build(world_size, None, True, False, world_size)
+    result = {}
+    for name, evaluation in (("trained", None), ("evaluated", False), ("uncompressed", True)):
+        with _WireSpy() as spy:
+            if evaluation is None:
+                losses, _ = _train(chunks, 1)
+            else:
+                with pipeline_parallel.evaluation(uncompressed=evaluation):
+                    losses, _ = _train(chunks, 1)
+        result[name] = {"sent": spy.bytes_to, "losses": losses[0]}
+    megatron_tah.uninstall()
+    megatron_tah.install(**fields, tah_eval_forward_bits=8 if rank == 0 else 6)
+    try:
+        _train(_build(world_size, None, True, False, world_size), 1)
+        result["mismatch"] = "no error"
+    except CodecMismatchError as err:
+        result["mismatch"] = str(err)
+    finally:
+        megatron_tah.uninstall()
+    return result
+
+
+@pytest.mark.distributed
+def test_a_two_stage_pipeline_evaluates_at_the_evaluation_bits():
+    from dist_utils import run_distributed
+    from megatron_tah.codecs import get_codec
+    from test_patch_pipeline import ENV, HIDDEN, MICRO_BATCH, MICRO_BATCHES, SEQ
+
+    results = run_distributed(_pipeline, 2, env=ENV, timeout=600)
+    shape = (SEQ, MICRO_BATCH, HIDDEN)
+    raw = MICRO_BATCHES * get_codec("none").wire_nbytes(shape, torch.float32)
+    for name, bits in (("trained", 4), ("evaluated", 8)):
+        assert results[0][name]["sent"][1] == MICRO_BATCHES * get_codec("channel", bits=bits).wire_nbytes(
+            shape, torch.float32), name
+        assert results[1][name]["sent"][0] == raw, name  # gradients: uncompressed, as configured
+    assert results[0]["uncompressed"]["sent"][1] == raw
+    losses = {name: torch.tensor(results[1][name]["losses"]) for name in ("trained", "evaluated", "uncompressed")}
+    gap = {name: float((losses[name] - losses["uncompressed"]).abs().sum()) for name in ("trained", "evaluated")}
+    assert gap["evaluated"] < gap["trained"], gap  # the same weights: 8 bits come closer to the raw activations'
+    for rank in range(2):
+        message = results[rank]["mismatch"]
+        assert "forward codecs" in message and "evaluations at" in message, (rank, message)
