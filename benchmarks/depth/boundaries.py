@@ -94,8 +94,9 @@ class Boundaries:
         return self.codecs[key]
 
     def eval_codec(self, layer: int, direction: str):
-        """The boundary's codec in evaluations through the codecs: the forward config's evaluation codec
-        (``TahConfig.eval_forward_codec``, its bits at every boundary, as on the links); None: the training one."""
+        """The boundary's codec in evaluations through the codecs: its forward config's (``per_boundary``'s where
+        given) evaluation codec (``TahConfig.eval_forward_codec``: its bits at every boundary, as on the links);
+        None: the training one."""
         if direction != "forward":
             return None
         key = (layer, "eval")
