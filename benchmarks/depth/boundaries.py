@@ -12,7 +12,8 @@ each pipeline rank's initialisation differently.
 ``Boundaries.install()`` wraps ``megatron.core.transformer.transformer_layer.TransformerLayer.forward`` (looked
 up at call time by every layer) and ``megatron_tah.megatron.pipeline_parallel.evaluation`` (the switch
 ``--tah-eval-traffic`` turns on the pipeline's links for an evaluation: inside it with ``uncompressed``, the
-boundaries pass their messages untouched, as the pipeline's links send raw) through
+boundaries pass their messages untouched, as the pipeline's links send raw; inside it without, a forward config
+with ``tah_eval_forward_bits`` sends activations through its evaluation codec, as the links do) through
 ``megatron_tah.megatron.patching.Patches``; ``restore()`` undoes both.
 Every ``sample_every``-th call of a boundary and direction appends ``{"boundary", "direction", "call",
 "rel_error", "rms"}`` (the codec's relative round-trip error on that message and the message's rms) to
@@ -73,19 +74,35 @@ class Boundaries:
         self.log, self.sample_every = (None if log is None else Path(log)), sample_every
         self.capture, self.capture_at = (None if capture is None else Path(capture)), frozenset(map(int, capture_at))
         self.capture_per, self.captured = int(capture_per), {}
-        self.uncompressed = False
-        """Inside an evaluation that ``--tah-eval-traffic`` sends uncompressed: messages pass untouched."""
+        self.evaluating = self.uncompressed = False
+        """Inside an evaluation; inside one that ``--tah-eval-traffic`` sends uncompressed: messages pass untouched
+        (otherwise activations go through the evaluation codec where the config has one, ``eval_codec``)."""
         self.patches = Patches()
+
+    def _config(self, layer: int, direction: str) -> TahConfig:
+        return self.per_boundary.get(layer, self.configs[direction]) if direction == "forward" \
+            else self.configs[direction]
 
     def codec(self, layer: int, direction: str):
         key = (layer, direction)
         if key not in self.codecs:
-            config = self.per_boundary.get(layer, self.configs[direction]) if direction == "forward" \
-                else self.configs[direction]
+            config = self._config(layer, direction)
             cuts = sorted(self.layers)  # boundary i of len(cuts): --tah-boundary-bits' entry, as on a pipeline link
             codec = config.forward_codec(cuts.index(layer), len(cuts)) if direction == "forward" \
                 else config.backward_codec()
             self.codecs[key] = codec.salt_rounding(f"{direction}:{layer}")  # as a pipeline's link ends: own noise
+        return self.codecs[key]
+
+    def eval_codec(self, layer: int, direction: str):
+        """The boundary's codec in evaluations through the codecs: its forward config's (``per_boundary``'s where
+        given) evaluation codec (``TahConfig.eval_forward_codec``: its bits at every boundary, as on the links);
+        None: the training one."""
+        if direction != "forward":
+            return None
+        key = (layer, "eval")
+        if key not in self.codecs:
+            codec = self._config(layer, direction).eval_forward_codec()
+            self.codecs[key] = None if codec is None else codec.salt_rounding(f"{direction}:{layer}:eval")
         return self.codecs[key]
 
     def _save(self, layer: int, direction: str, x: torch.Tensor) -> None:
@@ -103,6 +120,8 @@ class Boundaries:
         codec = self.codec(layer, direction)
         if codec.name == "none" or self.uncompressed or (self.warmup_iters and _iteration() < self.warmup_iters):
             return x
+        if self.evaluating:
+            codec = self.eval_codec(layer, direction) or codec
         x = x.detach()
         y = codec.decode(codec.encode(x), x.shape, x.dtype)
         key = (layer, direction)
@@ -133,12 +152,13 @@ class Boundaries:
         def make_evaluation(original):
             @contextlib.contextmanager
             def evaluation(uncompressed: bool):
-                before, boundaries.uncompressed = boundaries.uncompressed, bool(uncompressed)
+                before = boundaries.evaluating, boundaries.uncompressed
+                boundaries.evaluating, boundaries.uncompressed = True, bool(uncompressed)
                 try:
                     with original(uncompressed):
                         yield
                 finally:
-                    boundaries.uncompressed = before
+                    boundaries.evaluating, boundaries.uncompressed = before
 
             return evaluation
 

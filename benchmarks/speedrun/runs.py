@@ -35,6 +35,8 @@ CODECS: dict[str, dict] = {
     "paper": {"tah_preset": "paper"},
     "hadint4": {"tah_preset": "hadint4"},
     "lowrank": {"tah_preset": "lowrank"},
+    # lowrank trained, evaluated (served) with its residual at 5 bits
+    "lowrank_s5": {"tah_preset": "lowrank", "tah_eval_forward_bits": 5},
     # auto's candidates that are no preset: lowrank with 8 directions, per-channel codecs (their fields: config.auto)
     "lowrank8": candidate_fields("lowrank8"),
     # lowrank both ways, the gradients' residual rounded stochastically (unbiased): 3.38 bits each way at
@@ -95,6 +97,9 @@ CODECS: dict[str, dict] = {
     # 4.02 + 3.25 and 3.02 + 3.25 bits at [1024, 8, 1024]
     "channel4_h3": {**PRESETS["channel_h4"], "tah_forward_bits": 4, "tah_backward_bits": 3},
     "channel3_h3": {**PRESETS["channel_h4"], "tah_forward_bits": 3, "tah_backward_bits": 3},
+    # trained as channel4_h3, evaluated (served) through the pipeline at 6 bits: the bits inference needs
+    "channel4_h3_s6": {**PRESETS["channel_h4"], "tah_forward_bits": 4, "tah_backward_bits": 3,
+                       "tah_eval_forward_bits": 6},
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""

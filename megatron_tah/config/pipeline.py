@@ -3,10 +3,10 @@
 The pipeline's codecs (``tah_forward_codec``, ``tah_backward_codec`` and their direction parameters) must be able
 to do what they are asked (carry gradients, round stochastically, run on Triton) and must build. Its link's options
 -- bits per boundary (``tah_boundary_bits``), the warm-up (``tah_warmup_iters``), evaluation traffic
-(``tah_eval_traffic``), entropy coding, the emulated link (``tah_emulate_*``), the peer timeout -- follow rules
-between themselves and with those codecs. The link (``megatron_tah/link/``) reads a ``TahConfig`` as it is, with or
-without Megatron and the places (the tests and benchmarks build transports directly), so these rules sit here,
-below it: ``TahConfig`` runs ``check`` when it is made, and the pipeline place names it as its ``check`` hook
+(``tah_eval_traffic``) and bits (``tah_eval_forward_bits``), entropy coding, the emulated link (``tah_emulate_*``),
+the peer timeout -- follow rules between themselves and with those codecs. The link (``megatron_tah/link/``)
+reads a ``TahConfig`` as it is, with or without Megatron and the places (the tests and benchmarks build
+transports directly), so these rules sit here, below it: ``TahConfig`` runs ``check`` when it is made, and the pipeline place names it as its ``check`` hook
 (``megatron/pipeline_parallel.py``), beside its checks of Megatron's arguments. Each rule raises ``ValueError``
 naming the field and the value.
 """
@@ -96,6 +96,38 @@ def check_link_options(config: Any) -> None:
     if config.tah_emulate_latency_ms < 0:
         raise ValueError(f"tah_emulate_latency_ms = {config.tah_emulate_latency_ms}: must be >= 0")
     _check_boundary_bits(config)
+    _check_eval_forward_bits(config)
+
+
+def _bits_codecs() -> list[str]:
+    """The forward codecs that take bits (``--tah-forward-bits``)."""
+    return [n for n in forward_codecs() if "bits" in codec_declaration(n).takes]
+
+
+def _check_eval_forward_bits(config: Any) -> None:
+    """Evaluation bits need a forward codec that takes bits, keeps no per-sample state and is not auto, evaluations
+    that go through it (not ``tah_eval_traffic = 'uncompressed'``), and must build it."""
+    bits = config.tah_eval_forward_bits
+    if bits is None:
+        return
+    name = config.tah_forward_codec
+    if config.is_auto("forward"):
+        raise ValueError(f"tah_eval_forward_bits = {bits} with tah_forward_codec = 'auto': auto chooses each link's "
+                         "codec and bits; give the forward direction a codec that takes bits or a preset")
+    if name not in _bits_codecs():
+        takers = [n for n in _bits_codecs() if not codec_declaration(n).needs_sample_ids]
+        raise ValueError(f"tah_eval_forward_bits = {bits} with tah_forward_codec = {name!r}: it takes no bits; "
+                         f"evaluation bits need a forward codec that takes bits ({', '.join(takers)})")
+    if codec_declaration(name).needs_sample_ids:
+        raise ValueError(f"tah_eval_forward_bits = {bits} with tah_forward_codec = {name!r}: its per-sample state "
+                         "follows every message of a sample; evaluate through the training codec")
+    if config.tah_eval_traffic == "uncompressed":
+        raise ValueError(f"tah_eval_forward_bits = {bits} with tah_eval_traffic = 'uncompressed': evaluations "
+                         "never go through the codec; use codec or both, or drop tah_eval_forward_bits")
+    try:
+        config.build_codec(name, bits, config.tah_tile_size)
+    except CodecError as err:
+        raise ValueError(f"tah_eval_forward_bits = {bits}: {err}") from None
 
 
 def _check_boundary_bits(config: Any) -> None:
@@ -104,7 +136,7 @@ def _check_boundary_bits(config: Any) -> None:
     if not entries:
         return
     name = config.tah_forward_codec
-    bits_codecs = [n for n in forward_codecs() if "bits" in codec_declaration(n).takes]
+    bits_codecs = _bits_codecs()
     if config.is_auto("forward") or name not in bits_codecs:
         raise ValueError(f"tah_boundary_bits with tah_forward_codec = {name!r}: per-boundary bits need a forward "
                          f"codec that takes bits ({', '.join(bits_codecs)})")

@@ -74,6 +74,9 @@ class TahConfig:
     """Send the first N training iterations uncompressed both ways (TAH-Quant's warm-up; aqsgd warms up per sample)."""
     tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": ("codec", "uncompressed", "both")})
     """Evaluations' pipeline traffic: codec (as training), uncompressed, or both (valid_loss_uncompressed logged)."""
+    tah_eval_forward_bits: int | None = None
+    """Bits of the forward codec in evaluations through the codecs (serving through the pipeline at other precision
+    than training); default: the training bits. In place of every boundary's bits (docs/USAGE.md)."""
     tah_backend: str = dataclasses.field(default="auto", metadata={"choices": BACKENDS})
     """Codec implementation: auto (Triton for CUDA tensors where the codec has a kernel), torch or triton."""
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
@@ -227,6 +230,15 @@ class TahConfig:
             raise ValueError(f"tah_boundary_bits: boundary {boundary} of {boundaries}: a link between neighbouring "
                              "stages of a pipeline that does not wrap (the 1F1B schedule, not interleaved)")
         return entries[boundary * len(entries) // boundaries]
+
+    def eval_forward_codec(self) -> Codec | None:
+        """A new codec object for activations in evaluations through the codecs: the forward codec at
+        ``tah_eval_forward_bits`` (at every boundary: it replaces ``tah_boundary_bits`` there); None when unset
+        (evaluations go through the training codec)."""
+        if self.tah_eval_forward_bits is None:
+            return None
+        return self.build_codec(self.tah_forward_codec, self.tah_eval_forward_bits, self.tah_tile_size,
+                                checksum=self.tah_wire_checksum)
 
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients (auto: as ``forward_codec``)."""

@@ -6,7 +6,7 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
 what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
-``--tah-wire-checksum``; forward, ``--tah-boundary-bits``); a direction set to ``auto`` is recorded as its
+``--tah-eval-forward-bits``, ``--tah-wire-checksum``; forward, ``--tah-boundary-bits``); a direction set to ``auto`` is recorded as its
 candidates' names and digests (both ends must hold the same decoders and carry the announcement trailer,
 ``wire.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule (the caller says how
@@ -41,14 +41,16 @@ class CodecMismatchError(RuntimeError):
 def config_record(cfg: TahConfig) -> dict:
     """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
     warmup, evals, checksum = cfg.tah_warmup_iters, cfg.tah_eval_traffic, cfg.tah_wire_checksum
-    coded = cfg.tah_entropy_coding
-    # The warm-up, the evaluations' traffic, the payload checksum and the entropy coding change what is sent
-    # (the codec's config digest leaves them out): part of both directions' record.
+    coded, eval_bits = cfg.tah_entropy_coding, cfg.tah_eval_forward_bits
+    # The warm-up, the evaluations' traffic and bits, the payload checksum and the entropy coding change what is
+    # sent (the codec's config digest leaves them out): part of both directions' record.
     modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else "",
+                     f"/eval_bits={eval_bits}" if eval_bits is not None else "",
                      "/checksum" if checksum else "", "/entropy" if coded else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
                        "both": ", evaluations through the codec and uncompressed"}[evals],
+                      f", evaluations at {eval_bits} bits forward" if eval_bits is not None else "",
                       ", payload checksum" if checksum else "", ", entropy-coded" if coded else ""])
     per_boundary = cfg.boundary_bits()
     record = {}

@@ -52,6 +52,8 @@ class Link:
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
     report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
     steps: list[Step] = dataclasses.field(default_factory=list, repr=False)  # its messages' steps, in send order
+    # forward, with --tah-eval-forward-bits: the codec of evaluations through the codecs (traffic.py)
+    eval_codec: Codec | GraphedCodec | None = None
 
     def host_staging(self, device: torch.device) -> HostStaging:
         """This end's staging buffers for wire buffers on ``device`` (made on first use)."""
@@ -97,7 +99,7 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
     """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
     otherwise the configured codec -- a forward link's at its boundary (``link_boundary``, from this rank's
     ``stage()``) with ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
-    ``codecs.graphs.place_codec`` says) and its steps: entropy framing with ``--tah-entropy-coding``, then the
+    ``codecs.graphs.place_codec`` says; a forward link's evaluation codec with ``--tah-eval-forward-bits``, alike) and its steps: entropy framing with ``--tah-entropy-coding``, then the
     trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s), then the emulated
     link (``emulation``: the process's ``emulate.LinkEmulator`` or ``InboundWire``, None: none)."""
     boundary = link_boundary(config, direction, role, stage, depth)
@@ -109,6 +111,10 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
         codec.salt_rounding(link_salt(direction, role, peer))  # each sender its own rounding noise
         # Only used after check_group compared the link's configs: headers are checked on the device.
         link = Link(direction, role, peer, place_codec(codec, config.tah_eager_codecs, graphs, graph_log))
+        evaluating = config.eval_forward_codec() if direction == "forward" else None
+        if evaluating is not None:  # both ends of the link build it alike: the receiver decodes what it encodes
+            evaluating.salt_rounding(link_salt(direction, role, peer) + ":eval")
+            link.eval_codec = place_codec(evaluating, config.tah_eager_codecs, graphs, graph_log)
     if config.tah_entropy_coding:
         link.steps.append(FramingStep(direction, peer))
     measure = config.is_auto("forward") or config.is_auto("backward")
