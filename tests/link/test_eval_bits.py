@@ -223,7 +223,7 @@ def _pipeline(rank, world_size):
 
 @pytest.mark.distributed
 def test_a_two_stage_pipeline_evaluates_at_the_evaluation_bits():
-    from dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
     from megatron_tah.codecs import get_codec
     from test_patch_pipeline import ENV, HIDDEN, MICRO_BATCH, MICRO_BATCHES, SEQ
 
