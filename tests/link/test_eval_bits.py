@@ -194,7 +194,7 @@ def _pipeline(rank, world_size):
     from megatron_tah.link.handshake import CodecMismatchError
     from megatron_tah.megatron import pipeline_parallel
     from megatron_tah.megatron.cpu_shims import apply_cpu_shims
-    from test_patch_pipeline import _build, _train, _WireSpy
+    from tests.megatron.test_patch_pipeline import _build, _train, _WireSpy
 
     apply_cpu_shims()
     fields = {"tah_forward_codec": "channel", "tah_forward_bits": 4, "tah_backend": "torch"}
@@ -225,7 +225,7 @@ def _pipeline(rank, world_size):
 def test_a_two_stage_pipeline_evaluates_at_the_evaluation_bits():
     from tests.helpers.dist_utils import run_distributed
     from megatron_tah.codecs import get_codec
-    from test_patch_pipeline import ENV, HIDDEN, MICRO_BATCH, MICRO_BATCHES, SEQ
+    from tests.megatron.test_patch_pipeline import ENV, HIDDEN, MICRO_BATCH, MICRO_BATCHES, SEQ
 
     results = run_distributed(_pipeline, 2, env=ENV, timeout=600)
     shape = (SEQ, MICRO_BATCH, HIDDEN)
