@@ -488,6 +488,33 @@ def goals_text(result: dict) -> str:
     return "\n".join(lines)
 
 
+def serving_text(result: dict) -> str:
+    """The candidates evaluated through the pipeline at other forward bits than they train with
+    (``--tah-eval-forward-bits``): both metrics, beside the same training evaluated through its own codec when run."""
+    from ..speedrun.runs import CODECS
+
+    by_codec = {r["codec"]: r for r in result["table"]}
+    parts = []
+    for row in result["table"]:
+        fields = CODECS.get(row["codec"], {})
+        if "tah_eval_forward_bits" not in fields:
+            continue
+        trained = {k: v for k, v in fields.items() if k != "tah_eval_forward_bits"}
+        base = next((c for c, f in CODECS.items() if f == trained and c in by_codec), None)
+        text = (f"`{row['codec']}` trains at {row['forward_bits']:.2f} + {row['backward_bits']:.2f} bits and evaluates "
+                f"through the pipeline at {fields['tah_eval_forward_bits']} forward bits: "
+                f"{multiplier_text(row['uncompressed'])} bf16's steps served on its own, "
+                f"{multiplier_text(row['compressed'])} served through the pipeline, damage through the pipeline "
+                f"{damage_text(row['compressed'], row['codec'])}")
+        if base:
+            text += (f"; the same training evaluated through its own codec (`{base}`): "
+                     f"{multiplier_text(by_codec[base]['compressed'])}")
+        parts.append(text + ".")
+    if not parts:
+        return "No run of this page evaluates at other bits than it trains with (`--tah-eval-forward-bits`)."
+    return "\n".join(f"- {p}" for p in parts)
+
+
 def pipeline_text(result: dict) -> str:
     check = result.get("pipeline")
     if not check:
@@ -678,7 +705,7 @@ def write_page(result: dict, page: Path) -> None:
         seeds=", ".join(map(str, result["seeds"])),
         table_uncompressed=table_markdown(result["table"], "uncompressed"),
         table_codec=table_markdown(result["table"], "compressed"), depths_table=depths_markdown(result),
-        presets=presets_text(result), goals=goals_text(result),
+        presets=presets_text(result), goals=goals_text(result), serving=serving_text(result),
         untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",

@@ -274,6 +274,18 @@ def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_en
     assert "At most 6 bits" in text and "not met. Within the bits: no candidate run had so few bits" in text
 
 
+def test_serving_at_other_bits_is_reported_beside_the_same_training_through_its_own_codec():
+    served = _table_row("channel4_h3_s6", 1.05, "within noise", 90_000.0, (4.02, 3.25))
+    served["compressed"].update(multiplier=1.08, multiplier_low=1.0, multiplier_high=1.16)
+    own = _table_row("channel4_h3", 1.05, "within noise", 90_000.0, (4.02, 3.25))
+    own["compressed"].update(multiplier=None, missed_within=40)
+    text = report.serving_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), served, own]})
+    assert "`channel4_h3_s6` trains at 4.02 + 3.25 bits and evaluates through the pipeline at 6 forward bits" in text
+    assert "1.05x [0.95x, 1.15x] bf16's steps served on its own, 1.08x [1.00x, 1.16x] served through the pipeline" in text
+    assert "through its own codec (`channel4_h3`): missed within 40 steps" in text
+    assert "No run" in report.serving_text({"table": [own]})
+
+
 def test_the_study_rewrites_the_readmes_sections_between_their_markers_only(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "README_SECTIONS", {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
     readme = tmp_path / "README.md"
