@@ -1,12 +1,9 @@
 """megatron_tah's options: ``TahConfig``, the schema of the ``--tah-*`` flags, its presets' expansion and the
-pipeline's codec factory.
-
-Every option is a field with its help under it, as megatron-core writes its configs; what makes a value valid is
-declared on the field (``fields.py``); a codec's own options come from its ``DECLARATION`` (``codec_option``).
+pipeline's codec factory. Every option is a field with its help under it, as megatron-core writes its configs; what
+makes a value valid is declared on the field (``fields.py``), a codec's own options come from its ``DECLARATION``.
 ``__post_init__`` expands ``tah_preset``, checks each field and the pipeline's rules (``pipeline.py``), raising
-``ValueError`` naming the field and value. What another place makes of its option is its own (its ``PlaceSpec``,
-``megatron/place_spec.py``), checked by ``megatron_tah.install`` and the flags' validation. Without ``--tah-*`` flags
-a run is Megatron's own.
+``ValueError`` naming the field and value; another place's option is its ``PlaceSpec``'s (``megatron/place_spec.py``),
+checked by ``megatron_tah.install``. Without ``--tah-*`` flags a run is Megatron's own.
 """
 
 # No ``from __future__ import annotations``: megatron's ArgumentGroupFactory reads the annotations as types.
@@ -96,8 +93,7 @@ class TahConfig:
     tah_emulate_latency_ms: float = 0.0
     """Extra one-way latency per message in milliseconds, with --tah-emulate-bandwidth."""
     tah_emulate_wire: str = dataclasses.field(default="link", metadata={"choices": ("link", "inbound")})
-    """How --tah-emulate-bandwidth meters: link (a pipe per directed link) or inbound (a wire per rank;
-    docs/SPEEDRUN.md)."""
+    """How --tah-emulate-bandwidth meters: link (a pipe per directed link) or inbound (a wire per rank)."""
     tah_log_json: str | None = None
     """Append one JSON record per iteration and evaluation (loss, time, bytes on the wire) to this file."""
     # ----- auto: a direction's codec chosen per link -----------------------------------------------------------
@@ -178,10 +174,6 @@ class TahConfig:
         """``tah_boundary_bits`` as integers (() when not set)."""
         return parsed(self, "tah_boundary_bits") or ()
 
-    def auto_start(self) -> str:
-        """The candidate auto links start with before their first measurement (``AutoSettings.start``)."""
-        return self.auto_settings().start()
-
     def is_off(self) -> bool:
         """Every option at its default: nothing is compressed, emulated or logged (Megatron runs as without us)."""
         return self == type(self)()
@@ -216,7 +208,7 @@ class TahConfig:
         """A new codec object for activations (one per link end: aqsgd keeps state; auto: the one its links start
         with), at ``boundary`` of ``boundaries`` (from stage ``boundary`` to the next) with its ``forward_bits``."""
         if self.is_auto("forward"):
-            return self.auto_candidate_codec(self.auto_start(), "forward")
+            return self.auto_candidate_codec(self.auto_settings().start(), "forward")
         return self.build_codec(self.tah_forward_codec, self.forward_bits(boundary, boundaries), self.tah_tile_size,
                                 checksum=self.tah_wire_checksum)
 
@@ -232,18 +224,15 @@ class TahConfig:
         return entries[boundary * len(entries) // boundaries]
 
     def eval_forward_codec(self) -> Codec | None:
-        """A new codec object for activations in evaluations through the codecs: the forward codec at
-        ``tah_eval_forward_bits`` (at every boundary: it replaces ``tah_boundary_bits`` there); None when unset
-        (evaluations go through the training codec)."""
-        if self.tah_eval_forward_bits is None:
-            return None
-        return self.build_codec(self.tah_forward_codec, self.tah_eval_forward_bits, self.tah_tile_size,
-                                checksum=self.tah_wire_checksum)
+        """A new forward codec at ``tah_eval_forward_bits`` (every boundary's), for evaluations through the codecs;
+        None when unset (they go through the training codec)."""
+        return None if self.tah_eval_forward_bits is None else self.build_codec(
+            self.tah_forward_codec, self.tah_eval_forward_bits, self.tah_tile_size, checksum=self.tah_wire_checksum)
 
     def backward_codec(self) -> Codec:
         """A new codec object for activation gradients (auto: as ``forward_codec``)."""
         if self.is_auto("backward"):
-            return self.auto_candidate_codec(self.auto_start(), "backward")
+            return self.auto_candidate_codec(self.auto_settings().start(), "backward")
         return self.build_codec(self.tah_backward_codec, self.tah_backward_bits, self.tah_backward_tile_size,
                                 stochastic_rounding=self.tah_backward_stochastic_rounding,
                                 checksum=self.tah_wire_checksum)

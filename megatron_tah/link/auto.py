@@ -26,7 +26,7 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   on its own (asymmetric links), by the traffic the pipeline carries anyway, with no probe. The
   two ends' wall clocks are assumed synchronised (on one machine they are the same clock; across
   sites NTP keeps them within about a millisecond, which biases a transit by as much).
-* **Lockstep.** Both ends start with ``TahConfig.auto_start()`` (none, else paper, else the first
+* **Lockstep.** Both ends start with ``AutoSettings.start()`` (none, else paper, else the first
   candidate: the largest messages, see there).
   At its first message of a new iteration each end switches to the codec announced during the
   previous one: the sender to what it announced, the receiver to what it read. Announcements of one
@@ -106,7 +106,7 @@ class AutoEnd:
             except Exception as err:  # noqa: BLE001 (the candidate is left out, with its reason)
                 warnings.warn(f"auto codec: candidate {name!r} dropped ({type(err).__name__}: {err})",
                               RuntimeWarning, stacklevel=2)
-        start = config.auto_start()
+        start = config.auto_settings().start()
         if start not in self.codecs:
             raise RuntimeError(f"auto codec: the start candidate {start!r} could not be built")
         self.current = self.next = start  # this iteration's codec, the next one's (announced / read)
