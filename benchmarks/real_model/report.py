@@ -329,11 +329,16 @@ def _t_ratio(a: dict, b: dict, traffic: str) -> score.Comparison | None:
     return score.compare(sa, sb, a["projected_s_per_step"] / b["projected_s_per_step"])
 
 
+TIE = 0.05
+"""How much larger a preset's mean projected T may be than the best's and still tie with it (``recommended``)."""
+
+
 def recommended(rows: list[dict], traffic: str = "uncompressed") -> str | None:
     """The preset a user should choose on ``rows`` (one depth) for one use: of the presets whose every seed (two or
     more) reached the target on that evaluation without more damage than bf16's at equal steps (uncompressed), the lowest
-    projected T; where another's T is within noise of it (paired interval of the ratio holds 1), the one with the
-    fewest bits on the busiest link, then both ways (None: none did)."""
+    projected T; where another's T is within noise of it (paired interval of the ratio holds 1) and within
+    ``TIE`` of it, the one with the fewest bits on the busiest link, then both ways (None: none did). (With few seeds
+    the interval of a T ratio can hold 1 for a preset far slower on average: ``TIE`` keeps such a one out.)"""
     from megatron_tah.config.presets import PRESETS
 
     fits = [r for r in rows if r["codec"] != "bf16" and r["codec"] in PRESETS and r[traffic]["multiplier"] is not None
@@ -342,7 +347,8 @@ def recommended(rows: list[dict], traffic: str = "uncompressed") -> str | None:
         return None
     best = min(fits, key=lambda r: r[traffic]["projected_T"])
     tied = [r for r in fits if r is best or ((c := _t_ratio(r, best, traffic)) is not None
-                                            and c.verdict in ("within noise", "one seed"))]
+                                            and c.verdict in ("within noise", "one seed")
+                                            and r[traffic]["projected_T"] <= (1 + TIE) * best[traffic]["projected_T"])]
     return min(tied, key=lambda r: (round(r["busiest_bits"], 2), r["forward_bits"] + r["backward_bits"],
                                     r[traffic]["projected_T"]))["codec"]
 
@@ -553,13 +559,21 @@ def noise_text(result: dict) -> str:
 def presets_text(result: dict, depths=None, flag: bool = False) -> str:
     """The preset per depth and per use (``presets_by_depth``) as a table; ``depths`` adds rows for depths the study
     did not run ("not measured on the real model"); ``flag`` writes ``--tah-preset X`` (the README's)."""
+    from megatron_tah.config.presets import PRESETS
+
     picks = presets_by_depth(result)
+    tables = {str(result["depth"]): result["table"], **result["depths"]}
     lines = ["| pipeline depth | model served on its own | served through the compressed pipeline |", "|---:|---|---|"]
     for depth in sorted({*picks, *map(str, depths or ())}, key=int):
         if depth not in picks:
             lines.append(f"| {depth} | not measured on the real model | not measured on the real model |")
             continue
-        cells = ["none reached the target: none (uncompressed)" if picks[depth][t] is None
+        seeds = max((len(r["seeds"]) for r in tables[depth] if r["codec"] in PRESETS), default=0)
+        none = ("none reached the target: none (uncompressed)" if seeds >= 2 else
+                "not chosen: the presets ran with one seed here (" + ", ".join(
+                    f"`{r['codec']}` {multiplier_text(r['uncompressed'])}" for r in tables[depth]
+                    if r["codec"] in PRESETS) + ")")
+        cells = [none if picks[depth][t] is None
                  else (f"`--tah-preset {picks[depth][t]}`" if flag else f"`{picks[depth][t]}`") for t in runs.TRAFFIC]
         lines.append(f"| {depth} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -245,6 +245,9 @@ def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_
     # not within noise (the seeds agree closely on a clearly larger T): the best stays
     apart = [*table, _table_row("channel_b_h4", 1.5, "within noise", 150_000.0, (5, 4), spread=0.001, busiest=9.0)]
     assert report.recommended(apart) == "channel_h4"
+    # within noise of the best but far slower on average (few seeds, a wide interval): not a tie
+    wide = [*table, _table_row("channel_b_h4", 1.5, "within noise", 150_000.0, (5, 4), spread=0.5, busiest=9.0)]
+    assert report.recommended(wide) == "channel_h4"
     # one seed is no evidence: a preset must have reached the target in two or more
     alone = [*table, _table_row("channel_b_h4", 1.0, "within noise", 60_000.0, (5, 4), seeds=(1,), busiest=9.0)]
     assert report.recommended(alone) == "channel_h4"
