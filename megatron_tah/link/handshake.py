@@ -28,6 +28,7 @@ import torch
 from ..codecs.base import crc32_of
 from ..config import TahConfig
 from .completion import wait_completed
+from .peer import posted
 
 HANDSHAKE_NBYTES = 1024
 # (work, the peer's world rank, whether this rank receives from it, what it carries): a bounded wait
@@ -81,7 +82,7 @@ def check_group(config: TahConfig, group, device: torch.device, wait: Wait) -> N
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     gathered = [torch.empty_like(record, device=device) for _ in range(group.size())]
-    work = dist.all_gather(gathered, record.to(device), group=group, async_op=True)
+    work = posted(lambda: dist.all_gather(gathered, record.to(device), group=group, async_op=True))
     wait(work, dist.get_global_rank(group, (group.rank() - 1) % group.size()), True, "codec configurations")
     records = []
     for buf in gathered:
@@ -143,18 +144,18 @@ def link_latency(group, device: torch.device, wait: Wait, rounds: int = 5) -> di
             best, pong = float("inf"), torch.zeros_like(ping)
             for _ in range(rounds):
                 start = time.perf_counter()
-                sent = dist.isend(ping, peer, group=group)
-                reply = dist.irecv(pong, peer, group=group)
+                sent = posted(lambda: dist.isend(ping, peer, group=group))
+                reply = posted(lambda: dist.irecv(pong, peer, group=group))
                 # the reply is here: the round trip is over (not merely queued, on NCCL)
                 wait_completed(reply, lambda work: wait(work, peer, True, what))
                 best = min(best, time.perf_counter() - start)
                 wait(sent, peer, False, what)
             ping.fill_(best / 2)
-            wait(dist.isend(ping, peer, group=group), peer, False, what)
+            wait(posted(lambda: dist.isend(ping, peer, group=group)), peer, False, what)
         else:
             for _ in range(rounds):
-                wait(dist.irecv(ping, peer, group=group), peer, True, what)
-                wait(dist.isend(ping, peer, group=group), peer, False, what)
-            wait(dist.irecv(ping, peer, group=group), peer, True, what)
+                wait(posted(lambda: dist.irecv(ping, peer, group=group)), peer, True, what)
+                wait(posted(lambda: dist.isend(ping, peer, group=group)), peer, False, what)
+            wait(posted(lambda: dist.irecv(ping, peer, group=group)), peer, True, what)
         latency[peer] = float(ping.item())
     return latency

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .message import Message
+from .peer import posted
 
 __all__ = ["each_work", "post_rests", "read_length", "rest_tag"]
 
@@ -56,6 +57,7 @@ def post_rests(messages) -> list[Message]:
                 post = dist.irecv if m.is_recv else dist.isend
                 ops.append(dist.P2POp(post, m.rest, m.link.peer, m.group, tag=rest_tag(direction)))
                 owners.append(m)
-    for m, work in zip(owners, each_work(dist.batch_isend_irecv(ops), len(ops)) if ops else ()):
+    for m, work in zip(owners, each_work(posted(lambda: dist.batch_isend_irecv(ops), len(ops)), len(ops)) if ops
+                       else ()):
         m.rest_work = work
     return owners

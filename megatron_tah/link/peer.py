@@ -11,7 +11,8 @@
   timeout would turn it into a host-blocking wait): the process group's timeout bounds the operation
   instead (NCCL's watchdog; the Megatron plugin sets it to the same bound after the first iteration).
 * A wait that fails for another reason -- the peer's process died and its connections closed (gloo:
-  ``Connection closed by peer``) -- raises :class:`PeerLostError`.
+  ``Connection closed by peer``) -- raises :class:`PeerLostError`. So does a transfer the backend refused to
+  post for that reason (``posted``: the refusal is kept as a ``FailedPost`` whose wait raises it).
 
 Both name the link (``link stage 1 -> stage 0``, the stages of ``codecs.base.link_text``), the world ranks,
 the iteration and when data from the peer last arrived, and are raised from the backend's error. The
@@ -48,6 +49,30 @@ class PeerTimeoutError(LinkError):
 
 class PeerLostError(LinkError):
     """A link's connection failed (its peer's process died, or the backend gave up on it)."""
+
+
+class FailedPost:
+    """A transfer the backend refused to post (e.g. the peer's connection had closed): never complete; its
+    ``wait()`` raises the refusal, so the peer watch's wait names the link like any failed wait."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wait(self, timeout=None):
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def posted(post: Callable[[], object], count: int | None = None):
+    """``post()`` (a ``dist.isend``/``irecv``, or with ``count`` a ``batch_isend_irecv`` of that many ops); when the
+    backend raises, its error as one ``FailedPost`` (or ``count`` of them) to wait on instead."""
+    try:
+        return post()
+    except RuntimeError as err:
+        failed = FailedPost(err)
+        return failed if count is None else [failed] * count
 
 
 class PeerWatch:

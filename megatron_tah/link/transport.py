@@ -54,7 +54,7 @@ from .link import Link, open_link
 from .message import Handle, Message, MessagePlan
 from .outbox import Outbox
 from .overflow import each_work, post_rests, read_length
-from .peer import PeerWatch
+from .peer import PeerWatch, posted
 from .sample_ids import SampleIds
 from .states import CodecStates
 from .steps import Outgoing
@@ -288,7 +288,8 @@ class PipelineTransport:
         ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
                for m in messages.values()]
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
-        for m, work in zip(messages.values(), each_work(dist.batch_isend_irecv(ops), len(ops))):
+        for m, work in zip(messages.values(), each_work(posted(lambda: dist.batch_isend_irecv(ops), len(ops)),
+                                                         len(ops))):
             m.work, m.bounded, m.timed = work, bounded, timed
             self.wait(m)
             m.completed_at = time.monotonic()  # each stamped when it is done (auto's rate meter)
@@ -324,7 +325,7 @@ class PipelineTransport:
             post, post_group = (dist.irecv, recv_group) if m.is_recv else (dist.isend, send_group)
             m.stamp()
             m.timed = time_works(post_group)
-            m.work = post(m.buf, m.link.peer, group=post_group)
+            m.work = posted(lambda: post(m.buf, m.link.peer, group=post_group))
             m.bounded, m.group = bounded, post_group
             handles[name] = Handle(m, self.finish, self.wait)
             self.outbox.post(handles[name])

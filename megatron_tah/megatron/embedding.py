@@ -55,7 +55,7 @@ import torch
 from ..codecs import Codec, CodecError, timing
 from ..codecs.base import SUPPORTED_DTYPES
 from ..config import TahConfig
-from ..link.peer import PeerWatch
+from ..link.peer import PeerWatch, posted
 from . import collectives
 from .collectives import Traffic
 from .patching import resolve
@@ -153,8 +153,9 @@ def exchange(codec, grad: torch.Tensor, group, peer: int, first: bool,
         header, rows_buf = encode_rows(grad)
         traffic.encode_seconds = clock.stop()
         dense = torch.empty(dense_nbytes, dtype=torch.uint8, device=wire)
-        works = [dist.isend(header.to(wire), peer, group=group), dist.isend(rows_buf.to(wire), peer, group=group),
-                 dist.irecv(dense, peer, group=group)]
+        works = [posted(lambda: dist.isend(header.to(wire), peer, group=group)),
+                 posted(lambda: dist.isend(rows_buf.to(wire), peer, group=group)),
+                 posted(lambda: dist.irecv(dense, peer, group=group))]
         for work, receiving, what in zip(works, (False, False, True), ("rows", "rows", "dense gradient")):
             wait(work, receiving, f"embedding gradient {what}")
         traffic.wire_nbytes = header.numel() * header.element_size() + rows_buf.numel()
@@ -164,12 +165,12 @@ def exchange(codec, grad: torch.Tensor, group, peer: int, first: bool,
     else:
         dense = codec.encode(grad.detach().float().contiguous())
         traffic.encode_seconds = clock.stop()
-        work = dist.isend(dense.to(wire), peer, group=group)
+        work = posted(lambda: dist.isend(dense.to(wire), peer, group=group))
         header = torch.empty(HEADER_ELEMENTS, dtype=torch.int64, device=wire)
-        wait(dist.irecv(header, peer, group=group), True, "embedding gradient rows")
+        wait(posted(lambda: dist.irecv(header, peer, group=group)), True, "embedding gradient rows")
         k = rows_expected(header, shape)
         rows_buf = torch.empty(rows_nbytes(k, shape[1], grad.dtype), dtype=torch.uint8, device=wire)
-        wait(dist.irecv(rows_buf, peer, group=group), True, "embedding gradient rows")
+        wait(posted(lambda: dist.irecv(rows_buf, peer, group=group)), True, "embedding gradient rows")
         wait(work, False, "embedding gradient dense gradient")
         traffic.wire_nbytes = dense.numel()
         index, rows = decode_rows(rows_buf.to(device), k, shape[1], grad.dtype)

@@ -1,5 +1,6 @@
 """A pipeline message's whole life between two gloo processes: a peer that falls silent or dies at any point of
-it -- the message, a framed message's overflow, the handshake, the embedding exchange, the teardown's drain --
+it -- the message, a framed message's overflow, the handshake, the embedding exchange, the teardown's drain, a
+send posted after the peer died --
 stops this rank within ``--tah-peer-timeout-s`` with ``PeerTimeoutError`` / ``PeerLostError`` naming the link
 and the iteration; a send left unwaited at uninstall still reaches a receiver that posts late; and what a link
 holds (posted messages, their works and buffers, staging buffers, frame sizes) stays bounded over a long run."""
@@ -91,14 +92,16 @@ def _peer_stops(rank, world_size, point, fate):
                 transport_module.post_rests = stopping
             elif point == "teardown":  # receives nothing more, or ends, while stage 0's last send is posted
                 return _stop(fate)
-            elif point in ("message", "embedding"):
+            elif point in ("message", "embedding", "post"):
                 return _stop(fate)
             return _call(rank, batched, x, True) and "sent"
+        if point == "post":
+            time.sleep(2.0)  # stage 1 has died by now: the send below is posted on a closed connection
         start = time.monotonic()
         try:
             if point == "embedding":
                 _embedding_exchange(rank)
-            elif point == "teardown":
+            elif point in ("teardown", "post"):
                 _call(rank, False, x, False, wait=False)  # a send whose handle is never waited for
                 megatron_tah.uninstall()  # drains it
             else:
@@ -137,7 +140,7 @@ def megatron_tah_config():
 
 POINTS = [("message", "silent"), ("message", "dead"), ("overflow", "silent"), ("overflow", "dead"),
           ("handshake", "dead"), ("embedding", "silent"), ("embedding", "dead"), ("teardown", "silent"),
-          ("teardown", "dead")]
+          ("teardown", "dead"), ("post", "dead")]
 
 
 @pytest.mark.parametrize("point, fate", POINTS, ids=[f"{p}-{f}" for p, f in POINTS])

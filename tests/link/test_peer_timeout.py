@@ -108,6 +108,27 @@ def test_a_send_that_cannot_be_delivered_names_the_link_it_goes_on():
                    iteration=3)
 
 
+def test_a_transfer_the_backend_refuses_to_post_is_named_when_waited_for():
+    """gloo raises at ``isend`` when the peer's connection has already closed: the refusal is kept and raised by the
+    wait, as a lost peer naming the link -- never complete, so no wait skips it."""
+    from megatron_tah.link.peer import FailedPost, posted
+
+    def refuse():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer [127.0.0.1]:1234")
+
+    failed = posted(refuse)
+    assert isinstance(failed, FailedPost) and not failed.is_completed()
+    batch = posted(refuse, 3)  # a batch_isend_irecv of 3 ops
+    assert len(batch) == 3 and all(isinstance(w, FailedPost) for w in batch)
+    assert posted(lambda: "work") == "work"
+    watch, _ = _watch(30)
+    watch.arrived(1)
+    with pytest.raises(PeerLostError, match=r"^megatron_tah: link stage 0 -> stage 1, iteration 3 \(world rank 0 -> "
+                                            r"1\): the link failed after 0.0 s waiting for activations \(RuntimeError: "
+                                            r".*Connection closed by peer"):
+        watch.wait(failed, peer=1, stages=(0, 1), ranks=(0, 1), receiving=False, what="activations", iteration=3)
+
+
 def test_before_the_first_message_from_a_peer_the_wait_is_the_process_groups():
     """Start-up (compiling kernels, auto's cost table) may keep a peer silent longer than the bound: the first wait
     passes no timeout, and a timeout of the process group's own is named as such."""
