@@ -40,9 +40,11 @@ def test_rounding_to_nearest_is_unaffected():
 
 
 def test_the_transports_link_ends_round_with_their_own_noise():
-    """The same preset at two boundaries (a middle stage sends gradients to rank 1 and rank 3's ends...): the k-th
+    """The same codecs at two boundaries (a middle stage sends gradients to rank 1 and rank 3's ends...): the k-th
     messages of different links carry different noise; before, every link drew the same."""
-    config = TahConfig(tah_preset="channel")
+    from megatron_tah.config import candidate_fields
+
+    config = TahConfig(**candidate_fields("channel"))  # per-channel gradients, stochastically rounded
     transport = PipelineTransport(config, Stats(STREAMS))
     to_prev = transport.link("backward", "send", 1).codec
     to_next = transport.link("backward", "send", 3).codec
