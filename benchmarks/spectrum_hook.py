@@ -27,7 +27,7 @@ def install() -> None:
     rank = int(os.environ.get("RANK", "0"))
     original, seen = PipelineTransport.encode, set()
 
-    def encode(transport, link, x):
+    def encode(transport, link, x, *args, **kwargs):
         if link.direction == "forward":
             iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
             if iteration % every == 0 and iteration not in seen:
@@ -36,7 +36,7 @@ def install() -> None:
                           "share": energy_share(x.float())}
                 with open(folder / f"rank{rank}.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
-        return original(transport, link, x)
+        return original(transport, link, x, *args, **kwargs)
 
     PipelineTransport.encode = encode
 

@@ -7,7 +7,8 @@
 * Around each ``distributed`` test, a watchdog: after ``DISTRIBUTED_TIMEOUT_S`` (``$TAH_DISTRIBUTED_TIMEOUT_S``,
   default 2400) every process the test
   started gets SIGABRT (its stacks), then SIGKILL, and the test process's own threads are dumped; and once
-  the test is over, a process it started that still runs is killed and the test fails, naming it.
+  the test is over, a process it started that still runs ``EXIT_GRACE_S`` later is killed and the test fails,
+  naming it (pid, parent, age, command line).
 
 ``run_distributed`` (``helpers/dist_utils.py``) bounds its own runs first; this is the backstop for the tests that
 start processes themselves (torchrun, the restart loop, the demo).
@@ -30,6 +31,7 @@ import psutil
 import pytest
 
 DISTRIBUTED_TIMEOUT_S = float(os.environ.get("TAH_DISTRIBUTED_TIMEOUT_S", 2400))  # above every test's own bound
+EXIT_GRACE_S = 5.0  # a process still running this long after its test ended was left behind
 PR_SET_CHILD_SUBREAPER = 36
 
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
@@ -62,8 +64,10 @@ def _running(proc: psutil.Process) -> bool:
 
 
 def _name(proc: psutil.Process) -> str:
+    """pid, parent pid, age and command line: enough to tell which of a test's steps started it."""
     try:
-        return f"{proc.pid} {' '.join(proc.cmdline())[:160]}"
+        age = time.time() - proc.create_time()
+        return f"{proc.pid} (parent {proc.ppid()}, {age:.0f} s old) {' '.join(proc.cmdline())[:160]}"
     except psutil.Error:
         return str(proc.pid)
 
@@ -117,8 +121,9 @@ def _bounded_processes(request):
         yield
     finally:
         timer.cancel()
-    time.sleep(0.2)  # (a process the test just stopped is gone by now)
     left = [p for pid, p in _descendants().items() if pid not in before and _ours(p) and _running(p)]
+    _, left = psutil.wait_procs(left, timeout=EXIT_GRACE_S)  # (one that is exiting on its own is no leak)
+    left = [p for p in left if _running(p)]
     names = [_name(p) for p in left]
     _stop(left, dump=False)
     _reap_zombies()

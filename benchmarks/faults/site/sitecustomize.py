@@ -28,8 +28,8 @@ if _SPEC and os.environ.get("RANK") is not None:
     _done = Path(os.environ.get("TAH_FAULT_DONE", os.devnull + ".absent"))
     _encode = _transport.PipelineTransport.encode
 
-    def _faulty_encode(self, link, x):
-        buf, rest = _encode(self, link, x)  # the message, and an entropy-coded frame's overflow (None: none)
+    def _faulty_encode(self, link, x, *args, **kwargs):
+        buf, rest = _encode(self, link, x, *args, **kwargs)  # the message, and an entropy-coded frame's overflow (None: none)
         if (int(os.environ["RANK"]) == int(_rank) and link.direction == "forward" and not _done.exists()
                 and self.iteration() == int(_iteration)):
             _done.write_text(f"{_kind} at iteration {_iteration}, {time.time():.3f}\n")
