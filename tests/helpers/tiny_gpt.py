@@ -27,20 +27,27 @@ class SequenceParallelNorm(torch.nn.LayerNorm):
             p.sequence_parallel = config.sequence_parallel
 
 
+def learnable_micro_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One learnable micro-batch (token t+1 = 5 t + 3 s mod VOCAB from a random start): (tokens, labels)."""
+    start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=g)
+    steps = torch.arange(SEQ + 1).unsqueeze(0)
+    tokens = (start * 5 ** (steps % 4) + 3 * steps) % VOCAB
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 def batches(seed: int):
-    """MICRO_BATCHES learnable micro-batches (token t+1 = 5 t + 3 s mod VOCAB), fixed for a seed."""
+    """MICRO_BATCHES learnable micro-batches, fixed for a seed."""
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(MICRO_BATCHES):
-        start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=g)
-        steps = torch.arange(SEQ + 1).unsqueeze(0)
-        tokens = (start * 5 ** (steps % 4) + 3 * steps) % VOCAB
-        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    return out
+    return [learnable_micro_batch(g) for _ in range(MICRO_BATCHES)]
 
 
 def forward_step(data_iterator, model):
     tokens, labels = next(data_iterator)
+    return language_model_step(model, tokens, labels)
+
+
+def language_model_step(model, tokens, labels):
+    """Megatron's forward step on one micro-batch (causal mask): the model's output and the mean-loss function."""
     positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ)
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
     output = model(tokens, positions, mask, labels=labels)

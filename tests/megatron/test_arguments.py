@@ -45,6 +45,20 @@ def parse(monkeypatch, argv, world_size=2):
     return megatron_arguments.parse_args()
 
 
+def refused_by_validation(monkeypatch, capsys, argv, world_size=2) -> list[str]:
+    """Parse ``argv`` with the tah flags installed and run Megatron's validation, which must exit with
+    argparse's status 2; the lines it printed to stderr."""
+    tah_arguments.install_arguments()
+    try:
+        args = parse(monkeypatch, argv, world_size)
+        with pytest.raises(SystemExit) as exit_info:
+            megatron_arguments.validate_args(args)
+    finally:
+        tah_arguments.uninstall_arguments()
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
 def test_flags_are_generated_from_every_config_field():
     parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
     docs = TahConfig.field_docs()

@@ -174,19 +174,9 @@ def test_flag_choices_and_the_cases_with_nothing_to_compress():
 
 
 def test_validation_stops_an_embedding_codec_without_tied_stages_in_one_line(monkeypatch, capsys):
-    from megatron.training import arguments as megatron_arguments
-    from tests.megatron.test_arguments import gpt_argv
+    from tests.megatron.test_arguments import gpt_argv, refused_by_validation
 
-    monkeypatch.setattr("sys.argv", gpt_argv(1, "--tah-embedding-codec", "int8"))
-    arguments.install_arguments()
-    try:
-        args = megatron_arguments.parse_args()
-        with pytest.raises(SystemExit) as exit_info:
-            megatron_arguments.validate_args(args)
-    finally:
-        arguments.uninstall_arguments()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = refused_by_validation(monkeypatch, capsys, gpt_argv(1, "--tah-embedding-codec", "int8"), world_size=1)
     assert len(err) == 1 and err[0].startswith("error: megatron_tah: --tah-embedding-codec int8 compresses")
 
 

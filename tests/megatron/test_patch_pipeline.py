@@ -12,9 +12,11 @@ import pathlib
 import pytest
 import torch
 
+from tests.helpers import tiny_gpt
 from tests.helpers.dist_utils import run_distributed
 
-HIDDEN, HEADS, SEQ, VOCAB, MICRO_BATCH, MICRO_BATCHES = 64, 4, 32, 128, 2, 4
+HIDDEN, HEADS = 64, 4  # (a smaller model than tiny_gpt's, on its micro-batches)
+SEQ, VOCAB, MICRO_BATCH, MICRO_BATCHES = tiny_gpt.SEQ, tiny_gpt.VOCAB, tiny_gpt.MICRO_BATCH, tiny_gpt.MICRO_BATCHES
 HAVE_TAH = (pathlib.Path(__file__).parents[2] / "megatron_tah" / "codecs" / "tah.py").exists()
 LOSSY_FORWARD = "tah" if HAVE_TAH else "fixedpoint"
 # A lossy run is named by its forward codec (gradients as fixedpoint), or here by its options.
@@ -33,14 +35,8 @@ SCHEDULES = [("1f1b-batched", None, True, False), ("1f1b-unbatched", None, False
 def _batches(iteration: int):
     """The same 4 learnable micro-batches every iteration (token t+1 = 5 t + offset mod VOCAB), so losses fall."""
     g = torch.Generator().manual_seed(1234)
-    out = []
-    for _ in range(MICRO_BATCHES):
-        start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=g)
-        steps = torch.arange(SEQ + 1).unsqueeze(0)
-        tokens = (start * 5 ** (steps % 4) + 3 * steps) % VOCAB
-        ids = torch.arange(len(out) * MICRO_BATCH, (len(out) + 1) * MICRO_BATCH)
-        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), ids))
-    return out
+    return [(*tiny_gpt.learnable_micro_batch(g), torch.arange(i * MICRO_BATCH, (i + 1) * MICRO_BATCH))
+            for i in range(MICRO_BATCHES)]
 
 
 def _build(pp: int, vpp: int | None, batch_p2p: bool, overlap: bool, layers: int, seed: int = 7):
@@ -77,15 +73,7 @@ def _forward_step(data_iterator, model):
     tokens, labels, ids = next(data_iterator)
     if pipeline_parallel.is_installed() and parallel_state.is_pipeline_first_stage():
         pipeline_parallel.push_sample_ids(ids)  # AQ-SGD: the ids of the micro-batch this stage is about to send
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
-    output = model(tokens, positions, mask, labels=labels)
-
-    def loss_func(per_token):
-        loss = per_token.float().mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return output, loss_func
+    return tiny_gpt.language_model_step(model, tokens, labels)
 
 
 def _train(chunks, iterations: int, lr: float = 0.0):

@@ -11,7 +11,7 @@ import megatron.training.training as megatron_training
 import pytest
 import torch
 import torch.distributed as dist
-from tests.megatron.test_arguments import gpt_argv
+from tests.megatron.test_arguments import gpt_argv, refused_by_validation
 
 from megatron_tah.megatron import arguments as tah_arguments
 from megatron_tah.megatron import run_log as tah_logging
@@ -225,16 +225,7 @@ def test_an_unwritable_log_json_fails_argument_validation_in_one_line(monkeypatc
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
     path = blocker / "log.jsonl" if where == "under a file" else tmp_path
-    monkeypatch.setattr("sys.argv", gpt_argv(1, "--tah-log-json", str(path)))
-    tah_arguments.install_arguments()
-    try:
-        args = megatron_arguments.parse_args()
-        with pytest.raises(SystemExit) as exit_info:
-            megatron_arguments.validate_args(args)
-    finally:
-        tah_arguments.uninstall_arguments()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = refused_by_validation(monkeypatch, capsys, gpt_argv(1, "--tah-log-json", str(path)), world_size=1)
     assert len(err) == 1 and err[0].startswith(f"error: --tah-log-json {path}") and "Traceback" not in err[0]
     assert not path.exists() or path.is_dir()  # nothing created
 
