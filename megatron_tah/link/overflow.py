@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .message import Message
-from .peer import posted
+from .peer import posted_batch
 
 __all__ = ["each_work", "post_rests", "read_length", "rest_tag"]
 
@@ -24,11 +24,6 @@ __all__ = ["each_work", "post_rests", "read_length", "rest_tag"]
 def rest_tag(direction: str) -> int:
     """The tag of a message's second message (gloo matches by it; NCCL by order)."""
     return 1 if direction == "forward" else 2
-
-
-def each_work(works: list, count: int) -> list:
-    """One work per op of a batch of ``count`` (a backend may return one work for the whole batch)."""
-    return works if len(works) == count else [works[-1] if works else None] * count
 
 
 def read_length(m: Message) -> int:
@@ -57,7 +52,6 @@ def post_rests(messages) -> list[Message]:
                 post = dist.irecv if m.is_recv else dist.isend
                 ops.append(dist.P2POp(post, m.rest, m.link.peer, m.group, tag=rest_tag(direction)))
                 owners.append(m)
-    for m, work in zip(owners, each_work(posted(lambda: dist.batch_isend_irecv(ops), len(ops)), len(ops)) if ops
-                       else ()):
+    for m, work in zip(owners, posted_batch(ops) if ops else ()):
         m.rest_work = work
     return owners

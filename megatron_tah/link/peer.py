@@ -75,6 +75,15 @@ def posted(post: Callable[[], object], count: int | None = None):
         return failed if count is None else [failed] * count
 
 
+def posted_batch(ops: list) -> list:
+    """``dist.batch_isend_irecv(ops)``: one work per op (a backend may return one work for the whole batch), or
+    when the backend raises, a ``FailedPost`` per op."""
+    import torch.distributed as dist
+
+    works = posted(lambda: dist.batch_isend_irecv(ops), len(ops))
+    return works if len(works) == len(ops) else [works[-1] if works else None] * len(ops)
+
+
 class PeerWatch:
     """Per peer (world rank): the time data last arrived from it; waits bounded by ``timeout_s`` (0: unbounded)."""
 

@@ -53,8 +53,8 @@ from .handshake import CodecMismatchError, check_group, check_schedule, link_lat
 from .link import Link, open_link
 from .message import Handle, Message, MessagePlan
 from .outbox import Outbox
-from .overflow import each_work, post_rests, read_length
-from .peer import PeerWatch, posted
+from .overflow import post_rests, read_length
+from .peer import PeerWatch, posted, posted_batch
 from .sample_ids import SampleIds
 from .states import CodecStates
 from .steps import Outgoing
@@ -288,8 +288,7 @@ class PipelineTransport:
         ops = [dist.P2POp(dist.irecv if m.is_recv else dist.isend, m.buf, m.link.peer, group)
                for m in messages.values()]
         bounded = dist.get_backend(group) == "gloo"  # (NCCL: the process group's timeout, peer.py)
-        for m, work in zip(messages.values(), each_work(posted(lambda: dist.batch_isend_irecv(ops), len(ops)),
-                                                         len(ops))):
+        for m, work in zip(messages.values(), posted_batch(ops)):
             m.work, m.bounded, m.timed = work, bounded, timed
             self.wait(m)
             m.completed_at = time.monotonic()  # each stamped when it is done (auto's rate meter)
