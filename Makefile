@@ -35,7 +35,7 @@ test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not (distributed or slow) or smoke" tests
 
 test-all: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=40 tests
 
 # Every multi-process test (marker `distributed`) RUNS times (default 20) with a CPU hog beside it: a table of
 # passes, failures and hangs per test (scripts/soak.py; ARGS e.g. `--hogs 2 tests/link/test_entropy_pipeline.py`).

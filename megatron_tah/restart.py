@@ -23,11 +23,18 @@ first; no such line when no rank recorded one) --, each new attempt's start-up u
 iteration (with ``--log-json``, the file ``--tah-log-json`` writes), and at the end the time lost to failures:
 the work after each last checkpoint (the time to notice the fault included), the waits between attempts and the
 restarts' start-up. Exit status: the last attempt's.
+
+No process outlives its attempt: the supervisor adopts the orphans of the processes it starts (Linux's
+``PR_SET_CHILD_SUBREAPER``) and, once an attempt has ended and its process group is stopped, stops whatever of the
+attempt still runs, naming it -- e.g. the results-queue manager that Megatron's ``torch_dist`` checkpoint writer
+spawns in every rank (``dist_checkpointing/strategies/filesystem_async.py``), left running when its rank is killed
+(torchrun gives each rank a session of its own, out of COMMAND's process group).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import signal
@@ -36,12 +43,15 @@ import sys
 import tempfile
 import time
 
+import psutil
+
 from .megatron import failures
 from .netns_link import stop_process
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the iteration of the latest complete checkpoint
 NOT_RESTARTED = (2,)  # usage errors: the same command fails the same way
 POLL_S = 0.5
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def latest_checkpoint(save: str) -> tuple[str, float] | None:
@@ -94,6 +104,35 @@ def _say(text: str) -> None:
     print(f"[restart {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
+def adopt_orphans() -> bool:
+    """Make this process the reaper of its descendants' orphans (Linux); whether it could."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def stop_leftovers(grace_s: float = 5.0) -> list[str]:
+    """Stop (SIGTERM, SIGKILL after ``grace_s``) every process still descending from this one -- an ended attempt's
+    orphans, adopted by :func:`adopt_orphans` -- and reap them; ``"PID (COMMAND)"`` of each."""
+    left = psutil.Process().children(recursive=True)
+    names = []
+    for proc in left:
+        try:
+            names.append(f"{proc.pid} ({' '.join(proc.cmdline())[:80] or proc.name()})")
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return names
+
+
 def _run(argv: list[str], log_json: str | None, attempt: Attempt) -> None:
     """Run one attempt to its end, noting when it logs its first record and the error its ranks recorded (in a
     folder of its own, ``failures.ENV``); stop it when interrupted."""
@@ -108,6 +147,9 @@ def _run(argv: list[str], log_json: str | None, attempt: Attempt) -> None:
             attempt.status = status
         finally:
             stop_process(proc)
+            left = stop_leftovers()
+            if left:
+                _say(f"stopped {len(left)} process(es) attempt {attempt.number} left running: {'; '.join(left)}")
             attempt.end = time.time()
             attempt.error = failures.first_error(failures.read(folder))
 
@@ -194,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupted)
+    adopt_orphans()
     try:
         return supervise(command, args.save, args.restarts, args.delay_s, args.log_json)
     except ValueError as err:

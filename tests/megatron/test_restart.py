@@ -135,6 +135,22 @@ def _running(pid: int) -> bool:
         return False
 
 
+ORPHAN = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # tah-orphan'], " \
+         "start_new_session=True)"
+
+
+def test_a_process_an_attempt_leaves_running_in_a_session_of_its_own_is_stopped_and_named(tmp_path):
+    """As torchrun's ranks each lead a session, a killed rank's own children (Megatron's checkpoint-writer
+    manager) leave COMMAND's process group: the supervisor adopts them and stops them with their attempt."""
+    result = subprocess.run([sys.executable, "-m", "megatron_tah.restart", "--save", str(tmp_path), "--restarts", "0",
+                             "--", sys.executable, "-c", ORPHAN], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "stopped 1 process(es) attempt 1 left running: " in result.stdout and "tah-orphan" in result.stdout, \
+        result.stdout
+    assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+                .splitlines() if "tah-orphan" in line and "ps -eo" not in line]
+
+
 def test_the_command_line_and_resume_command():
     assert restart.resume_command(["a", "--load=x", "--finetune", "--load", "y", "--save", "s"], "s") == \
         ["a", "--save", "s", "--load", "s"]
