@@ -39,6 +39,9 @@ from .pages import replace_block
 from .reproduce.runner import host_info
 from .real_activations import CACHE, MODELS, boundaries, corpus_text
 
+CANDIDATES = ("channel4_h3", "channel3_h3", "lowrank_h3", "lowrank_g2")
+"""The real-model study's candidates near 6 bits both ways (``benchmarks.speedrun.runs.CODECS``), measured beside the
+presets: the coder's bits with the steps their runs measured answer the study's 6-bit goal (docs/REAL_MODEL.md)."""
 MODEL = "smollm2-135m"
 TOKENS = 1024
 DATA = Path("docs/data/lossless.json")
@@ -158,12 +161,20 @@ def host_entropy(found: dict, preset: str = HOST_PRESET, repeats: int = 3) -> di
             "threads": torch.get_num_threads()}
 
 
+def fields(name: str) -> dict:
+    """The ``TahConfig`` fields of a preset, one of ``auto``'s candidates or a study candidate."""
+    from .speedrun.runs import CODECS
+
+    return dict(CODECS[name]) if name in CODECS else candidate_fields(name)
+
+
 def run(model: str = MODEL, presets=None) -> dict:
-    """Every preset's forward codec on the hidden states and backward codec on the gradients, every cut."""
+    """Every preset's and ``CANDIDATES``' forward codec on the hidden states and backward codec on the gradients,
+    every cut."""
     found = messages(model)
     rows = []
-    for preset in presets or PRESETS:
-        config = TahConfig(**candidate_fields(preset))
+    for preset in presets or (*PRESETS, *CANDIDATES):
+        config = TahConfig(**fields(preset))
         for direction, codec, index in (("forward", config.forward_codec(), 0),
                                         ("backward", config.backward_codec(), 1)):
             per_cut = {layer: measure(codec.salt_rounding(f"{preset}.{layer}"), pair[index])
@@ -209,7 +220,8 @@ def table(result: dict) -> str:
     desc = MODELS[result["model"]].description
     lines = [f"Measured by `python -m benchmarks.lossless --write docs/CODECS.md` ({result['date']}, after `make "
              f"real-models`): {desc}, "
-             f"the first {result['tokens']} tokens of the shipped corpus; each preset's forward codec on the hidden "
+             f"the first {result['tokens']} tokens of the shipped corpus; each preset's (and the real-model study's "
+             "candidates near 6 bits both ways: " + ", ".join(f"`{c}`" for c in CANDIDATES) + ") forward codec on the hidden "
              f"state after layers {', '.join(map(str, result['cuts']))} and its backward codec on the language-model "
              f"loss's gradient there (`[{result['tokens']}, 1, hidden]` bf16; means over the cuts). Bits per value; "
              "*order-0*: each section's order-0 entropy (codes as symbols of their bits, the rest as bytes); "

@@ -280,8 +280,10 @@ def test_the_lossless_pages_are_the_committed_measurement():
     assert all(host[d]["coder_ms"] > host[d]["link_saved_ms"] for d in ("forward", "backward"))  # "costs far more"
     from benchmarks.speedrun import check
 
+    from benchmarks.lossless import CANDIDATES
+
     both = {}
-    for r in result["rows"]:
+    for r in (r for r in result["rows"] if r["preset"] not in CANDIDATES):  # "a preset's messages"
         sums = both.setdefault(r["preset"], [0.0, 0.0])
         sums[0], sums[1] = sums[0] + r["bits"], sums[1] + r["coded"]
     shares = sorted(round(100 * (1 - c / b)) for b, c in both.values())

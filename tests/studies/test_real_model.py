@@ -277,6 +277,37 @@ def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_en
     assert "At most 6 bits" in text and "not met. Within the bits: no candidate run had so few bits" in text
 
 
+def test_a_goal_counts_the_bits_the_lossless_coder_sends_where_it_was_measured():
+    row = _table_row("cheap", 1.04, "within noise", 90_000.0, (4, 3))
+    assert not report.meets(row, 6.0, 1.05, 0.005)
+    coded = {**row, "coded_bits": 5.5}
+    assert report.meets(coded, 6.0, 1.05, 0.005) and report.fewest_bits(coded) == 5.5
+    assert report.fewest_bits({**row, "coded_bits": 7.5}) == 7.0  # the coder would send more: not counted
+    text = report.goals_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), coded]})
+    assert "met by `cheap` (7.00 bits, 5.50 with `--tah-entropy-coding`)" in text
+    slow = {**coded, "uncompressed": {**coded["uncompressed"], "multiplier": 1.2}}
+    text = report.goals_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), slow]})
+    assert "At most 6 bits" in text and "Within the bits: `cheap` (7.00 bits, 5.50 with `--tah-entropy-coding`; " \
+        "3 seeds): 1.20x" in text
+
+
+def test_coded_bits_scale_each_direction_by_the_coders_measured_share_for_the_same_training(tmp_path):
+    import json
+
+    from megatron_tah.link import frames
+
+    lossless = tmp_path / "lossless.json"
+    lossless.write_text(json.dumps({"rows": [
+        {"preset": "channel4_h3", "direction": "forward", "bits": 4.0, "coded": 3.0},
+        {"preset": "channel4_h3", "direction": "backward", "bits": 4.0, "coded": 2.0}]}))
+    expected = (4.02 * 0.75 + 3.25 * 0.5) * (1 + frames.MARGIN)
+    assert report.coded_bits("channel4_h3", 4.02, 3.25, lossless) == pytest.approx(expected)
+    # a serving candidate trains as channel4_h3: the same buffers, the same share
+    assert report.coded_bits("channel4_h3_s6", 4.02, 3.25, lossless) == pytest.approx(expected)
+    assert report.coded_bits("lowrank", 3.38, 4.25, lossless) is None  # not measured
+    assert report.coded_bits("bf16", 16.0, 16.0, lossless) is None
+
+
 def test_serving_at_other_bits_is_reported_beside_the_same_training_through_its_own_codec():
     served = _table_row("channel4_h3_s6", 1.05, "within noise", 90_000.0, (4.02, 3.25))
     served["compressed"].update(multiplier=1.08, multiplier_low=1.0, multiplier_high=1.16)
