@@ -1,5 +1,6 @@
 """Shared fixtures: a table of named edge-case inputs used by the codec tests."""
 
+import pytest
 import torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -51,3 +52,24 @@ def with_bad_values(x: torch.Tensor) -> torch.Tensor:
     flat[flat.numel() // 2] = float("inf")
     flat[-1] = -float("inf")
     return x
+
+
+def assert_mismatched_receivers_refused(sender, same_size: list, other_size) -> None:
+    """``sender``'s buffer decoded by receivers configured otherwise: of the same wire size (``same_size``:
+    refused as another config), of another size (refused by its byte count); decoded for another shape, or
+    naming another codec in its header: refused."""
+    from megatron_tah.codecs import WireFormatError, get_codec
+
+    x = torch.randn(4, 2, 64)
+    for other in same_size:
+        assert other.wire_nbytes(x.shape, x.dtype) == sender.wire_nbytes(x.shape, x.dtype)
+        with pytest.raises(WireFormatError, match="another config"):
+            other.decode(sender.encode(x), x.shape, x.dtype)
+    with pytest.raises(WireFormatError, match="bytes"):
+        other_size.decode(sender.encode(x), x.shape, x.dtype)
+    with pytest.raises(WireFormatError, match="another shape"):
+        sender.decode(sender.encode(x), (8, 1, 64), x.dtype)
+    buf = sender.encode(x)
+    buf[3] = get_codec("fixedpoint").codec_id
+    with pytest.raises(WireFormatError, match="'fixedpoint'"):
+        sender.decode(buf, x.shape, x.dtype)
