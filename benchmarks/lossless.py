@@ -121,7 +121,7 @@ def _host_cost(found: dict, preset: str, repeats: int, code, uncode) -> dict:
 
     from .speedrun import projection, simulate
 
-    config = TahConfig(**candidate_fields(preset))
+    config = TahConfig(**fields(preset))
     out = {"preset": preset}
     for direction, codec, index in (("forward", config.forward_codec(), 0), ("backward", config.backward_codec(), 1)):
         raw = coded_nbytes = 0

@@ -28,6 +28,7 @@ codecs** (what a user who serves it through the same compressed pipeline gets).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -66,6 +67,11 @@ def training_fields(codec: str) -> dict:
     return {k: v for k, v in CODECS[codec].items() if k != "tah_eval_forward_bits"}
 
 
+@functools.cache
+def _lossless_rows(lossless: Path) -> list[dict]:
+    return json.loads(lossless.read_text())["rows"]  # (read once per page, not once per row)
+
+
 def coded_bits(codec: str, forward: float, backward: float, lossless: Path = LOSSLESS) -> float | None:
     """Bits both ways with ``--tah-entropy-coding``: each direction's wire bits (``forward``, ``backward``) scaled by
     the share the lossless coder kept of that codec set's buffers on SmolLM2-135M's messages (``benchmarks.lossless``,
@@ -76,8 +82,7 @@ def coded_bits(codec: str, forward: float, backward: float, lossless: Path = LOS
     if codec == "bf16" or not lossless.is_file():
         return None
     trained = training_fields(codec)
-    rows = [r for r in json.loads(lossless.read_text())["rows"]
-            if r["preset"] in CODECS and training_fields(r["preset"]) == trained]
+    rows = [r for r in _lossless_rows(lossless) if r["preset"] in CODECS and training_fields(r["preset"]) == trained]
     share = {r["direction"]: r["coded"] / r["bits"] for r in rows}
     if set(share) != {"forward", "backward"}:
         return None
@@ -498,10 +503,8 @@ def fewest_bits(row: dict) -> float:
 
 
 def bits_text(row: dict) -> str:
-    wire = row["forward_bits"] + row["backward_bits"]
-    if fewest_bits(row) < wire:
-        return f"{wire:.2f} bits, {fewest_bits(row):.2f} with `--tah-entropy-coding`"
-    return f"{wire:.2f} bits"
+    wire, fewest = row["forward_bits"] + row["backward_bits"], fewest_bits(row)
+    return f"{wire:.2f} bits, {fewest:.2f} with `--tah-entropy-coding`" if fewest < wire else f"{wire:.2f} bits"
 
 
 def meets(row: dict, bits: float, multiplier: float, damage: float) -> bool:
@@ -544,7 +547,7 @@ def serving_text(result: dict) -> str:
         fields = CODECS.get(row["codec"], {})
         if "tah_eval_forward_bits" not in fields:
             continue
-        trained = {k: v for k, v in fields.items() if k != "tah_eval_forward_bits"}
+        trained = training_fields(row["codec"])
         base = next((c for c, f in CODECS.items() if f == trained and c in by_codec), None)
         text = (f"`{row['codec']}` trains at {row['forward_bits']:.2f} + {row['backward_bits']:.2f} bits and evaluates "
                 f"through the pipeline at {fields['tah_eval_forward_bits']} forward bits: "
