@@ -119,7 +119,7 @@ def stop_leftovers(grace_s: float = 5.0) -> list[str]:
     names = []
     for proc in left:
         try:
-            names.append(f"{proc.pid} ({' '.join(proc.cmdline())[:80] or proc.name()})")
+            names.append(f"{proc.pid} ({' '.join(proc.cmdline())[:160] or proc.name()})")
             proc.terminate()
         except psutil.Error:
             pass

@@ -135,7 +135,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-ORPHAN = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # tah-orphan'], " \
+ORPHAN = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'tah_orphan = 1; import time; time.sleep(600)'], " \
          "start_new_session=True)"
 
 
@@ -145,10 +145,10 @@ def test_a_process_an_attempt_leaves_running_in_a_session_of_its_own_is_stopped_
     result = subprocess.run([sys.executable, "-m", "megatron_tah.restart", "--save", str(tmp_path), "--restarts", "0",
                              "--", sys.executable, "-c", ORPHAN], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "stopped 1 process(es) attempt 1 left running: " in result.stdout and "tah-orphan" in result.stdout, \
+    assert "stopped 1 process(es) attempt 1 left running: " in result.stdout and "tah_orphan" in result.stdout, \
         result.stdout
     assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-                .splitlines() if "tah-orphan" in line and "ps -eo" not in line]
+                .splitlines() if "tah_orphan" in line and "ps -eo" not in line]
 
 
 def test_the_command_line_and_resume_command():
