@@ -3,6 +3,7 @@
     python -m benchmarks.real_model                          # SmolLM2-135M, every codec x 4 seeds at depth 8 (hours)
     python -m benchmarks.real_model --size tiny --out /tmp/r  # the same machinery on a random 4-layer model
     python -m benchmarks.real_model --other-depths 2,4 --write docs/REAL_MODEL.md  # run what is missing, write the page
+    python -m benchmarks.real_model --reuse docs/data/real_model.json ...  # the committed page's runs not run again
 
 What it does, in order (runs already complete under ``--out`` are not run again; ``runs.py`` says what each
 run is, ``report.py`` how it is scored):
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each, one thread)")
     parser.add_argument("--pipeline", help="a codec to run once as the real pipeline (the emulation's check)")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plots under docs/data/)")
+    parser.add_argument("--reuse", type=Path, metavar="JSON",
+                        help="an earlier page's JSON (docs/data/real_model.json): its runs' curves are scored "
+                             "with the runs under --out and not run again (same size, schedule and model)")
     parser.add_argument("--score-only", action="store_true",
                         help="run nothing: score the runs of the plan already finished under --out (a study going on)")
     args = parser.parse_args(argv)
@@ -72,11 +76,15 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     plan = {args.depth: codecs, **{d: ["bf16", *(c for c in other_codecs if c != "bf16")] for d in others}}
     out = args.out.resolve()
-    if not args.score_only and not run_plan(plan, seeds, size, out, args):
-        return 1
-    from .report import build, write_page, write_readme
+    from .report import build, reusable, write_page, write_readme
 
-    result = build(size, plan, seeds, out, host_info(), depth=args.depth, pipeline=args.pipeline)
+    try:
+        earlier = reusable(args.reuse, size) if args.reuse else None
+    except (OSError, ValueError) as err:
+        parser.error(f"--reuse: {err}")
+    if not args.score_only and not run_plan(plan, seeds, size, out, args, earlier):
+        return 1
+    result = build(size, plan, seeds, out, host_info(), depth=args.depth, pipeline=args.pipeline, earlier=earlier)
     print(json.dumps(result["table"], indent=1))
     if args.write:
         import shlex
@@ -96,18 +104,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args) -> bool:
-    """Runs what the plan lacks under ``out`` (complete runs are kept); False (said why) when one fails."""
+def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args, earlier: dict | None = None) -> bool:
+    """Runs what the plan lacks under ``out`` (complete runs are kept) and ``earlier`` (an earlier page's JSON)
+    does not hold; False (said why) when one fails."""
+    kept = (earlier or {}).get("curves", {})
     try:
         model_dir = runs.prepare_model(out, size)
         data = runs.prepare_data(out, model_dir, size)
-        todo = [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
-        names = set()
+        todo = [] if (earlier or {}).get("untouched") else \
+            [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
+        names = set(kept)
         for depth, listed in plan.items():
             for seed in seeds:
                 for codec in listed:
                     run = runs.train_run(codec, seed, size, model_dir, data, out, depth)
-                    if run.name not in names:  # bf16 is one run for every depth
+                    if run.name not in names:  # bf16 is one run for every depth; reused runs are not run
                         names.add(run.name)
                         todo.append(run)
         if args.pipeline:

@@ -127,25 +127,37 @@ def _interval_fields(prefix: str, interval: score.Interval | None) -> dict:
 
 
 # ----- reading the runs ----------------------------------------------------------------------------------------
-def read_curves(out: Path, plan: dict[int, list[str]], seeds: list[int]) -> dict:
+def read_curves(out: Path, plan: dict[int, list[str]], seeds: list[int], earlier: dict | None = None) -> dict:
     """{run name: {"codec", "seed", "depth", "uncompressed": curve, "codec": curve, "damage": {traffic: evaluation},
-    "ms"}} of every complete training run of ``plan`` ({depth: codecs})."""
+    "ms"}} of every complete training run of ``plan`` ({depth: codecs}); a run not finished under ``out`` is taken
+    from ``earlier`` (an earlier page's JSON, :func:`reusable`) when it has it."""
     curves = {}
+    kept = (earlier or {}).get("curves", {})
     for depth, codecs in plan.items():
         for codec in codecs:
             for seed in seeds:
                 name = runs.run_name(codec, seed, depth)
                 path = out / f"{name}.jsonl"
-                if name in curves or not path.is_file():
+                records = read_log(path) if name not in curves and path.is_file() else []
+                if not any("test_loss" in r for r in records):  # not run or not finished here
+                    if name in kept and name not in curves:
+                        curves[name] = {**kept[name], "reused": True}
                     continue
-                records = read_log(path)
-                if not any("test_loss" in r for r in records):
-                    continue  # not finished
                 curves[name] = {"codec": codec, "seed": seed, "depth": None if codec == "bf16" else depth,
                                 **{t: runs.validations(records, t) for t in runs.TRAFFIC},
                                 "damage": {t: runs.evaluation(records, t) for t in runs.TRAFFIC},
                                 "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}
     return curves
+
+
+def reusable(path: Path, size: runs.Size) -> dict:
+    """An earlier page's JSON (``write_page``) whose runs' curves a study reuses instead of running them again:
+    refused unless it was written for the same size, schedule and model."""
+    earlier = json.loads(Path(path).read_text())
+    if earlier.get("setup") != size.setup() or earlier.get("model") != runs.MODELS[size.model].description:
+        raise ValueError(f"{path}: its runs were made with {earlier.get('setup')} on {earlier.get('model')!r}, "
+                         f"not this study's {size.setup()} on {runs.MODELS[size.model].description!r}")
+    return earlier
 
 
 def target_and_slope(base: list[list[tuple[int, float]]], step: int) -> tuple[float, float]:
@@ -230,16 +242,16 @@ def resolution(curves: dict, target: float, interval: int) -> dict:
 
 
 def build(size: runs.Size, plan: dict[int, list[str]], seeds: list[int], out: Path, host: dict, depth: int = 8,
-          pipeline: str | None = None) -> dict:
-    """Everything the page shows, from the runs under ``out``: ``plan`` is {pipeline depth: codecs}, ``depth`` the
-    main table's."""
+          pipeline: str | None = None, earlier: dict | None = None) -> dict:
+    """Everything the page shows, from the runs under ``out`` (and those of ``earlier``, an earlier page's JSON,
+    not run here): ``plan`` is {pipeline depth: codecs}, ``depth`` the main table's."""
     out = Path(out)
-    curves = read_curves(out, plan, seeds)
+    curves = read_curves(out, plan, seeds, earlier)
     bf16 = {s: runs.run_name("bf16", s) for s in seeds if runs.run_name("bf16", s) in curves}
     if len(bf16) < 2:
         raise ValueError(f"the study needs at least two finished bf16 runs under {out}, found {len(bf16)}")
     untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
-        else None
+        else (earlier or {}).get("untouched")
     target, slope = target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], size.target_step)
     base_steps = {s: score.crossing(curves[n]["uncompressed"], target) for s, n in bf16.items()}
     tables = {}
@@ -259,11 +271,16 @@ def build(size: runs.Size, plan: dict[int, list[str]], seeds: list[int], out: Pa
               "untouched": untouched, "curves": curves,
               "bf16_steps": dataclass_dict(score.mean_interval(list(base_steps.values()))),
               "boundaries": {str(d): runs.boundaries(runs.num_layers(out / "model"), d) for d in plan},
-              "noise": noise(curves, out, bf16, slope), "resolution": resolution(curves, target, size.eval_interval),
+              "noise": noise(curves, out, bf16, slope) or dict((earlier or {}).get("noise") or {}), "resolution": resolution(curves, target, size.eval_interval),
               "run_hours": sum(m.get("seconds", 0) for m in metas) / 3600,
               "s_per_step": statistics.median(curves[n]["ms"] for n in bf16.values()) / 1e3,
               "runs": len(metas), "seeds": sorted(bf16)}
-    result["noise"]["samples"] = size.eval_iters * size.micro_batches
+    reused = sorted(n for n, c in curves.items() if c.get("reused"))
+    if reused:  # their curves only: their per-sample losses (noise) and run time stay with the earlier page
+        result["reused"] = {"runs": len(reused), "date": earlier["date"], "run_hours": earlier["run_hours"],
+                            "earlier_runs": earlier["runs"], "names": reused}
+    if result["noise"]:
+        result["noise"]["samples"] = size.eval_iters * size.micro_batches
     if pipeline:
         result["pipeline"] = pipeline_check(out, pipeline, seeds, curves, depth)
     return result
@@ -578,6 +595,15 @@ def pipeline_text(result: dict) -> str:
             f"{check['ms'] / 1e3:.1f} s ({check['depth']} processes on the machine's cores).")
 
 
+def reused_text(result: dict) -> str:
+    """The runs whose curves come from an earlier page's JSON (``--reuse``), or nothing."""
+    r = result.get("reused")
+    if not r:
+        return ""
+    return (f"; the curves of {r['runs']} more runs are this page's JSON of {r['date']} (`--reuse`: the same "
+            f"schedule and model; that page's {r['earlier_runs']} runs took {r['run_hours']:.1f} hours)")
+
+
 def noise_text(result: dict) -> str:
     n, r = result.get("noise") or {}, result.get("resolution") or {}
     parts = []
@@ -766,6 +792,7 @@ def write_page(result: dict, page: Path) -> None:
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
+        reused=reused_text(result),
         bf16_steps=_interval(bf16["mean"], bf16["low"], bf16["high"], 1), noise=noise_text(result),
         pipeline=pipeline_text(result), frontier=frontier_text(result), frontier_plot=f"data/{stem}_frontier.png",
         along_plot=f"data/{stem}_along.png", sensitivity_json=f"data/{stem}_sensitivity.json",

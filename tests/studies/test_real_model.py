@@ -384,6 +384,22 @@ def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
         assert (page.parent / "data" / plot).stat().st_size > 0
     assert "Not measured for this page" in text  # no sensitivity JSON beside this page
 
+    # the committed page's runs are reused, not run again: a fresh --out scores the same table from its JSON
+    again, page2 = tmp_path / "again", tmp_path / "docs2" / "REAL_MODEL.md"
+    reuse = ["--reuse", str(page.parent / "data" / "real_model.json")]
+    done = subprocess.run([*cmd[:cmd.index("--out") + 1], str(again), *cmd[cmd.index("--out") + 2:-4], *reuse,
+                           "--write", str(page2)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not list(again.glob("train_*.jsonl")) and not list(again.glob("pipeline_*.jsonl"))
+    second = json.loads((page2.parent / "data" / "real_model.json").read_text())
+    assert second["table"] == result["table"] and second["depths"] == result["depths"]
+    assert second["reused"]["runs"] == len(result["curves"]) and second["noise"] == result["noise"]
+    assert f"the curves of {len(result['curves'])} more runs are this page's JSON" in page2.read_text()
+    other = dict(result, setup={**result["setup"], "iters": result["setup"]["iters"] + 1})
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="not this study's"):
+        report.reusable(tmp_path / "other.json", size)
+
 
 def test_the_sensitivity_probe_measures_each_boundary_and_the_gradients_on_a_random_llama(tmp_path):
     """``benchmarks.real_model.sensitivity`` on the tiny random Llama at depth 4 (boundaries after layers 1, 2,
