@@ -106,13 +106,13 @@ def main(argv=None) -> int:
 
 def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args, earlier: dict | None = None) -> bool:
     """Runs what the plan lacks under ``out`` (complete runs are kept) and ``earlier`` (an earlier page's JSON)
-    does not hold; False (said why) when one fails."""
+    does not hold, the untouched model's evaluation always (beside ``earlier``'s: the two machines compared);
+    False (said why) when one fails."""
     kept = (earlier or {}).get("curves", {})
     try:
         model_dir = runs.prepare_model(out, size)
         data = runs.prepare_data(out, model_dir, size)
-        todo = [] if (earlier or {}).get("untouched") else \
-            [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
+        todo = [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
         names = set(kept)
         for depth, listed in plan.items():
             for seed in seeds:

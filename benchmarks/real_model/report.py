@@ -251,7 +251,7 @@ def build(size: runs.Size, plan: dict[int, list[str]], seeds: list[int], out: Pa
     if len(bf16) < 2:
         raise ValueError(f"the study needs at least two finished bf16 runs under {out}, found {len(bf16)}")
     untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
-        else (earlier or {}).get("untouched")
+        else None
     target, slope = target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], size.target_step)
     base_steps = {s: score.crossing(curves[n]["uncompressed"], target) for s, n in bf16.items()}
     tables = {}
@@ -278,7 +278,8 @@ def build(size: runs.Size, plan: dict[int, list[str]], seeds: list[int], out: Pa
     reused = sorted(n for n, c in curves.items() if c.get("reused"))
     if reused:  # their curves only: their per-sample losses (noise) and run time stay with the earlier page
         result["reused"] = {"runs": len(reused), "date": earlier["date"], "run_hours": earlier["run_hours"],
-                            "earlier_runs": earlier["runs"], "names": reused}
+                            "earlier_runs": earlier["runs"], "names": reused, "host": earlier["host"],
+                            "untouched": earlier.get("untouched")}
     if result["noise"]:
         result["noise"]["samples"] = size.eval_iters * size.micro_batches
     if pipeline:
@@ -600,8 +601,16 @@ def reused_text(result: dict) -> str:
     r = result.get("reused")
     if not r:
         return ""
-    return (f"; the curves of {r['runs']} more runs are this page's JSON of {r['date']} (`--reuse`: the same "
-            f"schedule and model; that page's {r['earlier_runs']} runs took {r['run_hours']:.1f} hours)")
+    text = (f"; the curves of {r['runs']} more runs are this page's JSON of {r['date']} (`--reuse`: the same "
+            f"schedule and model; that page's {r['earlier_runs']} runs took {r['run_hours']:.1f} hours")
+    if r["host"] != result["host"]:
+        text += f", on {r['host']['cpu']} with torch {r['host']['torch']}"
+        now, then = result.get("untouched"), r.get("untouched")
+        if now and then:  # the same evaluation of the same weights on both machines: what mixing them costs
+            text += (f"; the untouched model's evaluation differs between the two machines by "
+                     f"{now['valid_loss'] - then['valid_loss']:+.4f} (validation) and "
+                     f"{now['damage_loss'] - then['damage_loss']:+.4f} (damage corpus)")
+    return text + ")"
 
 
 def noise_text(result: dict) -> str:

@@ -426,3 +426,16 @@ def test_the_sensitivity_probe_measures_each_boundary_and_the_gradients_on_a_ran
     errors = {r["bits"]: r["rel_error"] for r in result["backward"]}
     assert 0 < errors[6] < errors[3]
     assert result["between_batches"]["rel_error"] > 0
+
+
+def test_reused_runs_from_another_machine_are_named_with_the_untouched_models_difference_between_the_two():
+    host = {"cpu": "AMD EPYC", "torch": "2.14.1"}
+    result = {"host": host, "untouched": {"valid_loss": 4.2657, "damage_loss": 3.7445},
+              "reused": {"runs": 40, "date": "2026-12-01", "run_hours": 14.6, "earlier_runs": 41,
+                         "host": {"cpu": "Intel Xeon", "torch": "2.14.1"},
+                         "untouched": {"valid_loss": 4.2668, "damage_loss": 3.7443}}}
+    text = report.reused_text(result)
+    assert "40 more runs" in text and "on Intel Xeon" in text and "-0.0011 (validation)" in text
+    assert "+0.0002 (damage corpus)" in text
+    result["reused"]["host"] = host  # the same machine: nothing to compare
+    assert "differs" not in report.reused_text(result) and report.reused_text({"host": host}) == ""
