@@ -603,7 +603,7 @@ def reused_text(result: dict) -> str:
         return ""
     text = (f"; the curves of {r['runs']} more runs are this page's JSON of {r['date']} (`--reuse`: the same "
             f"schedule and model; that page's {r['earlier_runs']} runs took {r['run_hours']:.1f} hours")
-    if r["host"] != result["host"]:
+    if (r["host"]["cpu"], r["host"]["torch"]) != (result["host"]["cpu"], result["host"]["torch"]):
         text += f", on {r['host']['cpu']} with torch {r['host']['torch']}"
         now, then = result.get("untouched"), r.get("untouched")
         if now and then:  # the same evaluation of the same weights on both machines: what mixing them costs

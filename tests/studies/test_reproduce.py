@@ -339,3 +339,16 @@ def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
     # none: (11111 + 10000) / 2 = 10556, auto: (10989 + 10526) / 2 = 10758 -> 1.02x; pairs 0.99 and 1.05
     assert "| 10556 | 10758 | 1.02x (2 runs: 0.99, 1.05) | fwd none; bwd none |" in md
     assert list(throughput.repeated_codecs()) == ["none_bf16_rep2", "auto_bf16_rep2", "none_bf16_rep3", "auto_bf16_rep3"]
+
+
+def test_the_host_says_whether_torch_has_bf16_matrix_instructions_and_how_much_slower_bf16_is_without():
+    import torch
+
+    from benchmarks.reproduce.runner import bf16_matmul_slowdown, host_info
+
+    host = host_info()
+    assert host["bf16_matmul"] is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    slowdown = bf16_matmul_slowdown(size=128, repeats=2)
+    assert math.isfinite(slowdown) and slowdown > 0
+    if not host["bf16_matmul"]:  # torch's plain loops: measured 43x on an AVX2-only AMD EPYC
+        assert slowdown > 3
