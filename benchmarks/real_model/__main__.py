@@ -3,7 +3,7 @@
     python -m benchmarks.real_model                          # SmolLM2-135M, every codec x 4 seeds at depth 8 (hours)
     python -m benchmarks.real_model --size tiny --out /tmp/r  # the same machinery on a random 4-layer model
     python -m benchmarks.real_model --other-depths 2,4 --write docs/REAL_MODEL.md  # run what is missing, write the page
-    python -m benchmarks.real_model --reuse docs/data/real_model.json ...  # the committed page's runs not run again
+    python -m benchmarks.real_model --from-page docs/data/real_model.json ...  # the committed page's runs not run again
 
 What it does, in order (runs already complete under ``--out`` are not run again; ``runs.py`` says what each
 run is, ``report.py`` how it is scored):
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each, one thread)")
     parser.add_argument("--pipeline", help="a codec to run once as the real pipeline (the emulation's check)")
     parser.add_argument("--write", type=Path, help="write the page here (its JSON and plots under docs/data/)")
-    parser.add_argument("--reuse", type=Path, metavar="JSON",
+    parser.add_argument("--from-page", type=Path, metavar="JSON",
                         help="an earlier page's JSON (docs/data/real_model.json): its runs' curves are scored "
                              "with the runs under --out and not run again (same size, schedule and model)")
     parser.add_argument("--score-only", action="store_true",
@@ -79,9 +79,9 @@ def main(argv=None) -> int:
     from .report import build, reusable, write_page, write_readme
 
     try:
-        earlier = reusable(args.reuse, size) if args.reuse else None
+        earlier = reusable(args.from_page, size) if args.from_page else None
     except (OSError, ValueError) as err:
-        parser.error(f"--reuse: {err}")
+        parser.error(f"--from-page: {err}")
     if not args.score_only and not run_plan(plan, seeds, size, out, args, earlier):
         return 1
     result = build(size, plan, seeds, out, host_info(), depth=args.depth, pipeline=args.pipeline, earlier=earlier)

@@ -597,11 +597,11 @@ def pipeline_text(result: dict) -> str:
 
 
 def reused_text(result: dict) -> str:
-    """The runs whose curves come from an earlier page's JSON (``--reuse``), or nothing."""
+    """The runs whose curves come from an earlier page's JSON (``--from-page``), or nothing."""
     r = result.get("reused")
     if not r:
         return ""
-    text = (f"; the curves of {r['runs']} more runs are this page's JSON of {r['date']} (`--reuse`: the same "
+    text = (f"; the curves of {r['runs']} more runs are this page's JSON of {r['date']} (`--from-page`: the same "
             f"schedule and model; that page's {r['earlier_runs']} runs took {r['run_hours']:.1f} hours")
     if (r["host"]["cpu"], r["host"]["torch"]) != (result["host"]["cpu"], result["host"]["torch"]):
         text += f", on {r['host']['cpu']} with torch {r['host']['torch']}"
@@ -801,7 +801,7 @@ def write_page(result: dict, page: Path) -> None:
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
         s_per_step=f"{result['s_per_step']:.2f}", run_hours=f"{result['run_hours']:.1f}", runs=result["runs"],
-        reused=reused_text(result),
+        reused=reused_text(result), json_from_root=f"{page.parent.name}/data/{stem}.json",
         bf16_steps=_interval(bf16["mean"], bf16["low"], bf16["high"], 1), noise=noise_text(result),
         pipeline=pipeline_text(result), frontier=frontier_text(result), frontier_plot=f"data/{stem}_frontier.png",
         along_plot=f"data/{stem}_along.png", sensitivity_json=f"data/{stem}_sensitivity.json",

@@ -386,7 +386,7 @@ def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
 
     # the committed page's runs are reused, not run again: a fresh --out scores the same table from its JSON
     again, page2 = tmp_path / "again", tmp_path / "docs2" / "REAL_MODEL.md"
-    reuse = ["--reuse", str(page.parent / "data" / "real_model.json")]
+    reuse = ["--from-page", str(page.parent / "data" / "real_model.json")]
     done = subprocess.run([*cmd[:cmd.index("--out") + 1], str(again), *cmd[cmd.index("--out") + 2:-4], *reuse,
                            "--write", str(page2)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -435,7 +435,7 @@ def test_reused_runs_from_another_machine_are_named_with_the_untouched_models_di
                          "host": {"cpu": "Intel Xeon", "torch": "2.14.1"},
                          "untouched": {"valid_loss": 4.2668, "damage_loss": 3.7443}}}
     text = report.reused_text(result)
-    assert "40 more runs" in text and "on Intel Xeon" in text and "-0.0011 (validation)" in text
+    assert "40 more runs" in text and "--from-page" in text and "on Intel Xeon" in text and "-0.0011 (validation)" in text
     assert "+0.0002 (damage corpus)" in text
     result["reused"]["host"] = host  # the same machine: nothing to compare
     assert "differs" not in report.reused_text(result) and report.reused_text({"host": host}) == ""
