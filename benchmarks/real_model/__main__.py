@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..reproduce.runner import ReproduceError, bf16_matmul_slowdown, execute_all, host_info, say
+from ..reproduce.runner import ReproduceError, execute_all, host_info, say
 from ..speedrun.runs import CODECS
 from . import runs
 
@@ -110,6 +110,8 @@ def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args
     False (said why) when one fails."""
     kept = (earlier or {}).get("curves", {})
     if not host_info()["bf16_matmul"]:  # the runs train with --bf16
+        from megatron_tah.megatron.cpu_shims import bf16_matmul_slowdown
+
         say(f"warning: this CPU has no bf16 instructions oneDNN uses; a bf16 matrix product takes "
             f"{bf16_matmul_slowdown():.0f}x an fp32 one here, and every run about as much longer")
     try:

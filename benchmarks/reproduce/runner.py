@@ -103,11 +103,14 @@ def is_complete(run: Run, out_dir: Path) -> bool:
 
 def host_info() -> dict:
     """The machine and the software a run's numbers come from: CPU model, cores, memory, kernel, Python,
-    torch and megatron-core versions (runs on different CPUs can differ in the last bits of a float)."""
+    torch and megatron-core versions (runs on different CPUs can differ in the last bits of a float), and whether
+    the CPU multiplies bf16 natively (without, a bf16 run's step takes tens of times longer)."""
     import platform
     from importlib import metadata
 
     import torch
+
+    from megatron_tah.megatron.cpu_shims import bf16_instructions
 
     cpu = "unknown"
     try:
@@ -121,28 +124,7 @@ def host_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gb, 1), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,
             "megatron_core": metadata.version("megatron-core"),
-            "bf16_matmul": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
-
-
-def bf16_matmul_slowdown(size: int = 512, repeats: int = 3) -> float:
-    """How many times longer a bf16 matrix product takes than an fp32 one on this CPU, one thread (about 1 on a CPU
-    with bf16 instructions oneDNN uses; tens where torch falls back to its plain loops)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        seconds = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-            a @ b  # warm-up
-            start = time.perf_counter()
-            for _ in range(repeats):
-                a @ b
-            seconds[dtype] = time.perf_counter() - start
-        return seconds[torch.bfloat16] / seconds[torch.float32]
-    finally:
-        torch.set_num_threads(threads)
+            "bf16_matmul": bf16_instructions()}
 
 
 def load_average() -> float:

@@ -16,6 +16,7 @@ import pytest
 
 from megatron_tah import demo
 from megatron_tah.config import DEFAULT_CANDIDATES
+from megatron_tah.megatron.cpu_shims import bf16_instructions
 
 
 @pytest.mark.distributed
@@ -40,6 +41,7 @@ def test_scaled_down_demo(tmp_path):
     assert not checks["speedup"]["checked"] and "not compared with the goal" in proc.stdout
     compute = summary["compute"]  # the link-free run measured this machine's compute per iteration
     assert compute["compute_ms_per_iter"] > 0 and "ms of compute per iteration" in proc.stdout
+    assert ("has no bf16 instructions" in proc.stdout) == (not bf16_instructions())  # said before it computes
     assert compute["bf16_link_ms_per_iter"] == pytest.approx(rows["bf16"]["link_ms_per_iter"])
     assert "bf16: iteration 10/12, lm loss" in proc.stdout and "ETA" in proc.stdout  # the last log line (every 10)
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

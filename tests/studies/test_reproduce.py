@@ -344,7 +344,8 @@ def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
 def test_the_host_says_whether_torch_has_bf16_matrix_instructions_and_how_much_slower_bf16_is_without():
     import torch
 
-    from benchmarks.reproduce.runner import bf16_matmul_slowdown, host_info
+    from benchmarks.reproduce.runner import host_info
+    from megatron_tah.megatron.cpu_shims import bf16_matmul_slowdown
 
     host = host_info()
     assert host["bf16_matmul"] is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
