@@ -109,9 +109,9 @@ def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args
     does not hold, the untouched model's evaluation always (beside ``earlier``'s: the two machines compared);
     False (said why) when one fails."""
     kept = (earlier or {}).get("curves", {})
-    if not host_info()["bf16_matmul"]:  # the runs train with --bf16
-        from megatron_tah.megatron.cpu_shims import bf16_matmul_slowdown
+    from megatron_tah.megatron.cpu_shims import bf16_instructions, bf16_matmul_slowdown
 
+    if not bf16_instructions():  # the runs train with --bf16
         say(f"warning: this CPU has no bf16 instructions oneDNN uses; a bf16 matrix product takes "
             f"{bf16_matmul_slowdown():.0f}x an fp32 one here, and every run about as much longer")
     try:
