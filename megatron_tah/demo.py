@@ -360,12 +360,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prefix = prepare_data(args)
-    from .megatron.cpu_shims import bf16_instructions, bf16_matmul_slowdown
+    from .megatron.cpu_shims import bf16_instructions
 
     if not bf16_instructions():  # the runs compute in bf16 (--bf16)
-        _say(f"warning: this CPU has no bf16 instructions torch uses (AVX512-BF16 or AMX): a bf16 matrix product "
-             f"takes {bf16_matmul_slowdown():.0f}x an fp32 one here, so every iteration computes longer and the "
-             "speed-up over bf16 is smaller (the machine line at the end says how compute and link compare)")
+        _say("note: this CPU has no bf16 instructions torch uses (AVX512-BF16 or AMX): the runs' bf16 matrix "
+             "products are computed in fp32 and rounded to bf16 (a CPU shim, docs/PATCHES.md), as fast as fp32")
     link = "loopback" if args.rate == UNLIMITED else choose_link(args.link, args.rate)
     link_text = {"netns": f"{args.rate}, network namespaces + tc", "emulate": f"{args.rate}, in-process emulation",
                  "loopback": "unlimited (loopback, no slow link)"}[link]

@@ -86,7 +86,7 @@ def installed_entries() -> dict[str, list]:
     from megatron_tah.megatron.places import PLACES
     from megatron_tah.megatron.registry import REGISTRY
 
-    shims = cpu_shims.apply_cpu_shims(force=True)
+    shims = cpu_shims.apply_cpu_shims(force=True, bf16_products=True)  # listed whatever this CPU has
     try:
         plugin.install_megatron_lm_plugin()
         megatron_tah.install(TahConfig(**ALL_PLACES))
@@ -154,7 +154,7 @@ def page() -> str:
             "Replaced during one call, or when a mode turns on, and restored after it (as the source names the "
             "target):", "", HEADER]
     out += [f"| `{c.target}` | {c.how} | {c.why} | `{c.path}` |" for c in later]
-    out += ["", "## Outside Megatron", "", "The same installers replace these attributes of torch itself:", "",
+    out += ["", "## Outside Megatron", "", "The same installers replace these attributes and kernels of torch itself:", "",
             HEADER, *_rows(outside), ""]
     return "\n".join(out)
 

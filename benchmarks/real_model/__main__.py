@@ -109,11 +109,11 @@ def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args
     does not hold, the untouched model's evaluation always (beside ``earlier``'s: the two machines compared);
     False (said why) when one fails."""
     kept = (earlier or {}).get("curves", {})
-    from megatron_tah.megatron.cpu_shims import bf16_instructions, bf16_matmul_slowdown
+    from megatron_tah.megatron.cpu_shims import bf16_instructions
 
     if not bf16_instructions():  # the runs train with --bf16
-        say(f"warning: this CPU has no bf16 instructions oneDNN uses; a bf16 matrix product takes "
-            f"{bf16_matmul_slowdown():.0f}x an fp32 one here, and every run about as much longer")
+        say("note: this CPU has no bf16 instructions oneDNN uses: the runs' bf16 matrix products are computed in "
+            "fp32 and rounded to bf16 (a CPU shim, docs/PATCHES.md)")
     try:
         model_dir = runs.prepare_model(out, size)
         data = runs.prepare_data(out, model_dir, size)

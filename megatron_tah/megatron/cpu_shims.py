@@ -40,6 +40,13 @@ same calls exist in 0.20 (Megatron-LM ``main``).
    state is empty and setting it does nothing; the CPU generator and the tracker's (CPU, item 4)
    states, which dropout draws from here, are saved and restored by the same code as before.
 
+10. **bf16 matrix products on a CPU without bf16 instructions** (not Megatron's: torch's CPU kernels of
+    ``aten::mm`` / ``addmm`` / ``bmm`` / ``baddbmm``, which multiply bf16 in plain loops when oneDNN lacks
+    AVX512-BF16 and AMX -- 43x an fp32 product on an AVX2-only AMD EPYC, a real-model study step 160 s instead of
+    10): the bf16 operands are multiplied in fp32 and the product rounded once to bf16, which is what the bf16
+    kernels compute (fp32 accumulation) up to the order of the sums: one element in 5,000-10,000 lands one bf16
+    step apart (``tests/megatron/test_cpu_shims.py``). Applied only where ``bf16_instructions()`` is False.
+
 ``apply_cpu_shims()`` installs all of them when ``torch.cuda.is_available()`` is False (or with
 ``force=True``, for tests) and returns whether they are active; ``remove_cpu_shims()`` restores
 every original object exactly. Both are idempotent; nothing happens at import time. The
@@ -302,8 +309,9 @@ def cpu_shims_active() -> bool:
     return bool(REGISTRY.cpu_shims)
 
 
-def apply_cpu_shims(force: bool = False) -> bool:
-    """Install the CPU shims when CUDA is absent (or ``force``); returns whether they are active."""
+def apply_cpu_shims(force: bool = False, bf16_products: bool | None = None) -> bool:
+    """Install the CPU shims when CUDA is absent (or ``force``); returns whether they are active. ``bf16_products``:
+    whether item 10 is among them (None: where this CPU has no ``bf16_instructions``)."""
     patches = REGISTRY.cpu_shims
     if patches:
         return True
@@ -322,6 +330,9 @@ def apply_cpu_shims(force: bool = False) -> bool:
         patches.replace(tracker, "fork", _tracker_fork, why="the CUDA RNG tracker forks CPU generator states")
         for owner, attribute, make, why in SHIMMED_FUNCTIONS:
             patches.wrap(owner, attribute, make, why=why)
+        if bf16_products if bf16_products is not None else not bf16_instructions():
+            for operator, kernel in BF16_PRODUCTS.items():
+                patches.kernel(operator, kernel, why=BF16_WHY)
     except Exception:
         patches.restore()
         raise
@@ -356,6 +367,29 @@ def release_cpu_shims(holder: str) -> None:
 
 
 # ----- bf16 on a CPU ---------------------------------------------------------------------------------------------
+BF16_WHY = "bf16 matrix products in fp32, rounded once (a CPU without bf16 instructions; item 10)"
+
+
+def _in_fp32(out_variant):
+    """A CPU kernel for an ``aten`` product whose operands are all bf16: the product of their fp32 copies, rounded
+    to bf16; any other dtypes go to torch's own kernel (the ``out=`` overload, which this shim leaves alone)."""
+
+    def kernel(*args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if all(t.dtype is torch.bfloat16 for t in tensors):
+            wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+            return out_variant(*wide, **kwargs, out=torch.empty(0, dtype=torch.float32)).to(torch.bfloat16)
+        return out_variant(*args, **kwargs, out=torch.empty(0, dtype=tensors[0].dtype))
+
+    return kernel
+
+
+BF16_PRODUCTS = {"mm": _in_fp32(torch.mm), "addmm": _in_fp32(torch.addmm), "bmm": _in_fp32(torch.bmm),
+                 "baddbmm": _in_fp32(torch.baddbmm)}
+"""The ``aten`` operators item 10 replaces on the CPU, with their kernels (the matrix products Megatron's local
+layers, attention and their gradients reach through ``matmul`` / ``linear``)."""
+
+
 def bf16_instructions() -> bool:
     """Whether oneDNN has the bf16 instructions (AVX512-BF16 or AMX) torch's CPU matrix products use for bf16;
     without them torch multiplies bf16 in plain loops, tens of times slower than fp32 (``bf16_matmul_slowdown``)."""

@@ -7,6 +7,7 @@ replaced, so that ``restore()`` puts back exactly the original objects, newest f
     patches = Patches()
     patches.wrap("megatron.training.training", "training_log", make_wrapper)   # wrapper(original)
     patches.replace(torch.Tensor, "cuda", cpu_cuda)                             # plain replacement
+    patches.kernel("mm", mm_in_fp32)                                            # torch's CPU kernel of aten::mm
     patches.restore()
 
 Each call says why in one line (``why=``); ``entries()`` lists what is replaced, with that line, the module that
@@ -86,9 +87,10 @@ class Patches:
     def __init__(self):
         self._applied: list[tuple[Any, str, Any]] = []
         self._entries: list[Entry] = []
+        self._kernels: Any = None  # the torch.library.Library of ``kernel``'s registrations
 
     def __bool__(self) -> bool:
-        return bool(self._applied)
+        return bool(self._applied) or self._kernels is not None
 
     def entries(self) -> list[Entry]:
         """What is replaced now, in the order it was (empty after ``restore``)."""
@@ -115,6 +117,22 @@ class Patches:
         self._set(owner, attribute, functools.wraps(original)(make_wrapper(original)),
                   Entry("", "wraps", why, _maker_module(make_wrapper)))
 
+    def kernel(self, operator: str, function: Callable, dispatch_key: str = "CPU", why: str = "") -> None:
+        """Run ``function`` as torch's ``aten::<operator>`` kernel for ``dispatch_key`` (``torch.library``; the
+        operator's other overloads, e.g. ``<operator>.out``, keep torch's kernels); ``why``: its line on the patch
+        page."""
+        import warnings
+
+        import torch
+
+        if self._kernels is None:
+            self._kernels = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch says once that it overrides a registered kernel: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            self._kernels.impl(operator, function, dispatch_key)
+        self._entries.append(Entry(f"torch aten::{operator} ({dispatch_key} kernel)", "replaces", why,
+                                   _maker_module(function)))
+
     def _set(self, owner: Any, attribute: str, replacement: Any, entry: Entry) -> None:
         current = self.original(owner, attribute)
         if isinstance(owner, type) and attribute not in owner.__dict__:
@@ -129,6 +147,9 @@ class Patches:
     def restore(self) -> None:
         """Put every replaced attribute back (no-op when nothing is replaced)."""
         self._entries.clear()
+        if self._kernels is not None:
+            self._kernels._destroy()  # torch's own kernels are back
+            self._kernels = None
         while self._applied:
             owner, attribute, saved = self._applied.pop()
             if saved is _INHERITED:

@@ -179,3 +179,48 @@ def test_tensor_parallel_validates_and_mappings_allocate_on_cpu(monkeypatch, ori
     assert mappings.torch.cuda.current_device() == "cpu"  # sequence-parallel gathers allocate on the CPU
     cpu_shims.remove_cpu_shims()
     assert training_arguments.get_device_arch_version is before and mappings.torch is torch
+
+
+def _products(a, b, c, x, y, z):
+    return {"mm": torch.mm(a, b), "addmm": torch.addmm(c, a, b, beta=0.5, alpha=2.0), "bmm": torch.bmm(x, y),
+            "baddbmm": torch.baddbmm(z, x, y, alpha=0.25), "linear": torch.nn.functional.linear(a, b.t(), c),
+            "matmul": x @ y}
+
+
+def test_bf16_products_run_in_fp32_and_round_once_where_the_cpu_has_no_bf16_instructions(originals):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(96, 80), (80, 64), (64,), (3, 40, 72), (3, 72, 24), (3, 40, 24)]
+    bf16 = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+    fp32 = [t.float() * 3 for t in bf16]
+    native = _products(*bf16)
+    wide = {name: _products(*(t.float() for t in bf16))[name].bfloat16() for name in native}  # the reference
+    native_fp32 = _products(*fp32)
+    assert cpu_shims.apply_cpu_shims(force=True, bf16_products=True)
+    assert {e.target for e in cpu_shims.REGISTRY.cpu_shims.entries() if "aten::" in e.target} == {
+        f"torch aten::{op} (CPU kernel)" for op in cpu_shims.BF16_PRODUCTS}
+    shimmed = _products(*bf16)
+    for name, product in shimmed.items():
+        assert product.dtype is torch.bfloat16
+        assert torch.equal(product, wide[name]), name  # the fp32 product rounded once, bit for bit
+        step = native[name].float().abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 step (8 significant bits)
+        assert ((product.float() - native[name].float()).abs() <= step).all(), name  # torch's bf16 kernels: same sums
+    for name, product in _products(*fp32).items():
+        assert torch.equal(product, native_fp32[name]), name  # other dtypes: torch's own kernels
+    a, b = (t.clone().requires_grad_() for t in bf16[:2])
+    (a @ b).float().square().sum().backward()  # gradients are products too
+    assert a.grad.dtype is torch.bfloat16 and torch.isfinite(a.grad.float()).all()
+    with pytest.raises(RuntimeError):
+        torch.mm(bf16[0], fp32[1])  # mixed dtypes are refused as torch refuses them
+    cpu_shims.remove_cpu_shims()
+    assert not cpu_shims.REGISTRY.cpu_shims
+    assert all(torch.equal(product, native[name]) for name, product in _products(*bf16).items())  # torch's again
+
+
+def test_bf16_products_are_left_to_torch_where_the_cpu_has_bf16_instructions(monkeypatch, originals):
+    monkeypatch.setattr(cpu_shims, "bf16_instructions", lambda: True)
+    assert cpu_shims.apply_cpu_shims(force=True)
+    assert not [e for e in cpu_shims.REGISTRY.cpu_shims.entries() if "aten::" in e.target]
+    monkeypatch.setattr(cpu_shims, "bf16_instructions", lambda: False)
+    cpu_shims.remove_cpu_shims()
+    assert cpu_shims.apply_cpu_shims(force=True)
+    assert len([e for e in cpu_shims.REGISTRY.cpu_shims.entries() if "aten::" in e.target]) == len(cpu_shims.BF16_PRODUCTS)
