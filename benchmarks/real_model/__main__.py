@@ -9,7 +9,9 @@ What it does, in order (runs already complete under ``--out`` are not run again;
 run is, ``report.py`` how it is scored):
 
 1. imports the model into a Megatron checkpoint and tokenizes the corpora with its tokenizer;
-2. evaluates the untouched checkpoint;
+2. evaluates the untouched checkpoint, and when ``--from-page``'s runs were made on another machine (CPU or torch),
+   trains bf16's first seed again as ``control_train_bf16_s<seed>``: the page says how far its curve lies from the
+   reused one;
 3. runs bf16 (no codec) and every codec with every seed for the same number of steps, validating through the
    codecs and uncompressed, and scoring the damage corpus at the end (equal steps); the codecs at ``--depth``,
    and ``--other-codecs`` (default: the presets among ``--codecs``) at each of ``--other-depths``; seed by seed,
@@ -24,6 +26,7 @@ run is, ``report.py`` how it is scored):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -119,6 +122,11 @@ def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args
         data = runs.prepare_data(out, model_dir, size)
         todo = [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
         names = set(kept)
+        here = host_info()
+        if earlier and (earlier["host"]["cpu"], earlier["host"]["torch"]) != (here["cpu"], here["torch"]):
+            # another machine made the reused runs: bf16's first seed again here, what mixing them costs
+            again = runs.train_run("bf16", seeds[0], size, model_dir, data, out)
+            todo.append(dataclasses.replace(again, name=runs.CONTROL + again.name))
         for depth, listed in plan.items():
             for seed in seeds:
                 for codec in listed:

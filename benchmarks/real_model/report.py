@@ -160,6 +160,27 @@ def reusable(path: Path, size: runs.Size) -> dict:
     return earlier
 
 
+def control(out: Path, curves: dict, target: float) -> dict | None:
+    """bf16 trained again on this machine (``runs.control_name``) against its reused curve from the earlier page's
+    machine, at the validations both have: what mixing the two machines' runs costs in training, not only in one
+    evaluation. None without such a run."""
+    for path in sorted(out.glob(f"{runs.CONTROL}*.jsonl")):
+        name = path.name[len(runs.CONTROL):-len(".jsonl")]
+        records = read_log(path) if not path.name.endswith(".evals.jsonl") else []
+        if name not in curves or not curves[name].get("reused") or not any("test_loss" in r for r in records):
+            continue
+        here, there = dict(runs.validations(records, "uncompressed")), dict(curves[name]["uncompressed"])
+        diffs = [here[i] - there[i] for i in sorted(set(here) & set(there))]
+        if not diffs:
+            continue
+        return {"run": name, "validations": len(diffs), "mean_diff": statistics.fmean(diffs),
+                "max_abs_diff": max(abs(d) for d in diffs),
+                "steps_here": score.crossing(sorted(here.items()), target),
+                "steps_there": score.crossing(sorted(there.items()), target),
+                "damage_diff": runs.evaluation(records)["damage_loss"] - curves[name]["damage"]["uncompressed"]["damage_loss"]}
+    return None
+
+
 def target_and_slope(base: list[list[tuple[int, float]]], step: int) -> tuple[float, float]:
     """bf16's mean validation loss at ``step`` (each seed's curve interpolated there) and the mean curve's
     least-squares fall per step over the validations within 4 steps of it (positive: still falling)."""
@@ -279,7 +300,7 @@ def build(size: runs.Size, plan: dict[int, list[str]], seeds: list[int], out: Pa
     if reused:  # their curves only: their per-sample losses (noise) and run time stay with the earlier page
         result["reused"] = {"runs": len(reused), "date": earlier["date"], "run_hours": earlier["run_hours"],
                             "earlier_runs": earlier["runs"], "names": reused, "host": earlier["host"],
-                            "untouched": earlier.get("untouched")}
+                            "untouched": earlier.get("untouched"), "control": control(out, curves, target)}
     if result["noise"]:
         result["noise"]["samples"] = size.eval_iters * size.micro_batches
     if pipeline:
@@ -610,6 +631,13 @@ def reused_text(result: dict) -> str:
             text += (f"; the untouched model's evaluation differs between the two machines by "
                      f"{now['valid_loss'] - then['valid_loss']:+.4f} (validation) and "
                      f"{now['damage_loss'] - then['damage_loss']:+.4f} (damage corpus)")
+    c = r.get("control")
+    if c:  # bf16 trained again here: the same comparison after training
+        steps = (f"; it reaches the target in {c['steps_here']:.1f} steps against {c['steps_there']:.1f}"
+                 if c["steps_here"] is not None and c["steps_there"] is not None else "")
+        text += (f"; `{c['run']}` trained again here: its {c['validations']} validations differ from the earlier "
+                 f"machine's by {c['mean_diff']:+.4f} on average (largest {c['max_abs_diff']:.4f}), its damage "
+                 f"corpus loss by {c['damage_diff']:+.4f}{steps}")
     return text + ")"
 
 

@@ -204,6 +204,10 @@ def _eval_flags(data: dict[str, str], iters: int) -> list[str]:
             "--fixed-validation", "--eval-data-seed", str(EVAL_DATA_SEED), "--eval-token-accuracy"]
 
 
+CONTROL = "control_"
+"""The prefix of a reused run trained again on this machine (``report.control``): scored only as that check."""
+
+
 def run_name(codec: str, seed: int, depth: int | None = None) -> str:
     """``train_bf16_s<seed>`` (bf16 is the same run at every depth), ``train_<codec>_d<depth>_s<seed>``."""
     return f"train_{codec}_s{seed}" if codec == "bf16" else f"train_{codec}_d{depth}_s{seed}"

@@ -442,3 +442,26 @@ def test_reused_runs_from_another_machine_are_named_with_the_untouched_models_di
     assert "+0.0002 (damage corpus)" in text
     result["reused"]["host"] = host  # the same machine: nothing to compare
     assert "differs" not in report.reused_text(result) and report.reused_text({"host": host}) == ""
+
+
+def test_bf16_trained_again_here_is_compared_with_its_reused_curve_at_the_validations_both_have(tmp_path):
+    name = runs.run_name("bf16", 1)
+    reused = {name: {"codec": "bf16", "seed": 1, "reused": True, "uncompressed": [(10, 4.0), (12, 3.9), (14, 3.8)],
+                     "damage": {"uncompressed": {"damage_loss": 3.70}}}}
+    assert report.control(tmp_path, reused, 3.85) is None  # not trained again
+    records = [{"iteration": 10, "valid_loss": 4.01}, {"iteration": 12, "valid_loss": 3.88},
+               {"iteration": 14, "valid_loss": 3.80}, {"iteration": 16, "valid_loss": 3.70}]
+    log = tmp_path / f"{runs.CONTROL}{name}.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.control(tmp_path, reused, 3.85) is None  # unfinished: no damage evaluation yet
+    log.write_text(log.read_text() + json.dumps({"iteration": 16, "test_loss": 3.72, "valid_loss": 3.70}) + "\n")
+    found = report.control(tmp_path, reused, 3.85)
+    assert found["run"] == name and found["validations"] == 3  # step 16 is only here
+    assert found["mean_diff"] == pytest.approx((0.01 - 0.02 + 0.0) / 3) and found["max_abs_diff"] == pytest.approx(0.02)
+    assert found["damage_diff"] == pytest.approx(0.02)
+    assert found["steps_there"] == pytest.approx(13.0) and found["steps_here"] == pytest.approx(12.75)
+    assert report.control(tmp_path, {name: {**reused[name], "reused": False}}, 3.85) is None  # run here: no check
+    result = {"host": {"cpu": "AMD EPYC", "torch": "2"}, "reused": {
+        "runs": 1, "date": "d", "run_hours": 1.0, "earlier_runs": 1, "host": {"cpu": "Intel", "torch": "2"},
+        "control": found}}
+    assert f"`{name}` trained again here: its 3 validations differ" in report.reused_text(result)
