@@ -85,9 +85,10 @@ def main(argv=None) -> int:
         earlier = reusable(args.from_page, size) if args.from_page else None
     except (OSError, ValueError) as err:
         parser.error(f"--from-page: {err}")
-    if not args.score_only and not run_plan(plan, seeds, size, out, args, earlier):
+    host = host_info()
+    if not args.score_only and not run_plan(plan, seeds, size, out, args, earlier, host):
         return 1
-    result = build(size, plan, seeds, out, host_info(), depth=args.depth, pipeline=args.pipeline, earlier=earlier)
+    result = build(size, plan, seeds, out, host, depth=args.depth, pipeline=args.pipeline, earlier=earlier)
     print(json.dumps(result["table"], indent=1))
     if args.write:
         import shlex
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args, earlier: dict | None = None) -> bool:
+def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args, earlier: dict | None,
+             host: dict) -> bool:
     """Runs what the plan lacks under ``out`` (complete runs are kept) and ``earlier`` (an earlier page's JSON)
     does not hold, the untouched model's evaluation always (beside ``earlier``'s: the two machines compared);
     False (said why) when one fails."""
@@ -122,8 +124,7 @@ def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args
         data = runs.prepare_data(out, model_dir, size)
         todo = [runs.eval_run("eval_untouched", size, model_dir, data, model_dir, info={"codec": "untouched"})]
         names = set(kept)
-        here = host_info()
-        if earlier and (earlier["host"]["cpu"], earlier["host"]["torch"]) != (here["cpu"], here["torch"]):
+        if earlier and (earlier["host"]["cpu"], earlier["host"]["torch"]) != (host["cpu"], host["torch"]):
             # another machine made the reused runs: bf16's first seed again here, what mixing them costs
             again = runs.train_run("bf16", seeds[0], size, model_dir, data, out)
             todo.append(dataclasses.replace(again, name=runs.CONTROL + again.name))

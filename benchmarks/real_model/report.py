@@ -161,12 +161,13 @@ def reusable(path: Path, size: runs.Size) -> dict:
 
 
 def control(out: Path, curves: dict, target: float) -> dict | None:
-    """bf16 trained again on this machine (``runs.control_name``) against its reused curve from the earlier page's
+    """bf16 trained again on this machine (``runs.CONTROL`` + its name) against its reused curve from the earlier page's
     machine, at the validations both have: what mixing the two machines' runs costs in training, not only in one
     evaluation. None without such a run."""
     for path in sorted(out.glob(f"{runs.CONTROL}*.jsonl")):
-        name = path.name[len(runs.CONTROL):-len(".jsonl")]
-        records = read_log(path) if not path.name.endswith(".evals.jsonl") else []
+        if path.name.endswith(".evals.jsonl"):  # its per-sample losses
+            continue
+        name, records = path.name[len(runs.CONTROL):-len(".jsonl")], read_log(path)
         if name not in curves or not curves[name].get("reused") or not any("test_loss" in r for r in records):
             continue
         here, there = dict(runs.validations(records, "uncompressed")), dict(curves[name]["uncompressed"])

@@ -44,7 +44,7 @@ same calls exist in 0.20 (Megatron-LM ``main``).
     ``aten::mm`` / ``addmm`` / ``bmm`` / ``baddbmm``, which multiply bf16 in plain loops when oneDNN lacks
     AVX512-BF16 and AMX -- 43x an fp32 product on an AVX2-only AMD EPYC, a real-model study step 160 s instead of
     10): the bf16 operands are multiplied in fp32 and the product rounded once to bf16, which is what the bf16
-    kernels compute (fp32 accumulation) up to the order of the sums: one element in 5,000-10,000 lands one bf16
+    kernels compute (fp32 accumulation) up to the order of the sums: one or two elements in 10,000 land one bf16
     step apart (``tests/megatron/test_cpu_shims.py``). Applied only where ``bf16_instructions()`` is False.
 
 ``apply_cpu_shims()`` installs all of them when ``torch.cuda.is_available()`` is False (or with

@@ -193,7 +193,7 @@ def test_bf16_products_run_in_fp32_and_round_once_where_the_cpu_has_no_bf16_inst
     bf16 = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
     fp32 = [t.float() * 3 for t in bf16]
     native = _products(*bf16)
-    wide = {name: _products(*(t.float() for t in bf16))[name].bfloat16() for name in native}  # the reference
+    wide = {name: product.bfloat16() for name, product in _products(*(t.float() for t in bf16)).items()}  # reference
     native_fp32 = _products(*fp32)
     assert cpu_shims.apply_cpu_shims(force=True, bf16_products=True)
     assert {e.target for e in cpu_shims.REGISTRY.cpu_shims.entries() if "aten::" in e.target} == {
