@@ -49,9 +49,12 @@ def _descendants() -> dict[int, psutil.Process]:
 
 
 def _ours(proc: psutil.Process) -> bool:
-    """Not the test process's own helpers (multiprocessing's resource tracker, started once per session)."""
+    """Not the test process's own helpers, started once per session: multiprocessing's resource tracker and
+    fork server (the server's own child; the ranks it forks carry its command line and are the tests')."""
     try:
-        return "resource_tracker" not in " ".join(proc.cmdline())
+        command = " ".join(proc.cmdline())
+        server = "multiprocessing.forkserver" in command and proc.ppid() == os.getpid()
+        return "resource_tracker" not in command and not server
     except psutil.Error:
         return False
 

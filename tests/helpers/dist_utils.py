@@ -11,11 +11,13 @@ API::
 
     results = run_distributed(body, 2, 10.0)  # -> [10.0, 10.0], one entry per rank
 
-* Each rank is a fresh ``spawn`` process with ``torch.distributed`` initialised (gloo,
-  file rendezvous, no fixed port), ``torch.set_num_threads(threads)`` (default 1; the CI
-  machine has 2 cores) and the parent's environment plus ``env``. The process group is
-  destroyed after ``fn`` returns. Run several scenarios inside one ``fn`` to pay the
-  start-up (~5 s with megatron-core imports) once.
+* Each rank is a new process with ``torch.distributed`` initialised (gloo, file rendezvous, no
+  fixed port), ``torch.set_num_threads(threads)`` (default 1; the CI machine has 2 cores) and the
+  parent's environment plus ``env``. Ranks are forked from one ``forkserver`` per test process
+  that imported megatron-core and Megatron's training package once (about 5 s a rank saved);
+  a rank whose environment differs from the one the server imported under (beyond the running
+  test's name) is a fresh ``spawn`` process instead, so no import sees other variables than it
+  would have. The process group is destroyed after ``fn`` returns.
 * If a rank raises, ``run_distributed`` raises ``DistributedError`` listing every rank's
   failure, unless ``return_exceptions=True``: then a failed rank's entry is a
   ``RankFailure`` (``type_name``, ``message``, ``traceback``). Results travel pickled by value (a tensor
@@ -30,7 +32,8 @@ API::
   dumped (``faulthandler`` on ``SIGUSR1``) and come back in the error.
 * No process outlives the run: each rank leads its own process group, which is killed once the rank
   is done or stopped (helpers it spawned die with it), and a rank dies with its parent
-  (``PR_SET_PDEATHSIG``), so a killed test run leaves no rank behind.
+  (``PR_SET_PDEATHSIG``: the fork server, which ends with the test process), so a killed test run
+  leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
     _die_with_parent()
     stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 (open while the rank lives)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    os.environ.clear()  # the parent's environment now (a forked rank inherited the fork server's, from its start)
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
@@ -122,17 +126,40 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
     results.join_thread()
 
 
+SERVER_PRELOAD = ("megatron.core", "megatron.training")  # what the fork server imports once
+RUNTIME_ONLY = ("PYTEST_CURRENT_TEST",)  # variables that change between tests and that no import reads
+_server_env: dict = {}  # the environment the fork server imported under, once it runs
+
+
+def _context(env: dict, preload: tuple):
+    """``forkserver``: ranks forked from one server per test process that imported ``SERVER_PRELOAD`` (about 5 s
+    of start-up saved per rank), when the ranks' environment is the one the server imported under (up to
+    ``RUNTIME_ONLY``) and ``preload`` is among its imports; ``spawn`` otherwise."""
+    import multiprocessing.forkserver as forkserver
+
+    def imported_under(variables):
+        return {k: v for k, v in variables.items() if k not in RUNTIME_ONLY}
+
+    if not _server_env:
+        mp.get_context("forkserver").set_forkserver_preload(list(SERVER_PRELOAD))
+        forkserver.ensure_running()
+        _server_env.update(imported_under(os.environ))
+    if imported_under(env) == _server_env and set(preload) <= set(SERVER_PRELOAD):
+        return mp.get_context("forkserver")
+    return mp.get_context("spawn")
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0,
                     return_exceptions: bool = False, env: dict | None = None, threads: int = 1,
                     startup: float = 600.0, preload: tuple = PRELOAD, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; results in rank order."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
+    ctx = _context(env, preload)
     results = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="tah_dist_")
     init_file = os.path.join(tmpdir, "rendezvous")
-    env = {k: str(v) for k, v in (env or {}).items()}
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, init_file, fn, args, kwargs, env, threads, results,
                                startup + timeout, preload))
