@@ -39,7 +39,7 @@ from .pages import replace_block
 from .reproduce.runner import host_info
 from .real_activations import CACHE, MODELS, boundaries, corpus_text
 
-CANDIDATES = ("channel4_h3", "channel3_h3", "lowrank_h3", "lowrank_g2")
+CANDIDATES = ("channel4_h3", "channel3_h3", "lowrank_h3", "lowrank_h3_t32", "lowrank_h3_rn", "lowrank_g2")
 """The real-model study's candidates near 6 bits both ways (``benchmarks.speedrun.runs.CODECS``), measured beside the
 presets: the coder's bits with the steps their runs measured answer the study's 6-bit goal (docs/REAL_MODEL.md)."""
 MODEL = "smollm2-135m"
