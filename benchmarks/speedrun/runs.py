@@ -46,20 +46,15 @@ CODECS: dict[str, dict] = {
                  "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "lowrank",
                  "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
     # lowrank's activations with Hadamard INT3 gradients rounded stochastically: 3.38 + 3.25 bits at
-    # [1024, 8, 1024]; a gradient codec that does not lean on a few directions (docs/CODECS.md).
-    "lowrank_h3": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                   "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint",
-                   "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
-    # the same gradients with a bf16 scale per 32 values instead of 64 (finer steps where a tile holds a large
-    # value): 3.38 + 3.50 bits at [1024, 8, 1024]
-    "lowrank_h3_t32": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                       "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint",
-                       "tah_backward_bits": 3, "tah_backward_tile_size": 32, "tah_backward_stochastic_rounding": True},
-    # lowrank_h3's gradients rounded to nearest: biased, but about 0.7x the rounding error of stochastic rounding at
-    # the same 3.38 + 3.25 bits
-    "lowrank_h3_rn": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
-                      "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint",
-                      "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": False},
+    # [1024, 8, 1024]; a gradient codec that does not lean on a few directions (docs/CODECS.md). Beside it, its
+    # gradients with a bf16 scale per 32 values instead of 64 (finer steps where a tile holds
+    # a large value: 3.38 + 3.50 bits); rounded to nearest (biased, but about 0.7x the rounding error of stochastic
+    # rounding at the same 3.38 + 3.25 bits)
+    **{name: {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64, "tah_lowrank_rank": 16,
+              "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint", "tah_backward_bits": 3,
+              "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True, **change}
+       for name, change in (("lowrank_h3", {}), ("lowrank_h3_t32", {"tah_backward_tile_size": 32}),
+                            ("lowrank_h3_rn", {"tah_backward_stochastic_rounding": False}))},
     # the channel_h4 preset: per-channel 6-bit activations with each sequence's largest token sent apart (a real
     # model's attention sink would set every channel's range), Hadamard INT4 gradients as hadint4's: 6.02 + 4.25
     # bits at [1024, 8, 1024]; on a real model its gradients err as on the toy, its activations 1.7x more
