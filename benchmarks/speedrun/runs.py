@@ -108,6 +108,8 @@ CODECS: dict[str, dict] = {
     "auto": {"tah_forward_codec": "auto", "tah_backward_codec": "auto"},
 }
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
+# trained as lowrank_h3_rn, evaluated (served) through the pipeline with lowrank's residual at 8 bits
+CODECS["lowrank_h3_rn_s8"] = {**CODECS["lowrank_h3_rn"], "tah_eval_forward_bits": 8}
 
 VOCAB = 8192
 """The compact vocabulary's size (``prepare_data``): 8190 most frequent GPT-2 ids, ``<unk>`` and end-of-document."""
