@@ -13,6 +13,12 @@
 ``run_distributed`` (``helpers/dist_utils.py``) bounds its own runs first; this is the backstop for the tests that
 start processes themselves (torchrun, the restart loop, the demo).
 
+Megatron's fusions (bias-dropout-add, bias-GELU, ...: ``megatron.core.jit.jit_fuser``) are ``torch.compile``'d; on
+CPU inductor builds C++ for them in every training process the tests start (a PP 2 test of 3 short runs: 112 s
+compiled, 49 s not, measured). The tests run them uncompiled (``TORCHDYNAMO_DISABLE=1``: the same Python functions,
+not fused); the ``smoke`` tests (``make test``'s pipelines) keep them compiled, as a GPU run has them.
+``TORCHDYNAMO_DISABLE=0`` in the environment compiles them in every test.
+
 The fixtures several test files use live here too (``corpus``). This file imports nothing of the tests' own
 (``tests/project/test_dist_utils.py`` runs a copy of it alone).
 """
@@ -35,6 +41,8 @@ EXIT_GRACE_S = 5.0  # a process still running this long after its test ended was
 PR_SET_CHILD_SUBREAPER = 36
 
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+COMPILE_CHOSEN = "TORCHDYNAMO_DISABLE" in os.environ  # the caller's choice holds for every test
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 try:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 except (OSError, AttributeError):
@@ -100,6 +108,16 @@ def _reap_zombies() -> None:
                 os.waitpid(child.pid, os.WNOHANG)
         except (psutil.Error, ChildProcessError):
             pass
+
+
+@pytest.fixture(autouse=True)
+def _compiled_fusions_in_smoke_tests(request, monkeypatch):
+    """A ``smoke`` test's processes compile Megatron's fusions (unless the environment chose for every test)."""
+    if request.node.get_closest_marker("smoke") is not None and not COMPILE_CHOSEN:
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+        if "torch._dynamo" in sys.modules:
+            monkeypatch.setattr(sys.modules["torch._dynamo"].config, "disable", False)
+    yield
 
 
 @pytest.fixture(autouse=True)
