@@ -38,6 +38,7 @@ API::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import importlib
@@ -129,6 +130,21 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
 SERVER_PRELOAD = ("megatron.core", "megatron.training")  # what the fork server imports once
 RUNTIME_ONLY = ("PYTEST_CURRENT_TEST",)  # variables that change between tests and that no import reads
 _server_env: dict = {}  # the environment the fork server imported under, once it runs
+SUITE_ENV = dict(os.environ)  # the suite's environment (this module is imported as tests are collected)
+
+
+@contextlib.contextmanager
+def _suite_environment():
+    """``os.environ`` as the suite set it, not as the running test changed it (a ``smoke`` test compiles
+    Megatron's fusions, ``tests/conftest.py``): the one fork server imports what most tests' ranks need."""
+    test_env = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(SUITE_ENV)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(test_env)
 
 
 def _context(env: dict, preload: tuple):
@@ -141,9 +157,10 @@ def _context(env: dict, preload: tuple):
         return {k: v for k, v in variables.items() if k not in RUNTIME_ONLY}
 
     if not _server_env:
-        mp.get_context("forkserver").set_forkserver_preload(list(SERVER_PRELOAD))
-        forkserver.ensure_running()
-        _server_env.update(imported_under(os.environ))
+        with _suite_environment():
+            mp.get_context("forkserver").set_forkserver_preload(list(SERVER_PRELOAD))
+            forkserver.ensure_running()
+        _server_env.update(imported_under(SUITE_ENV))
     if imported_under(env) == _server_env and set(preload) <= set(SERVER_PRELOAD):
         return mp.get_context("forkserver")
     return mp.get_context("spawn")

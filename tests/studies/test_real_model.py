@@ -278,6 +278,29 @@ def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_en
     assert "At most 6 bits" in text and "not met. Within the bits: no candidate run had so few bits" in text
 
 
+def test_the_six_bit_goal_bounds_the_steps_intervals_upper_end_and_asks_for_a_serving_codec():
+    row = _table_row("cheap", 1.04, "within noise", 90_000.0, (3, 2.5))  # 1.04x [0.94x, 1.14x]
+    assert report.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.20)
+    assert not report.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.10)  # its interval's upper end
+    bf16 = _table_row("bf16", 1.0, "–", 3e5, (16, 16))
+    text = report.goals_text({"table": [bf16, row]})
+    assert "At most 6 bits both ways, at most 1.10x bf16's steps (upper end at most 1.20x)" in text
+    assert "met by `cheap`" in text
+    assert "**The same, served through the pipeline at its serving bits (`--tah-eval-forward-bits`) in at most " \
+           "1.05x bf16's steps:** not met: no candidate that meets the goal above was evaluated at serving bits." in text
+    # a serving candidate (trained as lowrank_h3_rn, evaluated through the pipeline at 8 forward bits)
+    served = _table_row("lowrank_h3_rn_s8", 1.04, "within noise", 90_000.0, (3, 2.5))
+    served["compressed"]["multiplier"] = 1.03
+    text = report.goals_text({"table": [bf16, served]})
+    assert "1.05x bf16's steps:** met by `lowrank_h3_rn_s8` (1.03x [0.94x, 1.14x] through the pipeline at 8 " \
+           "forward bits)." in text
+    served["compressed"]["multiplier"] = 1.08
+    text = report.goals_text({"table": [bf16, served]})
+    assert "1.05x bf16's steps:** not met: `lowrank_h3_rn_s8`: 1.08x [0.94x, 1.14x] through the pipeline at 8 " \
+           "forward bits." in text
+    assert not report.serves(row, 1.05)  # evaluated through its training codec: not a serving candidate
+
+
 def test_a_goal_counts_the_bits_the_lossless_coder_sends_where_it_was_measured():
     row = _table_row("cheap", 1.04, "within noise", 90_000.0, (4, 3))
     assert not report.meets(row, 6.0, 1.05, 0.005)
