@@ -155,6 +155,15 @@ def _bounded_processes(request):
         pytest.fail("processes the test started were still running after it: " + "; ".join(names))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules with a multi-process or slow test run first, each module's tests together (its fixtures are
+    made once): with two workers (``make test-all``) the long tests start early and the many short ones even out
+    the end, instead of one worker finishing a long test alone."""
+    heavy = {item.module.__name__ for item in items
+             if item.get_closest_marker("distributed") or item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in heavy)  # (a stable sort: the order within each group)
+
+
 # ----- shared fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
