@@ -583,10 +583,9 @@ def goals_text(result: dict) -> str:
     lines = []
     rows = [r for r in result["table"] if r["codec"] != "bf16"]
     for g in GOALS:
-        steps = f"at most {g.steps:.2f}x bf16's steps" + (f" (upper end at most {g.steps_high:.2f}x)" if g.steps_high
-                                                          else "")
-        goal = (f"**At most {g.bits:g} bits both ways, {steps} (model served on its own), damage at most "
-                f"{100 * g.damage:.1f}% above bf16's (upper end of its interval):**")
+        upper = f"upper end at most {g.steps_high:.2f}x; " if g.steps_high else ""
+        goal = (f"**At most {g.bits:g} bits both ways, at most {g.steps:.2f}x bf16's steps ({upper}model served on its "
+                f"own), damage at most {100 * g.damage:.1f}% above bf16's (upper end of its interval):**")
         met = [r for r in rows if meets(r, g.bits, g.steps, g.damage, g.steps_high)]
         if met:
             lines.append(f"- {goal} met by " + ", ".join(f"`{r['codec']}` ({bits_text(r)})" for r in met) + ".")

@@ -45,16 +45,15 @@ CODECS: dict[str, dict] = {
     "lowrank2": {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
                  "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "lowrank",
                  "tah_backward_bits": 3, "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True},
-    # lowrank's activations with Hadamard INT3 gradients rounded stochastically: 3.38 + 3.25 bits at
-    # [1024, 8, 1024]; a gradient codec that does not lean on a few directions (docs/CODECS.md). Beside it, its
-    # gradients with a bf16 scale per 32 values instead of 64 (finer steps where a tile holds
-    # a large value: 3.38 + 3.50 bits); rounded to nearest (biased, but about 0.7x the rounding error of stochastic
-    # rounding at the same 3.38 + 3.25 bits)
-    **{name: {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64, "tah_lowrank_rank": 16,
-              "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint", "tah_backward_bits": 3,
-              "tah_backward_tile_size": 64, "tah_backward_stochastic_rounding": True, **change}
-       for name, change in (("lowrank_h3", {}), ("lowrank_h3_t32", {"tah_backward_tile_size": 32}),
-                            ("lowrank_h3_rn", {"tah_backward_stochastic_rounding": False}))},
+    # the lowrank_h3_rn preset: lowrank's activations with Hadamard INT3 gradients rounded to nearest, 3.38 + 3.25
+    # bits at [1024, 8, 1024]; a gradient codec that does not lean on a few directions (docs/CODECS.md). Beside it,
+    # its gradients rounded stochastically (unbiased, about 1.4x the rounding error), and those with a bf16 scale
+    # per 32 values instead of 64 (finer steps where a tile holds a large value: 3.38 + 3.50 bits). Its runs name
+    # the fields, as they did before it was a preset.
+    "lowrank_h3_rn": dict(PRESETS["lowrank_h3_rn"]),
+    "lowrank_h3": {**PRESETS["lowrank_h3_rn"], "tah_backward_stochastic_rounding": True},
+    "lowrank_h3_t32": {**PRESETS["lowrank_h3_rn"], "tah_backward_stochastic_rounding": True,
+                       "tah_backward_tile_size": 32},
     # the channel_h4 preset: per-channel 6-bit activations with each sequence's largest token sent apart (a real
     # model's attention sink would set every channel's range), Hadamard INT4 gradients as hadint4's: 6.02 + 4.25
     # bits at [1024, 8, 1024]; on a real model its gradients err as on the toy, its activations 1.7x more

@@ -284,7 +284,7 @@ def test_the_six_bit_goal_bounds_the_steps_intervals_upper_end_and_asks_for_a_se
     assert not report.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.10)  # its interval's upper end
     bf16 = _table_row("bf16", 1.0, "–", 3e5, (16, 16))
     text = report.goals_text({"table": [bf16, row]})
-    assert "At most 6 bits both ways, at most 1.10x bf16's steps (upper end at most 1.20x)" in text
+    assert "At most 6 bits both ways, at most 1.10x bf16's steps (upper end at most 1.20x; model served on its own)" in text
     assert "met by `cheap`" in text
     assert "**The same, served through the pipeline at its serving bits (`--tah-eval-forward-bits`) in at most " \
            "1.05x bf16's steps:** not met: no candidate that meets the goal above was evaluated at serving bits." in text
