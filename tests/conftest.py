@@ -111,6 +111,20 @@ def _reap_zombies() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """What a test, or code it ran in-process (``hf_checkpoint`` sets ``HF_HUB_OFFLINE`` and ``MASTER_PORT``), set in
+    ``os.environ`` ends with it: later tests see the suite's environment, and their ranks fork from the one server
+    that imported under it (``helpers/dist_utils.py``) instead of spawning."""
+    before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    yield
+    now = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    if now != before:
+        for name in set(now) - set(before):
+            del os.environ[name]
+        os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
 def _compiled_fusions_in_smoke_tests(request, monkeypatch):
     """A ``smoke`` test's processes compile Megatron's fusions (unless the environment chose for every test)."""
     if request.node.get_closest_marker("smoke") is not None and not COMPILE_CHOSEN:

@@ -130,21 +130,29 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
 SERVER_PRELOAD = ("megatron.core", "megatron.training")  # what the fork server imports once
 RUNTIME_ONLY = ("PYTEST_CURRENT_TEST",)  # variables that change between tests and that no import reads
 _server_env: dict = {}  # the environment the fork server imported under, once it runs
-SUITE_ENV = dict(os.environ)  # the suite's environment (this module is imported as tests are collected)
+SUITE_SET = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE")}
+"""The variables ``tests/conftest.py`` set for the whole suite, as it set them (this module is imported as tests are
+collected); a ``smoke`` test changes one (its processes compile Megatron's fusions), and its ranks then spawn."""
+
+
+def _assign(values: dict) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @contextlib.contextmanager
-def _suite_environment():
-    """``os.environ`` as the suite set it, not as the running test changed it (a ``smoke`` test compiles
-    Megatron's fusions, ``tests/conftest.py``): the one fork server imports what most tests' ranks need."""
-    test_env = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(SUITE_ENV)
+def _suite_variables():
+    """``os.environ`` with ``SUITE_SET`` as the suite set it, not as the running test changed it: the one fork server
+    imports what most tests' ranks need."""
+    changed = {name: os.environ.get(name) for name in SUITE_SET}
+    _assign(SUITE_SET)
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(test_env)
+        _assign(changed)
 
 
 def _context(env: dict, preload: tuple):
@@ -157,10 +165,10 @@ def _context(env: dict, preload: tuple):
         return {k: v for k, v in variables.items() if k not in RUNTIME_ONLY}
 
     if not _server_env:
-        with _suite_environment():
+        with _suite_variables():
             mp.get_context("forkserver").set_forkserver_preload(list(SERVER_PRELOAD))
             forkserver.ensure_running()
-        _server_env.update(imported_under(SUITE_ENV))
+            _server_env.update(imported_under(os.environ))
     if imported_under(env) == _server_env and set(preload) <= set(SERVER_PRELOAD):
         return mp.get_context("forkserver")
     return mp.get_context("spawn")
