@@ -63,6 +63,12 @@ def bits(codec: str, shape, stages: int = 8) -> tuple[float, float]:
 LOSSLESS = Path("docs/data/lossless.json")  # benchmarks.lossless: each codec set's coded share on SmolLM2's messages
 
 
+def serving_bits(codec: str) -> int | None:
+    """The forward bits a serving candidate evaluates through the pipeline at (``--tah-eval-forward-bits``), or None
+    when it evaluates through its training codec."""
+    return CODECS.get(codec, {}).get("tah_eval_forward_bits")
+
+
 def training_fields(codec: str) -> dict:
     """The fields a candidate trains with: a serving candidate's without its evaluation bits."""
     return {k: v for k, v in CODECS[codec].items() if k != "tah_eval_forward_bits"}
@@ -574,7 +580,7 @@ def serves(row: dict, multiplier: float) -> bool:
     """Whether ``row``, a candidate evaluated through the pipeline at its serving bits, reached the target there in
     at most ``multiplier`` bf16's steps on average, over two or more seeds."""
     m = row["compressed"]
-    return ("tah_eval_forward_bits" in CODECS.get(row["codec"], {}) and len(row["seeds"]) >= 2
+    return (serving_bits(row["codec"]) is not None and len(row["seeds"]) >= 2
             and m["multiplier"] is not None and m["multiplier"] <= multiplier)
 
 
@@ -600,15 +606,15 @@ def goals_text(result: dict) -> str:
             continue
         goal = (f"**The same, served through the pipeline at its serving bits (`--tah-eval-forward-bits`) in at most "
                 f"{g.serving:.2f}x bf16's steps:**")
-        serving = [r for r in met if "tah_eval_forward_bits" in CODECS.get(r["codec"], {})]
+        serving = [r for r in met if serving_bits(r["codec"]) is not None]
         if any(serves(r, g.serving) for r in serving):
             lines.append(f"- {goal} met by " + ", ".join(
                 f"`{r['codec']}` ({multiplier_text(r['compressed'])} through the pipeline at "
-                f"{CODECS[r['codec']]['tah_eval_forward_bits']} forward bits)"
+                f"{serving_bits(r['codec'])} forward bits)"
                 for r in serving if serves(r, g.serving)) + ".")
         else:
             why = "; ".join(f"`{r['codec']}`: {multiplier_text(r['compressed'])} through the pipeline at "
-                            f"{CODECS[r['codec']]['tah_eval_forward_bits']} forward bits" for r in serving)
+                            f"{serving_bits(r['codec'])} forward bits" for r in serving)
             lines.append(f"- {goal} not met" + (f": {why}." if why else ": no candidate that meets the goal above "
                                                                        "was evaluated at serving bits."))
     return "\n".join(lines)
@@ -617,18 +623,15 @@ def goals_text(result: dict) -> str:
 def serving_text(result: dict) -> str:
     """The candidates evaluated through the pipeline at other forward bits than they train with
     (``--tah-eval-forward-bits``): both metrics, beside the same training evaluated through its own codec when run."""
-    from ..speedrun.runs import CODECS
-
     by_codec = {r["codec"]: r for r in result["table"]}
     parts = []
     for row in result["table"]:
-        fields = CODECS.get(row["codec"], {})
-        if "tah_eval_forward_bits" not in fields:
+        if (bits := serving_bits(row["codec"])) is None:
             continue
         trained = training_fields(row["codec"])
         base = next((c for c, f in CODECS.items() if f == trained and c in by_codec), None)
         text = (f"`{row['codec']}` trains at {row['forward_bits']:.2f} + {row['backward_bits']:.2f} bits and evaluates "
-                f"through the pipeline at {fields['tah_eval_forward_bits']} forward bits: "
+                f"through the pipeline at {bits} forward bits: "
                 f"{multiplier_text(row['uncompressed'])} bf16's steps served on its own, "
                 f"{multiplier_text(row['compressed'])} served through the pipeline, damage through the pipeline "
                 f"{damage_text(row['compressed'], row['codec'])}")
