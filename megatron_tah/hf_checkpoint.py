@@ -254,16 +254,20 @@ def _transformers():
     return transformers
 
 
-def load_hf(source: str | Path, gguf_file: str | None = None):
-    """(tokenizer, model) of a local checkpoint as ``transformers`` loads it, in fp32."""
+def load_hf(source: str | Path, gguf_file: str | None = None, *, config=None, tokenizer: bool = True):
+    """(tokenizer, model) of a local checkpoint as ``transformers`` loads it, in fp32; the tokenizer is None when
+    ``tokenizer`` is false. ``config``: SOURCE's config when already loaded (each load of a GGUF file parses it
+    whole: its vocabulary is most of that time)."""
     transformers = _transformers()
     source = Path(source)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is not a folder (a Hugging Face checkpoint, or the folder of --gguf-file)")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(source, **kwargs) if tokenizer else None
+    if config is not None:
+        kwargs["config"] = config
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
-    return tokenizer, model
+    return loaded_tokenizer, model
 
 
 # ----- Megatron in this process -----------------------------------------------------------------------
@@ -311,7 +315,9 @@ def _checkpoint_flags(load: str | None = None, save: str | None = None) -> list[
 def import_checkpoint(source: str | Path, out: str | Path, gguf_file: str | None = None) -> Architecture:
     """SOURCE (``transformers``' local checkpoint) as a Megatron release checkpoint in OUT (module docstring)."""
     out = Path(out)
-    tokenizer, hf_model = load_hf(source, gguf_file)
+    config = _transformers().AutoConfig.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    hf_config = _config_dict(config)  # before the model's loading sets fields of it
+    tokenizer, hf_model = load_hf(source, gguf_file, config=config)
     arch = Architecture.from_hf_config(hf_model.config)
     state = to_megatron(arch, hf_model.state_dict())
     del hf_model
@@ -324,18 +330,17 @@ def import_checkpoint(source: str | Path, out: str | Path, gguf_file: str | None
     from megatron.training.checkpointing import save_checkpoint
 
     save_checkpoint(0, model, None, None, 0, release=True)
-    hf_config = {k: v for k, v in _config_dict(tokenizer, arch, source, gguf_file).items()}
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=1, sort_keys=True) + "\n")
     (out / FLAGS_FILE).write_text(" ".join(arch.megatron_flags()) + "\n")
     tokenizer.save_pretrained(out / TOKENIZER_DIR)
     return arch
 
 
-def _config_dict(tokenizer, arch: Architecture, source, gguf_file) -> dict:
-    transformers = _transformers()
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    config = transformers.AutoConfig.from_pretrained(source, **kwargs).to_dict()
-    config.pop("quantization_config", None)  # GGUF's: the weights written are dequantized
+def _config_dict(config) -> dict:
+    """SOURCE's config as the import writes it: fp32, without GGUF's quantization (the weights written are
+    dequantized) or the source's path."""
+    config = config.to_dict()
+    config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
     config["dtype"] = "float32"
     return config
@@ -374,7 +379,7 @@ def verify(ckpt: str | Path, source: str | Path, gguf_file: str | None = None, t
            seed: int = 0) -> dict:
     """The logits of Megatron's model loaded from CKPT against ``transformers``' of SOURCE, fp32, on ``tokens``
     random token ids: ``{"max_abs_diff", "max_abs_logit", "tokens"}``."""
-    _, hf_model = load_hf(source, gguf_file)
+    _, hf_model = load_hf(source, gguf_file, tokenizer=False)
     hf_model.eval()
     ids = torch.randint(0, hf_model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

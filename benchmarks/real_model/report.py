@@ -542,15 +542,19 @@ class Goal(NamedTuple):
     """A goal of the study at its main depth: bits both ways at most; on the uncompressed evaluation a mean steps
     multiplier at most ``steps`` (and its interval's upper end at most ``steps_high``); damage vs bf16 at equal steps
     at most ``damage`` (its interval's upper end); with ``serving``, the same training evaluated through the
-    pipeline at its serving bits (``--tah-eval-forward-bits``) at most that multiplier."""
+    pipeline at its serving bits (``--tah-eval-forward-bits``) at most that multiplier; with ``projected_t``, its
+    projected ProtocolNanoGPT T (served on its own) at most that many seconds; with ``toy``, its T on the toy's CPU
+    speedrun (docs/SPEEDRUN.md) at most that fraction of bf16's."""
     bits: float
     steps: float
     steps_high: float | None
     damage: float
-    serving: float | None
+    serving: float | None = None
+    projected_t: float | None = None
+    toy: float | None = None
 
 
-GOALS = (Goal(8.0, 1.05, None, 0.005, None), Goal(6.0, 1.10, 1.20, 0.005, 1.05))
+GOALS = (Goal(8.0, 1.05, None, 0.005), Goal(6.0, 1.10, 1.20, 0.005, serving=1.05, projected_t=80_000.0, toy=0.35))
 """The study's goals, each answered by ``goals_text``."""
 
 
@@ -584,8 +588,58 @@ def serves(row: dict, multiplier: float) -> bool:
             and m["multiplier"] is not None and m["multiplier"] <= multiplier)
 
 
-def goals_text(result: dict) -> str:
-    """Each goal (``GOALS``) at the main depth: the candidates that meet it, or the closest ones and why not."""
+def toy_rows(path: Path) -> dict[str, dict]:
+    """The toy speedrun page's rows by codec (its JSON at ``path``), or none where there is no such file."""
+    return {r["codec"]: r for r in json.loads(Path(path).read_text())["table"]} if Path(path).is_file() else {}
+
+
+def _projected_t_text(rows: list[dict], seconds: float) -> str:
+    """The projected-T goal over the candidates that met the bits goal, and why not where none does."""
+    goal = f"**Its projected ProtocolNanoGPT T (served on its own; an estimate) at most {seconds:,.0f} s:**"
+    if not rows:
+        return f"- {goal} no candidate met the goal above."
+    fits = [r for r in rows if (r["uncompressed"]["projected_T"] or math.inf) <= seconds]
+    if fits:
+        return f"- {goal} met by " + ", ".join(f"`{r['codec']}` ({t_text(r['uncompressed'])} s)" for r in fits) + "."
+    why = []
+    for r in rows:
+        alone = r["projected_s_per_step"] * projection.SETUP.steps_to_target  # its wire at bf16's steps
+        why.append(f"`{r['codec']}`: {t_text(r['uncompressed'])} s; at bf16's steps its seconds per step alone give "
+                   f"{alone:,.0f} s" + (" (its steps multiplier makes the difference)" if alone <= seconds else
+                                        " (above the goal whatever its steps)"))
+    return f"- {goal} not met" + (": " + "; ".join(why) + "." if why else ".")
+
+
+def _toy_text(rows: list[dict], toy: dict[str, dict], fraction: float) -> str:
+    """The toy speedrun's goal over the candidates that met the bits goal (their rows of the toy's page)."""
+    goal = f"**On the toy's CPU speedrun (docs/SPEEDRUN.md), T at most {fraction:.2f}x bf16's:**"
+    if not rows:
+        return f"- {goal} no candidate met the goal above."
+    if not toy:
+        return f"- {goal} the toy speedrun's JSON was not found beside this page."
+    bf16, parts, met = toy.get("bf16"), [], []
+    for r in (r for r in rows if serving_bits(r["codec"]) is None):
+        row = toy.get(r["codec"])
+        if row is None:
+            parts.append(f"`{r['codec']}`: not run on the toy")
+            continue
+        wire = row["s_per_step"] / bf16["s_per_step"] if bf16 else None
+        if row.get("T_vs_bf16") is None:
+            reached = score.missed_text(row.get("missed_within") or {})
+        else:
+            m = row["multiplier"]
+            steps = _interval(m, row.get("multiplier_low", m), row.get("multiplier_high", m), suffix="x")
+            reached = f"T {row['T_vs_bf16']:.3f}x bf16's (steps {steps})"
+            met += [r["codec"]] if row["T_vs_bf16"] <= fraction else []
+        parts.append(f"`{r['codec']}` ({len(row['seeds'])} seed{'s' if len(row['seeds']) > 1 else ''}): {reached}"
+                     + (f"; its seconds per step alone are {wire:.3f}x bf16's" if wire is not None else ""))
+    verdict = "met by " + ", ".join(f"`{c}`" for c in met) if met else "not met"
+    return f"- {goal} {verdict}" + (": " + "; ".join(parts) + "." if parts else ".")
+
+
+def goals_text(result: dict, toy: dict[str, dict] | None = None) -> str:
+    """Each goal (``GOALS``) at the main depth: the candidates that meet it, or the closest ones and why not;
+    ``toy``: the toy speedrun's rows by codec (``toy_rows``), for a goal on the toy."""
     lines = []
     rows = [r for r in result["table"] if r["codec"] != "bf16"]
     for g in GOALS:
@@ -613,11 +667,26 @@ def goals_text(result: dict) -> str:
                 f"{serving_bits(r['codec'])} forward bits)"
                 for r in serving if serves(r, g.serving)) + ".")
         else:
-            why = "; ".join(f"`{r['codec']}`: {multiplier_text(r['compressed'])} through the pipeline at "
-                            f"{serving_bits(r['codec'])} forward bits" for r in serving)
+            why = "; ".join(_serving_short(r, g.serving) for r in serving)
             lines.append(f"- {goal} not met" + (f": {why}." if why else ": no candidate that meets the goal above "
                                                                        "was evaluated at serving bits."))
+        if g.projected_t is not None:
+            lines.append(_projected_t_text([r for r in met if serving_bits(r["codec"]) is None], g.projected_t))
+        if g.toy is not None:
+            lines.append(_toy_text(met, toy or {}, g.toy))
     return "\n".join(lines)
+
+
+def _serving_short(row: dict, multiplier: float) -> str:
+    """Why ``row`` misses the serving goal: its multiplier through the pipeline, beside the same runs' served on its
+    own; where that one's lower end is above the goal, the steps are the training's, not the serving codec's."""
+    own = row["uncompressed"]
+    text = (f"`{row['codec']}`: {multiplier_text(row['compressed'])} through the pipeline at "
+            f"{serving_bits(row['codec'])} forward bits, {multiplier_text(own)} served on its own (the same runs)")
+    if (own.get("multiplier_low") or 0) > multiplier and len(row["seeds"]) >= 2:
+        text += (f": the training itself takes more than {multiplier:.2f}x bf16's steps, whatever the pipeline "
+                 "serves at")
+    return text
 
 
 def serving_text(result: dict) -> str:
@@ -866,7 +935,7 @@ def write_page(result: dict, page: Path) -> None:
         seeds=", ".join(map(str, result["seeds"])),
         table_uncompressed=table_markdown(result["table"], "uncompressed"),
         table_codec=table_markdown(result["table"], "compressed"), depths_table=depths_markdown(result),
-        presets=presets_text(result), goals=goals_text(result), serving=serving_text(result),
+        presets=presets_text(result), goals=goals_text(result, toy_rows(data / "speedrun.json")), serving=serving_text(result),
         untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",

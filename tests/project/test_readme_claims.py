@@ -168,6 +168,12 @@ def test_the_codecs_pages_preset_table_is_the_committed_real_activation_run():
             assert per_bit == " / ".join(f"{m[name]['as_good']} of {m[name]['layers']}" for m in by_model), name
     smollm2 = by_model[0]
     page = " ".join((DOCS / "CODECS.md").read_text().split())
+    # a preset without its own row says whose forward codec it sends with: the same fields
+    from megatron_tah.config import PRESETS as PRODUCT_PRESETS
+
+    forward = lambda p: {k: v for k, v in PRODUCT_PRESETS[p].fields.items() if "backward" not in k}  # noqa: E731
+    assert "`lowrank_h3_rn` sends its activations with `lowrank`'s forward codec (the same fields)" in page
+    assert forward("lowrank_h3_rn") == forward("lowrank")
     assert (f"a token error of {_range(smollm2['channel']['token_rel_error'])} at 4 bits and "
             f"{_range(smollm2['channel9']['token_rel_error'])} at 6 bits") in page
     assert (f"without its first token: {_range(smollm2['channel']['token_rel_error_without_first'])} and "

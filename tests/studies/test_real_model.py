@@ -297,8 +297,41 @@ def test_the_six_bit_goal_bounds_the_steps_intervals_upper_end_and_asks_for_a_se
     served["compressed"]["multiplier"] = 1.08
     text = report.goals_text({"table": [bf16, served]})
     assert "1.05x bf16's steps:** not met: `lowrank_h3_rn_s8`: 1.08x [0.94x, 1.14x] through the pipeline at 8 " \
-           "forward bits." in text
+           "forward bits, 1.04x [0.94x, 1.14x] served on its own (the same runs)." in text
+    # the same runs served on their own above the goal, interval included: the training sets the steps
+    served["uncompressed"].update(multiplier=1.08, multiplier_low=1.06, multiplier_high=1.10)
+    text = report.goals_text({"table": [bf16, served]})
+    assert "1.08x [1.06x, 1.10x] served on its own (the same runs): the training itself takes more than 1.05x " \
+           "bf16's steps, whatever the pipeline serves at." in text
     assert not report.serves(row, 1.05)  # evaluated through its training codec: not a serving candidate
+
+
+def test_the_six_bit_goal_says_its_projected_t_and_the_toys_t_and_why_not():
+    from benchmarks.speedrun import projection
+
+    bf16, row = _table_row("bf16", 1.0, "–", 3e5, (16, 16)), _table_row("cheap", 1.04, "within noise", 90_000.0, (3, 2.5))
+    row["projected_s_per_step"] = 26.0
+    alone = 26.0 * projection.SETUP.steps_to_target
+    text = report.goals_text({"table": [bf16, row]})
+    assert "T (served on its own; an estimate) at most 80,000 s:** not met: `cheap`: 90,000 [81,000, 99,000] s; at " \
+           f"bf16's steps its seconds per step alone give {alone:,.0f} s (its steps multiplier makes the difference)." in text
+    row["projected_s_per_step"] = 30.0  # its wire alone is too slow
+    assert "alone give 87,750 s (above the goal whatever its steps)" in report.goals_text({"table": [bf16, row]})
+    row["uncompressed"].update(projected_T=78_000.0, projected_T_low=75_000.0, projected_T_high=81_000.0)
+    assert "80,000 s:** met by `cheap` (78,000 [75,000, 81,000] s)." in report.goals_text({"table": [bf16, row]})
+    # the toy speedrun's page: missing, a codec it did not run, one that missed, one within the goal
+    assert "0.35x bf16's:** the toy speedrun's JSON was not found beside this page." in text
+    toy = {"bf16": {"codec": "bf16", "seeds": [1, 2], "s_per_step": 20.0, "T_vs_bf16": 1.0, "multiplier": 1.0}}
+    assert "0.35x bf16's:** not met: `cheap`: not run on the toy." in report.goals_text({"table": [bf16, row]}, toy)
+    toy["cheap"] = {"codec": "cheap", "seeds": [1, 2], "s_per_step": 8.0, "T_vs_bf16": None, "multiplier": None,
+                    "missed_within": {"1": 500, "2": 740}}
+    assert "0.35x bf16's:** not met: `cheap` (2 seeds): missed within 500/740 steps; its seconds per step alone are " \
+           "0.400x bf16's." in report.goals_text({"table": [bf16, row]}, toy)
+    toy["cheap"].update(s_per_step=6.0, T_vs_bf16=0.33, multiplier=1.1, multiplier_low=1.0, multiplier_high=1.2)
+    assert "0.35x bf16's:** met by `cheap`: `cheap` (2 seeds): T 0.330x bf16's (steps 1.10x [1.00x, 1.20x]); its " \
+           "seconds per step alone are 0.300x bf16's." in report.goals_text({"table": [bf16, row]}, toy)
+    toy_page = Path(__file__).parent / "no_such_dir" / "speedrun.json"
+    assert report.toy_rows(toy_page) == {}
 
 
 def test_a_goal_counts_the_bits_the_lossless_coder_sends_where_it_was_measured():
