@@ -11,6 +11,8 @@ from . import check, frontier, projection, runs, score
 from .frontier import PROJECTION_NAMES
 SPLITS = (16, 32, 64, 128)  # micro-batch counts the projection compares at the setup's global batch (64: its own)
 
+MEASURED = "measured at CPU scale"  # the projection's label of the steps this page measured
+
 
 def _steps_by_seed(losses: dict, codec: str, target: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
     """{seed: steps to target} (the shortest schedule that reached it), {seed: longest schedule run} and
@@ -100,7 +102,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
     elsewhere = {codec: m for codec, m in STEPS_MULTIPLIER.get(size.stages, {}).items()
                  if codec in projection.CODECS and codec not in {name(r) for r in rows}}
     project = lambda m: projection.project(  # noqa: E731
-        {**elsewhere, **measured}, multiplier_label="measured at CPU scale", micro_batches=m, not_projected=missed,
+        {**elsewhere, **measured}, multiplier_label=MEASURED, micro_batches=m, not_projected=missed,
         labels={n: ("at least: " if n in STEPS_AT_LEAST.get(size.stages, ()) else "") + "auto's measured.json"
                 for n in elsewhere})
     own = project(projection.SETUP.micro_batches)
@@ -259,8 +261,9 @@ def check_markdown(result: dict) -> str:
 
 def split_verdict(result: dict, checked: dict) -> str:
     """The lowest projected T's split against the simulator's error in the micro-batch dependence (``checked``): a
-    gain less than twice the largest error in a measured step ratio is called an estimate, not a recommendation."""
-    best = min((b for r in result["projection"] if r["codec"] != "none"
+    gain less than twice the largest error in a measured step ratio is called an estimate, not a recommendation.
+    Among the codecs whose steps this page measured (not those projected at equal steps or from elsewhere)."""
+    best = min((b for r in result["projection"] if r["codec"] != "none" and r["steps_label"] == MEASURED
                 for b in [best_split(result, r["codec"])] if b), key=lambda b: b["T"], default=None)
     ratios = check.split_ratios(checked)
     if best is None or not ratios:

@@ -92,12 +92,17 @@ def test_the_cli_refuses_codecs_without_fixed_bytes_and_too_few_iterations(tmp_p
 
 
 def test_the_page_shows_each_codecs_best_split_against_the_setups_own():
-    result = {"projection": [{"codec": "none"}, {"codec": "lowrank"}],
+    # "unrun": a codec this page did not run, projected at equal steps: never the lowest T's verdict
+    result = {"projection": [{"codec": "none", "steps_label": report.MEASURED},
+                             {"codec": "lowrank", "steps_label": report.MEASURED},
+                             {"codec": "unrun", "steps_label": "at equal steps"}],
               "projection_splits": {str(m): projection_rows for m, projection_rows in {
                   32: [{"codec": "none", "micro_batch": 16, "s_per_step": 105.0, "steps": 2925, "T": 307125.0},
-                       {"codec": "lowrank", "micro_batch": 16, "s_per_step": 28.0, "steps": 3195, "T": 89460.0}],
+                       {"codec": "lowrank", "micro_batch": 16, "s_per_step": 28.0, "steps": 3195, "T": 89460.0},
+                       {"codec": "unrun", "micro_batch": 16, "s_per_step": 20.0, "steps": 2925, "T": 58500.0}],
                   64: [{"codec": "none", "micro_batch": 8, "s_per_step": 100.0, "steps": 2925, "T": 292500.0},
-                       {"codec": "lowrank", "micro_batch": 8, "s_per_step": 30.0, "steps": 3195, "T": 95850.0}]}.items()}}
+                       {"codec": "lowrank", "micro_batch": 8, "s_per_step": 30.0, "steps": 3195, "T": 95850.0},
+                       {"codec": "unrun", "micro_batch": 8, "s_per_step": 21.0, "steps": 2925, "T": 61425.0}]}.items()}}
     best = report.best_split(result, "lowrank")
     assert (best["micro_batches"], best["T"]) == (32, 89460.0)
     assert best["vs_setup"] == pytest.approx(89460.0 / 95850.0)
