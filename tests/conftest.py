@@ -169,7 +169,7 @@ def _bounded_processes(request):
 
 def pytest_collection_modifyitems(config, items):
     """The modules with a multi-process or slow test run first, each module's tests together (its fixtures are
-    made once): with two workers (``make test-all``) the long tests start early and the many short ones even out
+    made once): with several workers (``make test-all``) the long tests start early and the many short ones even out
     the end, instead of one worker finishing a long test alone."""
     heavy = {item.module.__name__ for item in items
              if item.get_closest_marker("distributed") or item.get_closest_marker("slow")}
