@@ -279,9 +279,12 @@ def _start_megatron(flags: list[str]):
     if "MASTER_PORT" not in os.environ:
         import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        if os.environ["WORLD_SIZE"] == "1":  # one process: its store binds a port of its own (no race for one)
+            os.environ["MASTER_PORT"] = "0"
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     from megatron_tah.megatron.plugin import install_megatron_lm_plugin
     from megatron_tah.pretrain_gpt import CPU_FLAGS
 

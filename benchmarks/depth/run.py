@@ -168,7 +168,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(ours)
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # one process: its store binds a port of its own (port 0); a port found free here and closed again could be
+    # taken by another process before the store binds it (EADDRINUSE, seen with tests running side by side)
+    os.environ.setdefault("MASTER_PORT", "0" if os.environ["WORLD_SIZE"] == "1" else str(_free_port()))
     from .boundaries import Boundaries
 
     layers = [int(k) for k in args.boundaries.split(",") if k.strip()]
