@@ -607,7 +607,7 @@ def _projected_t_text(rows: list[dict], seconds: float) -> str:
         why.append(f"`{r['codec']}`: {t_text(r['uncompressed'])} s; at bf16's steps its seconds per step alone give "
                    f"{alone:,.0f} s" + (" (its steps multiplier makes the difference)" if alone <= seconds else
                                         " (above the goal whatever its steps)"))
-    return f"- {goal} not met" + (": " + "; ".join(why) + "." if why else ".")
+    return f"- {goal} not met: " + "; ".join(why) + "."
 
 
 def _toy_text(rows: list[dict], toy: dict[str, dict], fraction: float) -> str:
@@ -935,7 +935,8 @@ def write_page(result: dict, page: Path) -> None:
         seeds=", ".join(map(str, result["seeds"])),
         table_uncompressed=table_markdown(result["table"], "uncompressed"),
         table_codec=table_markdown(result["table"], "compressed"), depths_table=depths_markdown(result),
-        presets=presets_text(result), goals=goals_text(result, toy_rows(data / "speedrun.json")), serving=serving_text(result),
+        presets=presets_text(result), goals=goals_text(result, toy_rows(data / "speedrun.json")),
+        serving=serving_text(result),
         untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",
         untouched_accuracy=f"{100 * (untouched.get('damage_accuracy') or 0):.2f}%",
