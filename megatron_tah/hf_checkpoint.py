@@ -274,17 +274,9 @@ def load_hf(source: str | Path, gguf_file: str | None = None, *, config=None, to
 def _start_megatron(flags: list[str]):
     """Megatron's arguments and distributed state for one rank (this process), and the GPT model it builds
     (local layers, unwrapped, fp32)."""
-    os.environ.update({k: os.environ.get(k, v) for k, v in
-                       (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"))})
-    if "MASTER_PORT" not in os.environ:
-        import socket
+    from megatron_tah.launch import default_rendezvous
 
-        if os.environ["WORLD_SIZE"] == "1":  # one process: its store binds a port of its own (no race for one)
-            os.environ["MASTER_PORT"] = "0"
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    default_rendezvous()
     from megatron_tah.megatron.plugin import install_megatron_lm_plugin
     from megatron_tah.pretrain_gpt import CPU_FLAGS
 

@@ -20,6 +20,27 @@ import sys
 USAGE = "usage: python -m megatron_tah.launch SCRIPT [SCRIPT ARGS...]  (e.g. <Megatron-LM>/pretrain_gpt.py --num-layers 24 ... --tah-forward-codec tah)"
 
 
+RENDEZVOUS_DEFAULTS = (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"))
+
+
+def default_rendezvous(environ=os.environ) -> None:
+    """Fill in the ``env://`` variables a process started without torchrun lacks (set ones are kept): rank 0 of
+    ``WORLD_SIZE`` (1) on 127.0.0.1. ``MASTER_PORT``: 0 for one process, so that its store binds a port of its own
+    (a port found free and closed again can be taken by another process before the store binds it); for several
+    processes a port free now (give ``MASTER_PORT`` where they must meet)."""
+    for key, value in RENDEZVOUS_DEFAULTS:
+        environ.setdefault(key, value)
+    if "MASTER_PORT" not in environ:
+        if environ["WORLD_SIZE"] == "1":
+            environ["MASTER_PORT"] = "0"
+        else:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

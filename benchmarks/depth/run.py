@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_tah.launch import default_rendezvous
 
 
 class EvaluateWrap:
@@ -166,11 +161,7 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-from", type=int, default=0, help="skip the validations before this iteration")
     parser.add_argument("--eval-losses", help="JSON-lines file of each evaluation's per-micro-batch losses")
     args = parser.parse_args(ours)
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    # one process: its store binds a port of its own (port 0); a port found free here and closed again could be
-    # taken by another process before the store binds it (EADDRINUSE, seen with tests running side by side)
-    os.environ.setdefault("MASTER_PORT", "0" if os.environ["WORLD_SIZE"] == "1" else str(_free_port()))
+    default_rendezvous()
     from .boundaries import Boundaries
 
     layers = [int(k) for k in args.boundaries.split(",") if k.strip()]

@@ -165,3 +165,27 @@ def test_without_tah_flags_the_plugin_leaves_megatrons_transports_and_log_line_a
         plugin.uninstall_megatron_lm_plugin()
         global_vars.set_args(None)
     assert (megatron_training.training_log, p2p._batched_p2p_ops) == (training_log, transports[0])
+
+
+def test_one_process_s_store_binds_a_port_of_its_own_and_set_variables_are_kept():
+    env = {}
+    launch.default_rendezvous(env)
+    assert env == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    several = {"WORLD_SIZE": "2", "RANK": "1"}
+    launch.default_rendezvous(several)
+    assert several["RANK"] == "1" and 0 < int(several["MASTER_PORT"]) < 65536
+    given = {"MASTER_PORT": "29555", "MASTER_ADDR": "10.0.0.1"}
+    launch.default_rendezvous(given)
+    assert (given["MASTER_PORT"], given["MASTER_ADDR"]) == ("29555", "10.0.0.1")
+
+
+def test_a_gloo_world_of_one_starts_on_the_port_the_defaults_give():
+    """Port 0 is what ``init_process_group`` from ``env://`` gets for one process: its store binds a free port."""
+    code = ("import os, torch.distributed as d\nfrom megatron_tah.launch import default_rendezvous\n"
+            "default_rendezvous()\nd.init_process_group('gloo', init_method='env://')\n"
+            "print('PORT', os.environ['MASTER_PORT'], d.get_world_size())\nd.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PORT 0 1" in done.stdout

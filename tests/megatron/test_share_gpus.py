@@ -64,7 +64,11 @@ def test_other_backends_are_refused():
 def _fake_gpus(monkeypatch, count, others=None, mine=None):
     """``count`` visible fake GPUs (UUID ``GPU-<index>`` unless ``mine`` names this rank's) and a rendezvous store
     holding ``others``: ``{rank: identity}`` of the other ranks, as they would have set them."""
+    from megatron.training import initialize
+
     calls = {"set_device": [], "init": [], "rendezvous": 0}
+    # Megatron's initialize sees torch itself: CPU shims an earlier test of this process left on replace its torch
+    monkeypatch.setattr(initialize, "torch", torch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls["set_device"].append(d))
