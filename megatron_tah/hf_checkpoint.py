@@ -254,6 +254,11 @@ def _transformers():
     return transformers
 
 
+def _gguf(gguf_file: str | None) -> dict:
+    """``transformers``' keyword for a GGUF file in SOURCE (none without one)."""
+    return {"gguf_file": gguf_file} if gguf_file else {}
+
+
 def load_hf(source: str | Path, gguf_file: str | None = None, *, config=None, tokenizer: bool = True):
     """(tokenizer, model) of a local checkpoint as ``transformers`` loads it, in fp32; the tokenizer is None when
     ``tokenizer`` is false. ``config``: SOURCE's config when already loaded (each load of a GGUF file parses it
@@ -262,7 +267,7 @@ def load_hf(source: str | Path, gguf_file: str | None = None, *, config=None, to
     source = Path(source)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is not a folder (a Hugging Face checkpoint, or the folder of --gguf-file)")
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs = _gguf(gguf_file)
     loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(source, **kwargs) if tokenizer else None
     if config is not None:
         kwargs["config"] = config
@@ -310,7 +315,7 @@ def _checkpoint_flags(load: str | None = None, save: str | None = None) -> list[
 def import_checkpoint(source: str | Path, out: str | Path, gguf_file: str | None = None) -> Architecture:
     """SOURCE (``transformers``' local checkpoint) as a Megatron release checkpoint in OUT (module docstring)."""
     out = Path(out)
-    config = _transformers().AutoConfig.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    config = _transformers().AutoConfig.from_pretrained(source, **_gguf(gguf_file))
     hf_config = _config_dict(config)  # before the model's loading sets fields of it
     tokenizer, hf_model = load_hf(source, gguf_file, config=config)
     arch = Architecture.from_hf_config(hf_model.config)
