@@ -145,14 +145,13 @@ def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def assert_round_trip(source: Path, tmp_path: Path, gguf: list[str], tolerance: float) -> dict:
-    """Import, verify the logits within ``tolerance`` (max abs), export, and compare the weights bit for bit."""
+    """Import, export, compare the exported weights with SOURCE's bit for bit, and verify Megatron's logits within
+    ``tolerance`` (max abs) against the export's: the same weights as SOURCE's, read without parsing a GGUF file
+    again (a parse of SmolLM2's is ~6 s of CPU, and ``transformers`` does two per load)."""
     from megatron_tah.hf_checkpoint import load_hf
 
     run_module("import", str(source), str(tmp_path / "mc"), *gguf, cwd=tmp_path)
     assert (tmp_path / "mc" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
-    checked = json.loads(run_module("verify", str(tmp_path / "mc"), str(source), *gguf, cwd=tmp_path).stdout
-                         .strip().splitlines()[-1])
-    assert checked["max_abs_diff"] <= tolerance, checked
     run_module("export", str(tmp_path / "mc"), str(tmp_path / "hf"), cwd=tmp_path)
     _, original = load_hf(source, gguf[1] if gguf else None, tokenizer=False)
     _, exported = load_hf(tmp_path / "hf", tokenizer=False)
@@ -160,6 +159,10 @@ def assert_round_trip(source: Path, tmp_path: Path, gguf: list[str], tolerance: 
     assert set(a) == set(b)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+    del original, exported, a, b
+    checked = json.loads(run_module("verify", str(tmp_path / "mc"), str(tmp_path / "hf"), cwd=tmp_path).stdout
+                         .strip().splitlines()[-1])
+    assert checked["max_abs_diff"] <= tolerance, checked
     return checked
 
 
@@ -198,3 +201,16 @@ def test_smollm2_imports_with_transformers_logits_and_exports_bit_exactly(tmp_pa
     folder = Path(list(SMOLLM2.submodule_search_locations)[0])
     checked = assert_round_trip(folder, tmp_path, ["--gguf-file", "SmolLM2-135M-Instruct.Q4_1.gguf"], tolerance=5e-4)
     assert checked["max_abs_logit"] > 10  # a trained model's logits, not a random one's
+
+
+def test_verify_reads_a_gguf_source_through_the_import_s_loader(monkeypatch, capsys):
+    """``verify SOURCE --gguf-file F`` loads SOURCE as the import does (``load_hf`` with F); the round trips above
+    verify against the export, whose weights they check bit for bit against the GGUF source's."""
+    from megatron_tah import hf_checkpoint
+
+    seen = {}
+    monkeypatch.setattr(hf_checkpoint, "verify", lambda ckpt, source, gguf_file, tokens: seen.update(
+        ckpt=ckpt, source=source, gguf_file=gguf_file, tokens=tokens) or {"max_abs_diff": 0.0})
+    assert hf_checkpoint.main(["verify", "mc", "src", "--gguf-file", "m.Q4_1.gguf", "--tokens", "8"]) == 0
+    assert seen == {"ckpt": "mc", "source": "src", "gguf_file": "m.Q4_1.gguf", "tokens": 8}
+    assert json.loads(capsys.readouterr().out) == {"max_abs_diff": 0.0}
