@@ -30,15 +30,18 @@ $(VENV)/.installed: pyproject.toml
 
 # The README's test commands. Kernel tests run Triton's CPU interpreter. `make test`: everything but the
 # multi-process end-to-end runs (marker `distributed`; one kept per way in, marker `smoke`) and the single runs that
-# take minutes (`slow`); `make test-all`: the whole suite (what CI runs), three tests at a time on 2 cores (pytest-xdist:
-# many tests wait on timeouts, latency or subprocesses, and a third worker runs while they do); a worker that runs out
-# of tests takes half of the longest queue (`--dist worksteal`): with the default distribution one worker was left
-# with the minutes-long tests, its last one ending 12 minutes after another worker's (measured).
+# take minutes (`slow`); `make test-all`: the whole suite (what CI runs). Both run three tests at a time on 2 cores
+# (pytest-xdist: many tests wait on timeouts, latency or subprocesses, and a third worker runs while they do; each
+# with one torch thread, tests/conftest.py); a worker that runs out of tests takes half of the longest queue
+# (`--dist worksteal`): with the default distribution one worker was left with the minutes-long tests, its last one
+# ending 12 minutes after another worker's (measured).
+XDIST = -n 3 --dist worksteal
+
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not (distributed or slow) or smoke" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not (distributed or slow) or smoke" tests
 
 test-all: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 3 --dist worksteal --durations=40 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) --durations=40 tests
 
 # Every multi-process test (marker `distributed`) RUNS times (default 20) with a CPU hog beside it: a table of
 # passes, failures and hangs per test (scripts/soak.py; ARGS e.g. `--hogs 2 tests/link/test_entropy_pipeline.py`).
