@@ -19,11 +19,11 @@ compiled, 49 s not, measured). The tests run them uncompiled (``TORCHDYNAMO_DISA
 not fused); the ``smoke`` tests (``make test``'s pipelines) keep them compiled, as a GPU run has them.
 ``TORCHDYNAMO_DISABLE=0`` in the environment compiles them in every test.
 
-When several tests run at a time (pytest-xdist's workers: ``make test``, ``make test-all``), every process runs torch with one thread
-(``OMP_NUM_THREADS=1``, as torchrun gives each rank) unless the environment says otherwise: OpenMP's threads spin
-waiting for each other on a few busy cores (``tests/kernels`` and ``tests/codecs`` three at a time on 2 cores: 124 s
-of wall and 230 s of CPU with torch's default of a thread per core, 77 s and 133 s with one, measured). One test at a
-time (plain ``pytest``) keeps torch's default.
+When several tests run at a time (pytest-xdist's workers: ``make test``, ``make test-all``), every process runs
+torch with one thread (``OMP_NUM_THREADS=1``, as torchrun gives each rank) unless the environment says otherwise:
+OpenMP's threads spin waiting for each other on a few busy cores (``tests/kernels`` and ``tests/codecs`` three at a
+time on 2 cores: 124 s of wall and 230 s of CPU with torch's default of a thread per core, 77 s and 133 s with one,
+measured). One test at a time (plain ``pytest``) keeps torch's default.
 
 The fixtures several test files use live here too (``corpus``). This file imports nothing of the tests' own
 (``tests/project/test_dist_utils.py`` runs a copy of it alone).
