@@ -4,6 +4,7 @@
     python -m benchmarks.real_model --size tiny --out /tmp/r  # the same machinery on a random 4-layer model
     python -m benchmarks.real_model --other-depths 2,4 --write docs/REAL_MODEL.md  # run what is missing, write the page
     python -m benchmarks.real_model --from-page docs/data/real_model.json ...  # the committed page's runs not run again
+    python -m benchmarks.real_model --plan benchmarks/real_model/whole_run.toml --stages A  # a registered plan's stage
 
 What it does, in order (runs already complete under ``--out`` are not run again; ``runs.py`` says what each
 run is, ``report.py`` how it is scored):
@@ -64,9 +65,16 @@ def main(argv=None) -> int:
     parser.add_argument("--from-page", type=Path, metavar="JSON",
                         help="an earlier page's JSON (docs/data/real_model.json): its runs' curves are scored "
                              "with the runs under --out and not run again (same size, schedule and model)")
+    parser.add_argument("--plan", type=Path, metavar="TOML",
+                        help="a plan registered before its runs (benchmarks/real_model/whole_run.toml): its size, "
+                             "seeds and codecs, stage by stage; --size, --codecs, --seeds and the depths are its")
+    parser.add_argument("--stages", help="with --plan: comma list of its stages to run (default: every stage this "
+                                         "study runs: emulated and pipeline)")
     parser.add_argument("--score-only", action="store_true",
                         help="run nothing: score the runs of the plan already finished under --out (a study going on)")
     args = parser.parse_args(argv)
+    if args.plan:
+        return registered(parser, args, argv)
     size = runs.SIZES[args.size]
     codecs = _codecs(parser, args.codecs, "--codecs")
     if "bf16" not in codecs:
@@ -106,6 +114,57 @@ def main(argv=None) -> int:
         if write_readme(result, readme):  # its table and preset per depth
             print(f"[real_model] wrote {readme}")
     return 0
+
+
+def registered(parser, args, argv) -> int:
+    """``--plan``: runs the plan's ``--stages`` under ``--out`` in order (what is finished there is kept), then,
+    with ``--write``, scores the whole run (``whole_run.py``)."""
+    from . import plan as plans
+
+    try:
+        plan = plans.load(args.plan)
+        chosen = [plan.stage(n) for n in args.stages.split(",")] if args.stages else \
+            [s for s in plan.stages if s.kind != "toy"]
+    except (OSError, ValueError, KeyError) as err:
+        parser.error(f"--plan: {err}")
+    toy = [s.name for s in chosen if s.kind == "toy"]
+    if toy:
+        parser.error(f"--stages: {', '.join(toy)} run the toy: python -m benchmarks.speedrun runs them")
+    out = args.out.resolve()
+    if not args.score_only:
+        try:
+            model_dir = runs.prepare_model(out, plan.size)
+            data = runs.prepare_data(out, model_dir, plan.size)
+            todo = [runs.eval_run("eval_untouched", plan.size, model_dir, data, model_dir, info={"codec": "untouched"})]
+            for stage in chosen:
+                todo += [r for r in plans.stage_runs(plan, stage, model_dir, data, out) if r.name not in
+                         {t.name for t in todo}]
+            other = elsewhere(out, host_info())
+            if other:  # finished runs from another machine: bf16's first seed again here (the page compares them)
+                again = runs.train_run("bf16", plan.seeds[0], plan.size, model_dir, data, out)
+                todo.insert(1, dataclasses.replace(again, name=runs.CONTROL + again.name))
+                say(f"runs under {out} were made on {other}: {todo[1].name} trains bf16 again here")
+            say(f"plan {plan.name} ({args.plan}): stages {', '.join(s.name for s in chosen)}, {len(todo)} runs, "
+                f"{args.jobs} at a time")
+            execute_all(todo, out, jobs=args.jobs, env=ONE_THREAD)
+        except ReproduceError as err:
+            print(f"real_model: {err}", file=sys.stderr)
+            return 1
+    if args.write:
+        from . import whole_run
+
+        whole_run.main_write(plan, out, args.write, argv)
+    return 0
+
+
+def elsewhere(out: Path, host: dict) -> str | None:
+    """The CPU (and torch) of a finished run under ``out`` made on another machine than ``host``; None if none."""
+    for path in sorted(Path(out).glob("*.meta.json")):
+        meta = json.loads(path.read_text())
+        there = meta.get("host") or {}
+        if meta.get("status") == 0 and there and (there.get("cpu"), there.get("torch")) != (host["cpu"], host["torch"]):
+            return f"{there.get('cpu')} (torch {there.get('torch')})"
+    return None
 
 
 def run_plan(plan: dict[int, list[str]], seeds: list[int], size, out: Path, args, earlier: dict | None,

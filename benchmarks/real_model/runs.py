@@ -77,9 +77,16 @@ class Size:
     """Batches per evaluation, validation and damage alike: the same held-out samples for every run and seed."""
     lr: float = 1e-4
     warmup: int = 10
+    decay: str = "constant"
+    """Megatron's ``--lr-decay-style`` after the warm-up (over the whole run, to ``min_lr``)."""
+    min_lr: float = 0.0
 
     def setup(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "note")}
+        """The fields a run's curve depends on (what ``reusable`` compares); the decay's only where it is set, so
+        that pages written before it existed stay comparable."""
+        later = {"decay": "constant", "min_lr": 0.0}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("name", "note") and later.get(f.name, object()) != getattr(self, f.name)}
 
     @property
     def tokens_per_step(self) -> int:
@@ -90,12 +97,13 @@ class Size:
         return self.eval_iters * self.tokens_per_step
 
     def train_flags(self, iters: int) -> list[str]:
-        """The schedule: a constant learning rate after a linear warm-up, so that a run's curve does not depend on
-        its length and bf16's still falls at the target. Batches are read in the training process (the same
-        batches as with Megatron's loader processes)."""
+        """The schedule: a linear warm-up, then ``decay`` to ``min_lr`` over ``iters`` (``constant``: a run's curve
+        does not depend on its length and bf16's still falls at the target). Batches are read in the training
+        process (the same batches as with Megatron's loader processes)."""
+        decay = [] if self.decay == "constant" else ["--min-lr", str(self.min_lr), "--lr-decay-iters", str(iters)]
         return ["--seq-length", str(self.seq), "--micro-batch-size", str(self.micro_batch),
                 "--global-batch-size", str(self.micro_batch * self.micro_batches), "--train-iters", str(iters),
-                "--lr", str(self.lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", "constant",
+                "--lr", str(self.lr), "--lr-warmup-iters", str(self.warmup), "--lr-decay-style", self.decay, *decay,
                 "--weight-decay", "0.01", "--clip-grad", "1.0", "--bf16",
                 "--num-workers", "0"]  # no data-loader processes: each would hold a copy-on-write image of the model
 
@@ -105,9 +113,17 @@ SIZES = {
                   "a working session on 2 cores"),
     "full": Size("full", seq=256, iters=60, target_step=30, eval_interval=3, eval_from=12,
                  note="1,024 tokens per step, every run 60 steps"),
+    # The whole-run study (benchmarks/real_model/whole_run.toml says why this schedule): five times the short
+    # size's steps, the learning rate warmed up over 20 and decayed by a cosine to a tenth at the end.
+    "long": Size("long", iters=200, target_step=100, eval_interval=10, eval_from=10, warmup=20, decay="cosine",
+                 min_lr=1e-5, note="512 tokens per step, every run 200 steps: warm-up over 20, then a cosine decay "
+                 "to a tenth of the peak learning rate at the end"),
     # CI: the same machinery and rules on a random 4-layer model, a few steps.
     "tiny": Size("tiny", model="tiny", note="the machinery's test on a random model", seq=32, micro_batches=2,
                  iters=12, target_step=6, eval_interval=2, eval_from=2, eval_iters=2, lr=3e-3, warmup=2),
+    "tiny_long": Size("tiny_long", model="tiny", note="the whole-run study's machinery on a random model", seq=32,
+                      micro_batches=2, iters=16, target_step=8, eval_interval=2, eval_from=2, eval_iters=2, lr=3e-3,
+                      warmup=2, decay="cosine", min_lr=3e-4),
 }
 
 
@@ -252,15 +268,29 @@ def train_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str
                           "iters": size.iters, "kind": "train"})
 
 
-def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str, str], depth: int = 8) -> Run:
+def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str, str], depth: int = 8,
+                 flags: tuple[str, ...] = (), exit: int | None = None) -> Run:
     """``codec``'s run with ``seed`` as the real pipeline of ``depth`` processes over gloo, the same schedule and
-    evaluations as its emulated run."""
-    flags = [*model_flags(model_dir, depth), "--load", str(model_dir), "--finetune", *size.train_flags(size.iters),
-             "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters),
-             "--eval-interval", str(size.eval_interval), "--log-interval", str(size.eval_interval),
-             "--seed", str(seed), "--tah-eval-traffic", "both", *codec_flags(codec)]
-    return Run(f"pipeline_{codec}_d{depth}_s{seed}", flags, depth, label=f"{codec} (pipeline)",
-               info={"codec": codec, "seed": seed, "depth": depth, "iters": size.iters, "kind": "pipeline"})
+    evaluations as its emulated run, with further ``flags`` (``--tah-entropy-coding``); ``exit``: it stops after
+    that step of the same schedule (Megatron's ``--exit-interval``), its damage corpus not scored."""
+    more = [*flags, *(["--exit-interval", str(exit)] if exit else [])]
+    megatron = [*model_flags(model_dir, depth), "--load", str(model_dir), "--finetune", *size.train_flags(size.iters),
+                "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters),
+                "--eval-interval", str(size.eval_interval), "--log-interval", str(size.eval_interval),
+                "--seed", str(seed), "--tah-eval-traffic", "both", *codec_flags(codec), *more]
+    return PipelineRun(f"pipeline_{codec}_d{depth}_s{seed}", megatron, depth, label=f"{codec} (pipeline)",
+                       info={"codec": codec, "seed": seed, "depth": depth, "iters": size.iters, "kind": "pipeline",
+                             "flags": list(flags), "exit": exit})
+
+
+@dataclasses.dataclass
+class PipelineRun(Run):
+    """A real pipeline run, complete at its ``--exit-interval`` step where it has one."""
+
+    def iterations(self) -> int:
+        if "--exit-interval" in self.flags:
+            return int(self.flags[self.flags.index("--exit-interval") + 1])
+        return super().iterations()
 
 
 @dataclasses.dataclass

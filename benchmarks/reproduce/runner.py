@@ -127,6 +127,21 @@ def host_info() -> dict:
             "bf16_matmul": bf16_instructions()}
 
 
+def source_commit() -> str | None:
+    """The commit of the checkout these benchmarks run from (``+`` when it has uncommitted changes); None outside
+    a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -149,7 +164,7 @@ def execute(run: Run, out_dir: Path, force: bool = False, python: str = sys.exec
     log_json.unlink(missing_ok=True)
     cmd = run.command(out_dir, python)
     meta = {"name": run.name, "label": run.label, "command": cmd, "rate": run.rate, "pipeline": run.pipeline,
-            "info": run.info, "host": host_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "info": run.info, "host": host_info(), "commit": source_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_before": load_average()}
     say(f"start {out_dir.name}/{run.name}" + (f" over {run.rate} links" if run.rate else ""))
     start = time.perf_counter()
@@ -161,7 +176,9 @@ def execute(run: Run, out_dir: Path, force: bool = False, python: str = sys.exec
                 max_rss_kb=usage.ru_maxrss)
     if proc.returncode == 0:
         meta["iterations"] = len(read_log(log_json))
-    (out_dir / f"{run.name}.meta.json").write_text(json.dumps(meta, indent=1))
+    written = out_dir / f"{run.name}.meta.json.tmp"  # whole or absent: a resumed study reads it
+    written.write_text(json.dumps(meta, indent=1))
+    os.replace(written, out_dir / f"{run.name}.meta.json")
     say(f"done  {out_dir.name}/{run.name}: status {proc.returncode}, {meta['seconds']:.0f} s")
     if proc.returncode != 0:
         raise ReproduceError(f"run {run.name} failed with status {proc.returncode}; see {out_dir / (run.name + '.log')}")
