@@ -21,6 +21,8 @@ from ..speedrun.runs import CODECS
 from . import runs
 
 KINDS = ("emulated", "pipeline", "toy")
+RULE_NUMBERS = ("tie", "ratio_high", "goal_ratio", "goal_damage", "goal_bits")
+"""The numbers a plan's ``[rule]`` gives (``whole_run.choose`` and ``whole_run.goal`` read them)."""
 PLAN = Path(__file__).with_name("whole_run.toml")
 """The whole-run study's plan."""
 
@@ -63,6 +65,18 @@ class Plan:
                 return s
         raise KeyError(f"{self.path}: no stage {name!r} (stages: {', '.join(s.name for s in self.stages)})")
 
+    def run_names(self, stage: Stage) -> list[str]:
+        """The names of an emulated or pipeline stage's runs, seed-major (bf16 once per seed, whatever the depth)."""
+        names = []
+        for seed in stage.seeds:
+            for depth in stage.depths:
+                for codec in stage.codecs:
+                    name = runs.pipeline_name(codec, seed, depth) if stage.kind == "pipeline" else \
+                        runs.run_name(codec, seed, depth)
+                    if name not in names:
+                        names.append(name)
+        return names
+
     def depth_codecs(self, kinds=("emulated",)) -> dict[int, list[str]]:
         """{depth: codecs} over the stages of ``kinds``, bf16 first at every depth (the report's plan)."""
         found: dict[int, list[str]] = {}
@@ -94,6 +108,9 @@ def load(path: Path = PLAN) -> Plan:
     seeds = tuple(int(s) for s in raw["seeds"])
     if not seeds or len(set(seeds)) != len(seeds):
         raise _fail(path, f"seeds {list(seeds)}: give each seed once")
+    missing = sorted(set(RULE_NUMBERS) - set(raw["rule"]))
+    if missing:
+        raise _fail(path, f"[rule] lacks {missing}")
     target_step, points = int(raw["target"]["step"]), tuple(int(p) for p in raw["target"].get("points", ()))
     for step in (target_step, *points):
         if not size.eval_from <= step <= size.iters:

@@ -374,7 +374,7 @@ def _hidden(out: Path) -> int:
 def pipeline_check(out: Path, codec: str, seeds: list[int], curves: dict, depth: int) -> dict:
     """The real pipeline's validation curves (both evaluations) against the emulated run of the same codec and seed,
     on the iterations both validated, beside the spread between the emulated seeds there."""
-    records = read_log(out / f"pipeline_{codec}_d{depth}_s{seeds[0]}.jsonl")
+    records = read_log(out / f"{runs.pipeline_name(codec, seeds[0], depth)}.jsonl")
     emulated_name = runs.run_name(codec, seeds[0], depth)
     found = {"codec": codec, "seed": seeds[0], "depth": depth,
              "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}

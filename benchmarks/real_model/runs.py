@@ -229,6 +229,11 @@ def run_name(codec: str, seed: int, depth: int | None = None) -> str:
     return f"train_{codec}_s{seed}" if codec == "bf16" else f"train_{codec}_d{depth}_s{seed}"
 
 
+def pipeline_name(codec: str, seed: int, depth: int) -> str:
+    """``pipeline_<codec>_d<depth>_s<seed>``: a real pipeline run (:func:`pipeline_run`)."""
+    return f"pipeline_{codec}_d{depth}_s{seed}"
+
+
 @dataclasses.dataclass
 class TrainRun(Run):
     """A training run with emulated boundaries after ``layers`` (the codec's ``TahConfig`` fields both ways),
@@ -278,7 +283,7 @@ def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[
                 "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters),
                 "--eval-interval", str(size.eval_interval), "--log-interval", str(size.eval_interval),
                 "--seed", str(seed), "--tah-eval-traffic", "both", *codec_flags(codec), *more]
-    return PipelineRun(f"pipeline_{codec}_d{depth}_s{seed}", megatron, depth, label=f"{codec} (pipeline)",
+    return PipelineRun(pipeline_name(codec, seed, depth), megatron, depth, label=f"{codec} (pipeline)",
                        info={"codec": codec, "seed": seed, "depth": depth, "iters": size.iters, "kind": "pipeline",
                              "flags": list(flags), "exit": exit})
 

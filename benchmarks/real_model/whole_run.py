@@ -1,0 +1,349 @@
+"""The whole-run study's scores and page, from the runs of a registered plan (``plan.py``, ``whole_run.toml``).
+
+What it adds to the short study's scoring (``report.py``: target, steps to it, damage at equal steps, bits):
+
+* **The ratio along the run**, at each of the plan's ``points`` and on both evaluations: per seed, the point p over
+  the step at which bf16 (same seed, served on its own) reached the codec's loss at p (``score.crossing``,
+  interpolated, never extrapolated); a loss below bf16's end loss is censored: the ratio is at most p / bf16's last
+  step, and that bound stands in for it (the interval then leans against the codec); one above bf16's first
+  validation has none. The mean over seeds with its 95% interval where every seed has a ratio.
+* **The end of the run** (the last point): where a preset is judged. **Trend**: the paired difference of each
+  seed's end ratio and its first point's: "grows" (interval above 0), "shrinks" (below) or "holds" (holds 0).
+* **The loss gap at equal steps** at every validation, both evaluations: codec minus bf16, paired by seed.
+* **A seed that misses** the target within the run counts: the row says how many missed and is not a candidate.
+* **The rule** (the plan's ``[rule]``) picks a preset per depth and use; the goals name the figure that fails.
+* **The real pipeline** (the plan's pipeline stages): its losses against the emulation's at equal steps, within
+  ``PIPELINE_TOLERANCE``; the bits its WAN ledger counted per value, forward + backward, at the run's shape.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import shlex
+import statistics
+from pathlib import Path
+
+from ..pages import save_data
+from ..reproduce.runner import read_log, read_meta
+from ..speedrun import score
+from . import report, runs
+from .plan import Plan
+
+PIPELINE_TOLERANCE = 0.02
+"""The largest |real pipeline - emulation| validation loss at equal steps (same seed, both evaluations) that agrees."""
+
+
+# ----- along the run -------------------------------------------------------------------------------------------
+def ratio_at(curve: list, base: list, point: int) -> tuple[float | None, str]:
+    """(ratio, how) of a codec's curve against bf16's at step ``point``: ``how`` is "" (measured), "censored" (the
+    codec's loss lies below bf16's last validation: the ratio is at most the value given), "above" (above bf16's
+    first validation: none) or "missing" (no validation at ``point``)."""
+    loss = dict(curve).get(point)
+    if loss is None:
+        return None, "missing"
+    base = sorted(base)
+    if loss > base[0][1]:
+        return None, "above"
+    m = score.crossing(base, loss)
+    if m is None:
+        return point / base[-1][0], "censored"
+    return point / m, ""
+
+
+def along(curves: dict, names: dict[int, str], bf16: dict[int, str], traffic: str, points: tuple[int, ...]) -> dict:
+    """{point: {"by_seed", "how", "mean", "low", "high", "censored"}} of one codec on one evaluation."""
+    found = {}
+    for point in points:
+        by_seed, how = {}, {}
+        for seed, name in names.items():
+            value, kind = ratio_at(curves[name][traffic], curves[bf16[seed]]["uncompressed"], point)
+            by_seed[str(seed)], how[str(seed)] = value, kind
+        measured = [v for v in by_seed.values() if v is not None]  # a censored seed at its bound: at most that
+        whole = len(measured) == len(by_seed)
+        interval = score.mean_interval(measured) if whole and measured else None
+        found[str(point)] = {"by_seed": by_seed, "how": how, "censored": sorted(s for s, k in how.items() if k),
+                             **report._interval_fields("ratio", interval)}
+    return found
+
+
+def trend(points: dict) -> dict:
+    """The paired change of each seed's ratio from the first point to the last: its interval and verdict."""
+    keys = sorted(points, key=int)
+    first, last = points[keys[0]], points[keys[-1]]
+    seeds = [s for s in last["by_seed"] if last["by_seed"][s] is not None and first["by_seed"].get(s) is not None]
+    if len(seeds) < 2:
+        return {"change": None, "change_low": None, "change_high": None, "verdict": "–"}
+    interval = score.mean_interval([last["by_seed"][s] - first["by_seed"][s] for s in seeds])
+    verdict = "grows" if interval.low > 0 else "shrinks" if interval.high < 0 else "holds (within noise)"
+    return {**report._interval_fields("change", interval), "verdict": verdict, "from": int(keys[0]),
+            "to": int(keys[-1])}
+
+
+def gaps(curves: dict, names: dict[int, str], bf16: dict[int, str], traffic: str) -> list[dict]:
+    """At every validation both have: the codec's loss minus bf16's (same seed, served on its own), its interval."""
+    steps = sorted(set.intersection(*(set(dict(curves[n][traffic])) for n in names.values()),
+                                    *(set(dict(curves[bf16[s]]["uncompressed"])) for s in names)))
+    found = []
+    for step in steps:
+        diffs = [dict(curves[n][traffic])[step] - dict(curves[bf16[s]]["uncompressed"])[step] for s, n in names.items()]
+        interval = score.mean_interval(diffs)
+        found.append({"step": step, **report._interval_fields("gap", interval), "n": interval.n})
+    return found
+
+
+# ----- the pipeline check and the ledger's bits ----------------------------------------------------------------
+def ledger_bits(records: list[dict]) -> dict | None:
+    """Bits per value the WAN ledger counted over a pipeline run's training steps, forward and backward (the
+    activations were bf16: 16 bits raw)."""
+    totals = {k: sum(r.get(k) or 0 for r in records if "lm_loss" in r)
+              for k in ("fwd_raw_bytes", "fwd_wire_bytes", "bwd_raw_bytes", "bwd_wire_bytes")}
+    if not totals["fwd_raw_bytes"] or not totals["bwd_raw_bytes"]:
+        return None
+    forward = 16 * totals["fwd_wire_bytes"] / totals["fwd_raw_bytes"]
+    backward = 16 * totals["bwd_wire_bytes"] / totals["bwd_raw_bytes"]
+    return {"forward": forward, "backward": backward, "both": forward + backward}
+
+
+def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
+    """Every finished pipeline run of the plan against its emulated run (same codec, seed, depth)."""
+    found = []
+    for stage in (s for s in plan.stages if s.kind == "pipeline"):
+        for depth in stage.depths:
+            for codec in stage.codecs:
+                for seed in stage.seeds:
+                    name = runs.pipeline_name(codec, seed, depth)
+                    meta = read_meta(out, name)
+                    if not meta or meta.get("status") != 0 or runs.run_name(codec, seed, depth) not in curves:
+                        continue
+                    records = read_log(out / f"{name}.jsonl")
+                    check = report.pipeline_check(out, codec, [seed], curves, depth)
+                    diffs = [check[t]["max_abs_diff"] for t in runs.TRAFFIC if check[t]["max_abs_diff"] is not None]
+                    check.update(stage=stage.name, flags=list(stage.flags), exit=stage.exit, commit=meta.get("commit"),
+                                 ledger_bits=ledger_bits(records), shape=[plan.size.seq, plan.size.micro_batch],
+                                 agrees=bool(diffs) and max(diffs) <= PIPELINE_TOLERANCE)
+                    found.append(check)
+    return found
+
+
+# ----- choosing ------------------------------------------------------------------------------------------------
+def end(row: dict, traffic: str) -> dict:
+    return row[traffic]["points"][str(max(int(p) for p in row[traffic]["points"]))]
+
+
+def eligible(row: dict, traffic: str, rule: dict) -> str:
+    """"" when ``row`` may be chosen on ``traffic`` by the plan's rule, else why not."""
+    m, e = row[traffic], end(row, traffic)
+    if row["codec"] == "bf16":
+        return "the baseline"
+    if m["missed_within"] is not None:
+        return "missed the target in " + ", ".join(k for k, v in m["steps_by_seed"].items() if v is None)
+    if e["ratio"] is None:
+        return "no end-of-run ratio (a seed censored or above bf16's curve)"
+    if e["ratio_high"] > rule["ratio_high"]:
+        return f"end-of-run ratio's upper end {e['ratio_high']:.2f} > {rule['ratio_high']:.2f}"
+    if m["damage_vs_bf16_low"] is not None and m["damage_vs_bf16_low"] > 0:
+        return "more damage than bf16's"
+    if len(row["seeds"]) < 2:
+        return "one seed"
+    return ""
+
+
+def choose(rows: list[dict], traffic: str, rule: dict) -> str | None:
+    """The plan's rule: among the eligible, those within ``tie`` of the lowest mean end-of-run ratio; of these
+    the fewest bits on the busiest link, then the lowest projected T."""
+    candidates = [r for r in rows if not eligible(r, traffic, rule)]
+    if not candidates:
+        return None
+    best = min(end(r, traffic)["ratio"] for r in candidates)
+    tied = [r for r in candidates if end(r, traffic)["ratio"] <= best + rule["tie"]]
+    tied.sort(key=lambda r: (r["busiest_bits"], r[traffic].get("projected_T") or math.inf))
+    return tied[0]["codec"]
+
+
+def goal(row: dict, rule: dict, checks: list[dict]) -> list[str]:
+    """What fails of the plan's goal for ``row`` served on its own ([] when it meets it)."""
+    fails = []
+    e = end(row, "uncompressed")
+    if e["ratio"] is None or e["ratio"] > rule["goal_ratio"] or e["ratio_high"] > rule["ratio_high"]:
+        fails.append("end-of-run ratio " + ("none" if e["ratio"] is None else
+                                            f"{e['ratio']:.2f} [{e['ratio_low']:.2f}, {e['ratio_high']:.2f}]"))
+    high = row["uncompressed"]["damage_vs_bf16_high"]
+    if high is None or high > rule["goal_damage"]:
+        fails.append("damage " + ("not measured over 2 seeds" if high is None else f"up to {100 * high:+.2f}%"))
+    ledger = [c["ledger_bits"]["both"] for c in checks if c["codec"] == row["codec"] and c["depth"] == row["depth"]
+              and c["ledger_bits"] and "--tah-entropy-coding" in c["flags"]]
+    if not ledger:
+        fails.append("no real pipeline run with the coder yet (WAN ledger bits)")
+    elif max(ledger) > rule["goal_bits"]:
+        fails.append(f"{max(ledger):.2f} bits both ways on the WAN ledger")
+    return fails
+
+
+# ----- the whole study -----------------------------------------------------------------------------------------
+def build(plan: Plan, out: Path) -> dict:
+    """Everything the page shows, from the plan's runs finished under ``out`` (a study going on: what is done)."""
+    out = Path(out)
+    depth_codecs = plan.depth_codecs()
+    curves = report.read_curves(out, depth_codecs, list(plan.seeds))
+    bf16 = {s: runs.run_name("bf16", s) for s in plan.seeds if runs.run_name("bf16", s) in curves}
+    planned = {n for s in plan.stages if s.kind != "toy" for n in plan.run_names(s)}
+    result = {"date": datetime.date.today().isoformat(), "plan": str(plan.path.name), "plan_name": plan.name,
+              "registered": plan.registered, "schedule": plan.schedule, "machine": plan.machine,
+              "setup": plan.size.setup(), "model": runs.MODELS[plan.size.model].description, "seeds": list(plan.seeds),
+              "points": list(plan.points), "rule": plan.rule, "budget": plan.budget,
+              "tables": {}, "chosen": {}}
+    result["finished"] = finished_runs(out)
+    result.update(planned=len(planned), planned_finished=len(planned & set(result["finished"])))
+    if len(bf16) < 2:
+        result["note"] = f"fewer than two bf16 runs finished under {out}: nothing scored yet"
+        return result
+    untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
+        else None
+    target, slope = report.target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], plan.target_step)
+    result.update(target=target, target_slope=slope, curves=curves)
+    checks = pipeline_checks(plan, out, curves)
+    result["pipeline"] = checks
+    for depth, codecs in depth_codecs.items():
+        rows = []
+        for codec in codecs:
+            names = {s: runs.run_name(codec, s, depth) for s in bf16 if runs.run_name(codec, s, depth) in curves}
+            if not names:
+                continue
+            row = report.codec_row(codec, depth, names, bf16, curves, target, plan.size, out, untouched)
+            for traffic in runs.TRAFFIC:
+                points = along(curves, names, bf16, traffic, plan.points)
+                steps = [g["step"] for g in gaps(curves, names, bf16, traffic)]
+                every = along(curves, names, bf16, traffic, tuple(steps))
+                row[traffic].update(points=points, trend=trend(points), gaps=gaps(curves, names, bf16, traffic),
+                                    ratios=[[int(k), v["ratio"], v["ratio_low"], v["ratio_high"]]
+                                            for k, v in every.items() if v["ratio"] is not None])
+            row["planned_seeds"] = [s for st in plan.stages if st.kind == "emulated" and depth in st.depths
+                                    and (codec in st.codecs or codec == "bf16") for s in st.seeds]
+            row["goal_fails"] = [] if codec == "bf16" else goal(row, plan.rule, checks)
+            for traffic in runs.TRAFFIC:
+                row[traffic]["eligible"] = eligible(row, traffic, plan.rule)
+            rows.append(row)
+        report.project(rows, depth)
+        result["tables"][str(depth)] = rows
+        result["chosen"][str(depth)] = {t: choose(rows, t, plan.rule) for t in runs.TRAFFIC}
+    return result
+
+
+def finished_runs(out: Path) -> dict:
+    """{run name: {"seconds", "commit", "cpu"}} of every run finished under ``out``."""
+    found = {}
+    for path in sorted(Path(out).glob("*.meta.json")):
+        meta = json.loads(path.read_text())
+        if meta.get("status") == 0:
+            found[meta["name"]] = {"seconds": meta.get("seconds"), "commit": meta.get("commit"),
+                                   "cpu": (meta.get("host") or {}).get("cpu")}
+    return found
+
+
+# ----- the page ------------------------------------------------------------------------------------------------
+def _ratio(p: dict) -> str:
+    if p["ratio"] is not None:
+        bound = f" ({len(p['censored'])} censored at <=)" if p["censored"] else ""
+        return (f"{p['ratio']:.2f}x [{p['ratio_low']:.2f}, {p['ratio_high']:.2f}]" if len(p["by_seed"]) > 1
+                else f"{p['ratio']:.2f}x (one seed)") + bound
+    parts = []
+    for seed, kind in sorted(p["how"].items()):
+        value = p["by_seed"][seed]
+        parts.append(f"{seed}: " + {"censored": f"<= {value:.2f}x" if value else "censored",
+                                    "above": "above bf16's first", "missing": "not run", "": f"{value:.2f}x"}[kind])
+    return "; ".join(parts) or "–"
+
+
+def table_markdown(rows: list[dict], traffic: str, points: list[int]) -> str:
+    head = ["preset", "seeds", *(f"ratio at {p}" for p in points), "trend", "damage at the end", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        if row["codec"] == "bf16":
+            continue
+        m = row[traffic]
+        damage = m["damage_vs_bf16"]
+        damage_text = "–" if damage is None else report._interval(damage, m["damage_vs_bf16_low"],
+                                                                   m["damage_vs_bf16_high"], 2, "%", percent=True)
+        reason = m["eligible"]
+        cells = [f"`{row['codec']}`", f"{len(row['seeds'])} of {len(set(row['planned_seeds']))}",
+                 *(_ratio(m["points"][str(p)]) for p in points), m["trend"]["verdict"], damage_text,
+                 "candidate" if not reason else reason]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_page(result: dict, page: Path, command: str) -> None:
+    """``page`` with its JSON and plot under ``docs/data/``."""
+    result["command"] = command
+    page = Path(page)
+    data, stem = save_data(result, page, plot)
+    lines = [f"# The whole run: {result['model'].split(' (')[0]}, {result['schedule']}", "",
+             f"Written by `{command}` on {result['date']} from the runs of the plan registered on "
+             f"{result['registered']} ([benchmarks/real_model/{result['plan']}](../benchmarks/real_model/{result['plan']})); "
+             f"its JSON: [data/{stem}.json](data/{stem}.json). Runs finished: {result['planned_finished']} of "
+             f"{result['planned']} planned (machine: {result['machine']}).", ""]
+    if "target" not in result:
+        lines += [result.get("note", ""), ""]
+    else:
+        lines += [f"Target: bf16's mean validation loss at step {result['setup']['target_step']}: "
+                  f"{result['target']:.4f} (falling {result['target_slope']:.4f} per step there). Rule: "
+                  f"{result['rule']['text']}.", "", f"![ratio along the run](data/{stem}.png)", ""]
+        for depth, rows in result["tables"].items():
+            for traffic in runs.TRAFFIC:
+                lines += [f"## Depth {depth}, {report.TRAFFIC_LABEL[traffic]}", "",
+                          table_markdown(rows, traffic, result["points"]), "",
+                          f"Chosen by the rule: {result['chosen'][depth][traffic] or 'none yet'}.", ""]
+        if result["pipeline"]:
+            lines += ["## The real pipeline", ""]
+            for c in result["pipeline"]:
+                bits = c["ledger_bits"]
+                lines.append(f"- `{c['codec']}` at depth {c['depth']} ({' '.join(c['flags']) or 'no further flags'}, "
+                             f"{c['exit']} steps, commit {str(c['commit'])[:10]}): largest |pipeline - emulation| "
+                             + ", ".join(f"{t} {c[t]['max_abs_diff']:.4f}" for t in runs.TRAFFIC
+                                         if c[t]["max_abs_diff"] is not None)
+                             + f" ({'within' if c['agrees'] else 'outside'} {PIPELINE_TOLERANCE}); WAN ledger "
+                             + (f"{bits['forward']:.2f} + {bits['backward']:.2f} bits per value" if bits else "–")
+                             + f" at [{c['shape'][0]}, {c['shape'][1]}, hidden].")
+            lines.append("")
+    page.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    """The ratio at every validation per codec at each depth (mean over seeds, band: its 95% interval; dashed: the
+    plan's points), both evaluations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = result.get("tables") or {}
+    fig, axes = plt.subplots(max(len(tables), 1), 2, figsize=(12, 4 * max(len(tables), 1)), squeeze=False)
+    for k, (depth, rows) in enumerate(tables.items()):
+        for ax, traffic in zip(axes[k], runs.TRAFFIC):
+            for c, row in enumerate(r for r in rows if r["codec"] != "bf16"):
+                ratios = row[traffic]["ratios"]
+                if ratios:
+                    xs, means, lows, highs = zip(*ratios)
+                    ax.plot(xs, means, color=f"C{c % 10}", label=row["codec"])
+                    ax.fill_between(xs, lows, highs, color=f"C{c % 10}", alpha=0.15)
+            for point in result["points"]:
+                ax.axvline(point, color="grey", lw=0.5, ls="--")
+            ax.axhline(1.0, color="grey", ls=":")
+            ax.set_title(f"depth {depth}, {report.TRAFFIC_LABEL[traffic]}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.set_ylabel("equivalent-steps ratio vs bf16")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main_write(plan: Plan, out: Path, page: Path, argv) -> None:
+    import sys
+
+    result = build(plan, out)
+    command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])
+    write_page(result, page, command)
+    print(f"[real_model] wrote {page}")
