@@ -76,8 +76,10 @@ def restore_from_page(page: Path, out: Path, size: runs.Size) -> tuple[float, di
             if json.loads(meta.read_text()).get("from_page"):
                 restored.append(name)  # restored by an earlier call
             continue  # a run of this machine wins
-        log.write_text("".join(json.dumps({"iteration": i, "lm_loss": None, "valid_loss": v}) + "\n"
-                               for i, v in curve["validations"]))
+        uncompressed = dict(curve.get("validations_uncompressed") or [])  # a codec's second evaluation, if made
+        log.write_text("".join(json.dumps({"iteration": i, "lm_loss": None, "valid_loss": v,
+                                           **({"valid_loss_uncompressed": uncompressed[i]} if i in uncompressed else {})})
+                               + "\n" for i, v in curve["validations"]))
         info = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
                 "emulated": name.startswith("emulated_")}
         measured = {key: curve[key] for key in ("bytes", "choices") if key in curve}  # a pipeline run's, kept
@@ -123,7 +125,10 @@ def loss_results(run_list, out: Path, size: runs.Size) -> dict:
                         **({"choices": runs.auto_choices(records)} if chooses else {})}
         where = meta.get("provenance") or (  # --from-page: the curve's own; a run of this machine: its start
             {"date": meta["started"][:10], "cpu": meta["host"]["cpu"]} if "started" in meta and "host" in meta else None)
+        # the model on its own: bf16's one evaluation is both; a codec's second evaluation (none in older runs)
+        uncompressed = runs.validations(records, "valid_loss" if r.info["codec"] == "bf16" else "valid_loss_uncompressed")
         results[r.name] = {**r.info, "validations": runs.validations(records), **measured,
+                           **({"validations_uncompressed": uncompressed} if uncompressed else {}),
                            **({"measured": where} if where else {})}
     return results
 

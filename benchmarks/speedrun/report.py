@@ -14,14 +14,16 @@ SPLITS = (16, 32, 64, 128)  # micro-batch counts the projection compares at the 
 MEASURED = "measured at CPU scale"  # the projection's label of the steps this page measured
 
 
-def _steps_by_seed(losses: dict, codec: str, target: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+def _steps_by_seed(losses: dict, codec: str, target: float, key: str = "validations"
+                   ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
     """{seed: steps to target} (the shortest schedule that reached it), {seed: longest schedule run} and
-    {seed: the schedule that reached it} of ``codec``'s loss runs."""
+    {seed: the schedule that reached it} of ``codec``'s loss runs, on the validations under ``key`` (through the
+    codecs; ``validations_uncompressed``: the model on its own, the runs that validated so)."""
     reached, longest, reached_on = {}, {}, {}
-    for run in sorted((r for r in losses.values() if r["codec"] == codec), key=lambda r: r["iters"]):
+    for run in sorted((r for r in losses.values() if r["codec"] == codec and key in r), key=lambda r: r["iters"]):
         seed = run["seed"]
         longest[seed] = run["iters"]
-        steps = score.steps_to_target(run["validations"], target)
+        steps = score.steps_to_target(run[key], target)
         if steps is not None and seed not in reached:
             reached[seed], reached_on[seed] = steps, run["iters"]
     return reached, longest, reached_on
@@ -43,6 +45,21 @@ def _bits(losses: dict, codec: str, size: runs.Size) -> dict:
     values, tokens = seq * mb * hidden, seq * mb
     return {"forward_bits": 8 * fwd / (messages * values), "backward_bits": 8 * bwd / (messages * values),
             "bytes_per_token": (fwd + bwd) / (messages * tokens)}
+
+
+def _on_its_own(losses: dict, codec: str, target: float, bf16: dict[int, int | None]) -> dict | None:
+    """``codec``'s steps to target evaluated uncompressed (the model on its own) against bf16's paired ones
+    (``bf16``: {seed: steps}): {"steps_by_seed", "multiplier"...}; None where its runs did not validate so."""
+    reached, longest, _ = _steps_by_seed(losses, codec, target, "validations_uncompressed")
+    if not longest:
+        return None
+    seeds = sorted(longest)
+    found = {"steps_by_seed": {str(s): reached.get(s) for s in seeds}, "multiplier": None,
+             "missed_within": {str(s): longest[s] for s in seeds if s not in reached}}
+    if len(reached) == len(seeds) and all(bf16.get(s) for s in seeds):
+        ratio = score.paired_ratio(reached, {s: bf16[s] for s in seeds})
+        found.update(multiplier=ratio.mean, multiplier_low=ratio.low, multiplier_high=ratio.high)
+    return found
 
 
 def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, losses: dict, steady: dict,
@@ -89,6 +106,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
         else:  # no multiplier: within which schedule each seed that missed missed (score.missed_bound: a lower bound)
             row.update(steps=None, multiplier=None, T=None,
                        missed_within={str(s): longest[s] for s in seeds if s not in reached})
+        row["uncompressed"] = _on_its_own(same_kind, codec, target, paired)
         rows.append(row)
     base_T = next((r["T"] for r in rows if r["codec"] == "bf16"), None)
     for row in rows:
@@ -107,6 +125,8 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
                 for n in elsewhere})
     own = project(projection.SETUP.micro_batches)
     curves = {name: {"codec": r["codec"], "seed": r["seed"], "iters": r["iters"], "validations": r["validations"],
+                     **({"validations_uncompressed": r["validations_uncompressed"]}
+                        if "validations_uncompressed" in r else {}),
                      **({"pipeline": True} if r.get("emulated") is False and emulated else {}),
                      **({"bytes": r["bytes"]} if r.get("emulated") is False else {}),  # a pipeline run's, measured
                      **({"choices": r["choices"]} if r.get("choices") else {}),
@@ -190,14 +210,27 @@ def _reused_text(result: dict) -> str:
                if rendered else ""))
 
 
+def _on_its_own_text(row: dict) -> str:
+    """Steps vs bf16 evaluated uncompressed: the multiplier, where each seed missed, or "not measured" (runs that
+    validated through the codecs only)."""
+    own = row.get("uncompressed")
+    if row["codec"] == "bf16":
+        return "1"
+    if not own:
+        return "not measured"
+    if own["multiplier"] is not None:
+        return _multiplier_text({**own, "seeds": row["seeds"]})
+    return score.missed_text(own["missed_within"], seeds=True) if own["missed_within"] else "–"
+
+
 def table_markdown(result: dict) -> str:
-    rows = ["| codec | fwd bits | bwd bits | bytes/token | steps to target | steps vs bf16 | s/step | T (s) | T vs bf16 |",
-            "|---|---:|---:|---:|---|---|---:|---:|---:|"]
+    rows = ["| codec | fwd bits | bwd bits | bytes/token | steps to target | steps vs bf16 | steps vs bf16, evaluated "
+            "uncompressed | s/step | T (s) | T vs bf16 |", "|---|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for r in result["table"]:
         steady = "" if r["steady"] else " (not steady)"
         rows.append(f"| {r['codec']} | {r['forward_bits']:.2f} | {r['backward_bits']:.2f} | {r['bytes_per_token']:.1f} | "
-                    f"{_steps_text(r)} | {_multiplier_text(r)} | {r['s_per_step']:.3f}{steady} | {_fmt(r['T'], 0)} | "
-                    f"{_fmt(r['T_vs_bf16'], 3, 'x')} |")
+                    f"{_steps_text(r)} | {_multiplier_text(r)} | {_on_its_own_text(r)} | {r['s_per_step']:.3f}{steady} | "
+                    f"{_fmt(r['T'], 0)} | {_fmt(r['T_vs_bf16'], 3, 'x')} |")
     return "\n".join(rows)
 
 
@@ -415,6 +448,8 @@ def losses_from_page(data: dict) -> dict:
                   else tuple(curve["bytes"]))
         losses[name] = {"codec": curve["codec"], "seed": curve["seed"], "iters": curve["iters"], "kind": "loss",
                         "emulated": emulated, "validations": [tuple(v) for v in curve["validations"]],
+                        **({"validations_uncompressed": [tuple(v) for v in curve["validations_uncompressed"]]}
+                           if "validations_uncompressed" in curve else {}),
                         "bytes": nbytes, **({"choices": curve["choices"]} if curve.get("choices") else {}),
                         **({"measured": curve["measured"]} if curve.get("measured") else {})}
     return losses

@@ -10,7 +10,9 @@ every iteration, outside the pipeline.
 
 * A **loss run** trains without a slow link (a codec's numerics do not depend on the link), validating
   every ``eval_interval`` iterations on the same ``eval_iters`` batches each time (``--fixed-validation``)
-  through the codecs (``--tah-eval-traffic codec``, as the reference evaluates).
+  twice (``--tah-eval-traffic both``): through the codecs, as the reference evaluates (``valid_loss``), then
+  uncompressed (``valid_loss_uncompressed``: the model on its own). bf16 has no codec: its one evaluation is both;
+  ``auto`` validates through its codecs only (it chooses from the traffic it measures on its links).
 * A **timing run** trains ``timing_iters`` iterations of the same model behind the emulated inbound wire
   (``--tah-emulate-wire inbound``: one wire per rank, the WAN yardstick's meter) and never validates; its
   per-iteration wall times give the steady seconds per step (``score.steady_seconds``).
@@ -279,6 +281,8 @@ def loss_run(codec: str, seed: int, size: Size, data: list[str], iters: int | No
     iters = iters or size.iters
     flags = [*size.model_flags(iters), *data, "--seed", str(seed), "--eval-interval", str(size.eval_interval),
              "--eval-iters", str(size.eval_iters), "--fixed-validation", "--log-interval", str(size.eval_interval)]
+    if codec != "bf16" and codec not in NEEDS_LINK:  # auto: an uncompressed evaluation would change what it measures
+        flags += ["--tah-eval-traffic", "both"]
     info = {"codec": codec, "seed": seed, "iters": iters, "kind": "loss", "emulated": emulated}
     name = loss_run_name(codec, seed, iters, size, emulated)
     if emulated:
@@ -304,9 +308,10 @@ def timing_run(codec: str, size: Size, data: list[str], link: Link | None, seed:
     return Run(name, flags, size.stages, label=codec, info={"codec": codec, "kind": "timing"})
 
 
-def validations(records: list[dict]) -> list[tuple[int, float]]:
-    """(iteration, validation loss) of a loss run's records (``runner.read_log``)."""
-    return [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r and math.isfinite(r["valid_loss"])]
+def validations(records: list[dict], key: str = "valid_loss") -> list[tuple[int, float]]:
+    """(iteration, validation loss) of a loss run's records (``runner.read_log``): through the codecs
+    (``valid_loss``) or uncompressed (``valid_loss_uncompressed``; none in a run that did not validate so)."""
+    return [(r["iteration"], r[key]) for r in records if key in r and math.isfinite(r[key])]
 
 
 def step_seconds(records: list[dict]) -> list[float]:

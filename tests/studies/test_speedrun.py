@@ -128,6 +128,10 @@ def test_tiny_speedrun_scores_every_codec_and_writes_its_page(tmp_path, modes):
     assert fp4["s_per_step"] < bf16["s_per_step"]  # fewer bytes behind a link-bound wire (simulated or measured)
     curves = {c["codec"]: c["validations"] for c in result["curves"].values()}
     assert curves["fixedpoint4"] != curves["bf16"]  # the codec ran at the stage boundaries
+    own = {c["codec"]: c.get("validations_uncompressed") for c in result["curves"].values()}  # the model on its own
+    assert [i for i, _ in own["fixedpoint4"]] == [i for i, _ in curves["fixedpoint4"]] and own["bf16"] == curves["bf16"]
+    assert own["fixedpoint4"] != curves["fixedpoint4"] and rows["fixedpoint4"]["uncompressed"] is not None
+    assert own.get("auto") is None  # auto validates through its codecs only
     text = page.read_text()
     assert "| fixedpoint4 |" in text and f"{result['target']:.3f}" in text
     assert (tmp_path / "docs" / "data" / "speedrun.png").stat().st_size > 1000
@@ -155,6 +159,45 @@ def _built(codec: str, runs_of_codec) -> tuple[dict, dict]:
     steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", codec)}
     return losses, report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady,
                                 {"cpu": "x", "cores": 2})
+
+
+def test_a_codec_that_misses_through_its_codecs_is_scored_on_its_own_where_it_validated_uncompressed_too():
+    """Both evaluations: through the codecs the codec misses; evaluated uncompressed it reaches the target, and its
+    multiplier there pairs with bf16's same-seed, same-schedule steps; runs that validated through the codecs
+    only say "not measured"."""
+    from benchmarks.speedrun import report
+
+    losses, _ = _built("paper", ((1, 500, 10_000), (2, 500, 10_000)))
+    for seed, hit in ((1, 330), (2, 480)):
+        losses[f"paper_{seed}_500"]["validations_uncompressed"] = [(i, 5.0 if i >= hit else 6.0)
+                                                                   for i in range(10, 501, 10)]
+    steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", "paper")}
+    result = report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
+    row = next(r for r in result["table"] if r["codec"] == "paper")
+    assert row["multiplier"] is None and row["missed_within"] == {"1": 500, "2": 500}
+    own = row["uncompressed"]
+    assert own["steps_by_seed"] == {"1": 330, "2": 480} and own["missed_within"] == {}
+    assert own["multiplier"] == pytest.approx((330 / 300 + 480 / 400) / 2)
+    assert report._on_its_own_text(row).startswith(f"{own['multiplier']:.2f}x [")
+    assert "validations_uncompressed" in result["curves"]["paper_1_500"]
+    page = {"size": "full", "curves": {"emulated_paper_s1": result["curves"]["paper_1_500"]}}
+    again = report.losses_from_page(page)  # the page's JSON keeps both curves
+    assert again["emulated_paper_s1"]["validations_uncompressed"] == losses["paper_1_500"]["validations_uncompressed"]
+    del losses["paper_1_500"]["validations_uncompressed"], losses["paper_2_500"]["validations_uncompressed"]
+    result = report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
+    assert report._on_its_own_text(next(r for r in result["table"] if r["codec"] == "paper")) == "not measured"
+
+
+def test_a_loss_run_of_a_codec_validates_through_its_codecs_and_uncompressed_and_bf16_once():
+    size = runs.SIZES["tiny"]
+    codec = runs.loss_run("paper", 1, size, [], emulated=True).flags
+    assert codec[codec.index("--tah-eval-traffic") + 1] == "both"
+    assert "--tah-eval-traffic" not in runs.loss_run("bf16", 1, size, []).flags
+    # auto chooses from the link it measures: a second, uncompressed evaluation would change what it measures
+    assert "--tah-eval-traffic" not in runs.loss_run("auto", 1, size, [], link=runs.Link(1e6, 0.01)).flags
+    records = [{"iteration": 10, "valid_loss": 5.0, "valid_loss_uncompressed": 4.9}, {"iteration": 11, "lm_loss": 5}]
+    assert runs.validations(records) == [(10, 5.0)]
+    assert runs.validations(records, "valid_loss_uncompressed") == [(10, 4.9)]
 
 
 def test_a_codec_that_missed_is_missed_within_its_longest_schedule_with_no_multiplier():
