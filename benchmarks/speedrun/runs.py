@@ -111,6 +111,9 @@ CODECS: dict[str, dict] = {
 """Codec name -> the ``TahConfig`` fields of its runs (``codec_flags``: as ``--tah-*`` flags)."""
 # trained as lowrank_h3_rn, evaluated (served) through the pipeline with lowrank's residual at 8 bits
 CODECS["lowrank_h3_rn_s8"] = {**CODECS["lowrank_h3_rn"], "tah_eval_forward_bits": 8}
+# lowrank_h3_rn one direction at a time (the other uncompressed): each direction's share of its steps multiplier
+CODECS["lowrank_h3_rn_fwd"] = {**CODECS["lowrank_h3_rn"], "tah_backward_codec": "none"}
+CODECS["lowrank_h3_rn_bwd"] = {**CODECS["lowrank_h3_rn"], "tah_forward_codec": "none"}
 
 VOCAB = 8192
 """The compact vocabulary's size (``prepare_data``): 8190 most frequent GPT-2 ids, ``<unk>`` and end-of-document."""

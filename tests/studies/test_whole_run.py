@@ -181,13 +181,22 @@ def _row(codec: str, ratio: float | None, high: float, busiest: float, damage_lo
 
 
 def test_the_rule_takes_the_fewest_busiest_bits_among_eligible_presets_tied_within_005_of_the_best_end_ratio():
-    rows = [_row("bf16", 1.0, 1.0, 32.0), _row("a", 1.02, 1.10, 10.0), _row("b", 1.06, 1.15, 6.0),
-            _row("c", 1.10, 1.18, 4.0), _row("d", 1.00, 1.30, 3.0), _row("e", 1.00, 1.05, 2.0, damage_low=0.001),
-            _row("f", 1.0, 1.0, 1.0, missed=True), _row("g", 1.0, 1.01, 1.5, seeds=(1,))]
-    assert whole_run.choose(rows, "uncompressed", RULE) == "b"  # c lies 0.08 above the best eligible (a)
+    rows = [_row("bf16", 1.0, 1.0, 32.0), _row("channel_h4", 1.02, 1.10, 10.0), _row("channel_b_h4", 1.06, 1.15, 6.0),
+            _row("lowrank", 1.10, 1.18, 4.0), _row("hadint4", 1.00, 1.30, 3.0),
+            _row("paper", 1.00, 1.05, 2.0, damage_low=0.001), _row("lowrank_h3_rn", 1.0, 1.0, 1.0, missed=True),
+            _row("lowrank_h3_rn_fwd", 1.0, 1.0, 0.5),
+            _row("lowrank_h3_rn_s8", 1.0, 1.0, 0.7)]
+    # lowrank lies 0.08 above the best eligible (channel_h4); of the tied, channel_b_h4 sends fewer bits
+    assert whole_run.choose(rows, "uncompressed", RULE) == "channel_b_h4"
     reasons = {r["codec"]: whole_run.eligible(r, "uncompressed", RULE) for r in rows}
-    assert reasons["d"].startswith("end-of-run ratio's upper end 1.30") and reasons["e"] == "more damage than bf16's"
-    assert reasons["f"].startswith("missed the target") and reasons["g"] == "one seed" and reasons["a"] == ""
+    assert reasons["hadint4"].startswith("end-of-run ratio's upper end 1.30")
+    assert reasons["paper"] == "more damage than bf16's" and reasons["lowrank_h3_rn"].startswith("missed the target")
+    assert reasons["channel_h4"] == ""
+    assert whole_run.eligible(_row("paper", 1.0, 1.01, 1.5, seeds=(1,)), "uncompressed", RULE) == "one seed"
+    assert reasons["lowrank_h3_rn_fwd"] == "not a preset"  # a one-direction probe is never advice
+    assert reasons["lowrank_h3_rn_s8"].startswith("not a preset (a serving variant")  # on its own: its preset's row
+    assert whole_run.choose(rows, "compressed", RULE) == "lowrank_h3_rn_s8"  # through the pipeline: a candidate
+    assert whole_run.preset_of("lowrank_h3_rn_s8", "compressed") == "lowrank_h3_rn"
     assert whole_run.choose([rows[0], rows[3]], "uncompressed", {**RULE, "ratio_high": 1.1}) is None
 
 
