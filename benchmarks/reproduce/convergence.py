@@ -25,6 +25,7 @@ import math
 import statistics
 from pathlib import Path
 
+from .. import stats
 from .runner import ReproduceError, Run, read_log, read_meta
 
 # The 6-bit backward codec (fixedpoint, tile 32) of every "6-bit bwd" run: flags are explicit, nothing is on by default.
@@ -392,32 +393,13 @@ def collect(out_dir: Path, names) -> dict[str, dict]:
     return rows
 
 
-# Student's t, two-sided 95% (upper 97.5% point), by degrees of freedom; beyond 30 the Cornish-Fisher
-# expansion around the normal quantile (within 1e-3 of the exact value there).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-         20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-         29: 2.045, 30: 2.042}
-_Z975 = 1.959964
-
-
-def t975(df: int) -> float:
-    """Upper 97.5% point of Student's t with ``df`` >= 1 degrees of freedom."""
-    if df < 1:
-        raise ValueError(f"t975: df {df} < 1")
-    if df in _T975:
-        return _T975[df]
-    z = _Z975
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-
-
 def interval95(values: list[float]) -> tuple[float, float] | None:
     """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2)."""
     n = len(values)
     if n < 2:
         return None
     mean = sum(values) / n
-    half = t975(n - 1) * statistics.stdev(values) / n ** 0.5
+    half = stats.half_width(values)
     return mean - half, mean + half
 
 
@@ -428,7 +410,7 @@ def seeds_needed(values: list[float], half_width: float, most: int = 1000) -> in
         return None
     spread = statistics.stdev(values)
     n = 2
-    while n < most and t975(n - 1) * spread / n ** 0.5 > half_width:
+    while n < most and stats.t975(n - 1) * spread / n ** 0.5 > half_width:
         n += 1
     return n
 

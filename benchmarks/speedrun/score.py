@@ -31,16 +31,7 @@ import math
 import statistics
 from typing import Iterable, Mapping, Sequence
 
-# Two-sided 95% Student-t quantiles t_{0.975, df}, df = 1 .. 10 (beyond: 1.96 + a small correction).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-
-
-def t975(df: int) -> float:
-    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (``df >= 1``)."""
-    if df < 1:
-        raise ValueError(f"df = {df}: need at least 1 degree of freedom (two values)")
-    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
-
+from .. import stats
 
 def steps_to_target(validations: Iterable[tuple[int, float]], target: float) -> int | None:
     """The first iteration (ascending) whose validation loss is ``<= target``; None: the run missed it."""
@@ -142,7 +133,7 @@ def mean_interval(values: Sequence[float]) -> Interval:
     mean = statistics.fmean(values)
     if len(values) == 1:
         return Interval(mean, mean, mean, 1)
-    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    half = stats.half_width(values)
     return Interval(mean, mean - half, mean + half, len(values))
 
 

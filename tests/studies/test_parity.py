@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import stats
 from benchmarks.reproduce import convergence, parity, report
 
 
@@ -187,11 +188,11 @@ def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
 
 def test_t_quantiles_intervals_and_seeds_needed():
     # Tabulated points, and the expansion beyond the table against known quantiles (31, 60, 120, 1000 df).
-    assert convergence.t975(1) == 12.706 and convergence.t975(30) == 2.042
+    assert stats.t975(1) == 12.706 and stats.t975(30) == 2.042
     for df, exact in ((31, 2.0395), (60, 2.0003), (120, 1.9799), (1000, 1.9623)):
-        assert convergence.t975(df) == pytest.approx(exact, abs=1e-3)
+        assert stats.t975(df) == pytest.approx(exact, abs=1e-3)
     with pytest.raises(ValueError):
-        convergence.t975(0)
+        stats.t975(0)
     assert convergence.interval95([0.01]) is None
     lo, hi = convergence.interval95([0.01, 0.03])  # mean 0.02, sd 0.01414: half width 12.706 * 0.01
     assert (lo, hi) == (pytest.approx(0.02 - 0.12706), pytest.approx(0.02 + 0.12706))
@@ -199,7 +200,7 @@ def test_t_quantiles_intervals_and_seeds_needed():
     assert convergence.interval95(values) is not None
     # Spread 0.01 (sd of 0, 0.01, 0.02): n with t(n-1) * 0.01 / sqrt(n) <= 0.005 is 18 (t(17) = 2.110).
     n = convergence.seeds_needed([0.0, 0.01, 0.02], 0.005)
-    assert n == 18 and convergence.t975(n - 2) * 0.01 / (n - 1) ** 0.5 > 0.005
+    assert n == 18 and stats.t975(n - 2) * 0.01 / (n - 1) ** 0.5 > 0.005
     assert convergence.seeds_needed([0.01], 0.005) is None and convergence.seeds_needed([0.01, 0.01], 0.005) == 2
     assert convergence.seeds_needed([0.0, 1.0], 1e-6) == 1000
 

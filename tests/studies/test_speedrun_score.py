@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from benchmarks import stats
 from benchmarks.speedrun import score
 
 
@@ -58,7 +59,7 @@ def test_two_codecs_are_compared_by_the_paired_interval_of_their_same_seed_ratio
     got = score.compare(a, b)
     ratios = [330 / 300, 380 / 350, 400 / 420]
     mean = sum(ratios) / 3
-    half = score.t975(2) * math.sqrt(sum((r - mean) ** 2 for r in ratios) / 2) / math.sqrt(3)
+    half = stats.t975(2) * math.sqrt(sum((r - mean) ** 2 for r in ratios) / 2) / math.sqrt(3)
     assert got.ratio.n == 3 and got.ratio.mean == pytest.approx(mean)
     assert (got.ratio.low, got.ratio.high) == pytest.approx((mean - half, mean + half))
     assert got.verdict == "within noise" and got.text().endswith(", within noise")
