@@ -42,6 +42,8 @@ class Stage:
     """The toy's run length."""
     after: str = ""
     """What must land first (text, for the page)."""
+    added: str = ""
+    """For a stage added after the plan's first results: when and after what (the page marks it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +137,7 @@ def load(path: Path = PLAN) -> Plan:
             raise _fail(path, f"stage {name}: a pipeline check needs `exit` within {size.eval_from}..{size.iters}")
         stages.append(Stage(name, entry.get("what", ""), kind, codecs, tuple(int(s) for s in entry.get("seeds", seeds)),
                             depths, None if exit_step is None else int(exit_step), tuple(entry.get("flags", ())),
-                            entry.get("steps"), entry.get("after", "")))
+                            entry.get("steps"), entry.get("after", ""), entry.get("added", "")))
     if len({s.name for s in stages}) != len(stages):
         raise _fail(path, "two stages share a name")
     return Plan(path, raw["name"], str(raw["registered"]), size, seeds, target_step, points, dict(raw["rule"]),

@@ -209,11 +209,13 @@ def build(plan: Plan, out: Path) -> dict:
               "registered": plan.registered, "schedule": plan.schedule, "machine": plan.machine,
               "setup": plan.size.setup(), "model": runs.MODELS[plan.size.model].description, "seeds": list(plan.seeds),
               "points": list(plan.points), "rule": plan.rule, "budget": plan.budget,
+              "stages": [{"name": st.name, "what": st.what, "kind": st.kind, "runs": plan.run_names(st)
+                          if st.kind != "toy" else [], "after": st.after, "added": st.added} for st in plan.stages],
               "tables": {}, "chosen": {}}
     result["finished"] = finished_runs(out)
     result.update(planned=len(planned), planned_finished=len(planned & set(result["finished"])))
-    if len(bf16) < 2:
-        result["note"] = f"fewer than two bf16 runs finished under {out}: nothing scored yet"
+    if not bf16:  # one seed scores (its intervals say "one seed"): a study going on shows where it stands
+        result["note"] = f"no bf16 run finished under {out} yet: nothing scored"
         return result
     untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
         else None
@@ -290,6 +292,22 @@ def table_markdown(rows: list[dict], traffic: str, points: list[int]) -> str:
     return "\n".join(lines)
 
 
+def gaps_markdown(rows: list[dict], traffic: str, points: list[int]) -> str:
+    head = ["preset", *(f"at {p}" for p in points)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        if row["codec"] == "bf16":
+            continue
+        at = {g["step"]: g for g in row[traffic]["gaps"]}
+        cells = [f"`{row['codec']}`"]
+        for p in points:
+            g = at.get(p)
+            cells.append("–" if g is None else f"{g['gap']:+.4f}" + ("" if g["n"] < 2 else
+                                                                     f" [{g['gap_low']:+.4f}, {g['gap_high']:+.4f}]"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_page(result: dict, page: Path, command: str) -> None:
     """``page`` with its JSON and plot under ``docs/data/``."""
     result["command"] = command
@@ -300,6 +318,17 @@ def write_page(result: dict, page: Path, command: str) -> None:
              f"{result['registered']} ([benchmarks/real_model/{result['plan']}](../benchmarks/real_model/{result['plan']})); "
              f"its JSON: [data/{stem}.json](data/{stem}.json). Runs finished: {result['planned_finished']} of "
              f"{result['planned']} planned (machine: {result['machine']}).", ""]
+    lines += ["## Where the study stands", ""]
+    for st in result["stages"]:
+        done = [n for n in st["runs"] if n in result["finished"]]
+        commits = sorted({str(result["finished"][n]["commit"])[:10] for n in done})
+        cpus = sorted({str(result["finished"][n]["cpu"]) for n in done})
+        lines.append(f"- Stage {st['name']} ({st['kind']}): " + (f"{st['what']}. " if st["what"] else "")
+                     + (f"{len(done)} of {len(st['runs'])} runs finished" if st["runs"] else "run by the toy's study")
+                     + (f" (commit {', '.join(commits)}; {', '.join(cpus)})" if done else "")
+                     + (f". Waits for: {st['after']}" if st["after"] and not done else "")
+                     + (f". **Added after results:** {st['added']}" if st["added"] else "") + ".")
+    lines.append("")
     if "target" not in result:
         lines += [result.get("note", ""), ""]
     else:
@@ -310,6 +339,8 @@ def write_page(result: dict, page: Path, command: str) -> None:
             for traffic in runs.TRAFFIC:
                 lines += [f"## Depth {depth}, {report.TRAFFIC_LABEL[traffic]}", "",
                           table_markdown(rows, traffic, result["points"]), "",
+                          "Loss gap at equal steps (codec minus bf16, same seed; bf16 served on its own):", "",
+                          gaps_markdown(rows, traffic, result["points"]), "",
                           f"Chosen by the rule: {result['chosen'][depth][traffic] or 'none yet'}.", ""]
         if result["pipeline"]:
             lines += ["## The real pipeline", ""]

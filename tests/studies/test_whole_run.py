@@ -40,6 +40,11 @@ def test_the_registered_plan_runs_every_readme_preset_and_paper_with_the_same_se
     assert plan.budget["jobs"] >= 1 and plan.budget["hours"] > 0
 
 
+def test_a_stage_added_after_the_first_results_says_so_and_the_others_do_not():
+    plan = plans.load()
+    assert plan.stage("E").added and not any(s.added for s in plan.stages if s.name != "E")
+
+
 def test_the_plans_runs_are_seed_major_with_bf16_once_per_seed():
     plan = plans.load()
     names = plan.run_names(plan.stage("B"))
@@ -252,6 +257,7 @@ flags = ["--tah-entropy-coding"]
     assert lr[-1] < lr[len(lr) // 2] < max(lr)  # the cosine decay after the warm-up
     text = page.read_text()
     assert "Runs finished: 5 of 5 planned" in text and "| `lowrank_h3_rn` | 2 of 2 |" in text
+    assert "- Stage A (emulated): 4 of 4 runs finished (commit " in text and "Loss gap at equal steps" in text
     assert (page.parent / "data" / "whole_run.png").stat().st_size > 0
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # nothing runs again
     assert again.returncode == 0 and "start " not in again.stdout + again.stderr
