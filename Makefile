@@ -10,7 +10,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,.system-python-checked)
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: setup test test-all soak demo speedrun depth faults reproduce bench real-models real-report real-model clean
+.PHONY: setup test test-all soak demo speedrun depth faults reproduce bench real-models real-report real-model whole-run clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ faults: setup
 # (docs/REAL_MODEL.md; hours on 2 cores).
 real-model: setup
 	$(PY) -m benchmarks.real_model --write docs/REAL_MODEL.md $(ARGS)
+
+# The same over a whole run, registered before its runs (benchmarks/real_model/whole_run.toml: stages, seeds, rule,
+# budget; about 18 h on 2 cores, resumable): run it from a worktree at a pinned commit (benchmarks/README.md), e.g.
+# ARGS="--stages A,B --out /work/runs/whole_run"; `ARGS="--score-only --out ..."` writes the page from what is done.
+whole-run: setup
+	$(PY) -m benchmarks.real_model --plan benchmarks/real_model/whole_run.toml --write docs/WHOLE_RUN.md $(ARGS)
 
 # Where the codecs' loss penalty comes from, by depth, direction, boundary and codec (docs/DEPTH.md).
 depth: setup
