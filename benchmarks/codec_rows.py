@@ -28,7 +28,8 @@ STATELESS_ROWS = [
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
 
 FORMER_PRESETS = ("lowrank8", "channel", "channel6", "channel9")
-"""``auto``'s candidates that were presets when the committed runs were made (``config.NON_PRESET``): their rows stay."""
+"""``auto``'s candidates that were presets when the committed runs were made (``config.NON_PRESET``): their rows
+stay."""
 STUDIED_PRESETS = tuple(name for name in PRESETS if name != "none") + FORMER_PRESETS
 """The sets of pipeline-codec options the reports measure as presets (``megatron_tah.config.candidate_fields``
 names): every ``--tah-preset`` (``config.PRESETS``, read at import: a new preset joins), then ``FORMER_PRESETS``."""
