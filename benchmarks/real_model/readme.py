@@ -17,7 +17,7 @@ def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
     from megatron_tah.config.presets import PRESETS
 
     lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps vs bf16, model served on its own | steps vs bf16, "
-             "served through the pipeline | damage vs bf16 at equal steps | projected T (s) |",
+             "served through the pipeline | damage vs bf16 at equal steps, served on its own | projected T (s) |",
              "|---|---:|---|---|---|---:|"]
     for r in (r for r in result["table"] if r["codec"] == "bf16" or r["codec"] in PRESETS):
         name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
