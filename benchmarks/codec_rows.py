@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_tah.codecs import CODECS, codec_declaration
+from megatron_tah.config import PRESETS
 
 # (label, codec name, options) of the stateless rows, in table order.
 STATELESS_ROWS = [
@@ -26,11 +27,12 @@ STATELESS_ROWS = [
 ]
 AQSGD_OPTIONS = {"bits": 4, "tile_size": 64, "warmup_samples": 0}
 
-STUDIED_PRESETS = ("paper", "hadint4", "lowrank", "lowrank8", "channel", "channel6", "channel9", "channel_h4",
-                   "channel_b_h4")
+FORMER_PRESETS = ("lowrank8", "channel", "channel6", "channel9")
+"""``auto``'s candidates that were presets when the committed runs were made (``config.NON_PRESET``): their rows
+stay."""
+STUDIED_PRESETS = tuple(name for name in PRESETS if name != "none") + FORMER_PRESETS
 """The sets of pipeline-codec options the reports measure as presets (``megatron_tah.config.candidate_fields``
-names): the presets (``--tah-preset``) and ``auto``'s candidates the studies measured (``lowrank8``, ``channel``,
-``channel6``, ``channel9``, each a preset when the committed runs were made)."""
+names): every ``--tah-preset`` (``config.PRESETS``, read at import: a new preset joins), then ``FORMER_PRESETS``."""
 
 
 def stateless_rows() -> list[tuple[str, str, dict]]:

@@ -30,7 +30,24 @@ from megatron_tah.config import candidate_fields
 from .codec_rows import STUDIED_PRESETS
 from .spectrum import energy_share
 
-PRESETS = STUDIED_PRESETS  # their forward codecs are the report's "preset" rows
+
+
+def _forward_fields(preset: str) -> dict:
+    from megatron_tah.config import PRESETS as PRODUCT_PRESETS
+
+    return {k: v for k, v in PRODUCT_PRESETS[preset].fields.items() if "backward" not in k}
+
+
+def _own_forward(name: str, earlier: tuple[str, ...]) -> bool:
+    from megatron_tah.config import PRESETS as PRODUCT_PRESETS
+
+    return name not in PRODUCT_PRESETS or all(_forward_fields(name) != _forward_fields(q) for q in earlier
+                                              if q in PRODUCT_PRESETS)
+
+
+PRESETS = tuple(p for i, p in enumerate(STUDIED_PRESETS) if _own_forward(p, STUDIED_PRESETS[:i]))
+"""The report's "preset" rows: ``STUDIED_PRESETS``' forward codecs, less a ``--tah-preset`` that sends with an earlier
+preset's (``lowrank_h3_rn``: ``lowrank``'s; docs/CODECS.md names whose)."""
 HADINT_BITS = (3, 4, 5, 6)
 ERRORS = ("rel_error", "token_rel_error")
 

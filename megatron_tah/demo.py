@@ -12,7 +12,8 @@ is the second setting: no slow link, where auto should choose ``none``. Written 
     bf16.log, tah.log, auto.log         each run's Megatron output
     table.md                  tokens/s, ms/iter, MB on the wire per iteration, bytes vs bf16, speed-up,
                               final validation loss and perplexity
-    loss_curves.png           training and validation loss of both runs
+    loss_curves.png           each run's training and validation loss against iterations, and its validation
+                              loss against wall-clock seconds
     summary.json              the table's numbers, the checks, sizes and link mode
 
 The link runs at a rate where, on this machine, moving bf16 activations takes longer than
@@ -32,8 +33,8 @@ whether the machine was compute-bound (a busy machine computes slower, and fewer
 Checks printed at the end (exit status 1 if one fails, else 0): TAH-Quant sends at most 40% of the bf16
 pipeline's bytes, its validation loss is within 2% of the bf16 run's, and both runs learn. The speed-up
 is reported against its goal (1.5x in tokens/s) but, being a measurement of the machine, never fails
-the demo; so is auto's (the codec each link chose, and its tokens/s within 5% of TAH-Quant's on the slow
-link, of bf16's at ``--rate unlimited``). While a run trains, its progress (iteration, loss, elapsed, ETA) is
+the demo; so is auto's (the codec each link chose, and its tokens/s at least TAH-Quant's less 5% on the slow
+link, bf16's less 5% at ``--rate unlimited``: faster passes). While a run trains, its progress (iteration, loss, elapsed, ETA) is
 printed from its log; the ETA counts measured iterations only (Megatron's time per iteration since its previous
 log line), none on the first line.
 """
@@ -59,7 +60,8 @@ RUNS = {
 }
 LABELS = {"bf16": "uncompressed bf16", "tah": "TAH-Quant fwd + 6-bit bwd", "auto": "auto (chosen per link)"}
 UNLIMITED = "unlimited"  # --rate: no slow link (auto must choose none)
-AUTO_TOKENS_TOLERANCE = 0.05  # auto's tokens/s vs the run it should match (TAH-Quant on a slow link, bf16 unlimited)
+AUTO_TOKENS_TOLERANCE = 0.05  # how much slower auto may be than the run it should match (TAH-Quant on a slow link,
+# bf16 unlimited); faster is fine
 MAX_BYTES_VS_BF16 = 0.40
 MAX_VALID_LOSS_GAP = 0.02
 MIN_SPEEDUP = 1.5
@@ -272,24 +274,41 @@ def table(rows: dict[str, dict]) -> str:
         f"{r['valid_loss']:.4f} | {r['valid_ppl']:.1f} |\n" for n, r in rows.items())
 
 
+def elapsed_seconds(records: list[dict]) -> list[float]:
+    """Each record's wall-clock seconds since the run's first iteration: the running sum of ``ms`` (the wall time
+    since the previous record; none for the first, whose time holds the run's start-up)."""
+    total, out = 0.0, []
+    for r in records:
+        total += (r.get("ms") or 0.0) / 1e3
+        out.append(total)
+    return out
+
+
 def plot(logs: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Two panels: each run's training and validation loss against the iteration, and its validation loss against
+    the wall-clock seconds since its first iteration (``elapsed_seconds``: what a faster link buys)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, clock) = plt.subplots(1, 2, figsize=(12, 4.2))
     for (name, records), color in zip(logs.items(), ("tab:blue", "tab:red", "tab:green")):
         ax.plot([r["iteration"] for r in records], [r["lm_loss"] for r in records], color=color, alpha=0.8,
                 lw=1.2, label=f"{LABELS[name]}: train")
-        valid = [r for r in records if "valid_loss" in r]
-        ax.plot([r["iteration"] for r in valid], [r["valid_loss"] for r in valid], "o--", color=color, ms=4,
+        valid = [(r, s) for r, s in zip(records, elapsed_seconds(records)) if "valid_loss" in r]
+        ax.plot([r["iteration"] for r, _ in valid], [r["valid_loss"] for r, _ in valid], "o--", color=color, ms=4,
                 label=f"{LABELS[name]}: validation")
+        clock.plot([s for _, s in valid], [r["valid_loss"] for r, _ in valid], "o--", color=color, ms=4,
+                   label=f"{LABELS[name]}: validation")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("lm loss")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    clock.set_xlabel("seconds since the first iteration (wall clock)")
+    for axis, name in ((ax, "against iterations"), (clock, "against wall-clock time")):
+        axis.set_ylabel("lm loss")
+        axis.set_title(name, fontsize=9)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -321,7 +340,17 @@ def auto_check(rows: dict[str, dict], unlimited: bool) -> dict:
     ratio = rows["auto"]["tokens_per_s"] / rows[target]["tokens_per_s"]
     chose = bool(codecs) and all((c == "none") == unlimited for c in codecs.values())
     return {"codecs": codecs, "matches": target, "tokens_ratio": ratio, "chose_right": chose,
-            "met": chose and abs(ratio - 1) <= AUTO_TOKENS_TOLERANCE}
+            "met": chose and ratio >= 1 - AUTO_TOKENS_TOLERANCE}
+
+
+def auto_line(a: dict, unlimited: bool) -> str:
+    """The printed line of :func:`auto_check`'s result ``a``: what auto chose, its tokens/s over the run it should
+    match, and the goal (faster, or at most ``AUTO_TOKENS_TOLERANCE`` slower, with the right kind of codec)."""
+    chose = ", ".join(f"{k}: {v}" for k, v in a["codecs"].items()) or "nothing"
+    kind = "none (uncompressed)" if unlimited else "a compressing codec"
+    return (f"measured: auto chose {chose}; its tokens/s over {LABELS[a['matches']]}'s: {a['tokens_ratio']:.2f}x "
+            f"(goal: {kind}, as fast or at most {100 * AUTO_TOKENS_TOLERANCE:.0f}% slower: "
+            f"{'met' if a['met'] else 'not met'}; a measurement, not a check)")
 
 
 def exit_status(verdict: dict[str, dict]) -> int:
@@ -407,11 +436,7 @@ def main(argv=None) -> int:
     print(f"measured: TAH-Quant tokens/s vs bf16: {speed['value']:.2f}x (goal {MIN_SPEEDUP}x: {goal}; "
           "a measurement of this machine, not a check)")
     if "auto" in c:
-        a = c["auto"]
-        print(f"measured: auto chose {', '.join(f'{k}: {v}' for k, v in a['codecs'].items()) or 'nothing'}; "
-              f"tokens/s vs {LABELS[a['matches']]}: {a['tokens_ratio']:.2f}x (goal: "
-              f"{'none' if unlimited else 'a compressing codec'} within {100 * AUTO_TOKENS_TOLERANCE:.0f}%: "
-              f"{'met' if a['met'] else 'not met'}; a measurement, not a check)")
+        print(auto_line(c["auto"], unlimited))
     if compute is not None and not unlimited:
         print(compute_statement(compute))
     print(f"wrote {out / 'table.md'}, {out / 'loss_curves.png'}, {out / 'summary.json'} "

@@ -4,6 +4,7 @@
     python -m benchmarks.real_model --size tiny --out /tmp/r  # the same machinery on a random 4-layer model
     python -m benchmarks.real_model --other-depths 2,4 --write docs/REAL_MODEL.md  # run what is missing, write the page
     python -m benchmarks.real_model --from-page docs/data/real_model.json ...  # the committed page's runs not run again
+    python -m benchmarks.real_model --from-page docs/data/real_model.json --write docs/REAL_MODEL.md --pages-only
     python -m benchmarks.real_model --plan benchmarks/real_model/whole_run.toml --stages A  # a registered plan's stage
 
 What it does, in order (runs already complete under ``--out`` are not run again; ``runs.py`` says what each
@@ -22,6 +23,9 @@ run is, ``report.py`` how it is scored):
    and, with ``--write``, writes the page, its JSON and plots, and ``auto``'s steps charges per depth into the
    checkout's ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``) and the README's table and preset
    per depth (between its ``<!-- real_model:... -->`` markers).
+
+``--pages-only`` does none of this: it writes the page, its plots and the README's sections from ``--from-page``'s
+JSON alone (after a change to how they read; the numbers stay that JSON's).
 """
 
 from __future__ import annotations
@@ -72,7 +76,13 @@ def main(argv=None) -> int:
                                          "study runs: emulated and pipeline)")
     parser.add_argument("--score-only", action="store_true",
                         help="run nothing: score the runs of the plan already finished under --out (a study going on)")
+    parser.add_argument("--pages-only", action="store_true",
+                        help="run and score nothing: write --write's page and the README from --from-page's JSON")
     args = parser.parse_args(argv)
+    if args.pages_only:
+        if not (args.from_page and args.write):
+            parser.error("--pages-only needs --from-page JSON and --write PAGE")
+        return pages_only(args.from_page, args.write)
     if args.plan:
         return registered(parser, args, argv)
     size = runs.SIZES[args.size]
@@ -87,7 +97,8 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     plan = {args.depth: codecs, **{d: ["bf16", *(c for c in other_codecs if c != "bf16")] for d in others}}
     out = args.out.resolve()
-    from .report import build, reusable, write_page, write_readme
+    from .readme import write_readme
+    from .report import build, reusable, write_page
 
     try:
         earlier = reusable(args.from_page, size) if args.from_page else None
@@ -113,6 +124,20 @@ def main(argv=None) -> int:
         readme = args.write.resolve().parent.parent / "README.md"
         if write_readme(result, readme):  # its table and preset per depth
             print(f"[real_model] wrote {readme}")
+    return 0
+
+
+def pages_only(page_json: Path, page: Path) -> int:
+    """``--pages-only``: the page (with its JSON and plots) and the README's study sections from ``page_json``."""
+    from .readme import write_readme
+    from .report import write_page
+
+    result = json.loads(Path(page_json).read_text())
+    write_page(result, page)
+    print(f"[real_model] wrote {page} from {page_json}")
+    readme = Path(page).resolve().parent.parent / "README.md"
+    if write_readme(result, readme):
+        print(f"[real_model] wrote {readme}")
     return 0
 
 

@@ -32,6 +32,7 @@ import functools
 import json
 import math
 import statistics
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -408,27 +409,64 @@ def _t_ratio(a: dict, b: dict, traffic: str) -> score.Comparison | None:
 
 
 TIE = 0.05
-"""How much larger a preset's mean projected T may be than the best's and still tie with it (``recommended``)."""
+"""How much larger a candidate's mean projected T may be than the best's and still tie with it (``recommended``)."""
+USE = {"uncompressed": "model served on its own", "compressed": "served through the compressed pipeline"}
+
+
+def rule_text() -> str:
+    """The rule ``recommended`` applies, in the words the page and the README both print."""
+    return ("The choice per depth and use: of the presets that reached the target in every seed (two or more) without "
+            "more damage than bf16's at equal steps, both on that use's own evaluation (served through the pipeline: "
+            "through the codecs, where runs trained as usual and served at more forward bits, "
+            "`--tah-eval-forward-bits`, compete too), the lowest projected T; another within noise of it (the paired "
+            f"interval of the T ratio holds 1) and within {TIE:.0%} of it ties, and of the tied the fewest bits on the "
+            "busiest link win, then the lowest projected T.")
+
+
+def candidates(rows: list[dict], traffic: str) -> list[dict]:
+    """The rows ``recommended`` chooses among for one use: the presets, and for a model served through the pipeline
+    (``compressed``) also the serving candidates (``serving_bits``: trained as usual, evaluated at more bits)."""
+    from megatron_tah.config.presets import PRESETS
+
+    return [r for r in rows if r["codec"] != "bf16" and (
+        r["codec"] in PRESETS or (traffic == "compressed" and serving_bits(r["codec"]) is not None))]
+
+
+def qualifies(row: dict, traffic: str) -> bool:
+    """Whether ``row`` reached the target in every seed (two or more) on the evaluation ``traffic`` without more
+    damage than bf16's at equal steps on that same evaluation."""
+    m = row[traffic]
+    return m["multiplier"] is not None and len(row["seeds"]) >= 2 and m["damage_verdict"] != MORE_DAMAGE
 
 
 def recommended(rows: list[dict], traffic: str = "uncompressed") -> str | None:
-    """The preset a user should choose on ``rows`` (one depth) for one use: of the presets whose every seed (two or
-    more) reached the target on that evaluation without more damage than bf16's at equal steps (uncompressed), the lowest
-    projected T; where another's T is within noise of it (paired interval of the ratio holds 1) and within
-    ``TIE`` of it, the one with the fewest bits on the busiest link, then both ways (None: none did). (With few seeds
-    the interval of a T ratio can hold 1 for a preset far slower on average: ``TIE`` keeps such a one out.)"""
-    from megatron_tah.config.presets import PRESETS
-
-    fits = [r for r in rows if r["codec"] != "bf16" and r["codec"] in PRESETS and r[traffic]["multiplier"] is not None
-            and len(r["seeds"]) >= 2 and r["uncompressed"]["damage_verdict"] != MORE_DAMAGE]
+    """The codec a user should choose on ``rows`` (one depth) for one use (``traffic``), by ``rule_text``: of the
+    ``candidates`` that ``qualify``, the lowest projected T; another within noise of it (paired interval of the T
+    ratio holds 1) and within ``TIE`` of it ties; of the tied, the fewest bits on the busiest link, then the lowest
+    projected T (None: none qualified). (With few seeds the interval of a T ratio can hold 1 for a candidate far
+    slower on average: ``TIE`` keeps such a one out.)"""
+    fits = [r for r in candidates(rows, traffic) if qualifies(r, traffic)]
     if not fits:
         return None
     best = min(fits, key=lambda r: r[traffic]["projected_T"])
     tied = [r for r in fits if r is best or ((c := _t_ratio(r, best, traffic)) is not None
                                             and c.verdict in ("within noise", "one seed")
                                             and r[traffic]["projected_T"] <= (1 + TIE) * best[traffic]["projected_T"])]
-    return min(tied, key=lambda r: (round(r["busiest_bits"], 2), r["forward_bits"] + r["backward_bits"],
-                                    r[traffic]["projected_T"]))["codec"]
+    return min(tied, key=lambda r: (round(r["busiest_bits"], 2), r[traffic]["projected_T"]))["codec"]
+
+
+def flag_line(codec: str) -> str:
+    """The flags that train (and serve) as ``codec`` did: ``--tah-preset NAME`` where its training is a preset's,
+    else its fields as flags; a serving candidate adds ``--tah-eval-forward-bits N``."""
+    from megatron_tah.config.presets import PRESETS
+    from megatron_tah.megatron.arguments import fields_flags
+
+    trained = training_fields(codec)
+    preset = trained["tah_preset"] if set(trained) == {"tah_preset"} else next(
+        (name for name, p in PRESETS.items() if name != "none" and dict(p) == trained), None)
+    flags = ["--tah-preset", preset] if preset else fields_flags(trained)
+    bits = serving_bits(codec)
+    return " ".join(flags + ([] if bits is None else ["--tah-eval-forward-bits", str(bits)]))
 
 
 # ----- the page ----------------------------------------------------------------------------------------------
@@ -508,24 +546,6 @@ def presets_by_depth(result: dict) -> dict[str, dict[str, str | None]]:
     """{depth: {traffic: the recommended preset}} over every depth the study ran."""
     tables = {str(result["depth"]): result["table"], **result["depths"]}
     return {d: {t: recommended(rows, t) for t in runs.TRAFFIC} for d, rows in sorted(tables.items(), key=lambda x: int(x[0]))}
-
-
-def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
-    """The README's summary of ``result`` at its main depth: bf16 and every ``--tah-preset`` the study measured, with
-    its bits, steps vs bf16 on both evaluations, damage at equal steps and projected T, each linked to the page that
-    measured it (the page has the other candidates; ``test_readme_claims`` compares the two)."""
-    from megatron_tah.config.presets import PRESETS
-
-    lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps vs bf16, model served on its own | steps vs bf16, "
-             "served through the pipeline | damage vs bf16 at equal steps | projected T (s) |",
-             "|---|---:|---|---|---|---:|"]
-    for r in (r for r in result["table"] if r["codec"] == "bf16" or r["codec"] in PRESETS):
-        name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
-        unc, cod = ("1", "1") if r["codec"] == "bf16" else (multiplier_text(r["uncompressed"]),
-                                                            multiplier_text(r["compressed"]))
-        lines.append(f"| [{name}]({page}) | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {unc} | {cod} | "
-                     f"{damage_text(r['uncompressed'], r['codec'])} | {t_text(r['uncompressed'])} |")
-    return "\n".join(lines)
 
 
 def frontier_text(result: dict) -> str:
@@ -773,47 +793,31 @@ def noise_text(result: dict) -> str:
 
 
 def presets_text(result: dict, depths=None, flag: bool = False) -> str:
-    """The preset per depth and per use (``presets_by_depth``) as a table; ``depths`` adds rows for depths the study
-    did not run ("not measured on the real model"); ``flag`` writes ``--tah-preset X`` (the README's)."""
+    """The choice per depth and per use (``presets_by_depth``) as a table; ``depths`` adds rows for depths the study
+    did not run ("not measured on the real model"); ``flag`` writes each choice's ``flag_line`` (the README's)."""
     from megatron_tah.config.presets import PRESETS
 
     picks = presets_by_depth(result)
     tables = {str(result["depth"]): result["table"], **result["depths"]}
-    lines = ["| pipeline depth | model served on its own | served through the compressed pipeline |", "|---:|---|---|"]
+    lines = [f"| pipeline depth | {USE['uncompressed']} | {USE['compressed']} |", "|---:|---|---|"]
     for depth in sorted({*picks, *map(str, depths or ())}, key=int):
         if depth not in picks:
             lines.append(f"| {depth} | not measured on the real model | not measured on the real model |")
             continue
         seeds = max((len(r["seeds"]) for r in tables[depth] if r["codec"] in PRESETS), default=0)
-        none = ("none reached the target: none (uncompressed)" if seeds >= 2 else
+        none = ("none qualified: none (uncompressed)" if seeds >= 2 else
                 "not chosen: the presets ran with one seed here (" + ", ".join(
                     f"`{r['codec']}` {multiplier_text(r['uncompressed'])}" for r in tables[depth]
                     if r["codec"] in PRESETS) + ")")
         cells = [none if picks[depth][t] is None
-                 else (f"`--tah-preset {picks[depth][t]}`" if flag else f"`{picks[depth][t]}`") for t in runs.TRAFFIC]
+                 else (f"`{flag_line(picks[depth][t])}`" if flag else f"`{picks[depth][t]}`") for t in runs.TRAFFIC]
         lines.append(f"| {depth} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-README_SECTIONS = {"table": readme_table, "presets": lambda result: presets_text(result, depths=(2, 4, 8), flag=True)}
-"""The README's parts a study writes: each between ``<!-- real_model:NAME -->`` and ``<!-- /real_model:NAME -->``."""
-
-
-def write_readme(result: dict, readme: Path) -> bool:
-    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result``; False (nothing written) when the
-    file or a section's markers are missing."""
-    readme = Path(readme)
-    if not readme.is_file():
-        return False
-    text = readme.read_text()
-    for name, make in README_SECTIONS.items():
-        begin, end = f"<!-- real_model:{name} -->", f"<!-- /real_model:{name} -->"
-        if begin not in text or end not in text:
-            return False
-        head, rest = text.split(begin, 1)
-        text = head + begin + "\n" + make(result) + "\n" + end + rest.split(end, 1)[1]
-    readme.write_text(text)
-    return True
+def _wrap(text: str, width: int = 120) -> str:
+    return "\n".join(textwrap.fill(p, width, break_long_words=False, break_on_hyphens=False) if p else p
+                     for p in text.split("\n"))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -935,7 +939,8 @@ def write_page(result: dict, page: Path) -> None:
         seeds=", ".join(map(str, result["seeds"])),
         table_uncompressed=table_markdown(result["table"], "uncompressed"),
         table_codec=table_markdown(result["table"], "compressed"), depths_table=depths_markdown(result),
-        presets=presets_text(result), goals=goals_text(result, toy_rows(data / "speedrun.json")),
+        rule=_wrap(rule_text()), presets=presets_text(result),
+        goals=goals_text(result, toy_rows(data / "speedrun.json")),
         serving=serving_text(result),
         untouched_damage=f"{untouched.get('damage_loss', float('nan')):.4f}",
         untouched_valid=f"{untouched.get('valid_loss', float('nan')):.4f}",

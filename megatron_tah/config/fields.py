@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 from typing import Any
 
@@ -134,6 +135,12 @@ def codec_option(name: str) -> Any:
         raise ValueError(f"codec_option({name!r}): no codec declares it (declared: {', '.join(CODEC_OPTIONS)})")
     option = CODEC_OPTIONS[name]
     return dataclasses.field(default=option.default, metadata={"option": option})
+
+
+def first_sentence(text: str) -> str:
+    """``text`` up to the end of its first sentence: a full stop followed by a capital letter or the end ("e.g. 6"
+    and "0.8" do not end one)."""
+    return re.split(r"(?<=\.)\s+(?=[A-Z])", text.strip(), maxsplit=1)[0]
 
 
 def field_docs(cls) -> dict[str, str]:

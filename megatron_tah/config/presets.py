@@ -49,7 +49,7 @@ PRESETS: dict[str, Preset] = {
                        "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, **HADINT4_GRADIENTS}),
     # lowrank's activations with Hadamard INT3 gradients rounded to nearest (biased, but about 0.7x stochastic
     # rounding's error at the same bits): about 6.6 bits both ways at [1024, 8, 1024], 5.4 with --tah-entropy-coding
-    # (docs/REAL_MODEL.md); served through the pipeline with --tah-eval-forward-bits 8.
+    # (docs/REAL_MODEL.md, where it is also served through the pipeline at --tah-eval-forward-bits 8).
     "lowrank_h3_rn": Preset("lowrank's activations, Hadamard INT3 gradients rounded to nearest",
                             {"tah_forward_codec": "lowrank", "tah_forward_bits": 3, "tah_tile_size": 64,
                              "tah_lowrank_rank": 16, "tah_lowrank_coef_bits": 6, "tah_backward_codec": "hadint",

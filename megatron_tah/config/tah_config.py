@@ -18,7 +18,7 @@ from ..units import parse_bandwidth
 from . import pipeline
 from .auto import AUTO, CANDIDATES, DEFAULTS as AUTO_DEFAULTS, DIRECTIONS, AutoSettings, candidate_fields
 from .fields import (CODEC_OPTIONS, CodecChoices, IntList, backward_codecs, check_field, codec_option, field_docs,
-                     forward_codecs, parsed, takers)
+                     first_sentence, forward_codecs, parsed, takers)
 from .presets import PRESETS
 
 
@@ -29,7 +29,7 @@ class TahConfig:
 
     # ----- the pipeline's codecs ----------------------------------------------------------------------------
     tah_preset: str = dataclasses.field(default="none", metadata={"choices": tuple(PRESETS)})
-    """A named set of pipeline-codec options (docs/FLAGS.md: each; docs/REAL_MODEL.md: measured); a flag set to
+    """A named set of pipeline-codec options (docs/FLAGS.md lists each). Measured: docs/REAL_MODEL.md; a flag set to
     neither its default nor the preset's value is an error."""
     tah_forward_codec: str = dataclasses.field(default="none", metadata={"choices": CodecChoices(forward_codecs, AUTO)})
     """Codec of activations sent to the next stage (none: uncompressed; auto: chosen per link, --tah-auto-*)."""
@@ -47,10 +47,10 @@ class TahConfig:
     tah_stochastic_rounding: bool = False
     """Round stochastically (unbiased) instead of to nearest in both directions' codecs (lowrank: its residual)."""
     tah_backward_stochastic_rounding: bool = False
-    """Round stochastically in the backward codec only (lowrank: its residual): unbiased activation gradients."""
+    """Round stochastically in the backward codec only: unbiased activation gradients. With lowrank: its residual."""
     tah_boundary_bits: str | None = dataclasses.field(
         default=None, metadata={"parse": IntList("6,5,5,5,5,6,5", what="one per pipeline boundary")})
-    """Bits of the forward codec per pipeline boundary, first to last (comma list, e.g. 6,5,5,5,5,6,5), in place of
+    """Bits of the forward codec per pipeline boundary, first to last, e.g. 6,5,5,5,5,6,5. In place of
     --tah-forward-bits; not with auto or interleaving (docs/USAGE.md)."""
     # ----- the other places (their modules in megatron/: what each makes of its option) ----------------------
     tah_tp_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "fp8")})
@@ -58,32 +58,32 @@ class TahConfig:
     tah_dp_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "int8")})
     """Data-parallel gradient reduction (AGoQ QuanGrad): none (megatron-core's own) or int8 (8-bit shards)."""
     tah_embedding_codec: str = dataclasses.field(default="none", metadata={"choices": ("none", "int8")})
-    """Tied word-embedding gradient between the first and the last stage: none (megatron-core's all-reduce) or int8
-    (exact rows one way, blockwise int8 back; docs/USAGE.md)."""
+    """Tied word-embedding gradient between the first and the last stage: none or int8 (docs/USAGE.md). With
+    none, megatron-core's all-reduce; with int8, exact rows one way, blockwise int8 back."""
     tah_activation_memory: str = dataclasses.field(default="none", metadata={"choices": ("none", "laaq")})
     """Tensors layers save for backward (AGoQ LAAQ): none (kept as they are) or laaq (blockwise low-bit)."""
     tah_laaq_bits: str = dataclasses.field(default="4,5,6,8", metadata={"parse": IntList("4,5,6,8", bounds=(2, 8))})
-    """LAAQ bits per pipeline stage, first to last: stage i of p uses entry floor(i * n / p) of these n."""
+    """LAAQ bits per pipeline stage, first to last. Stage i of p uses entry floor(i * n / p) of these n."""
     tah_laaq_block_size: int = 128
     """LAAQ elements per scale/zero pair: 8, 16, 32, 64 or 128."""
     # ----- the pipeline's link -------------------------------------------------------------------------------
     tah_warmup_iters: int = 0
-    """Send the first N training iterations uncompressed both ways (TAH-Quant's warm-up; aqsgd warms up per sample)."""
+    """Send the first N training iterations uncompressed both ways. TAH-Quant's warm-up; aqsgd warms up per sample."""
     tah_eval_traffic: str = dataclasses.field(default="codec", metadata={"choices": ("codec", "uncompressed", "both")})
-    """Evaluations' pipeline traffic: codec (as training), uncompressed, or both (valid_loss_uncompressed logged)."""
+    """Evaluations' pipeline traffic: codec (as training), uncompressed, or both. Both logs valid_loss_uncompressed."""
     tah_eval_forward_bits: int | None = None
-    """Bits of the forward codec in evaluations through the codecs (serving through the pipeline at other precision
-    than training); default: the training bits. In place of every boundary's bits (docs/USAGE.md)."""
+    """Forward codec bits of evaluations through the codecs: serving at other bits than training. Default: the
+    training bits; in place of every boundary's bits (docs/USAGE.md)."""
     tah_backend: str = dataclasses.field(default="auto", metadata={"choices": BACKENDS})
     """Codec implementation: auto (Triton for CUDA tensors where the codec has a kernel), torch or triton."""
     tah_wire_checksum: bool = WIRE_CHECKSUM_DEFAULT
-    """Checksum each pipeline message's payload, checked on receipt (both stages agree; cost: docs/RELIABILITY.md)."""
+    """Checksum each pipeline message's payload, checked on receipt. Both stages agree; cost: docs/RELIABILITY.md."""
     tah_entropy_coding: bool = False
-    """Code each pipeline message losslessly after its codec (fewer bytes, the same values); on gloo each message
+    """Code each pipeline message losslessly after its codec: fewer bytes, the same values. On gloo each message
     goes at its own length, on NCCL in agreed frames. Fixed codecs only; both stages agree (docs/CODECS.md)."""
     tah_peer_timeout_s: float = 120.0
-    """Stop the run when a neighbouring stage stays silent this long, naming the link (seconds; 0: Megatron's
-    timeouts only); bounds the other collectives too (docs/RELIABILITY.md)."""
+    """Stop the run when a neighbouring stage stays silent this many seconds, naming the link. With 0, Megatron's
+    timeouts only; it bounds the other collectives too (docs/RELIABILITY.md)."""
     tah_eager_codecs: bool = False
     """Call the codecs eagerly on GPUs, not replayed as CUDA graphs per message shape (to compare, or rule out)."""
     tah_error_sample_interval: int = 16
@@ -104,24 +104,32 @@ class TahConfig:
     tah_auto_interval: int = AUTO_DEFAULTS.interval
     """auto: measure each link and reconsider its codec every this many iterations (docs/DESIGN.md)."""
     tah_auto_probation: int = AUTO_DEFAULTS.probation
-    """auto: iterations a new codec runs before its times are compared; not faster, it goes back (0: none)."""
+    """auto: iterations a new codec runs before its times are compared. Not faster, it goes back (0: none)."""
     # ----- several ranks per GPU -------------------------------------------------------------------------------
     tah_share_gpus: bool = False
     """Run several pipeline ranks per GPU (on by itself when two share one): gloo, messages staged (docs/USAGE.md)."""
     # ----- the codecs' own options: default, help and range from each codec's DECLARATION --------------------
+    # (a line under one is its flag's help where the declared help is longer: ``field_help``)
     tah_high_bits: int = codec_option("tah_high_bits")
     tah_low_bits: int = codec_option("tah_low_bits")
     tah_high_ratio: float = codec_option("tah_high_ratio")
+    """TAH-Quant: fraction of tokens per sample quantized with the high bit width."""
     tah_outlier_threshold: float = codec_option("tah_outlier_threshold")
+    """TAH-Quant: rotate a tile when |largest| / |second largest| exceeds this."""
     tah_allocation: str = codec_option("tah_allocation")
     tah_low_bits_for: str = codec_option("tah_low_bits_for")
+    """TAH-Quant: which tokens get the low bit width: low_entropy (the paper) or high_entropy."""
     tah_fp8_group_size: int = codec_option("tah_fp8_group_size")
     tah_aqsgd_warmup_samples: int = codec_option("tah_aqsgd_warmup_samples")
+    """AQ-SGD: samples sent uncompressed on each link before deltas start."""
     tah_int8_block_size: int = codec_option("tah_int8_block_size")
     tah_fp4_hadamard: bool = codec_option("tah_fp4_hadamard")
+    """mxfp4 / nvfp4: rotate every block by a random-sign Walsh-Hadamard transform."""
     tah_lowrank_rank: int = codec_option("tah_lowrank_rank")
+    """lowrank: principal directions of each message sent apart from the residual."""
     tah_lowrank_coef_bits: int = codec_option("tah_lowrank_coef_bits")
     tah_channel_outlier_tokens: int = codec_option("tah_channel_outlier_tokens")
+    """channel: tokens per sequence (the largest) sent apart in bf16; 0: none."""
 
     # The direction parameters' fields (codecs/options.py): their help names the registered codecs that take them.
     _DIRECTION_PARAMETERS = {"tah_tile_size": "tile_size", "tah_backward_tile_size": "tile_size", "tah_forward_bits":
@@ -165,6 +173,14 @@ class TahConfig:
         for field, parameter in cls._DIRECTION_PARAMETERS.items():
             docs[field] += f" Codecs that take it: {', '.join(takers(parameter, backward='backward' in field))}."
         return {**docs, **{name: option.help for name, option in CODEC_OPTIONS.items()}}
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """Every field's help as its flag prints it: the first sentence of its docs (``field_docs``; the whole is
+        docs/FLAGS.md's); a codec option's is the line under its field here, else its declared help's first."""
+        written = field_docs(cls)
+        return {name: written[name] if name in CODEC_OPTIONS and name in written else first_sentence(text)
+                for name, text in cls.field_docs().items()}
 
     @property
     def emulated_bandwidth_bps(self) -> float | None:

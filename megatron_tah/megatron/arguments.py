@@ -86,14 +86,15 @@ def _tah_flag_factory():
         """Megatron's factory with two additions it cannot derive itself.
 
         * Help: the factory reads docstrings from the class source; the codec options of ``TahConfig`` are
-          generated from the codecs' declarations and have no source, so ``TahConfig.field_docs()`` is the
-          help (with ``%`` escaped for argparse and the default appended, as before).
+          generated from the codecs' declarations and have no source, so ``TahConfig.field_help()`` is the
+          help (each field's first sentence, ``%`` escaped for argparse, the default appended; the whole
+          docs are docs/FLAGS.md's).
         * Choices: the factory turns only ``Literal``/``Enum`` annotations into choices; the valid values of a
           codec name depend on the codec registry, so they are given per field as ``argparse_meta``.
         """
 
         def _get_field_docstrings(self, src_cfg_class: type) -> dict[str, str]:
-            docs = TahConfig.field_docs()
+            docs = TahConfig.field_help()
             help_texts = {}
             for field in dataclasses.fields(TahConfig):
                 text = docs.get(field.name, "").replace("%", "%%")

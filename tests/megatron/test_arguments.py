@@ -61,11 +61,11 @@ def refused_by_validation(monkeypatch, capsys, argv, world_size=2) -> list[str]:
 
 def test_flags_are_generated_from_every_config_field():
     parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
-    docs = TahConfig.field_docs()
+    helps = TahConfig.field_help()
     for field in dataclasses.fields(TahConfig):
         action = parser._option_string_actions["--" + field.name.replace("_", "-")]
         assert action.dest == field.name
-        assert action.help.replace("%%", "%").startswith(docs[field.name])
+        assert action.help.replace("%%", "%").startswith(helps[field.name])
     # Adding twice is harmless (e.g. a script's extra_args_provider also adds them).
     assert tah_arguments.add_tah_arguments(parser) is parser
 
@@ -218,22 +218,38 @@ def test_auto_fields_take_their_defaults_and_checks_from_auto_settings():
         TahConfig(tah_auto_max_error=float("nan"))
 
 
-HELP_LINE = 120  # characters: the project's line length
+COLUMNS = 80  # argparse's width on an 80-column terminal
 
 
-def test_every_flag_s_help_is_at_most_two_lines_and_quotes_no_measured_number():
-    """The help argparse shows (generated lists and the default included) fits in two lines of ``HELP_LINE``, and holds
-    no decimal number, ratio or percentage but its default and its examples' (the numbers live on the docs pages the
-    help names)."""
+def test_every_flag_s_help_prints_at_most_two_lines_at_80_columns_and_quotes_no_measured_number():
+    """The help argparse prints for each flag (its default included) takes at most two lines on an 80-column
+    terminal, laid out by argparse's own formatter beside the other flags, and holds no decimal number, ratio or
+    percentage but its default and its examples' (the numbers live on the docs pages the help names)."""
     import re
-    import textwrap
 
     parser = tah_arguments.add_tah_arguments(argparse.ArgumentParser())
+    formatter = argparse.HelpFormatter(parser.prog, width=COLUMNS - 2)  # argparse: the terminal's columns - 2
+    formatter.add_arguments(parser._actions)
+    width = formatter._width - min(formatter._action_max_length + 2, formatter._max_help_position)
+    assert width <= 54  # the help column beside the long --tah-* flags
     for field in dataclasses.fields(TahConfig):
-        text = parser._option_string_actions[tah_arguments.flag_name(field.name)].help.replace("%%", "%")
-        assert len(textwrap.wrap(text, HELP_LINE)) <= 2, field.name
+        action = parser._option_string_actions[tah_arguments.flag_name(field.name)]
+        assert len(formatter._split_lines(formatter._expand_help(action), width)) <= 2, field.name
+        text = action.help.replace("%%", "%")
         prose = text.rpartition(" Default: ")[0] or text
         assert not re.search(r"\d\.\d|\d+(\.\d+)?x\b|\d\.?\d*%", prose.replace("plus 2%", "")), field.name
+
+
+def test_a_flag_s_help_is_the_first_sentence_of_its_docs_and_the_flag_page_has_the_whole():
+    from megatron_tah.config.fields import first_sentence
+
+    assert first_sentence("Bits per boundary, e.g. 6,5. In place of x.") == "Bits per boundary, e.g. 6,5."
+    assert first_sentence("A fraction, 0.8 by default. More.") == "A fraction, 0.8 by default."
+    docs, helps = TahConfig.field_docs(), TahConfig.field_help()
+    assert set(helps) == set(docs)
+    assert helps["tah_tile_size"] == first_sentence(docs["tah_tile_size"]) != docs["tah_tile_size"]  # its codecs
+    assert helps["tah_channel_outlier_tokens"] != docs["tah_channel_outlier_tokens"]  # written under its field
+    assert docs["tah_auto_candidates"] in tah_arguments.flags_markdown()
 
 
 def test_preset_and_candidate_lists_come_from_the_registries():
@@ -263,7 +279,8 @@ def test_every_codec_is_a_flag_value_its_options_config_fields_and_both_flag_tab
     for option in declaration.options:
         assert fields[option.name].default == option.default and fields[option.name].type is option.type
         action = parser._option_string_actions[tah_arguments.flag_name(option.name)]
-        assert action.help.startswith(option.help) and action.default == option.default
+        assert action.help.startswith(TahConfig.field_help()[option.name]) and action.default == option.default
+        assert f"| {option.help.replace('|', chr(92) + '|')} |" in table  # the flag page: the whole help
         assert f"| `{tah_arguments.flag_name(option.name)}` |" in table
         assert (tuple(action.choices) if action.choices else ()) == option.choices
     # The capabilities agree with the class: sample ids, a Triton path, the backward choices.

@@ -151,6 +151,38 @@ def test_auto_goal_is_a_compressing_codec_on_a_slow_link_and_none_unlimited():
     assert demo.checks(rows, unlimited=True)["auto"]["met"] and not demo.checks(rows)["auto"]["met"]
 
 
+@pytest.mark.parametrize("auto_tokens, met", [(160.0, True), (98.0, True), (93.2, True), (93.0, False),
+                                               (50.0, False)])
+def test_auto_faster_than_tah_quant_or_at_most_5_percent_slower_meets_its_goal_and_the_line_says_so(auto_tokens, met):
+    """TAH-Quant ran 98 tokens/s: auto 1.63x as fast meets the goal, as does 5% slower; 5.1% slower does not."""
+    rows = _rows()
+    rows["auto"] = {**rows["tah"], "tokens_per_s": auto_tokens, "auto_codecs": {"0->1": "hadint4", "1->0": "paper"}}
+    a = demo.checks(rows)["auto"]
+    assert a["met"] == met
+    line = demo.auto_line(a, unlimited=False)
+    assert line.startswith("measured: auto chose 0->1: hadint4, 1->0: paper; its tokens/s over TAH-Quant fwd + "
+                           f"6-bit bwd's: {auto_tokens / 98.0:.2f}x (goal: a compressing codec, as fast or at most 5% "
+                           "slower: ")
+    assert line.endswith(("met" if met else "not met") + "; a measurement, not a check)")
+    rows["auto"]["auto_codecs"] = {"0->1": "none", "1->0": "none"}  # fast, but not compressing on a slow link
+    assert not demo.checks(rows)["auto"]["met"]
+
+
+def test_the_plot_has_loss_against_iterations_and_validation_loss_against_wall_clock_seconds(tmp_path, monkeypatch):
+    records = [{"iteration": i, "lm_loss": 9.0 - i, "ms": None if i == 1 else 500.0 * (2 if i > 2 else 1),
+                **({"valid_loss": 8.0 - i} if i % 2 == 0 else {})} for i in range(1, 5)]
+    assert demo.elapsed_seconds(records) == [0.0, 0.5, 1.5, 2.5]  # the first iteration's start-up not counted
+    import matplotlib.axes
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, xs, ys, *a, **k: drawn.append(
+        (self.get_xlabel() or None, list(xs), list(ys))))
+    demo.plot({"bf16": records, "tah": records}, tmp_path / "loss.png", "title")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert ([0.5, 2.5], [6.0, 4.0]) in [(xs, ys) for _, xs, ys in drawn]  # validation loss over seconds
+    assert ([2, 4], [6.0, 4.0]) in [(xs, ys) for _, xs, ys in drawn]  # and over iterations
+
+
 def test_compute_bound_statement_from_measured_compute_and_link_time():
     busy = demo.compute_vs_link(1000.0, _rows())  # compute 1000 ms vs 400 / 120 ms of link time
     assert busy["compute_bound"] and busy["expected_speedup"] == pytest.approx([1.0, 1400 / 1120])

@@ -237,9 +237,9 @@ def test_no_issue_numbers_in_the_docs(page):
 
 
 def test_the_first_screens_table_is_the_real_model_study():
-    """The README's results table is ``benchmarks.real_model.report.readme_table`` of the committed study's JSON (bf16
+    """The README's results table is ``benchmarks.real_model.readme.readme_table`` of the committed study's JSON (bf16
     and the presets it measured, at most 8 rows, both evaluations): every cell is the page's number."""
-    from benchmarks.real_model.report import readme_table
+    from benchmarks.real_model.readme import readme_table
 
     result = json.loads((DOCS / "data" / "real_model.json").read_text())
     assert readme_table(result) in README
@@ -258,6 +258,60 @@ def test_the_preset_for_each_depth_and_use_is_the_one_the_real_model_supports():
     assert table in README and README.index(table) < README.index("## Install")
     rows = _table_rows(_table(README, "| pipeline depth |"), "pipeline depth")
     assert set(rows) == {"2", "4", "8"}
+
+
+def test_the_readme_is_at_most_250_lines():
+    assert len(README.splitlines()) <= 250
+
+
+def test_the_readme_s_study_sections_are_what_the_committed_json_writes(tmp_path):
+    """Every section between ``<!-- real_model:... -->`` markers (the table, the rule with the choice per depth, what
+    the study found) is ``readme.write_readme`` of docs/data/real_model.json: rewriting leaves the README as it is."""
+    from benchmarks.real_model import readme, report
+
+    copy = tmp_path / "README.md"
+    copy.write_text(README)
+    result = json.loads((DOCS / "data" / "real_model.json").read_text())
+    assert readme.write_readme(result, copy) and copy.read_text() == README
+    assert set(readme.README_SECTIONS) == {"table", "presets", "found"}
+    page = " ".join((DOCS / "REAL_MODEL.md").read_text().split())
+    assert " ".join(report.rule_text().split()) in page  # the page states the same rule
+    assert report.presets_text(result) in (DOCS / "REAL_MODEL.md").read_text()
+
+
+def _study_prose() -> str:
+    """The README's prose about the real-model study: from its heading to Install, tables left out."""
+    part = README[README.index("## What it does to a real model"):README.index("## Install")]
+    return " ".join(line for line in part.splitlines() if not line.startswith("|"))
+
+
+def test_no_readme_sentence_contradicts_its_tables():
+    """The choice the README's prose names per use is the presets table's, depth by depth; every steps multiplier it
+    quotes is one of the committed JSON's (a mean or an interval's end, at some depth, either evaluation) or a goal's;
+    a sentence that says a codec was measured at one depth only names one that was."""
+    from benchmarks.real_model import report
+
+    result = json.loads((DOCS / "data" / "real_model.json").read_text())
+    prose = _study_prose()
+    rows = _table_rows(_table(README, "| pipeline depth |"), "pipeline depth")
+    flags = {report.flag_line(c): c for t in ({str(result["depth"]): result["table"]}, result["depths"])
+             for rows_ in t.values() for c in (r["codec"] for r in rows_) if c != "bf16"}
+    for use, column in (("**served on its own**", 0), ("**Served through the pipeline**", 1)):
+        sentence = prose[prose.index(use):]
+        choice = sentence[sentence.index("The choice is "):].split(".")[0]
+        named = dict((d, c) for c, ds in re.findall(r"`(\w+)` at depths? ([\d, and]+)", choice)
+                     for d in re.findall(r"\d+", ds))
+        assert named == {d: flags[cells[column].strip("`")] for d, cells in rows.items()}, (use, choice)
+    tables = {str(result["depth"]): result["table"], **result["depths"]}
+    quoted = {f"{v:.2f}x" for rows_ in tables.values() for r in rows_ for t in ("uncompressed", "compressed")
+              for k in ("multiplier", "multiplier_low", "multiplier_high") if (v := r[t].get(k)) is not None}
+    quoted |= {f"{v:.2f}x" for g in report.GOALS for v in (g.steps, g.steps_high, g.serving) if v is not None}
+    assert set(re.findall(r"\d+\.\d\dx", prose)) <= quoted
+    for match in re.finditer(r"measured at depth (\d+) only", prose):  # some codec of its sentence was, only there
+        sentence = re.split(r"\.\s", prose[:match.start()])[-1]
+        depths = [{d for d, rows_ in tables.items() if any(r["codec"] == c for r in rows_)}
+                  for c in re.findall(r"`(\w+)`", sentence)]
+        assert {match.group(1)} in depths, sentence
 
 
 def test_the_first_screen_is_a_guide():

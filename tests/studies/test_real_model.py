@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.real_model import readme as readme_sections
 from benchmarks.real_model import report, runs
 from benchmarks.speedrun import score
 from megatron_tah.hf_checkpoint import UnsupportedModel, split_flags, stage_layers
@@ -257,13 +258,79 @@ def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_
     text = report.frontier_text({"table": table})
     assert text.index("`paper` 6.00 bits: missed within 40 steps") < text.index("`channel_h4` 10.00 bits: 1.10x")
     # the README's table: bf16 and the presets on both evaluations, the other candidates on the page only
-    readme = report.readme_table({"table": [table[0], table[2], table[4], table[5]]})
+    readme = readme_sections.readme_table({"table": [table[0], table[2], table[4], table[5]]})
     assert "| [bf16 (uncompressed)](docs/REAL_MODEL.md) | 16.00 + 16.00 | 1 | 1 | – | 300,000 |" in readme
     assert "| [`paper`](docs/REAL_MODEL.md) | 3.00 + 3.00 | missed within 40 steps (3 of 3 seeds) | missed within 40 " \
            "steps (3 of 3 seeds) | +0.10% [-0.20%, +0.40%] (within noise) | – |" in readme
     assert "| [`channel_h4`](docs/REAL_MODEL.md) | 6.00 + 4.00 | 1.10x [1.00x, 1.20x] | 1.10x [1.00x, 1.20x] | " \
            "+0.10% [-0.20%, +0.40%] (less damage than bf16's) | 100,000 [90,000, 110,000] |" in readme
     assert "not_a_preset" not in readme and readme.count("\n| [") == 3
+
+
+def test_the_pipeline_column_is_judged_on_the_evaluation_through_the_codecs_with_serving_candidates():
+    """Served through the pipeline, a candidate's steps and damage are both the evaluation through the codecs'; the
+    runs trained as usual and served at more forward bits compete there only."""
+    bf16 = _table_row("bf16", 1.0, "–", 300_000.0, (16, 16))
+    best = _table_row("channel_h4", 1.05, "within noise", 100_000.0, (6, 4))
+    best["compressed"]["damage_verdict"] = report.MORE_DAMAGE  # fine served on its own, not through the pipeline
+    other = _table_row("hadint4", 1.3, "within noise", 130_000.0)
+    served = _table_row("lowrank_h3_rn_s8", 1.1, "within noise", 90_000.0, (3.4, 3.3))
+    rows = [bf16, best, other, served]
+    assert report.recommended(rows, "uncompressed") == "channel_h4"  # a serving candidate is no choice here
+    assert report.recommended(rows, "compressed") == "lowrank_h3_rn_s8"
+    served["compressed"]["damage_verdict"] = report.MORE_DAMAGE
+    assert report.recommended(rows, "compressed") == "hadint4"
+    other["compressed"].update(multiplier=None)  # missed through the codecs
+    assert report.recommended(rows, "compressed") is None
+    assert [r["codec"] for r in report.candidates(rows, "compressed")] == ["channel_h4", "hadint4", "lowrank_h3_rn_s8"]
+    assert [r["codec"] for r in report.candidates(rows, "uncompressed")] == ["channel_h4", "hadint4"]
+
+
+def test_tied_candidates_with_the_same_busiest_link_go_to_the_lower_projected_t_not_to_fewer_bits_elsewhere():
+    """Two tied (within noise and within ``TIE``) with the same bits on the busiest link: the lower projected T, as the
+    rule says, whatever their bits on the other links."""
+    table = [_table_row("bf16", 1.0, "–", 300_000.0, (16, 16)),
+             _table_row("channel_h4", 1.07, "within noise", 117_000.0, (6.02, 4.25), spread=0.05, busiest=10.27),
+             _table_row("channel_b_h4", 1.12, "within noise", 122_000.0, (5.31, 4.25), spread=0.1, busiest=10.27)]
+    for traffic in report.runs.TRAFFIC:
+        assert report.recommended(table, traffic) == "channel_h4"
+    table[2]["busiest_bits"] = 9.5  # fewer bits on the busiest link: it wins the tie
+    assert report.recommended(table, "uncompressed") == "channel_b_h4"
+    table[2]["uncompressed"]["projected_T"] = 1.06 * 117_000.0  # beyond TIE: no tie
+    assert report.recommended(table, "uncompressed") == "channel_h4"
+
+
+def test_the_rule_is_written_once_with_its_ties_and_the_page_and_the_readme_print_it(tmp_path):
+    text = " ".join(report.rule_text().split())
+    assert f"within noise of it (the paired interval of the T ratio holds 1) and within {report.TIE:.0%} of it ties" \
+        in text and "the fewest bits on the busiest link win, then the lowest projected T." in text
+    assert "through the codecs" in text and "`--tah-eval-forward-bits`" in text
+    template = (REPO / "benchmarks" / "real_model" / "page.md").read_text()
+    assert "{rule}" in template and "within noise of it" not in template  # the rule is not written twice
+    readme = tmp_path / "README.md"
+    readme.write_text("".join(f"<!-- real_model:{n} -->\n<!-- /real_model:{n} -->\n"
+                              for n in readme_sections.README_SECTIONS))
+    result = json.loads((REPO / "docs" / "data" / "real_model.json").read_text())
+    assert readme_sections.write_readme(result, readme)
+    assert text in " ".join(readme.read_text().split())
+
+
+def test_a_choice_s_flags_train_and_serve_as_its_runs_did():
+    import argparse
+    import dataclasses
+
+    from benchmarks.speedrun.runs import CODECS
+    from megatron_tah.config import TahConfig
+    from megatron_tah.megatron.arguments import add_tah_arguments, tah_config_from_args
+
+    assert report.flag_line("channel_h4") == "--tah-preset channel_h4"
+    assert report.flag_line("lowrank_h3_rn_s8") == "--tah-preset lowrank_h3_rn --tah-eval-forward-bits 8"
+    assert report.flag_line("lowrank_s5") == "--tah-preset lowrank --tah-eval-forward-bits 5"
+    parser = add_tah_arguments(argparse.ArgumentParser())
+    for codec in ("channel4_h3_s6", "lowrank_h3_rn_s8", "channel_b_h4"):
+        parsed = dataclasses.asdict(tah_config_from_args(parser.parse_args(report.flag_line(codec).split())))
+        wanted = dataclasses.asdict(TahConfig(**CODECS[codec]))
+        assert {**parsed, "tah_preset": None} == {**wanted, "tah_preset": None}, codec
 
 
 def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_end_over_two_seeds():
@@ -378,15 +445,16 @@ def test_serving_at_other_bits_is_reported_beside_the_same_training_through_its_
 
 
 def test_the_study_rewrites_the_readmes_sections_between_their_markers_only(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "README_SECTIONS", {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
+    monkeypatch.setattr(readme_sections, "README_SECTIONS",
+                        {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- real_model:table -->\nold\n<!-- /real_model:table -->\nb\n"
                       "<!-- real_model:presets -->\n<!-- /real_model:presets -->\nc\n")
-    assert report.write_readme({"n": 1}, readme) and report.write_readme({"n": 2}, readme)
+    assert readme_sections.write_readme({"n": 1}, readme) and readme_sections.write_readme({"n": 2}, readme)
     assert readme.read_text() == ("a\n<!-- real_model:table -->\nT2\n<!-- /real_model:table -->\nb\n"
                                   "<!-- real_model:presets -->\nP\n<!-- /real_model:presets -->\nc\n")
     readme.write_text("no markers\n")
-    assert not report.write_readme({"n": 1}, readme) and readme.read_text() == "no markers\n"
+    assert not readme_sections.write_readme({"n": 1}, readme) and readme.read_text() == "no markers\n"
 
 
 def test_evaluation_noise_is_the_paired_standard_error_on_the_same_samples(tmp_path):

@@ -191,3 +191,28 @@ def test_a_sink_token_sets_the_channel_grids_and_the_report_shows_it_apart():
     assert hadint["token_rel_error"] == pytest.approx(hadint["token_rel_error_without_first"], rel=0.2)
     summary = real_report.preset_summary(result)["channel9"]["token_rel_error_without_first"]
     assert summary == [channel["token_rel_error_without_first"]] * 2
+
+
+def test_the_studied_presets_are_every_preset_and_the_former_ones_and_a_preset_with_anothers_forward_has_no_row(
+        monkeypatch):
+    """``codec_rows.STUDIED_PRESETS`` is read from the preset registry (``lowrank_h3_rn`` included) plus the
+    candidates that were presets; the real-activation report's rows are their forward codecs, once each."""
+    import importlib
+
+    from benchmarks import codec_rows
+    from megatron_tah.config import NON_PRESET, PRESETS
+    from megatron_tah.config.presets import Preset
+
+    assert codec_rows.STUDIED_PRESETS == (*(p for p in PRESETS if p != "none"), *codec_rows.FORMER_PRESETS)
+    assert "lowrank_h3_rn" in codec_rows.STUDIED_PRESETS and set(codec_rows.FORMER_PRESETS) <= set(NON_PRESET)
+    assert "lowrank_h3_rn" not in real_report.PRESETS  # lowrank's forward codec: its row is lowrank's
+    assert {"lowrank", "channel6", "channel"} <= set(real_report.PRESETS)  # not presets: each keeps its row
+    monkeypatch.setitem(PRESETS, "new_preset", Preset("a new one", {"tah_forward_codec": "fp8",
+                                                                    "tah_backward_codec": "fp8"}))
+    try:
+        assert "new_preset" in importlib.reload(codec_rows).STUDIED_PRESETS
+        assert "new_preset" in importlib.reload(real_report).PRESETS
+    finally:
+        monkeypatch.undo()
+        importlib.reload(codec_rows)
+        importlib.reload(real_report)

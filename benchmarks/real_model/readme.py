@@ -1,0 +1,160 @@
+"""The README's study sections (``write_readme``): each between ``<!-- real_model:NAME -->`` and
+``<!-- /real_model:NAME -->``, written from the study's result dict alone (``report.build``'s, or the page's JSON):
+the summary table, the rule with the choice per depth and use, and what the study found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .report import (GOALS, MORE_DAMAGE, _wrap, candidates, damage_text, fewest_bits, meets, multiplier_text,
+                     presets_by_depth, presets_text, qualifies, rule_text, serves, serving_bits, t_text)
+
+
+def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
+    """The README's summary of ``result`` at its main depth: bf16 and every ``--tah-preset`` the study measured, with
+    its bits, steps vs bf16 on both evaluations, damage at equal steps and projected T, each linked to the page that
+    measured it (the page has the other candidates; ``test_readme_claims`` compares the two)."""
+    from megatron_tah.config.presets import PRESETS
+
+    lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps vs bf16, model served on its own | steps vs bf16, "
+             "served through the pipeline | damage vs bf16 at equal steps, served on its own | projected T (s) |",
+             "|---|---:|---|---|---|---:|"]
+    for r in (r for r in result["table"] if r["codec"] == "bf16" or r["codec"] in PRESETS):
+        name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
+        unc, cod = ("1", "1") if r["codec"] == "bf16" else (multiplier_text(r["uncompressed"]),
+                                                            multiplier_text(r["compressed"]))
+        lines.append(f"| [{name}]({page}) | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {unc} | {cod} | "
+                     f"{damage_text(r['uncompressed'], r['codec'])} | {t_text(r['uncompressed'])} |")
+    return "\n".join(lines)
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _at_depths(depths: list[str]) -> str:
+    return ("depth " if len(depths) == 1 else "depths ") + _listed(depths)
+
+
+def _by_codec(picks: dict[str, str | None]) -> str:
+    """``{depth: codec}`` as "`a` at depths 8 and 4, `b` at depth 2"."""
+    depths: dict[str, list[str]] = {}
+    for depth, codec in sorted(picks.items(), key=lambda x: -int(x[0])):
+        depths.setdefault(codec or "none", []).append(depth)
+    return _listed([f"`{c}` at {_at_depths(d)}" for c, d in depths.items()])
+
+
+def _through_text(rows: list[dict], iters: str, detail: bool) -> str:
+    """One depth's candidates on the evaluation through the pipeline: with ``detail``, which missed the target, which
+    reached it with more damage than bf16's, which ran one seed; always, which reached it without."""
+    rows = candidates(rows, "compressed")
+    parts = []
+    missed = [r for r in rows if r["compressed"]["multiplier"] is None and len(r["seeds"]) >= 2]
+    if missed and detail:
+        counts: dict[str, list[str]] = {}
+        for r in missed:
+            by_seed = r["compressed"]["steps_by_seed"]
+            n = sum(v is None for v in by_seed.values())
+            counts.setdefault("in every seed" if n == len(by_seed) else f"in {n} of {len(by_seed)} seeds", []).append(
+                f"`{r['codec']}`")
+        parts.append(_listed([f"{_listed(c)} {k}" for k, c in counts.items()]) + f" missed the target within {iters} "
+                     "steps")
+    worse = [r for r in rows if r["compressed"]["multiplier"] is not None and len(r["seeds"]) >= 2
+             and not qualifies(r, "compressed")]
+    if worse and detail:
+        parts.append(_listed([f"`{r['codec']}` {r['compressed']['multiplier']:.2f}x" for r in worse])
+                     + " reached it with more damage than bf16's")
+    fits = [r for r in rows if qualifies(r, "compressed")]
+    parts.append((_listed([f"`{r['codec']}` {multiplier_text(r['compressed'])}" for r in fits]) if fits else "none")
+                 + (" without" if detail else ""))
+    alone = [r for r in rows if len(r["seeds"]) < 2]
+    if alone and detail:
+        parts.append(_listed([f"`{r['codec']}` {multiplier_text(r['compressed'])}" for r in alone]))
+    return "; ".join(parts)
+
+
+def found_text(result: dict) -> str:
+    """The README's "What the study found", from ``result`` alone: per use, the presets' steps and damage at every
+    depth (the candidates that missed or did more damage through the pipeline at the main depth only), the choice
+    per depth (``presets_by_depth``, as the table above it), and the page's goals at its main depth (``GOALS``)."""
+    from megatron_tah.config.presets import PRESETS
+
+    tables = {str(result["depth"]): result["table"], **result["depths"]}
+    depths, main = sorted(tables, key=int, reverse=True), str(result["depth"])
+    picks, iters = presets_by_depth(result), str(result["setup"]["iters"])
+    presets = {d: [r for r in tables[d] if r["codec"] in PRESETS and r["codec"] != "bf16"] for d in depths}
+    seeds = sorted({len(r["seeds"]) for rows in presets.values() for r in rows})
+    ranges = []
+    for d in depths:
+        means = [r["uncompressed"]["multiplier"] for r in presets[d] if r["uncompressed"]["multiplier"] is not None]
+        ranges.append((f"{min(means):.2f}x to {max(means):.2f}x" if means else "none") +
+                      (" bf16's steps" if not ranges else "") + f" at depth {d}")
+    missed = [f"`{r['codec']}` at depth {d}" for d in depths for r in presets[d]
+              if r["uncompressed"]["multiplier"] is None]
+    worse: dict[str, list[str]] = {}
+    for d in depths:
+        for r in presets[d]:
+            if r["uncompressed"]["damage_verdict"] == MORE_DAMAGE:
+                worse.setdefault(r["codec"], []).append(d)
+    damage = ("none did more damage than bf16's at equal steps" + (
+        " but " + _listed([f"`{c}` at {_at_depths(d)}" for c, d in worse.items()]) if worse else ""))
+    own = {d: p["uncompressed"] for d, p in picks.items()}
+    chosen = next((r for r in tables[main] if r["codec"] == own.get(main)), None)
+    text = [f"What the study found, on this model and this short fine-tune ({seeds[0]} to {seeds[-1]} paired seeds "
+            "per preset; the page has every interval): **served on its own**, the presets needed "
+            + _listed(ranges) + " (means" + ("; " + _listed(missed) + " missed the target" if missed else "")
+            + f"), and {damage}. The choice is {_by_codec(own)}"
+            + (f"; at depth {main} `{chosen['codec']}` ({PRESETS[chosen['codec']].description}) needed "
+               f"{multiplier_text(chosen['uncompressed'])} ({len(chosen['seeds'])} seeds), damage "
+               f"{damage_text(chosen['uncompressed'], chosen['codec'])}" if chosen else "") + ".", ""]
+    through = {d: p["compressed"] for d, p in picks.items()}
+    others = [f"at depth {d} {_through_text(tables[d], iters, False)}" for d in depths if d != main]
+    text.append("**Served through the pipeline** a forward codec's error is paid at every evaluation. "
+                f"At depth {main}, {_through_text(tables[main], iters, True)}."
+                + (" Without more damage, " + _listed(others) + "." if others else "")
+                + f" The choice is {_by_codec(through)}. " + goals_summary(result))
+    return _wrap("\n".join(text))
+
+
+def goals_summary(result: dict) -> str:
+    """The page's goals (``GOALS``) at its main depth, a clause each: met by which candidates, or not met."""
+    rows = [r for r in result["table"] if r["codec"] != "bf16"]
+    parts = []
+    for g in GOALS:
+        goal = f"at most {g.bits:g} bits, {g.steps:.2f}x and {100 * g.damage:.1f}% damage"
+        met = [r for r in rows if meets(r, g.bits, g.steps, g.damage, g.steps_high)]
+        coded = " with `--tah-entropy-coding`" if any(fewest_bits(r) < r["forward_bits"] + r["backward_bits"]
+                                                     for r in met) else ""
+        parts.append(f"{goal}: " + ("met by " + _listed([f"`{r['codec']}` ({fewest_bits(r):.2f} bits)" for r in met])
+                                    + coded if met else "not met"))
+        if g.serving is not None:
+            serving = [r for r in met if serving_bits(r["codec"]) is not None]
+            served = [r for r in serving if serves(r, g.serving)]
+            parts.append(f"the same served through the pipeline in {g.serving:.2f}x: " + (
+                "met by " + _listed([f"`{r['codec']}` {multiplier_text(r['compressed'])}" for r in served]) if served
+                else "not met" + (" (" + _listed([f"`{r['codec']}` {multiplier_text(r['compressed'])}"
+                                                  for r in serving]) + ")" if serving else "")))
+    return f"The page's goals at depth {result['depth']} (served on its own): " + "; ".join(parts) + "."
+
+
+README_SECTIONS = {"table": readme_table,
+                   "presets": lambda result: _wrap(rule_text()) + "\n\n" + presets_text(result, (2, 4, 8), flag=True),
+                   "found": found_text}
+"""The README's parts a study writes: each between ``<!-- real_model:NAME -->`` and ``<!-- /real_model:NAME -->``."""
+
+
+def write_readme(result: dict, readme: Path) -> bool:
+    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result``; False (nothing written) when the
+    file or a section's markers are missing."""
+    readme = Path(readme)
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    for name, make in README_SECTIONS.items():
+        begin, end = f"<!-- real_model:{name} -->", f"<!-- /real_model:{name} -->"
+        if begin not in text or end not in text:
+            return False
+        head, rest = text.split(begin, 1)
+        text = head + begin + "\n" + make(result) + "\n" + end + rest.split(end, 1)[1]
+    readme.write_text(text)
+    return True
