@@ -132,25 +132,12 @@ def end(row: dict, traffic: str) -> dict:
     return row[traffic]["points"][str(max(int(p) for p in row[traffic]["points"]))]
 
 
-def preset_of(codec: str, traffic: str) -> str | None:
-    """The ``--tah-preset`` that ``codec`` trains as, where it is a candidate on ``traffic``: a preset, or (served
-    through the pipeline only) a preset served at other bits (``--tah-eval-forward-bits``); None otherwise."""
-    from megatron_tah.config.presets import PRESETS
-
-    if traffic == "uncompressed" and report.serving_bits(codec) is not None:
-        return None  # the same training as its preset's: one row per training on its own
-    fields = report.training_fields(codec)
-    named = fields.get("tah_preset") if set(fields) == {"tah_preset"} else None  # a codec written as its preset's name
-    return next((name for name, preset in PRESETS.items() if name != "none" and (name == named or dict(preset) == fields)),
-                None)
-
-
 def eligible(row: dict, traffic: str, rule: dict) -> str:
     """"" when ``row`` may be chosen on ``traffic`` by the plan's rule, else why not."""
     m, e = row[traffic], end(row, traffic)
     if row["codec"] == "bf16":
         return "the baseline"
-    if preset_of(row["codec"], traffic) is None:
+    if not report.candidates([row], traffic):  # the short study's candidates: presets, serving runs in the pipeline
         return "not a preset" + (" (a serving variant: judged through the pipeline)" if traffic == "uncompressed"
                                  and report.serving_bits(row["codec"]) is not None else "")
     if m["missed_within"] is not None:

@@ -38,9 +38,7 @@ def test_the_registered_plan_runs_the_readme_choices_made_before_it_and_paper_wi
                 codec = by_flags[cell.strip("`")]
                 if codec not in codecs[int(cells[0])]:
                     outside.add((int(cells[0]), use, codec))
-    # The plan was registered while the short study's rule judged damage served through the pipeline on the
-    # uncompressed evaluation; judged through the codecs, these choices of that column are not in the plan.
-    assert outside == {(8, "pipeline", "channel4_h3_s6"), (4, "pipeline", "channel_h4"), (2, "pipeline", "channel_h4")}
+    assert outside == set()  # stages F and G added the pipeline column's choices once the one rule judged it through the codecs
     assert "paper" in codecs[8] and all(c[0] == "bf16" for c in codecs.values())
     for stage in plan.stages:
         if stage.kind == "emulated":
@@ -50,7 +48,7 @@ def test_the_registered_plan_runs_the_readme_choices_made_before_it_and_paper_wi
 
 def test_a_stage_added_after_the_first_results_says_so_and_the_others_do_not():
     plan = plans.load()
-    assert plan.stage("E").added and not any(s.added for s in plan.stages if s.name != "E")
+    assert all(plan.stage(n).added for n in "EFG") and not any(s.added for s in plan.stages if s.name not in "EFG")
 
 
 def test_the_plans_runs_are_seed_major_with_bf16_once_per_seed():
@@ -209,7 +207,6 @@ def test_the_rule_takes_the_fewest_busiest_bits_among_eligible_presets_tied_with
     assert reasons["lowrank_h3_rn_fwd"] == "not a preset"  # a one-direction probe is never advice
     assert reasons["lowrank_h3_rn_s8"].startswith("not a preset (a serving variant")  # on its own: its preset's row
     assert whole_run.choose(rows, "compressed", RULE) == "lowrank_h3_rn_s8"  # through the pipeline: a candidate
-    assert whole_run.preset_of("lowrank_h3_rn_s8", "compressed") == "lowrank_h3_rn"
     assert whole_run.choose([rows[0], rows[3]], "uncompressed", {**RULE, "ratio_high": 1.1}) is None
 
 
