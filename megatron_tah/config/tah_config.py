@@ -84,6 +84,9 @@ class TahConfig:
     tah_peer_timeout_s: float = 120.0
     """Stop the run when a neighbouring stage stays silent this long, naming the link (seconds; 0: Megatron's
     timeouts only); bounds the other collectives too (docs/RELIABILITY.md)."""
+    tah_peer_start_up_s: float = 60.0
+    """Seconds added to --tah-peer-timeout-s for the first wait on each neighbour or group (handshake, first
+    message, a place's first collective): start-up of a peer still building its model or compiling kernels."""
     tah_eager_codecs: bool = False
     """Call the codecs eagerly on GPUs, not replayed as CUDA graphs per message shape (to compare, or rule out)."""
     tah_error_sample_interval: int = 16
