@@ -28,7 +28,8 @@ optimizer step -- stay identical bit for bit. The lossy part is the output layer
 
 On a gloo group with CUDA tensors the buffers go through host memory (gloo sends host tensors). Every transfer
 is waited through the pipeline's peer watch (``link/peer.py``): bounded by ``--tah-peer-timeout-s`` (plus
-``--tah-peer-start-up-s`` until the other end has been heard from), and a silent or dead end raises ``PeerTimeoutError`` / ``PeerLostError`` naming
+``--tah-peer-start-up-s`` until the other end has been heard from), and a silent or dead end raises
+``PeerTimeoutError`` / ``PeerLostError`` naming
 the link between the first and the last stage and the iteration.
 
 Falls back to megatron-core's own all-reduce (one log line) when the embedding group does not hold

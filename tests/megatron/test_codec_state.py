@@ -52,7 +52,8 @@ def transport(monkeypatch):
 
 def test_the_state_is_written_whole_through_a_temporary_name_and_read_back(tmp_path, transport):
     path = codec_state.save(str(tmp_path), 4)
-    assert path == codec_state.state_file(str(tmp_path), 4, 1) and os.listdir(os.path.dirname(path)) == ["rank_00001.pt"]
+    assert path == codec_state.state_file(str(tmp_path), 4, 1)
+    assert os.listdir(os.path.dirname(path)) == ["rank_00001.pt"]  # no temporary file left
     link = transport.states.links[("forward", "send", 1)]
     link.codec.state = {}
     assert codec_state.load(str(tmp_path), 4) == path
