@@ -405,6 +405,7 @@ def test_a_peer_silent_from_the_start_stops_the_run_within_the_bound_and_the_sta
     stage0 = results[0]
     assert not isinstance(stage0, RankFailure) and stage0[0] == "PeerTimeoutError", stage0
     _, text, link, iteration, seconds = stage0
+    print(f"{where}: PeerTimeoutError after {seconds:.2f} s (bound {START_BOUND:g} + allowance {START_UP:g} s)")
     limit = START_BOUND + START_UP
     assert limit - 0.5 <= seconds <= limit + 2.0 and iteration == 1, stage0
     if where == "dp collective":
