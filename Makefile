@@ -45,8 +45,9 @@ test-all: setup
 
 # Every multi-process test (marker `distributed`) RUNS times (default 20) with a CPU hog beside it: a table of
 # passes, failures and hangs per test (scripts/soak.py; ARGS e.g. `--hogs 2 tests/link/test_entropy_pipeline.py`).
+# BUDGET=30: as many runs as fit in 30 minutes, the tests one at a time, round-robin (`--budget-minutes`).
 soak: setup
-	TRITON_INTERPRET=1 $(PY) scripts/soak.py --runs $(or $(RUNS),20) $(ARGS)
+	TRITON_INTERPRET=1 $(PY) scripts/soak.py --runs $(or $(RUNS),20) $(if $(BUDGET),--budget-minutes $(BUDGET)) $(ARGS)
 
 demo: setup
 	$(PY) -m megatron_tah.demo

@@ -5,20 +5,27 @@ its passes, failures and hangs.
     python scripts/soak.py --runs 20                         # every `distributed` test, 20 rounds
     python scripts/soak.py --runs 20 tests/link/test_entropy_pipeline.py tests/link/test_peer_timeout.py
     python scripts/soak.py --runs 3 --hogs 2 --timeout 1800 --json runs/soak.json
+    python scripts/soak.py --budget-minutes 30               # as many runs as fit in 30 minutes, round-robin
 
 Each round runs each selected test once (in turn: the load varies alike for all), a file's tests in one
 ``python -m pytest`` in a session of its own, while ``--hogs`` busy loops run beside it (one by default: on
-a 2-core machine a test gets about one core). A run is:
+a 2-core machine a test gets about one core). With ``--budget-minutes`` the tests run one per pytest, in turn
+(round-robin: test 1, 2, ..., N, 1, 2, ...), and no run starts once the budget is spent: every test is sampled
+before any runs twice (the table's runs column says how often each ran; at most ``--runs`` rounds). A run is:
 
 * **passed** / **failed** / **skipped**: pytest's verdict (its JUnit XML report);
 * **hang**: the file's run did not end within ``--timeout`` s per test (every process of its session gets
   SIGABRT -- with ``PYTHONFAULTHANDLER`` set, its stacks -- then SIGKILL), or the test failed because a
   multi-process run of its own gave no result in time (``run_distributed``'s ``TimeoutError``, the tests'
   watchdog);
-* **left**: a process of its file's session still ran after it (killed then; the table counts the runs).
+* **left**: a process of its file's session still ran ``--settle-s`` s after pytest exited (killed then), or a
+  multi-process run's temporary folder (``tah_dist_*``) made during it was still there (removed then); the
+  table counts the runs. Until then the session's processes may end by themselves: pytest's children's
+  children (multiprocessing's fork server and resource tracker) outlive it by a second or two.
 
-A failed or hung run's output is kept in ``--logs`` (default ``runs/soak/``). Exit status 1 when any run
-failed, hung or left a process.
+SIGTERM or SIGINT stops the soak: the running pytest's session and the hogs are killed, the table of the runs so
+far printed, exit status 130. A failed or hung run's output is kept in ``--logs`` (default ``runs/soak/``). Exit
+status 1 when any run failed, hung or left a process.
 """
 
 from __future__ import annotations
@@ -27,14 +34,17 @@ import argparse
 import json
 import os
 import signal
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from xml.etree import ElementTree
 
 REPO = Path(__file__).resolve().parents[1]
+POLL_S = 0.1
 HANG_MARKS = ("gave no result", "Failed: stopped after ")  # a multi-process run or the watchdog timed out
 
 
@@ -63,11 +73,31 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def run_unit(tests: list[str], timeout: float, log: Path) -> list[dict]:
+def settle(sid: int, settle_s: float) -> list[int]:
+    """The processes of session ``sid`` still running after at most ``settle_s`` s of waiting for them to end."""
+    deadline = time.monotonic() + settle_s
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return left
+
+
+def stop_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid``."""
+    signal_all(session_pids(sid), signal.SIGKILL)
+
+
+def run_folders() -> set[Path]:
+    """The multi-process runs' temporary folders (``tests/helpers/rank_entry.py``'s ``tah_dist_*``) now."""
+    return set(Path(tempfile.gettempdir()).glob("tah_dist_*"))
+
+
+def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0) -> list[dict]:
     """One run of ``tests`` (one file's) in one pytest: each test's verdict and seconds (from its JUnit XML
-    report), and the processes the run left (counted for each of its tests)."""
+    report), and the processes the run left ``settle_s`` s after it ended (counted for each of its tests).
+    Interrupted (SIGTERM/SIGINT as ``KeyboardInterrupt``), its session is killed before the interruption goes on."""
     report = log.with_suffix(".xml")
     report.unlink(missing_ok=True)
+    folders = run_folders()
     start = time.monotonic()
     with open(log, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -75,21 +105,29 @@ def run_unit(tests: list[str], timeout: float, log: Path) -> list[dict]:
                                 start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         timed_out = False
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            signal_all(session_pids(proc.pid), signal.SIGABRT)  # stacks, into the log
-            time.sleep(3)
-            signal_all(session_pids(proc.pid), signal.SIGKILL)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                signal_all(session_pids(proc.pid), signal.SIGABRT)  # stacks, into the log
+                time.sleep(3)
+                stop_session(proc.pid)
+                proc.wait()
+        except BaseException:
+            stop_session(proc.pid)
+            proc.kill()
             proc.wait()
+            raise
     elapsed = time.monotonic() - start
-    time.sleep(0.5)  # (a process that was ending is gone by now)
-    left = session_pids(proc.pid)
-    signal_all(left, signal.SIGKILL)
+    left = settle(proc.pid, settle_s)
+    stop_session(proc.pid)
+    for folder in run_folders() - folders:
+        left.append(str(folder))
+        shutil.rmtree(folder, ignore_errors=True)
     found = {}
     if report.exists():
         for case in ElementTree.parse(report).iter("testcase"):
-            test = f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"
+            test = case.get("name")  # (unique within one file's run; the class name depends on the rootdir)
             problems = [child for child in case if child.tag in ("failure", "error")]
             text = " ".join(f"{p.get('message', '')} {p.text or ''}" for p in problems)
             verdict = ("passed" if not problems else
@@ -98,7 +136,22 @@ def run_unit(tests: list[str], timeout: float, log: Path) -> list[dict]:
                 verdict = "skipped"
             found[test] = {"verdict": verdict, "seconds": round(float(case.get("time", 0.0)), 1)}
     missing = {"verdict": "hang" if timed_out else "failed", "seconds": round(elapsed / len(tests), 1)}
-    return [dict(found.get(test, missing), test=test, left=len(left)) for test in tests]
+    return [dict(found.get(test.split("::")[-1], missing), test=test, left=len(left)) for test in tests]
+
+
+def schedule(tests: list[str], runs: int, budget: bool) -> list[tuple[int, list[str]]]:
+    """(round, the tests of one pytest) in the order they run: per round each file's tests together, or with a
+    budget each test alone, round-robin."""
+    order = []
+    for round_ in range(1, runs + 1):
+        if budget:
+            order += [(round_, [test]) for test in tests]
+        else:
+            units: dict[str, list[str]] = {}
+            for test in tests:
+                units.setdefault(test.split("::")[0], []).append(test)
+            order += [(round_, unit) for unit in units.values()]
+    return order
 
 
 def table(runs: list[dict], tests: list[str]) -> str:
@@ -126,42 +179,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--marker", default="distributed", help="pytest marker expression selecting the tests")
     parser.add_argument("--logs", type=Path, default=REPO / "runs" / "soak", help="where failed runs' output goes")
     parser.add_argument("--json", type=Path, help="write every run's record here too")
-    parser.add_argument("--budget-s", type=float, help="start no round after this many seconds (the table says how "
-                                                          "many rounds ran)")
+    parser.add_argument("--budget-minutes", type=float, help="start no run after this many minutes; the tests run "
+                        "one at a time, round-robin, so every test is sampled before any runs twice")
+    parser.add_argument("--settle-s", type=float, default=10.0, help="seconds a file's processes get to end after "
+                        "pytest (fork server, resource tracker) before they count as left")
     args = parser.parse_args(argv)
     tests = collect(args.paths, args.marker)
     args.logs.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {len(tests)} tests x {args.runs} rounds, {args.hogs} CPU hog(s), {args.timeout:.0f} s each",
+    budget = f", a budget of {args.budget_minutes:g} min" if args.budget_minutes is not None else ""
+    print(f"soak: {len(tests)} tests x {args.runs} rounds, {args.hogs} CPU hog(s), {args.timeout:.0f} s each{budget}",
           flush=True)
+
+    def _interrupted(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGINT, _interrupted)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
-    runs = []
+    runs, interrupted = [], False
     try:
-        units: dict[str, list[str]] = {}
-        for test in tests:
-            units.setdefault(test.split("::")[0], []).append(test)
         began = time.monotonic()
-        for round_ in range(1, args.runs + 1):
-            if args.budget_s is not None and time.monotonic() - began > args.budget_s:
-                print(f"soak: the budget of {args.budget_s:.0f} s is spent after {round_ - 1} rounds", flush=True)
+        for round_, unit in schedule(tests, args.runs, args.budget_minutes is not None):
+            if args.budget_minutes is not None and time.monotonic() - began > 60 * args.budget_minutes:
+                print(f"soak: the budget of {args.budget_minutes:g} min is spent after {len(runs)} runs", flush=True)
                 break
-            for path, unit in units.items():
-                log = args.logs / f"{path.replace('/', '_')}.{round_}.log"
-                results = run_unit(unit, args.timeout * len(unit), log)
-                for run in results:
-                    run["round"] = round_
-                    runs.append(run)
-                    print(f"[{time.strftime('%H:%M:%S')}] round {round_}: {run['verdict']:6s} {run['seconds']:6.0f} s"
-                          f"{'  left ' + str(run['left']) if run['left'] else ''}  {run['test']}", flush=True)
-                if all(r["verdict"] in ("passed", "skipped") and not r["left"] for r in results):
-                    log.unlink()
-                    log.with_suffix(".xml").unlink(missing_ok=True)
-                if args.json:
-                    args.json.write_text(json.dumps({"runs": runs, "hogs": args.hogs}, indent=1))
+            log = args.logs / f"{unit[0].split('::')[0].replace('/', '_')}.{round_}.{len(runs)}.log"
+            results = run_unit(unit, args.timeout * len(unit), log, args.settle_s)
+            for run in results:
+                run["round"] = round_
+                runs.append(run)
+                print(f"[{time.strftime('%H:%M:%S')}] round {round_}: {run['verdict']:6s} {run['seconds']:6.0f} s"
+                      f"{'  left ' + str(run['left']) if run['left'] else ''}  {run['test']}", flush=True)
+            if all(r["verdict"] in ("passed", "skipped") and not r["left"] for r in results):
+                log.unlink()
+                log.with_suffix(".xml").unlink(missing_ok=True)
+            if args.json:
+                args.json.write_text(json.dumps({"runs": runs, "hogs": args.hogs}, indent=1))
+    except KeyboardInterrupt as err:
+        interrupted = True
+        print(f"soak: stopped by {err or 'SIGINT'} after {len(runs)} runs", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for hog in hogs:
             hog.kill()
             hog.wait()
     print(table(runs, tests))
+    if interrupted:
+        return 130
     return int(any(r["verdict"] not in ("passed", "skipped") or r["left"] for r in runs))
 
 

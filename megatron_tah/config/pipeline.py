@@ -93,6 +93,8 @@ def check_link_options(config: Any) -> None:
     if not config.tah_peer_timeout_s >= 0:
         raise ValueError(f"tah_peer_timeout_s = {config.tah_peer_timeout_s!r}: must be >= 0 seconds (0: no bound "
                          "of its own, Megatron's timeouts)")
+    if not config.tah_peer_start_up_s >= 0:
+        raise ValueError(f"tah_peer_start_up_s = {config.tah_peer_start_up_s!r}: must be >= 0 seconds")
     if config.tah_emulate_latency_ms < 0:
         raise ValueError(f"tah_emulate_latency_ms = {config.tah_emulate_latency_ms}: must be >= 0")
     _check_boundary_bits(config)

@@ -84,6 +84,9 @@ class TahConfig:
     tah_peer_timeout_s: float = 120.0
     """Stop the run when a neighbouring stage stays silent this many seconds, naming the link. With 0, Megatron's
     timeouts only; it bounds the other collectives too (docs/RELIABILITY.md)."""
+    tah_peer_start_up_s: float = 60.0
+    """Seconds added to --tah-peer-timeout-s for the first wait on each neighbour or group. That wait covers the
+    handshake, the first message and a place's first collective: a peer still building its model or compiling."""
     tah_eager_codecs: bool = False
     """Call the codecs eagerly on GPUs, not replayed as CUDA graphs per message shape (to compare, or rule out)."""
     tah_error_sample_interval: int = 16

@@ -11,9 +11,13 @@ then ``finish``ed -- in one of three ways:
 * at the first call of a later training iteration (``reap``): a send of an earlier iteration whose handle was
   never waited for (the interleaved schedule leaves its last forward send's) is waited then. Its receiver
   posts that receive within that same iteration, needing nothing more from this rank, so the wait ends;
+* at a later call, whatever the iteration (``reap``; also where it is unknown: a training loop of the user's own):
+  a send never waited for once a later send on the same link has finished. A connection delivers in order, so
+  the receiver has taken it already and its wait returns at once;
 * at uninstall (``drain``): every send not yet finished, before the transport is dropped.
 
-Finished messages leave at the next call, so the outbox holds at most about one iteration's messages.
+Finished messages leave at the next call, so the outbox holds at most about one iteration's messages, with or
+without Megatron's iteration.
 """
 
 from __future__ import annotations
@@ -35,14 +39,23 @@ class Outbox:
 
     def reap(self, iteration: int | None) -> None:
         """At the start of a transport call (training ``iteration``, None: unknown): stamp the complete messages'
-        completion, finish the sends posted at an earlier iteration, and drop the finished and the failed."""
+        completion, finish the sends posted at an earlier iteration and those followed by a finished send on their
+        link, and drop the finished and the failed."""
         for handle in self.handles:
             m = handle.message
-            if m.done or m.failed:
+            if not (m.done or m.failed):
+                m.poll()
+        overtaken = set()  # links with a later send finished (walked newest first)
+        for handle in reversed(self.handles):
+            m = handle.message
+            if m.is_recv or m.failed:
                 continue
-            m.poll()
-            if not m.is_recv and None not in (iteration, m.iteration) and m.iteration < iteration:
-                handle.wait()
+            if not m.done:
+                earlier = None not in (iteration, m.iteration) and m.iteration < iteration
+                if earlier or id(m.link) in overtaken:
+                    handle.wait()
+            if m.done:
+                overtaken.add(id(m.link))
         self.handles[:] = [h for h in self.handles if not (h.message.done or h.message.failed)]
 
     def drain(self) -> None:

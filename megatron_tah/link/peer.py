@@ -2,11 +2,11 @@
 
 ``PeerWatch.wait(work, ...)`` is how the transport waits for one posted message (``message.Message``).
 
-* **Bounded** (``bounded=True``: gloo, whose waits block the host anyway): once data has arrived from the
-  peer at least once, the wait passes ``timeout = --tah-peer-timeout-s`` to ``Work.wait``; gloo then raises
-  after that long without the message, and the wait raises :class:`PeerTimeoutError`. Before the first
-  message from the peer (start-up: kernel compilation, auto's cost table, data loading) the wait is
-  Megatron's, bounded by the process group's own timeout (``--distributed-timeout-minutes``).
+* **Bounded** (``bounded=True``: gloo, whose waits block the host anyway): every wait passes ``timeout`` to
+  ``Work.wait`` (gloo raises after that long, point-to-point and collective alike; checked on torch 2.14), and
+  the wait raises :class:`PeerTimeoutError`. The timeout is ``--tah-peer-timeout-s``; until data has arrived
+  from the peer once (the handshake, auto's latency probes, the first message: a peer may still be building
+  its model, loading data or compiling kernels) it is ``--tah-peer-timeout-s + --tah-peer-start-up-s``.
 * **Unbounded** (``bounded=False``: NCCL, where ``Work.wait()`` only makes the current stream wait and a
   timeout would turn it into a host-blocking wait): the process group's timeout bounds the operation
   instead (NCCL's watchdog; the Megatron plugin sets it to the same bound after the first iteration).
@@ -85,13 +85,16 @@ def posted_batch(ops: list) -> list:
 
 
 class PeerWatch:
-    """Per peer (world rank): the time data last arrived from it; waits bounded by ``timeout_s`` (0: unbounded)."""
+    """Per peer (world rank): the time data last arrived from it; waits bounded by ``timeout_s`` (0: unbounded),
+    the first ones on a peer by ``timeout_s + start_up_s``."""
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, start_up_s: float = 0.0):
         if not timeout_s >= 0:
             raise ValueError(f"timeout_s = {timeout_s!r}: must be >= 0 (0: no bound of its own)")
-        self.timeout_s = float(timeout_s)
+        if not start_up_s >= 0:
+            raise ValueError(f"start_up_s = {start_up_s!r}: must be >= 0")
+        self.timeout_s, self.start_up_s = float(timeout_s), float(start_up_s)
         self.clock, self.wall = clock, wall
         self.heard: dict[int, tuple[float, float]] = {}  # peer -> (clock, wall) of the last message from it
 
@@ -113,7 +116,9 @@ class PeerWatch:
         content for the error ("activations", "activation gradients"). ``start_up``: a start-up exchange (the
         handshake), waited alike but not counted as data from the peer (its first message may follow a long
         first encode)."""
-        limit = self.timeout_s if bounded and self.timeout_s > 0 and peer in self.heard else None
+        limit = None
+        if bounded and self.timeout_s > 0:
+            limit = self.timeout_s + (0.0 if peer in self.heard else self.start_up_s)
         start = self.clock()
         try:
             if limit is None:
@@ -137,9 +142,11 @@ class PeerWatch:
         heard = f"data from stage {stages[0] if receiving else stages[1]} last arrived {self.last_heard(peer)}"
         verb = "no" if receiving else "could not send the"
         if timed_out:
-            bound = (f"within --tah-peer-timeout-s {limit:g} s" if limit is not None else
-                     "within the process group's timeout (Megatron's --distributed-timeout-minutes: no data had "
-                     "arrived from this peer yet, so --tah-peer-timeout-s did not apply)")
+            bound = ("within the process group's timeout (Megatron's --distributed-timeout-minutes; "
+                     "--tah-peer-timeout-s is 0 or the backend is NCCL)" if limit is None else
+                     f"within --tah-peer-timeout-s {limit:g} s" if peer in self.heard else
+                     f"within {limit:g} s (--tah-peer-timeout-s {self.timeout_s:g} + --tah-peer-start-up-s "
+                     f"{self.start_up_s:g}: no data had arrived from this peer yet)")
             text = (f"megatron_tah: {where}: {verb} {what} {'arrived ' if receiving else ''}{bound}; {heard}. "
                     "The peer stage is frozen, cut off or far behind; this rank stops so that the job can be "
                     "restarted from its last checkpoint")
@@ -152,3 +159,41 @@ class PeerWatch:
         last = None if peer not in self.heard else self.clock() - self.heard[peer][0]
         return cls(text, link=tuple(stages), ranks=tuple(ranks), iteration=iteration, waited_s=waited,
                    last_heard_s=last)
+
+
+def wait_collective(work, *, timeout_s: float, what: str, ranks: list[int], me: int, iteration: int | None,
+                    start_up_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait for a collective's ``work`` (``what``: e.g. "data-parallel int8 all-reduce") over the group of world
+    ``ranks`` within ``timeout_s + start_up_s`` (``timeout_s`` 0: ``work.wait()``, the process group's own
+    timeout); raise :class:`PeerTimeoutError` / :class:`PeerLostError` naming the group, the ranks that may not
+    have answered (the others of the group), this rank and the iteration."""
+    limit = timeout_s + start_up_s if timeout_s > 0 else None
+    start = clock()
+    try:
+        if limit is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=limit))
+    except LinkError:
+        raise
+    except Exception as err:  # noqa: BLE001 (the backend's error, named and chained)
+        waited = clock() - start
+        timed_out = (limit is not None and waited >= 0.99 * limit) or any(
+            marker in str(err).lower() for marker in TIMEOUT_MARKERS)
+        others = [r for r in ranks if r != me]
+        where = (f"world rank {me}, {what} over world ranks {list(ranks)}"
+                 + ("" if iteration is None else f", iteration {iteration}"))
+        if timed_out:
+            bound = ("within the process group's timeout" if limit is None else
+                     f"within --tah-peer-timeout-s {timeout_s:g} s" if not start_up_s else
+                     f"within {limit:g} s (--tah-peer-timeout-s {timeout_s:g} + --tah-peer-start-up-s {start_up_s:g}:"
+                     " the group's first collective)")
+            text = (f"megatron_tah: {where}: world rank(s) {others} did not answer {bound}. A rank is frozen, cut "
+                    "off or far behind; this rank stops so that the job can be restarted from its last checkpoint")
+            cls = PeerTimeoutError
+        else:
+            text = (f"megatron_tah: {where}: failed after {waited:.1f} s ({type(err).__name__}: {str(err).strip()}); "
+                    f"world rank(s) {others} likely died; this rank stops so that the job can be restarted from its "
+                    "last checkpoint")
+            cls = PeerLostError
+        raise cls(text, link=None, ranks=None, iteration=iteration, waited_s=waited, last_heard_s=None) from err

@@ -100,7 +100,8 @@ class PipelineTransport:
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
         self.sample_ids = SampleIds()  # AQ-SGD's (sample_ids.py)
         self.outbox = Outbox()  # unbatched messages not yet finished (outbox.py)
-        self.peers = PeerWatch(config.tah_peer_timeout_s)  # when each neighbour was last heard from; bounded waits
+        # when each neighbour was last heard from; bounded waits
+        self.peers = PeerWatch(config.tah_peer_timeout_s, start_up_s=config.tah_peer_start_up_s)
         self.checked_groups: set[int] = set()
         self.closed = False  # uninstalled: a kept reference to a replaced function must not run
         self.graphs = CudaGraphs  # how the link ends' GraphedCodecs capture (tests give a fake)

@@ -26,6 +26,8 @@ computes the same result bit for bit.
     tensor is cut into ``N`` pieces of a multiple of ``CHUNK_ALIGN`` elements (zero-padded).
     Wire per rank: ``2 * (N - 1) * wire_nbytes(chunk)``.
 
+Each takes ``wait`` (optional): ``wait(work, what)`` waits for each collective it posts (``async_op=True``), the
+place's bounded wait (``bounded.collective_wait``); without it the collectives block as the process group does.
 Each returns a :class:`Traffic`: bytes this rank sent to other ranks (``wire_nbytes``), what the
 same exchange would carry in the tensor's own dtype (``raw_nbytes``), and the codec time.
 ``op`` is ``SUM`` or ``AVG``; the callers (``tensor_parallel``, ``data_parallel``) hand anything
@@ -96,14 +98,22 @@ def _decode(codec: Codec, buf: torch.Tensor, shape, dtype, traffic: Traffic, out
     return result
 
 
-def _gather_buffers(buf: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+def _posted(post, wait, what: str) -> None:
+    """``post(async_op)``, waited through ``wait`` when given (else blocking)."""
+    if wait is None:
+        post(False)
+    else:
+        wait(post(True), what)
+
+
+def _gather_buffers(buf: torch.Tensor, size: int, group, wait=None) -> list[torch.Tensor]:
     gathered = torch.empty(size * buf.numel(), dtype=torch.uint8, device=buf.device)
     parts = list(gathered.chunk(size))
-    torch.distributed.all_gather(parts, buf, group=group)
+    _posted(lambda a: torch.distributed.all_gather(parts, buf, group=group, async_op=a), wait, "all-gather")
     return parts
 
 
-def all_gather(codec: Codec, output: torch.Tensor, input_: torch.Tensor, group=None) -> Traffic:
+def all_gather(codec: Codec, output: torch.Tensor, input_: torch.Tensor, group=None, wait=None) -> Traffic:
     """``output = cat([decode(encode(input_ of rank r)) for r in ranks], dim=0)`` (see the module docstring)."""
     size, _ = _group_size_rank(group)
     if output.shape[0] != size * input_.shape[0] or output.shape[1:] != input_.shape[1:]:
@@ -111,7 +121,7 @@ def all_gather(codec: Codec, output: torch.Tensor, input_: torch.Tensor, group=N
     traffic = Traffic()
     with torch.no_grad():
         buf = _encode(codec, input_.detach().contiguous(), traffic)
-        parts = _gather_buffers(buf, size, group)
+        parts = _gather_buffers(buf, size, group, wait)
         for r, (part, out) in enumerate(zip(parts, output.chunk(size))):
             if out.is_contiguous():
                 _decode(codec, part, input_.shape, input_.dtype, traffic, out=out)
@@ -122,13 +132,13 @@ def all_gather(codec: Codec, output: torch.Tensor, input_: torch.Tensor, group=N
     return traffic
 
 
-def _sum_of_chunks(codec: Codec, chunks: list[torch.Tensor], group, op, traffic: Traffic) -> torch.Tensor:
+def _sum_of_chunks(codec: Codec, chunks: list[torch.Tensor], group, op, traffic: Traffic, wait=None) -> torch.Tensor:
     """All-to-all of ``chunks`` (one per rank, equal shapes) as fp32 codec buffers; the fp32 sum of what arrives."""
     size = len(chunks)
     shape = tuple(chunks[0].shape)
     send = torch.cat([_encode(codec, c.detach().float().contiguous(), traffic) for c in chunks])
     recv = torch.empty_like(send)
-    torch.distributed.all_to_all_single(recv, send, group=group)
+    _posted(lambda a: torch.distributed.all_to_all_single(recv, send, group=group, async_op=a), wait, "all-to-all")
     total = None
     for part in recv.chunk(size):  # rank order: the same additions on every rank
         value = _decode(codec, part, shape, torch.float32, traffic)
@@ -140,14 +150,14 @@ def _sum_of_chunks(codec: Codec, chunks: list[torch.Tensor], group, op, traffic:
 
 
 def reduce_scatter(codec: Codec, output: torch.Tensor, input_: torch.Tensor, group=None,
-                   op=torch.distributed.ReduceOp.SUM) -> Traffic:
+                   op=torch.distributed.ReduceOp.SUM, wait=None) -> Traffic:
     """``output`` = the fp32 sum over ranks of their chunk ``rank`` of ``input_`` (see the module docstring)."""
     size, rank = _group_size_rank(group)
     if input_.shape[0] != size * output.shape[0] or input_.shape[1:] != output.shape[1:]:
         raise ValueError(f"reduce_scatter: input {tuple(input_.shape)} is not {size} x output {tuple(output.shape)}")
     traffic = Traffic()
     with torch.no_grad():
-        total = _sum_of_chunks(codec, list(input_.chunk(size)), group, op, traffic)
+        total = _sum_of_chunks(codec, list(input_.chunk(size)), group, op, traffic, wait)
         output.copy_(total.view(output.shape))
     traffic.raw_nbytes = (size - 1) * output.numel() * input_.element_size()
     return traffic
@@ -167,15 +177,16 @@ def _chunked(tensor: torch.Tensor, size: int) -> torch.Tensor:
     return padded.view(size, per_rank)
 
 
-def all_reduce(codec: Codec, tensor: torch.Tensor, group=None, op=torch.distributed.ReduceOp.SUM) -> Traffic:
+def all_reduce(codec: Codec, tensor: torch.Tensor, group=None, op=torch.distributed.ReduceOp.SUM,
+               wait=None) -> Traffic:
     """Reduce ``tensor`` in place over ``group``: compressed reduce-scatter, then compressed all-gather."""
     size, _ = _group_size_rank(group)
     traffic = Traffic()
     with torch.no_grad():
         chunks = _chunked(tensor.detach(), size)
-        mine = _sum_of_chunks(codec, list(chunks.unbind(0)), group, op, traffic)
+        mine = _sum_of_chunks(codec, list(chunks.unbind(0)), group, op, traffic, wait)
         buf = _encode(codec, mine, traffic)
-        parts = _gather_buffers(buf, size, group)
+        parts = _gather_buffers(buf, size, group, wait)
         for part, out in zip(parts, chunks.unbind(0)):
             out.copy_(_decode(codec, part, mine.shape, torch.float32, traffic))
         tensor.copy_(chunks.reshape(-1)[: tensor.numel()].view(tensor.shape))

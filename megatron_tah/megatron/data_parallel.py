@@ -65,7 +65,8 @@ class _CompressingDistributed(types.ModuleType):
             return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
         place = self._place
         rel_error = place.measure("backward", tensor)
-        place.record("backward", collectives.all_reduce(place.codec, tensor, group, op), rel_error)
+        wait = place.wait(group, "data-parallel int8 ")
+        place.record("backward", collectives.all_reduce(place.codec, tensor, group, op, wait), rel_error)
         return Done() if async_op else None
 
 
@@ -85,7 +86,8 @@ def _reduce_scatter(place, original, output, input, op=SUM, group=None, async_op
     if not collectives.compressible(input, op):
         return original(output, input, op=op, group=group, async_op=async_op)
     rel_error = place.measure("backward", input)
-    place.record("backward", collectives.reduce_scatter(place.codec, output, input, group, op), rel_error)
+    wait = place.wait(group, "data-parallel int8 ")
+    place.record("backward", collectives.reduce_scatter(place.codec, output, input, group, op, wait), rel_error)
     return Done() if async_op else None
 
 

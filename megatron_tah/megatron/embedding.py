@@ -27,8 +27,9 @@ optimizer step -- stay identical bit for bit. The lossy part is the output layer
 (``tah emb rel err`` in the log: its sampled round-trip error).
 
 On a gloo group with CUDA tensors the buffers go through host memory (gloo sends host tensors). Every transfer
-is waited through the pipeline's peer watch (``link/peer.py``): bounded by ``--tah-peer-timeout-s`` once the
-other end has been heard from, and a silent or dead end raises ``PeerTimeoutError`` / ``PeerLostError`` naming
+is waited through the pipeline's peer watch (``link/peer.py``): bounded by ``--tah-peer-timeout-s`` (plus
+``--tah-peer-start-up-s`` until the other end has been heard from), and a silent or dead end raises
+``PeerTimeoutError`` / ``PeerLostError`` naming
 the link between the first and the last stage and the iteration.
 
 Falls back to megatron-core's own all-reduce (one log line) when the embedding group does not hold
@@ -198,7 +199,7 @@ def _watched(place, group, pp_group, peer: int, first: bool):
     dist = torch.distributed
     transport = installed_transport()
     watch = transport.peers if transport is not None else place.state.setdefault(
-        "watch", PeerWatch(place.config.tah_peer_timeout_s))
+        "watch", PeerWatch(place.config.tah_peer_timeout_s, start_up_s=place.config.tah_peer_start_up_s))
     stages = (dist.get_world_size(pp_group) if pp_group is not None
               else parallel_state.get_pipeline_model_parallel_world_size())
     mine, theirs = (0, stages - 1) if first else (stages - 1, 0)

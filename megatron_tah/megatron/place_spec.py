@@ -22,6 +22,7 @@ import torch
 from ..codecs import Codec, CodecError, codec_declaration
 from ..codecs.graphs import GraphedCodec, eager
 from ..config import TahConfig
+from .bounded import collective_wait
 from .collectives import Traffic
 from .patching import Patches
 from .stats import Stats, Stream
@@ -122,6 +123,11 @@ class Place:
             codec = eager(self.codec)  # a sample: not worth graphs of its own
             y = codec.decode(codec.encode(x), x.shape, x.dtype)
             return float((x - y).norm() / norm) if norm > 0 else 0.0
+
+    def wait(self, group, what: str):
+        """The bounded ``wait(work, what)`` of this place's collectives on ``group`` (``bounded.collective_wait``;
+        ``what``: the place in the error, e.g. "data-parallel int8 ")."""
+        return collective_wait(self.config, group, self.state.setdefault("answered", set()), what)
 
     def record(self, direction: str, traffic: Traffic, rel_error: float | None = None) -> None:
         """Count one collective of ``direction`` in the statistics (stream ``<place>_<direction>``)."""

@@ -24,8 +24,9 @@ idempotently and before Megatron parses its arguments:
   ``--tah-eval-traffic`` can send the evaluations' traffic uncompressed (or both ways);
 - saves and restores the codecs' state (AQ-SGD buffers, stochastic-rounding generators) with
   Megatron's checkpoints (``codec_state.py``);
-- bounds every wait on another stage by ``--tah-peer-timeout-s`` after the first training step, and names
-  the stage and iteration of a collective that fails (``peer_timeout.py``);
+- bounds Megatron's own waits on another stage by ``--tah-peer-timeout-s`` after the first training step, and
+  names the stage and iteration of a collective that fails (``peer_timeout.py``; the transport's and the places'
+  waits are bounded from the first: ``link/peer.py``, ``bounded.py``);
 - the dataset helpers (``dataset_helpers.py``): skipped when compiled (megatron-core's wheel ships
   ``helpers_cpp`` without the Makefile Megatron runs ``make`` on), else a checkout's are compiled by
   this interpreter (its pybind11, its extension suffix), whatever ``python3`` is on ``PATH``;

@@ -279,7 +279,7 @@ def _logging_training_log(original):
         if iteration is None or not (printing or json_path):
             return original(*args, **kwargs)
 
-        reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
+        reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True), config=REGISTRY.config)
         log.since_line = stats.merge(log.since_line, reduced)
         now = time.monotonic()
         if json_path and is_last_rank():
@@ -366,7 +366,7 @@ def _logging_evaluation(original):
         # on its own line and record.
         with REGISTRY.stats.apart():
             result = original(*args, **kwargs)
-            reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True))
+            reduced = stats.reduce_to_last_rank(REGISTRY.stats.collect(reset=True), config=REGISTRY.config)
         prefix = _argument(args, kwargs, "prefix", _EVAL_POSITIONS, "")
         fragment = REGISTRY.stats.format_for_log(reduced, None, streams_on())
         if fragment:

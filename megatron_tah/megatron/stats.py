@@ -69,6 +69,7 @@ import torch
 
 from ..codecs import timing
 from ..config import CANDIDATES
+from .bounded import collective_wait
 
 DIRECTIONS = ("forward", "backward")  # the pipeline's streams: its messages' directions
 _MEMORY = ("bits", "raw_bytes", "stored_bytes")
@@ -369,8 +370,12 @@ def _default_group():
     return None
 
 
-def reduce_to_last_rank(stats: dict, group=None) -> dict:
-    """Sum ``stats`` (from ``collect``) over ``group`` (default: the pipeline group, else WORLD).
+_ANSWERED: set = set()  # the groups whose statistics reduction has completed once (their start-up is over)
+
+
+def reduce_to_last_rank(stats: dict, group=None, config=None) -> dict:
+    """Sum ``stats`` (from ``collect``) over ``group`` (default: the pipeline group, else WORLD); with ``config``
+    (a ``TahConfig``) the reduction is bounded by its ``--tah-peer-timeout-s`` (``bounded.collective_wait``).
 
     A collective: every rank of the group must call it. The result is valid on the group's
     last rank (where Megatron's TensorBoard/wandb writers live); other ranks get their input back.
@@ -412,7 +417,11 @@ def reduce_to_last_rank(stats: dict, group=None) -> dict:
     packed = torch.cat([torch.tensor(scalars, dtype=torch.float64), links, memory, auto.reshape(-1), ledger,
                         levels]).to(device)
     last = ranks[-1]
-    dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group)
+    work = dist.reduce(packed, dst=last, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if config is None:
+        work.wait()
+    else:
+        collective_wait(config, group, _ANSWERED, "statistics ")(work, "reduction to the last stage")
     if me != size - 1:
         return stats
     packed = packed.cpu()

@@ -62,7 +62,8 @@ def _reducing(place):
             input_ = input_.contiguous()
             where = direction()
             rel_error = place.measure(where, input_)
-            place.record(where, collectives.all_reduce(place.codec, input_, group), rel_error)
+            wait = place.wait(group, "tensor-parallel fp8 ")
+            place.record(where, collectives.all_reduce(place.codec, input_, group, wait=wait), rel_error)
             return input_
 
         return _reduce
@@ -78,7 +79,9 @@ def _gathering(place):
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             where = direction()
             rel_error = place.measure(where, input_tensor)
-            place.record(where, collectives.all_gather(place.codec, output_tensor, input_tensor, group), rel_error)
+            wait = place.wait(group, "tensor-parallel fp8 ")
+            place.record(where, collectives.all_gather(place.codec, output_tensor, input_tensor, group, wait),
+                         rel_error)
             return Done() if async_op else None
 
         return dist_all_gather_func
@@ -94,7 +97,8 @@ def _scattering(place):
                 return original(output, input, op=op, group=group, async_op=async_op)
             where = direction()
             rel_error = place.measure(where, input)
-            place.record(where, collectives.reduce_scatter(place.codec, output, input, group, op), rel_error)
+            wait = place.wait(group, "tensor-parallel fp8 ")
+            place.record(where, collectives.reduce_scatter(place.codec, output, input, group, op, wait), rel_error)
             return Done() if async_op else None
 
         return dist_reduce_scatter_func

@@ -32,14 +32,16 @@ API::
   dumped (``faulthandler`` on ``SIGUSR1``) and come back in the error.
 * No process outlives the run: each rank leads its own process group, which is killed once the rank
   is done or stopped (helpers it spawned die with it), and a rank dies with its parent
-  (``PR_SET_PDEATHSIG``: the fork server, which ends with the test process), so a killed test run
-  leaves no rank behind.
+  (``PR_SET_PDEATHSIG``, set by ``rank_entry.start`` before the rank imports torch or the test: the test process,
+  or the fork server, which ends with it) and leaves when the test process is gone (checked at its start and
+  twice a second), so a killed test run leaves no rank behind. The run's temporary folder is removed by the run,
+  else by a rank that finds its test gone, else by the next run or soak (``rank_entry.remove_stale_folders``:
+  ``tah_dist_<test pid>_*`` of a test process that has ended).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import importlib
 import datetime
@@ -55,6 +57,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from tests.helpers import rank_entry
 
 
 @dataclasses.dataclass
@@ -77,16 +81,7 @@ class DistributedError(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{details}")
 
 
-PR_SET_PDEATHSIG = 1
 STACKS_S = 3.0  # how long the parent waits for a rank's stack dump
-
-
-def _die_with_parent() -> None:
-    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stacks_file(tmpdir: str, rank: int) -> str:
@@ -98,7 +93,6 @@ PRELOAD = ("megatron.core",)  # imported before a rank counts as started (absent
 
 def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results, pg_timeout, preload):
     os.setpgid(0, 0)  # a process group of its own: killed with the helpers it spawns
-    _die_with_parent()
     stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 (open while the rank lives)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.clear()  # the parent's environment now (a forked rank inherited the fork server's, from its start)
@@ -127,7 +121,8 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
     results.join_thread()
 
 
-SERVER_PRELOAD = ("megatron.core", "megatron.training")  # what the fork server imports once
+# what the fork server imports once (first: it dies with the test process, even while importing the rest)
+SERVER_PRELOAD = ("tests.helpers.server_dies_with_parent", "megatron.core", "megatron.training")
 RUNTIME_ONLY = ("PYTEST_CURRENT_TEST",)  # variables that change between tests and that no import reads
 _server_env: dict = {}  # the environment the fork server imported under, once it runs
 SUITE_SET = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE")}
@@ -183,11 +178,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, grace: f
     env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
     ctx = _context(env, preload)
     results = ctx.Queue()
-    tmpdir = tempfile.mkdtemp(prefix="tah_dist_")
+    rank_entry.remove_stale_folders()
+    tmpdir = tempfile.mkdtemp(prefix=f"{rank_entry.FOLDER_PREFIX}{os.getpid()}_")
     init_file = os.path.join(tmpdir, "rendezvous")
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, init_file, fn, args, kwargs, env, threads, results,
-                               startup + timeout, preload))
+    procs = [ctx.Process(target=rank_entry.start, daemon=True,
+                         args=(os.getpid(), tmpdir, results,
+                               pickle.dumps((r, world_size, init_file, fn, args, kwargs, env, threads,
+                                             startup + timeout, preload))))
              for r in range(world_size)]
     for p in procs:
         p.start()

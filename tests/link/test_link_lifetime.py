@@ -204,9 +204,10 @@ def test_a_send_never_waited_for_is_drained_at_uninstall_and_reaches_a_late_rece
     assert (received - sent).norm() / sent.norm() < 0.2  # hadint 4-bit: close, and not another message
 
 
-def _holdings(rank, world_size, iterations):
+def _holdings(rank, world_size, iterations, known=True):
     """Megatron's schedules (interleaved with overlapped transfers, 1F1B unbatched), ``iterations`` training
-    iterations each with entropy coding: per iteration, what the transport holds once the iteration is done."""
+    iterations each with entropy coding: per iteration, what the transport holds once the iteration is done.
+    ``known``: Megatron's iteration is set (else no arguments: a training loop of the user's own)."""
     import megatron_tah
     from megatron.training import global_vars
     from megatron_tah.megatron.cpu_shims import apply_cpu_shims
@@ -225,6 +226,7 @@ def _holdings(rank, world_size, iterations):
             megatron_tah.install(**CODECS, tah_share_gpus=True)  # (through host buffers: counted too)
             transport = installed_transport()
             per_iteration = []
+            global_vars._GLOBAL_ARGS = args if known else None
             for args.curr_iteration in range(1, iterations + 1):
                 _train(chunks, 1, lr=3e-3)
                 staging = sum(link.staging.allocations for link in transport.links.values()
@@ -241,9 +243,10 @@ def _holdings(rank, world_size, iterations):
     return out
 
 
-def test_what_a_link_holds_stays_bounded_over_many_iterations():
+@pytest.mark.parametrize("known", [True, False], ids=["megatron-iteration", "iteration-unknown"])
+def test_what_a_link_holds_stays_bounded_over_many_iterations(known):
     iterations = 30
-    results = run_distributed(_holdings, 2, iterations, env=ENV, timeout=900)
+    results = run_distributed(_holdings, 2, iterations, known, env=ENV, timeout=900)
     for rank, per_schedule in enumerate(results):
         assert set(per_schedule) == {"1f1b-unbatched", "interleaved-overlap"}
         for name, held in per_schedule.items():

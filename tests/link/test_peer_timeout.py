@@ -129,17 +129,23 @@ def test_a_transfer_the_backend_refuses_to_post_is_named_when_waited_for():
         watch.wait(failed, peer=1, stages=(0, 1), ranks=(0, 1), receiving=False, what="activations", iteration=3)
 
 
-def test_before_the_first_message_from_a_peer_the_wait_is_the_process_groups():
-    """Start-up (compiling kernels, auto's cost table) may keep a peer silent longer than the bound: the first wait
-    passes no timeout, and a timeout of the process group's own is named as such."""
-    watch, clock = _watch(60)
-    work = FakeWork(clock, completes_after=300.0)
+def test_before_the_first_message_from_a_peer_the_bound_has_the_start_up_allowance():
+    """Start-up (building the model, compiling kernels, auto's cost table) may keep a peer silent longer than the
+    bound: until data has arrived from it, a wait is bounded by --tah-peer-timeout-s + --tah-peer-start-up-s, and
+    its error says so; then by the bound alone."""
+    clock = FakeClock()
+    watch = PeerWatch(60, clock=clock, wall=lambda: 1_700_000_000.0 + clock.now, start_up_s=240)
+    work = FakeWork(clock, completes_after=250.0)
     watch.wait(work, **RECV)
-    assert work.timeouts == [None]
-    work = FakeWork(clock, fails_after=600.0, error=GLOO_TIMEOUT.format(ms=600000))
-    with pytest.raises(PeerTimeoutError, match=r"within the process group's timeout \(Megatron's "
-                                               r"--distributed-timeout-minutes.*last arrived never"):
-        watch.wait(work, **{**RECV, "peer": 2})
+    assert work.timeouts == [datetime.timedelta(seconds=300)]
+    start = clock.now
+    with pytest.raises(PeerTimeoutError, match=r"within 300 s \(--tah-peer-timeout-s 60 \+ --tah-peer-start-up-s "
+                                               r"240: no data had arrived from this peer yet\).*last arrived never"):
+        watch.wait(FakeWork(clock), **{**RECV, "peer": 2})
+    assert clock.now - start == 300.0
+    work = FakeWork(clock, completes_after=1.0)
+    watch.wait(work, **RECV)  # peer 1 has been heard from
+    assert work.timeouts == [datetime.timedelta(seconds=60)]
 
 
 @pytest.mark.parametrize("timeout_s, bounded", [(0.0, True), (60.0, False)])
@@ -159,6 +165,9 @@ def test_the_bound_is_a_validated_option():
         TahConfig(tah_peer_timeout_s=-1)
     with pytest.raises(ValueError, match="timeout_s"):
         PeerWatch(float("nan"))
+    assert TahConfig().tah_peer_start_up_s == 60.0
+    with pytest.raises(ValueError, match="tah_peer_start_up_s = -1"):
+        TahConfig(tah_peer_start_up_s=-1)
 
 
 # ----- the real transport, two gloo processes ------------------------------------------------------------
@@ -335,3 +344,77 @@ def test_the_error_that_ends_the_training_loop_is_recorded_for_the_restart_loop(
         (1, "PayloadChecksumError", False, (0, 1), 6)
     assert (other.rank, other.error, other.secondary) == (2, "KeyError", False)
     assert failures.first_error([lost, cause, other]) == cause
+
+
+# ----- from the first byte: the handshake, the first message and a place's collective, measured -------------
+START_BOUND, START_UP = 3.0, 2.0  # --tah-peer-timeout-s and --tah-peer-start-up-s of these runs
+
+
+def _silent_from_the_start(rank, world_size, where):
+    """Stage 1 stays silent (sleeps) at ``where``: before the handshake, after it before its first message, or
+    before a data-parallel int8 all-reduce; stage 0 goes on. Returns stage 0's (error class, text, link, iteration,
+    seconds its wait took)."""
+    import types
+
+    import megatron_tah
+    from megatron.training import global_vars
+    from megatron_tah.link.handshake import check_group
+    from megatron_tah.megatron import collectives
+    from megatron_tah.megatron.bounded import collective_wait
+    from megatron_tah.megatron.pipeline_parallel import installed_transport
+    from tests.link.test_staging import SHAPE, _exchange
+
+    args = types.SimpleNamespace(curr_iteration=1)
+    global_vars._GLOBAL_ARGS = args
+    config = TahConfig(tah_preset="paper", tah_backend="torch", tah_peer_timeout_s=START_BOUND,
+                       tah_peer_start_up_s=START_UP)
+    megatron_tah.install(config)
+    world, x = torch.distributed.group.WORLD, torch.randn(SHAPE)
+    try:
+        if rank == 1:
+            if where == "first message":
+                transport = installed_transport()
+                check_group(config, world, x.device, transport.handshake_wait(world))
+            time.sleep(START_BOUND + START_UP + 8.0)
+            return "slept"
+        start = time.monotonic()
+        try:
+            if where == "dp collective":
+                codec = config.build_codec("int8", 8, config.tah_int8_block_size)
+                collectives.all_reduce(codec, torch.randn(4096), world,
+                                       wait=collective_wait(config, world, prefix="data-parallel int8 "))
+            else:
+                _exchange(rank, True, x, x)
+            return ("no error", time.monotonic() - start)
+        except LinkError as err:
+            return (type(err).__name__, str(err), err.link, err.iteration, time.monotonic() - start)
+    finally:
+        megatron_tah.uninstall()
+        global_vars._GLOBAL_ARGS = None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["handshake", "first message", "dp collective"])
+def test_a_peer_silent_from_the_start_stops_the_run_within_the_bound_and_the_start_up_allowance(where):
+    """No wait is left to the process group's timeout (here Megatron's default, 10 minutes): the first wait on a
+    peer ends at --tah-peer-timeout-s + --tah-peer-start-up-s, naming the link or group, the ranks and the
+    iteration."""
+    from tests.helpers.dist_utils import RankFailure, run_distributed
+
+    results = run_distributed(_silent_from_the_start, 2, where, timeout=120, grace=20, return_exceptions=True)
+    stage0 = results[0]
+    assert not isinstance(stage0, RankFailure) and stage0[0] == "PeerTimeoutError", stage0
+    _, text, link, iteration, seconds = stage0
+    print(f"{where}: PeerTimeoutError after {seconds:.2f} s (bound {START_BOUND:g} + allowance {START_UP:g} s)")
+    limit = START_BOUND + START_UP
+    assert limit - 0.5 <= seconds <= limit + 2.0 and iteration == 1, stage0
+    if where == "dp collective":
+        assert link is None and text.startswith("megatron_tah: world rank 0, data-parallel int8 all-to-all over world "
+                                                "ranks [0, 1], iteration 1: world rank(s) [1] did not answer within "
+                                                "5 s (--tah-peer-timeout-s 3 + --tah-peer-start-up-s 2"), text
+    else:
+        sender, receiver = link
+        assert text.startswith(f"megatron_tah: link stage {sender} -> stage {receiver}, iteration 1 (world rank "
+                               f"{sender} -> {receiver}): "), text
+        assert "within 5 s (--tah-peer-timeout-s 3 + --tah-peer-start-up-s 2: no data had arrived" in text, text
+        assert ("codec configurations" in text) == (where == "handshake"), text

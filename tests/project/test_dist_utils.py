@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -115,3 +116,48 @@ def test_ranks_fork_from_one_server_with_the_parents_environment_or_spawn_when_a
     assert run_distributed(_what_the_rank_sees, 1, "TAH_PROBE", env={"TAH_PROBE": "given"})[0][::2] == \
         ("given", os.getpid())
     assert run_distributed(_what_the_rank_sees, 1, "TAH_PROBE")[0][2] == first[2]  # back to the server
+
+
+# ----- a killed test leaves no rank running, and its folder goes -----------------------------------------------
+def _marks_and_sleeps(rank, world_size, where):
+    with open(f"{where}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+KILLED_TEST = """
+import sys
+from tests.helpers.dist_utils import run_distributed
+from tests.project.test_dist_utils import _marks_and_sleeps
+run_distributed(_marks_and_sleeps, 2, sys.argv[1], timeout=300, env={"TAH_SPAWNED": "1"})  # (spawned ranks)
+"""
+
+
+@pytest.mark.parametrize("when", ["importing", "running"])
+def test_no_rank_outlives_a_killed_test_and_its_folder_is_removed(tmp_path, when):
+    """The test process SIGKILLed while its spawned ranks import (torch, the harness, the test module) or while they
+    run: every rank ends within seconds, and the run's temporary folder is gone (removed by a rank, or by the
+    next run's sweep)."""
+    import psutil
+
+    from tests.helpers import rank_entry
+
+    where = str(tmp_path / "rank")
+    test = subprocess.Popen([sys.executable, "-c", KILLED_TEST, where], cwd=os.path.dirname(
+        os.path.dirname(os.path.dirname(__file__))), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    parent, deadline = psutil.Process(test.pid), time.monotonic() + 240
+    ranks = []
+    while time.monotonic() < deadline:
+        ranks = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+        ready = all(os.path.exists(f"{where}.{r}") for r in range(2))
+        if len(ranks) == 2 and (when == "importing" or ready):
+            break
+        time.sleep(0.05)
+    assert len(ranks) == 2, parent.children()
+    family = parent.children(recursive=True)
+    test.kill()
+    test.wait()
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    rank_entry.remove_stale_folders()
+    assert not [e for e in os.listdir(tempfile.gettempdir()) if e.startswith(f"{rank_entry.FOLDER_PREFIX}{test.pid}_")]

@@ -1,0 +1,111 @@
+"""``make soak`` (``scripts/soak.py``) tells the truth: 0 on healthy tests whose fork server outlives pytest by a
+moment, 1 on a test that hangs, and SIGTERM leaves neither its CPU hog nor the running pytest behind.
+
+Fake ``distributed`` tests in a temporary folder, soaked for real with short bounds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = '''
+import multiprocessing, os, time
+import pytest
+
+
+def _child(path):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+
+
+@pytest.mark.distributed
+def test_a_forkserver_child():  # multiprocessing's fork server (and resource tracker) outlive pytest briefly
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # (as the tests' helper preloads megatron-core: a server slower to end)
+    p = ctx.Process(target=_child, args=(os.environ["SOAK_MARK"] + ".child",))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+
+
+@pytest.mark.distributed
+def test_hangs():
+    if os.environ.get("SOAK_HANG"):
+        with open(os.environ["SOAK_MARK"] + ".hang", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+'''
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """The fake tests' file, inside the repository (ignored ``runs/``: pytest names tests from the rootdir) and
+    removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="soak-test-", dir=REPO / "runs"))
+    (folder / "test_fake.py").write_text(TESTS)
+    try:
+        yield folder / "test_fake.py"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _soak(test: Path, tmp_path: Path, *flags: str, hang: bool = False) -> subprocess.Popen:
+    env = dict(os.environ, SOAK_MARK=str(tmp_path / "mark"), PYTHONPATH=str(REPO))
+    if hang:
+        env["SOAK_HANG"] = "1"
+    return subprocess.Popen([sys.executable, "scripts/soak.py", "--hogs", "1", "--logs", str(tmp_path / "logs"),
+                             *flags, str(test.relative_to(REPO))], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_healthy_tests_pass_once_their_fork_server_has_ended(fake, tmp_path):
+    proc = _soak(fake, tmp_path, "--runs", "2", "--timeout", "60")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "| 2 | 2 | 0 | 0 | 0 | 0 |" in out, out  # 2 runs, 2 passed, no failure, hang, skip or leftover
+
+
+def test_a_hanging_test_makes_the_soak_fail(fake, tmp_path):
+    proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "5", "--settle-s", "2", hang=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "hang" in out and "test_hangs" in out, out
+
+
+def test_sigterm_stops_the_running_pytest_and_the_hog(fake, tmp_path):
+    proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "120", hang=True)
+    mark = tmp_path / "mark.hang"
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert mark.exists(), proc.communicate(timeout=30)[0]
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert len(family) >= 2  # the hog, the pytest (and its test)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "stopped by SIGTERM" in out, out
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.parametrize("runs", [3])
+def test_a_budget_samples_every_test_before_any_runs_twice(runs):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import soak
+    finally:
+        sys.path.pop(0)
+    tests = ["a.py::x", "a.py::y", "b.py::z"]
+    assert soak.schedule(tests, runs, budget=True)[:4] == [(1, ["a.py::x"]), (1, ["a.py::y"]), (1, ["b.py::z"]),
+                                                           (2, ["a.py::x"])]
+    assert soak.schedule(tests, 1, budget=False) == [(1, ["a.py::x", "a.py::y"]), (1, ["b.py::z"])]
