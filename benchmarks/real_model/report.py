@@ -190,9 +190,10 @@ def control(out: Path, curves: dict, target: float) -> dict | None:
     return None
 
 
-def target_and_slope(base: list[list[tuple[int, float]]], step: int) -> tuple[float, float]:
+def target_and_slope(base: list[list[tuple[int, float]]], step: int, window: int = 4) -> tuple[float, float]:
     """bf16's mean validation loss at ``step`` (each seed's curve interpolated there) and the mean curve's
-    least-squares fall per step over the validations within 4 steps of it (positive: still falling)."""
+    least-squares fall per step over the validations within ``window`` steps of it (positive: still falling; the
+    window must hold two validations)."""
     def at(curve, x):
         points = sorted(curve)
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
@@ -201,7 +202,9 @@ def target_and_slope(base: list[list[tuple[int, float]]], step: int) -> tuple[fl
         raise ValueError(f"step {x} is outside a bf16 curve's validations {points[0][0]}..{points[-1][0]}")
 
     target = statistics.fmean(at(c, step) for c in base)
-    steps = sorted({i for c in base for i, _ in c if abs(i - step) <= 4})
+    steps = sorted({i for c in base for i, _ in c if abs(i - step) <= window})
+    if len(steps) < 2:
+        raise ValueError(f"fewer than two bf16 validations within {window} steps of step {step}: no slope")
     means = [statistics.fmean(at(c, i) for c in base) for i in steps]
     mx, my = statistics.fmean(steps), statistics.fmean(means)
     slope = sum((x - mx) * (y - my) for x, y in zip(steps, means)) / sum((x - mx) ** 2 for x in steps)

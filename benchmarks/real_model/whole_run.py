@@ -206,7 +206,8 @@ def build(plan: Plan, out: Path) -> dict:
         return result
     untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
         else None
-    target, slope = report.target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], plan.target_step)
+    target, slope = report.target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], plan.target_step,
+                                            window=max(4, plan.size.eval_interval))  # the validations either side
     result.update(target=target, target_slope=slope, curves=curves)
     checks = pipeline_checks(plan, out, curves)
     result["pipeline"] = checks
@@ -305,6 +306,9 @@ def write_page(result: dict, page: Path, command: str) -> None:
              f"{result['registered']} ([benchmarks/real_model/{result['plan']}](../benchmarks/real_model/{result['plan']})); "
              f"its JSON: [data/{stem}.json](data/{stem}.json). Runs finished: {result['planned_finished']} of "
              f"{result['planned']} planned (machine: {result['machine']}).", ""]
+    if result["planned_finished"] < result["planned"]:
+        lines += [f"**A study going on**: {result['planned_finished']} of {result['planned']} planned runs are in. "
+                  "Figures over fewer seeds than planned are not the plan's verdict; a seed that missed counts.", ""]
     lines += ["## Where the study stands", ""]
     for st in result["stages"]:
         done = [n for n in st["runs"] if n in result["finished"]]
@@ -323,6 +327,8 @@ def write_page(result: dict, page: Path, command: str) -> None:
                   f"{result['target']:.4f} (falling {result['target_slope']:.4f} per step there). Rule: "
                   f"{result['rule']['text']}.", "", f"![ratio along the run](data/{stem}.png)", ""]
         for depth, rows in result["tables"].items():
+            if all(r["codec"] == "bf16" for r in rows):
+                continue  # no codec of this depth finished yet
             for traffic in runs.TRAFFIC:
                 lines += [f"## Depth {depth}, {report.TRAFFIC_LABEL[traffic]}", "",
                           table_markdown(rows, traffic, result["points"]), "",
@@ -352,7 +358,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tables = result.get("tables") or {}
+    tables = {d: rows for d, rows in (result.get("tables") or {}).items() if any(r["codec"] != "bf16" for r in rows)}
     fig, axes = plt.subplots(max(len(tables), 1), 2, figsize=(12, 4 * max(len(tables), 1)), squeeze=False)
     for k, (depth, rows) in enumerate(tables.items()):
         for ax, traffic in zip(axes[k], runs.TRAFFIC):
@@ -368,7 +374,8 @@ def plot(result: dict, path: Path) -> None:
             ax.set_title(f"depth {depth}, {report.TRAFFIC_LABEL[traffic]}", fontsize=9)
             ax.set_xlabel("step")
             ax.set_ylabel("equivalent-steps ratio vs bf16")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
