@@ -183,6 +183,10 @@ def test_the_target_is_bf16s_mean_loss_at_its_step_where_the_slope_is_measured()
     assert target == pytest.approx(4.0 - 0.02 * 11, abs=1e-4) and slope == pytest.approx(0.02)
     with pytest.raises(ValueError, match="outside"):
         report.target_and_slope(base, 50)
+    sparse = [[(i, 4.0 - 0.02 * (i - 10)) for i in range(10, 41, 10)]]  # one validation every 10 steps
+    with pytest.raises(ValueError, match="fewer than two bf16 validations within 4 steps"):
+        report.target_and_slope(sparse, 20)
+    assert report.target_and_slope(sparse, 20, window=10)[1] == pytest.approx(0.02)
 
 
 def test_a_codec_at_half_the_slope_needs_more_steps_and_one_that_missed_gets_no_multiplier():
