@@ -13,6 +13,7 @@ from typing import Any
 from ..codecs import Codec, codec_declaration, get_codec
 from ..codecs.base import BACKENDS
 from ..codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
+from ..codecs.entropy import CODERS, DEFAULT_CODER
 from ..geometry import TILE_SIZES
 from ..units import parse_bandwidth
 from . import pipeline
@@ -81,6 +82,9 @@ class TahConfig:
     tah_entropy_coding: bool = False
     """Code each pipeline message losslessly after its codec (fewer bytes, the same values); on gloo each message
     goes at its own length, on NCCL in agreed frames. Fixed codecs only; both stages agree (docs/CODECS.md)."""
+    tah_entropy_coder: str = dataclasses.field(default=DEFAULT_CODER, metadata={"choices": tuple(CODERS)})
+    """The lossless coder of --tah-entropy-coding: ans (constriction's, on the host) or huffman (torch, on the
+    message's device; slower on a CPU). Both stages agree (docs/CODECS.md)."""
     tah_peer_timeout_s: float = 120.0
     """Stop the run when a neighbouring stage stays silent this long, naming the link (seconds; 0: Megatron's
     timeouts only); bounds the other collectives too (docs/RELIABILITY.md)."""

@@ -104,12 +104,13 @@ def unframe(message: torch.Tensor, n: int, rest: torch.Tensor | None) -> torch.T
 
 
 class FramingStep(Step):
-    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors): framed, its agreed frame
+    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors; ``coder``: ``entropy.CODERS``,
+    both ends the same, checked by the handshake): framed, its agreed frame
     sizes and, on a receive end, the receive posted and not yet read (its coded size sizes the next one). An
     exact receive keeps nothing here: its length is its message's (``m.nbytes``)."""
 
-    def __init__(self, direction: str, peer: int):
-        self.direction, self.peer = direction, peer
+    def __init__(self, direction: str, peer: int, coder: str = entropy.DEFAULT_CODER):
+        self.direction, self.peer, self.coder = direction, peer, coder
         self.sizes = FrameSizes()
         self.pending: tuple[tuple, int] | None = None  # framed receive end: (key, capacity) of the posted receive
         self.coded_nbytes: int | None = None  # ... and the coded length its frame announced, once read
@@ -122,7 +123,7 @@ class FramingStep(Step):
         return key, capacity, self.sizes.size(key, capacity)
 
     def on_send(self, out: Outgoing) -> None:
-        coded = entropy.encode(eager(out.codec), out.buf, out.shape, out.dtype)
+        coded = entropy.encode(eager(out.codec), out.buf, out.shape, out.dtype, self.coder)
         if out.exact:
             out.buf, out.rest = frame(coded)
             return
@@ -168,9 +169,9 @@ class FramingStep(Step):
         ``m.rest``."""
         if m.exact:
             coded = unframe(buf, buf.numel() - FRAME_HEADER_NBYTES, None)
-            return entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
+            return entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype, self.coder)
         coded = unframe(buf, self.coded_nbytes, m.rest)
-        decoded = entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
+        decoded = entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype, self.coder)
         self.sizes.record(self.pending[0], self.coded_nbytes + FRAME_HEADER_NBYTES)
         self.pending = self.coded_nbytes = None
         return decoded

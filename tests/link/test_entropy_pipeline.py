@@ -257,10 +257,15 @@ def test_both_stages_must_agree_and_auto_is_refused():
     from megatron_tah.config import TahConfig
     from megatron_tah.link.handshake import config_record
 
+    from megatron_tah.codecs import entropy
+
     coded, plain = config_record(TahConfig(**CODECS, tah_entropy_coding=True)), config_record(TahConfig(**CODECS))
+    other = config_record(TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder="huffman"))
     for direction in ("forward", "backward"):
         assert coded[direction][0] != plain[direction][0]  # a neighbour without it is a CodecMismatchError
-        assert coded[direction][1] == plain[direction][1] + ", entropy-coded"
+        assert coded[direction][0] != other[direction][0]  # ... and one with another coder
+        assert coded[direction][1] == plain[direction][1] + f", entropy-coded by {entropy.coder_identity('ans')}"
+        assert "constriction " in coded[direction][1] and other[direction][1].endswith("by huffman (torch)")
     with pytest.raises(ValueError, match="tah_entropy_coding with an auto direction"):
         TahConfig(tah_forward_codec="auto", tah_entropy_coding=True)
 

@@ -1,0 +1,149 @@
+"""The host coder: each section's symbols through ``constriction``'s ANS coder (``--tah-entropy-coder ans``, the
+default).
+
+A section's symbols are coded with asymmetric numeral systems under a static model of the section's own symbol
+counts: a packed-code section's codes, two neighbouring codes per symbol for 3- and 4-bit codes and a byte of codes
+for 1- and 2-bit ones (half or fewer of the library calls per code; the order-0 entropy of code pairs is at most
+twice that of single codes, so the size stays at or under the single codes' bound), any other section's bytes. The
+model is quantized to one byte per symbol on a log scale
+(``TABLE_STEPS`` steps per octave: a probability within 3.5% of the count's share, which costs well under 0.1% of
+the section's bits). The coding itself is the library's (PyPI ``constriction``, Rust: ``stack.AnsCoder`` with a
+``model.Categorical`` built from the table); unpacking the codes and packing them back are numpy on the host. A
+CUDA buffer is copied to the host to be coded (see ``entropy.py``: the device coder is ``huffman.py``).
+
+Why this library: measured on lowrank_h3_rn's buffers of real SmolLM2-135M messages at [1024, 1, 576] and
+[128, 1, 576] (2-core AMD EPYC, one thread, beside another job), constriction coded them at the order-0 bound
+(1.0000-1.0011x, tables excluded) at 17-19 MB/s of codec buffer encode + decode with this module's numpy
+unpacking; PyPI ``torch-ans`` 0.4 (rANS, 4 interleaved states, on the same symbols) at 1.0004-1.0060x and
+8-16 MB/s (its per-call set-up weighs on small sections); the torch Huffman coder (``huffman.py``) at
+1.03-1.04x and 1.4-1.6 MB/s. The numbers and the command are in docs/CODECS.md ("The lossless stage").
+torch-ans's prebuilt wheel has no CUDA kernels (it compiles them with ``nvcc`` on first use of a CUDA tensor),
+so it would not give a GPU path without a toolkit on the training machines either.
+
+Section format (``entropy.py`` writes the bytes around it), little endian::
+
+    0       1   mode: 2 (``MODE``)
+    1       4   W: the coded stream's length in 32-bit words
+    5       A   the model: one byte per symbol (A = 2**symbol_bits(bits)): 0: absent; q: probability proportional to
+                2**((q - 255) / TABLE_STEPS)
+    5 + A   4W  the ANS stream (``AnsCoder.get_compressed()``)
+
+Decoding checks what it can: the stream's length against the section's bytes, that the coder ends in its
+initial state with every symbol decoded (a corrupted stream almost never does), and that no decoded symbol is
+one the table says is absent; anything else is the payload checksum's (``--tah-wire-checksum``).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import numpy as np
+
+from .base import WireFormatError
+
+__all__ = ["MODE", "PER_SYMBOL", "decode_section", "encode_section", "library", "pack", "symbol_bits", "unpack"]
+
+MODE = 2
+TABLE_STEPS = 10  # table steps per octave of a symbol's count
+_HEAD = 5  # mode byte and word count
+PER_SYMBOL = {1: 8, 2: 4, 3: 2, 4: 2}  # codes of a packed section coded as one symbol (of at most 8 bits); else 1
+def _constriction():
+    try:
+        import constriction
+    except ImportError as err:  # a dependency of the package: only a broken environment lacks it
+        raise ImportError("megatron_tah's host entropy coder needs PyPI constriction (pip install constriction)") \
+            from err
+    return constriction
+
+
+def library() -> str:
+    """The coding library and its version: both ends of a link must hold the same (the handshake compares it)."""
+    return f"constriction {version('constriction')}"
+
+
+
+def symbol_bits(bits: int) -> int:
+    """Bits of the symbols a section of ``bits``-bit codes is coded as: ``PER_SYMBOL`` codes each."""
+    return bits * PER_SYMBOL.get(bits, 1)
+
+
+def unpack(raw: np.ndarray, bits: int) -> np.ndarray:
+    """The symbols of a packed section (``common.pack_bits``' layout: 8 codes little endian in ``bits`` bytes) as
+    int32: ``PER_SYMBOL`` neighbouring codes each (code ``i`` of a symbol in its bits ``i * bits`` up)."""
+    width = symbol_bits(bits)
+    if width == 8:
+        return raw.astype(np.int32)
+    groups = np.zeros((raw.size // bits, 8), dtype=np.uint8)
+    groups[:, :bits] = raw.reshape(-1, bits)
+    shifts = np.arange(0, 8 * bits, width, dtype=np.uint64)
+    return ((groups.view("<u8") >> shifts) & np.uint64((1 << width) - 1)).astype(np.int32).reshape(-1)
+
+
+def pack(symbols: np.ndarray, bits: int) -> np.ndarray:
+    """``unpack``'s inverse: uint8, the section's bytes."""
+    width = symbol_bits(bits)
+    if width == 8:
+        return symbols.astype(np.uint8)
+    groups = symbols.reshape(-1, 8 * bits // width).astype(np.uint64)
+    words = groups[:, 0].copy()
+    for i in range(1, groups.shape[1]):
+        words |= groups[:, i] << np.uint64(i * width)
+    return words.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :bits].reshape(-1)
+
+
+def _table(counts: np.ndarray) -> np.ndarray:
+    """One byte per symbol from its count: 0 absent, else 255 + round(TABLE_STEPS * log2(count / largest)), >= 1."""
+    table = np.zeros(counts.size, dtype=np.uint8)
+    present = counts > 0
+    steps = np.rint(TABLE_STEPS * np.log2(counts[present] / counts.max()))
+    table[present] = np.clip(255 + steps, 1, 255).astype(np.uint8)
+    return table
+
+
+def _model(table: np.ndarray):
+    """The table's model: the same floats, so the same quantized model, on both ends."""
+    weights = np.where(table > 0, np.exp2((table.astype(np.float64) - 255) / TABLE_STEPS), 0.0)
+    return _constriction().stream.model.Categorical(weights / weights.sum(), perfect=False)
+
+
+def encode_section(raw: np.ndarray, bits: int) -> np.ndarray:
+    """Section ``raw`` (uint8, a whole number of ``bits``-bit codes) coded (format above), mode byte first."""
+    symbols = unpack(raw, bits)
+    counts = np.bincount(symbols, minlength=1 << symbol_bits(bits))
+    table = _table(counts)
+    coder = _constriction().stream.stack.AnsCoder()
+    coder.encode_reverse(symbols, _model(table))
+    words = coder.get_compressed().astype("<u4", copy=False)
+    head = np.array([MODE, *int(words.size).to_bytes(4, "little")], dtype=np.uint8)
+    return np.concatenate([head, table, words.view(np.uint8)])
+
+
+def decode_section(data: np.ndarray, at: int, size: int, bits: int) -> tuple[np.ndarray, int]:
+    """The ``size`` bytes of the section coded at ``data[at:]`` (its mode byte first) and the coded section's
+    length; ``WireFormatError`` when it is not one this coder wrote."""
+    alphabet, n = 1 << symbol_bits(bits), size * 8 // symbol_bits(bits)
+    if data.size < at + _HEAD + alphabet:
+        raise WireFormatError(f"ans-coded section at byte {at}: {data.size - at} bytes, its table alone needs "
+                              f"{_HEAD + alphabet}")
+    words = int.from_bytes(data[at + 1 : at + _HEAD].tobytes(), "little")
+    table = data[at + _HEAD : at + _HEAD + alphabet]
+    end = at + _HEAD + alphabet + 4 * words
+    if end > data.size:
+        raise WireFormatError(f"ans-coded section at byte {at}: its stream of {words} words ends at byte {end}, "
+                              f"past the buffer's {data.size}")
+    if not table.any():
+        raise WireFormatError(f"ans-coded section at byte {at}: a table without symbols")
+    stream = np.frombuffer(data[at + _HEAD + alphabet : end].tobytes(), dtype="<u4").astype(np.uint32)
+    try:
+        coder = _constriction().stream.stack.AnsCoder(stream)
+        symbols = coder.decode(_model(table), n)
+        ended = coder.is_empty()
+    except (ValueError, RuntimeError, AssertionError) as err:
+        raise WireFormatError(f"ans-coded section at byte {at}: not a valid stream ({err})") from None
+    if not ended:
+        raise WireFormatError(f"ans-coded section at byte {at}: its stream does not end with its {n} symbols "
+                              "(corrupted)")
+    if not table[symbols].all():
+        raise WireFormatError(f"ans-coded section at byte {at}: decoded a symbol its table says is absent "
+                              "(corrupted)")
+    return pack(symbols, bits), end - at
