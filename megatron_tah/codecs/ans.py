@@ -2,10 +2,10 @@
 default).
 
 A section's symbols are coded with asymmetric numeral systems under a static model of the section's own symbol
-counts: a packed-code section's codes, two neighbouring codes per symbol for 3- and 4-bit codes and a byte of codes
-for 1- and 2-bit ones (half or fewer of the library calls per code; the order-0 entropy of code pairs is at most
-twice that of single codes, so the size stays at or under the single codes' bound), any other section's bytes. The
-model is quantized to one byte per symbol on a log scale
+counts: any other section's bytes, and a packed-code section's codes, several neighbouring codes to a symbol of
+at most 8 bits where the section is large enough for the larger table (``symbol_bits``: 3- and 4-bit codes in pairs
+from 8 and 32 KB of codes; half the library calls per code, and the order-0 entropy of a pair is at most twice a
+code's, so the size stays at or under the single codes' bound). The model is quantized to one byte per symbol on a log scale
 (``TABLE_STEPS`` steps per octave: a probability within 3.5% of the count's share, which costs well under 0.1% of
 the section's bits). The coding itself is the library's (PyPI ``constriction``, Rust: ``stack.AnsCoder`` with a
 ``model.Categorical`` built from the table); unpacking the codes and packing them back are numpy on the host. A
@@ -24,8 +24,8 @@ Section format (``entropy.py`` writes the bytes around it), little endian::
 
     0       1   mode: 2 (``MODE``)
     1       4   W: the coded stream's length in 32-bit words
-    5       A   the model: one byte per symbol (A = 2**symbol_bits(bits)): 0: absent; q: probability proportional to
-                2**((q - 255) / TABLE_STEPS)
+    5       A   the model: one byte per symbol (A = 2**symbol_bits(bits, section bytes)): 0: absent; q:
+                probability proportional to 2**((q - 255) / TABLE_STEPS)
     5 + A   4W  the ANS stream (``AnsCoder.get_compressed()``)
 
 Decoding checks what it can: the stream's length against the section's bytes, that the coder ends in its
@@ -41,12 +41,12 @@ import numpy as np
 
 from .base import WireFormatError
 
-__all__ = ["MODE", "PER_SYMBOL", "decode_section", "encode_section", "library", "pack", "symbol_bits", "unpack"]
+__all__ = ["MODE", "TABLE_SHARE", "decode_section", "encode_section", "library", "pack", "symbol_bits", "unpack"]
 
 MODE = 2
 TABLE_STEPS = 10  # table steps per octave of a symbol's count
 _HEAD = 5  # mode byte and word count
-PER_SYMBOL = {1: 8, 2: 4, 3: 2, 4: 2}  # codes of a packed section coded as one symbol (of at most 8 bits); else 1
+TABLE_SHARE = 128  # codes go several to a symbol only while the larger table is at most 1/128 of the section
 def _constriction():
     try:
         import constriction
@@ -62,15 +62,20 @@ def library() -> str:
 
 
 
-def symbol_bits(bits: int) -> int:
-    """Bits of the symbols a section of ``bits``-bit codes is coded as: ``PER_SYMBOL`` codes each."""
-    return bits * PER_SYMBOL.get(bits, 1)
+def symbol_bits(bits: int, nbytes: int) -> int:
+    """Bits of the symbols a section of ``nbytes`` bytes of ``bits``-bit codes is coded as: the most codes per
+    symbol (8, 4 or 2, at most 8 bits) whose table (a byte per symbol) is at most ``1 / TABLE_SHARE`` of the
+    section, else 1."""
+    for per in (8, 4, 2):
+        if per * bits <= 8 and (1 << per * bits) * TABLE_SHARE <= nbytes:
+            return per * bits
+    return bits
 
 
 def unpack(raw: np.ndarray, bits: int) -> np.ndarray:
     """The symbols of a packed section (``common.pack_bits``' layout: 8 codes little endian in ``bits`` bytes) as
-    int32: ``PER_SYMBOL`` neighbouring codes each (code ``i`` of a symbol in its bits ``i * bits`` up)."""
-    width = symbol_bits(bits)
+    int32, ``symbol_bits(bits, raw.size)`` bits each (neighbouring codes, the first in the lowest bits)."""
+    width = symbol_bits(bits, raw.size)
     if width == 8:
         return raw.astype(np.int32)
     groups = np.zeros((raw.size // bits, 8), dtype=np.uint8)
@@ -79,9 +84,9 @@ def unpack(raw: np.ndarray, bits: int) -> np.ndarray:
     return ((groups.view("<u8") >> shifts) & np.uint64((1 << width) - 1)).astype(np.int32).reshape(-1)
 
 
-def pack(symbols: np.ndarray, bits: int) -> np.ndarray:
-    """``unpack``'s inverse: uint8, the section's bytes."""
-    width = symbol_bits(bits)
+def pack(symbols: np.ndarray, bits: int, nbytes: int) -> np.ndarray:
+    """``unpack``'s inverse: the section's ``nbytes`` bytes (uint8)."""
+    width = symbol_bits(bits, nbytes)
     if width == 8:
         return symbols.astype(np.uint8)
     groups = symbols.reshape(-1, 8 * bits // width).astype(np.uint64)
@@ -109,7 +114,7 @@ def _model(table: np.ndarray):
 def encode_section(raw: np.ndarray, bits: int) -> np.ndarray:
     """Section ``raw`` (uint8, a whole number of ``bits``-bit codes) coded (format above), mode byte first."""
     symbols = unpack(raw, bits)
-    counts = np.bincount(symbols, minlength=1 << symbol_bits(bits))
+    counts = np.bincount(symbols, minlength=1 << symbol_bits(bits, raw.size))
     table = _table(counts)
     coder = _constriction().stream.stack.AnsCoder()
     coder.encode_reverse(symbols, _model(table))
@@ -121,7 +126,8 @@ def encode_section(raw: np.ndarray, bits: int) -> np.ndarray:
 def decode_section(data: np.ndarray, at: int, size: int, bits: int) -> tuple[np.ndarray, int]:
     """The ``size`` bytes of the section coded at ``data[at:]`` (its mode byte first) and the coded section's
     length; ``WireFormatError`` when it is not one this coder wrote."""
-    alphabet, n = 1 << symbol_bits(bits), size * 8 // symbol_bits(bits)
+    width = symbol_bits(bits, size)
+    alphabet, n = 1 << width, size * 8 // width
     if data.size < at + _HEAD + alphabet:
         raise WireFormatError(f"ans-coded section at byte {at}: {data.size - at} bytes, its table alone needs "
                               f"{_HEAD + alphabet}")
@@ -146,4 +152,4 @@ def decode_section(data: np.ndarray, at: int, size: int, bits: int) -> tuple[np.
     if not table[symbols].all():
         raise WireFormatError(f"ans-coded section at byte {at}: decoded a symbol its table says is absent "
                               "(corrupted)")
-    return pack(symbols, bits), end - at
+    return pack(symbols, bits, size), end - at

@@ -155,14 +155,15 @@ def test_a_truncated_or_padded_ans_buffer_is_an_error():
 
 def test_a_corrupted_ans_table_or_stream_is_an_error_never_garbage():
     codec, shape, dtype, coded = _ans_coded()
-    first = codec.layout(shape, dtype).offsets["codes"][0] + 1  # the scale section went raw: one mode byte
+    first, codes_nbytes = codec.layout(shape, dtype).offsets["codes"]
+    first += 1  # the scale section went raw: one mode byte
     assert coded[16] == entropy.RAW and coded[first] == ans.MODE  # the codes: skewed 4-bit symbols
     bad_mode = coded.clone()
     bad_mode[first] = 7
     with pytest.raises(WireFormatError, match="mode 7"):
         entropy.decode(codec, bad_mode, shape, dtype, "ans")
     no_symbols = coded.clone()
-    no_symbols[first + 5 : first + 5 + 2 ** ans.symbol_bits(4)] = 0
+    no_symbols[first + 5 : first + 5 + 2 ** ans.symbol_bits(4, codes_nbytes)] = 0
     with pytest.raises(WireFormatError, match="without symbols"):
         entropy.decode(codec, no_symbols, shape, dtype, "ans")
     longer = coded.clone()
@@ -205,18 +206,24 @@ def test_a_raw_message_decodes_with_either_coder(coder):
     assert torch.equal(entropy.decode(codec, raw, shape, x.dtype, coder), buf)
 
 
+@pytest.mark.parametrize("groups", [37, 8192])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_the_host_unpacking_is_the_codecs_packing(bits):
+def test_the_host_unpacking_is_the_codecs_packing(bits, groups):
+    """The host coder's symbols are the codec's codes, several to a symbol where the section is large."""
     from megatron_tah.codecs.common import pack_bits
 
-    codes = torch.randint(0, 2**bits, (8 * 37,), generator=torch.Generator().manual_seed(bits))
+    codes = torch.randint(0, 2**bits, (8 * groups,), generator=torch.Generator().manual_seed(bits))
     packed = pack_bits(codes, bits)
+    width = ans.symbol_bits(bits, packed.numel())
+    assert width % bits == 0 and width <= 8 and (2**width * ans.TABLE_SHARE <= packed.numel() or width == bits)
     symbols = ans.unpack(packed.numpy(), bits)
-    per = ans.PER_SYMBOL.get(bits, 1)
-    assert symbols.size * per == codes.numel() and symbols.max() < 2 ** ans.symbol_bits(bits)
+    per = width // bits
+    assert symbols.size * per == codes.numel() and symbols.max() < 2**width
     mine = (symbols[:, None] >> (np.arange(per) * bits)) & (2**bits - 1)  # a symbol's codes, the first lowest
     assert np.array_equal(mine.reshape(-1), codes.numpy())
-    assert np.array_equal(ans.pack(symbols, bits), packed.numpy())
+    assert np.array_equal(ans.pack(symbols, bits, packed.numel()), packed.numpy())
+    if bits in (3, 4) and groups == 8192:
+        assert per == 2  # large 3- and 4-bit sections: pairs
 
 
 def test_a_chunk_whose_codes_do_not_fill_it_is_an_error():
@@ -284,3 +291,17 @@ def test_a_section_too_large_for_int32_bit_positions_decodes_with_int64_ones(mon
     monkeypatch.setattr(huffman, "INT32_BITS", 64)  # every section here is "large"
     decoded, used = huffman.decode_symbols(coded, symbols.numel(), 4)
     assert used == coded.numel() and torch.equal(decoded, symbols.long())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here): a CUDA message through each "
+                    "coder, huffman on the device, ans through a host copy")
+@pytest.mark.parametrize("coder", list(entropy.CODERS))
+def test_a_cuda_message_round_trips_and_stays_on_its_device(coder):
+    codec = get_codec("hadint", bits=4)
+    x = activation_like((256, 2, 128), seed=6).cuda()
+    shape, buf = tuple(x.shape), codec.encode(x)
+    coded = entropy.encode(codec, buf, shape, x.dtype, coder)
+    assert coded.is_cuda and coded.numel() < buf.numel()
+    back = entropy.decode(codec, coded, shape, x.dtype, coder)
+    assert back.is_cuda and torch.equal(back, buf)
+    assert torch.equal(entropy.decode(codec, coded.cpu(), shape, x.dtype, coder), buf.cpu())  # either end's device
