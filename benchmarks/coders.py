@@ -115,7 +115,7 @@ def _rate(bps: float) -> str:
 def table(rows_: list[dict], host: str, command: str) -> str:
     """The coders' block: one row per preset, direction, shape and coder."""
     lines = [f"Measured by `{command}` on {host} (one thread, the best of 3 per message, means over the cuts): "
-             "bytes per message; *vs order-0*: coded bytes (tables included) over the buffer's order-0 bound "
+             "bytes per message; *vs order-0*: coded bytes (tables included) divided by the buffer's order-0 bound "
              "(each section's entropy, tables excluded); *MB/s*: codec-buffer bytes per second of encode + decode; "
              "*pays below*: the link rate below which the wire time it saves exceeds its encode + decode time.", "",
              "| preset | direction | shape | codec bytes | order-0 | coder | coded | vs order-0 | encode ms | "
@@ -123,6 +123,6 @@ def table(rows_: list[dict], host: str, command: str) -> str:
     for r in rows_:
         for coder, c in r["coders"].items():
             lines.append(f"| {r['preset']} | {r['direction']} | `{r['shape']}` | {r['raw']:,.0f} | {r['order0']:,.0f} | "
-                         f"{coder} | {c['coded']:,.0f} | {c['coded'] / r['order0']:.4f}x | {c['encode_ms']:.2f} | "
+                         f"{coder} | {c['coded']:,.0f} | {c['coded'] / r['order0']:.4f} | {c['encode_ms']:.2f} | "
                          f"{c['decode_ms']:.2f} | {c['mb_s']:.1f} | {_rate(c['break_even_bps'])} |")
     return "\n".join(lines)

@@ -266,8 +266,9 @@ def host_entropy_text(h: dict, host: str) -> str:
     """This project's coder's cost on the CPU against its saving, one sentence per direction."""
     pays = _pays(h)
     verdict = "pays" if pays else "does not pay"
-    return (f"`megatron_tah.codecs.entropy` with its {h.get('coder', 'huffman')} coder on {host} ({h['threads']} "
-            f"threads) {verdict} on the setup's 200 Mb/s link, per `{h['preset']}` message at `[1024, 8, 1024]`: "
+    threads = f"{h['threads']} thread" + ("s" if h["threads"] != 1 else "")
+    return (f"`megatron_tah.codecs.entropy` with its {h.get('coder', 'huffman')} coder on {host} ({threads}) "
+            f"{verdict} on the setup's 200 Mb/s link, per `{h['preset']}` message at `[1024, 8, 1024]`: "
             + _cost_parts(h, "it") + ".")
 
 
@@ -275,15 +276,15 @@ CODERS_DATA = Path("docs/data/lossless_coders.json")
 CODER_PRESETS = ("lowrank_h3_rn", "lowrank", "hadint4", "paper")  # the study's leading candidate and presets
 
 
-def coders_report(model: str = MODEL, presets=None, write: Path | None = None) -> str:
+def coders_report(model: str = MODEL, presets=None, write: Path | None = None, only: bool = False) -> str:
     """``benchmarks.coders``' rows for ``presets`` (default ``CODER_PRESETS``) on ``model``'s messages at both
-    shapes; with ``write``, its ``lossless_coders`` block and ``CODERS_DATA``."""
+    shapes; with ``write``, its ``lossless_coders`` block and ``CODERS_DATA`` (``only``: run as ``--coders``)."""
     found = messages(model)
     names = presets or CODER_PRESETS
     result = {"model": model, "date": date.today().isoformat(), "host": host_info()["cpu"],
               "threads": torch.get_num_threads(),
               "rows": coders.rows(found, {name: TahConfig(**fields(name)) for name in names})}
-    command = "python -m benchmarks.lossless --coders" + (f" --write {write}" if write else "")
+    command = "python -m benchmarks.lossless" + (" --coders" if only else "") + (f" --write {write}" if write else "")
     block = coders.table(result["rows"], f"{result['host']} ({result['date']})", command)
     if write:
         CODERS_DATA.write_text(json.dumps(result, indent=1) + "\n")
@@ -301,7 +302,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one core: the coders' rates per core
-    coder_block = coders_report(args.model, args.presets.split(",") if args.presets else None, args.write)
+    coder_block = coders_report(args.model, args.presets.split(",") if args.presets else None, args.write, args.coders)
     print(coder_block)
     if args.coders:
         return

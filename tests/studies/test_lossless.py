@@ -115,4 +115,4 @@ def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_ti
         assert row["coder_ms"] == pytest.approx(row["message_bytes"] / 1e3 * (1 / row["compress_mb_s"]
                                                                               + 1 / row["decompress_mb_s"]))
     text = host_entropy_text(h, "test cpu")
-    assert f"ans coder on test cpu ({h['threads']} threads)" in text and f"it saves {h['forward']['saved']:.0%}" in text
+    assert f"ans coder on test cpu ({h['threads']} thread" in text and f"it saves {h['forward']['saved']:.0%}" in text
