@@ -6,7 +6,8 @@ buffers of the real model's messages (``benchmarks.lossless.messages``, after ``
 model of its own counts. Per library: the coded stream's bytes (the libraries' model tables excluded) against the
 sections' order-0 bound, and encode + decode time (model set-up included, the best of 3, one thread) in MB/s of codec
 buffer. Candidates: PyPI ``constriction`` (what ``megatron_tah.codecs.ans`` uses) and PyPI ``torch-ans``
-(``pip install torch-ans==0.4.0``; not a dependency: skipped when absent).
+(``pip install torch-ans==0.4.0``; not a dependency: skipped when absent), its model given each count plus one (with
+zero counts in its table it did not return from one real section).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def _torch_ans(symbols: np.ndarray, alphabet: int):
         return c
 
     def code():
-        counts = torch.bincount(rows.view(-1), minlength=alphabet).to(torch.int32)
+        # every symbol counted once more: torch-ans 0.4.0 did not return from encoding lowrank's coefficient
+        # scales at [1024, 1, 576] (121 of 256 byte values present) with their own counts, zeros included
+        counts = torch.bincount(rows.view(-1), minlength=alphabet).to(torch.int32) + 1
         return coder(counts).encode_with_indexes(rows, indexes), counts
 
     def uncode(coded):

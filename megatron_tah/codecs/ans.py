@@ -11,14 +11,16 @@ the section's bits). The coding itself is the library's (PyPI ``constriction``, 
 ``model.Categorical`` built from the table); unpacking the codes and packing them back are numpy on the host. A
 CUDA buffer is copied to the host to be coded (see ``entropy.py``: the device coder is ``huffman.py``).
 
-Why this library: measured on lowrank_h3_rn's buffers of real SmolLM2-135M messages at [1024, 1, 576] and
-[128, 1, 576] (2-core AMD EPYC, one thread, beside another job), constriction coded them at the order-0 bound
-(1.0000-1.0011x, tables excluded) at 17-19 MB/s of codec buffer encode + decode with this module's numpy
-unpacking; PyPI ``torch-ans`` 0.4 (rANS, 4 interleaved states, on the same symbols) at 1.0004-1.0060x and
-8-16 MB/s (its per-call set-up weighs on small sections); the torch Huffman coder (``huffman.py``) at
-1.03-1.04x and 1.4-1.6 MB/s. The numbers and the command are in docs/CODECS.md ("The lossless stage").
-torch-ans's prebuilt wheel has no CUDA kernels (it compiles them with ``nvcc`` on first use of a CUDA tensor),
-so it would not give a GPU path without a toolkit on the training machines either.
+Why this library (measured on this project's 2-core CPU beside another job, one thread; the tables and commands are
+in docs/CODECS.md, "Which coder, and where it pays"): ``python -m benchmarks.coder_libraries`` put the same symbols
+(every section of ``lowrank_h3_rn``'s buffers of real SmolLM2-135M messages at [1024, 1, 576] and [128, 1, 576])
+through PyPI ``constriction`` 0.5 (0.9999-1.0009x the order-0 bound, 31 MB/s of codec buffer encode + decode at
+both shapes) and PyPI ``torch-ans`` 0.4 (rANS, 4 interleaved states: 1.0004-1.0076x, 10.5-29.8 MB/s, its per-call
+set-up weighing on small sections; and with zero counts in its table it did not return from one real section).
+``python -m benchmarks.lossless`` times this whole coder (tables, unpacking and packing included) against the torch
+Huffman coder it replaced as the default, in the same command: 7-29 MB/s against 0.3-0.9 MB/s, and from 0.5% below
+to 2.6% above the buffer's order-0 bound (tables included; below it where codes go in pairs) against 1.4-4.1% above. torch-ans's prebuilt wheel has no CUDA kernels (it compiles them
+with ``nvcc`` on first use of a CUDA tensor), so it would not give a GPU path without a toolkit either.
 
 Section format (``entropy.py`` writes the bytes around it), little endian::
 
