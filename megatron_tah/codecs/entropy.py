@@ -10,10 +10,10 @@ tensor the codec alone would give: a codec's steps to a target loss do not chang
 Two coders (``CODERS``, ``--tah-entropy-coder``), one per place it runs:
 
 * ``ans`` (``ans.py``, the default): PyPI ``constriction``'s ANS coder on the host, at the order-0 bound and
-  10-15x faster than ``huffman`` on this project's CPUs (docs/CODECS.md, "The lossless stage"). A CUDA buffer is
-  copied to the host and back.
+  16-88x faster than ``huffman`` where both were timed in one command on this project's CPU (docs/CODECS.md,
+  "Which coder, and where it pays"). A CUDA buffer is copied to the host and back.
 * ``huffman`` (``huffman.py``): canonical Huffman codes in torch operations on the buffer's own device (a CUDA
-  message is coded where it is); slower and up to 4% larger on a CPU.
+  message is coded where it is; not timed on a GPU); 1-4% above the order-0 bound.
 
 A GPU library coder (nvCOMP's ANS, torch-ans's CUDA kernels) is not wired: neither can be installed as a
 prebuilt wheel and run without a GPU here (nvCOMP's wheels need CUDA at import; torch-ans compiles its CUDA

@@ -5,8 +5,8 @@ Each section's symbols are coded with a canonical Huffman code built from the se
 chunks of ``CHUNK`` symbols that start on a byte, each with its length in the section's chunk table, so that the
 chunks decode independently (all chunks at once: pointer doubling, a fixed number of tensor operations per
 section whatever its size). It runs wherever the buffer is, so a CUDA message is coded without a copy to the
-host; on a CPU it is 10-15x slower than the host coder (``ans.py``, measured there) and up to 4% larger (whole
-bits per symbol, its tables), and it is the reference the host coder's results are checked against in the tests.
+host (not timed on a GPU yet); on a CPU it is 16-88x slower than the host coder (``ans.py``) and 1-4% above the
+order-0 bound (whole bits per symbol, its tables), measured by ``python -m benchmarks.lossless`` (docs/CODECS.md).
 
 Section format (``entropy.py`` writes the mode byte's neighbours)::
 

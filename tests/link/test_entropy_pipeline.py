@@ -380,3 +380,25 @@ def test_auto_needs_the_coding_and_a_link_rate():
         TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_when="auto")
     assert TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_when="auto",
                      tah_emulate_bandwidth="10mbit").link_rate_bps == 1e7
+
+
+def _handshake_with_coder(rank, world_size):
+    """Each rank's start-up check with its own coder (rank 0 ans, rank 1 huffman): the message it raises."""
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.handshake import CodecMismatchError, check_group
+
+    config = TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder=("ans", "huffman")[rank])
+    try:
+        check_group(config, torch.distributed.group.WORLD, torch.device("cpu"), lambda work, *_: work.wait())
+    except CodecMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_stages_with_different_coders_stop_at_start_up_naming_both():
+    from megatron_tah.codecs import entropy
+
+    messages = run_distributed(_handshake_with_coder, 2, timeout=120)
+    for rank, message in enumerate(messages):
+        assert message is not None and "use different forward codecs" in message
+        assert f"entropy-coded by {entropy.coder_identity('ans')}" in message and "by huffman (torch)" in message
