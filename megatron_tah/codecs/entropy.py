@@ -93,10 +93,9 @@ def encode(codec: Codec, buf: torch.Tensor, shape, dtype, coder: str = DEFAULT_C
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != codec.wire_nbytes(shape, dtype):
         raise WireFormatError(f"entropy.encode takes {codec.name}'s {codec.wire_nbytes(shape, dtype)}-byte buffer "
                               f"(1-D uint8), got {buf.dtype} of shape {tuple(buf.shape)}")
-    if coder == "huffman":
-        return _encode_huffman(codec, buf, shape, dtype)
-    if coder != "raw":
-        _check_coder(coder)
+    if coder in ("huffman", "raw"):  # on the buffer's device
+        return _encode_on_device(codec, buf, shape, dtype, coder == "huffman")
+    _check_coder(coder)
     host = buf.cpu().numpy()
     parts = []
     for start, size, bits, section in _regions(codec, shape, dtype):
@@ -104,22 +103,22 @@ def encode(codec: Codec, buf: torch.Tensor, shape, dtype, coder: str = DEFAULT_C
         if not section:
             parts.append(raw)
             continue
-        coded = ans.encode_section(raw, bits) if bits and coder == "ans" else None
+        coded = ans.encode_section(raw, bits) if bits else None
         if coded is None or coded.size >= size + 1:
             coded = np.concatenate([np.array([RAW], dtype=np.uint8), raw])
         parts.append(coded)
     return torch.from_numpy(np.concatenate(parts)).to(buf.device)
 
 
-def _encode_huffman(codec: Codec, buf: torch.Tensor, shape, dtype) -> torch.Tensor:
-    """``encode`` with the device coder: torch operations on ``buf``'s device."""
+def _encode_on_device(codec: Codec, buf: torch.Tensor, shape, dtype, code: bool) -> torch.Tensor:
+    """``encode`` in torch operations on ``buf``'s device: the device coder (``code``), or every section raw."""
     parts = []
     for start, size, bits, section in _regions(codec, shape, dtype):
         raw = buf[start : start + size]
         if not section:
             parts.append(raw)
             continue
-        coded = huffman.encode_symbols(unpack_bits(raw, bits, size * 8 // bits), bits) if bits else None
+        coded = huffman.encode_symbols(unpack_bits(raw, bits, size * 8 // bits), bits) if bits and code else None
         if coded is None or coded.numel() >= size + 1:
             coded = torch.cat([raw.new_tensor([RAW]), raw])
         parts.append(coded)
