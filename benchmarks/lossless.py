@@ -34,7 +34,9 @@ from megatron_tah.codecs import Codec, entropy
 from megatron_tah.config import TahConfig, candidate_fields
 from megatron_tah.link import frames
 
+from . import coders
 from .codec_rows import STUDIED_PRESETS as PRESETS
+from .coders import buffer_entropy_bits, entropy_bits  # noqa: F401 (the order-0 bound, read from here too)
 from .pages import replace_block
 from .reproduce.runner import host_info
 from .real_activations import CACHE, MODELS, boundaries, corpus_text
@@ -47,33 +49,6 @@ TOKENS = 1024
 DATA = Path("docs/data/lossless.json")
 HOST_PRESET = "lowrank"  # the preset whose messages the host coder's cost is measured on
 SPLIT = 32  # micro-batches of the setup's step the last projection column splits it into (docs/SPEEDRUN.md)
-
-
-def entropy_bits(symbols: torch.Tensor) -> float:
-    """Order-0 entropy of ``symbols`` (integers) in bits, all of them together: ``n * H(p)``, p their frequencies."""
-    counts = torch.bincount(symbols.reshape(-1).to(torch.int64)).double()
-    p = counts[counts > 0] / symbols.numel()
-    return float(-(p * p.log2()).sum() * symbols.numel())
-
-
-def buffer_entropy_bits(codec: Codec, buf: torch.Tensor, shape, dtype) -> float:
-    """Order-0 entropy of ``buf`` (``codec``'s buffer for ``shape``) section by section; the header and the
-    alignment between sections as bytes."""
-    from megatron_tah.codecs.common import unpack_bits
-
-    layout = codec.layout(shape, dtype)
-    packed = codec.code_sections()
-    total, covered = 0.0, torch.zeros(layout.nbytes, dtype=torch.bool)
-    for name, (start, size) in layout.offsets.items():
-        section = buf[start:start + size]
-        covered[start:start + size] = True
-        if name in packed:
-            bits = packed[name]
-            total += entropy_bits(unpack_bits(section, bits, size * 8 // bits))
-        else:
-            total += entropy_bits(section)
-    rest = buf[~covered]
-    return total + (entropy_bits(rest) if rest.numel() else 0.0)
 
 
 def messages(model: str = MODEL, tokens: int = TOKENS) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -99,12 +74,13 @@ def messages(model: str = MODEL, tokens: int = TOKENS) -> dict[int, tuple[torch.
     return found
 
 
-def measure(codec: Codec, x: torch.Tensor) -> dict:
-    """Wire bits per value of ``codec`` on ``x`` and what each lossless coder would send instead."""
+def measure(codec: Codec, x: torch.Tensor, coder: str = entropy.DEFAULT_CODER) -> dict:
+    """Wire bits per value of ``codec`` on ``x`` and what each lossless coder would send instead (``coded``:
+    ``megatron_tah.codecs.entropy`` with ``coder``)."""
     buf = codec.encode(x)
     values, shape = x.numel(), tuple(x.shape)
-    coded = entropy.encode(codec, buf, shape, x.dtype)
-    if not torch.equal(entropy.decode(codec, coded, shape, x.dtype), buf):
+    coded = entropy.encode(codec, buf, shape, x.dtype, coder)
+    if not torch.equal(entropy.decode(codec, coded, shape, x.dtype, coder), buf):
         raise RuntimeError(f"the entropy coder did not give back {codec.describe()}'s buffer")
     return {"bits": 8 * buf.numel() / values,
             "order0": buffer_entropy_bits(codec, buf, shape, x.dtype) / values,
@@ -153,12 +129,13 @@ def host_zlib(found: dict, preset: str = HOST_PRESET, repeats: int = 3) -> dict:
                          lambda codec, coded, shape: zlib.decompress(coded)), "level": 1}
 
 
-def host_entropy(found: dict, preset: str = HOST_PRESET, repeats: int = 3) -> dict:
-    """``_host_cost`` of ``megatron_tah.codecs.entropy`` (torch, on this CPU)."""
+def host_entropy(found: dict, preset: str = HOST_PRESET, repeats: int = 3, coder: str = entropy.DEFAULT_CODER) -> dict:
+    """``_host_cost`` of ``megatron_tah.codecs.entropy`` with ``coder`` (on this CPU)."""
     dtype = torch.bfloat16
-    return {**_host_cost(found, preset, repeats, lambda codec, buf, shape: entropy.encode(codec, buf, shape, dtype),
-                         lambda codec, coded, shape: entropy.decode(codec, coded, shape, dtype)),
-            "threads": torch.get_num_threads()}
+    return {**_host_cost(found, preset, repeats,
+                         lambda codec, buf, shape: entropy.encode(codec, buf, shape, dtype, coder),
+                         lambda codec, coded, shape: entropy.decode(codec, coded, shape, dtype, coder)),
+            "threads": torch.get_num_threads(), "coder": coder}
 
 
 def fields(name: str) -> dict:
@@ -225,8 +202,8 @@ def table(result: dict) -> str:
              f"state after layers {', '.join(map(str, result['cuts']))} and its backward codec on the language-model "
              f"loss's gradient there (`[{result['tokens']}, 1, hidden]` bf16; means over the cuts). Bits per value; "
              "*order-0*: each section's order-0 entropy (codes as symbols of their bits, the rest as bytes); "
-             "*coded*: what `megatron_tah.codecs.entropy` sent (every section Huffman-coded in chunks of "
-             f"{entropy.CHUNK}, tables included; decoded back bit for bit); "
+             f"*coded*: what `megatron_tah.codecs.entropy` sent with its default coder ({entropy.DEFAULT_CODER}: "
+             "every section ANS-coded under its own symbol counts, tables included; decoded back bit for bit); "
              "*zlib*: the buffer through zlib level 9.", "",
              "| preset | direction | codec | wire bits | order-0 | saved | coded | saved | zlib | saved |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -288,12 +265,31 @@ def host_zlib_text(h: dict, host: str) -> str:
 def host_entropy_text(h: dict, host: str) -> str:
     """This project's coder's cost on the CPU against its saving, one sentence per direction."""
     pays = _pays(h)
-    verdict = "pays" if pays else "does not pay either"
-    return (f"`megatron_tah.codecs.entropy` on {host} (torch, {h['threads']} threads) {verdict}, per "
-            f"`{h['preset']}` message at `[1024, 8, 1024]`: " + _cost_parts(h, "it") + ". Its decode "
-            f"has no loop over codes: it reads a code at every bit position of a section, then finds each code's "
-            f"start with {entropy.CHUNK.bit_length() - 1} pointer-doubling gathers, fewer than 150 tensor operations "
-            "per section whatever the message's size; on a GPU that is not timed here (no GPU).")
+    verdict = "pays" if pays else "does not pay"
+    threads = f"{h['threads']} thread" + ("s" if h["threads"] != 1 else "")
+    return (f"`megatron_tah.codecs.entropy` with its {h.get('coder', 'huffman')} coder on {host} ({threads}) "
+            f"{verdict} on the setup's 200 Mb/s link, per `{h['preset']}` message at `[1024, 8, 1024]`: "
+            + _cost_parts(h, "it") + ".")
+
+
+CODERS_DATA = Path("docs/data/lossless_coders.json")
+CODER_PRESETS = ("lowrank_h3_rn", "lowrank", "hadint4", "paper")  # the study's leading candidate and presets
+
+
+def coders_report(model: str = MODEL, presets=None, write: Path | None = None, only: bool = False) -> str:
+    """``benchmarks.coders``' rows for ``presets`` (default ``CODER_PRESETS``) on ``model``'s messages at both
+    shapes; with ``write``, its ``lossless_coders`` block and ``CODERS_DATA`` (``only``: run as ``--coders``)."""
+    found = messages(model)
+    names = presets or CODER_PRESETS
+    result = {"model": model, "date": date.today().isoformat(), "host": host_info()["cpu"],
+              "threads": torch.get_num_threads(),
+              "rows": coders.rows(found, {name: TahConfig(**fields(name)) for name in names})}
+    command = "python -m benchmarks.lossless" + (" --coders" if only else "") + (f" --write {write}" if write else "")
+    block = coders.table(result["rows"], f"{result['host']} ({result['date']})", command)
+    if write:
+        CODERS_DATA.write_text(json.dumps(result, indent=1) + "\n")
+        write.write_text(replace_block(write.read_text(), "lossless_coders", block))
+    return block
 
 
 def main(argv=None) -> None:
@@ -301,8 +297,15 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=MODEL, choices=sorted(MODELS))
     parser.add_argument("--presets", default=None, help="comma list (default: every preset)")
     parser.add_argument("--write", type=Path, default=None, help="the page whose lossless block to replace")
+    parser.add_argument("--coders", action="store_true", help="only each coder's size, time and break-even rate per "
+                        "preset and shape (its own block and docs/data/lossless_coders.json)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # one core: the coders' rates per core
+    coder_block = coders_report(args.model, args.presets.split(",") if args.presets else None, args.write, args.coders)
+    print(coder_block)
+    if args.coders:
+        return
     result = run(args.model, args.presets.split(",") if args.presets else None)
     result["projected"] = projected(result)
     block = table(result)

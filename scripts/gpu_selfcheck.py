@@ -28,8 +28,8 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
               within [0.5, 1.1] x that rate; ``handshake.link_latency`` on the loopback below 5 ms.
 ``laaq``      one megatron-core layer (local spec, rotary, 4096 tokens): every saved tensor's type, dtype,
               shape and fate logged; only activations packed; input and weight gradients against LAAQ off.
-``entropy``   the lossless coder (``codecs/entropy.py``) on ``lowrank``'s and ``channel_h4``'s buffers of the
-              ProtocolNanoGPT message ``[1024, 8, 1024]``: decoded bit for bit; encode and decode timed (the
+``entropy``   each lossless coder (``codecs/entropy.py``: huffman on the device, ans through a host copy) on
+              ``lowrank``'s and ``channel_h4``'s buffers of the ProtocolNanoGPT message ``[1024, 8, 1024]``: decoded bit for bit; encode and decode timed (the
               median of ``ENTROPY_REPEATS``) with their peak memory: what docs/CODECS.md has not measured.
 
 The sum of the estimates is about 20 minutes; the runner stops starting steps when the budget (25 minutes
@@ -671,25 +671,28 @@ def step_entropy(ctx: Context):
         for direction, codec, message in (("forward", config.forward_codec(), x),
                                           ("backward", config.backward_codec(), x * 1e-3)):
             buf = codec.encode(message)
-            times: dict[str, list[float]] = {"encode": [], "decode": []}
-            if ctx.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            for _ in range(ENTROPY_REPEATS):
-                sync()
-                start = time.perf_counter()
-                coded = entropy.encode(codec, buf, shape, message.dtype)
-                sync()
-                middle = time.perf_counter()
-                back = entropy.decode(codec, coded, shape, message.dtype)
-                sync()
-                times["encode"].append(middle - start)
-                times["decode"].append(time.perf_counter() - middle)
-            rows.append({"preset": preset, "direction": direction, "codec": codec.describe(), "shape": list(shape),
-                         "wire_nbytes": buf.numel(), "coded_nbytes": coded.numel(), "exact": torch.equal(back, buf),
-                         **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
-                         "peak_memory_mb": torch.cuda.max_memory_allocated() / 1e6 if ctx.cuda else None})
+            for coder in entropy.CODERS:  # huffman on the device; ans through a host copy
+                times: dict[str, list[float]] = {"encode": [], "decode": []}
+                if ctx.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(ENTROPY_REPEATS):
+                    sync()
+                    start = time.perf_counter()
+                    coded = entropy.encode(codec, buf, shape, message.dtype, coder)
+                    sync()
+                    middle = time.perf_counter()
+                    back = entropy.decode(codec, coded, shape, message.dtype, coder)
+                    sync()
+                    times["encode"].append(middle - start)
+                    times["decode"].append(time.perf_counter() - middle)
+                rows.append({"preset": preset, "direction": direction, "coder": coder, "codec": codec.describe(),
+                             "shape": list(shape), "wire_nbytes": buf.numel(), "coded_nbytes": coded.numel(),
+                             "exact": torch.equal(back, buf) and back.device == buf.device,
+                             **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+                             "peak_memory_mb": torch.cuda.max_memory_allocated() / 1e6 if ctx.cuda else None})
     (ctx.files("entropy") / "entropy.json").write_text(json.dumps(rows, indent=1))
-    detail = "; ".join(f"{r['preset']} {r['direction']}: {1 - r['coded_nbytes'] / r['wire_nbytes']:.0%} fewer bytes, "
+    detail = "; ".join(f"{r['preset']} {r['direction']} {r['coder']}: {1 - r['coded_nbytes'] / r['wire_nbytes']:.0%} "
+                       f"fewer bytes, "
                        f"encode {r['encode_ms']:.1f} ms, decode {r['decode_ms']:.1f} ms"
                        + ("" if r["exact"] else ", NOT bit-exact") for r in rows)
     return all(r["exact"] for r in rows), f"{'x'.join(map(str, shape))}: {detail}"

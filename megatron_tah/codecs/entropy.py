@@ -1,204 +1,64 @@
 """A lossless coder after any codec: its buffer in fewer bytes, decoded back bit for bit.
 
 A codec's buffer has a fixed size, but its codes are not uniformly distributed (docs/CODECS.md, "What a
-lossless coder after the codec would save"). ``encode(codec, buf, shape, dtype)`` codes each of the
-buffer's sections with a canonical Huffman code built from that section's own symbol counts: the codec's
+lossless coder after the codec would save"). ``encode(codec, buf, shape, dtype, coder)`` codes each of the
+buffer's sections with an order-0 entropy coder whose model is that section's own symbol counts: the codec's
 bit-packed codes (``Codec.code_sections``) as symbols of their bits, every other section (scales, zero
 points, a basis) as bytes. ``decode`` rebuilds the codec's buffer exactly, so ``codec.decode`` of it is the
 tensor the codec alone would give: a codec's steps to a target loss do not change, only its bytes.
 
-Why hand-written: the coder has to run where the codec runs (on a GPU, a host coder costs more than it
-saves: zlib at its fastest, docs/CODECS.md) and the same code has to run on the CPU; GPU libraries (nvCOMP)
-do not run on a CPU. Here everything is torch operations on the buffer's device. The symbols are coded in
-chunks of ``CHUNK`` that start on a byte, each with its length in the section's chunk table, so that the
-chunks decode independently (on a GPU, in parallel; here a loop over a chunk's symbols, all chunks at once).
+Two coders (``CODERS``, ``--tah-entropy-coder``), one per place it runs:
+
+* ``ans`` (``ans.py``, the default): PyPI ``constriction``'s ANS coder on the host, at the order-0 bound and
+  16-88x faster than ``huffman`` where both were timed in one command on this project's CPU (docs/CODECS.md,
+  "Which coder, and where it pays"). A CUDA buffer is copied to the host and back.
+* ``huffman`` (``huffman.py``): canonical Huffman codes in torch operations on the buffer's own device (a CUDA
+  message is coded where it is; not timed on a GPU); 1-4% above the order-0 bound.
+
+A GPU library coder (nvCOMP's ANS, torch-ans's CUDA kernels) is not wired: neither can be installed as a
+prebuilt wheel and run without a GPU here (nvCOMP's wheels need CUDA at import; torch-ans compiles its CUDA
+kernels with ``nvcc`` on first use), so neither could be tested on the machines this project is built on.
 
 Wire format of one coded buffer: the codec buffer's bytes outside its sections (the 16-byte header, the
-alignment between sections) as they are, in place, and in place of each section::
+alignment between sections) as they are, in place, and in place of each section its mode byte and what
+follows it::
 
     0   1  mode: 0 = the section's bytes follow as they are (whenever coding would not make it smaller),
-                 1 = Huffman-coded
-    -- mode 1:
-    1   1  longest code length, 1 .. MAX_CODE_BITS
-    2   A/2 (at least 1)  code length of each symbol, 4 bits each (low nibble first; 0: absent),
-                 A = 2**bits symbols
-    .   2C chunk byte lengths, uint16 little endian, C = ceil(symbols / CHUNK)
-    .   the chunks, each a byte-aligned run of codes, most significant bit first
+                 1 = huffman-coded (huffman.py's format), 2 = ans-coded (ans.py's format)
 
-A section's symbol count is its byte size x 8 / bits (the receiver knows it from the codec's layout). A
-coded buffer is at most ``capacity_nbytes`` = the codec buffer plus one byte per section. The symbol
-counts and the table are read on the host: one device-to-host copy per section, each way.
+A link's two ends agree on the coder at start-up (the handshake, ``link/handshake.py``); a section coded by
+another coder than the link's is refused (``WireFormatError``), as is any section that is not a whole, valid
+code. A section's symbol count is its byte size x 8 / bits (the receiver knows it from the codec's layout). A
+coded buffer is at most ``capacity_nbytes`` = the codec buffer plus one byte per section, whatever the coder.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from typing import Sequence
-
+import numpy as np
 import torch
 
+from . import ans, huffman
 from .base import Codec, WireFormatError
 from .common import pack_bits, unpack_bits
 
-__all__ = ["CHUNK", "MAX_CODE_BITS", "capacity_nbytes", "code_lengths", "decode", "decode_symbols", "encode",
-           "encode_symbols"]
+__all__ = ["CODERS", "DEFAULT_CODER", "RAW", "capacity_nbytes", "coder_identity", "decode", "encode"]
 
-CHUNK = 512  # symbols per independently decodable chunk: 2 bytes of table each, 1/256 bit per 8-bit symbol
-MAX_CODE_BITS = 12  # longest code: the decode table has 2**12 entries; a code spans at most 3 bytes
-INT32_BITS = 2**31  # sections of fewer coded bits than this decode with int32 bit positions, larger ones int64
-RAW, HUFFMAN = 0, 1
-
-
-def code_lengths(counts: Sequence[int], limit: int = MAX_CODE_BITS) -> list[int]:
-    """Huffman code lengths for symbol ``counts`` (0: the symbol is absent, length 0), none above ``limit``.
-
-    A single present symbol gets length 1. Lengths above ``limit`` are cut to it and the code's Kraft sum
-    restored by lengthening the least frequent symbols still shorter than ``limit``.
-    """
-    present = [s for s, c in enumerate(counts) if c > 0]
-    if len(present) > 2**limit:
-        raise ValueError(f"{len(present)} symbols do not fit codes of at most {limit} bits")
-    lengths = [0] * len(counts)
-    if len(present) == 1:
-        lengths[present[0]] = 1
-        return lengths
-    heap = [(counts[s], s, [s]) for s in present]
-    heapq.heapify(heap)
-    while len(heap) > 1:
-        c1, t1, s1 = heapq.heappop(heap)
-        c2, t2, s2 = heapq.heappop(heap)
-        for s in s1 + s2:
-            lengths[s] += 1
-        heapq.heappush(heap, (c1 + c2, min(t1, t2), s1 + s2))
-    if max(lengths) > limit:
-        for s in present:
-            lengths[s] = min(lengths[s], limit)
-        kraft = sum(2 ** (limit - lengths[s]) for s in present)
-        rarest_first = sorted(present, key=lambda s: (counts[s], s))
-        while kraft > 2**limit:
-            s = next(s for s in rarest_first if lengths[s] < limit)
-            kraft -= 2 ** (limit - lengths[s] - 1)
-            lengths[s] += 1
-    return lengths
+RAW = 0
+CODERS = {"ans": ans.MODE, "huffman": huffman.MODE}  # name -> the mode byte of the sections it codes
+DEFAULT_CODER = "ans"
+_NAME_OF_MODE = {mode: name for name, mode in CODERS.items()}
 
 
-def _canonical_codes(lengths: Sequence[int]) -> list[int]:
-    """Canonical Huffman codes: by (length, symbol), each the previous plus one, shifted to its length."""
-    codes, code, previous = [0] * len(lengths), 0, 0
-    for s in sorted((s for s, n in enumerate(lengths) if n), key=lambda s: (lengths[s], s)):
-        code <<= lengths[s] - previous
-        codes[s], previous = code, lengths[s]
-        code += 1
-    return codes
+def coder_identity(coder: str) -> str:
+    """What both ends of a link must hold alike to read each other's sections: the coder and, for a library's,
+    its version (``ans``: the model's quantization is the library's)."""
+    _check_coder(coder)
+    return f"ans ({ans.library()})" if coder == "ans" else "huffman (torch)"
 
 
-def _table(lengths: Sequence[int], longest: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode table over every ``longest``-bit window: (symbol, code length); length 0 marks no code."""
-    symbols, sizes = [0] * 2**longest, [0] * 2**longest
-    for s, code in enumerate(_canonical_codes(lengths)):
-        n = lengths[s]
-        if n:
-            start, count = code << (longest - n), 1 << (longest - n)
-            symbols[start : start + count] = [s] * count
-            sizes[start : start + count] = [n] * count
-    return (torch.tensor(symbols, dtype=torch.int64, device=device),
-            torch.tensor(sizes, dtype=torch.int64, device=device))
-
-
-def _nibbles(lengths: Sequence[int]) -> list[int]:
-    padded = list(lengths) + [0] * (len(lengths) % 2)
-    return [padded[i] | padded[i + 1] << 4 for i in range(0, len(padded), 2)]
-
-
-def encode_symbols(symbols: torch.Tensor, bits: int) -> torch.Tensor:
-    """``symbols`` (integers below ``2**bits``, 1-D, at least one) as a mode-1 section (above), on their device."""
-    device, n, alphabet = symbols.device, symbols.numel(), 2**bits
-    flat = symbols.reshape(-1).to(torch.int64)
-    counts = torch.bincount(flat, minlength=alphabet).tolist()
-    lengths = code_lengths(counts)
-    longest = max(lengths)
-    size_of = torch.tensor(lengths, dtype=torch.int64, device=device)
-    code_of = torch.tensor(_canonical_codes(lengths), dtype=torch.int64, device=device)
-    chunks = math.ceil(n / CHUNK)
-    sizes = torch.zeros(chunks * CHUNK, dtype=torch.int64, device=device)
-    sizes[:n] = size_of[flat]
-    sizes = sizes.view(chunks, CHUNK)
-    chunk_nbytes = (sizes.sum(dim=1) + 7) // 8
-    starts = torch.cumsum(chunk_nbytes, 0) - chunk_nbytes
-    total = int(chunk_nbytes.sum())
-    at = (starts[:, None] * 8 + torch.cumsum(sizes, dim=1) - sizes).reshape(-1)[:n]  # each code's first bit
-    sizes = sizes.reshape(-1)[:n]
-    window = code_of[flat] << (24 - (at & 7) - sizes)  # the code in a 3-byte window starting at its byte
-    out = torch.zeros(total + 2, dtype=torch.int32, device=device)
-    byte = at >> 3
-    for k, shift in enumerate((16, 8, 0)):  # codes own disjoint bits: the sum of a byte's parts is their OR
-        out.index_add_(0, byte + k, ((window >> shift) & 0xFF).to(torch.int32))
-    table = torch.tensor([HUFFMAN, longest] + _nibbles(lengths), dtype=torch.uint8, device=device)
-    lengths16 = torch.stack([chunk_nbytes & 0xFF, chunk_nbytes >> 8], dim=1).reshape(-1).to(torch.uint8)
-    return torch.cat([table, lengths16, out[:total].to(torch.uint8)])
-
-
-def decode_symbols(data: torch.Tensor, n: int, bits: int) -> tuple[torch.Tensor, int]:
-    """The ``n`` symbols of the mode-1 section at the start of ``data`` (its mode byte first), as int64, and
-    the section's length in bytes.
-
-    Raises ``WireFormatError`` when the section is not a whole, valid code (a table longer than
-    ``MAX_CODE_BITS``, a window that is no code, a chunk whose codes do not end in its last byte).
-    """
-    device, alphabet, chunks = data.device, 2**bits, math.ceil(n / CHUNK)
-    table_nbytes = 2 + max(1, alphabet // 2)
-    head_nbytes = table_nbytes + 2 * chunks
-    if data.numel() < head_nbytes:
-        raise WireFormatError(f"entropy-coded section: {data.numel()} bytes, its table alone needs {head_nbytes}")
-    head = data[:head_nbytes].tolist()
-    longest = head[1]
-    lengths = [v for b in head[2:table_nbytes] for v in (b & 0xF, b >> 4)][:alphabet]
-    if not 1 <= longest <= MAX_CODE_BITS or max(lengths) != longest or \
-            sum(2.0 ** -n_ for n_ in lengths if n_) > 1.0:
-        raise WireFormatError(f"entropy-coded section: invalid code table (longest code {longest})")
-    chunk_nbytes = torch.tensor([head[table_nbytes + 2 * c] | head[table_nbytes + 2 * c + 1] << 8
-                                 for c in range(chunks)], dtype=torch.int64, device=device)
-    total = int(chunk_nbytes.sum())
-    if data.numel() < head_nbytes + total:
-        raise WireFormatError(f"entropy-coded section: {data.numel()} bytes, its chunks need {head_nbytes + total}")
-    # int32 bit positions (int64 from 256 MiB of codes on) and uint8 symbols and lengths: the per-bit tensors are
-    # the decode's memory
-    position = torch.int32 if 8 * total < INT32_BITS else torch.int64
-    payload = torch.cat([data[head_nbytes : head_nbytes + total].to(position),
-                         torch.zeros(3, dtype=position, device=device)])
-    symbol_at, size_at = (t.to(torch.uint8) for t in _table(lengths, longest, device))
-    # Decode at every bit position at once: the symbol and code length a code starting there would have.
-    bit = torch.arange(8 * total, dtype=position, device=device)
-    byte = bit >> 3
-    window = payload[byte] << 16 | payload[byte + 1] << 8 | payload[byte + 2]
-    index = (window >> (24 - longest - (bit & 7))) & ((1 << longest) - 1)
-    del byte, window
-    symbols_at = torch.cat([symbol_at[index], symbol_at.new_zeros(1)])
-    sizes_at = torch.cat([size_at[index], size_at.new_zeros(1)])  # the last position: past the end, no code
-    del index
-    after = torch.clamp(torch.cat([bit + sizes_at[:-1], bit.new_full((1,), 8 * total)]), max=8 * total)
-    del bit
-    # Code i of a chunk starts at after^i(the chunk's first bit): pointer doubling, log2(CHUNK) steps.
-    starts = torch.cumsum(chunk_nbytes, 0) - chunk_nbytes
-    step = torch.arange(CHUNK, device=device)
-    at = (starts * 8).to(position)[:, None].expand(chunks, CHUNK).clone()
-    jump = after
-    for j in range(CHUNK.bit_length() - 1):
-        at = torch.where(((step >> j) & 1).bool(), jump[at], at)
-        jump = jump[jump]
-    del jump, after
-    counts = torch.full((chunks,), CHUNK, dtype=torch.int64, device=device)
-    counts[-1] = n - (chunks - 1) * CHUNK
-    live = step < counts[:, None]
-    bad = (live & (sizes_at[at] == 0)).any(dim=1)  # a window that is no code, or past the section's end
-    last = at.gather(1, (counts - 1)[:, None])[:, 0].long()
-    end = last + sizes_at[last]
-    bad |= (end - starts * 8 + 7) // 8 != chunk_nbytes
-    if bool(bad.any()):
-        raise WireFormatError(f"entropy-coded section: {int(bad.sum())} of {chunks} chunks are not valid codes")
-    out = symbols_at[at].long()
-    return out.reshape(-1)[:n], head_nbytes + total
+def _check_coder(coder: str) -> None:
+    if coder not in CODERS:
+        raise ValueError(f"entropy coder {coder!r}: choose one of {', '.join(CODERS)}")
 
 
 def _symbol_bits(codec: Codec, name: str, size: int) -> int | None:
@@ -226,45 +86,101 @@ def capacity_nbytes(codec: Codec, shape, dtype) -> int:
     return codec.wire_nbytes(shape, dtype) + len(codec.layout(shape, dtype).offsets)
 
 
-def encode(codec: Codec, buf: torch.Tensor, shape, dtype) -> torch.Tensor:
-    """``codec``'s buffer ``buf`` (of ``shape``, ``dtype``) coded losslessly: a 1-D uint8 tensor of at most
-    ``capacity_nbytes`` bytes on ``buf``'s device (format above)."""
+def encode(codec: Codec, buf: torch.Tensor, shape, dtype, coder: str = DEFAULT_CODER) -> torch.Tensor:
+    """``codec``'s buffer ``buf`` (of ``shape``, ``dtype``) coded losslessly by ``coder`` (``CODERS``; ``"raw"``:
+    every section as it is, the format's cheapest message): a 1-D uint8 tensor of at most ``capacity_nbytes`` bytes
+    on ``buf``'s device (format above)."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != codec.wire_nbytes(shape, dtype):
         raise WireFormatError(f"entropy.encode takes {codec.name}'s {codec.wire_nbytes(shape, dtype)}-byte buffer "
                               f"(1-D uint8), got {buf.dtype} of shape {tuple(buf.shape)}")
+    if coder in ("huffman", "raw"):  # on the buffer's device
+        return _encode_on_device(codec, buf, shape, dtype, coder == "huffman")
+    _check_coder(coder)
+    host = buf.cpu().numpy()
+    parts = []
+    for start, size, bits, section in _regions(codec, shape, dtype):
+        raw = host[start : start + size]
+        if not section:
+            parts.append(raw)
+            continue
+        coded = ans.encode_section(raw, bits) if bits else None
+        if coded is None or coded.size >= size + 1:
+            coded = np.concatenate([np.array([RAW], dtype=np.uint8), raw])
+        parts.append(coded)
+    return torch.from_numpy(np.concatenate(parts)).to(buf.device)
+
+
+def _encode_on_device(codec: Codec, buf: torch.Tensor, shape, dtype, code: bool) -> torch.Tensor:
+    """``encode`` in torch operations on ``buf``'s device: the device coder (``code``), or every section raw."""
     parts = []
     for start, size, bits, section in _regions(codec, shape, dtype):
         raw = buf[start : start + size]
         if not section:
             parts.append(raw)
             continue
-        coded = encode_symbols(unpack_bits(raw, bits, size * 8 // bits), bits) if bits else None
+        coded = huffman.encode_symbols(unpack_bits(raw, bits, size * 8 // bits), bits) if bits and code else None
         if coded is None or coded.numel() >= size + 1:
             coded = torch.cat([raw.new_tensor([RAW]), raw])
         parts.append(coded)
     return torch.cat(parts)
 
 
-def decode(codec: Codec, coded: torch.Tensor, shape, dtype) -> torch.Tensor:
-    """The codec buffer ``encode`` coded, bit for bit; ``WireFormatError`` on a buffer that is not one."""
+def _section_mode(mode: int, start: int, bits: int | None, coder: str) -> int:
+    """A section's mode byte, checked: raw, or ``coder``'s (a codes section only); ``WireFormatError`` otherwise."""
+    if mode == RAW or (mode == CODERS[coder] and bits):
+        return mode
+    if mode in _NAME_OF_MODE:
+        raise WireFormatError(f"entropy-coded buffer: the section at byte {start} was coded by "
+                              f"{_NAME_OF_MODE[mode]}, this end decodes {coder}: both ends of a link need the same "
+                              "--tah-entropy-coder")
+    raise WireFormatError(f"entropy-coded buffer: section at byte {start} has mode {mode}")
+
+
+def decode(codec: Codec, coded: torch.Tensor, shape, dtype, coder: str = DEFAULT_CODER) -> torch.Tensor:
+    """The codec buffer ``encode`` coded with ``coder``, bit for bit, on ``coded``'s device; ``WireFormatError`` on a
+    buffer that is not one (a section coded by another coder included)."""
+    _check_coder(coder)
     if coded.dtype != torch.uint8 or coded.dim() != 1:
         raise WireFormatError(f"entropy.decode takes a 1-D uint8 buffer, got {coded.dtype} of shape "
                               f"{tuple(coded.shape)}")
+    if coder == "huffman":
+        return _decode_huffman(codec, coded, shape, dtype)
+    data = coded.cpu().numpy()
+    buf = np.empty(codec.wire_nbytes(shape, dtype), dtype=np.uint8)
+    at = 0
+    for start, size, bits, section in _regions(codec, shape, dtype):
+        if section:
+            if at >= data.size:
+                raise WireFormatError(f"entropy-coded buffer ends at byte {at}, before its section at {start}")
+            if _section_mode(int(data[at]), start, bits, coder) != RAW:
+                buf[start : start + size], used = ans.decode_section(data, at, size, bits)
+                at += used
+                continue
+            at += 1
+        if data.size < at + size:
+            raise WireFormatError(f"entropy-coded buffer: {data.size} bytes, its bytes at {start} need {at + size}")
+        buf[start : start + size] = data[at : at + size]
+        at += size
+    if at != data.size:
+        raise WireFormatError(f"entropy-coded buffer: {data.size} bytes, its sections end at {at}")
+    return torch.from_numpy(buf).to(coded.device)
+
+
+def _decode_huffman(codec: Codec, coded: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """``decode`` with the device coder, on ``coded``'s device."""
     buf = torch.empty(codec.wire_nbytes(shape, dtype), dtype=torch.uint8, device=coded.device)
     at = 0
     for start, size, bits, section in _regions(codec, shape, dtype):
         if section:
             if at >= coded.numel():
                 raise WireFormatError(f"entropy-coded buffer ends at byte {at}, before its section at {start}")
-            mode = int(coded[at])
+            mode = _section_mode(int(coded[at]), start, bits, "huffman")
             at += 1
-            if mode == HUFFMAN and bits:
-                symbols, used = decode_symbols(coded[at - 1 :], size * 8 // bits, bits)
+            if mode != RAW:
+                symbols, used = huffman.decode_symbols(coded[at - 1 :], size * 8 // bits, bits)
                 buf[start : start + size] = pack_bits(symbols, bits)
                 at += used - 1
                 continue
-            if mode != RAW:
-                raise WireFormatError(f"entropy-coded buffer: section at byte {start} has mode {mode}")
         if coded.numel() < at + size:
             raise WireFormatError(f"entropy-coded buffer: {coded.numel()} bytes, its bytes at {start} need {at + size}")
         buf[start : start + size] = coded[at : at + size]

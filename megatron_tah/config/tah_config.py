@@ -13,6 +13,7 @@ from typing import Any
 from ..codecs import Codec, codec_declaration, get_codec
 from ..codecs.base import BACKENDS
 from ..codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
+from ..codecs.entropy import CODERS, DEFAULT_CODER
 from ..geometry import TILE_SIZES
 from ..units import parse_bandwidth
 from . import pipeline
@@ -81,6 +82,15 @@ class TahConfig:
     tah_entropy_coding: bool = False
     """Code each pipeline message losslessly after its codec: fewer bytes, the same values. On gloo each message
     goes at its own length, on NCCL in agreed frames. Fixed codecs only; both stages agree (docs/CODECS.md)."""
+    tah_entropy_coder: str = dataclasses.field(default=DEFAULT_CODER, metadata={"choices": tuple(CODERS)})
+    """The lossless coder of --tah-entropy-coding: ans (constriction's, on the host) or huffman (torch, on the
+    message's device; slower on a CPU). Both stages agree (docs/CODECS.md)."""
+    tah_entropy_when: str = dataclasses.field(default="always", metadata={"choices": ("always", "auto")})
+    """With --tah-entropy-coding: always code, or auto: code a link's messages only while the wire time coding saves
+    at the link's rate exceeds the coder's encode + decode time, timed on the link's messages (docs/CODECS.md)."""
+    tah_link_rate: str | None = dataclasses.field(default=None, metadata={"parse": parse_bandwidth})
+    """The pipeline links' rate where known (e.g. 100mbit): what the entropy coder is judged by (default:
+    --tah-emulate-bandwidth's); coding that does not pay at it is a warning with the numbers."""
     tah_peer_timeout_s: float = 120.0
     """Stop the run when a neighbouring stage stays silent this many seconds, naming the link. With 0, Megatron's
     timeouts only; it bounds the other collectives too (docs/RELIABILITY.md)."""
@@ -188,6 +198,12 @@ class TahConfig:
     @property
     def emulated_bandwidth_bps(self) -> float | None:
         return parsed(self, "tah_emulate_bandwidth")
+
+    @property
+    def link_rate_bps(self) -> float | None:
+        """The links' rate the entropy coder is judged by: ``tah_link_rate``, else the emulated one (None: unknown)."""
+        rate = parsed(self, "tah_link_rate")
+        return rate if rate is not None else self.emulated_bandwidth_bps
 
     def boundary_bits(self) -> tuple[int, ...]:
         """``tah_boundary_bits`` as integers (() when not set)."""

@@ -23,6 +23,11 @@ With ``--tah-entropy-coding`` each pipeline message carries its codec buffer thr
   message's overflow). A receive posted before the link's previous one was read is refused too (its size
   depends on it).
 
+Whether a message is coded at all is the sender's (``CodingRule``): with a known link rate (``--tah-link-rate``,
+else ``--tah-emulate-bandwidth``) it times its coder on a link's message and compares that with the wire time the
+coded bytes save; ``--tah-entropy-when auto`` sends the messages where coding does not pay with every section raw
+(``entropy.encode(..., "raw")``: the receiver reads them like any other), ``always`` codes them and warns once.
+
 :class:`FramingStep` is the link end's step (``steps.py``): it codes each codec buffer it sends (exact or in
 its agreed frame), sizes each receive, reads a complete receive's length (its message's end; a framed one's
 overflow) and decodes the coded buffer back to the codec's.
@@ -33,6 +38,8 @@ from __future__ import annotations
 import collections
 import math
 import struct
+import time
+import warnings
 
 import torch
 
@@ -40,8 +47,8 @@ from ..codecs import WireFormatError, entropy
 from ..codecs.graphs import eager
 from .steps import Outgoing, Step
 
-__all__ = ["FRAME_HEADER_NBYTES", "MARGIN", "ROUND", "WINDOW", "FrameSizes", "FramingStep", "coded_length", "frame",
-           "unframe"]
+__all__ = ["FRAME_HEADER_NBYTES", "MARGIN", "PROBE_EVERY", "ROUND", "WINDOW", "CodingRule", "FrameSizes", "FramingStep",
+           "coded_length", "frame", "unframe"]
 
 FRAME_HEADER_NBYTES = 4
 WINDOW = 8  # messages of a link whose largest coded size sizes the next (framed)
@@ -103,13 +110,71 @@ def unframe(message: torch.Tensor, n: int, rest: torch.Tensor | None) -> torch.T
     return torch.cat([body, rest.to(body.device)])
 
 
+PROBE_EVERY = 64  # messages of a link (per codec and shape) between two timings of its coder (auto)
+
+
+class CodingRule:
+    """Whether coding a link end's messages saves time at the link's rate ``rate_bps``: the coder's encode and
+    decode of a message (timed here, on the sender: its decode stands in for the receiver's) against the wire time
+    its saved bytes take, ``8 * (raw - coded) / rate_bps``. ``auto``: messages between two timings (every
+    ``PROBE_EVERY`` of a codec and shape) are coded only where the last timing paid, otherwise sent as they are
+    (every section raw, which any receiver reads); otherwise every message is coded and a timing that does not pay
+    is one warning per codec and shape with its numbers. ``rate_bps`` None: no judging, every message coded."""
+
+    def __init__(self, coder: str, rate_bps: float | None, auto: bool, what: str, every: int = PROBE_EVERY):
+        self.coder, self.rate_bps, self.auto, self.what, self.every = coder, rate_bps, auto, what, every
+        self.state: dict[tuple, list] = {}  # key -> [pays, messages since its timing]
+        self.last: dict | None = None  # the last timing's numbers
+
+    def encode(self, codec, buf: torch.Tensor, shape, dtype, key: tuple) -> torch.Tensor:
+        """``buf`` coded as the rule says for a message of ``key``."""
+        if self.rate_bps is None:
+            return entropy.encode(codec, buf, shape, dtype, self.coder)
+        state = self.state.get(key)
+        if state is not None and (state[1] < self.every or not self.auto):
+            state[1] += 1
+            return entropy.encode(codec, buf, shape, dtype, self.coder if state[0] else "raw")
+        start = time.perf_counter()
+        coded = entropy.encode(codec, buf, shape, dtype, self.coder)
+        middle = time.perf_counter()
+        entropy.decode(codec, coded, shape, dtype, self.coder)
+        uncoded = entropy.capacity_nbytes(codec, shape, dtype)  # the message with every section raw
+        numbers = self.judge(uncoded, coded.numel(), middle - start, time.perf_counter() - middle)
+        self.state[key] = [numbers["pays"], 1]
+        if not numbers["pays"]:
+            if not self.auto and state is None:
+                warnings.warn(f"megatron_tah: --tah-entropy-coding on the {self.what} does not pay: "
+                              f"{self.describe(numbers)}; --tah-entropy-when auto sends such messages uncoded",
+                              stacklevel=2)
+            if self.auto:
+                return entropy.encode(codec, buf, shape, dtype, "raw")
+        return coded
+
+    def judge(self, raw_nbytes: int, coded_nbytes: int, encode_s: float, decode_s: float) -> dict:
+        """The numbers of one timing (``raw_nbytes``: the message uncoded, ``coded_nbytes``: coded) and whether
+        coding pays."""
+        saved_s = 8.0 * (raw_nbytes - coded_nbytes) / self.rate_bps
+        self.last = {"raw": raw_nbytes, "coded": coded_nbytes, "encode_s": encode_s, "decode_s": decode_s,
+                     "saved_s": saved_s, "rate_bps": self.rate_bps, "pays": saved_s > encode_s + decode_s}
+        return self.last
+
+    def describe(self, n: dict) -> str:
+        return (f"it saves {n['raw'] - n['coded']:,} of {n['raw']:,} bytes per message, "
+                f"{1e3 * n['saved_s']:.2f} ms at {n['rate_bps'] / 1e6:.4g} Mbit/s, and costs "
+                f"{1e3 * (n['encode_s'] + n['decode_s']):.2f} ms to encode and decode "
+                f"({1e3 * n['encode_s']:.2f} + {1e3 * n['decode_s']:.2f} ms, {self.coder})")
+
+
 class FramingStep(Step):
-    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors): framed, its agreed frame
+    """``--tah-entropy-coding`` on one link end (``direction``, ``peer``: for errors; ``coder``: ``entropy.CODERS``,
+    both ends the same, checked by the handshake): framed, its agreed frame
     sizes and, on a receive end, the receive posted and not yet read (its coded size sizes the next one). An
     exact receive keeps nothing here: its length is its message's (``m.nbytes``)."""
 
-    def __init__(self, direction: str, peer: int):
-        self.direction, self.peer = direction, peer
+    def __init__(self, direction: str, peer: int, coder: str = entropy.DEFAULT_CODER, rate_bps: float | None = None,
+                 auto: bool = False):
+        self.direction, self.peer, self.coder = direction, peer, coder
+        self.rule = CodingRule(coder, rate_bps, auto, f"{direction} link with rank {peer}")
         self.sizes = FrameSizes()
         self.pending: tuple[tuple, int] | None = None  # framed receive end: (key, capacity) of the posted receive
         self.coded_nbytes: int | None = None  # ... and the coded length its frame announced, once read
@@ -122,11 +187,11 @@ class FramingStep(Step):
         return key, capacity, self.sizes.size(key, capacity)
 
     def on_send(self, out: Outgoing) -> None:
-        coded = entropy.encode(eager(out.codec), out.buf, out.shape, out.dtype)
+        key, _, size = self._frame(out.codec, out.shape, out.dtype)
+        coded = self.rule.encode(eager(out.codec), out.buf, out.shape, out.dtype, key)
         if out.exact:
             out.buf, out.rest = frame(coded)
             return
-        key, _, size = self._frame(out.codec, out.shape, out.dtype)
         out.buf, out.rest = frame(coded, size)
         self.sizes.record(key, coded.numel() + FRAME_HEADER_NBYTES)
 
@@ -168,9 +233,9 @@ class FramingStep(Step):
         ``m.rest``."""
         if m.exact:
             coded = unframe(buf, buf.numel() - FRAME_HEADER_NBYTES, None)
-            return entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
+            return entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype, self.coder)
         coded = unframe(buf, self.coded_nbytes, m.rest)
-        decoded = entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype)
+        decoded = entropy.decode(eager(m.codec), coded, m.target.shape, m.target.dtype, self.coder)
         self.sizes.record(self.pending[0], self.coded_nbytes + FRAME_HEADER_NBYTES)
         self.pending = self.coded_nbytes = None
         return decoded

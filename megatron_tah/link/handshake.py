@@ -6,7 +6,8 @@ pipeline ``group`` -- a JSON text of at most ``HANDSHAKE_NBYTES`` bytes, zero-pa
 :class:`CodecMismatchError` on every stage whose previous or next stage's digest differs in either
 direction, naming both stages and both configurations. The digest covers the codec's settings and
 what changes the traffic of a whole run (``--tah-warmup-iters``, ``--tah-eval-traffic``,
-``--tah-eval-forward-bits``, ``--tah-wire-checksum``; forward, ``--tah-boundary-bits``); a direction set to ``auto`` is recorded as its
+``--tah-eval-forward-bits``, ``--tah-wire-checksum``, ``--tah-entropy-coding`` with its coder and the coder's library
+version; forward, ``--tah-boundary-bits``); a direction set to ``auto`` is recorded as its
 candidates' names and digests (both ends must hold the same decoders and carry the announcement trailer,
 ``wire.py``).
 ``check_schedule`` refuses AQ-SGD under the interleaved (virtual pipeline) schedule (the caller says how
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..codecs import entropy
 from ..codecs.base import crc32_of
 from ..config import TahConfig
 from .completion import wait_completed
@@ -43,16 +45,17 @@ def config_record(cfg: TahConfig) -> dict:
     """``{direction: [digest, description]}``: what neighbouring stages must agree on."""
     warmup, evals, checksum = cfg.tah_warmup_iters, cfg.tah_eval_traffic, cfg.tah_wire_checksum
     coded, eval_bits = cfg.tah_entropy_coding, cfg.tah_eval_forward_bits
+    coder = entropy.coder_identity(cfg.tah_entropy_coder) if coded else ""
     # The warm-up, the evaluations' traffic and bits, the payload checksum and the entropy coding change what is
     # sent (the codec's config digest leaves them out): part of both directions' record.
     modes = "".join([f"/warmup={warmup}" if warmup else "", f"/eval={evals}" if evals != "codec" else "",
                      f"/eval_bits={eval_bits}" if eval_bits is not None else "",
-                     "/checksum" if checksum else "", "/entropy" if coded else ""])
+                     "/checksum" if checksum else "", f"/entropy={coder}" if coded else ""])
     suffix = "".join([f", first {warmup} iterations uncompressed" if warmup else "",
                       {"codec": "", "uncompressed": ", evaluations uncompressed",
                        "both": ", evaluations through the codec and uncompressed"}[evals],
                       f", evaluations at {eval_bits} bits forward" if eval_bits is not None else "",
-                      ", payload checksum" if checksum else "", ", entropy-coded" if coded else ""])
+                      ", payload checksum" if checksum else "", f", entropy-coded by {coder}" if coded else ""])
     per_boundary = cfg.boundary_bits()
     record = {}
     for direction in ("forward", "backward"):

@@ -116,7 +116,8 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
             evaluating.salt_rounding(link_salt(direction, role, peer) + ":eval")
             link.eval_codec = place_codec(evaluating, config.tah_eager_codecs, graphs, graph_log)
     if config.tah_entropy_coding:
-        link.steps.append(FramingStep(direction, peer))
+        link.steps.append(FramingStep(direction, peer, config.tah_entropy_coder, config.link_rate_bps,
+                                      auto=config.tah_entropy_when == "auto"))
     measure = config.is_auto("forward") or config.is_auto("backward")
     if trailer:
         link.steps.append(TrailerStep(link, measure=measure, reply=reply, latency=latency))

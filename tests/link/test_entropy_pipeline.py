@@ -235,7 +235,7 @@ def test_an_exact_message_is_its_length_and_coded_bytes_read_back_from_a_larger_
 
     config = TahConfig(**CODECS, tah_entropy_coding=True, tah_emulate_bandwidth="1gbit", tah_emulate_wire="inbound")
     sender, receiver = (PipelineTransport(config, Stats(STREAMS)) for _ in range(2))
-    x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(64, 2, 128, generator=torch.Generator().manual_seed(1))  # codes enough to pay for their tables
     message, rest = sender.encode(sender.link("forward", "send", 1), x, exact=True)
     assert rest is None and message.numel() == frames.coded_length(message, 10**9) + 4 + 24  # length, bytes, trailer
     link = receiver.link("forward", "recv", 0)
@@ -257,10 +257,15 @@ def test_both_stages_must_agree_and_auto_is_refused():
     from megatron_tah.config import TahConfig
     from megatron_tah.link.handshake import config_record
 
+    from megatron_tah.codecs import entropy
+
     coded, plain = config_record(TahConfig(**CODECS, tah_entropy_coding=True)), config_record(TahConfig(**CODECS))
+    other = config_record(TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder="huffman"))
     for direction in ("forward", "backward"):
         assert coded[direction][0] != plain[direction][0]  # a neighbour without it is a CodecMismatchError
-        assert coded[direction][1] == plain[direction][1] + ", entropy-coded"
+        assert coded[direction][0] != other[direction][0]  # ... and one with another coder
+        assert coded[direction][1] == plain[direction][1] + f", entropy-coded by {entropy.coder_identity('ans')}"
+        assert "constriction " in coded[direction][1] and other[direction][1].endswith("by huffman (torch)")
     with pytest.raises(ValueError, match="tah_entropy_coding with an auto direction"):
         TahConfig(tah_forward_codec="auto", tah_entropy_coding=True)
 
@@ -316,3 +321,84 @@ def test_the_docs_and_the_flag_state_the_frames_sizing_rule():
     assert f"the coded sizes of the link's last {frames.WINDOW} messages plus {frames.MARGIN:.0%}" in codecs
     flags = " ".join((docs / "FLAGS.md").read_text().split())  # the flag's help (scripts/write_flags.py --check)
     assert "on gloo each message goes at its own length, on NCCL in agreed frames" in flags  # the rule: CODECS.md
+
+
+def _send_and_read_back(config, x):
+    """One forward message through a sender's steps, read back by a receiver: (its coded bytes, the values)."""
+    from megatron_tah.link import frames
+    from megatron_tah.link.overflow import read_length
+    from megatron_tah.link.transport import PipelineTransport
+    from megatron_tah.megatron.places import STREAMS
+    from megatron_tah.megatron.stats import Stats
+
+    sender, receiver = (PipelineTransport(config, Stats(STREAMS)) for _ in range(2))
+    message, _ = sender.encode(sender.link("forward", "send", 1), x, exact=True)
+    m = receiver.receive(receiver.link("forward", "recv", 0), torch.empty_like(x), None,
+                         {"stages": (0, 1), "extra_nbytes": 0, "exact": True})
+    m.buf[: message.numel()] = message
+    read_length(m)
+    receiver._decode(m)
+    return frames.coded_length(message, 10**9), m.target, sender.link("forward", "send", 1)
+
+
+@pytest.mark.parametrize("rate, pays", [("100kbit", True), ("100gbit", False)])
+def test_auto_codes_a_links_messages_only_where_the_saved_wire_time_exceeds_the_coders(rate, pays):
+    from megatron_tah.codecs import entropy
+    from megatron_tah.config import TahConfig
+
+    config = TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_when="auto", tah_link_rate=rate)
+    x = torch.randn(256, 1, 576, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 576)
+    coded_nbytes, values, link = _send_and_read_back(config, x)
+    codec = link.codec
+    uncoded = entropy.capacity_nbytes(codec, tuple(x.shape), torch.float32)
+    numbers = link.steps[0].rule.last
+    assert numbers["pays"] is pays and numbers["rate_bps"] == {"100kbit": 1e5, "100gbit": 1e11}[rate]
+    assert (numbers["saved_s"] > numbers["encode_s"] + numbers["decode_s"]) is pays
+    assert numbers["coded"] < numbers["raw"] == uncoded  # coding saves bytes either way; time decides
+    assert (coded_nbytes < uncoded) if pays else (coded_nbytes == uncoded)  # sent coded, or every section raw
+    assert torch.equal(values, codec.decode(codec.encode(x), x.shape, x.dtype))  # the receiver reads both
+
+
+def test_coding_left_on_where_it_does_not_pay_warns_with_the_numbers():
+    from megatron_tah.codecs import entropy
+    from megatron_tah.config import TahConfig
+
+    config = TahConfig(**CODECS, tah_entropy_coding=True, tah_link_rate="100gbit")
+    x = torch.randn(256, 1, 576, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning, match=r"--tah-entropy-coding on the forward link with rank 1 does not pay: it saves "
+                      r"[\d,]+ of [\d,]+ bytes per message, [\d.]+ ms at 1e\+05 Mbit/s, and costs [\d.]+ ms"):
+        coded_nbytes, values, link = _send_and_read_back(config, x)
+    assert coded_nbytes < entropy.capacity_nbytes(link.codec, tuple(x.shape), torch.float32)  # coded all the same
+
+
+def test_auto_needs_the_coding_and_a_link_rate():
+    from megatron_tah.config import TahConfig
+
+    with pytest.raises(ValueError, match="needs tah_entropy_coding"):
+        TahConfig(**CODECS, tah_entropy_when="auto", tah_link_rate="1gbit")
+    with pytest.raises(ValueError, match="give tah_link_rate"):
+        TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_when="auto")
+    assert TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_when="auto",
+                     tah_emulate_bandwidth="10mbit").link_rate_bps == 1e7
+
+
+def _handshake_with_coder(rank, world_size):
+    """Each rank's start-up check with its own coder (rank 0 ans, rank 1 huffman): the message it raises."""
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.handshake import CodecMismatchError, check_group
+
+    config = TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder=("ans", "huffman")[rank])
+    try:
+        check_group(config, torch.distributed.group.WORLD, torch.device("cpu"), lambda work, *_: work.wait())
+    except CodecMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_stages_with_different_coders_stop_at_start_up_naming_both():
+    from megatron_tah.codecs import entropy
+
+    messages = run_distributed(_handshake_with_coder, 2, timeout=120)
+    for rank, message in enumerate(messages):
+        assert message is not None and "use different forward codecs" in message
+        assert f"entropy-coded by {entropy.coder_identity('ans')}" in message and "by huffman (torch)" in message

@@ -335,11 +335,9 @@ def test_the_lossless_pages_are_the_committed_measurement():
 
     assert 0 < saved < 1
     codecs = " ".join((DOCS / "CODECS.md").read_text().split())
-    assert ("the Huffman coder sends within 0.15 bits per value of each section's order-0 entropy, except on 2-bit "
-            "codes") in codecs
-    two_bit = [r for r in result["rows"] if r["codec"].endswith(" 2-bit")]
-    assert two_bit and all(r["coded"] - r["order0"] > 0.15 for r in two_bit)
-    assert all(r["coded"] - r["order0"] <= 0.15 for r in result["rows"] if r not in two_bit)
+    assert ("the `ans` coder sends within 0.02 bits per value of each section's order-0 entropy on every row") in codecs
+    assert all(abs(r["coded"] - r["order0"]) <= 0.02 for r in result["rows"])
+    assert result["host_entropy"]["coder"] == "ans"
     host = result["host_entropy"]
     assert all(host[d]["coder_ms"] > host[d]["link_saved_ms"] for d in ("forward", "backward"))  # "costs far more"
     from benchmarks.speedrun import check

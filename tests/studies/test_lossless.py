@@ -106,8 +106,8 @@ def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_ti
     config = TahConfig(tah_preset="lowrank", tah_backend="torch")
     for codec in (config.forward_codec(), config.backward_codec()):
         m = measure(codec, x)
-        # Huffman is within a bit per symbol of the entropy; its tables and chunk lengths cost a little more
-        assert m["order0"] <= m["coded"] < m["bits"] and m["coded"] < m["order0"] + 0.35
+        # ANS sends the entropy; its tables cost a little more (code pairs can only take a little off)
+        assert m["coded"] < m["bits"] and m["order0"] - 0.05 < m["coded"] < m["order0"] + 0.35
     h = host_entropy({3: (x, (x * 1e-3).to(torch.bfloat16))}, "lowrank", repeats=1)
     for direction in ("forward", "backward"):
         row = h[direction]
@@ -115,4 +115,4 @@ def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_ti
         assert row["coder_ms"] == pytest.approx(row["message_bytes"] / 1e3 * (1 / row["compress_mb_s"]
                                                                               + 1 / row["decompress_mb_s"]))
     text = host_entropy_text(h, "test cpu")
-    assert f"on test cpu (torch, {h['threads']} threads)" in text and f"it saves {h['forward']['saved']:.0%}" in text
+    assert f"ans coder on test cpu ({h['threads']} thread" in text and f"it saves {h['forward']['saved']:.0%}" in text
