@@ -83,14 +83,15 @@ class TahConfig:
     """Code each pipeline message losslessly after its codec: fewer bytes, the same values. On gloo each message
     goes at its own length, on NCCL in agreed frames. Fixed codecs only; both stages agree (docs/CODECS.md)."""
     tah_entropy_coder: str = dataclasses.field(default=DEFAULT_CODER, metadata={"choices": tuple(CODERS)})
-    """The lossless coder of --tah-entropy-coding: ans (constriction's, on the host) or huffman (torch, on the
-    message's device; slower on a CPU). Both stages agree (docs/CODECS.md)."""
+    """The lossless coder of --tah-entropy-coding: ans on the host or huffman on the message's device. The ans coder
+    is constriction's; huffman is torch's, slower on a CPU. Both stages agree (docs/CODECS.md)."""
     tah_entropy_when: str = dataclasses.field(default="always", metadata={"choices": ("always", "auto")})
-    """With --tah-entropy-coding: always code, or auto: code a link's messages only while the wire time coding saves
-    at the link's rate exceeds the coder's encode + decode time, timed on the link's messages (docs/CODECS.md)."""
+    """With --tah-entropy-coding: always code, or auto: only where the wire time saved exceeds the coder's time.
+    With auto a link's messages are coded while the wire time coding saves at the link's rate exceeds the coder's
+    encode + decode time, timed on the link's messages (docs/CODECS.md)."""
     tah_link_rate: str | None = dataclasses.field(default=None, metadata={"parse": parse_bandwidth})
-    """The pipeline links' rate where known (e.g. 100mbit): what the entropy coder is judged by (default:
-    --tah-emulate-bandwidth's); coding that does not pay at it is a warning with the numbers."""
+    """The pipeline links' rate where known (e.g. 100mbit): what the entropy coder is judged by. Default:
+    --tah-emulate-bandwidth's; coding that does not pay at it is a warning with the numbers."""
     tah_peer_timeout_s: float = 120.0
     """Stop the run when a neighbouring stage stays silent this many seconds, naming the link. With 0, Megatron's
     timeouts only; it bounds the other collectives too (docs/RELIABILITY.md)."""

@@ -51,6 +51,7 @@ def test_hangs():
 def fake(tmp_path):
     """The fake tests' file, inside the repository (ignored ``runs/``: pytest names tests from the rootdir) and
     removed after."""
+    (REPO / "runs").mkdir(exist_ok=True)  # absent on a fresh clone
     folder = Path(tempfile.mkdtemp(prefix="soak-test-", dir=REPO / "runs"))
     (folder / "test_fake.py").write_text(TESTS)
     try:
