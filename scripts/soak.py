@@ -19,7 +19,7 @@ before any runs twice (the table's runs column says how often each ran; at most 
   multi-process run of its own gave no result in time (``run_distributed``'s ``TimeoutError``, the tests'
   watchdog);
 * **left**: a process of its file's session still ran ``--settle-s`` s after pytest exited (killed then), or a
-  multi-process run's temporary folder (``tah_dist_*``) made during it was still there (removed then); the
+  multi-process run's temporary folder (``tah_dist_<its pid>_*``) was still there (removed then); the
   table counts the runs. Until then the session's processes may end by themselves: pytest's children's
   children (multiprocessing's fork server and resource tracker) outlive it by a second or two.
 
@@ -86,9 +86,10 @@ def stop_session(sid: int) -> None:
     signal_all(session_pids(sid), signal.SIGKILL)
 
 
-def run_folders() -> set[Path]:
-    """The multi-process runs' temporary folders (``tests/helpers/rank_entry.py``'s ``tah_dist_*``) now."""
-    return set(Path(tempfile.gettempdir()).glob("tah_dist_*"))
+def run_folders(pid: int) -> set[Path]:
+    """The multi-process runs' temporary folders of test process ``pid`` (``tests/helpers/rank_entry.py``'s
+    ``tah_dist_<test pid>_*``): only this soak's own, never those of tests running beside it."""
+    return set(Path(tempfile.gettempdir()).glob(f"tah_dist_{pid}_*"))
 
 
 def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0) -> list[dict]:
@@ -97,7 +98,6 @@ def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0
     Interrupted (SIGTERM/SIGINT as ``KeyboardInterrupt``), its session is killed before the interruption goes on."""
     report = log.with_suffix(".xml")
     report.unlink(missing_ok=True)
-    folders = run_folders()
     start = time.monotonic()
     with open(log, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -121,7 +121,7 @@ def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0
     elapsed = time.monotonic() - start
     left = settle(proc.pid, settle_s)
     stop_session(proc.pid)
-    for folder in run_folders() - folders:
+    for folder in run_folders(proc.pid):  # the tests run in the pytest process itself (no workers)
         left.append(str(folder))
         shutil.rmtree(folder, ignore_errors=True)
     found = {}

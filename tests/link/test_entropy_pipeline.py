@@ -320,7 +320,7 @@ def test_the_docs_and_the_flag_state_the_frames_sizing_rule():
     codecs = " ".join((docs / "CODECS.md").read_text().split())
     assert f"the coded sizes of the link's last {frames.WINDOW} messages plus {frames.MARGIN:.0%}" in codecs
     flags = " ".join((docs / "FLAGS.md").read_text().split())  # the flag's help (scripts/write_flags.py --check)
-    assert "on gloo each message goes at its own length, on NCCL in agreed frames" in flags  # the rule: CODECS.md
+    assert "On gloo each message goes at its own length, on NCCL in agreed frames" in flags  # the rule: CODECS.md
 
 
 def _send_and_read_back(config, x):

@@ -110,3 +110,17 @@ def test_a_budget_samples_every_test_before_any_runs_twice(runs):
     assert soak.schedule(tests, runs, budget=True)[:4] == [(1, ["a.py::x"]), (1, ["a.py::y"]), (1, ["b.py::z"]),
                                                            (2, ["a.py::x"])]
     assert soak.schedule(tests, 1, budget=False) == [(1, ["a.py::x", "a.py::y"]), (1, ["b.py::z"])]
+
+
+def test_only_the_soaks_own_run_folders_count_as_left_and_are_removed(tmp_path, monkeypatch):
+    """A soak beside other tests (``make test-all``'s workers) counts and removes the temporary folders of its own
+    pytest process only: another test's running folder is neither counted nor deleted."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import soak
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine, theirs = tmp_path / "tah_dist_123_a", tmp_path / "tah_dist_1234_b"
+    mine.mkdir(), theirs.mkdir()
+    assert soak.run_folders(123) == {mine} and soak.run_folders(1234) == {theirs}
