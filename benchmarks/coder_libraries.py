@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
-import time
 import warnings
 from datetime import date
 from pathlib import Path
@@ -26,7 +24,7 @@ import torch
 from megatron_tah.codecs import ans, entropy
 from megatron_tah.config import TahConfig
 
-from .coders import SHAPES
+from .coders import SHAPES, best_of
 from .lossless import fields, messages
 from .pages import replace_block
 from .reproduce.runner import host_info
@@ -79,15 +77,6 @@ def _torch_ans(symbols: np.ndarray, alphabet: int):
 LIBRARIES = {"constriction": _constriction, "torch-ans": _torch_ans}
 
 
-def _best(fn, repeats: int = 3):
-    best, out = math.inf, None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
-
-
 def run() -> list[dict]:
     """One row per direction, shape and library (sums over the cuts)."""
     warnings.filterwarnings("ignore", module="torch_ans")
@@ -115,8 +104,8 @@ def run() -> list[dict]:
                     bound += -(p[p > 0] * np.log2(p[p > 0])).sum() * symbols.size / 8
                     for name, make in available.items():
                         code, uncode, nbytes = make(symbols, alphabet)
-                        encode_s, coded = _best(code)
-                        decode_s, back = _best(lambda: uncode(coded))
+                        encode_s, coded = best_of(code)
+                        decode_s, back = best_of(lambda: uncode(coded))
                         if not np.array_equal(np.asarray(back, dtype=np.int64), symbols):
                             raise RuntimeError(f"{name} did not give the symbols back")
                         totals[name][0] += nbytes(coded)

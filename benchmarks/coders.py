@@ -54,7 +54,8 @@ def break_even_bps(raw_nbytes: float, coded_nbytes: float, seconds: float) -> fl
     return 8.0 * saved / seconds if saved > 0 and seconds > 0 else 0.0
 
 
-def _best(fn, repeats: int) -> tuple[float, object]:
+def best_of(fn, repeats: int = 3) -> tuple[float, object]:
+    """The shortest of ``repeats`` wall times of ``fn()`` (seconds) and its last result."""
     best, out = math.inf, None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -74,9 +75,9 @@ def coder_costs(codec: Codec, messages: list[torch.Tensor], repeats: int = 3, co
     for coder in coders:
         coded = encode_s = decode_s = 0.0
         for buf in bufs:
-            seconds, packed = _best(lambda: entropy.encode(codec, buf, shape, dtype, coder), repeats)
+            seconds, packed = best_of(lambda: entropy.encode(codec, buf, shape, dtype, coder), repeats)
             encode_s += seconds
-            seconds, back = _best(lambda: entropy.decode(codec, packed, shape, dtype, coder), repeats)
+            seconds, back = best_of(lambda: entropy.decode(codec, packed, shape, dtype, coder), repeats)
             decode_s += seconds
             if not torch.equal(back, buf):
                 raise RuntimeError(f"the {coder} coder did not give back {codec.describe()}'s buffer")
