@@ -22,7 +22,6 @@ import datetime
 import json
 import math
 import shlex
-import statistics
 from pathlib import Path
 
 from ..pages import save_data
@@ -220,9 +219,9 @@ def build(plan: Plan, out: Path) -> dict:
             row = report.codec_row(codec, depth, names, bf16, curves, target, plan.size, out, untouched)
             for traffic in runs.TRAFFIC:
                 points = along(curves, names, bf16, traffic, plan.points)
-                steps = [g["step"] for g in gaps(curves, names, bf16, traffic)]
-                every = along(curves, names, bf16, traffic, tuple(steps))
-                row[traffic].update(points=points, trend=trend(points), gaps=gaps(curves, names, bf16, traffic),
+                gap = gaps(curves, names, bf16, traffic)
+                every = along(curves, names, bf16, traffic, tuple(g["step"] for g in gap))
+                row[traffic].update(points=points, trend=trend(points), gaps=gap,
                                     ratios=[[int(k), v["ratio"], v["ratio_low"], v["ratio_high"]]
                                             for k, v in every.items() if v["ratio"] is not None])
             row["planned_seeds"] = [s for st in plan.stages if st.kind == "emulated" and depth in st.depths
