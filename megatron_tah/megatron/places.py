@@ -120,13 +120,17 @@ def startup_lines(config: TahConfig, args: Any) -> list[str]:
 
 
 def check_ranks_agree(config: TahConfig, group=None) -> None:
-    """Raise PlaceMismatchError on every rank of ``group`` (default: all) unless all have the same settings."""
+    """Raise PlaceMismatchError on every rank of ``group`` (default: all) unless all have the same settings.
+
+    The settings travel as JSON bytes in two all-gathers (lengths, then the padded bytes), each waited within
+    ``--tah-peer-timeout-s`` plus ``--tah-peer-start-up-s`` (the run's first collective: a peer may still be
+    importing; ``bounded.collective_wait``), so a rank that never arrives ends the others' wait with
+    ``PeerTimeoutError`` naming it."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return
     mine = settings(config)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _gather_json(config, mine, group)
     differing = sorted({place for record in everyone for place in mine if record[place] != mine[place]})
     if not differing and all(record == everyone[0] for record in everyone):
         return
@@ -135,6 +139,29 @@ def check_ranks_agree(config: TahConfig, group=None) -> None:
     raise PlaceMismatchError(
         f"megatron_tah: ranks were given different settings for {', '.join(places)} ({lines}). "
         "Every rank must run with the same --tah-* flags (TahConfig).")
+
+
+def _gather_json(config: TahConfig, record: dict, group) -> list[dict]:
+    """Every rank's ``record`` (JSON-serializable) in group order, through bounded all-gathers."""
+    import json
+
+    from .bounded import collective_wait
+
+    dist = torch.distributed
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    wait = collective_wait(config, group, prefix="settings check ")
+    data = json.dumps(record, sort_keys=True).encode()
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    wait(dist.all_gather(lengths, length, group=group, async_op=True), "lengths all-gather")
+    sizes = [int(n) for n in lengths]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
+    wait(dist.all_gather(bufs, buf.to(device), group=group, async_op=True), "all-gather")
+    return [json.loads(bytes(b[:n].cpu().tolist())) for b, n in zip(bufs, sizes)]
 
 
 def _config(config: TahConfig | None, overrides: dict) -> TahConfig:

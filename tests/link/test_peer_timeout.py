@@ -351,15 +351,16 @@ START_BOUND, START_UP = 3.0, 2.0  # --tah-peer-timeout-s and --tah-peer-start-up
 
 
 def _silent_from_the_start(rank, world_size, where):
-    """Stage 1 stays silent (sleeps) at ``where``: before the handshake, after it before its first message, or
-    before a data-parallel int8 all-reduce; stage 0 goes on. Returns stage 0's (error class, text, link, iteration,
-    seconds its wait took)."""
+    """Stage 1 stays silent (sleeps) at ``where``: before the settings check of ``install``, before the
+    handshake, after it before its first message, before a data-parallel int8 all-reduce, or before the first
+    tied-embedding exchange; stage 0 goes on. Returns stage 0's (error class, text, link, iteration, seconds its
+    wait took)."""
     import types
 
     import megatron_tah
     from megatron.training import global_vars
     from megatron_tah.link.handshake import check_group
-    from megatron_tah.megatron import collectives
+    from megatron_tah.megatron import collectives, embedding
     from megatron_tah.megatron.bounded import collective_wait
     from megatron_tah.megatron.pipeline_parallel import installed_transport
     from tests.link.test_staging import SHAPE, _exchange
@@ -368,22 +369,31 @@ def _silent_from_the_start(rank, world_size, where):
     global_vars._GLOBAL_ARGS = args
     config = TahConfig(tah_preset="paper", tah_backend="torch", tah_peer_timeout_s=START_BOUND,
                        tah_peer_start_up_s=START_UP)
-    megatron_tah.install(config)
     world, x = torch.distributed.group.WORLD, torch.randn(SHAPE)
+    silent_for = START_BOUND + START_UP + 8.0
     try:
         if rank == 1:
+            if where != "settings check":
+                megatron_tah.install(config)
             if where == "first message":
                 transport = installed_transport()
                 check_group(config, world, x.device, transport.handshake_wait(world))
-            time.sleep(START_BOUND + START_UP + 8.0)
+            time.sleep(silent_for)
             return "slept"
         start = time.monotonic()
         try:
+            megatron_tah.install(config)
+            start = start if where == "settings check" else time.monotonic()
             if where == "dp collective":
                 codec = config.build_codec("int8", 8, config.tah_int8_block_size)
                 collectives.all_reduce(codec, torch.randn(4096), world,
                                        wait=collective_wait(config, world, prefix="data-parallel int8 "))
-            else:
+            elif where == "embedding exchange":
+                place = types.SimpleNamespace(config=config, state={})
+                codec = config.build_codec("int8", 8, config.tah_int8_block_size)
+                embedding.exchange(codec, torch.randn(64, 16), world, 1, first=True,
+                                   wait=embedding._watched(place, world, world, 1, first=True))
+            elif where != "settings check":
                 _exchange(rank, True, x, x)
             return ("no error", time.monotonic() - start)
         except LinkError as err:
@@ -394,7 +404,8 @@ def _silent_from_the_start(rank, world_size, where):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("where", ["handshake", "first message", "dp collective"])
+@pytest.mark.parametrize("where", ["settings check", "handshake", "first message", "dp collective",
+                                   "embedding exchange"])
 def test_a_peer_silent_from_the_start_stops_the_run_within_the_bound_and_the_start_up_allowance(where):
     """No wait is left to the process group's timeout (here Megatron's default, 10 minutes): the first wait on a
     peer ends at --tah-peer-timeout-s + --tah-peer-start-up-s, naming the link or group, the ranks and the
@@ -408,10 +419,11 @@ def test_a_peer_silent_from_the_start_stops_the_run_within_the_bound_and_the_sta
     print(f"{where}: PeerTimeoutError after {seconds:.2f} s (bound {START_BOUND:g} + allowance {START_UP:g} s)")
     limit = START_BOUND + START_UP
     assert limit - 0.5 <= seconds <= limit + 2.0 and iteration == 1, stage0
-    if where == "dp collective":
-        assert link is None and text.startswith("megatron_tah: world rank 0, data-parallel int8 all-to-all over world "
-                                                "ranks [0, 1], iteration 1: world rank(s) [1] did not answer within "
-                                                "5 s (--tah-peer-timeout-s 3 + --tah-peer-start-up-s 2"), text
+    if where in ("dp collective", "settings check"):
+        what = "data-parallel int8 all-to-all" if where == "dp collective" else "settings check lengths all-gather"
+        assert link is None and text.startswith(f"megatron_tah: world rank 0, {what} over world ranks [0, 1], "
+                                                "iteration 1: world rank(s) [1] did not answer within 5 s "
+                                                "(--tah-peer-timeout-s 3 + --tah-peer-start-up-s 2"), text
     else:
         sender, receiver = link
         assert text.startswith(f"megatron_tah: link stage {sender} -> stage {receiver}, iteration 1 (world rank "
