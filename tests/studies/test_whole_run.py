@@ -30,7 +30,8 @@ def test_the_registered_plan_runs_the_readme_choices_made_before_it_and_paper_wi
     from benchmarks.real_model.report import flag_line
 
     by_flags = {flag_line(c): c for c in CODECS if c not in ("bf16", "auto")}
-    outside = set()
+    piped = {(d, c) for s in plan.stages if s.kind == "pipeline" for d in s.depths for c in s.codecs}
+    outside, unpiped = set(), set()
     for line in presets.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells and cells[0].isdigit():  # | depth | served on its own | through the pipeline |
@@ -38,7 +39,10 @@ def test_the_registered_plan_runs_the_readme_choices_made_before_it_and_paper_wi
                 codec = by_flags[cell.strip("`")]
                 if codec not in codecs[int(cells[0])]:
                     outside.add((int(cells[0]), use, codec))
+                if (int(cells[0]), codec) not in piped:
+                    unpiped.add((int(cells[0]), use, codec))
     assert outside == set()  # stages F and G added the pipeline column's choices once the one rule judged it through the codecs
+    assert unpiped == set()  # and H and I run them as the real pipeline at the depths they are recommended for
     assert "paper" in codecs[8] and all(c[0] == "bf16" for c in codecs.values())
     for stage in plan.stages:
         if stage.kind == "emulated":
@@ -48,7 +52,9 @@ def test_the_registered_plan_runs_the_readme_choices_made_before_it_and_paper_wi
 
 def test_a_stage_added_after_the_first_results_says_so_and_the_others_do_not():
     plan = plans.load()
-    assert all(plan.stage(n).added for n in "EFG") and not any(s.added for s in plan.stages if s.name not in "EFG")
+    registered = "ABCD"  # the stages of the plan as first committed, before any run
+    assert all(s.added for s in plan.stages if s.name not in registered)
+    assert not any(plan.stage(n).added for n in registered) and len(plan.stages) > len(registered)
 
 
 def test_the_plans_runs_are_seed_major_with_bf16_once_per_seed():
