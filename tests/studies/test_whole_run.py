@@ -227,6 +227,20 @@ def test_the_goal_names_each_figure_that_fails_and_asks_for_the_ledgers_bits_wit
     assert whole_run.goal(good, RULE, [{**check, "ledger_bits": {"both": 5.9}}]) == []
 
 
+def test_a_pipeline_check_on_the_page_names_the_validations_outside_the_tolerance_and_the_bits_against_the_goal():
+    check = {"codec": "lowrank_h3_rn", "depth": 8, "flags": ["--tah-entropy-coding"], "exit": 60, "commit": "0123456789ab",
+             "agrees": False, "shape": [128, 1], "ledger_bits": {"forward": 3.47, "backward": 2.533, "both": 6.003},
+             "uncompressed": {"iterations": [10, 20], "pipeline": [4.0, 3.9], "emulated": [4.001, 3.905],
+                              "max_abs_diff": 0.005, "mean_diff": -0.003},
+             "compressed": {"iterations": [10, 20], "pipeline": [4.2, 4.1], "emulated": [4.19, 4.126],
+                            "max_abs_diff": 0.026, "mean_diff": -0.008}}
+    line = whole_run.pipeline_line(check, 6.0)
+    assert "**does not agree** within 0.02" in line and "largest 0.0050 (step 20)" in line
+    assert "Evaluated through the codecs: largest 0.0260 (step 20), mean pipeline - emulation -0.0080, outside at " \
+           "step(s) 20" in line and line.count("outside at") == 1
+    assert "3.47 + 2.53 = 6.003 bits per value (above 6)" in line and "commit 0123456789" in line
+
+
 def test_the_ledgers_bits_are_the_wire_bytes_of_the_training_steps_over_the_bf16_bytes():
     records = [{"iteration": i, "lm_loss": 3.0, "fwd_raw_bytes": 1000, "fwd_wire_bytes": 200, "bwd_raw_bytes": 1000,
                 "bwd_wire_bytes": 100} for i in (1, 2)] + [{"iteration": 2, "valid_loss": 3.0}]
