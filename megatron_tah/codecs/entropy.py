@@ -7,11 +7,13 @@ bit-packed codes (``Codec.code_sections``) as symbols of their bits, every other
 points, a basis) as bytes. ``decode`` rebuilds the codec's buffer exactly, so ``codec.decode`` of it is the
 tensor the codec alone would give: a codec's steps to a target loss do not change, only its bytes.
 
-Two coders (``CODERS``, ``--tah-entropy-coder``), one per place it runs:
+Three coders (``CODERS``, ``--tah-entropy-coder``), two on the host and one on the buffer's device:
 
-* ``ans`` (``ans.py``, the default): PyPI ``constriction``'s ANS coder on the host, at the order-0 bound and
-  16-88x faster than ``huffman`` where both were timed in one command on this project's CPU (docs/CODECS.md,
-  "Which coder, and where it pays"). A CUDA buffer is copied to the host and back.
+* ``zstd`` (``zstd.py``, the default): the symbols one to a byte through PyPI ``zstandard``, within about 1% of
+  ``ans``'s size at several times its speed (docs/CODECS.md, "Which coder, and where it pays"). A CUDA buffer is
+  copied to the host and back, as for ``ans``.
+* ``ans`` (``ans.py``): PyPI ``constriction``'s ANS coder on the host, at the order-0 bound and
+  16-88x faster than ``huffman`` where both were timed in one command on this project's CPU.
 * ``huffman`` (``huffman.py``): canonical Huffman codes in torch operations on the buffer's own device (a CUDA
   message is coded where it is; not timed on a GPU); 1-4% above the order-0 bound.
 
@@ -24,7 +26,8 @@ alignment between sections) as they are, in place, and in place of each section 
 follows it::
 
     0   1  mode: 0 = the section's bytes follow as they are (whenever coding would not make it smaller),
-                 1 = huffman-coded (huffman.py's format), 2 = ans-coded (ans.py's format)
+                 1 = huffman-coded (huffman.py's format), 2 = ans-coded (ans.py's format),
+                 3 = zstd-coded (zstd.py's format)
 
 A link's two ends agree on the coder at start-up (the handshake, ``link/handshake.py``); a section coded by
 another coder than the link's is refused (``WireFormatError``), as is any section that is not a whole, valid
@@ -37,15 +40,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import ans, huffman
+from . import ans, huffman, zstd
 from .base import Codec, WireFormatError
 from .common import pack_bits, unpack_bits
 
 __all__ = ["CODERS", "DEFAULT_CODER", "RAW", "capacity_nbytes", "coder_identity", "decode", "encode"]
 
 RAW = 0
-CODERS = {"ans": ans.MODE, "huffman": huffman.MODE}  # name -> the mode byte of the sections it codes
-DEFAULT_CODER = "ans"
+CODERS = {"zstd": zstd.MODE, "ans": ans.MODE, "huffman": huffman.MODE}  # name -> the mode byte of its sections
+DEFAULT_CODER = "zstd"
+_HOST = {"zstd": zstd, "ans": ans}  # the host coders' modules: encode_section, decode_section
 _NAME_OF_MODE = {mode: name for name, mode in CODERS.items()}
 
 
@@ -53,7 +57,7 @@ def coder_identity(coder: str) -> str:
     """What both ends of a link must hold alike to read each other's sections: the coder and, for a library's,
     its version (``ans``: the model's quantization is the library's)."""
     _check_coder(coder)
-    return f"ans ({ans.library()})" if coder == "ans" else "huffman (torch)"
+    return {"ans": f"ans ({ans.library()})", "zstd": zstd.IDENTITY}.get(coder, "huffman (torch)")
 
 
 def _check_coder(coder: str) -> None:
@@ -103,7 +107,7 @@ def encode(codec: Codec, buf: torch.Tensor, shape, dtype, coder: str = DEFAULT_C
         if not section:
             parts.append(raw)
             continue
-        coded = ans.encode_section(raw, bits) if bits else None
+        coded = _HOST[coder].encode_section(raw, bits) if bits else None
         if coded is None or coded.size >= size + 1:
             coded = np.concatenate([np.array([RAW], dtype=np.uint8), raw])
         parts.append(coded)
@@ -153,7 +157,7 @@ def decode(codec: Codec, coded: torch.Tensor, shape, dtype, coder: str = DEFAULT
             if at >= data.size:
                 raise WireFormatError(f"entropy-coded buffer ends at byte {at}, before its section at {start}")
             if _section_mode(int(data[at]), start, bits, coder) != RAW:
-                buf[start : start + size], used = ans.decode_section(data, at, size, bits)
+                buf[start : start + size], used = _HOST[coder].decode_section(data, at, size, bits)
                 at += used
                 continue
             at += 1

@@ -83,8 +83,9 @@ class TahConfig:
     """Code each pipeline message losslessly after its codec: fewer bytes, the same values. On gloo each message
     goes at its own length, on NCCL in agreed frames. Fixed codecs only; both stages agree (docs/CODECS.md)."""
     tah_entropy_coder: str = dataclasses.field(default=DEFAULT_CODER, metadata={"choices": tuple(CODERS)})
-    """The lossless coder of --tah-entropy-coding: ans on the host or huffman on the message's device. The ans coder
-    is constriction's; huffman is torch's, slower on a CPU. Both stages agree (docs/CODECS.md)."""
+    """The lossless coder of --tah-entropy-coding: zstd or ans on the host, huffman on the message's device. The
+    zstd coder (PyPI zstandard) is the fastest here, ans is constriction's, huffman torch's (slower on a CPU). Both
+    stages agree (docs/CODECS.md)."""
     tah_entropy_when: str = dataclasses.field(default="always", metadata={"choices": ("always", "auto")})
     """With --tah-entropy-coding: always code, or auto: only where the wire time saved exceeds the coder's time.
     With auto a link's messages are coded while the wire time coding saves at the link's rate exceeds the coder's

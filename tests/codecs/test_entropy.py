@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+import zstandard
 
-from megatron_tah.codecs import WireFormatError, ans, entropy, get_codec, huffman
+from megatron_tah.codecs import WireFormatError, ans, entropy, get_codec, huffman, zstd
 from megatron_tah.codecs.samples import activation_like
 from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
@@ -191,8 +192,13 @@ def test_a_section_coded_by_another_coder_is_refused_naming_both():
     by_huffman = entropy.encode(codec, codec.encode(activation_like((64, 2, 128), seed=1)), shape, dtype, "huffman")
     with pytest.raises(WireFormatError, match="coded by huffman, this end decodes ans"):
         entropy.decode(codec, by_huffman, shape, dtype, "ans")
-    with pytest.raises(ValueError, match="choose one of ans, huffman"):
+    with pytest.raises(WireFormatError, match="coded by ans, this end decodes zstd"):
         entropy.decode(codec, coded, shape, dtype, "zstd")
+    by_zstd = entropy.encode(codec, codec.encode(activation_like((64, 2, 128), seed=1)), shape, dtype, "zstd")
+    with pytest.raises(WireFormatError, match="coded by zstd, this end decodes ans"):
+        entropy.decode(codec, by_zstd, shape, dtype, "ans")
+    with pytest.raises(ValueError, match="choose one of zstd, ans, huffman"):
+        entropy.decode(codec, coded, shape, dtype, "lz4")
 
 
 @pytest.mark.parametrize("coder", list(entropy.CODERS))
@@ -224,6 +230,63 @@ def test_the_host_unpacking_is_the_codecs_packing(bits, groups):
     assert np.array_equal(ans.pack(symbols, bits, packed.numel()), packed.numpy())
     if bits in (3, 4) and groups == 8192:
         assert per == 2  # large 3- and 4-bit sections: pairs
+
+
+@pytest.mark.parametrize("groups", [1, 37, 8192])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_the_zstd_coders_symbols_are_the_codecs_codes_one_symbol_to_a_byte(bits, groups):
+    from megatron_tah.codecs.common import pack_bits
+
+    codes = torch.randint(0, 2**bits, (8 * groups,), generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits(codes, bits)
+    width = zstd.symbol_bits(bits)
+    symbols = zstd.unpack(packed.numpy(), bits)
+    assert symbols.dtype == np.uint8 and width <= 8 and width % bits == 0 and symbols.max() < 2**width
+    per = width // bits
+    assert width == (8 if bits in (1, 2, 4, 8) else 6 if bits == 3 else bits)
+    mine = (symbols[:, None].astype(np.int64) >> (np.arange(per) * bits)) & (2**bits - 1)  # the first lowest
+    assert np.array_equal(mine.reshape(-1), codes.numpy())
+    assert np.array_equal(zstd.pack(symbols, bits, packed.numel()), packed.numpy())
+    coded = zstd.encode_section(packed.numpy(), bits)
+    back, used = zstd.decode_section(np.concatenate([coded, np.zeros(3, np.uint8)]), 0, packed.numel(), bits)
+    assert used == coded.size and np.array_equal(back, packed.numpy())
+
+
+def test_a_truncated_lengthened_or_corrupted_zstd_section_is_an_error_never_garbage():
+    codec = get_codec("hadint", bits=3)
+    x = activation_like((64, 2, 128), seed=1)
+    shape = tuple(x.shape)
+    coded = entropy.encode(codec, codec.encode(x), shape, x.dtype, "zstd")
+    codes_at = codec.layout(shape, x.dtype).offsets["codes"][0]
+    first = 0  # where the codes section's mode byte lies in the coded buffer: walk the sections before it
+    for start, size, _, section in entropy._regions(codec, shape, x.dtype):
+        if start == codes_at:
+            break
+        if not section or coded[first] == entropy.RAW:
+            first += size + section
+        else:
+            first += 5 + int.from_bytes(bytes(coded[first + 1 : first + 5].tolist()), "little")
+    assert coded[first] == zstd.MODE
+    for cut in (1, 10, coded.numel() // 2):
+        with pytest.raises(WireFormatError, match="ends at|need|past the buffer|not a valid frame"):
+            entropy.decode(codec, coded[:-cut], shape, x.dtype, "zstd")
+    longer = coded.clone()
+    longer[first + 1] += 1  # the frame claims one byte more: the checks or the frame refuse it
+    with pytest.raises(WireFormatError):
+        entropy.decode(codec, longer, shape, x.dtype, "zstd")
+    caught = 0
+    for at in range(first + 12, coded.numel(), max(1, (coded.numel() - first - 12) // 20)):
+        bad = coded.clone()
+        bad[at] ^= 0x5A
+        with pytest.raises(WireFormatError):  # zstd's frame checksum: every flip inside the frame
+            entropy.decode(codec, bad, shape, x.dtype, "zstd")
+        caught += 1
+    assert caught >= 18
+    wide = np.frombuffer(zstandard.ZstdCompressor(write_checksum=True).compress(
+        bytes([200]) * 4), dtype=np.uint8)  # 4 symbols, one above 6 bits: a valid frame, not this section's codes
+    section = np.concatenate([np.array([zstd.MODE, *len(wide).to_bytes(4, "little")], np.uint8), wide])
+    with pytest.raises(WireFormatError, match="above 6 bits"):
+        zstd.decode_section(section, 0, 3, 3)
 
 
 def test_a_chunk_whose_codes_do_not_fill_it_is_an_error():

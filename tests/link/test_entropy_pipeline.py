@@ -261,11 +261,14 @@ def test_both_stages_must_agree_and_auto_is_refused():
 
     coded, plain = config_record(TahConfig(**CODECS, tah_entropy_coding=True)), config_record(TahConfig(**CODECS))
     other = config_record(TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder="huffman"))
+    by_ans = config_record(TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder="ans"))
     for direction in ("forward", "backward"):
         assert coded[direction][0] != plain[direction][0]  # a neighbour without it is a CodecMismatchError
         assert coded[direction][0] != other[direction][0]  # ... and one with another coder
-        assert coded[direction][1] == plain[direction][1] + f", entropy-coded by {entropy.coder_identity('ans')}"
-        assert "constriction " in coded[direction][1] and other[direction][1].endswith("by huffman (torch)")
+        assert coded[direction][1] == plain[direction][1] + \
+            f", entropy-coded by {entropy.coder_identity(entropy.DEFAULT_CODER)}"
+        assert "zstd (frame format" in coded[direction][1] and other[direction][1].endswith("by huffman (torch)")
+        assert "constriction " in by_ans[direction][1] and by_ans[direction][0] != coded[direction][0]
     with pytest.raises(ValueError, match="tah_entropy_coding with an auto direction"):
         TahConfig(tah_forward_codec="auto", tah_entropy_coding=True)
 
