@@ -47,7 +47,7 @@ presets: the coder's bits with the steps their runs measured answer the study's 
 MODEL = "smollm2-135m"
 TOKENS = 1024
 DATA = Path("docs/data/lossless.json")
-HOST_PRESET = "lowrank"  # the preset whose messages the host coder's cost is measured on
+HOST_PRESET = "lowrank_h3_rn"  # the messages the host coders' costs are measured on: the study's leading candidate
 SPLIT = 32  # micro-batches of the setup's step the last projection column splits it into (docs/SPEEDRUN.md)
 
 
@@ -150,7 +150,7 @@ def run(model: str = MODEL, presets=None) -> dict:
     every cut."""
     found = messages(model)
     rows = []
-    for preset in presets or (*PRESETS, *CANDIDATES):
+    for preset in presets or dict.fromkeys((*PRESETS, *CANDIDATES)):  # a candidate that is a preset: once
         config = TahConfig(**fields(preset))
         for direction, codec, index in (("forward", config.forward_codec(), 0),
                                         ("backward", config.backward_codec(), 1)):
@@ -166,29 +166,44 @@ def run(model: str = MODEL, presets=None) -> dict:
             "date": date.today().isoformat(), "host": host_info()["cpu"]}
 
 
-def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json")) -> list[dict]:
-    """Each preset whose steps multiplier the speedrun measured (``speedrun``'s table), projected on the
-    ProtocolNanoGPT setup (``benchmarks.speedrun.projection``) as it is and with its wire bytes scaled per
-    direction by the share ``megatron_tah.codecs.entropy`` kept of them here, plus the frames' margin
-    (``--tah-entropy-coding``'s frames hold the largest of a link's recent coded sizes plus ``frames.MARGIN``; the
-    coder's own time not counted)."""
+def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json"), depth: int = 8) -> list[dict]:
+    """Each preset whose steps multiplier the speedrun measured (``speedrun``'s table), and each candidate whose
+    multiplier the real-model study measured at ``depth`` (``megatron_tah.config.auto.STEPS_MULTIPLIER``),
+    projected on the ProtocolNanoGPT setup (``benchmarks.speedrun.projection``) as it is, with its wire bytes
+    scaled per direction by the share ``megatron_tah.codecs.entropy`` kept of them here plus the frames' margin
+    (``--tah-entropy-coding``'s frames hold the largest of a link's recent coded sizes plus ``frames.MARGIN``), and
+    with that coder's encode and decode time too (``host_entropy``'s rates on this CPU, per byte of codec buffer,
+    added on the sender and the receiver as the codec's own time is)."""
+    from megatron_tah.config.auto import STEPS_MULTIPLIER
 
     from .speedrun import projection
 
-    measured = {row["codec"]: row["multiplier"] for row in json.loads(speedrun.read_text())["table"]
-                if row.get("multiplier") and row["codec"] in PRESETS}
+    measured = {row["codec"]: (row["multiplier"], "the toy speedrun") for row in
+                json.loads(speedrun.read_text())["table"] if row.get("multiplier") and row["codec"] in PRESETS}
+    for name, multiplier in STEPS_MULTIPLIER.get(depth, {}).items():
+        if name in CANDIDATES and name not in measured:
+            measured[name] = (multiplier, f"the real-model study at depth {depth}")
     share = {}
     for row in result["rows"]:
         share.setdefault(row["preset"], {})[row["direction"]] = row["coded"] / row["bits"] * (1 + frames.MARGIN)
     codecs = {name: projection.CODECS[name] for name in measured if name in share and name in projection.CODECS}
     scale = {name: (share[name]["forward"], share[name]["backward"]) for name in codecs}
-    as_is = {r["codec"]: r for r in projection.project(measured, codecs)}
-    coded = {r["codec"]: r for r in projection.project(measured, codecs, byte_scale=scale)}
-    split = {r["codec"]: r for r in projection.project(measured, codecs, byte_scale=scale, micro_batches=SPLIT)}
-    return [{"preset": name, "multiplier": measured[name], "bits": as_is[name]["forward_bits"] + as_is[name]["backward_bits"],
+    host = result["host_entropy"]
+    per_byte = tuple(projection.CodecTime(1e-6 / host[d]["compress_mb_s"], 1e-6 / host[d]["decompress_mb_s"],
+                                          f"{host['coder']} on the host") for d in ("forward", "backward"))
+    timed = {name: per_byte for name in codecs}
+    steps = {name: m for name, (m, _) in measured.items()}
+    as_is = {r["codec"]: r for r in projection.project(steps, codecs)}
+    coded = {r["codec"]: r for r in projection.project(steps, codecs, byte_scale=scale)}
+    paid = {r["codec"]: r for r in projection.project(steps, codecs, byte_scale=scale, coder_seconds_per_byte=timed)}
+    split = {r["codec"]: r for r in projection.project(steps, codecs, byte_scale=scale, micro_batches=SPLIT,
+                                                        coder_seconds_per_byte=timed)}
+    return [{"preset": name, "multiplier": measured[name][0], "multiplier_from": measured[name][1],
+             "bits": as_is[name]["forward_bits"] + as_is[name]["backward_bits"],
              "bits_coded": coded[name]["forward_bits"] + coded[name]["backward_bits"],
              "s_per_step": as_is[name]["s_per_step"], "s_per_step_coded": coded[name]["s_per_step"],
-             "T": as_is[name]["T"], "T_coded": coded[name]["T"], "split": SPLIT, "T_coded_split": split[name]["T"]}
+             "s_per_step_coder_time": paid[name]["s_per_step"], "T": as_is[name]["T"], "T_coded": coded[name]["T"],
+             "T_coder_time": paid[name]["T"], "split": SPLIT, "T_coded_split": split[name]["T"]}
             for name in codecs]
 
 
@@ -220,15 +235,21 @@ def table(result: dict) -> str:
     lines += ["", "Both directions together (wire bits -> order-0 / coded): " + "; ".join(
         f"{p} {b:.2f} -> {o:.2f} / {c:.2f} ({1 - c / b:.0%} fewer coded)" for p, (b, o, c) in both.items()) + "."]
     if result.get("projected"):
-        lines += ["", "On the ProtocolNanoGPT setup (docs/SPEEDRUN.md's projection: `[1024, 8, 1024]` messages, the "
-                  "steps multiplier the speedrun measured), each direction's wire bytes scaled by the coded share "
-                  f"above (measured at 1024 x 576) and the frames' {frames.MARGIN:.0%} margin; the coder's time not "
-                  "counted:", "",
-                  "| preset | steps multiplier | bits both ways | with the coder | s/step | with the coder | T (s) | "
-                  f"with the coder | with the coder, {SPLIT} micro-batches |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['preset']} | {r['multiplier']:.2f}x | {r['bits']:.2f} | {r['bits_coded']:.2f} | "
-                  f"{r['s_per_step']:.2f} | {r['s_per_step_coded']:.2f} | {r['T']:,.0f} | {r['T_coded']:,.0f} | "
-                  f"{r['T_coded_split']:,.0f} |" for r in result["projected"]]
+        coder = result["host_entropy"]["coder"]
+        lines += ["", "On the ProtocolNanoGPT setup (docs/SPEEDRUN.md's projection: `[1024, 8, 1024]` messages, 8 stages, "
+                  "200 Mb/s, 50 ms), each direction's wire bytes scaled by the coded share above (measured at 1024 x "
+                  f"576) and the frames' {frames.MARGIN:.0%} margin; *and its time*: the {coder} coder's encode and "
+                  f"decode added to the codec's on the sender and the receiver, at the rates measured below on "
+                  f"{result.get('host', 'this CPU')} (one thread; the codec's own time is the H100's, so this is a GPU "
+                  "codec with the coder on its host). Steps: the bf16 record's 2,925 x the multiplier, from where it "
+                  "was measured:", "",
+                  "| preset | steps multiplier | bits both ways | coded | s/step | coded | coded, and its time | "
+                  f"T (s) | coded | coded, and its time | coded and its time, {SPLIT} micro-batches |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['preset']} | {r['multiplier']:.2f}x ({r.get('multiplier_from', 'the toy speedrun')}) | "
+                  f"{r['bits']:.2f} | {r['bits_coded']:.2f} | {r['s_per_step']:.2f} | {r['s_per_step_coded']:.2f} | "
+                  f"{r.get('s_per_step_coder_time', float('nan')):.2f} | {r['T']:,.0f} | {r['T_coded']:,.0f} | "
+                  f"{r.get('T_coder_time', float('nan')):,.0f} | {r['T_coded_split']:,.0f} |" for r in result["projected"]]
         from .speedrun.projection import SETUP as setup
 
         sequences = setup.micro_batch * setup.micro_batches

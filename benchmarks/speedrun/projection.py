@@ -117,11 +117,18 @@ def _stage_times(fwd_time: CodecTime, bwd_time: CodecTime, micro_batches: int = 
     return fwd, bwd
 
 
+def _with_coder(t: CodecTime, per_byte: CodecTime, nbytes: int) -> CodecTime:
+    """``t`` plus a coder's encode and decode of a codec buffer of ``nbytes`` at ``per_byte``'s seconds per byte."""
+    return CodecTime(t.encode_s + per_byte.encode_s * nbytes, t.decode_s + per_byte.decode_s * nbytes,
+                     f"{t.source} + {per_byte.source}")
+
+
 def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, dict] | None = None,
             measurements: dict | None = None, base_steps: int = SETUP.steps_to_target,
             multiplier_label: str = "given multiplier", labels: dict[str, str] | None = None,
             byte_scale: dict[str, tuple[float, float]] | None = None,
-            micro_batches: int = SETUP.micro_batches, not_projected: dict[str, str] | None = None) -> list[dict]:
+            micro_batches: int = SETUP.micro_batches, not_projected: dict[str, str] | None = None,
+            coder_seconds_per_byte: dict[str, tuple[CodecTime, CodecTime]] | None = None) -> list[dict]:
     """One row per codec: bits, bytes per token, codec time, s/step, steps and T on the setup, its global batch
     split into ``micro_batches`` (the setup's 64 by default; the steps do not change with the split).
 
@@ -130,6 +137,8 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
     were measured). ``byte_scale[name]``: (forward, backward) factors on the codec's wire bytes, a what-if
     (``benchmarks.lossless``: an entropy coder after the codec). ``not_projected[name]``: the codec's row has its
     bytes and s/step but no steps and no T (None), ``steps_label`` saying why (it missed the target).
+    ``coder_seconds_per_byte[name]``: (forward, backward) encode and decode seconds per byte of the codec's buffer
+    of a lossless coder after the codec, added to the codec's times (scaled by each message's codec bytes).
     """
     not_projected = not_projected or {}
     labels = labels or {}
@@ -148,6 +157,10 @@ def project(steps_multiplier: dict[str, float] | None = None, codecs: dict[str, 
         if byte_scale and name in byte_scale:
             fwd_bytes, bwd_bytes = (round(n * f) for n, f in zip((fwd_bytes, bwd_bytes), byte_scale[name]))
         t_f, t_b = codec_time(fwd_codec, shape, measurements), codec_time(bwd_codec, shape, measurements)
+        if coder_seconds_per_byte and name in coder_seconds_per_byte:
+            per_byte = coder_seconds_per_byte[name]
+            t_f, t_b = (_with_coder(t, c, codec.wire_nbytes(shape, torch.bfloat16))
+                        for t, c, codec in ((t_f, per_byte[0], fwd_codec), (t_b, per_byte[1], bwd_codec)))
         fwd_s, bwd_s = _stage_times(t_f, t_b, micro_batches)
         args = (SETUP.stages, micro_batches)
         link = (fwd_bytes, bwd_bytes, simulate.BANDWIDTH_BPS, simulate.LATENCY_S)

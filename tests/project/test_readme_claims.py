@@ -335,11 +335,15 @@ def test_the_lossless_pages_are_the_committed_measurement():
 
     assert 0 < saved < 1
     codecs = " ".join((DOCS / "CODECS.md").read_text().split())
-    assert ("the `ans` coder sends within 0.02 bits per value of each section's order-0 entropy on every row") in codecs
-    assert all(abs(r["coded"] - r["order0"]) <= 0.02 for r in result["rows"])
-    assert result["host_entropy"]["coder"] == "ans"
+    assert ("the default coder, `zstd`, sends within 0.05 bits per value of each section's order-0 entropy on every "
+            "row") in codecs
+    assert all(abs(r["coded"] - r["order0"]) <= 0.05 for r in result["rows"])
+    assert result["host_entropy"]["coder"] == "zstd"
     host = result["host_entropy"]
-    assert all(host[d]["coder_ms"] > host[d]["link_saved_ms"] for d in ("forward", "backward"))  # "costs far more"
+    assert all(host[d]["coder_ms"] < host[d]["link_saved_ms"] for d in ("forward", "backward"))  # "saves more"
+    assert "at 200 Mb/s `zstd` saves more wire time than it costs" in codecs
+    row = {r["preset"]: r for r in result["projected"]}["lowrank_h3_rn"]
+    assert row["T_coded"] < row["T_coder_time"] < row["T"]  # "the projected T falls with it even on the host"
     from benchmarks.speedrun import check
 
     from benchmarks.lossless import CANDIDATES
