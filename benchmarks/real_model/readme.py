@@ -4,27 +4,53 @@ the summary table, the rule with the choice per depth and use, and what the stud
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .report import (GOALS, MORE_DAMAGE, _wrap, candidates, damage_text, fewest_bits, meets, multiplier_text,
                      presets_by_depth, presets_text, qualifies, rule_text, serves, serving_bits, t_text)
 
 
-def readme_table(result: dict, page: str = "docs/REAL_MODEL.md") -> str:
+WHOLE_RUN_DATA = Path("docs") / "data" / "whole_run.json"
+"""The whole-run study's JSON (beside the README): its real pipeline runs' WAN-ledger bits (``wire_bits``)."""
+
+
+def wire_bits(data: Path) -> dict[str, dict[int, dict]]:
+    """{codec: {depth: {"forward", "backward", "both", "shape"}}}: the bits per value the WAN ledger counted in the
+    real pipeline runs with the lossless coder of a whole-run page's JSON (``data``); {} without the file."""
+    path = Path(data)
+    if not path.is_file():
+        return {}
+    found: dict[str, dict[int, dict]] = {}
+    for check in json.loads(path.read_text()).get("pipeline", []):
+        if check.get("ledger_bits") and "--tah-entropy-coding" in check.get("flags", []):
+            found.setdefault(check["codec"], {})[int(check["depth"])] = {**check["ledger_bits"], "shape": check["shape"]}
+    return found
+
+
+def readme_table(result: dict, page: str = "docs/REAL_MODEL.md", wire: dict | None = None) -> str:
     """The README's summary of ``result`` at its main depth: bf16 and every ``--tah-preset`` the study measured, with
-    its bits, steps vs bf16 on both evaluations, damage at equal steps and projected T, each linked to the page that
-    measured it (the page has the other candidates; ``test_readme_claims`` compares the two)."""
+    its bits on the wire where a real pipeline run with the coder measured them at that depth (``wire``:
+    ``wire_bits``; the whole-run study's page) and at the reference shape from the codec, steps vs bf16 on both
+    evaluations, damage at equal steps and projected T, each linked to the page that measured it (the page has the
+    other candidates; ``test_readme_claims`` compares the two)."""
     from megatron_tah.config.presets import PRESETS
 
-    lines = ["| preset | bits fwd + bwd at [1024, 8, 1024] | steps vs bf16, model served on its own | steps vs bf16, "
+    wire, depth = wire or {}, int(result["depth"])
+    shapes = sorted({tuple(w[depth]["shape"]) for w in wire.values() if depth in w})
+    shape = f"[{shapes[0][0]}, {shapes[0][1]}, hidden]" if len(shapes) == 1 else "the run's shape"
+    lines = [f"| preset | bits fwd + bwd on the wire: WAN ledger, real {depth}-stage pipeline with the coder, {shape} "
+             "| bits fwd + bwd at [1024, 8, 1024] | steps vs bf16, model served on its own | steps vs bf16, "
              "served through the pipeline | damage vs bf16 at equal steps, served on its own | projected T (s) |",
-             "|---|---:|---|---|---|---:|"]
+             "|---|---:|---:|---|---|---|---:|"]
     for r in (r for r in result["table"] if r["codec"] == "bf16" or r["codec"] in PRESETS):
         name = "bf16 (uncompressed)" if r["codec"] == "bf16" else f"`{r['codec']}`"
         unc, cod = ("1", "1") if r["codec"] == "bf16" else (multiplier_text(r["uncompressed"]),
                                                             multiplier_text(r["compressed"]))
-        lines.append(f"| [{name}]({page}) | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {unc} | {cod} | "
-                     f"{damage_text(r['uncompressed'], r['codec'])} | {t_text(r['uncompressed'])} |")
+        measured = wire.get(r["codec"], {}).get(depth)
+        on_wire = f"[{measured['forward']:.2f} + {measured['backward']:.2f}](docs/WHOLE_RUN.md)" if measured else "–"
+        lines.append(f"| [{name}]({page}) | {on_wire} | {r['forward_bits']:.2f} + {r['backward_bits']:.2f} | {unc} | "
+                     f"{cod} | {damage_text(r['uncompressed'], r['codec'])} | {t_text(r['uncompressed'])} |")
     return "\n".join(lines)
 
 
@@ -73,7 +99,7 @@ def _through_text(rows: list[dict], iters: str, detail: bool) -> str:
     return "; ".join(parts)
 
 
-def found_text(result: dict) -> str:
+def found_text(result: dict, wire: dict | None = None) -> str:
     """The README's "What the study found", from ``result`` alone: per use, the presets' steps and damage at every
     depth (the candidates that missed or did more damage through the pipeline at the main depth only), the choice
     per depth (``presets_by_depth``, as the table above it), and the page's goals at its main depth (``GOALS``)."""
@@ -112,20 +138,30 @@ def found_text(result: dict) -> str:
     text.append("**Served through the pipeline** a forward codec's error is paid at every evaluation. "
                 f"At depth {main}, {_through_text(tables[main], iters, True)}."
                 + (" Without more damage, " + _listed(others) + "." if others else "")
-                + f" The choice is {_by_codec(through)}. " + goals_summary(result))
+                + f" The choice is {_by_codec(through)}. " + goals_summary(result, wire))
     return _wrap("\n".join(text))
 
 
-def goals_summary(result: dict) -> str:
-    """The page's goals (``GOALS``) at its main depth, a clause each: met by which candidates, or not met."""
+def goals_summary(result: dict, wire: dict | None = None) -> str:
+    """The page's goals (``GOALS``) at its main depth, a clause each: met by which candidates, or not met; a
+    candidate's bits on the wire beside its computed ones where a real pipeline run measured them (``wire``)."""
     rows = [r for r in result["table"] if r["codec"] != "bf16"]
+    depth, wire = int(result["depth"]), wire or {}
     parts = []
+
+    def bits(r: dict, limit: float) -> str:
+        measured = wire.get(r["codec"], {}).get(depth)
+        if not measured:
+            return f"{fewest_bits(r):.2f} bits"
+        return (f"{fewest_bits(r):.2f} bits computed, {measured['both']:.3f} on the WAN ledger"
+                + (": above it" if measured["both"] > limit else ""))
+
     for g in GOALS:
         goal = f"at most {g.bits:g} bits, {g.steps:.2f}x and {100 * g.damage:.1f}% damage"
         met = [r for r in rows if meets(r, g.bits, g.steps, g.damage, g.steps_high)]
         coded = " with `--tah-entropy-coding`" if any(fewest_bits(r) < r["forward_bits"] + r["backward_bits"]
                                                      for r in met) else ""
-        parts.append(f"{goal}: " + ("met by " + _listed([f"`{r['codec']}` ({fewest_bits(r):.2f} bits)" for r in met])
+        parts.append(f"{goal}: " + ("met by " + _listed([f"`{r['codec']}` ({bits(r, g.bits)})" for r in met])
                                     + coded if met else "not met"))
         if g.serving is not None:
             serving = [r for r in met if serving_bits(r["codec"]) is not None]
@@ -137,24 +173,27 @@ def goals_summary(result: dict) -> str:
     return f"The page's goals at depth {result['depth']} (served on its own): " + "; ".join(parts) + "."
 
 
-README_SECTIONS = {"table": readme_table,
-                   "presets": lambda result: _wrap(rule_text()) + "\n\n" + presets_text(result, (2, 4, 8), flag=True),
-                   "found": found_text}
+README_SECTIONS = {"table": lambda result, wire: readme_table(result, wire=wire),
+                   "presets": lambda result, wire: _wrap(rule_text()) + "\n\n" + presets_text(result, (2, 4, 8),
+                                                                                             flag=True),
+                   "found": lambda result, wire: found_text(result, wire)}
 """The README's parts a study writes: each between ``<!-- real_model:NAME -->`` and ``<!-- /real_model:NAME -->``."""
 
 
-def write_readme(result: dict, readme: Path) -> bool:
-    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result``; False (nothing written) when the
-    file or a section's markers are missing."""
+def write_readme(result: dict, readme: Path, whole_run: Path | None = None) -> bool:
+    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result`` and the bits on the wire of the
+    whole-run study's JSON (``whole_run``, default ``WHOLE_RUN_DATA`` beside ``readme``); False (nothing written) when
+    the file or a section's markers are missing."""
     readme = Path(readme)
     if not readme.is_file():
         return False
     text = readme.read_text()
+    wire = wire_bits(readme.parent / WHOLE_RUN_DATA if whole_run is None else whole_run)
     for name, make in README_SECTIONS.items():
         begin, end = f"<!-- real_model:{name} -->", f"<!-- /real_model:{name} -->"
         if begin not in text or end not in text:
             return False
         head, rest = text.split(begin, 1)
-        text = head + begin + "\n" + make(result) + "\n" + end + rest.split(end, 1)[1]
+        text = head + begin + "\n" + make(result, wire) + "\n" + end + rest.split(end, 1)[1]
     readme.write_text(text)
     return True

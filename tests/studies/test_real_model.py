@@ -262,13 +262,30 @@ def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_
     text = report.frontier_text({"table": table})
     assert text.index("`paper` 6.00 bits: missed within 40 steps") < text.index("`channel_h4` 10.00 bits: 1.10x")
     # the README's table: bf16 and the presets on both evaluations, the other candidates on the page only
-    readme = readme_sections.readme_table({"table": [table[0], table[2], table[4], table[5]]})
-    assert "| [bf16 (uncompressed)](docs/REAL_MODEL.md) | 16.00 + 16.00 | 1 | 1 | – | 300,000 |" in readme
-    assert "| [`paper`](docs/REAL_MODEL.md) | 3.00 + 3.00 | missed within 40 steps (3 of 3 seeds) | missed within 40 " \
-           "steps (3 of 3 seeds) | +0.10% [-0.20%, +0.40%] (within noise) | – |" in readme
-    assert "| [`channel_h4`](docs/REAL_MODEL.md) | 6.00 + 4.00 | 1.10x [1.00x, 1.20x] | 1.10x [1.00x, 1.20x] | " \
-           "+0.10% [-0.20%, +0.40%] (less damage than bf16's) | 100,000 [90,000, 110,000] |" in readme
+    wire = {"channel_h4": {8: {"forward": 5.1, "backward": 3.2, "both": 8.3, "shape": [128, 1]},
+                           4: {"forward": 9.0, "backward": 9.0, "both": 18.0, "shape": [128, 1]}}}
+    readme = readme_sections.readme_table({"table": [table[0], table[2], table[4], table[5]], "depth": 8}, wire=wire)
+    assert readme.startswith("| preset | bits fwd + bwd on the wire: WAN ledger, real 8-stage pipeline with the coder, "
+                             "[128, 1, hidden] | bits fwd + bwd at [1024, 8, 1024] |")
+    assert "| [bf16 (uncompressed)](docs/REAL_MODEL.md) | – | 16.00 + 16.00 | 1 | 1 | – | 300,000 |" in readme
+    assert "| [`paper`](docs/REAL_MODEL.md) | – | 3.00 + 3.00 | missed within 40 steps (3 of 3 seeds) | missed within " \
+           "40 steps (3 of 3 seeds) | +0.10% [-0.20%, +0.40%] (within noise) | – |" in readme
+    assert "| [`channel_h4`](docs/REAL_MODEL.md) | [5.10 + 3.20](docs/WHOLE_RUN.md) | 6.00 + 4.00 | 1.10x [1.00x, " \
+           "1.20x] | 1.10x [1.00x, 1.20x] | +0.10% [-0.20%, +0.40%] (less damage than bf16's) | 100,000 [90,000, " \
+           "110,000] |" in readme  # the ledger's bits at the table's depth, not another depth's
     assert "not_a_preset" not in readme and readme.count("\n| [") == 3
+
+
+def test_the_bits_on_the_wire_are_the_whole_run_pipelines_with_the_coder_only(tmp_path):
+    page = tmp_path / "whole_run.json"
+    check = {"codec": "lowrank_h3_rn", "depth": 8, "shape": [128, 1],
+             "ledger_bits": {"forward": 3.47, "backward": 2.53, "both": 6.0}}
+    page.write_text(json.dumps({"pipeline": [{**check, "flags": ["--tah-entropy-coding"]},
+                                             {**check, "depth": 4, "flags": []},  # without the coder: not these bits
+                                             {**check, "depth": 2, "flags": ["--tah-entropy-coding"],
+                                              "ledger_bits": None}]}))
+    assert readme_sections.wire_bits(page) == {"lowrank_h3_rn": {8: {**check["ledger_bits"], "shape": [128, 1]}}}
+    assert readme_sections.wire_bits(tmp_path / "absent.json") == {}
 
 
 def test_the_pipeline_column_is_judged_on_the_evaluation_through_the_codecs_with_serving_candidates():
@@ -450,7 +467,7 @@ def test_serving_at_other_bits_is_reported_beside_the_same_training_through_its_
 
 def test_the_study_rewrites_the_readmes_sections_between_their_markers_only(tmp_path, monkeypatch):
     monkeypatch.setattr(readme_sections, "README_SECTIONS",
-                        {"table": lambda r: f"T{r['n']}", "presets": lambda r: "P"})
+                        {"table": lambda r, wire: f"T{r['n']}", "presets": lambda r, wire: "P"})
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- real_model:table -->\nold\n<!-- /real_model:table -->\nb\n"
                       "<!-- real_model:presets -->\n<!-- /real_model:presets -->\nc\n")

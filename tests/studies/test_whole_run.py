@@ -239,6 +239,8 @@ def test_a_pipeline_check_on_the_page_names_the_validations_outside_the_toleranc
     assert "Evaluated through the codecs: largest 0.0260 (step 20), mean pipeline - emulation -0.0080, outside at " \
            "step(s) 20" in line and line.count("outside at") == 1
     assert "3.47 + 2.53 = 6.003 bits per value (above 6)" in line and "commit 0123456789" in line
+    waiting = whole_run.pipeline_line({**check, "agrees": None, "uncompressed": None, "compressed": None}, 6.0)
+    assert "its emulated run has not finished: no comparison yet. WAN ledger: 3.47 + 2.53 = 6.003" in waiting
 
 
 def test_the_ledgers_bits_are_the_wire_bytes_of_the_training_steps_over_the_bf16_bytes():
