@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", type=Path, metavar="TOML",
                         help="a plan registered before its runs (benchmarks/real_model/whole_run.toml): its size, "
                              "seeds and codecs, stage by stage; --size, --codecs, --seeds and the depths are its")
-    parser.add_argument("--stages", help="with --plan: comma list of its stages to run (default: every stage this "
-                                         "study runs: emulated and pipeline)")
+    parser.add_argument("--stages", help="with --plan: comma list of its stages to run, in that order (default: every "
+                                         "stage, in the plan's order)")
     parser.add_argument("--score-only", action="store_true",
                         help="run nothing: score the runs of the plan already finished under --out (a study going on)")
     parser.add_argument("--pages-only", action="store_true",
@@ -148,13 +148,9 @@ def registered(parser, args, argv) -> int:
 
     try:
         plan = plans.load(args.plan)
-        chosen = [plan.stage(n) for n in args.stages.split(",")] if args.stages else \
-            [s for s in plan.stages if s.kind != "toy"]
+        chosen = [plan.stage(n) for n in args.stages.split(",")] if args.stages else list(plan.stages)
     except (OSError, ValueError, KeyError) as err:
         parser.error(f"--plan: {err}")
-    toy = [s.name for s in chosen if s.kind == "toy"]
-    if toy:
-        parser.error(f"--stages: {', '.join(toy)} run the toy: python -m benchmarks.speedrun runs them")
     out = args.out.resolve()
     if not args.score_only:
         try:

@@ -5,7 +5,8 @@ equivalent-steps ratio is read, the rule that picks presets, the budget, and the
 
 * ``kind = "emulated"``: :func:`runs.train_run` of each codec at each of ``depth`` / ``depths`` (bf16 once);
 * ``kind = "pipeline"``: :func:`runs.pipeline_run`, the real pipeline, with ``flags`` and an ``exit`` step;
-* ``kind = "toy"``: the toy speedrun's runs (``benchmarks.speedrun``), listed here, run there.
+* ``kind = "toy"``: the toy speedrun's loss runs (``benchmarks.speedrun.runs.loss_run``, emulated boundaries) of
+  ``steps`` steps, on the toy's corpus and model (``toy_size``: the full toy, or its tiny size for a tiny plan).
 
 A stage may name its own ``seeds`` (a check run with fewer); otherwise the plan's. :func:`load` refuses a plan
 whose names or numbers do not fit (an unknown size, codec or kind, a point outside the run).
@@ -79,6 +80,20 @@ class Plan:
                         names.append(name)
         return names
 
+    def toy_size(self):
+        """The toy's size (``benchmarks.speedrun.runs.SIZES``) for this plan: its tiny one for a plan on the tiny
+        model (the machinery's test), else the full toy."""
+        from ..speedrun import runs as toy
+
+        return toy.SIZES["tiny" if self.size.model == "tiny" else "full"]
+
+    def toy_run_names(self, stage: Stage) -> list[str]:
+        """The names of a toy stage's loss runs, seed-major."""
+        from ..speedrun import runs as toy
+
+        return [toy.loss_run_name(codec, seed, stage.steps, self.toy_size(), emulated=True)
+                for seed in stage.seeds for codec in stage.codecs]
+
     def depth_codecs(self, kinds=("emulated",)) -> dict[int, list[str]]:
         """{depth: codecs} over the stages of ``kinds``, bf16 first at every depth (the report's plan)."""
         found: dict[int, list[str]] = {}
@@ -132,6 +147,8 @@ def load(path: Path = PLAN) -> Plan:
         depths = tuple(int(d) for d in entry.get("depths", [entry["depth"]] if "depth" in entry else []))
         if kind != "toy" and (not depths or any(d < 2 for d in depths)):
             raise _fail(path, f"stage {name}: give its pipeline depth(s) (>= 2)")
+        if kind == "toy" and not (isinstance(entry.get("steps"), int) and entry["steps"] > 0):
+            raise _fail(path, f"stage {name}: a toy stage needs its run length `steps` (a positive integer)")
         exit_step = entry.get("exit")
         if kind == "pipeline" and (exit_step is None or not size.eval_from <= int(exit_step) <= size.iters):
             raise _fail(path, f"stage {name}: a pipeline check needs `exit` within {size.eval_from}..{size.iters}")
@@ -145,10 +162,15 @@ def load(path: Path = PLAN) -> Plan:
 
 
 def stage_runs(plan: Plan, stage: Stage, model_dir: Path, data: dict[str, str], out: Path) -> list:
-    """The runs of an emulated or pipeline stage, seed-major (every codec of a seed before the next seed); bf16
-    once per seed, whatever the depths."""
+    """The runs of a stage, seed-major (every codec of a seed before the next seed); bf16 once per seed, whatever
+    the depths; a toy stage's loss runs on the toy's corpus (tokenized under ``out`` once)."""
     if stage.kind == "toy":
-        raise ValueError(f"stage {stage.name} is the toy's: `python -m benchmarks.speedrun` runs it")
+        from ..speedrun import runs as toy
+
+        size = plan.toy_size()
+        prefix, vocab = toy.prepare_data(Path(out) / "toy_data", size)
+        return [toy.loss_run(codec, seed, size, toy.data_flags(prefix, vocab), iters=stage.steps, emulated=True)
+                for seed in stage.seeds for codec in stage.codecs]
     todo = []
     for seed in stage.seeds:
         for depth in stage.depths:

@@ -131,6 +131,94 @@ def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
     return found
 
 
+# ----- the toy, pretraining from scratch -----------------------------------------------------------------------
+TOY_FRACTION = 0.92  # the toy's target rule (benchmarks.speedrun.score.target_loss): bf16's worst seed at 92%
+
+
+def toy_points(steps: int, interval: int) -> tuple[int, ...]:
+    """A quarter, half, three quarters of a toy run and its end, on its validations (multiples of ``interval``)."""
+    return tuple(sorted({max(interval, round(steps * k / 4 / interval) * interval) for k in (1, 2, 3)} | {steps}))
+
+
+def toy_results(plan: Plan, out: Path) -> list[dict]:
+    """Each toy stage's finished loss runs under ``out``, on both evaluations: the target (the toy's rule on this
+    schedule: bf16's worst seed's validation loss at 92% of it), each seed's steps to it against bf16's with the
+    same seed (interpolated; a seed that misses: None), the equivalent-steps ratio along the run (``along``) and the
+    loss gap at equal steps (``gaps``)."""
+    from ..speedrun import runs as toy
+    from ..speedrun import score as toy_score
+
+    found = []
+    for stage in (s for s in plan.stages if s.kind == "toy"):
+        size = plan.toy_size()
+        curves, names = {}, {}
+        for seed in stage.seeds:
+            for codec in stage.codecs:
+                name = toy.loss_run_name(codec, seed, stage.steps, size, emulated=True)
+                meta = read_meta(out, name)
+                if not meta or meta.get("status") != 0:
+                    continue
+                records = read_log(out / f"{name}.jsonl")
+                if records[-1]["iteration"] < stage.steps:
+                    continue
+                through = toy.validations(records, "valid_loss")
+                curves[name] = {"compressed": through,
+                                "uncompressed": toy.validations(records, "valid_loss_uncompressed") or through}
+                names.setdefault(codec, {})[seed] = name
+        entry = {"stage": stage.name, "steps": stage.steps, "planned": len(stage.seeds) * len(stage.codecs),
+                 "finished": len(curves), "rows": []}
+        found.append(entry)
+        bf16 = names.get("bf16", {})
+        if not bf16:
+            continue
+        target = toy_score.target_loss([curves[n]["uncompressed"] for n in bf16.values()], stage.steps, TOY_FRACTION)
+        points = toy_points(stage.steps, size.eval_interval)
+        entry.update(target=target, points=list(points))
+        for codec in (c for c in stage.codecs if c != "bf16" and c in names):
+            mine = {s: n for s, n in names[codec].items() if s in bf16}
+            if not mine:
+                continue
+            row = {"codec": codec, "seeds": sorted(mine)}
+            for traffic in runs.TRAFFIC:
+                steps = {}
+                for seed, name in mine.items():
+                    own = toy_score.crossing(curves[name][traffic], target)
+                    base = toy_score.crossing(curves[bf16[seed]]["uncompressed"], target)
+                    steps[str(seed)] = {"steps": own, "bf16": base,
+                                        "ratio": None if own is None or not base else own / base}
+                gap = gaps(curves, mine, bf16, traffic)
+                row[traffic] = {"to_target": steps, "points": along(curves, mine, bf16, traffic, points),
+                                "end_gap": gap[-1] if gap else None}
+            entry["rows"].append(row)
+    return found
+
+
+def toy_markdown(entry: dict) -> list[str]:
+    """A toy stage's section of the page."""
+    lines = [f"## The toy, pretraining from scratch (stage {entry['stage']})", "",
+             f"{entry['finished']} of {entry['planned']} runs finished ({entry['steps']} steps, emulated boundaries)."]
+    if "target" not in entry:
+        return lines + [""]
+    lines += [f"Target: bf16's worst seed's validation loss at {TOY_FRACTION:.0%} of the run: {entry['target']:.3f}. "
+              "Steps to it per seed (codec / bf16 with the same seed, bf16 evaluated as it is), the ratio along the run "
+              "and the gap at its end (codec minus bf16, same seed):", "",
+              "| codec | evaluation | steps to target (ratio) per seed | "
+              + " | ".join(f"ratio at {p}" for p in entry["points"]) + " | gap at the end |",
+              "|---|---|---|" + "---|" * len(entry["points"]) + "---|"]
+    for row in entry["rows"]:
+        for traffic in runs.TRAFFIC:
+            r = row[traffic]
+            seeds = "; ".join(f"{seed}: " + (f"{v['steps']:.0f} / {v['bf16']:.0f} ({v['ratio']:.2f}x)"
+                                              if v["ratio"] is not None else f"missed within {entry['steps']}")
+                              for seed, v in r["to_target"].items())
+            gap = r["end_gap"]
+            end = "–" if gap is None else (f"{gap['gap']:+.4f}" + (f" [{gap['gap_low']:+.4f}, {gap['gap_high']:+.4f}]"
+                                                                    if gap.get("gap_low") is not None else ""))
+            lines.append(f"| `{row['codec']}` | {SHORT_LABEL[traffic].lower()} | {seeds} | "
+                         + " | ".join(_ratio(r["points"][str(p)]) for p in entry["points"]) + f" | {end} |")
+    return lines + [""]
+
+
 # ----- choosing ------------------------------------------------------------------------------------------------
 def end(row: dict, traffic: str) -> dict:
     return row[traffic]["points"][str(max(int(p) for p in row[traffic]["points"]))]
@@ -195,16 +283,18 @@ def build(plan: Plan, out: Path) -> dict:
     depth_codecs = plan.depth_codecs()
     curves = report.read_curves(out, depth_codecs, list(plan.seeds))
     bf16 = {s: runs.run_name("bf16", s) for s in plan.seeds if runs.run_name("bf16", s) in curves}
-    planned = {n for s in plan.stages if s.kind != "toy" for n in plan.run_names(s)}
+    names = {s.name: plan.toy_run_names(s) if s.kind == "toy" else plan.run_names(s) for s in plan.stages}
+    planned = {n for listed in names.values() for n in listed}
     result = {"date": datetime.date.today().isoformat(), "plan": str(plan.path.name), "plan_name": plan.name,
               "registered": plan.registered, "schedule": plan.schedule, "machine": plan.machine,
               "setup": plan.size.setup(), "model": runs.MODELS[plan.size.model].description, "seeds": list(plan.seeds),
               "points": list(plan.points), "rule": plan.rule, "budget": plan.budget,
-              "stages": [{"name": st.name, "what": st.what, "kind": st.kind, "runs": plan.run_names(st)
-                          if st.kind != "toy" else [], "after": st.after, "added": st.added} for st in plan.stages],
+              "stages": [{"name": st.name, "what": st.what, "kind": st.kind, "runs": names[st.name], "after": st.after,
+                          "added": st.added} for st in plan.stages],
               "tables": {}, "chosen": {}}
     result["finished"] = finished_runs(out)
     result.update(planned=len(planned), planned_finished=len(planned & set(result["finished"])))
+    result["toy"] = toy_results(plan, out)
     if not bf16:  # one seed scores (its intervals say "one seed"): a study going on shows where it stands
         result["note"] = f"no bf16 run finished under {out} yet: nothing scored"
         return result
@@ -346,7 +436,7 @@ def write_page(result: dict, page: Path, command: str) -> None:
         commits = sorted({str(result["finished"][n]["commit"])[:10] for n in done})
         cpus = sorted({str(result["finished"][n]["cpu"]) for n in done})
         lines.append(f"- Stage {st['name']} ({st['kind']}): " + (f"{st['what']}. " if st["what"] else "")
-                     + (f"{len(done)} of {len(st['runs'])} runs finished" if st["runs"] else "run by the toy's study")
+                     + f"{len(done)} of {len(st['runs'])} runs finished"
                      + (f" (commit {', '.join(commits)}; {', '.join(cpus)})" if done else "")
                      + (f". Waits for: {st['after']}" if st["after"] and not done else "")
                      + (f". **Added after results:** {st['added']}" if st["added"] else "") + ".")
@@ -374,6 +464,8 @@ def write_page(result: dict, page: Path, command: str) -> None:
                       ""]
             lines += [pipeline_line(c, result["rule"]["goal_bits"]) for c in result["pipeline"]]
             lines.append("")
+    for entry in result.get("toy", []):
+        lines += toy_markdown(entry)
     page.write_text("\n".join(lines) + "\n")
 
 

@@ -99,6 +99,7 @@ codecs = ["bf16", "paper"]
     (('kind = "emulated"\ndepth = 2', 'kind = "pipeline"\ndepth = 2'), "needs `exit`"),
     (("depth = 2\n", ""), "pipeline depth"),
     (("tie = 0.05\n", ""), "\\[rule\\] lacks \\['tie'\\]"),
+    (('kind = "emulated"\ndepth = 2', 'kind = "toy"'), "needs its run length `steps`"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_naming_the_file_and_the_field(tmp_path, change, error):
     assert plans.load(_write(tmp_path, BASE)).size.name == "tiny_long"  # the base plan loads
@@ -264,6 +265,13 @@ codecs = ["lowrank_h3_rn"]
 seeds = [1]
 exit = 8
 flags = ["--tah-entropy-coding"]
+
+[[stages]]
+name = "D"
+kind = "toy"
+codecs = ["bf16", "lowrank_h3_rn"]
+seeds = [1]
+steps = 12
 """
     path, out, page = _write(tmp_path, text), tmp_path / "out", tmp_path / "docs" / "WHOLE_RUN.md"
     cmd = [sys.executable, "-m", "benchmarks.real_model", "--plan", str(path), "--out", str(out), "--write", str(page)]
@@ -271,7 +279,11 @@ flags = ["--tah-entropy-coding"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((page.parent / "data" / "whole_run.json").read_text())
-    assert result["planned"] == result["planned_finished"] == 5
+    assert result["planned"] == result["planned_finished"] == 7
+    toy = result["toy"][0]  # the toy's loss runs, both evaluations, against bf16's with the same seed
+    assert toy["finished"] == toy["planned"] == 2 and toy["points"][-1] == 12 and toy["target"] > 0
+    for traffic in runs.TRAFFIC:
+        assert set(toy["rows"][0][traffic]["to_target"]) == {"1"} and toy["rows"][0][traffic]["end_gap"]["step"] == 12
     assert {m["commit"] for m in result["finished"].values()} != {None}  # each run names the commit it ran
     row = {r["codec"]: r for r in result["tables"]["2"]}["lowrank_h3_rn"]
     for traffic in runs.TRAFFIC:
@@ -283,7 +295,7 @@ flags = ["--tah-entropy-coding"]
     lr = [r["lr"] for r in map(json.loads, (out / "train_bf16_s1.jsonl").read_text().splitlines()) if "lr" in r]
     assert lr[-1] < lr[len(lr) // 2] < max(lr)  # the cosine decay after the warm-up
     text = page.read_text()
-    assert "Runs finished: 5 of 5 planned" in text and "| `lowrank_h3_rn` | 2 of 2 |" in text
+    assert "Runs finished: 7 of 7 planned" in text and "## The toy, pretraining from scratch (stage D)" in text and "| `lowrank_h3_rn` | 2 of 2 |" in text
     assert "- Stage A (emulated): 4 of 4 runs finished (commit " in text and "Loss gap at equal steps" in text
     assert (page.parent / "data" / "whole_run.png").stat().st_size > 0
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # nothing runs again
