@@ -11,8 +11,8 @@ From each run's log, over its training iterations after the first two (evaluatio
 
 * ``codec_ms``: the stages' encode + decode time per iteration, summed over the stages (the coder's included);
 * ``ms``: the iteration's wall time (an iteration followed by an evaluation left out);
-* bits per value each way on the wire: the pipeline's wire bytes over its raw bf16 values, as the WAN ledger
-  bills them (``wan.pipeline.codec_bytes``: both directions).
+* bits per value each way on the wire (the codec's statistics), and both ways together as the WAN ledger billed
+  them: the pipeline's bytes (``wan.pipeline.codec_bytes``, both directions) over the values one direction carries.
 
 The verdict is the ratio of the medians of ``codec_ms`` with and without the coder (goal: at most 1.5x).
 ``--write PAGE`` puts the table between ``<!-- coder_cost:begin -->`` and ``<!-- coder_cost:end -->`` and
@@ -60,7 +60,7 @@ def summary(records: list[dict]) -> dict:
         raise ReproduceError(f"no training iteration after the first {SKIP}")
     tah = lambda d, k: sum(r["tah"][d][k] for r in steady)  # noqa: E731
     wall = [r["ms"] for r in steady if r.get("ms") and r["iteration"] - 1 not in evaluated]
-    values = (tah("forward", "raw_bytes") + tah("backward", "raw_bytes")) / 2  # bf16 messages
+    values = tah("forward", "raw_bytes") / 2  # values per direction (bf16 messages, the same shape both ways)
     return {"iterations": len(steady), "codec_ms": statistics.median(r["codec_ms"] for r in steady),
             "ms": statistics.median(wall) if wall else None,
             "forward_bits": 16 * tah("forward", "wire_bytes") / tah("forward", "raw_bytes"),

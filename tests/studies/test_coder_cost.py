@@ -49,7 +49,7 @@ def test_the_summary_leaves_out_start_up_and_the_wall_time_of_an_iteration_after
     assert s["iterations"] == 4 and s["codec_ms"] == pytest.approx(45.0)  # iterations 3-6: 30, 40, 50, 60
     assert s["ms"] == pytest.approx(50.0)
     assert s["forward_bits"] == pytest.approx(4.0) and s["backward_bits"] == pytest.approx(2.0)
-    assert s["ledger_bits"] == pytest.approx(8 * 375 / 1000)  # both directions' wire bytes over the values
+    assert s["ledger_bits"] == pytest.approx(6.0)  # both ways: both directions' wire bytes over one's 500 values
 
 
 def test_the_ratio_is_of_the_medians_with_and_without_the_coder_and_the_page_says_whether_it_meets_the_goal(
