@@ -10,11 +10,15 @@ its own (uncompressed): what the codecs did to training. A multiplier measured t
 a lower bound to 2: for a codec that missed the target, its run's steps over bf16's steps to target on the same
 seed, the smallest over the seeds that missed. The study writes the rows with its page (``write_beside``);
 ``tests/studies/test_auto_depth.py`` checks the file against the page.
+
+Its ``direction_shares`` holds, per depth, how ``auto`` splits a candidate's multiplier between the directions
+(``config/auto.py``): the whole-run study's one-direction runs (``direction_shares``), written with its page.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatron_tah.config import CANDIDATES
@@ -23,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURED = Path("megatron_tah") / "config" / "measured.json"  # under a checkout's root
 REAL_MODEL = {"page": "docs/data/real_model.json",
               "command": "python -m benchmarks.real_model --write docs/REAL_MODEL.md"}
+WHOLE_RUN = {"page": "docs/data/whole_run.json",
+             "command": "python -m benchmarks.real_model --plan benchmarks/real_model/whole_run.toml --write "
+                        "docs/WHOLE_RUN.md"}
 DECIMALS, BOUND_DECIMALS = 3, 2  # a measured multiplier's, a lower bound's
 TRAFFIC = "uncompressed"  # the evaluation auto's charges come from: what the codecs did to training
 
@@ -59,6 +66,46 @@ def real_model_rows(result: dict, command: str | None = None) -> dict[int, dict]
                                 "page": REAL_MODEL["page"], "command": command or REAL_MODEL["command"],
                                 "date": result["date"], "host": result["host"]}
     return rows
+
+
+ONE_DIRECTION = ("_fwd", "_bwd")  # the whole-run study's one-direction runs of a candidate: "<candidate>_fwd"...
+
+
+def direction_shares(result: dict) -> dict[int, dict]:
+    """{depth: {"shares": {candidate: forward share}, "ratios": {candidate: [forward, backward]}, "page", "date",
+    "host"}} from a whole-run result (its page's JSON): for each candidate that ran one direction at a time at a
+    depth (``<candidate>_fwd``: activations through its codec, gradients uncompressed; ``_bwd`` the other way), the
+    forward direction's share of the logarithm of its steps multiplier, ``ln f / (ln f + ln b)`` of the two runs'
+    end-of-run equivalent-steps ratios on ``TRAFFIC`` (each at least 1: a direction that cost no steps takes no
+    share); none where both cost none, or where a run's ratio is missing."""
+    found = {}
+    for depth, rows in result.get("tables", {}).items():
+        by_codec = {r["codec"]: r for r in rows}
+        shares, ratios = {}, {}
+        for candidate in CANDIDATES:
+            pair = [by_codec.get(candidate + end) for end in ONE_DIRECTION]
+            if None in pair:
+                continue
+            ends = [r[TRAFFIC]["points"].get(str(max(map(int, r[TRAFFIC]["points"]))), {}).get("ratio") for r in pair]
+            if None in ends:
+                continue
+            logs = [math.log(max(1.0, e)) for e in ends]
+            if sum(logs) > 0:
+                shares[candidate] = round(logs[0] / sum(logs), DECIMALS)
+                ratios[candidate] = [round(e, DECIMALS) for e in ends]
+        if shares:
+            found[int(depth)] = {"shares": shares, "ratios": ratios, "page": WHOLE_RUN["page"],
+                                 "command": WHOLE_RUN["command"], "date": result["date"]}
+    return found
+
+
+def write_shares(path: Path, rows: dict[int, dict]) -> None:
+    """Put ``rows`` ({depth: row} of ``direction_shares``) under ``direction_shares`` in the measured file ``path``,
+    keeping everything else."""
+    data = json.loads(path.read_text())
+    merged = {**data.get("direction_shares", {}), **{str(d): row for d, row in rows.items()}}
+    data["direction_shares"] = {key: merged[key] for key in sorted(merged, key=int)}
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def write_row(depth: int, row: dict, path: Path) -> None:

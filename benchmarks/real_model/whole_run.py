@@ -503,7 +503,14 @@ def plot(result: dict, path: Path) -> None:
 def main_write(plan: Plan, out: Path, page: Path, argv) -> None:
     import sys
 
+    from .. import measured
+
     result = build(plan, out)
     command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])
     write_page(result, page, command)
     print(f"[real_model] wrote {page}")
+    shares = measured.direction_shares(result)
+    target = Path(page).resolve().parent.parent / measured.MEASURED
+    if shares and target.exists():  # auto's split of each multiplier between the directions
+        measured.write_shares(target, shares)
+        print(f"[real_model] wrote {target}")

@@ -80,17 +80,32 @@ bf16's target over seeds, the model evaluated uncompressed, or the lower bound o
 ``tests/studies/test_auto_depth.py`` checks them against the page's committed JSON."""
 
 
+DIRECTION_SHARES: dict[int, dict[str, float]] = {
+    int(depth): dict(row["shares"]) for depth, row in MEASURED.get("direction_shares", {}).items()}
+"""The forward direction's share of a candidate's steps multiplier (of its logarithm), ``{pipeline depth:
+{candidate: share}}``, where the whole-run study trained with each direction's codec alone (``MEASURED``); the
+backward direction takes the rest."""
+
+
 def steps_multiplier(candidate: str, depth: int, direction: str = "forward") -> float:
     """How many times uncompressed training's steps ``candidate`` needs to reach the same loss in a pipeline of
-    ``depth`` stages, charged to the forward direction (the depth study, docs/DEPTH.md: at depth 8 the forward
-    codec carries the penalty; the backward direction is 1.0): the row of the deepest measured depth at or below
-    ``depth`` (none below it: 1.0, the parity study's gaps at depth 4 being within 2%); ``none`` is 1.0; a
-    candidate that row lacks takes the row's largest multiplier (unmeasured is not assumed free)."""
+    ``depth`` stages, charged to ``direction``: the row of the deepest measured depth at or below ``depth`` (none
+    below it: 1.0, the parity study's gaps at depth 4 being within 2%); ``none`` is 1.0; a candidate that row lacks
+    takes the row's largest multiplier (unmeasured is not assumed free). The multiplier ``m`` is split between the
+    directions where a share ``s`` was measured (``DIRECTION_SHARES``, the deepest depth at or below ``depth``):
+    forward ``m ** s``, backward ``m ** (1 - s)``, so the two charges multiply to ``m``; elsewhere the forward codec
+    carries it whole and the backward direction is 1.0 (the depth study, docs/DEPTH.md: at depth 8 the forward
+    codec carries the penalty)."""
     measured = [d for d in STEPS_MULTIPLIER if d <= depth]
-    if candidate == "none" or direction != "forward" or not measured:
+    if candidate == "none" or not measured:
         return 1.0
     row = STEPS_MULTIPLIER[max(measured)]
-    return row.get(candidate, max(row.values(), default=1.0))
+    whole = row.get(candidate, max(row.values(), default=1.0))
+    split = [d for d in DIRECTION_SHARES if d <= depth]
+    share = DIRECTION_SHARES[max(split)].get(candidate) if split else None
+    if share is None:
+        return whole if direction == "forward" else 1.0
+    return whole ** (share if direction == "forward" else 1.0 - share)
 
 
 STEPS_AT_LEAST: dict[int, frozenset[str]] = {

@@ -1,6 +1,7 @@
 """auto at pipeline depth: a codec's measured steps penalty counts against its byte savings."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,23 @@ def test_steps_multiplier_rows_by_depth(monkeypatch):
     assert m("paper", 8) == 2.6 and m("paper", 16) == 2.6  # deeper: the deepest measured row below
     assert m("paper", 4) == 1.0 and m("none", 8) == 1.0 and m("paper", 8, "backward") == 1.0
     assert m("hadint4", 8) == 2.6  # unmeasured at a measured depth: the row's largest, not free
+
+
+def test_a_measured_direction_share_splits_the_multiplier_between_the_directions(monkeypatch):
+    monkeypatch.setattr(auto_config, "STEPS_MULTIPLIER", {4: {"paper": 1.5}, 8: {"paper": 2.0, "lowrank": 1.2}})
+    monkeypatch.setattr(auto_config, "DIRECTION_SHARES", {8: {"paper": 0.75}})
+    m = auto_config.steps_multiplier
+    assert m("paper", 8) == pytest.approx(2.0 ** 0.75) and m("paper", 8, "backward") == pytest.approx(2.0 ** 0.25)
+    assert m("paper", 8) * m("paper", 8, "backward") == pytest.approx(2.0)  # the two charges make the whole
+    assert m("lowrank", 8) == 1.2 and m("lowrank", 8, "backward") == 1.0  # no share measured: forward carries it
+    assert m("paper", 4) == 1.5 and m("paper", 4, "backward") == 1.0  # shares measured deeper only: not applied
+    assert m("paper", 16) == pytest.approx(2.0 ** 0.75)  # deeper: the deepest measured share below
+    settings = AutoSettings(candidates=("none", "paper", "fixedpoint4"), max_error=1.0, patience=1)
+    backward = Chooser(CodecCostTable.from_costs(_costs()), settings, current="none", depth=8, direction="backward")
+    # paper's gradients now carry their share (2 ** 0.25 x 4550 bytes), more than fixedpoint4's 4620 with no share
+    assert backward.update(1e6) == "fixedpoint4"
+    assert backward.predicted["paper"] / backward.predicted["fixedpoint4"] == pytest.approx(2.0 ** 0.25 * 4550 / 4620,
+                                                                                          rel=0.01)
 
 
 @pytest.mark.parametrize("depth, expected", [(2, "paper"), (8, "fixedpoint4")])
@@ -170,3 +188,28 @@ def test_a_study_writes_its_row_beside_its_page_and_keeps_the_others(tmp_path):
     assert after[str(result["depth"])]["multipliers"]["paper"] == 1.5
     assert after[str(result["depth"])]["command"] == "python -m benchmarks.real_model --codecs bf16,paper --write x"
     assert after["16"] == before["16"] and list(after) == sorted(after, key=int)
+
+
+def test_the_whole_runs_one_direction_runs_give_each_direction_its_share_and_the_file_keeps_the_rest(tmp_path):
+    from benchmarks import measured
+
+    def row(codec, end):
+        return {"codec": codec, "uncompressed": {"points": {"50": {"ratio": 1.5}, "200": {"ratio": end}}}}
+
+    result = {"date": "2026-12-07", "tables": {"8": [row("bf16", 1.0), row("lowrank_h3_rn", 1.3),
+                                                     row("lowrank_h3_rn_fwd", 1.2), row("lowrank_h3_rn_bwd", 1.1),
+                                                     row("paper_fwd", 1.2)],  # paper's other direction did not run
+                                               "4": [row("lowrank_h3_rn_fwd", 0.98), row("lowrank_h3_rn_bwd", 0.99)]}}
+    shares = measured.direction_shares(result)
+    assert list(shares) == [8]  # at depth 4 neither direction cost steps: nothing to split
+    expected = math.log(1.2) / (math.log(1.2) + math.log(1.1))  # the end of the run, not step 50
+    assert shares[8]["shares"] == {"lowrank_h3_rn": round(expected, 3)} and shares[8]["ratios"] == {
+        "lowrank_h3_rn": [1.2, 1.1]}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"steps_multiplier": {"8": {"multipliers": {"paper": 1.1}}}}))
+    measured.write_shares(path, shares)
+    data = json.loads(path.read_text())
+    assert data["steps_multiplier"] == {"8": {"multipliers": {"paper": 1.1}}}  # the rest kept
+    assert data["direction_shares"]["8"]["shares"] == {"lowrank_h3_rn": round(expected, 3)}
+    measured.write_row(8, {"multipliers": {"paper": 1.2}}, path)  # the real-model study's rows keep the shares
+    assert json.loads(path.read_text())["direction_shares"] == data["direction_shares"]
