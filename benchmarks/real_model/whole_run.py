@@ -105,6 +105,17 @@ def ledger_bits(records: list[dict]) -> dict | None:
     return {"forward": forward, "backward": backward, "both": forward + backward}
 
 
+def parted_at(a: list[dict], b: list[dict], tolerance: float = 1e-6) -> int | None:
+    """The first training iteration whose loss differs between two runs' records by more than ``tolerance``
+    (relative): where a real pipeline and its emulation part (None: never, over the iterations both logged)."""
+    losses = {r["iteration"]: r["lm_loss"] for r in b if "lm_loss" in r}
+    for r in sorted((r for r in a if "lm_loss" in r), key=lambda r: r["iteration"]):
+        other = losses.get(r["iteration"])
+        if other is not None and abs(r["lm_loss"] - other) > tolerance * abs(other):
+            return int(r["iteration"])
+    return None
+
+
 def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
     """Every finished pipeline run of the plan against its emulated run (same codec, seed, depth)."""
     found = []
@@ -121,6 +132,7 @@ def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
                         check = report.pipeline_check(out, codec, [seed], curves, depth)
                         diffs = [check[t]["max_abs_diff"] for t in runs.TRAFFIC if check[t]["max_abs_diff"] is not None]
                         agrees = bool(diffs) and max(diffs) <= PIPELINE_TOLERANCE
+                        check["parted_at"] = parted_at(records, read_log(out / f"{runs.run_name(codec, seed, depth)}.jsonl"))
                     else:  # its emulated run has not finished: the bits now, the losses later
                         check = {"codec": codec, "seed": seed, "depth": depth, **{t: None for t in runs.TRAFFIC}}
                         agrees = None
@@ -409,10 +421,15 @@ def pipeline_line(c: dict, goal_bits: float) -> str:
     bits = c["ledger_bits"]
     ledger = (f"{bits['forward']:.2f} + {bits['backward']:.2f} = {bits['both']:.3f} bits per value "
               f"({'within' if bits['both'] <= goal_bits else 'above'} {goal_bits:g})") if bits else "–"
+    parted = c.get("parted_at")
+    apart = ("" if c["agrees"] is None or "parted_at" not in c else
+             f". The training losses are the same to 6 digits until iteration {parted - 1}, apart from iteration "
+             f"{parted} on" if parted else ". The training losses are the same to 6 digits at every iteration")
     return (f"- `{c['codec']}` at depth {c['depth']} ({' '.join(c['flags']) or 'no further flags'}, {c['exit']} steps, "
             f"commit {str(c['commit'])[:10]}): "
             + ("its emulated run has not finished: no comparison yet" if c["agrees"] is None else
                f"**{'agrees' if c['agrees'] else 'does not agree'}** within {PIPELINE_TOLERANCE}. " + "; ".join(parts))
+            + apart
             + f". WAN ledger: {ledger} at "
             f"[{c['shape'][0]}, {c['shape'][1]}, hidden].")
 

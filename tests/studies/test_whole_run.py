@@ -240,6 +240,12 @@ def test_a_pipeline_check_on_the_page_names_the_validations_outside_the_toleranc
     assert "Evaluated through the codecs: largest 0.0260 (step 20), mean pipeline - emulation -0.0080, outside at " \
            "step(s) 20" in line and line.count("outside at") == 1
     assert "3.47 + 2.53 = 6.003 bits per value (above 6)" in line and "commit 0123456789" in line
+    assert "same to 6 digits" not in line  # no iteration recorded where they part
+    parted = whole_run.pipeline_line({**check, "parted_at": 4}, 6.0)
+    assert "The training losses are the same to 6 digits until iteration 3, apart from iteration 4 on. WAN" in parted
+    records = [{"iteration": i, "lm_loss": v} for i, v in ((1, 4.0), (2, 3.9), (3, 3.8))]
+    assert whole_run.parted_at(records, records) is None
+    assert whole_run.parted_at(records, [*records[:2], {"iteration": 3, "lm_loss": 3.81}]) == 3
     waiting = whole_run.pipeline_line({**check, "agrees": None, "uncompressed": None, "compressed": None}, 6.0)
     assert "its emulated run has not finished: no comparison yet. WAN ledger: 3.47 + 2.53 = 6.003" in waiting
 
