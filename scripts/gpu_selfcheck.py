@@ -15,7 +15,7 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
 
 ``kernels``   the Triton kernels compiled for this GPU, byte-exact against the torch references.
 ``graphs``    the codecs replayed from real CUDA graphs, a capture that syncs failing cleanly; after every
-              test the thread is on the default stream and nothing is capturing (``tests/codecs/test_graphs.py``).
+              test the thread is on the default stream and nothing is capturing (``tests/codecs/core/test_graphs.py``).
 ``sync``      each codec's encode and decode, eager and replayed, under ``torch.cuda.set_sync_debug_mode("error")``.
 ``staging``   host-staging loopback: 2 processes on 1 GPU over gloo, ``torch.cuda._sleep`` queued before each
               encode and each copy back, 1000 messages of mixed sizes: bytes equal, buffers and memory constant.
@@ -256,7 +256,7 @@ def step_kernels(ctx: Context):
 
 
 def step_graphs(ctx: Context):
-    return _pytest(["tests/codecs/test_graphs.py", "-k", "gpu"], ctx.files("graphs") / "pytest.log")
+    return _pytest(["tests/codecs/core/test_graphs.py", "-k", "gpu"], ctx.files("graphs") / "pytest.log")
 
 
 # ----- sync: no host sync in any codec call ----------------------------------------------------------------

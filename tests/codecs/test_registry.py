@@ -15,7 +15,8 @@ from megatron_tah.codecs.core import common, header
 from megatron_tah.codecs.core.base import CHECKSUM_DEFAULT
 from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.megatron import places, stats
-from tests.codecs import test_checksum, test_codecs, test_entropy, test_graphs, test_receive_path
+from tests.codecs import test_codecs, test_receive_path
+from tests.codecs.core import test_checksum, test_entropy, test_graphs
 from tests.helpers.codec_cases import Case, run_for
 from tests.megatron import test_arguments, test_stats
 from tests.studies import test_codec_report

@@ -2,7 +2,7 @@
 fallbacks and their one log line, and that replays give eager's bytes and values. A fake graph
 (``host_reads.FakeGraphs``) stands in for torch.cuda.CUDAGraph: its capture runs the call once (the
 warm-up) and its replay re-runs the call under ``no_host_reads`` (what a real capture would reject).
-The real capture runs in scripts/profile_codecs.py on a GPU; the places' use in megatron/test_place_graphs.py."""
+The real capture runs in scripts/profile_codecs.py on a GPU; the places' use in tests/megatron/test_place_graphs.py."""
 
 import logging
 
