@@ -16,7 +16,7 @@ from .core.options import CodecDeclaration, Option
 
 # The registry: name -> "module:Class", one line per codec, in the order flags and tables list them. A module
 # starting with "." is one of this package's (".none" is ``megatron_tah.codecs.none``); any other is imported by
-# its full name. Each module starts with its ``DECLARATION`` (options and capabilities, see ``options.py``) and
+# its full name. Each module starts with its ``DECLARATION`` (options and capabilities, see ``core/options.py``) and
 # registers its ``codec_id``; modules are imported on first use. Everything that lists codecs (the --tah-*
 # flags and their table, the codec table, the generic tests) reads this dict when it runs.
 CODECS = {
