@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_tah.codecs import get_codec, load_all_codecs
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 
 from .codec_rows import AQSGD_OPTIONS, STATELESS_ROWS, stateless_rows  # noqa: F401  (STATELESS_ROWS re-exported)
 

@@ -2,10 +2,10 @@
 
 The same symbols through each candidate library's order-0 ANS coder: every section of ``lowrank_h3_rn``'s codec
 buffers of the real model's messages (``benchmarks.lossless.messages``, after ``make real-models``) at
-``[1024, 1, 576]`` and ``[128, 1, 576]``, unpacked as ``megatron_tah.codecs.ans`` unpacks them, each section under a
+``[1024, 1, 576]`` and ``[128, 1, 576]``, unpacked as ``megatron_tah.codecs.core.ans`` unpacks them, each section under a
 model of its own counts. Per library: the coded stream's bytes (the libraries' model tables excluded) against the
 sections' order-0 bound, and encode + decode time (model set-up included, the best of 3, one thread) in MB/s of codec
-buffer. Candidates: PyPI ``constriction`` (what ``megatron_tah.codecs.ans`` uses) and PyPI ``torch-ans``
+buffer. Candidates: PyPI ``constriction`` (what ``megatron_tah.codecs.core.ans`` uses) and PyPI ``torch-ans``
 (``pip install torch-ans==0.4.0``; not a dependency: skipped when absent), its model given each count plus one (with
 zero counts in its table it did not return from one real section).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_tah.codecs import ans, entropy
+from megatron_tah.codecs.core import ans, entropy
 from megatron_tah.config import TahConfig
 
 from .coders import SHAPES, best_of

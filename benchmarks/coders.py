@@ -1,4 +1,4 @@
-"""What each lossless coder (``megatron_tah.codecs.entropy.CODERS``) costs and saves on real messages, and the link
+"""What each lossless coder (``megatron_tah.codecs.core.entropy.CODERS``) costs and saves on real messages, and the link
 rate below which it saves time: the numbers ``python -m benchmarks.lossless`` reports per preset and shape.
 
 For every preset, direction and message shape (``[tokens, 1, hidden]``, the first ``tokens`` of the real model's
@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from megatron_tah.codecs import Codec, entropy
-from megatron_tah.codecs.common import unpack_bits
+from megatron_tah.codecs import Codec
+from megatron_tah.codecs.core import entropy
+from megatron_tah.codecs.core.common import unpack_bits
 
 SHAPES = (1024, 128)  # tokens of the messages measured: [1024, 1, hidden] and [128, 1, hidden]
 

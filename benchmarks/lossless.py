@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_tah.codecs import Codec, entropy
+from megatron_tah.codecs import Codec
+from megatron_tah.codecs.core import entropy
 from megatron_tah.config import TahConfig, candidate_fields
 from megatron_tah.link import frames
 
@@ -76,7 +77,7 @@ def messages(model: str = MODEL, tokens: int = TOKENS) -> dict[int, tuple[torch.
 
 def measure(codec: Codec, x: torch.Tensor, coder: str = entropy.DEFAULT_CODER) -> dict:
     """Wire bits per value of ``codec`` on ``x`` and what each lossless coder would send instead (``coded``:
-    ``megatron_tah.codecs.entropy`` with ``coder``)."""
+    ``megatron_tah.codecs.core.entropy`` with ``coder``)."""
     buf = codec.encode(x)
     values, shape = x.numel(), tuple(x.shape)
     coded = entropy.encode(codec, buf, shape, x.dtype, coder)
@@ -130,7 +131,7 @@ def host_zlib(found: dict, preset: str = HOST_PRESET, repeats: int = 3) -> dict:
 
 
 def host_entropy(found: dict, preset: str = HOST_PRESET, repeats: int = 3, coder: str = entropy.DEFAULT_CODER) -> dict:
-    """``_host_cost`` of ``megatron_tah.codecs.entropy`` with ``coder`` (on this CPU)."""
+    """``_host_cost`` of ``megatron_tah.codecs.core.entropy`` with ``coder`` (on this CPU)."""
     dtype = torch.bfloat16
     return {**_host_cost(found, preset, repeats,
                          lambda codec, buf, shape: entropy.encode(codec, buf, shape, dtype, coder),
@@ -170,7 +171,7 @@ def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json"), de
     """Each preset whose steps multiplier the speedrun measured (``speedrun``'s table), and each candidate whose
     multiplier the real-model study measured at ``depth`` (``megatron_tah.config.auto.STEPS_MULTIPLIER``),
     projected on the ProtocolNanoGPT setup (``benchmarks.speedrun.projection``) as it is, with its wire bytes
-    scaled per direction by the share ``megatron_tah.codecs.entropy`` kept of them here plus the frames' margin
+    scaled per direction by the share ``megatron_tah.codecs.core.entropy`` kept of them here plus the frames' margin
     (``--tah-entropy-coding``'s frames hold the largest of a link's recent coded sizes plus ``frames.MARGIN``), and
     with that coder's encode and decode time too (``host_entropy``'s rates on this CPU, per byte of codec buffer,
     added on the sender and the receiver as the codec's own time is)."""
@@ -217,7 +218,7 @@ def table(result: dict) -> str:
              f"state after layers {', '.join(map(str, result['cuts']))} and its backward codec on the language-model "
              f"loss's gradient there (`[{result['tokens']}, 1, hidden]` bf16; means over the cuts). Bits per value; "
              "*order-0*: each section's order-0 entropy (codes as symbols of their bits, the rest as bytes); "
-             f"*coded*: what `megatron_tah.codecs.entropy` sent with its default coder ({entropy.DEFAULT_CODER}: "
+             f"*coded*: what `megatron_tah.codecs.core.entropy` sent with its default coder ({entropy.DEFAULT_CODER}: "
              "every section ANS-coded under its own symbol counts, tables included; decoded back bit for bit); "
              "*zlib*: the buffer through zlib level 9.", "",
              "| preset | direction | codec | wire bits | order-0 | saved | coded | saved | zlib | saved |",
@@ -288,7 +289,7 @@ def host_entropy_text(h: dict, host: str) -> str:
     pays = _pays(h)
     verdict = "pays" if pays else "does not pay"
     threads = f"{h['threads']} thread" + ("s" if h["threads"] != 1 else "")
-    return (f"`megatron_tah.codecs.entropy` with its {h.get('coder', 'huffman')} coder on {host} ({threads}) "
+    return (f"`megatron_tah.codecs.core.entropy` with its {h.get('coder', 'huffman')} coder on {host} ({threads}) "
             f"{verdict} on the setup's 200 Mb/s link, per `{h['preset']}` message at `[1024, 8, 1024]`: "
             + _cost_parts(h, "it") + ".")
 

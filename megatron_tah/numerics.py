@@ -15,7 +15,7 @@ import struct
 # decodes to all-NaN (its neighbours are unaffected): ranges and Hadamard sums stay inside fp32 below it.
 MAX_ABS_VALUE = 1e36
 
-# ----- the shared log2 (codecs/common.log2_approx, kernels/common.log2_approx_kernel) ----------
+# ----- the shared log2 (codecs/core/common.log2_approx, kernels/common.log2_approx_kernel) ----------
 # log2(1 + t) ~= t * (c1 + t * (c2 + t * (c3 + t * (c4 + t * c5)))) on [0, 1): |error| < 3.1e-5.
 # Evaluated with separate fp32 multiplies and adds (no FMA) by every implementation, so the
 # entropy, and with it the bit allocation, is the same on every device.

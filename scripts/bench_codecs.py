@@ -14,7 +14,7 @@ is printed, and written as JSON (device name, date, versions) and Markdown.
 ``--tah-wire-checksum``), and the checksum's own work on the codec's buffer: the sender's (compute it,
 write the header field) and the receiver's (compute it, compare on the device). Its cost is that work
 over the codec's encode + decode time without it, the number the option's default is decided by
-(on when under 2%; see ``codecs/checksum.py``).
+(on when under 2%; see ``codecs/core/checksum.py``).
 
     python scripts/bench_codecs.py                       # CUDA, the default shapes -> docs/benchmarks/<gpu>.json
     python scripts/bench_codecs.py --device cpu --quick  # smoke test: tiny shapes, wall-clock timer
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from megatron_tah.codecs import CodecError, get_codec  # noqa: E402
-from megatron_tah.codecs.samples import activation_like  # noqa: E402
+from megatron_tah.codecs.core.samples import activation_like  # noqa: E402
 
 # The large message, the demo's (make demo: seq 64, micro-batch 4, hidden 128), GPT2-XL (seq 1024, mb 1).
 SHAPES = [(2048, 8, 8192), (64, 4, 128), (1024, 1, 1600)]

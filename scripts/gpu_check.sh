@@ -53,7 +53,7 @@ if [[ $STEP == benchmarks || $STEP == bench ]]; then
 fi
 
 if [[ $STEP == benchmarks || $STEP == profile ]]; then
-    # Host vs device time per call, eager and replayed from a CUDA graph (codecs/graphs.py), at
+    # Host vs device time per call, eager and replayed from a CUDA graph (codecs/core/graphs.py), at
     # GPT-2 XL's [1024, 1, 1600] (the host-cost goal: tah <= 60 us, lowrank encode <= 300 us) and the large shape.
     for shape in 1024x1x1600 2048x8x8192; do
         "$PY" scripts/profile_codecs.py --shape $shape --json "$OUT_DIR/$GPU-profile-$shape.json"

@@ -15,7 +15,7 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
 
 ``kernels``   the Triton kernels compiled for this GPU, byte-exact against the torch references.
 ``graphs``    the codecs replayed from real CUDA graphs, a capture that syncs failing cleanly; after every
-              test the thread is on the default stream and nothing is capturing (``tests/codecs/test_graphs.py``).
+              test the thread is on the default stream and nothing is capturing (``tests/codecs/core/test_graphs.py``).
 ``sync``      each codec's encode and decode, eager and replayed, under ``torch.cuda.set_sync_debug_mode("error")``.
 ``staging``   host-staging loopback: 2 processes on 1 GPU over gloo, ``torch.cuda._sleep`` queued before each
               encode and each copy back, 1000 messages of mixed sizes: bytes equal, buffers and memory constant.
@@ -28,7 +28,7 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
               within [0.5, 1.1] x that rate; ``handshake.link_latency`` on the loopback below 5 ms.
 ``laaq``      one megatron-core layer (local spec, rotary, 4096 tokens): every saved tensor's type, dtype,
               shape and fate logged; only activations packed; input and weight gradients against LAAQ off.
-``entropy``   each lossless coder (``codecs/entropy.py``: huffman on the device, ans through a host copy) on
+``entropy``   each lossless coder (``codecs/core/entropy.py``: huffman on the device, ans through a host copy) on
               ``lowrank``'s and ``channel_h4``'s buffers of the ProtocolNanoGPT message ``[1024, 8, 1024]``: decoded bit for bit; encode and decode timed (the
               median of ``ENTROPY_REPEATS``) with their peak memory: what docs/CODECS.md has not measured.
 
@@ -256,7 +256,7 @@ def step_kernels(ctx: Context):
 
 
 def step_graphs(ctx: Context):
-    return _pytest(["tests/codecs/test_graphs.py", "-k", "gpu"], ctx.files("graphs") / "pytest.log")
+    return _pytest(["tests/codecs/core/test_graphs.py", "-k", "gpu"], ctx.files("graphs") / "pytest.log")
 
 
 # ----- sync: no host sync in any codec call ----------------------------------------------------------------
@@ -267,8 +267,8 @@ def step_sync(ctx: Context):
     import torch
 
     from megatron_tah.codecs import CODECS, codec_class, get_codec
-    from megatron_tah.codecs.graphs import place_codec
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.graphs import place_codec
+    from megatron_tah.codecs.core.samples import activation_like
 
     x = activation_like(SYNC_SHAPE, dtype=torch.bfloat16, seed=0).cuda()
     failures, checked, skipped = [], [], []
@@ -307,7 +307,7 @@ def _staging_rank(rank: int, store_path: str, device_name_: str, messages: int, 
     import torch.distributed as dist
 
     from megatron_tah.codecs import get_codec
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.samples import activation_like
 
     staging_module = importlib.import_module("megatron_tah.link.staging")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -658,8 +658,8 @@ def step_entropy(ctx: Context):
 
     import torch
 
-    from megatron_tah.codecs import entropy
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core import entropy
+    from megatron_tah.codecs.core.samples import activation_like
     from megatron_tah.config import TahConfig
 
     shape = ENTROPY_SHAPE if ctx.cuda else ENTROPY_CPU_SHAPE

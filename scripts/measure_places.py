@@ -58,7 +58,7 @@ STREAMS = {"tp": ("tp_forward", "tp_backward"), "dp": ("dp_backward",), "laaq": 
 # ----- 1. collectives ---------------------------------------------------------------------------
 def _collective_rank(rank: int, init_file: str, out_file: str) -> None:
     from megatron_tah.codecs import get_codec
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.samples import activation_like
     from megatron_tah.megatron import collectives
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 """Where a codec's encode/decode time goes on a GPU: the host launching kernels vs the device running them.
 
 For each codec (fused Triton path, deferred checks) at one shape, after a warm-up, per call and for two
-paths, ``eager`` (the codec's own call) and ``graph`` (``megatron_tah.codecs.graphs.place_codec``, the
+paths, ``eager`` (the codec's own call) and ``graph`` (``megatron_tah.codecs.core.graphs.place_codec``, the
 ``GraphedCodec`` the pipeline's links and the TP/DP collectives call: the call replayed from a CUDA graph,
 its input and output copies included):
   * ``host``: microseconds the host spends in the call (perf_counter, the device idle beforehand);
@@ -35,8 +35,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_codecs import CODECS, parse_shape  # noqa: E402
 from megatron_tah.codecs import get_codec  # noqa: E402
-from megatron_tah.codecs.graphs import place_codec  # noqa: E402
-from megatron_tah.codecs.samples import activation_like  # noqa: E402
+from megatron_tah.codecs.core.graphs import place_codec  # noqa: E402
+from megatron_tah.codecs.core.samples import activation_like  # noqa: E402
 
 
 def event_time_us(fn, iters: int) -> float:

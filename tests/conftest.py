@@ -188,7 +188,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """A small Shakespeare corpus for Megatron's loop (6 documents, at most 20k tokens): its indexed-dataset
-    prefix. Made once per test module (``megatron/test_pretrain_gpt.py``, ``megatron/test_restart.py``,
+    prefix. Made once per test module (``test_pretrain_gpt.py``, ``test_restart.py``,
     ``megatron/test_activation_memory.py``)."""
     from megatron_tah.data import prepare
 

@@ -1,4 +1,4 @@
-"""Codecs for pipeline tensors: one contract (see ``base.Codec``), one file per codec.
+"""Codecs for pipeline tensors: one contract (see ``core.base.Codec``), one file per codec.
 
 >>> from megatron_tah.codecs import get_codec
 >>> codec = get_codec("tah", tile_size=64, high_bits=4, low_bits=3, high_ratio=0.8, outlier_threshold=2.0)
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Codec, CodecError, PayloadChecksumError, WireFormatError
-from .options import CodecDeclaration, Option
+from .core.base import Codec
+from .core.errors import CodecError, PayloadChecksumError, WireFormatError
+from .core.options import CodecDeclaration, Option
 
 # The registry: name -> "module:Class", one line per codec, in the order flags and tables list them. A module
 # starting with "." is one of this package's (".none" is ``megatron_tah.codecs.none``); any other is imported by
-# its full name. Each module starts with its ``DECLARATION`` (options and capabilities, see ``options.py``) and
+# its full name. Each module starts with its ``DECLARATION`` (options and capabilities, see ``core/options.py``) and
 # registers its ``codec_id``; modules are imported on first use. Everything that lists codecs (the --tah-*
 # flags and their table, the codec table, the generic tests) reads this dict when it runs.
 CODECS = {

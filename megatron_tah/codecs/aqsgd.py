@@ -39,11 +39,12 @@ import math
 
 import torch
 
-from .base import (CHECKSUM_DEFAULT, HEADER_NBYTES, Codec, CodecError, WireFormatError, WireLayout, check_dtype,
-                   check_shape, dtype_name, register_codec_id)
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.errors import CodecError, WireFormatError, check_dtype, check_shape, dtype_name
+from .core.header import HEADER_NBYTES, WireLayout, register_codec_id
 from .fixedpoint import FixedPointCodec
 from .none import NoneCodec
-from .options import CodecDeclaration, Option
+from .core.options import CodecDeclaration, Option
 
 DECLARATION = CodecDeclaration(
     takes=("bits", "tile_size"),

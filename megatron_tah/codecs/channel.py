@@ -57,9 +57,11 @@ import torch
 
 from .. import geometry
 from ..kernels.channel import channel_code_count, channel_outliers, channel_sections
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
-from .options import CodecDeclaration, Option
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.errors import CodecError
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration, Option
 
 DECLARATION = CodecDeclaration(
     takes=("bits", "stochastic_rounding"), kernel=True,

@@ -17,9 +17,10 @@ import torch
 
 from .. import geometry
 from ..kernels.fixedpoint import fixedpoint_sections
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
-from .options import CodecDeclaration
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration
 
 DECLARATION = CodecDeclaration(takes=("bits", "tile_size", "stochastic_rounding"), kernel=True)
 

@@ -35,9 +35,10 @@ import torch
 from .. import geometry
 from ..numerics import FP8_MAX  # noqa: F401  (re-exported)
 from ..kernels.fp8 import FP32_NAN_BITS, PRESCALE_MAX, PRESCALE_MIN, RMS_EPS, fp8_sections
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
-from .options import CodecDeclaration, Option
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration, Option
 
 DECLARATION = CodecDeclaration(
     kernel=True,

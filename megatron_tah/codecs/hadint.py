@@ -38,10 +38,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.hadint import hadint_sections
-from . import common
-from .base import CHECKSUM_DEFAULT, CodecError, register_codec_id
+from .core import common
+from .core.base import CHECKSUM_DEFAULT
+from .core.errors import CodecError
+from .core.header import register_codec_id
 from .mxfp4 import RotatedBlockCodec
-from .options import CodecDeclaration
+from .core.options import CodecDeclaration
 
 DECLARATION = CodecDeclaration(takes=("bits", "tile_size", "stochastic_rounding"), kernel=True)
 

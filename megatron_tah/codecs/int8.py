@@ -27,9 +27,11 @@ import math
 
 import torch
 
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
-from .options import CodecDeclaration, Option
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.errors import CodecError
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration, Option
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
 QMAX = 127

@@ -62,10 +62,12 @@ import torch
 
 from .. import geometry, numerics
 from ..kernels.hadint import hadint_sections
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.errors import CodecError
+from .core.header import register_codec_id
 from .hadint import HadIntCodec, hadint_decode_reference, hadint_encode_reference
-from .options import CodecDeclaration, Option
+from .core.options import CodecDeclaration, Option
 
 DECLARATION = CodecDeclaration(
     takes=("bits", "tile_size", "stochastic_rounding"),  # the residual's rounding

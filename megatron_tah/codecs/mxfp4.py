@@ -43,9 +43,11 @@ from typing import Sequence
 import torch
 
 from .. import geometry
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
-from .options import CodecDeclaration, Option
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.errors import CodecError
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration, Option
 
 HADAMARD_OPTION = Option(
     "tah_fp4_hadamard", "hadamard", bool, False, "mxfp4 / nvfp4: rotate every block (32 / 16 values) by a "

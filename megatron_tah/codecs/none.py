@@ -9,8 +9,9 @@ import math
 
 import torch
 
-from .base import CHECKSUM_DEFAULT, Codec, register_codec_id
-from .options import CodecDeclaration
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration
 
 DECLARATION = CodecDeclaration(kernel=False)
 
@@ -18,6 +19,7 @@ DECLARATION = CodecDeclaration(kernel=False)
 class NoneCodec(Codec):
     name = "none"
     codec_id = 0
+    graph_no_gain = "one copy each way: a replay would add a copy in and a copy out"
 
     def __init__(self, backend: str = "auto", checksum: bool = CHECKSUM_DEFAULT):
         super().__init__(backend, checksum)

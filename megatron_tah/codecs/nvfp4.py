@@ -40,11 +40,11 @@ from typing import Sequence
 import torch
 
 from .. import geometry, numerics
-from . import common
-from .base import register_codec_id
+from .core import common
+from .core.header import register_codec_id
 from .mxfp4 import RotatedBlockCodec
 from .mxfp4 import HADAMARD_OPTION
-from .options import CodecDeclaration
+from .core.options import CodecDeclaration
 
 DECLARATION = CodecDeclaration(kernel=False, options=(HADAMARD_OPTION,))
 

@@ -48,9 +48,11 @@ import torch
 
 from .. import geometry
 from ..kernels.tah import TAH_ALLOCATIONS, TAH_EPS, tah_low_units_per_group, tah_sections, tah_tile_counts
-from . import common
-from .base import CHECKSUM_DEFAULT, Codec, CodecError, register_codec_id
-from .options import CodecDeclaration, Option
+from .core import common
+from .core.base import CHECKSUM_DEFAULT, Codec
+from .core.errors import CodecError
+from .core.header import register_codec_id
+from .core.options import CodecDeclaration, Option
 
 LOW_BITS_FOR = ("low_entropy", "high_entropy")  # which units get the low bit width (the paper: low_entropy)
 

@@ -11,9 +11,9 @@ import dataclasses
 from typing import Any
 
 from ..codecs import Codec, codec_declaration, get_codec
-from ..codecs.base import BACKENDS
-from ..codecs.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
-from ..codecs.entropy import CODERS, DEFAULT_CODER
+from ..codecs.core.base import BACKENDS
+from ..codecs.core.checksum import ENABLED_BY_DEFAULT as WIRE_CHECKSUM_DEFAULT
+from ..codecs.core.entropy import CODERS, DEFAULT_CODER
 from ..geometry import TILE_SIZES
 from ..units import parse_bandwidth
 from . import pipeline
@@ -146,7 +146,7 @@ class TahConfig:
     tah_channel_outlier_tokens: int = codec_option("tah_channel_outlier_tokens")
     """channel: tokens per sequence (the largest) sent apart in bf16; 0: none."""
 
-    # The direction parameters' fields (codecs/options.py): their help names the registered codecs that take them.
+    # The direction parameters' fields (codecs/core/options.py): their help names the registered codecs that take them.
     _DIRECTION_PARAMETERS = {"tah_tile_size": "tile_size", "tah_backward_tile_size": "tile_size", "tah_forward_bits":
                              "bits", "tah_backward_bits": "bits", "tah_stochastic_rounding": "stochastic_rounding",
                              "tah_backward_stochastic_rounding": "stochastic_rounding"}

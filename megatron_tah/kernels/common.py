@@ -9,7 +9,7 @@ tile's reductions, butterflies and bit packing stay in registers, with ``log2(C)
 cross-lane steps at most. ``E = G`` (one lane per tile) is the default up to ``G = 64``.
 
 **Exactness.** Every helper performs the fp32 operations of its torch twin in
-``codecs/common.py`` in the same order: sums as explicit pairwise trees (never ``tl.sum``,
+``codecs/core/common.py`` in the same order: sums as explicit pairwise trees (never ``tl.sum``,
 whose order differs between the compiler and the interpreter), rounding to integers by the
 ``1.5 * 2^23`` trick (ties to even), reciprocal multiplies, no fused multiply-adds (the
 launchers pass ``enable_fp_fusion=False``; where a product is exact an FMA is harmless).

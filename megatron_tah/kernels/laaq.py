@@ -4,7 +4,7 @@ This is memory, not a wire: no header, no checksum, no layout object. A tensor o
 read flat in memory order, is cut into ``B = ceil(n / block)`` blocks of ``block`` consecutive
 elements (the last one padded by repeating the last element), each quantized asymmetrically at
 ``bits`` bits with a bf16 scale and zero -- the ``fixedpoint`` quantizer's math and bytes
-(``codecs/common.quantize_tiles``, the torch reference), run by its fused kernel on the tensor
+(``codecs/core/common.quantize_tiles``, the torch reference), run by its fused kernel on the tensor
 viewed as a single row of ``n`` channels. The buffer holds, back to back::
 
     scale: bf16[B] | zero: bf16[B] | codes: B * block codes of ``bits`` bits (8 codes in ``bits`` bytes)

@@ -71,7 +71,8 @@ import warnings
 
 import torch
 
-from ..codecs import Codec, WireFormatError, timing
+from ..codecs import Codec, WireFormatError
+from ..codecs.core import timing
 from ..config import TahConfig
 from .choice import Chooser, Probation
 from .measure import CodecCostTable, LinkRate, LinkRateMeter

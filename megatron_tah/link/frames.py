@@ -1,7 +1,7 @@
 """Entropy-coded pipeline messages: one transfer per message where the backend allows it, else agreed frames.
 
 With ``--tah-entropy-coding`` each pipeline message carries its codec buffer through the lossless coder
-(``codecs/entropy.py``), whose output varies in size from message to message. A message, little endian::
+(``codecs/core/entropy.py``), whose output varies in size from message to message. A message, little endian::
 
     0   4   n: the coded buffer's length in bytes
     4   n   the coded buffer (entropy.py's format)
@@ -43,8 +43,9 @@ import warnings
 
 import torch
 
-from ..codecs import WireFormatError, entropy
-from ..codecs.graphs import eager
+from ..codecs import WireFormatError
+from ..codecs.core import entropy
+from ..codecs.core.graphs import eager
 from .steps import Outgoing, Step
 
 __all__ = ["FRAME_HEADER_NBYTES", "MARGIN", "PROBE_EVERY", "ROUND", "WINDOW", "CodingRule", "FrameSizes", "FramingStep",

@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from ..codecs import entropy
-from ..codecs.base import crc32_of
+from ..codecs.core import entropy
+from ..codecs.core.header import crc32_of
 from ..config import TahConfig
 from .completion import wait_completed
 from .peer import posted

@@ -6,7 +6,7 @@ an auto direction its ``auto.AutoEnd``, which picks the codec per iteration; its
 buffers; the report it owes its peer (auto); and the steps its messages go through (``steps.py``), built once
 from the configuration.
 
-CUDA graphs: a link end's codec is a ``codecs.graphs.GraphedCodec`` (``place_codec``; not with
+CUDA graphs: a link end's codec is a ``codecs.core.graphs.GraphedCodec`` (``place_codec``; not with
 ``--tah-eager-codecs``): its encode and its decode are captured once per (shape, dtype, device) and replayed. A
 replayed decode writes the graph's static output and copies it into Megatron's receive tensor (one device copy):
 Megatron allocates a new receive tensor per message, so a capture per receive pointer would never be replayed.
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..codecs import Codec
-from ..codecs.graphs import GraphedCodec, place_codec
+from ..codecs.core.graphs import GraphedCodec, place_codec
 from ..config import TahConfig
 from .auto import AutoEnd, link_salt
 from .emulate import EmulationStep
@@ -99,7 +99,7 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
     """A new link end: its codec (an auto direction: its ``AutoEnd``, at the pipeline's ``depth()``, None: 1;
     otherwise the configured codec -- a forward link's at its boundary (``link_boundary``, from this rank's
     ``stage()``) with ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
-    ``codecs.graphs.place_codec`` says; a forward link's evaluation codec with ``--tah-eval-forward-bits``, alike) and its steps: entropy framing with ``--tah-entropy-coding``, then the
+    ``codecs.core.graphs.place_codec`` says; a forward link's evaluation codec with ``--tah-eval-forward-bits``, alike) and its steps: entropy framing with ``--tah-entropy-coding``, then the
     trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s), then the emulated
     link (``emulation``: the process's ``emulate.LinkEmulator`` or ``InboundWire``, None: none)."""
     boundary = link_boundary(config, direction, role, stage, depth)

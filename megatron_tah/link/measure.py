@@ -12,13 +12,13 @@
    another: the pipeline transport reads the fastest transfer, 1.0). The first ``skip_first``
    transfers of a meter are ignored (connection set-up, allocator and kernel warm-up).
 2. **Codec cost** (``CodecCostTable``): per candidate, encode and decode seconds at the link's
-   message shape on this device (``codecs.timing.Stopwatch``: CUDA events on a GPU, wall time on
+   message shape on this device (``codecs.core.timing.Stopwatch``: CUDA events on a GPU, wall time on
    the CPU; one untimed warm-up call, then the median of ``calls`` (5) calls, made while the
    pipeline runs: where stages share cores, the contention is part of what a codec call costs the
    pipeline -- measured: with the fastest of 3 calls, auto compressed on the CPU throughput
    reproduction's 100 Mbit/s-10 Gbit/s links, where every codec is slower than fp32), the exact wire bytes
    (``codec.wire_nbytes``) and the relative round-trip error on a sample tensor (a real message
-   when the transport has one, else ``codecs.samples.activation_like``). ``observe`` refreshes the
+   when the transport has one, else ``codecs.core.samples.activation_like``). ``observe`` refreshes the
    seconds from the running statistics. A candidate whose build or first call raises is dropped
    with one warning. The table owns its codec objects (a stochastic-rounding codec's noise state
    here is never the transport's). The sender measures the decode cost on its own device and
@@ -38,8 +38,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..codecs import Codec, timing
-from ..codecs.samples import activation_like
+from ..codecs import Codec
+from ..codecs.core import timing
+from ..codecs.core.samples import activation_like
 from ..config import AutoSettings, candidate_codec
 
 MIN_SECONDS = 1e-9  # a transfer timed at 0 s counts as this (an unlimited link: a huge, finite rate)

@@ -14,7 +14,7 @@
   ``Connection closed by peer``) -- raises :class:`PeerLostError`. So does a transfer the backend refused to
   post for that reason (``posted``: the refusal is kept as a ``FailedPost`` whose wait raises it).
 
-Both name the link (``link stage 1 -> stage 0``, the stages of ``codecs.base.link_text``), the world ranks,
+Both name the link (``link stage 1 -> stage 0``, the stages of ``codecs.core.errors.link_text``), the world ranks,
 the iteration and when data from the peer last arrived, and are raised from the backend's error. The
 clocks are injectable (``clock``: seconds for durations, ``wall``: the time of day shown), for tests.
 """
@@ -25,7 +25,7 @@ import datetime
 import time
 from typing import Callable
 
-from ..codecs.base import link_text
+from ..codecs.core.errors import link_text
 
 TIMEOUT_MARKERS = ("timed out", "timeout")  # what gloo's and NCCL's timeout messages say (lower case)
 

@@ -33,7 +33,7 @@ class Outgoing:
     """A message being assembled on a send end: ``buf``, the codec's buffer as the steps so far made it;
     ``rest``, bytes that follow as a second message (None: none); what it was encoded from (``codec``, the
     tensor's ``shape`` and ``dtype``), the encode's time (``encode_seconds``: seconds or a pending
-    ``codecs.timing`` interval) and whether it goes exact (``exact``: the receiver posts the most it can be, so it
+    ``codecs.core.timing`` interval) and whether it goes exact (``exact``: the receiver posts the most it can be, so it
     is sent at its own length, ``frames.py``)."""
 
     codec: object

@@ -31,7 +31,7 @@ and ``stage``: the pipeline's stages and this rank's).
   ``megatron/stats.py``'s ``Stats``), counting the bytes that cross the network.
 
 Elsewhere: which codec a message goes through (the warm-up, uncompressed evaluations, auto's choice per
-iteration): ``traffic.py``; a link end's boundary, codec (CUDA graphs: ``codecs.graphs.place_codec``) and
+iteration): ``traffic.py``; a link end's boundary, codec (CUDA graphs: ``codecs.core.graphs.place_codec``) and
 steps: ``link.py``; the trailer: ``trailer.py``; the emulated slow link, a link end's last step:
 ``emulate.py``; AQ-SGD's sample ids: ``sample_ids.py``; the codecs' state for checkpoints: ``states.py``.
 """
@@ -44,8 +44,9 @@ from typing import Callable
 
 import torch
 
-from ..codecs import PayloadChecksumError, timing
-from ..codecs.graphs import CudaGraphs, eager
+from ..codecs import PayloadChecksumError
+from ..codecs.core import timing
+from ..codecs.core.graphs import CudaGraphs, eager
 from ..config import TahConfig
 from .completion import time_works
 from .emulate import InboundWire, emulation

@@ -7,7 +7,7 @@ Every message of one transport call is one uint8 buffer per direction::
                                                   warm-up and evaluations included)
 
 The codec buffer is ``codec.encode``'s: a 16-byte header (magic, wire version, codec id, config digest,
-shape digest, payload checksum) and the codec's sections (``codecs/base.py``). Its length
+shape digest, payload checksum) and the codec's sections (``codecs/core/base.py``). Its length
 ``codec.wire_nbytes(shape, dtype)`` depends only on the shape, dtype and codec settings, so a receiver
 posts ``wire_nbytes + message_extra_nbytes(auto)`` bytes before anything arrives.
 

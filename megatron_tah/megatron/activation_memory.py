@@ -10,7 +10,7 @@ forward pass runs under ``torch.autograd.graph.saved_tensors_hooks``:
   no header (format: ``kernels/laaq.py``) -- at this pipeline stage's bit width
   (``laaq_stage_bits``: bits grow with the stage, since early stages of a 1F1B schedule
   hold more micro-batches). One fused launch on CUDA (``backend`` auto/triton), the torch reference
-  (``codecs/common``'s quantizer, the same bytes) otherwise; no host sync either way. The
+  (``codecs/core/common``'s quantizer, the same bytes) otherwise; no host sync either way. The
   full-precision tensor is then free to go: it is marked as used by the pack's stream
   (``record_stream``), since it may have been made on another one. Everything else is kept as it is.
 * **kept at any size** (``keep_reason``; a few bits would cost accuracy and save little):
@@ -55,8 +55,9 @@ import threading
 
 import torch
 
-from ..codecs import Codec, CodecError, common, get_codec
-from ..codecs.base import SUPPORTED_DTYPES
+from ..codecs import Codec, CodecError, get_codec
+from ..codecs.core import common
+from ..codecs.core.errors import SUPPORTED_DTYPES
 from ..config.fields import parsed
 from ..kernels import HAVE_TRITON
 from ..kernels import laaq as kernels

@@ -1,6 +1,6 @@
 """Compressed collectives: all-gather, reduce-scatter and all-reduce whose wire is codec buffers.
 
-Every function takes a stateless codec (``base.Codec``, or the ``graphs.GraphedCodec`` the places
+Every function takes a stateless codec (``codecs.core.base.Codec``, or the ``codecs.core.graphs.GraphedCodec`` the places
 hand it: the same calls, replayed per chunk shape) and a process group of ``N`` ranks, and
 moves only ``uint8`` buffers made by ``codec.encode``, through two collectives that gloo and NCCL
 both provide and that ``torch.distributed._coalescing_manager`` does not defer:
@@ -42,8 +42,9 @@ import time
 
 import torch
 
-from ..codecs import timing
-from ..codecs.base import SUPPORTED_DTYPES, Codec, CodecError
+from ..codecs.core import timing
+from ..codecs.core.base import Codec
+from ..codecs.core.errors import SUPPORTED_DTYPES, CodecError
 
 CHUNK_ALIGN = 1024  # a 1-D chunk's length is a multiple of this (whole codec groups of up to 1024)
 
@@ -52,7 +53,7 @@ CHUNK_ALIGN = 1024  # a 1-D chunk's length is a multiple of this (whole codec gr
 class Traffic:
     raw_nbytes: int = 0
     wire_nbytes: int = 0
-    encode_seconds: float = 0.0  # or a pending sum of CUDA-event intervals (codecs.timing)
+    encode_seconds: float = 0.0  # or a pending sum of CUDA-event intervals (codecs.core.timing)
     decode_seconds: float = 0.0
 
 

@@ -20,7 +20,7 @@ both through a temporary ``Patches`` that the wrapper restores before returning.
 collectives complete before ``start_grad_sync`` returns, so with ``--overlap-grad-reduce`` the
 handle Megatron keeps is already complete (no overlap with the rest of the backward pass).
 The codec checks headers on the device (``megatron_tah.install`` compared every rank's settings) and, unless
-``--tah-eager-codecs``, replays its calls from CUDA graphs per shard shape (``codecs.graphs.place_codec``);
+``--tah-eager-codecs``, replays its calls from CUDA graphs per shard shape (``codecs.core.graphs.place_codec``);
 shards above ``graphs.MAX_GRAPH_NUMEL`` elements (megatron-core's default buckets) stay eager, logged once.
 Statistics: stream ``dp_backward``.
 
@@ -37,7 +37,7 @@ import types
 import torch
 
 from ..codecs import Codec
-from ..codecs.graphs import place_codec
+from ..codecs.core.graphs import place_codec
 from ..config import TahConfig
 from . import collectives
 from .collectives import Done

@@ -53,8 +53,9 @@ from typing import Callable
 
 import torch
 
-from ..codecs import Codec, CodecError, timing
-from ..codecs.base import SUPPORTED_DTYPES
+from ..codecs import Codec, CodecError
+from ..codecs.core import timing
+from ..codecs.core.errors import SUPPORTED_DTYPES
 from ..config import TahConfig
 from ..link.peer import PeerWatch, posted
 from . import collectives

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..codecs import Codec, CodecError, codec_declaration
-from ..codecs.graphs import GraphedCodec, eager
+from ..codecs.core.graphs import GraphedCodec, eager
 from ..config import TahConfig
 from .bounded import collective_wait
 from .collectives import Traffic

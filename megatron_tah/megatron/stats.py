@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from ..codecs import timing
+from ..codecs.core import timing
 from ..config import CANDIDATES
 from .bounded import collective_wait
 
@@ -174,7 +174,7 @@ class Stats:
             t["messages"] += 1
             t["raw_bytes"] += int(raw_nbytes)
             t["wire_bytes"] += int(wire_nbytes)
-            if rel_error is not None:  # floats or 0-d device tensors: summed without a sync (codecs.timing)
+            if rel_error is not None:  # floats or 0-d device tensors: summed without a sync (codecs.core.timing)
                 t["rel_error_sum"] = timing.add(t["rel_error_sum"], rel_error)
                 t["rel_error_samples"] += 1
             if rotated_fraction is not None:
@@ -239,7 +239,7 @@ class Stats:
 
     def record_codec_time(self, direction: str, encode_seconds: float = 0.0, decode_seconds: float = 0.0) -> None:
         """Add time spent encoding (sends) or decoding (receives) ``direction``'s messages on this rank
-        (``direction``: a declared stream's key; seconds as floats or pending ``codecs.timing.Stopwatch`` intervals)."""
+        (``direction``: a declared stream's key; seconds as floats or pending ``codecs.core.timing.Stopwatch`` intervals)."""
         self._check(direction)
         with self._lock:
             t = self._totals[direction]

@@ -25,7 +25,7 @@ other than SUM/AVG, single-rank groups, the uneven-split variants (``output_spli
 ``input_split_sizes``, MoE), all-to-all, and the vocab-parallel cross entropy's own all-reduces.
 The codec checks headers on the device (``megatron_tah.install`` compared every rank's settings) and, unless
 ``--tah-eager-codecs``, replays its calls from CUDA graphs, one per (op, shape, dtype): TP messages have
-the shapes of the layers' activations (``codecs.graphs.place_codec``; eager on CPU, with one log line).
+the shapes of the layers' activations (``codecs.core.graphs.place_codec``; eager on CPU, with one log line).
 Statistics: stream ``tp_forward`` for collectives run during the forward pass, ``tp_backward``
 during backward (autograd's graph task), with bytes as ``collectives.Traffic`` counts them.
 """
@@ -37,7 +37,7 @@ import inspect
 import torch
 
 from ..codecs import Codec
-from ..codecs.graphs import place_codec
+from ..codecs.core.graphs import place_codec
 from ..config import TahConfig
 from . import collectives
 from .collectives import Done

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
 from megatron_tah.codecs.aqsgd import DELTA, WARMUP
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 
 S, H = 8, 96  # h not a multiple of the tile: exercises padding
 

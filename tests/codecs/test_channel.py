@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from benchmarks import codec_report as report
-from megatron_tah.codecs import CODECS, CodecError, WireFormatError, common, get_codec
-from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
+from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
+from megatron_tah.codecs.core import common
+from megatron_tah.numerics import MAX_ABS_VALUE
+from megatron_tah.codecs.core.header import HEADER_NBYTES, align_up
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments
 from tests.helpers.edge_cases import (DTYPES, EDGE_CASES, assert_mismatched_receivers_refused, edge_case_tensor,

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
-from megatron_tah.codecs import common
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core import common
+from megatron_tah.codecs.core.samples import activation_like
 from tests.helpers.codec_cases import Case, cases, encode
 from tests.helpers.edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error
 
@@ -388,7 +388,7 @@ CODEC_IDS = {"none": 0, "fixedpoint": 1, "tah": 2, "fp8": 3, "aqsgd": 4, "int8":
 @pytest.mark.parametrize("case", cases())
 def test_a_codec_is_registered_under_its_name_with_an_id_of_its_own(case):
     from megatron_tah.codecs import CODECS, codec_class, load_all_codecs
-    from megatron_tah.codecs.base import codec_name_for_id
+    from megatron_tah.codecs.core.header import codec_name_for_id
 
     load_all_codecs()
     cls = codec_class(case.name)
@@ -399,7 +399,7 @@ def test_a_codec_is_registered_under_its_name_with_an_id_of_its_own(case):
 
 def test_every_codec_has_its_own_id_and_a_duplicate_is_an_error_at_import():
     from megatron_tah.codecs import CODECS, codec_class, load_all_codecs
-    from megatron_tah.codecs.base import codec_name_for_id, register_codec_id
+    from megatron_tah.codecs.core.header import codec_name_for_id, register_codec_id
 
     load_all_codecs()
     assert set(CODEC_IDS) <= set(CODECS)
@@ -522,7 +522,7 @@ def test_decode_writes_into_a_contiguous_out(case):
 
 
 def test_timing_helpers_keep_values_pending():
-    from megatron_tah.codecs import timing
+    from megatron_tah.codecs.core import timing
 
     assert timing.add(1.0, 2.0) == 3.0 and timing.add(1.0, None) == 1.0
     pending = timing.add(timing.add(0.5, torch.tensor(0.25)), torch.tensor(1.0))
@@ -540,8 +540,8 @@ def test_events_are_recorded_on_the_stream_of_the_tensors_device(monkeypatch):
     here): an event recorded on the current device's stream would time, or wait for, other work."""
     from tests.helpers.fake_cuda import FakeCuda
 
-    from megatron_tah.codecs import timing
-    from megatron_tah.codecs.base import DeferredErrors
+    from megatron_tah.codecs.core import timing
+    from megatron_tah.codecs.core.checks import DeferredErrors
 
     cuda = FakeCuda(monkeypatch, devices=2)
     on_1 = cuda.Stream(1)

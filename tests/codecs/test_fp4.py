@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
-from megatron_tah.codecs import CODECS, CodecError, WireFormatError, common, get_codec
+from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
+from megatron_tah.codecs.core import common
 from benchmarks import codec_report as report
-from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
+from megatron_tah.numerics import MAX_ABS_VALUE
+from megatron_tah.codecs.core.header import HEADER_NBYTES, align_up
 from megatron_tah.config import TahConfig
 from megatron_tah.megatron import arguments
 from tests.helpers.edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, rel_error, round_trip
@@ -299,7 +301,7 @@ def test_hadamard_on_an_outlier_channel(outlier):
 
 def test_hadamard_on_activation_like_data():
     """The report's data (outlier channels, heavy tails): the same directions as above."""
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.samples import activation_like
 
     x = activation_like((64, 2, 512), torch.bfloat16, seed=0)
     errors = {(name, hadamard): rel_error(x, round_trip(make(name, hadamard), x)) for name, hadamard in KEYS}

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_tah.codecs import CodecError, WireFormatError, common, get_codec
+from megatron_tah.codecs import CodecError, WireFormatError, get_codec
+from megatron_tah.codecs.core import common
 from megatron_tah.codecs.fp8 import FP8_MAX, prescale_reference
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from tests.helpers.edge_cases import DTYPES
 
 # E4M3 rounds within 2^-4 relative (normals) or 2^-10 absolute in units of the post-scale

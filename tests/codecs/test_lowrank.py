@@ -11,7 +11,8 @@ import torch
 
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
 from benchmarks import codec_report as report
-from megatron_tah.codecs.base import HEADER_NBYTES, MAX_ABS_VALUE, align_up
+from megatron_tah.numerics import MAX_ABS_VALUE
+from megatron_tah.codecs.core.header import HEADER_NBYTES, align_up
 from megatron_tah.codecs.lowrank import principal_directions
 from megatron_tah.config import TahConfig, candidate_fields
 from megatron_tah.kernels import common as kcommon

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tah.codecs import get_codec
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.kernels import common as kcommon
 from tests.helpers.codec_cases import Case, cases
 from tests.helpers.edge_cases import DTYPES

@@ -10,11 +10,13 @@ import math
 import pytest
 import torch
 
-from megatron_tah.codecs import CODECS, Codec, CodecDeclaration, base, common
-from megatron_tah.codecs.base import CHECKSUM_DEFAULT
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs import CODECS, Codec, CodecDeclaration
+from megatron_tah.codecs.core import common, header
+from megatron_tah.codecs.core.base import CHECKSUM_DEFAULT
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.megatron import places, stats
-from tests.codecs import test_checksum, test_codecs, test_entropy, test_graphs, test_receive_path
+from tests.codecs import test_codecs, test_receive_path
+from tests.codecs.core import test_checksum, test_entropy, test_graphs
 from tests.helpers.codec_cases import Case, run_for
 from tests.megatron import test_arguments, test_stats
 from tests.studies import test_codec_report
@@ -63,7 +65,7 @@ def toy(monkeypatch):
     """``toy8`` registered for one test: one line in the registry, and its id as importing a codec's file records
     it (``register_codec_id``); both undone after the test."""
     monkeypatch.setitem(CODECS, Toy8Codec.name, f"{__name__}:Toy8Codec")
-    monkeypatch.setitem(base._CODEC_NAMES_BY_ID, Toy8Codec.codec_id, Toy8Codec.name)
+    monkeypatch.setitem(header._CODEC_NAMES_BY_ID, Toy8Codec.codec_id, Toy8Codec.name)
     return Case(Toy8Codec.name)
 
 
@@ -112,7 +114,7 @@ def test_its_rows_in_the_generated_flag_table(toy):
 
 def test_the_registry_is_as_it_was_after_a_test():
     from megatron_tah.codecs import CodecError, get_codec
-    from megatron_tah.codecs.base import codec_name_for_id
+    from megatron_tah.codecs.core.header import codec_name_for_id
     from megatron_tah.config import TahConfig
 
     assert Toy8Codec.name not in CODECS and codec_name_for_id(Toy8Codec.codec_id) == "unknown id 200"

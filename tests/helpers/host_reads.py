@@ -6,7 +6,7 @@ fails wherever the GPU path would sync (torch.cuda.set_sync_debug_mode needs a G
 from host data (``torch.tensor``) fail too: on a GPU each is a copy from pageable memory, which a
 capture refuses.
 
-``FakeGraphs`` stands in for ``codecs.graphs.CudaGraphs`` on the CPU: a capture runs the call once (the
+``FakeGraphs`` stands in for ``codecs.core.graphs.CudaGraphs`` on the CPU: a capture runs the call once (the
 warm-up), a replay runs it again under ``no_host_reads``.
 """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_tah.codecs import get_codec
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.kernels import common as kcommon
 from tests.helpers.edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, assert_same_values
 

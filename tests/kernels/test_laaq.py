@@ -7,7 +7,7 @@ Triton path runs on CPU tensors under TRITON_INTERPRET=1, or compiled on CUDA (`
 import pytest
 import torch
 
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.kernels import common as kcommon
 from megatron_tah.kernels import laaq as kernels
 from megatron_tah.megatron.activation_memory import pack, unpack

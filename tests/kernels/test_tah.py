@@ -1,7 +1,7 @@
 """Fused TAH-Quant kernels vs the torch reference: identical bytes (atol=0) and identical decodes.
 
 The reference computes the entropy partials, the butterfly Hadamard and every division in the
-kernels' order (``codecs/common.py``), so flags, metadata and packed codes match byte for byte,
+kernels' order (``codecs/core/common.py``), so flags, metadata and packed codes match byte for byte,
 stochastic rounding included. Runs on CPU tensors under TRITON_INTERPRET=1, or compiled on CUDA
 (``scripts/gpu_check.sh``).
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.kernels import common as kcommon
 from tests.helpers.edge_cases import DTYPES, EDGE_CASES, edge_case_tensor, assert_same_values
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_tah.codecs import WireFormatError, get_codec
 from megatron_tah.codecs.none import NoneCodec
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.config import DEFAULT_CANDIDATES, AutoSettings, candidate_codec
 from megatron_tah.link.choice import Chooser, Probation, predicted_seconds
 from megatron_tah.link.measure import CandidateCost, CodecCostTable, LinkRate, LinkRateMeter

@@ -113,7 +113,7 @@ def test_the_sender_says_which_candidates_the_accuracy_floor_leaves_out(caplog):
 
     import megatron_tah.link.auto as auto_link
 
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.samples import activation_like
 
     x = activation_like((64, 2, 128))  # outlier channels: fixed point's error is above paper's here
     for depth in (1, 8):

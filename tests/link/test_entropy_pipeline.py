@@ -204,7 +204,7 @@ def test_a_framed_receive_posted_before_the_links_previous_one_was_read_is_refus
     """Framed (NCCL), sizes follow the coded sizes of a link's messages in turn: a schedule posting receives ahead
     gets an error, not a frame sized from stale history (which the sender would size differently). Exact (gloo),
     every receive posts the coder's most, whatever was posted before."""
-    from megatron_tah.codecs import entropy
+    from megatron_tah.codecs.core import entropy
     from megatron_tah.config import TahConfig
     from megatron_tah.link.transport import PipelineTransport
     from megatron_tah.megatron.places import STREAMS
@@ -257,7 +257,7 @@ def test_both_stages_must_agree_and_auto_is_refused():
     from megatron_tah.config import TahConfig
     from megatron_tah.link.handshake import config_record
 
-    from megatron_tah.codecs import entropy
+    from megatron_tah.codecs.core import entropy
 
     coded, plain = config_record(TahConfig(**CODECS, tah_entropy_coding=True)), config_record(TahConfig(**CODECS))
     other = config_record(TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_coder="huffman"))
@@ -346,7 +346,7 @@ def _send_and_read_back(config, x):
 
 @pytest.mark.parametrize("rate, pays", [("100kbit", True), ("100gbit", False)])
 def test_auto_codes_a_links_messages_only_where_the_saved_wire_time_exceeds_the_coders(rate, pays):
-    from megatron_tah.codecs import entropy
+    from megatron_tah.codecs.core import entropy
     from megatron_tah.config import TahConfig
 
     config = TahConfig(**CODECS, tah_entropy_coding=True, tah_entropy_when="auto", tah_link_rate=rate)
@@ -363,7 +363,7 @@ def test_auto_codes_a_links_messages_only_where_the_saved_wire_time_exceeds_the_
 
 
 def test_coding_left_on_where_it_does_not_pay_warns_with_the_numbers():
-    from megatron_tah.codecs import entropy
+    from megatron_tah.codecs.core import entropy
     from megatron_tah.config import TahConfig
 
     config = TahConfig(**CODECS, tah_entropy_coding=True, tah_link_rate="100gbit")
@@ -399,7 +399,7 @@ def _handshake_with_coder(rank, world_size):
 
 
 def test_stages_with_different_coders_stop_at_start_up_naming_both():
-    from megatron_tah.codecs import entropy
+    from megatron_tah.codecs.core import entropy
 
     messages = run_distributed(_handshake_with_coder, 2, timeout=120)
     for rank, message in enumerate(messages):

@@ -319,7 +319,7 @@ def test_the_error_that_ends_the_training_loop_is_recorded_for_the_restart_loop(
     as the cause, and any other error too; each rank in its own file (``megatron/failures.py``)."""
     import types
 
-    from megatron_tah.codecs.base import PayloadChecksumError
+    from megatron_tah.codecs.core.errors import PayloadChecksumError
     from megatron_tah.megatron import failures
 
     args = types.SimpleNamespace(distributed_timeout_minutes=10, curr_iteration=6)

@@ -1,1 +1,2 @@
-"""megatron_tah/megatron and the entry points: places, patches, the parallel layouts, arguments, training runs."""
+"""megatron_tah/megatron: places, patches, the parallel layouts, arguments, training runs through them (the entry
+points' own tests sit beside their names in tests/)."""

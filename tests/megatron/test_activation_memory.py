@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import tiny_gpt
 from tests.helpers.dist_utils import run_distributed
-from tests.megatron.test_pretrain_gpt import flags, run
+from tests.test_pretrain_gpt import flags, run
 
 ENV = {"TRITON_INTERPRET": "1"}
 EXACT_ITERATIONS, LOSSY_ITERATIONS, LR = 2, 10, 3e-3

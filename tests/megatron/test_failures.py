@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from megatron_tah.codecs.base import PayloadChecksumError
+from megatron_tah.codecs.core.errors import PayloadChecksumError
 from megatron_tah.link.peer import PeerLostError
 from megatron_tah.megatron import failures
 from megatron_tah.megatron.failures import RankError, first_error

@@ -1,4 +1,4 @@
-"""The places' codec calls through CUDA graphs (``codecs.graphs.place_codec``), run on the CPU.
+"""The places' codec calls through CUDA graphs (``codecs.core.graphs.place_codec``), run on the CPU.
 
 ``host_reads.FakeGraphs`` stands in for ``torch.cuda.CUDAGraph`` (a capture runs the call once, a replay
 runs it again under ``no_host_reads``), so the capture logic that a GPU runs runs here on CPU tensors:
@@ -25,12 +25,12 @@ BIG, SMALL = (16, 2, 128), (8, 2, 128)
 # (shape, dtype) of each message, in order: three keys, the first seen again at the end.
 PLAN = [(BIG, torch.float32)] * 3 + [(SMALL, torch.float32)] * 2 + [(BIG, torch.bfloat16)] * 2 + [(BIG, torch.float32)]
 SAVE_AFTER = 4  # the checkpoint is taken after this many messages
-GRAPH_LOGGER = "megatron_tah.codecs.graphs"
+GRAPH_LOGGER = "megatron_tah.codecs.core.graphs"
 
 
 def _messages():
     """(activation, gradient) per entry of PLAN: different values every message."""
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.samples import activation_like
 
     return [(activation_like(shape, dtype=dtype, seed=i), activation_like(shape, dtype=dtype, seed=100 + i) * 1e-3)
             for i, (shape, dtype) in enumerate(PLAN)]
@@ -109,7 +109,7 @@ def _collectives(rank, world_size):
     and eagerly: bit-identical results; each (op, shape, dtype) captured once."""
     from tests.helpers.host_reads import FakeGraphs
     from megatron_tah.codecs import get_codec
-    from megatron_tah.codecs.graphs import place_codec
+    from megatron_tah.codecs.core.graphs import place_codec
     from megatron_tah.megatron import collectives
 
     graphed = place_codec(get_codec("fp8", backend="torch", group_size=32), graphs=FakeGraphs())
@@ -173,7 +173,7 @@ def test_link_ends_capture_once_replay_bit_exactly_log_fallbacks_once_and_keep_t
 def test_tp_and_dp_places_call_their_codecs_through_graphs_unless_eager():
     pytest.importorskip("megatron.core.tensor_parallel.mappings")
     import megatron_tah
-    from megatron_tah.codecs.graphs import GraphedCodec
+    from megatron_tah.codecs.core.graphs import GraphedCodec
     from megatron_tah.megatron.registry import REGISTRY
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.megatron import places, stats
 from tests.helpers.codec_cases import cases
 from tests.helpers.dist_utils import run_distributed

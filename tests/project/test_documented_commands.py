@@ -6,10 +6,17 @@ validation, with the ``--tah-*`` flags' checks, as the run would start), ``torch
 arguments through the same validation, and the other ``python -m megatron_tah.<tool>`` commands through the tool's
 own parser. A placeholder a page writes for the reader (``<your Megatron arguments>``, ``/path/to/...``) is filled
 with a small CPU model, a checkout holding a ``pretrain_gpt.py`` and a folder, each made here.
+
+Commands shown inline (in single backquotes, on README.md and every page of docs/) are too long to run or name
+placeholders; of each the test checks what can go stale: ``make TARGET``: the Makefile has the target;
+``python -m MODULE --flag``: the module exists, runs as a program (``__main__``) and its source names each flag;
+``scripts/NAME`` (bare, or after ``bash`` / ``python``): the script exists, and is executable when run bare (a shell
+script, or one given arguments).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -175,3 +182,82 @@ def test_the_scripts_take_a_preset_in_place_of_their_codec_defaults(tmp_path):
     assert "--tah-backward-codec" not in both
     plain = printed()
     assert "--tah-forward-codec tah --tah-backward-codec fixedpoint" in plain and "--tah-preset" not in plain
+
+
+# ----- commands shown inline -----------------------------------------------------------------------------------
+INLINE_PAGES = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+INLINE = re.compile(r"(?:\w+=\S*\s+)*(?:make\s(?!-C)|python3? -m |python3? scripts/|bash scripts/|scripts/)")
+
+
+def inline_commands() -> list[tuple[str, str]]:
+    """``(page:line, command)`` of every inline code span on the pages that starts like a command of this
+    repository (``make`` without ``-C``, ``python -m``, ``python`` / ``bash`` of a script, a script)."""
+    found = []
+    for page in INLINE_PAGES:
+        text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), (REPO / page).read_text(), flags=re.S)
+        for span in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", text):
+            if INLINE.match(span.group(1).strip()):
+                found.append((f"{page}:{text[:span.start()].count(chr(10)) + 1}", span.group(1).strip()))
+    return found
+
+
+def make_targets() -> set[str]:
+    return set(re.findall(r"^([\w.-]+):(?!=)", (REPO / "Makefile").read_text(), re.M))
+
+
+def module_source(name: str) -> str | None:
+    """The source a ``python -m name`` runs, and its package's when it is one (None: not a program)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin)
+    if path.name == "__init__.py":
+        if not (path.parent / "__main__.py").exists():
+            return None
+        return "\n".join(p.read_text() for p in sorted(path.parent.glob("*.py")))
+    source = path.read_text()
+    return source if re.search(r"__name__ == .__main__.", source) else None
+
+
+def inline_problem(command: str) -> str | None:
+    """What no longer holds of an inline ``command`` (None: nothing found)."""
+    words = command.replace("...", "").split()
+    while words and re.fullmatch(r"\w+=\S*", words[0]):
+        words.pop(0)
+    if words[0] == "make":
+        missing = [w for w in words[1:] if not w.startswith("-") and "=" not in w and w not in make_targets()]
+        return f"no make target {', '.join(missing)}" if missing else None
+    if words[1:2] == ["-m"]:
+        source = module_source(words[2])
+        if source is None:
+            return f"python -m {words[2]}: no such program"
+        unknown = [w.split("=")[0] for w in words[3:] if w.startswith("--") and f'"{w.split("=")[0]}"' not in source]
+        return f"python -m {words[2]} takes no {', '.join(unknown)}" if unknown else None
+    bare = words[0].startswith("scripts/")
+    script = REPO / (words[0] if bare else words[1])
+    if not script.is_file():
+        return f"no script {script.relative_to(REPO)}"
+    run = bare and (len(words) > 1 or script.suffix == ".sh")  # (a bare python script alone: the file is meant)
+    return f"{script.relative_to(REPO)} is not executable" if run and not os.access(script, os.X_OK) else None
+
+
+INLINE_COMMANDS = inline_commands()
+
+
+def test_the_pages_show_inline_commands_of_every_kind_and_a_stale_one_is_found():
+    kinds = {re.sub(r"^(\w+=\S*\s+)*", "", c).split()[0 if "-m" not in c else 1] for _, c in INLINE_COMMANDS}
+    assert {"make", "-m"} <= kinds and any(c.startswith("scripts/") for _, c in INLINE_COMMANDS)
+    assert inline_problem("make no-such-target") == "no make target no-such-target"
+    assert inline_problem("make reproduce PART=...") is None
+    assert inline_problem("python -m benchmarks.no_such_study") == "python -m benchmarks.no_such_study: no such program"
+    assert inline_problem("python -m megatron_tah.units") == "python -m megatron_tah.units: no such program"
+    assert inline_problem("python -m benchmarks.faults --no-such-flag") == (
+        "python -m benchmarks.faults takes no --no-such-flag")
+    assert inline_problem("scripts/no_such.sh 2") == "no script scripts/no_such.sh"
+    assert inline_problem("scripts/soak.py --runs 2") == "scripts/soak.py is not executable"
+    assert inline_problem("scripts/soak.py") is None and inline_problem("python scripts/soak.py --runs 2") is None
+
+
+@pytest.mark.parametrize("where, command", INLINE_COMMANDS, ids=[where for where, _ in INLINE_COMMANDS])
+def test_an_inline_command_names_what_exists(where, command):
+    assert inline_problem(command) is None, f"{where}: `{command}`"

@@ -250,7 +250,8 @@ def outside(names: set[str], allowed: tuple[str, ...]) -> set[str]:
 
 
 KERNELS = sorted((PACKAGE / "kernels").glob("*.py"))
-CODECS = sorted((PACKAGE / "codecs").glob("*.py"))
+CODECS = sorted((PACKAGE / "codecs").rglob("*.py"))
+CORE = sorted((PACKAGE / "codecs" / "core").glob("*.py"))
 
 
 @pytest.mark.parametrize("name", ["geometry", "numerics"])
@@ -266,10 +267,17 @@ def test_kernels_import_only_kernels_geometry_and_numerics(path):
     assert not outside(imports_of(path), ("megatron_tah.kernels", "megatron_tah.geometry", "megatron_tah.numerics"))
 
 
-@pytest.mark.parametrize("path", CODECS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CODECS, ids=lambda p: str(p.relative_to(PACKAGE / "codecs")))
 def test_codecs_import_only_codecs_kernels_geometry_and_numerics(path):
     assert not outside(imports_of(path), ("megatron_tah.codecs", "megatron_tah.kernels", "megatron_tah.geometry",
                                           "megatron_tah.numerics"))
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_the_codecs_wire_core_imports_no_format_and_not_the_registry(path):
+    """Every format builds on ``codecs/core``; the core names none of them (nor ``codecs/__init__``'s registry)."""
+    names = {n for n in imports_of(path) if n == "megatron_tah.codecs" or n.startswith("megatron_tah.codecs.")}
+    assert not outside(names, ("megatron_tah.codecs.core",))
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)

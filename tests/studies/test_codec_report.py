@@ -7,7 +7,7 @@ import torch
 
 from benchmarks import codec_report as report
 from megatron_tah.codecs import get_codec
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from tests.helpers.codec_cases import cases
 from tests.helpers.edge_cases import rel_error
 

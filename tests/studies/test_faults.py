@@ -10,7 +10,7 @@ import pytest
 from benchmarks.faults import __main__ as faults
 
 RECORDS = [{"iteration": i, "lm_loss": 10.0 - i / 10} for i in range(1, faults.ITERS + 1)]
-ERROR_LINE = ("[rank1]: megatron_tah.codecs.base.PayloadChecksumError: link stage 0 -> stage 1, iteration 6: tah: "
+ERROR_LINE = ("[rank1]: megatron_tah.codecs.core.errors.PayloadChecksumError: link stage 0 -> stage 1, iteration 6: tah: "
               "1 buffer(s) failed the payload checksum")
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from benchmarks.lossless import buffer_entropy_bits, entropy_bits
-from megatron_tah.codecs import entropy
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core import entropy
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
 
@@ -41,7 +41,7 @@ def test_a_uniform_code_section_costs_its_bits():
     x = torch.rand(4096, 1, 8) * torch.arange(1, 9)  # uniform per channel: uniform codes
     buf = codec.encode(x)
     start, size = codec.layout(tuple(x.shape), x.dtype).offsets["codes"]
-    from megatron_tah.codecs.common import unpack_bits
+    from megatron_tah.codecs.core.common import unpack_bits
 
     codes = unpack_bits(buf[start:start + size], 4, size * 2)
     assert entropy_bits(codes) == pytest.approx(4 * codes.numel(), rel=0.01)
@@ -94,7 +94,7 @@ def test_the_host_coder_is_billed_its_time_and_credited_its_link_saving():
 
     from benchmarks.lossless import host_zlib, host_zlib_text
     from benchmarks.speedrun import projection
-    from megatron_tah.codecs.samples import activation_like
+    from megatron_tah.codecs.core.samples import activation_like
     from megatron_tah.config import TahConfig
 
     x = activation_like((64, 1, 256)).to(torch.bfloat16)

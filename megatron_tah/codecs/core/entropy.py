@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from . import ans, huffman, zstd
-from .base import Codec, WireFormatError
+from .base import Codec
+from .errors import WireFormatError
 from .common import pack_bits, unpack_bits
 
 __all__ = ["CODERS", "DEFAULT_CODER", "RAW", "capacity_nbytes", "coder_identity", "decode", "encode"]

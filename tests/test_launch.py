@@ -22,7 +22,7 @@ from megatron_tah import launch
 from megatron_tah.megatron import cpu_shims, pipeline_parallel, plugin
 from megatron_tah.megatron.registry import REGISTRY
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 # Stands in for pretrain_gpt.py: imports a sibling module, parses Megatron's arguments, reports.
 SCRIPT = textwrap.dedent("""

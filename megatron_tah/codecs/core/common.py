@@ -16,9 +16,9 @@ import zlib
 
 import torch
 
-from .. import geometry, numerics
-from ..geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
-from .base import CodecError
+from ... import geometry, numerics
+from ...geometry import flags_nbytes, num_tiles, packed_nbytes  # noqa: F401  (re-exported)
+from .errors import CodecError
 
 TILE_SIZES = geometry.TILE_SIZES
 FLAT_SCALE = 2.0**-126  # a scale below the smallest normal fp32 quantizes its tile to zero codes
@@ -344,6 +344,34 @@ class RoundingNoise:
             raise ValueError(f"rounding-noise state was saved with seed {state.get('seed')}, this codec uses "
                              f"{self.seed}: resuming would draw different noise")
         self.calls = int(state["calls"])
+
+
+class RoundingState:
+    """A codec's state kept between messages, saved with checkpoints: its ``rounding_noise`` (a ``RoundingNoise``,
+    or none) unless a codec overrides these (AQ-SGD adds its buffers)."""
+
+    @property
+    def stateful(self) -> bool:
+        """Whether messages depend on earlier ones (AQ-SGD buffers, stochastic-rounding generators)."""
+        noise = getattr(self, "rounding_noise", None)
+        return bool(noise is not None and noise.enabled)
+
+    def salt_rounding(self, salt: str):
+        """Give this codec's stochastic rounding its own noise stream, named by ``salt`` (the link end: direction,
+        this rank, the peer); rounding to nearest is unaffected. Returns the codec."""
+        noise = getattr(self, "rounding_noise", None)
+        if noise is not None and noise.enabled:
+            self.rounding_noise = noise.salted(salt)
+        return self
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue this codec's message sequence exactly ({} when stateless)."""
+        noise = getattr(self, "rounding_noise", None)
+        return {"rounding_noise": noise.state_dict()} if self.stateful else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "rounding_noise" in state:
+            self.rounding_noise.load_state_dict(state["rounding_noise"])
 
 
 # ----- the asymmetric quantizer ----------------------------------------------------------

@@ -42,8 +42,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import Codec, CodecError, check_dtype, check_shape
-from .none import NoneCodec
+from .base import Codec
+from .errors import CodecError, check_dtype, check_shape
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,8 @@ class GraphedCodec:
             return reason
         if op in self._failed:
             return self._failed[op]
-        if isinstance(codec, NoneCodec):
-            return "one copy each way: a replay would add a copy in and a copy out"
+        if type(codec).graph_no_gain:
+            return type(codec).graph_no_gain
         if not type(codec).graph_capturable:
             return f"{codec.name} is not capturable ({type(codec).graph_blocker})"
         if op == "encode" and getattr(getattr(codec, "rounding_noise", None), "enabled", False):

@@ -1,4 +1,4 @@
-"""The payload checksum carried in bytes 12-15 of the wire header (see ``base``).
+"""The payload checksum carried in bytes 12-15 of the wire header (see ``header``).
 
 Value, a little-endian uint32::
 
@@ -25,6 +25,9 @@ Why this sum:
 from __future__ import annotations
 
 import torch
+
+from .errors import PayloadChecksumError, WireFormatError
+from .header import CHECKSUM_OFFSET, HEADER_NBYTES
 
 PRIME = 2**32 - 5
 CHUNK = 1 << 15  # words per row: weights within a row stay below 2**15, so row sums stay below 2**62
@@ -100,3 +103,40 @@ def payload_checksum(payload: torch.Tensor) -> torch.Tensor:
 def checksum_bytes(value: torch.Tensor) -> torch.Tensor:
     """``PayloadChecksum().field(value)``: its constants made for this one call."""
     return PayloadChecksum().field(value)
+
+
+class ChecksumField:
+    """A codec's use of the checksum: written by the sender, compared by the decoder.
+
+    Part of ``Codec``: reads its ``checksum`` switch, ``payload_checksum``, ``name`` and ``describe()``.
+    """
+
+    def write_checksum(self, buf: torch.Tensor) -> None:
+        """Put the payload's checksum in ``buf``'s header (on the device, no sync); the field stays 0 when off."""
+        if self.checksum:
+            checksum = self.payload_checksum
+            buf[CHECKSUM_OFFSET:HEADER_NBYTES].copy_(checksum.field(checksum.value(buf[HEADER_NBYTES:])))
+
+    def checksum_mismatch(self, buf: torch.Tensor) -> torch.Tensor:
+        """0-d bool on ``buf``'s device: its header's checksum field is not its payload's checksum (no sync)."""
+        checksum = self.payload_checksum
+        computed = checksum.field(checksum.value(buf[HEADER_NBYTES:]))
+        return (buf[CHECKSUM_OFFSET:HEADER_NBYTES] != computed).any()
+
+    def _check_checksum(self, found: int, computed: int | None) -> None:
+        """Compare the header's checksum field with the payload's (None: this decoder has the checksum off)."""
+        if computed is None:
+            if found:
+                raise WireFormatError(f"buffer carries a payload checksum ({found:08x}) but this decoder "
+                                      f"({self.describe()}) has the checksum off; turn it on or off at both ends "
+                                      "(--tah-wire-checksum)")
+            return
+        if not found:
+            raise WireFormatError(f"buffer carries no payload checksum (its sender has the checksum off) but this "
+                                  f"decoder ({self.describe()}) checks one; turn it on or off at both ends "
+                                  "(--tah-wire-checksum)")
+        if found != computed:
+            raise PayloadChecksumError(
+                f"{self.name}: corrupt payload: the header's checksum is {found:08x}, the payload's {computed:08x} "
+                "(bytes changed on the way); refusing to decode it", codec=self.describe(), found=found,
+                computed=computed)

@@ -1,8 +1,8 @@
-"""codecs/graphs.py on the CPU: what is captured (one graph per op, shape, dtype, device), the eager
+"""codecs/core/graphs.py on the CPU: what is captured (one graph per op, shape, dtype, device), the eager
 fallbacks and their one log line, and that replays give eager's bytes and values. A fake graph
 (``host_reads.FakeGraphs``) stands in for torch.cuda.CUDAGraph: its capture runs the call once (the
 warm-up) and its replay re-runs the call under ``no_host_reads`` (what a real capture would reject).
-The real capture runs in scripts/profile_codecs.py on a GPU; the places' use in megatron/test_place_graphs.py."""
+The real capture runs in scripts/profile_codecs.py on a GPU; the places' use in tests/megatron/test_place_graphs.py."""
 
 import logging
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_tah.codecs import CodecError, WireFormatError, get_codec
-from megatron_tah.codecs.graphs import CudaGraphs, GraphedCodec, eager, place_codec
+from megatron_tah.codecs.core.graphs import CudaGraphs, GraphedCodec, eager, place_codec
 from megatron_tah.codecs.none import NoneCodec
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.samples import activation_like
 from tests.helpers.codec_cases import cases
 from tests.helpers.host_reads import FakeGraphs, HostRead, no_host_reads
 
@@ -93,7 +93,7 @@ def test_one_capture_per_op_shape_and_dtype():
 def test_eager_fallbacks_say_why_in_one_log_line(name, options, checks, op, reason, caplog):
     wrapped = graphed(name, checks=checks, **options)
     eager = get_codec(name, backend="torch", **options).defer_checks(checks)
-    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.core.graphs")
     for x in messages(3, dtype=torch.float32):
         if op == "encode":
             if name == "aqsgd":
@@ -125,7 +125,7 @@ def test_a_capture_that_fails_is_logged_and_its_warm_up_result_returned(caplog):
             fn()
             raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
-    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.core.graphs")
     wrapped, eager = graphed("lowrank", Refuses(), rank=4), get_codec("lowrank", backend="torch", rank=4)
     for x in messages(3):
         assert torch.equal(wrapped.encode(x), eager.encode(x))  # the warm-up advanced the state once, not twice
@@ -164,7 +164,7 @@ def test_bf16_metadata_bits_build_nothing_on_the_host():
     """The NaN bits of bad tiles' metadata come from a fill, not a host-built tensor: lowrank's residual
     (through hadint) reaches this in every encode, and a pageable copy there cannot be captured."""
     from megatron_tah import numerics
-    from megatron_tah.codecs.common import bf16_bits
+    from megatron_tah.codecs.core.common import bf16_bits
 
     values = torch.tensor([1.0, -2.5, 0.0, 3.0])
     nan = torch.tensor([False, True, False, True])
@@ -201,7 +201,7 @@ def test_place_codec_defers_checks_and_wraps_unless_eager():
 
 
 def test_wrappers_sharing_a_log_say_each_reason_once(caplog):
-    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.core.graphs")
     logged = set()
     ends = [GraphedCodec(get_codec(name, backend="torch").defer_checks(), logged=logged)  # real CudaGraphs: CPU
             for name in ("hadint", "hadint", "fixedpoint")]
@@ -304,7 +304,7 @@ def test_a_failed_capture_turns_the_op_eager_for_every_shape_and_keeps_the_other
                 raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
             return super().capture(fn, device)
 
-    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.graphs")
+    caplog.set_level(logging.INFO, logger="megatron_tah.codecs.core.graphs")
     graphs = FailsEncode()
     wrapped = graphed("hadint", graphs)
     eager_codec = get_codec("hadint", backend="torch").defer_checks()

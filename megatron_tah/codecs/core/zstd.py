@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from .base import WireFormatError
+from .errors import WireFormatError
 
 __all__ = ["IDENTITY", "LEVEL", "MODE", "decode_section", "encode_section", "pack", "symbol_bits", "unpack"]
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from megatron_tah.codecs import PayloadChecksumError, WireFormatError, get_codec
-from megatron_tah.codecs.base import CHECKSUM_OFFSET, HEADER_NBYTES, WIRE_VERSION, link_text
-from megatron_tah.codecs import checksum as checksum_module
-from megatron_tah.codecs.checksum import CHUNK, PRIME, PayloadChecksum, checksum_bytes, payload_checksum
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs.core.errors import link_text
+from megatron_tah.codecs.core.header import CHECKSUM_OFFSET, HEADER_NBYTES, WIRE_VERSION
+from megatron_tah.codecs.core import checksum as checksum_module
+from megatron_tah.codecs.core.checksum import CHUNK, PRIME, PayloadChecksum, checksum_bytes, payload_checksum
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.config import TahConfig
 from tests.helpers.codec_cases import Case, cases, encode
 

@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_tah.codecs import ans, entropy, zstd
-from megatron_tah.codecs.common import unpack_bits
+from megatron_tah.codecs.core import ans, entropy, zstd
+from megatron_tah.codecs.core.common import unpack_bits
 
 pytestmark = [
     pytest.mark.slow,

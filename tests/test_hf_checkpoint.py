@@ -20,7 +20,7 @@ import torch
 
 from megatron_tah.hf_checkpoint import Architecture, UnsupportedModel, to_hf, to_megatron
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_CONFIG = {"model_type": "llama", "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
                   "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30,
                   "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},

@@ -41,7 +41,7 @@ from importlib.metadata import version
 
 import numpy as np
 
-from .base import WireFormatError
+from .errors import WireFormatError
 
 __all__ = ["MODE", "TABLE_SHARE", "decode_section", "encode_section", "library", "pack", "symbol_bits", "unpack"]
 

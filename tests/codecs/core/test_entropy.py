@@ -1,4 +1,4 @@
-"""``megatron_tah.codecs.entropy``: the lossless coders after a codec (``ans`` on the host, ``huffman`` on the
+"""``megatron_tah.codecs.core.entropy``: the lossless coders after a codec (``ans`` on the host, ``huffman`` on the
 device) give back its buffer bit for bit, in fewer bytes where the codes are skewed, never more than the capacity,
 and reject what they did not write (another coder's sections included). Real messages: ``test_entropy_real.py``."""
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 import zstandard
 
-from megatron_tah.codecs import WireFormatError, ans, entropy, get_codec, huffman, zstd
-from megatron_tah.codecs.samples import activation_like
+from megatron_tah.codecs import WireFormatError, get_codec
+from megatron_tah.codecs.core import ans, entropy, huffman, zstd
+from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.config import TahConfig
 from megatron_tah.config.presets import PRESETS
 from tests.helpers.codec_cases import Case, cases, encode
@@ -216,7 +217,7 @@ def test_a_raw_message_decodes_with_either_coder(coder):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_the_host_unpacking_is_the_codecs_packing(bits, groups):
     """The host coder's symbols are the codec's codes, several to a symbol where the section is large."""
-    from megatron_tah.codecs.common import pack_bits
+    from megatron_tah.codecs.core.common import pack_bits
 
     codes = torch.randint(0, 2**bits, (8 * groups,), generator=torch.Generator().manual_seed(bits))
     packed = pack_bits(codes, bits)
@@ -235,7 +236,7 @@ def test_the_host_unpacking_is_the_codecs_packing(bits, groups):
 @pytest.mark.parametrize("groups", [1, 37, 8192])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_the_zstd_coders_symbols_are_the_codecs_codes_one_symbol_to_a_byte(bits, groups):
-    from megatron_tah.codecs.common import pack_bits
+    from megatron_tah.codecs.core.common import pack_bits
 
     codes = torch.randint(0, 2**bits, (8 * groups,), generator=torch.Generator().manual_seed(bits))
     packed = pack_bits(codes, bits)

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from .base import WireFormatError
+from .errors import WireFormatError
 
 __all__ = ["CHUNK", "MAX_CODE_BITS", "MODE", "code_lengths", "decode_symbols", "encode_symbols"]
 

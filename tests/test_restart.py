@@ -21,7 +21,7 @@ import pytest
 from benchmarks.faults.__main__ import stage_pid
 from megatron_tah import restart
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 FAKE_TRAINER = """
 import json, os, sys, time
 from megatron_tah.megatron import failures

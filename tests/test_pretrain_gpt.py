@@ -27,7 +27,7 @@ from megatron_tah.config import TahConfig
 from megatron_tah.megatron.run_log import read_records
 
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--lr", "2e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "constant", "--log-interval", "1",

@@ -1,0 +1,1 @@
+"""megatron_tah/config: TahConfig's own checks (its flags on Megatron's parser: tests/megatron)."""
