@@ -29,8 +29,8 @@ import torch
 from ..codecs import entropy
 from ..codecs.base import crc32_of
 from ..config import TahConfig
-from .completion import wait_completed
 from .peer import posted
+from .wire import wait_completed
 
 HANDSHAKE_NBYTES = 1024
 # (work, the peer's world rank, whether this rank receives from it, what it carries): a bounded wait

@@ -47,19 +47,13 @@ import torch
 from ..codecs import PayloadChecksumError, timing
 from ..codecs.graphs import CudaGraphs, eager
 from ..config import TahConfig
-from .completion import time_works
 from .emulate import InboundWire, emulation
 from .handshake import CodecMismatchError, check_group, check_schedule, link_latency
-from .link import Link, open_link
-from .message import Handle, Message, MessagePlan
-from .outbox import Outbox
-from .overflow import post_rests, read_length
+from .link import CodecStates, Link, SampleIds, Traffic, open_link
+from .message import Handle, Message, MessagePlan, Outbox, post_rests, read_length
 from .peer import PeerWatch, posted, posted_batch
-from .sample_ids import SampleIds
-from .states import CodecStates
 from .steps import Outgoing
-from .traffic import Traffic
-from .wire import message_extra_nbytes, wall_seconds
+from .wire import message_extra_nbytes, time_works, wall_seconds
 
 logger = logging.getLogger(__name__)
 

@@ -228,7 +228,7 @@ def test_an_exact_message_is_its_length_and_coded_bytes_read_back_from_a_larger_
     the receiver reads the length, takes the message's bytes (the trailer its last 24) and decodes the values."""
     from megatron_tah.config import TahConfig
     from megatron_tah.link import frames
-    from megatron_tah.link.overflow import read_length
+    from megatron_tah.link.message import read_length
     from megatron_tah.link.transport import PipelineTransport
     from megatron_tah.megatron.places import STREAMS
     from megatron_tah.megatron.stats import Stats
@@ -326,7 +326,7 @@ def test_the_docs_and_the_flag_state_the_frames_sizing_rule():
 def _send_and_read_back(config, x):
     """One forward message through a sender's steps, read back by a receiver: (its coded bytes, the values)."""
     from megatron_tah.link import frames
-    from megatron_tah.link.overflow import read_length
+    from megatron_tah.link.message import read_length
     from megatron_tah.link.transport import PipelineTransport
     from megatron_tah.megatron.places import STREAMS
     from megatron_tah.megatron.stats import Stats
