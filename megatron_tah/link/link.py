@@ -26,8 +26,8 @@ same training iteration and enter evaluations together.
 
 ``SampleIds``: AQ-SGD keeps a buffer per training sample, so an activation's sample ids travel in the codec's
 buffer. The first stage's forward step pushes each micro-batch's ids (``push``); every activation send takes the
-oldest (``sending``: whatever the codec, so the queue stays bounded; an error when the codec needs them and none
-are queued) and hands them to the codec's encode as its ``encode_inputs``; an activation receive whose codec
+oldest (``encode_inputs``: whatever the codec, so the queue stays bounded; an error when the codec needs them and none
+are queued) for the codec's encode; an activation receive whose codec
 decoded ids queues them for this stage's own send (``received``), unless this is the last stage. Gradients
 carry none.
 
@@ -77,7 +77,7 @@ class Link:
     staging: HostStaging | None = dataclasses.field(default=None, repr=False)  # its host buffers, once staged
     report: tuple[int, float] | None = None  # send end: fastest (bytes, s) of the peer's messages to us, unreported
     steps: list[Step] = dataclasses.field(default_factory=list, repr=False)  # its messages' steps, in send order
-    # forward, with --tah-eval-forward-bits: the codec of evaluations through the codecs (traffic.py)
+    # forward, with --tah-eval-forward-bits: the codec of evaluations through the codecs (``Traffic``)
     eval_codec: Codec | GraphedCodec | None = None
 
     def host_staging(self, device: torch.device) -> HostStaging:
@@ -125,7 +125,7 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
     otherwise the configured codec -- a forward link's at its boundary (``link_boundary``, from this rank's
     ``stage()``) with ``--tah-boundary-bits`` -- salted for its own rounding noise and placed in CUDA graphs as
     ``codecs.graphs.place_codec`` says; a forward link's evaluation codec with ``--tah-eval-forward-bits``, alike) and its steps: entropy framing with ``--tah-entropy-coding``, then the
-    trailer when it is on (``trailer``; ``reply`` and ``latency``: ``trailer.TrailerStep``'s), then the emulated
+    trailer when it is on (``trailer``; ``reply`` and ``latency``: ``wire.TrailerStep``'s), then the emulated
     link (``emulation``: the process's ``emulate.LinkEmulator`` or ``InboundWire``, None: none)."""
     boundary = link_boundary(config, direction, role, stage, depth)
     if config.is_auto(direction):
@@ -221,10 +221,13 @@ class SampleIds:
                                "pipeline_parallel.push_sample_ids(ids) in the first stage's forward step")
         return None
 
-    def sending(self, direction: str, codec) -> torch.Tensor | None:
-        """The ids a send on a ``direction`` link carries through ``codec``: an activation send consumes the
-        oldest (other codecs ignore them); None for gradients."""
-        return self.pop(required=codec.needs_sample_ids) if direction == "forward" else None
+    def encode_inputs(self, direction: str, codec) -> dict:
+        """What a send on a ``direction`` link gives ``codec.encode`` besides the tensor: ``{"sample_ids": ids}``
+        where the codec needs them (an activation send's: the oldest queued; an error when none is), else nothing.
+        Every activation send takes the oldest ids, whatever its codec, so that the queue stays bounded; gradients
+        carry none."""
+        ids = self.pop(required=codec.needs_sample_ids) if direction == "forward" else None
+        return {"sample_ids": ids} if codec.needs_sample_ids else {}
 
     def received(self, m) -> None:
         """A decoded receive (a ``message.Message``): an activation's ids go on to this stage's queue."""

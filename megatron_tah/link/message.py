@@ -3,8 +3,8 @@
 * :class:`Message`: one posted message of the transport -- which link end it is on, what is posted (``buf``: the
   message of ``wire.py``, or with host staging its host copy from when it is posted), the ``Work`` and the time
   the transfer completed; a receive also holds the codec it decodes with and Megatron's receive tensor
-  (``target``). The transport (``transport.PipelineTransport.finish``) acts on it once the transfer is complete.
-  ``MessagePlan``: one of a transport call's messages before it is made.
+  (``target``). Once the transfer is complete the transport (``transport.PipelineTransport.finish``) has a
+  receive ``read`` (its length, its trailer), hands it through its link end's steps and decodes it.
 * :class:`Handle`: what the unbatched transport returns in place of a ``Work``.
 * :class:`Outbox`: the unbatched path's posted messages, held until each is finished, so that no posted
   ``Work`` is ever dropped. gloo sends by rendezvous: until the receiver's ready-to-receive arrives, a send
@@ -24,7 +24,7 @@
 
   Finished messages leave at the next call, so the outbox holds at most about one iteration's messages, with or
   without Megatron's iteration.
-* A complete receive's length (``read_length``): its link end's steps say how much of it the message filled
+* A complete receive's length (``Message.read_length``): its link end's steps say how much of it the message filled
   (``Step.received_nbytes``: an exact message is shorter than its receive, ``frames.py``) and how many bytes
   follow it as a second message (``Step.follow_nbytes``: a framed message's overflow).
 * Second messages (``post_rests``): those of one batched call, once its messages are complete, in one batch
@@ -61,15 +61,15 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from .peer import posted_batch
 from .wire import codec_buffer, read_trailer, stamp_sent_at
 
-__all__ = ["Handle", "HostStaging", "Message", "MessagePlan", "Outbox", "StagedRecv", "StagedSend", "post_rests",
-           "read_length", "rest_tag", "size_class"]
+__all__ = ["Handle", "HostStaging", "Message", "Outbox", "StagedRecv", "StagedSend", "post_rests", "rest_tag",
+           "size_class"]
 
 
 # ----- host staging ------------------------------------------------------------------------------------------
@@ -210,19 +210,6 @@ class HostStaging:
 
 
 # ----- the message -----------------------------------------------------------------------------------------
-class MessagePlan(NamedTuple):
-    """One of a transport call's four messages, by Megatron's ``name`` for it ("send_next", "recv_prev", ...):
-    its link's ``direction`` and ``peer`` (world rank), its ``stages`` (sender, receiver), and the tensor it sends
-    (``send``) or receives into (``recv``); neither: not in this call."""
-
-    name: str
-    direction: str
-    peer: int
-    stages: tuple[int, int]
-    send: torch.Tensor | None = None
-    recv: torch.Tensor | None = None
-
-
 class Message:
     """A send (``target`` None) or a receive posted on ``link``; ``extra_nbytes``: the trailer's bytes after the
     codec buffer (0: none); ``stages``: (sender, receiver) pipeline stages, for errors."""
@@ -233,20 +220,20 @@ class Message:
         self.link, self.buf, self.target, self.codec = link, buf, target, codec
         self.staging, self.extra_nbytes = staging, extra_nbytes
         self.stages, self.last_stage, self.iteration = stages, last_stage, iteration
-        # ``exact``: a receive posts the most the message can be and learns its length once complete (``received``)
+        # ``exact``: a receive posts the most the message can be and learns its length once complete (``read_length``)
         self.exact = exact
         # ``rest``: a second message right behind this one (a framed message's overflow, frames.py; batched calls
         # only): a send's from the start, a receive's once its size is known (``rest_nbytes``, asked of the link
         # end's steps); ``rest_work``: its posted transfer, waited with the message's own
         self.rest, self.rest_nbytes, self.rest_work = rest, None, None
-        self._trailer: bytes | None = None
+        self.trailer: bytes | None = None  # a complete receive's trailer, read on the host (``read``)
         self.group = None  # the process group it was posted on
         self.work = None
         self.bounded = True  # whether waits pass --tah-peer-timeout-s to ``work.wait`` (gloo; ``peer.py``)
         self.done = False
         self.failed = False  # its wait raised (a peer timed out or died): never waited again
         self.completed_at: float | None = None
-        self.timed = False  # ``work`` times itself (NCCL, ``completion.time_works``)
+        self.timed = False  # ``work`` times itself (NCCL, ``wire.time_works``)
 
     @classmethod
     def send(cls, link, message: torch.Tensor, host: HostStaging | None, **kwargs) -> "Message":
@@ -285,21 +272,32 @@ class Message:
         if self.completed_at is None and self.work is not None and self.work.is_completed():
             self.completed_at = time.monotonic()
 
-    def trailer(self) -> bytes:
-        """A complete receive's trailer, read on the host at the first call; on a GPU that read waited for the
-        data, so the completion time is then."""
-        if self._trailer is None:
-            self._trailer = read_trailer(self.buf)
+    def read(self) -> None:
+        """A complete receive, read once: its length (``read_length``, unless its second message asked it
+        already) and its trailer (when it has one), read on the host; on a GPU that read waited for the data,
+        so the completion time is then. An unbatched message cannot have a second message."""
+        if self.rest_nbytes is None and self.read_length():  # (unbatched: refused in check_unbatched)
+            raise RuntimeError("megatron_tah: an unbatched message announced a second message")
+        if self.extra_nbytes:
+            self.trailer = read_trailer(self.buf)
             if self.buf.is_cuda:
                 self.completed_at = time.monotonic()
-        return self._trailer
 
-    def received(self, nbytes: int) -> None:
-        """A complete receive's message is its first ``nbytes`` (an exact one: fewer than posted); ``buf`` becomes
-        those, so that its trailer is its last bytes."""
+    def read_length(self) -> int:
+        """A complete receive's length and the bytes that follow it as a second message (asked once:
+        ``rest_nbytes``; ``rest`` is their buffer), as its link end's steps say: the message is the first
+        bytes of ``buf`` (an exact one: fewer than posted), which becomes those, its trailer its last bytes."""
+        nbytes = self.buf.numel() - self.extra_nbytes
+        for step in self.link.steps:
+            nbytes = step.received_nbytes(self, nbytes)
+        nbytes += self.extra_nbytes
         if nbytes > self.buf.numel():
             raise ValueError(f"a message of {nbytes} bytes in a receive of {self.buf.numel()}")
         self.buf = self.buf[:nbytes]
+        self.rest_nbytes = sum(step.follow_nbytes(self) for step in self.link.steps)
+        if self.rest_nbytes:
+            self.rest = torch.empty(self.rest_nbytes, dtype=torch.uint8, device=self.buf.device)
+        return self.rest_nbytes
 
     def codec_buffer(self) -> torch.Tensor:
         """A complete receive's codec buffer on the device (copied from the host buffer when staged)."""
@@ -391,23 +389,10 @@ class Outbox:
                              for m in held)}
 
 
-# ----- a receive's length, second messages -----------------------------------------------------------------
+# ----- second messages -----------------------------------------------------------------------------------
 def rest_tag(direction: str) -> int:
     """The tag of a message's second message (gloo matches by it; NCCL by order)."""
     return 1 if direction == "forward" else 2
-
-
-def read_length(m: Message) -> int:
-    """A complete receive: its length (``m.received``) and the bytes that follow it as a second message (asked
-    once: ``m.rest_nbytes``; ``m.rest`` is their buffer)."""
-    nbytes = m.buf.numel() - m.extra_nbytes
-    for step in m.link.steps:
-        nbytes = step.received_nbytes(m, nbytes)
-    m.received(nbytes + m.extra_nbytes)
-    m.rest_nbytes = sum(step.follow_nbytes(m) for step in m.link.steps)
-    if m.rest_nbytes:
-        m.rest = torch.empty(m.rest_nbytes, dtype=torch.uint8, device=m.buf.device)
-    return m.rest_nbytes
 
 
 def post_rests(messages) -> list[Message]:
@@ -419,7 +404,7 @@ def post_rests(messages) -> list[Message]:
         for m in messages:
             if m.link.direction != direction or m.group is None:
                 continue
-            if (read_length(m) if m.is_recv else m.rest is not None):
+            if (m.read_length() if m.is_recv else m.rest is not None):
                 post = dist.irecv if m.is_recv else dist.isend
                 ops.append(dist.P2POp(post, m.rest, m.link.peer, m.group, tag=rest_tag(direction)))
                 owners.append(m)

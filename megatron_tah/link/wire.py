@@ -1,4 +1,4 @@
-"""A pipeline message on the wire: the codec buffer, then (when either direction is ``auto``) the trailer.
+"""A pipeline message on the wire: the codec buffer, then the trailer (its layout, its step), and its timing.
 
 Every message of one transport call is one uint8 buffer per direction::
 
@@ -255,7 +255,7 @@ class TrailerStep(Step):
         too, unless the link is emulated (its time is the emulator's)."""
         if self.measure:
             seconds = work_seconds(m.work) if m.timed and not emulated else None
-            self.received(m.trailer(), m.buf.numel(), done_at, seconds)
+            self.received(m.trailer, m.buf.numel(), done_at, seconds)
 
     def received(self, raw: bytes, nbytes: int, done_at: float, seconds: float | None = None) -> None:
         """The trailer ``raw`` of a message of ``nbytes`` received on this link end, complete at wall time

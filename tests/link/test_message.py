@@ -1,4 +1,5 @@
-"""HostStaging: wire buffers through (pinned) host memory, on CPU tensors through the same code."""
+"""``link/message.py``: its host staging (wire buffers through pinned host memory, on CPU tensors through the same
+code) and a staged message posted through the transport."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""``link/completion.py`` and the receive transit ``auto`` measures on a NCCL-like backend: works that
+"""``link/wire.py``: completion timing and the receive transit ``auto`` measures on a NCCL-like backend: works that
 time themselves (``_get_duration()``, milliseconds) and a host read of the trailer that comes late (the
 receiver's queued compute). Fakes of ``torch.distributed`` and the process group; no process is started."""
 
