@@ -38,7 +38,7 @@ and the driver stay visible, and the caller's environment (``CUDA_VISIBLE_DEVICE
 ``CUDA_DEVICE_MAX_CONNECTIONS``...) passes through unchanged. ``LOCAL_RANK`` is the stage, so with
 fewer GPUs than stages the ranks share them (``megatron/share_gpus.py``: ``local_rank %
 device_count``, automatic). Pipeline traffic must cross ``eth0`` to be limited: the stages use gloo
-(CUDA wire buffers staged through pinned host memory, ``link/staging.py``); for a run that uses
+(CUDA wire buffers staged through pinned host memory, ``link/message.py``); for a run that uses
 NCCL anyway, ``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1`` keep it off CUDA IPC and shared memory,
 which would bypass the link.
 """

@@ -309,7 +309,7 @@ def _staging_rank(rank: int, store_path: str, device_name_: str, messages: int, 
     from megatron_tah.codecs import get_codec
     from megatron_tah.codecs.core.samples import activation_like
 
-    staging_module = importlib.import_module("megatron_tah.link.staging")
+    staging_module = importlib.import_module("megatron_tah.link.message")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     device = torch.device(device_name_)
     cuda = device.type == "cuda"

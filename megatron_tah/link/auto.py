@@ -19,7 +19,7 @@ announced). Protocol, per link and direction, with ``k`` the training iteration 
   link is most of it). It includes the receiver's own lateness in posting, so it bounds the link
   time from above. On NCCL the host read that completes the receive also waits for the receiver's
   compute queued before it, so the receive's works time themselves on the device
-  (``completion.time_works``) and the transit is the smaller of that duration and the stamps' difference
+  (``wire.time_works``) and the transit is the smaller of that duration and the stamps' difference
   (both bound the link's time from above). The receiver keeps, per peer, the fastest transit (bytes / seconds) since its
   last report and reports it in the trailer of its next message *to that peer* (the other
   direction); the sender feeds the reports to its ``LinkRateMeter``. So each direction is measured

@@ -152,5 +152,5 @@ class EmulationStep(Step):
         if not (m.is_recv and m.extra_nbytes):
             return done_at
         billed = m.buf.numel() - (0 if self.bill_trailer else m.extra_nbytes) + rest_nbytes
-        self.meter.receive(decode_trailer(m.trailer()).sent_at, billed)
+        self.meter.receive(decode_trailer(m.trailer).sent_at, billed)
         return self.meter.free_at

@@ -29,8 +29,8 @@ import torch
 from ..codecs.core import entropy
 from ..codecs.core.header import crc32_of
 from ..config import TahConfig
-from .completion import wait_completed
 from .peer import posted
+from .wire import wait_completed
 
 HANDSHAKE_NBYTES = 1024
 # (work, the peer's world rank, whether this rank receives from it, what it carries): a bounded wait
@@ -126,7 +126,7 @@ def link_latency(group, device: torch.device, wait: Wait, rounds: int = 5) -> di
     the backend's own overhead; ``auto`` subtracts it from transits to get the rate). A collective over
     ``group``: the pairs (i, i + 1 mod size) go in order of i, each timed by its lower stage and told to
     the other, so no rank waits on one that waits on it. A round trip ends when the reply's receive is
-    complete (``completion.wait_completed``: on NCCL a ``wait()`` returns once the transfer is queued)."""
+    complete (``wire.wait_completed``: on NCCL a ``wait()`` returns once the transfer is queued)."""
     what = "latency probes"
     dist = torch.distributed
     me, size = group.rank(), group.size()

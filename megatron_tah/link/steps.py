@@ -2,7 +2,7 @@
 
 A message feature that changes the bytes on the wire is a :class:`Step`: ``frames.FramingStep``
 (``--tah-entropy-coding``: the codec buffer entropy-coded into a frame of an agreed size, an overflow as a
-second message), ``trailer.TrailerStep`` (the trailer after every message: auto's announcement and
+second message), ``wire.TrailerStep`` (the trailer after every message: auto's announcement and
 transit reports, the send stamp the inbound wire's emulation reads) and ``emulate.EmulationStep`` (the emulated
 slow link, ``--tah-emulate-bandwidth``). ``link.open_link`` builds a link end's steps once, from the
 configuration, in send order; the transport calls them in turn:

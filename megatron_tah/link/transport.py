@@ -16,24 +16,25 @@ and ``stage``: the pipeline's stages and this rank's).
   the steps say and, once complete, hands it back through the steps and decodes into Megatron's receive
   tensor under ``no_grad``. The batched path waits and decodes before returning ``[]``; the unbatched path
   returns handles whose ``.wait()`` waits, then decodes (every posted message is held, its ``Work`` and
-  buffers with it, until finished: ``outbox.py``).
+  buffers with it, until finished: ``message.Outbox``).
 * The first call on a process group all-gathers every stage's codec configs over it (each stage reaches its
   first p2p call without waiting on another, so this cannot deadlock) and raises ``CodecMismatchError`` on both
   ends of a link whose stages use other codecs (``handshake.py``); with the trailer on, it also measures each
   neighbour's latency.
-* Host staging (``staging.HostStaging``, per link end): on a gloo group with CUDA tensors or
+* Host staging (``message.HostStaging``, per link end): on a gloo group with CUDA tensors or
   ``--tah-share-gpus``, wire buffers cross through pinned host memory; the bytes on the wire are the same.
 * Message lengths (``--tah-entropy-coding``): on ``exact_backends`` a receive posts the most a message can be;
-  elsewhere a frame, and what does not fit follows as a second message (``frames.py``, ``overflow.py``).
+  elsewhere a frame, and what does not fit follows as a second message (``frames.py``, ``message.post_rests``).
 * A corrupted message (``--tah-wire-checksum``) raises ``PayloadChecksumError`` naming the link's stages and
   the training iteration; every wait goes through ``peer.PeerWatch``, which bounds it (``peer.py``).
 * Statistics go to the sink it is given (``record_send``, ``record_codec_time``, ``record_auto``:
   ``megatron/stats.py``'s ``Stats``), counting the bytes that cross the network.
 
-Elsewhere: which codec a message goes through (the warm-up, uncompressed evaluations, auto's choice per
-iteration): ``traffic.py``; a link end's boundary, codec (CUDA graphs: ``codecs.core.graphs.place_codec``) and
-steps: ``link.py``; the trailer: ``trailer.py``; the emulated slow link, a link end's last step:
-``emulate.py``; AQ-SGD's sample ids: ``sample_ids.py``; the codecs' state for checkpoints: ``states.py``.
+Elsewhere: a link end's boundary, codec (CUDA graphs: ``codecs.core.graphs.place_codec``) and steps, and what the
+link ends share -- which codec a message goes through (the warm-up, uncompressed evaluations, auto's choice per
+iteration), AQ-SGD's sample ids, the codecs' state for checkpoints: ``link.py``; a message's life (its buffers,
+the outbox, its length, second messages): ``message.py``; the trailer and its step: ``wire.py``; the emulated
+slow link, a link end's last step: ``emulate.py``.
 """
 
 from __future__ import annotations
@@ -48,19 +49,13 @@ from ..codecs import PayloadChecksumError
 from ..codecs.core import timing
 from ..codecs.core.graphs import CudaGraphs, eager
 from ..config import TahConfig
-from .completion import time_works
 from .emulate import InboundWire, emulation
 from .handshake import CodecMismatchError, check_group, check_schedule, link_latency
-from .link import Link, open_link
-from .message import Handle, Message, MessagePlan
-from .outbox import Outbox
-from .overflow import post_rests, read_length
+from .link import CodecStates, Link, SampleIds, Traffic, open_link
+from .message import Handle, Message, Outbox, post_rests
 from .peer import PeerWatch, posted, posted_batch
-from .sample_ids import SampleIds
-from .states import CodecStates
 from .steps import Outgoing
-from .traffic import Traffic
-from .wire import message_extra_nbytes, wall_seconds
+from .wire import message_extra_nbytes, time_works, wall_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +85,17 @@ class PipelineTransport:
         self.iteration, self.virtual_stages, self.depth, self.stage = iteration, virtual_stages, depth, stage
         self.emulation = emulation(config)  # the emulated link, crossed through the link ends' steps (emulate.py)
         self.links: dict[tuple[str, str, int], Link] = {}
-        self.states = CodecStates(config, self.links, self.link)  # the link ends' codec state (states.py)
+        self.states = CodecStates(config, self.links, self.link)  # the link ends' codec state (link.py)
         self.exact_backends = ("gloo",)  # whose receives take a shorter message (frames.py; tests empty it)
         auto = config.is_auto("forward") or config.is_auto("backward")
         # the trailer after every message (wire.py): auto's, or the inbound wire's send stamp
         self.trailer_nbytes = message_extra_nbytes(auto or isinstance(self.emulation, InboundWire))
         self.billed_trailer_nbytes = self.trailer_nbytes if auto else 0  # the inbound wire bills real traffic only
         self.latency: dict[int, float] = {}  # auto: one-way latency to each neighbour (world rank), seconds
-        self.traffic = Traffic(config, iteration)  # the warm-up / evaluation switch (traffic.py)
+        self.traffic = Traffic(config, iteration)  # the warm-up / evaluation switch (link.py)
         self.needs_sample_ids = config.forward_codec().needs_sample_ids  # aqsgd: the schedule is checked
-        self.sample_ids = SampleIds()  # AQ-SGD's (sample_ids.py)
-        self.outbox = Outbox()  # unbatched messages not yet finished (outbox.py)
+        self.sample_ids = SampleIds()  # AQ-SGD's (link.py)
+        self.outbox = Outbox()  # unbatched messages not yet finished (message.py)
         # when each neighbour was last heard from; bounded waits
         self.peers = PeerWatch(config.tah_peer_timeout_s, start_up_s=config.tah_peer_start_up_s)
         self.checked_groups: set[int] = set()
@@ -131,39 +126,6 @@ class PipelineTransport:
         return self.config.tah_share_gpus or device.type == "cuda"
 
     # ----- messages ------------------------------------------------------------------------
-    def encode(self, link: Link, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Encode one outgoing tensor on ``link`` and pass it through the link end's steps: the whole message
-        (trailer included) and the bytes that follow it as a second message (None: none); records its statistics."""
-        if link.auto is not None:
-            link.auto.prepare(x)
-        codec = self.traffic.codec(link)
-        with torch.no_grad():
-            x = x.detach()
-            with_ids = codec.needs_sample_ids
-            ids = self.sample_ids.sending(link.direction, codec)
-            clock = timing.Stopwatch(x.device)
-            buf = codec.encode(x, sample_ids=ids) if with_ids else codec.encode(x)
-            encode_seconds = clock.stop()
-            self.stats.record_codec_time(link.direction, encode_seconds=encode_seconds)
-            rel_error = None
-            interval = self.config.tah_error_sample_interval
-            if interval and not with_ids and codec is not self.traffic.uncompressed and link.messages % interval == 0:
-                rel_error = timing.relative_error(x, eager(codec).decode(buf, x.shape, x.dtype))  # (a sample)
-            out = Outgoing(codec, x.shape, x.dtype, buf, encode_seconds, exact=exact)
-            for step in link.steps:
-                step.on_send(out)
-            buf, rest = out.buf, out.rest
-            if link.auto is not None:
-                rate = link.auto.rate
-                self.stats.record_auto(link.peer, link.auto.current,
-                                       rate.rate_bps if rate else None, rate.spread_bps if rate else None)
-        link.messages += 1
-        wire_nbytes = buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes  # (the inbound wire's stamp: not traffic)
-        wire_nbytes += 0 if rest is None else rest.numel()
-        self.stats.record_send(link.direction, x.numel() * x.element_size(), wire_nbytes, link.peer,
-                               rel_error=rel_error, rotated_fraction=getattr(codec, "last_rotated", None))
-        return buf, rest
-
     def _messages(self, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                   group, prev_pipeline_rank, next_pipeline_rank) -> dict[str, Message]:
         """Start of every transport call: finish earlier handles whose transfer is done, check configs,
@@ -184,31 +146,63 @@ class PipelineTransport:
         stage, stages = group.rank(), group.size()
         prev_stage, next_stage = (stage - 1) % stages, (stage + 1) % stages
         staged = self.staged(group, tensors[0].device)
-        exact = torch.distributed.get_backend(group) in self.exact_backends
-        plan = (MessagePlan("send_prev", "backward", prev_pipeline_rank, (stage, prev_stage), send=tensor_send_prev),
-                MessagePlan("recv_prev", "forward", prev_pipeline_rank, (prev_stage, stage), recv=tensor_recv_prev),
-                MessagePlan("send_next", "forward", next_pipeline_rank, (stage, next_stage), send=tensor_send_next),
-                MessagePlan("recv_next", "backward", next_pipeline_rank, (next_stage, stage), recv=tensor_recv_next))
-        messages = {}
-        for p in plan:
-            if p.send is None and p.recv is None:
-                continue
-            link = self.link(p.direction, "send" if p.recv is None else "recv", p.peer)
-            host = link.host_staging((p.recv if p.send is None else p.send).device) if staged else None
-            known = {"extra_nbytes": self.trailer_nbytes, "stages": p.stages, "last_stage": stage == stages - 1,
-                     "exact": exact, "iteration": self.iteration()}
-            if p.send is not None:
-                buf, rest = self.encode(link, p.send, exact)
-                if rest is not None and staged:
-                    rest = rest.cpu()  # (gloo reads host memory)
-                messages[p.name] = Message.send(link, buf, host, rest=rest, **known)
-            else:
-                messages[p.name] = self.receive(link, p.recv, host, known)
+        call = {"extra_nbytes": self.trailer_nbytes, "last_stage": stage == stages - 1,
+                "exact": torch.distributed.get_backend(group) in self.exact_backends, "iteration": self.iteration()}
+        prev, after = prev_pipeline_rank, next_pipeline_rank
+        messages = {}  # Megatron's op order
+        self._message(messages, "send_prev", tensor_send_prev, "backward", prev, staged, call, stage, prev_stage)
+        self._message(messages, "recv_prev", tensor_recv_prev, "forward", prev, staged, call, prev_stage, stage)
+        self._message(messages, "send_next", tensor_send_next, "forward", after, staged, call, stage, next_stage)
+        self._message(messages, "recv_next", tensor_recv_next, "backward", after, staged, call, next_stage, stage)
         return messages
 
-    def receive(self, link: Link, target: torch.Tensor, host, known: dict) -> Message:
-        """A receive on ``link`` into ``target``: the bytes its codec and its steps say (with entropy coding the
-        most a message can be, or framed the size both ends agree on), plus the trailer (``known["extra_nbytes"]``)."""
+    def _message(self, messages: dict, name: str, tensor: torch.Tensor | None, direction: str, peer: int,
+                 staged: bool, call: dict, *stages: int) -> None:
+        """``messages[name]``, a send of ``tensor`` or a receive into it (None: none) on this rank's ``direction``
+        link end to ``peer``; ``stages``: (sender, receiver); ``call``: the ``Message``'s other arguments."""
+        if tensor is None:
+            return
+        role = "send" if name.startswith("send") else "recv"
+        link, known = self.link(direction, role, peer), dict(call, stages=stages)
+        if role == "send":
+            messages[name] = self.send(link, tensor, staged, known)
+        else:
+            messages[name] = self.receive(link, tensor, staged, known)
+
+    def send(self, link: Link, x: torch.Tensor, staged: bool, known: dict) -> Message:
+        """A send of ``x`` on ``link`` (``encode``), posted from a pinned host copy when ``staged`` (its second
+        message, if any, copied to the host too); ``known``: the ``Message``'s other arguments."""
+        host = link.host_staging(x.device) if staged else None
+        buf, rest = self.encode(link, x, known["exact"])
+        if rest is not None and staged:
+            rest = rest.cpu()  # (gloo reads host memory)
+        return Message.send(link, buf, host, rest=rest, **known)
+
+    def encode(self, link: Link, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encode one outgoing tensor on ``link`` through the codec of its next message (``Traffic.codec``; what
+        else the encode takes: ``SampleIds.encode_inputs``) and pass it through the link end's steps: the whole
+        message (trailer included) and the bytes that follow it as a second message (None: none); records its
+        statistics (``record_send``)."""
+        if link.auto is not None:
+            link.auto.prepare(x)
+        codec = self.traffic.codec(link)
+        with torch.no_grad():
+            x = x.detach()
+            clock = timing.Stopwatch(x.device)
+            buf = codec.encode(x, **self.sample_ids.encode_inputs(link.direction, codec))
+            out = Outgoing(codec, x.shape, x.dtype, buf, clock.stop(), exact=exact)
+            rel_error = self.sample_error(link, x, out)
+            for step in link.steps:
+                step.on_send(out)
+        link.messages += 1
+        self.record_send(link, x, out, rel_error)
+        return out.buf, out.rest
+
+    def receive(self, link: Link, target: torch.Tensor, staged: bool, known: dict) -> Message:
+        """A receive on ``link`` into ``target`` (into a pinned host buffer when ``staged``): the bytes its codec and
+        its steps say (with entropy coding the most a message can be, or framed the size both ends agree on), plus
+        the trailer (``known["extra_nbytes"]``); ``known``: the ``Message``'s other arguments."""
+        host = link.host_staging(target.device) if staged else None
         codec = self.traffic.codec(link)
         nbytes = codec.wire_nbytes(target.shape, target.dtype)
         for step in link.steps:
@@ -222,10 +216,8 @@ class PipelineTransport:
             return
         m.done = True
         link = m.link
-        if m.is_recv and m.rest_nbytes is None and read_length(m):  # (unbatched: refused in check_unbatched)
-            raise RuntimeError("megatron_tah: an unbatched message announced a second message")
-        if m.is_recv and self.trailer_nbytes:
-            m.trailer()  # read once complete (on a GPU the read waits for the data: its completion time)
+        if m.is_recv:
+            m.read()  # its length and its trailer (on a GPU the read waits for the data: its completion time)
         done_at = None if m.completed_at is None else wall_seconds(m.completed_at)
         for step in link.steps:
             done_at = step.on_complete(m, done_at)
@@ -275,6 +267,31 @@ class PipelineTransport:
         link.messages += 1
         self.sample_ids.received(m)
 
+    # ----- statistics ----------------------------------------------------------------------
+    def sample_error(self, link: Link, x: torch.Tensor, out: Outgoing) -> torch.Tensor | None:
+        """The statistics' sample of the codec's relative error on ``x``, from a trial decode of ``out.buf`` (the
+        codec's buffer, before the steps) on the sender: every ``--tah-error-sample-interval``-th message of
+        ``link``. None otherwise, and for the uncompressed codec and a codec fed sample ids (a decode would move
+        its per-sample buffers)."""
+        interval, codec = self.config.tah_error_sample_interval, out.codec
+        if not interval or codec.needs_sample_ids or codec is self.traffic.uncompressed or link.messages % interval:
+            return None
+        return timing.relative_error(x, eager(codec).decode(out.buf, x.shape, x.dtype))
+
+    def record_send(self, link: Link, x: torch.Tensor, out: Outgoing, rel_error) -> None:
+        """A sent message's statistics: its encode time, auto's choice and measured rate, the bytes that cross the
+        network (the inbound wire's send stamp is not traffic) and ``rel_error`` (``sample_error``)."""
+        self.stats.record_codec_time(link.direction, encode_seconds=out.encode_seconds)
+        if link.auto is not None:
+            rate = link.auto.rate
+            self.stats.record_auto(link.peer, link.auto.current,
+                                   rate.rate_bps if rate else None, rate.spread_bps if rate else None)
+        wire_nbytes = out.buf.numel() - self.trailer_nbytes + self.billed_trailer_nbytes
+        wire_nbytes += 0 if out.rest is None else out.rest.numel()
+        self.stats.record_send(link.direction, x.numel() * x.element_size(), wire_nbytes, link.peer,
+                               rel_error=rel_error, rotated_fraction=getattr(out.codec, "last_rotated", None))
+
+    # ----- the transport calls ---------------------------------------------------------------
     def batched_p2p_ops(self, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                         group, prev_pipeline_rank, next_pipeline_rank):
         """Compressing ``_batched_p2p_ops``: one batch of uint8 messages, waited and decoded; returns ``[]``."""
@@ -333,7 +350,7 @@ class PipelineTransport:
         return handles
 
     def drain(self) -> None:
-        """Uninstall: finish every send still posted (bounded waits, ``outbox.py``); then no call is taken."""
+        """Uninstall: finish every send still posted (bounded waits, ``message.Outbox``); then no call is taken."""
         try:
             self.outbox.drain()
         finally:

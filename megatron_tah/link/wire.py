@@ -1,4 +1,4 @@
-"""A pipeline message on the wire: the codec buffer, then (when either direction is ``auto``) the trailer.
+"""A pipeline message on the wire: the codec buffer, then the trailer (its layout, its step), and its timing.
 
 Every message of one transport call is one uint8 buffer per direction::
 
@@ -31,6 +31,36 @@ The announcement, ``ANNOUNCEMENT_NBYTES`` (8) bytes, little endian (``encode_ann
 The codec buffer's own header is still checked on every decode, so a buffer of another codec than
 the announced one is a ``WireFormatError``, never a misread. What the fields are for (the lockstep
 switch, the transit reports) is the auto protocol's (``auto.py``).
+
+The trailer step (:class:`TrailerStep`, a link end's ``steps.Step``) fills and reads the trailer. It is on when
+either direction is auto, or with the inbound wire's emulation, which reads its send stamp (``Message.stamp``
+writes it just before the message is posted; ``emulate.EmulationStep`` reads it). It fills the rest on a send
+end and, when a direction is auto (``measure``), reads it on a receive end:
+
+* a send appends the trailer: the announcement of the next iteration's codec (an auto direction's sender,
+  ``AutoEnd.sent``) and the report the link end holds for its peer (``Link.report``), then empty;
+* a complete receive hands its announcement to its auto receiver (a fixed direction refuses one), keeps its
+  transit as the report for the peer when it is the fastest since the last report (on this rank's send end
+  of the other direction to that peer) and feeds the peer's report, less the link's latency
+  (``handshake.link_latency``), to that send end's rate meter.
+
+The layout above, the announcement (``auto.py``) and this step change together if the trailer changes.
+
+When a transfer is complete, and how long it took, whatever the backend. A NCCL ``Work``'s ``wait()`` returns
+once its kernel is queued (it only makes the current stream wait for the NCCL stream), so a host clock read
+around it times the launch; and a later host read of the received data waits for everything queued before it
+on the current stream too (the receiver's compute). A gloo ``Work``'s ``wait()`` returns when the transfer is
+done (and a gloo receive reads as complete only once waited for). Two ways to the transfer's own time on both:
+
+* ``wait_completed(work, wait)`` waits through ``wait`` (the caller's bounded wait, ``peer.PeerWatch``; gloo:
+  the transfer is done; it raises the work's error, if any), then polls ``is_completed()`` (NCCL: the work's
+  end event on the device) until it is: a host clock read right after it is the completion time, to within
+  one poll.
+* ``time_works(group)`` turns on a NCCL group's own timing of its works
+  (``ProcessGroup._enable_collectives_timing``: a CUDA event before and after each kernel on the NCCL
+  stream; it applies to works posted afterwards); ``work_seconds(work)`` reads a complete timed work's
+  duration (``Work._get_duration()``, milliseconds). Other backends keep their works untimed
+  (``time_works`` is False): their transfers are timed on the host.
 """
 
 from __future__ import annotations
@@ -38,15 +68,18 @@ from __future__ import annotations
 import dataclasses
 import struct
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from ..codecs import WireFormatError
+from .measure import MIN_SECONDS
+from .steps import Outgoing, Step
 
 __all__ = ["ANNOUNCEMENT_MAGIC", "ANNOUNCEMENT_NBYTES", "TRAILER_NBYTES", "AutoDecision", "Trailer",
            "append_trailer", "codec_buffer", "decode_announcement", "decode_trailer", "encode_announcement",
-           "encode_trailer", "message_extra_nbytes", "read_trailer", "stamp_sent_at", "wall_seconds"]
+           "encode_trailer", "message_extra_nbytes", "read_trailer", "stamp_sent_at", "time_works", "TrailerStep",
+           "wait_completed", "wall_seconds", "work_seconds"]
 
 ANNOUNCEMENT_MAGIC = 0xA7
 ANNOUNCEMENT_NBYTES = 8
@@ -166,3 +199,82 @@ def read_trailer(message: torch.Tensor) -> bytes:
 def codec_buffer(message: torch.Tensor, extra_nbytes: int) -> torch.Tensor:
     """The codec buffer of ``message`` (a view: the message less its ``extra_nbytes`` trailing bytes)."""
     return message[:-extra_nbytes] if extra_nbytes else message
+
+
+# ----- completion ------------------------------------------------------------------------------------
+def wait_completed(work, wait) -> None:
+    """Return once ``work``'s transfer is complete, whatever the backend: ``wait(work)`` (gloo; the caller's
+    bounded wait of ``work.wait()``), then ``is_completed()`` polled (NCCL); raises what ``wait`` raises."""
+    wait(work)
+    while not work.is_completed():
+        time.sleep(0)  # (lets other Python threads run; the poll itself is a CUDA event query on NCCL)
+
+
+def time_works(group) -> bool:
+    """Whether the works posted on ``group`` from now on time themselves: True on a NCCL group (its timing
+    is turned on here; idempotent), False elsewhere."""
+    if torch.distributed.get_backend(group) != "nccl":
+        return False
+    enable = getattr(group, "_enable_collectives_timing", None)
+    if enable is None:  # (a torch without it: the host's timing stands)
+        return False
+    enable()
+    return True
+
+
+def work_seconds(work) -> float | None:
+    """The seconds a complete work posted with ``time_works`` took on the device (its kernel's start to
+    its end on the NCCL stream), None where the backend did not time it."""
+    try:
+        milliseconds = float(work._get_duration())
+    except (AttributeError, RuntimeError):  # untimed, or a backend without durations (gloo)
+        return None
+    return milliseconds / 1e3 if milliseconds > 0 else None
+
+
+# ----- the trailer step --------------------------------------------------------------------------------
+class TrailerStep(Step):
+    """The trailer of one link end (``link``: a ``link.Link``). ``measure``: a direction is auto, so receives
+    are measured and reported; ``reply()``: this rank's send end of the other direction to the same peer (where
+    a receive's report goes); ``latency``: one-way latency to each neighbour (world rank: seconds), shared with
+    the transport, which measures it at the handshake."""
+
+    def __init__(self, link, *, measure: bool, reply: Callable[[], object], latency: dict[int, float]):
+        self.link, self.measure, self.latency = link, measure, latency
+        self._reply, self._reply_end = reply, None  # (looked up once: a link end, once made, stays)
+
+    def on_send(self, out: Outgoing) -> None:
+        """``out.buf`` || the trailer of a message sent on this link end now."""
+        link = self.link
+        announcement = link.auto.sent(out.encode_seconds) if link.auto is not None else None
+        report, link.report = link.report, None
+        out.buf = append_trailer(out.buf, Trailer(announcement, wall_seconds(), report))
+
+    def on_arrival(self, m, done_at: float | None, emulated: bool) -> None:
+        """A complete receive: on NCCL (``m.timed``) the receive's own time on the device bounds its transit
+        too, unless the link is emulated (its time is the emulator's)."""
+        if self.measure:
+            seconds = work_seconds(m.work) if m.timed and not emulated else None
+            self.received(m.trailer, m.buf.numel(), done_at, seconds)
+
+    def received(self, raw: bytes, nbytes: int, done_at: float, seconds: float | None = None) -> None:
+        """The trailer ``raw`` of a message of ``nbytes`` received on this link end, complete at wall time
+        ``done_at``. The transit is ``done_at`` less the sent-at stamp or, when the backend timed the receive on
+        the device (``seconds``: NCCL), the smaller of the two: both bound the link's time from above, and on
+        NCCL ``done_at`` is a host read that waited for the receiver's queued compute too."""
+        link, trailer = self.link, decode_trailer(raw)
+        if link.auto is not None:
+            link.auto.received(trailer.announcement)
+        elif trailer.announcement is not None:
+            raise WireFormatError(f"auto codec: a {link.direction} message from rank {link.peer} announces a codec, "
+                                  f"but this rank's {link.direction} codec is fixed")
+        if self._reply_end is None:
+            self._reply_end = self._reply()
+        reply = self._reply_end
+        transit = done_at - trailer.sent_at if seconds is None else min(seconds, done_at - trailer.sent_at)
+        transit = max(transit, MIN_SECONDS)
+        if reply.report is None or nbytes * reply.report[1] > reply.report[0] * transit:  # a faster transfer
+            reply.report = (nbytes, transit)
+        if trailer.report is not None and reply.auto is not None:
+            nbytes, seconds = trailer.report  # the transfer's own time: the latency every message pays apart
+            reply.auto.meter.record(nbytes, max(seconds - self.latency.get(link.peer, 0.0), MIN_SECONDS))

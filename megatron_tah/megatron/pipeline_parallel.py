@@ -148,7 +148,7 @@ def install(place) -> None:
 
 def uninstall(place) -> None:
     """Called before ``place.patches`` are restored: the transport finishes the sends it still holds (each wait
-    bounded by ``--tah-peer-timeout-s``, ``link/outbox.py``) and stops taking calls."""
+    bounded by ``--tah-peer-timeout-s``, ``link/message.py``'s outbox) and stops taking calls."""
     place.stats.buffer_source = None
     if place.transport is not None:
         place.transport.drain()
@@ -199,11 +199,11 @@ def evaluation(uncompressed: bool):
 
 
 def codec_states() -> dict:
-    """The installed transport's link ends' codec state (``states.CodecStates.state_dict``; {} when not installed)."""
+    """The installed transport's link ends' codec state (``link.CodecStates.state_dict``; {} when not installed)."""
     transport = installed_transport()
     return {} if transport is None else transport.states.state_dict()
 
 
 def load_codec_states(states: dict, saved_config: dict | None = None) -> None:
-    """The installed transport's ``states.CodecStates.load_state_dict`` (an error when not installed)."""
+    """The installed transport's ``link.CodecStates.load_state_dict`` (an error when not installed)."""
     _installed().states.load_state_dict(states, saved_config)

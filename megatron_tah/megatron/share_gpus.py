@@ -39,7 +39,7 @@ default backend, ``gloo``):
 
 * pipeline p2p: gloo's ``send``/``recv`` read the tensor's address on the host, so CUDA tensors fail
   (``writev ... Bad address``); the transport stages the codec's wire buffer through pinned host
-  memory (``staging.HostStaging``), the uncompressed ``none`` codec included.
+  memory (``link.message.HostStaging``), the uncompressed ``none`` codec included.
 * collectives on CUDA tensors -- the loss all-reduce (``average_losses_across_data_parallel_group``),
   the grad-norm all-reduce (``clip_grads.py``), the tied-embedding gradient all-reduce, timers'
   all-gather, broadcasts: torch's ``ProcessGroupGloo`` implements ``allreduce``, ``broadcast``,

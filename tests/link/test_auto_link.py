@@ -15,7 +15,7 @@ from megatron_tah.link.auto import AutoEnd
 from megatron_tah.link.choice import Chooser
 from megatron_tah.link.handshake import config_record
 from megatron_tah.link.measure import CandidateCost, CodecCostTable, LinkRate
-from megatron_tah.link.trailer import TrailerStep
+from megatron_tah.link.wire import TrailerStep
 from megatron_tah.link.wire import ANNOUNCEMENT_NBYTES, TRAILER_NBYTES, Trailer, decode_trailer, encode_trailer
 from megatron_tah.megatron.places import STREAMS
 from megatron_tah.megatron.stats import Stats

@@ -228,7 +228,6 @@ def test_an_exact_message_is_its_length_and_coded_bytes_read_back_from_a_larger_
     the receiver reads the length, takes the message's bytes (the trailer its last 24) and decodes the values."""
     from megatron_tah.config import TahConfig
     from megatron_tah.link import frames
-    from megatron_tah.link.overflow import read_length
     from megatron_tah.link.transport import PipelineTransport
     from megatron_tah.megatron.places import STREAMS
     from megatron_tah.megatron.stats import Stats
@@ -243,8 +242,9 @@ def test_an_exact_message_is_its_length_and_coded_bytes_read_back_from_a_larger_
     assert m.buf.numel() > message.numel() + 64
     m.buf.fill_(0xEE)
     m.buf[: message.numel()] = message
-    assert read_length(m) == 0 and m.buf.numel() == message.numel()  # nothing follows; the message's own length
-    assert m.trailer() == bytes(message[-24:].tolist())
+    assert m.read_length() == 0 and m.buf.numel() == message.numel()  # nothing follows; the message's own length
+    m.read()
+    assert m.trailer == bytes(message[-24:].tolist())
     receiver._decode(m)
     codec = sender.link("forward", "send", 1).codec
     assert torch.equal(m.target, codec.decode(codec.encode(x), x.shape, x.dtype))  # the codec's values exactly
@@ -329,7 +329,6 @@ def test_the_docs_and_the_flag_state_the_frames_sizing_rule():
 def _send_and_read_back(config, x):
     """One forward message through a sender's steps, read back by a receiver: (its coded bytes, the values)."""
     from megatron_tah.link import frames
-    from megatron_tah.link.overflow import read_length
     from megatron_tah.link.transport import PipelineTransport
     from megatron_tah.megatron.places import STREAMS
     from megatron_tah.megatron.stats import Stats
@@ -339,7 +338,7 @@ def _send_and_read_back(config, x):
     m = receiver.receive(receiver.link("forward", "recv", 0), torch.empty_like(x), None,
                          {"stages": (0, 1), "extra_nbytes": 0, "exact": True})
     m.buf[: message.numel()] = message
-    read_length(m)
+    m.read()
     receiver._decode(m)
     return frames.coded_length(message, 10**9), m.target, sender.link("forward", "send", 1)
 

@@ -182,7 +182,7 @@ def _silent_or_dead_peer(rank, world_size, fate, bound):
 
     import megatron_tah
     from megatron.training import global_vars
-    from tests.link.test_staging import SHAPE, _exchange
+    from tests.link.test_message import SHAPE, _exchange
 
     args = types.SimpleNamespace(curr_iteration=0)
     global_vars._GLOBAL_ARGS = args
@@ -363,7 +363,7 @@ def _silent_from_the_start(rank, world_size, where):
     from megatron_tah.megatron import collectives, embedding
     from megatron_tah.megatron.bounded import collective_wait
     from megatron_tah.megatron.pipeline_parallel import installed_transport
-    from tests.link.test_staging import SHAPE, _exchange
+    from tests.link.test_message import SHAPE, _exchange
 
     args = types.SimpleNamespace(curr_iteration=1)
     global_vars._GLOBAL_ARGS = args

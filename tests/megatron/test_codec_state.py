@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_tah.config import TahConfig
-from megatron_tah.link.states import CodecStates
+from megatron_tah.link.link import CodecStates
 from megatron_tah.megatron import codec_state
 
 REPO = Path(__file__).resolve().parents[2]

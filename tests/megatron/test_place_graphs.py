@@ -51,7 +51,7 @@ def _run(rank, graphs, eager=False, states=None, start=0):
     messages and the log lines."""
     import megatron_tah
     from megatron_tah.megatron.pipeline_parallel import installed_transport
-    from tests.link.test_staging import _exchange
+    from tests.link.test_message import _exchange
 
     logger = logging.getLogger(GRAPH_LOGGER)
     lines = _Lines()

@@ -262,7 +262,7 @@ def _corrupted_on_the_link(rank, world_size):
     from megatron.training import global_vars
     from megatron_tah.link.handshake import CodecMismatchError
     from megatron_tah.megatron.pipeline_parallel import installed_transport
-    from tests.link.test_staging import SHAPE as STAGED_SHAPE, _exchange
+    from tests.link.test_message import SHAPE as STAGED_SHAPE, _exchange
 
     args = types.SimpleNamespace(curr_iteration=0)
     global_vars._GLOBAL_ARGS = args

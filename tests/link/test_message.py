@@ -1,10 +1,11 @@
-"""HostStaging: wire buffers through (pinned) host memory, on CPU tensors through the same code."""
+"""``link/message.py``: its host staging (wire buffers through pinned host memory, on CPU tensors through the same
+code) and a staged message posted through the transport."""
 
 import pytest
 import torch
 
 from megatron_tah.codecs import get_codec
-from megatron_tah.link.staging import HostStaging
+from megatron_tah.link.message import HostStaging
 from tests.helpers.dist_utils import run_distributed
 
 
@@ -278,7 +279,7 @@ def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overl
 def test_messages_of_varying_lengths_share_a_few_pooled_buffers():
     """Entropy-coded messages go at their own lengths: each comes from its size class's buffer (at most 1/16
     larger), so a link end's pool stays a few buffers whatever the lengths."""
-    from megatron_tah.link.staging import size_class
+    from megatron_tah.link.message import size_class
 
     assert [size_class(n) for n in (0, 1, 64, 65, 1000, 1024, 1025, 23720)] == [0, 64, 64, 128, 1024, 1024, 1088,
                                                                                  24576]

@@ -1,4 +1,4 @@
-"""``link/completion.py`` and the receive transit ``auto`` measures on a NCCL-like backend: works that
+"""``link/wire.py``: completion timing and the receive transit ``auto`` measures on a NCCL-like backend: works that
 time themselves (``_get_duration()``, milliseconds) and a host read of the trailer that comes late (the
 receiver's queued compute). Fakes of ``torch.distributed`` and the process group; no process is started."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_tah.config import TahConfig
-from megatron_tah.link import completion
+from megatron_tah.link import wire
 from megatron_tah.link.transport import PipelineTransport
 from megatron_tah.link.wire import Trailer, append_trailer, wall_seconds
 from megatron_tah.megatron.places import STREAMS
@@ -62,10 +62,10 @@ class _GlooRecv(_Work):
 
 def test_wait_completed_waits_then_polls_until_the_transfer_is_done():
     work = _Work(polls_left=3)  # NCCL-like: wait() returns at once, the kernel completes three polls later
-    completion.wait_completed(work, lambda w: w.wait())
+    wire.wait_completed(work, lambda w: w.wait())
     assert work.polls_left == -1 and work.waited
     gloo = _GlooRecv()
-    completion.wait_completed(gloo, lambda w: w.wait())  # (a poll before the wait would never end)
+    wire.wait_completed(gloo, lambda w: w.wait())  # (a poll before the wait would never end)
     assert gloo.waited
 
 
@@ -73,10 +73,10 @@ def test_only_nccl_groups_time_their_works_and_an_untimed_work_has_no_duration(m
     for backend, timed in (("nccl", True), ("gloo", False)):
         group = _Group()
         monkeypatch.setattr(torch.distributed, "get_backend", lambda g=None, b=backend: b)
-        assert completion.time_works(group) is timed and group.timing is timed
-    assert completion.work_seconds(_Work()) == pytest.approx(DEVICE_MS / 1e3)
-    assert completion.work_seconds(_Work(duration_ms=None)) is None
-    assert completion.work_seconds(object()) is None
+        assert wire.time_works(group) is timed and group.timing is timed
+    assert wire.work_seconds(_Work()) == pytest.approx(DEVICE_MS / 1e3)
+    assert wire.work_seconds(_Work(duration_ms=None)) is None
+    assert wire.work_seconds(object()) is None
 
 
 def _fake_dist(monkeypatch, backend: str, group: _Group, config: TahConfig, posted: list) -> None:
