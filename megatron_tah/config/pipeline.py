@@ -84,15 +84,14 @@ def check_link_options(config: Any) -> None:
         raise ValueError(f"tah_eval_traffic = {config.tah_eval_traffic!r} with tah_forward_codec = "
                          f"{config.tah_forward_codec!r}: its per-sample state follows every message of a sample; "
                          "evaluate through the codec")
-    if config.tah_entropy_coding and (config.is_auto("forward") or config.is_auto("backward")):
-        raise ValueError("tah_entropy_coding with an auto direction: auto chooses by the codecs' fixed message "
-                         "sizes; give both directions a codec or a preset")
     if config.tah_entropy_when != "always" and not config.tah_entropy_coding:
         raise ValueError(f"tah_entropy_when = {config.tah_entropy_when!r} chooses when the entropy coder runs: it "
                          "needs tah_entropy_coding")
-    if config.tah_entropy_when == "auto" and config.link_rate_bps is None:
+    if config.tah_entropy_when == "auto" and config.link_rate_bps is None and not (
+            config.is_auto("forward") and config.is_auto("backward")):
         raise ValueError("tah_entropy_when = 'auto' judges the coder by the link's rate: give tah_link_rate (or "
-                         "tah_emulate_bandwidth)")
+                         "tah_emulate_bandwidth), or let auto measure it (tah_forward_codec and tah_backward_codec "
+                         "auto)")
     if config.tah_emulate_wire != "link" and config.tah_emulate_bandwidth is None:
         raise ValueError(f"tah_emulate_wire = {config.tah_emulate_wire!r} meters the emulated link: it needs "
                          "tah_emulate_bandwidth")

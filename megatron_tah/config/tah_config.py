@@ -81,15 +81,17 @@ class TahConfig:
     """Checksum each pipeline message's payload, checked on receipt. Both stages agree; cost: docs/RELIABILITY.md."""
     tah_entropy_coding: bool = False
     """Code each pipeline message losslessly after its codec: fewer bytes, the same values. On gloo each message
-    goes at its own length, on NCCL in agreed frames. Fixed codecs only; both stages agree (docs/CODECS.md)."""
+    goes at its own length, on NCCL in agreed frames. With auto codecs, auto still chooses by a codec's uncoded
+    bytes. Both stages agree (docs/CODECS.md)."""
     tah_entropy_coder: str = dataclasses.field(default=DEFAULT_CODER, metadata={"choices": tuple(CODERS)})
     """The lossless coder of --tah-entropy-coding: zstd or ans on the host, huffman on the message's device. The
     zstd coder (PyPI zstandard) is the fastest here, ans is constriction's, huffman torch's (slower on a CPU). Both
     stages agree (docs/CODECS.md)."""
     tah_entropy_when: str = dataclasses.field(default="always", metadata={"choices": ("always", "auto")})
     """With --tah-entropy-coding: always code, or auto: only where the wire time saved exceeds the coder's time.
-    With auto a link's messages are coded while the wire time coding saves at the link's rate exceeds the coder's
-    encode + decode time, timed on the link's messages (docs/CODECS.md)."""
+    With auto a link's messages are coded while the wire time coding saves at the link's rate (--tah-link-rate, or
+    the rate auto measured on an auto link) exceeds the coder's encode + decode time, timed on the link's
+    messages (docs/CODECS.md)."""
     tah_link_rate: str | None = dataclasses.field(default=None, metadata={"parse": parse_bandwidth})
     """The pipeline links' rate where known (e.g. 100mbit): what the entropy coder is judged by. Default:
     --tah-emulate-bandwidth's; coding that does not pay at it is a warning with the numbers."""

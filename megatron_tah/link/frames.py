@@ -40,6 +40,7 @@ import math
 import struct
 import time
 import warnings
+from typing import Callable
 
 import torch
 
@@ -120,16 +121,25 @@ class CodingRule:
     its saved bytes take, ``8 * (raw - coded) / rate_bps``. ``auto``: messages between two timings (every
     ``PROBE_EVERY`` of a codec and shape) are coded only where the last timing paid, otherwise sent as they are
     (every section raw, which any receiver reads); otherwise every message is coded and a timing that does not pay
-    is one warning per codec and shape with its numbers. ``rate_bps`` None: no judging, every message coded."""
+    is one warning per codec and shape with its numbers. ``rate``: the link's rate in bit/s, or a function giving
+    it at each timing (an ``auto`` link end's measured rate); None (or a function giving None): no judging, every
+    message coded."""
 
-    def __init__(self, coder: str, rate_bps: float | None, auto: bool, what: str, every: int = PROBE_EVERY):
-        self.coder, self.rate_bps, self.auto, self.what, self.every = coder, rate_bps, auto, what, every
+    def __init__(self, coder: str, rate: float | Callable[[], float | None] | None, auto: bool, what: str,
+                 every: int = PROBE_EVERY):
+        self.coder, self.rate, self.auto, self.what, self.every = coder, rate, auto, what, every
         self.state: dict[tuple, list] = {}  # key -> [pays, messages since its timing]
         self.last: dict | None = None  # the last timing's numbers
 
+    @property
+    def rate_bps(self) -> float | None:
+        """The link's rate now (bit/s), None: not known."""
+        return self.rate() if callable(self.rate) else self.rate
+
     def encode(self, codec, buf: torch.Tensor, shape, dtype, key: tuple) -> torch.Tensor:
         """``buf`` coded as the rule says for a message of ``key``."""
-        if self.rate_bps is None:
+        rate_bps = self.rate_bps
+        if rate_bps is None:
             return entropy.encode(codec, buf, shape, dtype, self.coder)
         state = self.state.get(key)
         if state is not None and (state[1] < self.every or not self.auto):
@@ -140,7 +150,7 @@ class CodingRule:
         middle = time.perf_counter()
         entropy.decode(codec, coded, shape, dtype, self.coder)
         uncoded = entropy.capacity_nbytes(codec, shape, dtype)  # the message with every section raw
-        numbers = self.judge(uncoded, coded.numel(), middle - start, time.perf_counter() - middle)
+        numbers = self.judge(uncoded, coded.numel(), middle - start, time.perf_counter() - middle, rate_bps)
         self.state[key] = [numbers["pays"], 1]
         if not numbers["pays"]:
             if not self.auto and state is None:
@@ -151,12 +161,14 @@ class CodingRule:
                 return entropy.encode(codec, buf, shape, dtype, "raw")
         return coded
 
-    def judge(self, raw_nbytes: int, coded_nbytes: int, encode_s: float, decode_s: float) -> dict:
-        """The numbers of one timing (``raw_nbytes``: the message uncoded, ``coded_nbytes``: coded) and whether
-        coding pays."""
-        saved_s = 8.0 * (raw_nbytes - coded_nbytes) / self.rate_bps
+    def judge(self, raw_nbytes: int, coded_nbytes: int, encode_s: float, decode_s: float,
+              rate_bps: float | None = None) -> dict:
+        """The numbers of one timing (``raw_nbytes``: the message uncoded, ``coded_nbytes``: coded) at ``rate_bps``
+        (default: the link's now) and whether coding pays."""
+        rate_bps = self.rate_bps if rate_bps is None else rate_bps
+        saved_s = 8.0 * (raw_nbytes - coded_nbytes) / rate_bps
         self.last = {"raw": raw_nbytes, "coded": coded_nbytes, "encode_s": encode_s, "decode_s": decode_s,
-                     "saved_s": saved_s, "rate_bps": self.rate_bps, "pays": saved_s > encode_s + decode_s}
+                     "saved_s": saved_s, "rate_bps": rate_bps, "pays": saved_s > encode_s + decode_s}
         return self.last
 
     def describe(self, n: dict) -> str:
@@ -172,10 +184,10 @@ class FramingStep(Step):
     sizes and, on a receive end, the receive posted and not yet read (its coded size sizes the next one). An
     exact receive keeps nothing here: its length is its message's (``m.nbytes``)."""
 
-    def __init__(self, direction: str, peer: int, coder: str = entropy.DEFAULT_CODER, rate_bps: float | None = None,
-                 auto: bool = False):
+    def __init__(self, direction: str, peer: int, coder: str = entropy.DEFAULT_CODER,
+                 rate: float | Callable[[], float | None] | None = None, auto: bool = False):
         self.direction, self.peer, self.coder = direction, peer, coder
-        self.rule = CodingRule(coder, rate_bps, auto, f"{direction} link with rank {peer}")
+        self.rule = CodingRule(coder, rate, auto, f"{direction} link with rank {peer}")
         self.sizes = FrameSizes()
         self.pending: tuple[tuple, int] | None = None  # framed receive end: (key, capacity) of the posted receive
         self.coded_nbytes: int | None = None  # ... and the coded length its frame announced, once read

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -118,6 +119,11 @@ def link_boundary(config: TahConfig, direction: str, role: str, stage: Callable[
                      "pipeline's end (the interleaved schedule); per-boundary bits need 1F1B")
 
 
+def measured_rate(auto: AutoEnd) -> float | None:
+    """An ``auto`` link end's last measured rate (bit/s), None before its first measurement."""
+    return None if auto.rate is None else auto.rate.rate_bps
+
+
 def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth: Callable[[], int | None],
               stage: Callable[[], int | None], graphs, graph_log: set[str], trailer: bool,
               reply: Callable[[], Link], latency: dict[int, float], emulation=None) -> Link:
@@ -140,8 +146,11 @@ def open_link(config: TahConfig, direction: str, role: str, peer: int, *, depth:
         if evaluating is not None:  # both ends of the link build it alike: the receiver decodes what it encodes
             evaluating.salt_rounding(link_salt(direction, role, peer) + ":eval")
             link.eval_codec = place_codec(evaluating, config.tah_eager_codecs, graphs, graph_log)
-    if config.tah_entropy_coding:
-        link.steps.append(FramingStep(direction, peer, config.tah_entropy_coder, config.link_rate_bps,
+    if config.tah_entropy_coding:  # judged at the given rate, else at an auto link end's measured one
+        rate = config.link_rate_bps
+        if rate is None and link.auto is not None:
+            rate = functools.partial(measured_rate, link.auto)
+        link.steps.append(FramingStep(direction, peer, config.tah_entropy_coder, rate,
                                       auto=config.tah_entropy_when == "auto"))
     measure = config.is_auto("forward") or config.is_auto("backward")
     if trailer:

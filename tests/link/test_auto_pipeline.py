@@ -5,6 +5,7 @@ compressing codec on a slow emulated link."""
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -110,6 +111,13 @@ def _measured(rank, world_size):
         chosen[name] = {k: (link.auto.current, link.auto.rate and link.auto.rate.rate_bps)
                         for k, link in installed_transport().links.items() if link.role == "send"}
         megatron_tah.uninstall()
+    # coded: the lossless coder judged at the rate auto measures (no --tah-link-rate given)
+    megatron_tah.install(tah_forward_codec="auto", tah_backward_codec="auto", tah_backend="torch", tah_auto_interval=1,
+                         tah_entropy_coding=True, tah_entropy_when="auto")
+    losses = _train(_build(2, None, True, False, 4), 4)
+    chosen["coded"] = {k: (link.steps[0].rule.last, link.auto.rate and link.auto.rate.rate_bps, losses)
+                       for k, link in installed_transport().links.items() if link.role == "send"}
+    megatron_tah.uninstall()
     return chosen
 
 
@@ -121,7 +129,8 @@ def test_measured_rates_choose_compression_on_a_slow_link():
     machine (hadint4 chosen at 86-192 Mbit/s with a load average of 35-47, none on a quiet one), so the
     choice there is not asserted: ``test_auto_link`` checks that an unlimited link chooses none. Its rate is
     asserted only above twice the slow link's: a 16 KB message's time includes the receiver's scheduling,
-    4.6 Mbit/s measured with two training processes and this test on 2 cores."""
+    4.6 Mbit/s measured with two training processes and this test on 2 cores. With the lossless coder and
+    ``--tah-entropy-when auto`` (no link rate given) each sender judges the coder at the rate auto measured."""
     results = run_distributed(_measured, 2, env=ENV, timeout=600)
     for rank, chosen in enumerate(results):
         for (direction, _, _), (codec, rate) in chosen["slow"].items():
@@ -129,3 +138,9 @@ def test_measured_rates_choose_compression_on_a_slow_link():
     for rank, chosen in enumerate(results):
         for (direction, _, _), (codec, rate) in chosen["unlimited"].items():
             assert rate > 2.2e6, (rank, direction, codec, rate)  # above twice the slow link's 1.1 Mbit/s
+    for rank, chosen in enumerate(results):  # with the coder: judged at a rate auto measured, every message read
+        for (direction, _, _), (judged, rate, losses) in chosen["coded"].items():
+            assert judged is not None and judged["rate_bps"] > 2.2e6 and rate > 2.2e6, (rank, direction, judged)
+            assert judged["coded"] < judged["raw"]
+    last = [r["coded"][k][2] for r in results for k in r["coded"]]
+    assert any(all(math.isfinite(x) for step in losses for x in step) and losses for losses in last)

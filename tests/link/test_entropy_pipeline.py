@@ -253,7 +253,7 @@ def test_an_exact_message_is_its_length_and_coded_bytes_read_back_from_a_larger_
     link.steps[0].check_unbatched([0, 0], exact=True)
 
 
-def test_both_stages_must_agree_and_auto_is_refused():
+def test_both_stages_must_agree_and_auto_codes_judged_at_its_measured_rate():
     from megatron_tah.config import TahConfig
     from megatron_tah.link.handshake import config_record
 
@@ -269,8 +269,12 @@ def test_both_stages_must_agree_and_auto_is_refused():
             f", entropy-coded by {entropy.coder_identity(entropy.DEFAULT_CODER)}"
         assert "zstd (frame format" in coded[direction][1] and other[direction][1].endswith("by huffman (torch)")
         assert "constriction " in by_ans[direction][1] and by_ans[direction][0] != coded[direction][0]
-    with pytest.raises(ValueError, match="tah_entropy_coding with an auto direction"):
-        TahConfig(tah_forward_codec="auto", tah_entropy_coding=True)
+    both_auto = TahConfig(tah_forward_codec="auto", tah_backward_codec="auto", tah_entropy_coding=True,
+                          tah_entropy_when="auto")  # the rate auto measures judges the coder
+    assert both_auto.link_rate_bps is None and config_record(both_auto)["forward"][1].endswith(
+        f", entropy-coded by {entropy.coder_identity(entropy.DEFAULT_CODER)}")
+    with pytest.raises(ValueError, match="or let auto measure it"):  # a fixed direction has no rate to judge by
+        TahConfig(tah_forward_codec="auto", tah_entropy_coding=True, tah_entropy_when="auto")
 
 
 def test_frame_sizes_follow_the_links_recent_coded_sizes_within_the_capacity():
@@ -359,6 +363,27 @@ def test_auto_codes_a_links_messages_only_where_the_saved_wire_time_exceeds_the_
     assert numbers["coded"] < numbers["raw"] == uncoded  # coding saves bytes either way; time decides
     assert (coded_nbytes < uncoded) if pays else (coded_nbytes == uncoded)  # sent coded, or every section raw
     assert torch.equal(values, codec.decode(codec.encode(x), x.shape, x.dtype))  # the receiver reads both
+
+
+def test_an_auto_link_end_judges_the_coder_at_the_rate_auto_measured_and_a_given_rate_wins():
+    import types
+
+    from megatron_tah.config import TahConfig
+    from megatron_tah.link.transport import PipelineTransport
+    from megatron_tah.megatron.places import STREAMS
+    from megatron_tah.megatron.stats import Stats
+
+    config = TahConfig(tah_forward_codec="auto", tah_backward_codec="auto", tah_backend="torch",
+                       tah_entropy_coding=True, tah_entropy_when="auto")
+    link = PipelineTransport(config, Stats(STREAMS)).link("forward", "send", 1)
+    rule = link.steps[0].rule
+    assert link.auto is not None and link.auto.rate is None and rule.rate_bps is None  # not measured: coded
+    link.auto.rate = types.SimpleNamespace(rate_bps=2.5e6)
+    assert rule.rate_bps == 2.5e6 and rule.judge(1000, 500, 0.0, 0.0)["rate_bps"] == 2.5e6
+    given = TahConfig(**{**{f: getattr(config, f) for f in ("tah_forward_codec", "tah_backward_codec", "tah_backend",
+                                                             "tah_entropy_coding", "tah_entropy_when")},
+                         "tah_link_rate": "100mbit"})
+    assert PipelineTransport(given, Stats(STREAMS)).link("forward", "send", 1).steps[0].rule.rate_bps == 1e8
 
 
 def test_coding_left_on_where_it_does_not_pay_warns_with_the_numbers():
