@@ -1,10 +1,12 @@
-"""``python -m benchmarks.lossless``: how many of each preset's wire bytes a lossless coder after it would save.
+"""``python -m benchmarks.lossless``: how many of each preset's wire bytes the lossless coder after it saves.
 
 A codec buffer has a fixed size (``wire_nbytes``), but its codes are not uniformly distributed, so an
-entropy coder after the codec would carry the same buffer in fewer bytes. Lossless: the decoded tensor is
-bit-identical, so a codec's steps to a target loss (docs/SPEEDRUN.md) would not change, only its bytes.
-Nothing of this is built (the transport posts fixed-size receives); this measures what it would be worth,
-and what a coder on the host (``zlib``) would cost against it (``host_zlib``),
+entropy coder after the codec carries the same buffer in fewer bytes (``--tah-entropy-coding``:
+``megatron_tah.codecs.core.entropy``). Lossless: the decoded tensor is bit-identical, so a codec's steps to a
+target loss (docs/SPEEDRUN.md) do not change, only its bytes. This measures what each coder sends and costs
+(``--coders``: every coder of ``entropy.CODERS``, its size against the order-0 bound, its encode and decode time and
+the link rate below which it pays), what the default coder and ``zlib`` on the host cost against what they save
+(``host_entropy``, ``host_zlib``) and the projected T with the coded bytes and the coder's time (``projected``),
 on real models' messages (``benchmarks.real_activations``: SmolLM2-135M's hidden states after the layers
 where PP 4 cuts it, and the gradients of its language-model loss with respect to them), per preset and
 direction (the forward codec on the hidden state, the backward codec on its gradient):
@@ -12,6 +14,7 @@ direction (the forward codec on the hidden state, the backward codec on its grad
 * ``order0``: the buffer's order-0 entropy section by section (``buffer_entropy_bits``): a packed-code
   section as symbols of its codec's bits, every other section (scales, zero points, the basis) and the
   header as bytes. What a static per-section entropy coder (Huffman, ANS) approaches, its tables excluded.
+* ``coded``: what ``entropy.encode`` with its default coder sends (tables and mode bytes included);
 * ``zlib``: the whole buffer through the standard library's ``zlib`` at level 9 (a byte-wise coder on
   bit-packed codes: a library's result, not a bound).
 
