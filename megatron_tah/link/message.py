@@ -24,9 +24,9 @@
 
   Finished messages leave at the next call, so the outbox holds at most about one iteration's messages, with or
   without Megatron's iteration.
-* A complete receive's length (``Message.read_length``): its link end's steps say how much of it the message filled
-  (``Step.received_nbytes``: an exact message is shorter than its receive, ``frames.py``) and how many bytes
-  follow it as a second message (``Step.follow_nbytes``: a framed message's overflow).
+* A complete receive's length (``Message.read_length``): its link end's steps say how much of it the message
+  filled (``Step.received_nbytes``: an exact message is shorter than its receive, ``frames.py``) and how many
+  bytes follow it as a second message (``Step.follow_nbytes``: a framed message's overflow).
 * Second messages (``post_rests``): those of one batched call, once its messages are complete, in one batch
   posted in the same order on both ends -- activations first, then gradients, each in the call's message order;
   gloo also tags them by direction (``rest_tag``), NCCL matches them by that order. Each ``Work`` belongs to its
