@@ -28,7 +28,7 @@ and ~40 s of start-up per run; 4 layers of hidden 256..1600 take 0.2-0.3 s per 8
               within [0.5, 1.1] x that rate; ``handshake.link_latency`` on the loopback below 5 ms.
 ``laaq``      one megatron-core layer (local spec, rotary, 4096 tokens): every saved tensor's type, dtype,
               shape and fate logged; only activations packed; input and weight gradients against LAAQ off.
-``entropy``   each lossless coder (``codecs/core/entropy.py``: huffman on the device, ans through a host copy) on
+``entropy``   each lossless coder (``codecs/core/entropy.py``: huffman on the device, zstd and ans through a host copy) on
               ``lowrank``'s and ``channel_h4``'s buffers of the ProtocolNanoGPT message ``[1024, 8, 1024]``: decoded bit for bit; encode and decode timed (the
               median of ``ENTROPY_REPEATS``) with their peak memory: what docs/CODECS.md has not measured.
 
@@ -671,7 +671,7 @@ def step_entropy(ctx: Context):
         for direction, codec, message in (("forward", config.forward_codec(), x),
                                           ("backward", config.backward_codec(), x * 1e-3)):
             buf = codec.encode(message)
-            for coder in entropy.CODERS:  # huffman on the device; ans through a host copy
+            for coder in entropy.CODERS:  # huffman on the device; zstd and ans through a host copy
                 times: dict[str, list[float]] = {"encode": [], "decode": []}
                 if ctx.cuda:
                     torch.cuda.reset_peak_memory_stats()

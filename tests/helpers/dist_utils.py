@@ -123,7 +123,8 @@ def _worker(rank, world_size, init_file, fn, args, kwargs, env, threads, results
 
 # what the fork server imports once (first: it dies with the test process, even while importing the rest)
 SERVER_PRELOAD = ("tests.helpers.server_dies_with_parent", "megatron.core", "megatron.training")
-RUNTIME_ONLY = ("PYTEST_CURRENT_TEST",)  # variables that change between tests and that no import reads
+RUNTIME_ONLY = ("PYTEST_CURRENT_TEST", "TAH_FORK_SERVER_PARENT")  # variables that change between tests and that no
+# import reads (the second: the fork server's parent check, rank_entry.PARENT_VARIABLE)
 _server_env: dict = {}  # the environment the fork server imported under, once it runs
 SUITE_SET = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE")}
 """The variables ``tests/conftest.py`` set for the whole suite, as it set them (this module is imported as tests are
@@ -160,7 +161,10 @@ def _context(env: dict, preload: tuple):
         return {k: v for k, v in variables.items() if k not in RUNTIME_ONLY}
 
     if not _server_env:
+        from tests.helpers.rank_entry import PARENT_VARIABLE
+
         with _suite_variables():
+            os.environ[PARENT_VARIABLE] = str(os.getpid())  # the server checks its parent is still this process
             mp.get_context("forkserver").set_forkserver_preload(list(SERVER_PRELOAD))
             forkserver.ensure_running()
             _server_env.update(imported_under(os.environ))

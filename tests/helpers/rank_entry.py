@@ -20,6 +20,7 @@ import time
 PR_SET_PDEATHSIG = 1
 WATCH_S = 0.5
 FOLDER_PREFIX = "tah_dist_"  # a run's temporary folder: tah_dist_<test pid>_*
+PARENT_VARIABLE = "TAH_FORK_SERVER_PARENT"  # the test process's pid, set as it starts the fork server
 
 
 def die_with_parent() -> None:

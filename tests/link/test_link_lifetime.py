@@ -257,5 +257,8 @@ def test_what_a_link_holds_stays_bounded_over_many_iterations(known):
             assert max(h["handles"] for h in held) <= 2 and max(h["works"] for h in held) <= 2, (rank, name)
             assert held[-1]["messages"] <= max(h["messages"] for h in held[:5]), (rank, name, held)
             staging = [h["staging"] for h in held]
-            assert staging[-1] == staging[2 * iterations // 3] > 0, (rank, name, staging)  # no more made late on
+            # few made late on: entropy-coded lengths vary, so a size class not seen yet may still show (a buffer or
+            # two); a buffer made per message would add several every iteration
+            assert staging[2 * iterations // 3] > 0 and staging[-1] - staging[iterations // 3] <= 2, \
+                (rank, name, staging)
             assert held[-1]["frames"] == 0  # gloo: exact lengths, no frame sizes kept

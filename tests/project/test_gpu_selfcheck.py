@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_tah.codecs.core import entropy
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_selfcheck.py"
 
@@ -179,9 +181,9 @@ def test_the_cpu_steps_pass_end_to_end(tmp_path):
     assert not any(e["packed"] and e["shape"][-1] == 1 for e in saved)
     coded = json.loads((tmp_path / "cpu-selfcheck" / "entropy" / "entropy.json").read_text())
     assert [(r["preset"], r["direction"], r["coder"]) for r in coded] == [
-        (p, d, c) for p in ("lowrank", "channel_h4") for d in ("forward", "backward") for c in ("ans", "huffman")]
+        (p, d, c) for p in ("lowrank", "channel_h4") for d in ("forward", "backward") for c in entropy.CODERS]
     assert all(r["exact"] and r["coded_nbytes"] < r["wire_nbytes"] and r["decode_ms"] > 0 for r in coded)
-    assert "64x2x128: lowrank forward ans:" in record["steps"][2]["detail"]
+    assert "64x2x128: lowrank forward zstd:" in record["steps"][2]["detail"]
 
 
 def test_the_kernel_step_runs_every_kernel_test_file(selfcheck):
