@@ -127,4 +127,25 @@ def table(rows_: list[dict], host: str, command: str) -> str:
             lines.append(f"| {r['preset']} | {r['direction']} | `{r['shape']}` | {r['raw']:,.0f} | {r['order0']:,.0f} | "
                          f"{coder} | {c['coded']:,.0f} | {c['coded'] / r['order0']:.4f} | {c['encode_ms']:.2f} | "
                          f"{c['decode_ms']:.2f} | {c['mb_s']:.1f} | {_rate(c['break_even_bps'])} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", summary(rows_)])
+
+
+def _span(values, digits: int) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.{digits}f}" if round(low, digits) == round(high, digits) else f"{low:.{digits}f}-{high:.{digits}f}"
+
+
+def summary(rows_: list[dict]) -> str:
+    """The table in one line per coder: its size against the bound per shape, its speed and where it pays."""
+    coders = list(rows_[0]["coders"]) if rows_ else []
+    shapes = sorted({tuple(r["shape"]) for r in rows_}, reverse=True)
+    lines = []
+    for coder in coders:
+        sizes = "; ".join(
+            f"`{list(shape)}` {_span([r['coders'][coder]['coded'] / r['order0'] for r in rows_ if tuple(r['shape']) == shape], 4)}"
+            for shape in shapes)
+        speed = _span([r["coders"][coder]["mb_s"] for r in rows_], 1)
+        pays = [r["coders"][coder]["break_even_bps"] for r in rows_]
+        lines.append(f"- `{coder}`: {sizes} of the order-0 bound; {speed} MB/s; pays below "
+                     f"{_rate(min(pays))} to {_rate(max(pays))}.")
+    return "In sum (every row above):\n\n" + "\n".join(lines)

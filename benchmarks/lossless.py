@@ -221,8 +221,8 @@ def table(result: dict) -> str:
              f"state after layers {', '.join(map(str, result['cuts']))} and its backward codec on the language-model "
              f"loss's gradient there (`[{result['tokens']}, 1, hidden]` bf16; means over the cuts). Bits per value; "
              "*order-0*: each section's order-0 entropy (codes as symbols of their bits, the rest as bytes); "
-             f"*coded*: what `megatron_tah.codecs.core.entropy` sent with its default coder ({entropy.DEFAULT_CODER}: "
-             "every section ANS-coded under its own symbol counts, tables included; decoded back bit for bit); "
+             f"*coded*: what `megatron_tah.codecs.core.entropy` sent with its default coder (`{entropy.DEFAULT_CODER}`, "
+             "each section coded on its own, its tables included; decoded back bit for bit); "
              "*zlib*: the buffer through zlib level 9.", "",
              "| preset | direction | codec | wire bits | order-0 | saved | coded | saved | zlib | saved |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]

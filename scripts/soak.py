@@ -6,6 +6,7 @@ its passes, failures and hangs.
     python scripts/soak.py --runs 20 tests/link/test_entropy_pipeline.py tests/link/test_peer_timeout.py
     python scripts/soak.py --runs 3 --hogs 2 --timeout 1800 --json runs/soak.json
     python scripts/soak.py --budget-minutes 30               # as many runs as fit in 30 minutes, round-robin
+    python scripts/soak.py --budget-minutes 150 --json runs/soak.json --resume   # go on where the last soak stopped
 
 Each round runs each selected test once (in turn: the load varies alike for all), a file's tests in one
 ``python -m pytest`` in a session of its own, while ``--hogs`` busy loops run beside it (one by default: on
@@ -22,6 +23,11 @@ before any runs twice (the table's runs column says how often each ran; at most 
   multi-process run's temporary folder (``tah_dist_<its pid>_*``) was still there (removed then); the
   table counts the runs. Until then the session's processes may end by themselves: pytest's children's
   children (multiprocessing's fork server and resource tracker) outlive it by a second or two.
+
+With ``--json`` every run's record (round, test, verdict, seconds, left, the commit it ran at) is written there
+after each pytest (to a temporary name, then renamed: a killed soak leaves the last whole file); ``--resume``
+reads it and runs only the (round, test) pairs it lacks, so a soak longer than a working session goes on across
+sessions, and the table covers every recorded run.
 
 SIGTERM or SIGINT stops the soak: the running pytest's session and the hogs are killed, the table of the runs so
 far printed, exit status 130. A failed or hung run's output is kept in ``--logs`` (default ``runs/soak/``). Exit
@@ -139,19 +145,42 @@ def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0
     return [dict(found.get(test.split("::")[-1], missing), test=test, left=len(left)) for test in tests]
 
 
-def schedule(tests: list[str], runs: int, budget: bool) -> list[tuple[int, list[str]]]:
+def schedule(tests: list[str], runs: int, budget: bool, done: set[tuple[int, str]] = frozenset()
+             ) -> list[tuple[int, list[str]]]:
     """(round, the tests of one pytest) in the order they run: per round each file's tests together, or with a
-    budget each test alone, round-robin."""
+    budget each test alone, round-robin; the (round, test) pairs in ``done`` (an earlier soak's) left out."""
     order = []
     for round_ in range(1, runs + 1):
+        todo = [test for test in tests if (round_, test) not in done]
         if budget:
-            order += [(round_, [test]) for test in tests]
+            order += [(round_, [test]) for test in todo]
         else:
             units: dict[str, list[str]] = {}
-            for test in tests:
+            for test in todo:
                 units.setdefault(test.split("::")[0], []).append(test)
             order += [(round_, unit) for unit in units.values()]
     return order
+
+
+def commit() -> str:
+    """The checkout's commit (``unknown`` outside git)."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def read_records(path: Path | None) -> list[dict]:
+    """The runs an earlier soak recorded in ``path`` (none when it is absent)."""
+    if path is None or not path.exists():
+        return []
+    return json.loads(path.read_text())["runs"]
+
+
+def write_records(path: Path, runs: list[dict], hogs: int) -> None:
+    """``runs`` to ``path`` whole: a temporary name, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"runs": runs, "hogs": hogs}, indent=1))
+    os.replace(partial, path)
 
 
 def table(runs: list[dict], tests: list[str]) -> str:
@@ -179,12 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--marker", default="distributed", help="pytest marker expression selecting the tests")
     parser.add_argument("--logs", type=Path, default=REPO / "runs" / "soak", help="where failed runs' output goes")
     parser.add_argument("--json", type=Path, help="write every run's record here too")
+    parser.add_argument("--resume", action="store_true", help="go on from the runs --json holds: run only the "
+                        "(round, test) pairs it lacks; the table covers them all")
     parser.add_argument("--budget-minutes", type=float, help="start no run after this many minutes; the tests run "
                         "one at a time, round-robin, so every test is sampled before any runs twice")
     parser.add_argument("--settle-s", type=float, default=10.0, help="seconds a file's processes get to end after "
                         "pytest (fork server, resource tracker) before they count as left")
     args = parser.parse_args(argv)
+    if args.resume and args.json is None:
+        parser.error("--resume needs --json FILE (the records to go on from)")
     tests = collect(args.paths, args.marker)
+    earlier = read_records(args.json) if args.resume else []
+    here = commit()
     args.logs.mkdir(parents=True, exist_ok=True)
     budget = f", a budget of {args.budget_minutes:g} min" if args.budget_minutes is not None else ""
     print(f"soak: {len(tests)} tests x {args.runs} rounds, {args.hogs} CPU hog(s), {args.timeout:.0f} s each{budget}",
@@ -196,17 +231,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     signal.signal(signal.SIGINT, _interrupted)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
-    runs, interrupted = [], False
+    runs, interrupted = list(earlier), False
+    if earlier:
+        print(f"soak: {len(earlier)} runs recorded in {args.json} go on counting", flush=True)
     try:
         began = time.monotonic()
-        for round_, unit in schedule(tests, args.runs, args.budget_minutes is not None):
+        done = {(r["round"], r["test"]) for r in earlier}
+        for round_, unit in schedule(tests, args.runs, args.budget_minutes is not None, done):
             if args.budget_minutes is not None and time.monotonic() - began > 60 * args.budget_minutes:
-                print(f"soak: the budget of {args.budget_minutes:g} min is spent after {len(runs)} runs", flush=True)
+                print(f"soak: the budget of {args.budget_minutes:g} min is spent after {len(runs) - len(earlier)} "
+                      "runs", flush=True)
                 break
             log = args.logs / f"{unit[0].split('::')[0].replace('/', '_')}.{round_}.{len(runs)}.log"
             results = run_unit(unit, args.timeout * len(unit), log, args.settle_s)
             for run in results:
-                run["round"] = round_
+                run["round"], run["commit"] = round_, here
                 runs.append(run)
                 print(f"[{time.strftime('%H:%M:%S')}] round {round_}: {run['verdict']:6s} {run['seconds']:6.0f} s"
                       f"{'  left ' + str(run['left']) if run['left'] else ''}  {run['test']}", flush=True)
@@ -214,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.unlink()
                 log.with_suffix(".xml").unlink(missing_ok=True)
             if args.json:
-                args.json.write_text(json.dumps({"runs": runs, "hogs": args.hogs}, indent=1))
+                write_records(args.json, runs, args.hogs)
     except KeyboardInterrupt as err:
         interrupted = True
         print(f"soak: stopped by {err or 'SIGINT'} after {len(runs)} runs", flush=True)

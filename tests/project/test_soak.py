@@ -5,6 +5,7 @@ Fake ``distributed`` tests in a temporary folder, soaked for real with short bou
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -76,6 +77,22 @@ def test_healthy_tests_pass_once_their_fork_server_has_ended(fake, tmp_path):
     assert "| 2 | 2 | 0 | 0 | 0 | 0 |" in out, out  # 2 runs, 2 passed, no failure, hang, skip or leftover
 
 
+def test_a_resumed_soak_runs_only_the_rounds_its_records_lack_and_counts_them_all(fake, tmp_path):
+    records = tmp_path / "soak.json"
+    proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "60", "--json", str(records))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    first = json.loads(records.read_text())["runs"]
+    assert [r["round"] for r in first] == [1, 1] and all(r["commit"] for r in first)
+    proc = _soak(fake, tmp_path, "--runs", "2", "--timeout", "60", "--json", str(records), "--resume")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "2 runs recorded" in out and out.count("round 2: passed") == 2 and "round 1: " not in out, out
+    assert "| 2 | 2 | 0 | 0 | 0 | 0 |" in out, out  # each test: round 1 recorded, round 2 run now
+    assert sorted(r["round"] for r in json.loads(records.read_text())["runs"]) == [1, 1, 2, 2]
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_a_hanging_test_makes_the_soak_fail(fake, tmp_path):
     proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "5", "--settle-s", "2", hang=True)
     out, _ = proc.communicate(timeout=300)
@@ -110,6 +127,9 @@ def test_a_budget_samples_every_test_before_any_runs_twice(runs):
     assert soak.schedule(tests, runs, budget=True)[:4] == [(1, ["a.py::x"]), (1, ["a.py::y"]), (1, ["b.py::z"]),
                                                            (2, ["a.py::x"])]
     assert soak.schedule(tests, 1, budget=False) == [(1, ["a.py::x", "a.py::y"]), (1, ["b.py::z"])]
+    done = {(1, "a.py::x"), (1, "b.py::z"), (2, "a.py::y")}
+    assert soak.schedule(tests, 2, budget=False, done=done) == [(1, ["a.py::y"]), (2, ["a.py::x"]), (2, ["b.py::z"])]
+    assert soak.schedule(tests, 2, budget=True, done=done)[:2] == [(1, ["a.py::y"]), (2, ["a.py::x"])]
 
 
 def test_only_the_soaks_own_run_folders_count_as_left_and_are_removed(tmp_path, monkeypatch):

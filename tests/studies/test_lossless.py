@@ -131,3 +131,19 @@ def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_ti
                                                                               + 1 / row["decompress_mb_s"]))
     text = host_entropy_text(h, "test cpu")
     assert f"{entropy.DEFAULT_CODER} coder on test cpu ({h['threads']} thread" in text and f"it saves {h['forward']['saved']:.0%}" in text
+
+
+def test_the_coders_summary_gives_each_coders_span_per_shape_from_the_rows():
+    from benchmarks import coders
+
+    def row(shape, order0, coded, mb_s, bps):
+        return {"preset": "p", "direction": "forward", "shape": shape, "raw": 2 * order0, "order0": order0,
+                "coders": {"zstd": {"coded": coded, "encode_ms": 1.0, "decode_ms": 1.0, "mb_s": mb_s,
+                                    "break_even_bps": bps}}}
+
+    rows = [row([1024, 1, 576], 1000, 990, 100.0, 5e7), row([128, 1, 576], 100, 101, 50.0, 2e8),
+            row([128, 1, 576], 200, 203, 80.0, 3e8)]
+    text = coders.summary(rows)
+    assert "`zstd`: `[1024, 1, 576]` 0.9900; `[128, 1, 576]` 1.0100-1.0150 of the order-0 bound" in text
+    assert "50.0-100.0 MB/s; pays below 50.0 Mbit/s to 300.0 Mbit/s" in text
+    assert text in coders.table(rows, "host", "cmd")

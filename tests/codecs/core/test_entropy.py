@@ -266,13 +266,13 @@ def test_a_truncated_lengthened_or_corrupted_zstd_section_is_an_error_never_garb
         if not section or coded[first] == entropy.RAW:
             first += size + section
         else:
-            first += 5 + int.from_bytes(bytes(coded[first + 1 : first + 5].tolist()), "little")
+            first += 6 + int.from_bytes(bytes(coded[first + 2 : first + 6].tolist()), "little")
     assert coded[first] == zstd.MODE
     for cut in (1, 10, coded.numel() // 2):
         with pytest.raises(WireFormatError, match="ends at|need|past the buffer|not a valid frame"):
             entropy.decode(codec, coded[:-cut], shape, x.dtype, "zstd")
     longer = coded.clone()
-    longer[first + 1] += 1  # the frame claims one byte more: the checks or the frame refuse it
+    longer[first + 2] += 1  # the frame claims one byte more: the checks or the frame refuse it
     with pytest.raises(WireFormatError):
         entropy.decode(codec, longer, shape, x.dtype, "zstd")
     caught = 0
@@ -285,9 +285,32 @@ def test_a_truncated_lengthened_or_corrupted_zstd_section_is_an_error_never_garb
     assert caught >= 18
     wide = np.frombuffer(zstandard.ZstdCompressor(write_checksum=True).compress(
         bytes([200]) * 4), dtype=np.uint8)  # 4 symbols, one above 6 bits: a valid frame, not this section's codes
-    section = np.concatenate([np.array([zstd.MODE, *len(wide).to_bytes(4, "little")], np.uint8), wide])
+    section = np.concatenate([np.array([zstd.MODE, 1, *len(wide).to_bytes(4, "little")], np.uint8), wide])
     with pytest.raises(WireFormatError, match="above 6 bits"):
         zstd.decode_section(section, 0, 3, 3)
+
+
+def test_a_zstd_byte_section_of_16_bit_scales_goes_as_two_planes_and_comes_back():
+    scales = (torch.rand(1152, generator=torch.Generator().manual_seed(0)) * 0.03 + 1e-3).to(torch.bfloat16)
+    raw = scales.view(torch.uint8).numpy()
+    coded = zstd.encode_section(raw, 8)
+    assert coded[0] == zstd.MODE and coded[1] == 2  # sign-and-exponent bytes apart from mantissa bytes: smaller
+    back, used = zstd.decode_section(coded, 0, raw.size, 8)
+    assert used == coded.size and np.array_equal(back, raw)
+    in_order = zstandard.ZstdCompressor(level=zstd.LEVEL, write_checksum=True, write_content_size=True).compress(
+        raw.tobytes())
+    assert coded.size - 6 < len(in_order)
+    codes = zstd.encode_section(np.random.default_rng(0).integers(0, 8, 768, dtype=np.uint8), 8)
+    assert codes[1] in zstd.PLANES
+    for planes, size, bits in ((3, raw.size, 8), (0, raw.size, 8), (2, raw.size - 1, 8)):
+        bad = coded.copy()
+        bad[1] = planes
+        with pytest.raises(WireFormatError, match="planes byte"):
+            zstd.decode_section(bad, 0, size, bits)
+    frame = np.frombuffer(zstandard.ZstdCompressor(write_checksum=True).compress(bytes(6)), dtype=np.uint8)
+    three_bit = np.concatenate([np.array([zstd.MODE, 2, *len(frame).to_bytes(4, "little")], np.uint8), frame])
+    with pytest.raises(WireFormatError, match="planes byte 2"):  # planes only for a byte section
+        zstd.decode_section(three_bit, 0, 6, 3)
 
 
 def test_a_chunk_whose_codes_do_not_fill_it_is_an_error():
