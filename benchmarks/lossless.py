@@ -279,12 +279,13 @@ def _pays(h: dict) -> bool:
 
 
 def host_zlib_text(h: dict, host: str) -> str:
-    """The host coder's cost against its saving, one sentence per direction."""
+    """zlib's cost on the whole buffer against its saving, one sentence per direction: the general-purpose
+    yardstick the entropy coder below is measured against."""
     pays = _pays(h)
-    return (f"A coder on the host {'pays' if pays else 'does not pay'}. zlib at level {h['level']} (its fastest) on "
-            f"one core of {host}, per `{h['preset']}` message at `[1024, 8, 1024]`: " + _cost_parts(h, "zlib") + "."
-            + ("" if pays else " A coder has to run where the codec runs, on the GPU, at a rate far above the "
-               "link's."))
+    return (f"zlib on the whole buffer {'pays' if pays else 'does not pay'}. zlib at level {h['level']} (its fastest) "
+            f"on one core of {host}, per `{h['preset']}` message at `[1024, 8, 1024]`: " + _cost_parts(h, "zlib")
+            + ". It sees the codes bit-packed, where they straddle bytes; the entropy coder below codes them as "
+            "symbols.")
 
 
 def host_entropy_text(h: dict, host: str) -> str:
