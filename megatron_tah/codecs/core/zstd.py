@@ -3,11 +3,11 @@
 A packed-code section is unpacked to symbols of ``symbol_bits(bits)`` bits, one per byte: 1-, 2-, 4- and 8-bit
 codes stay the section's own bytes (several codes to a byte), 3-bit codes go in pairs and 6-bit codes alone as
 6-bit symbols (every 3 bytes of the little-endian bit stream are 4 symbols), 5- and 7-bit codes alone. Any other
-section goes as its bytes, in order or as two byte planes (its even bytes, then its odd bytes), whichever frame is
-smaller: a section of 16-bit scales has a sign-and-exponent byte of a few values beside a mantissa byte of many,
-and apart their order-0 entropies sum to less than theirs mixed (measured on ``lowrank_h3_rn``'s scale section of a
-``[128, 1, 576]`` message: 1634 bytes in order, 1394 as planes). That byte stream goes through the zstd library (PyPI ``zstandard``, level ``LEVEL``):
-on such a stream zstd's Huffman literal coder comes close to the symbols' order-0 entropy (on a bit-packed stream,
+section goes as its bytes, in order or, where its odd bytes span few values (``PLANES_SPREAD``), as two byte planes
+(its even bytes, then its odd bytes): a section of 16-bit scales has a sign-and-exponent byte of a few values beside
+a mantissa byte of many, and apart their order-0 entropies sum to less than theirs mixed (measured on
+``lowrank_h3_rn``'s scale section of a ``[128, 1, 576]`` message: 1634 bytes in order, 1394 as planes). That byte
+stream goes through the zstd library (PyPI ``zstandard``, level ``LEVEL``): on such a stream zstd's Huffman literal coder comes close to the symbols' order-0 entropy (on a bit-packed stream,
 where codes straddle bytes, it cannot), at about a GB/s; most of this coder's time is numpy's unpacking and packing.
 
 Why beside ``ans`` (``ans.py``): measured on this project's 2-core CPU, one thread, on ``lowrank_h3_rn``'s buffers of
@@ -41,6 +41,9 @@ MODE = 3
 LEVEL = 1  # zstd's fastest positive level: the literals are Huffman-coded (the negative levels leave them raw)
 IDENTITY = "zstd (frame format 1, byte planes)"  # what the handshake compares: the format, not the library's version
 PLANES = (1, 2)  # the symbols in order; a byte section as its even bytes, then its odd bytes
+# A byte section goes as planes where its odd bytes span fewer values than this: the high bytes of 16-bit scales
+# (sign and exponent) span a few, a section of 8-bit codes spans about all 256. One frame a section, chosen before.
+PLANES_SPREAD = 64
 _HEAD = 6  # mode byte, planes byte and frame length
 _LOCAL = threading.local()  # a compression and a decompression context per thread (zstd's contexts are not shared)
 
@@ -108,28 +111,23 @@ def pack(symbols: np.ndarray, bits: int, nbytes: int) -> np.ndarray:
     return words.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :bits].reshape(-1)[:nbytes]
 
 
-def _planes(raw: np.ndarray) -> np.ndarray:
+def _planes(raw: np.ndarray) -> bytes:
     """A byte section of even size as two planes: its even bytes, then its odd bytes."""
-    return np.concatenate([raw[0::2], raw[1::2]])
+    return raw.reshape(-1, 2).T.tobytes()
 
 
-def _interleave(planes: np.ndarray) -> np.ndarray:
+def _interleave(planes: bytes) -> np.ndarray:
     """``_planes``' inverse."""
-    out = np.empty_like(planes)
-    half = planes.size // 2
-    out[0::2], out[1::2] = planes[:half], planes[half:]
-    return out
+    return np.frombuffer(planes, dtype=np.uint8).reshape(2, -1).T.reshape(-1)
 
 
 def encode_section(raw: np.ndarray, bits: int) -> np.ndarray:
     """Section ``raw`` (uint8, a whole number of ``bits``-bit codes) coded (format above), mode byte first: a byte
-    section (``bits`` 8) of even size in order or as two planes, whichever is smaller."""
+    section (``bits`` 8) of even size as two planes where its odd bytes span fewer than ``PLANES_SPREAD`` values."""
     compress, _ = _contexts()
-    planes, frame = 1, compress.compress(np.ascontiguousarray(unpack(raw, bits)).tobytes())
-    if bits == 8 and raw.size % 2 == 0:
-        split = compress.compress(_planes(raw).tobytes())
-        if len(split) < len(frame):
-            planes, frame = 2, split
+    high = raw[1::2] if bits == 8 and raw.size and raw.size % 2 == 0 else None
+    planes = 2 if high is not None and int(high.max()) - int(high.min()) < PLANES_SPREAD else 1
+    frame = compress.compress(_planes(raw) if planes == 2 else np.ascontiguousarray(unpack(raw, bits)).tobytes())
     head = np.array([MODE, planes, *len(frame).to_bytes(4, "little")], dtype=np.uint8)
     return np.concatenate([head, np.frombuffer(frame, dtype=np.uint8)])
 
@@ -157,9 +155,9 @@ def decode_section(data: np.ndarray, at: int, size: int, bits: int) -> tuple[np.
         raise WireFormatError(f"zstd-coded section at byte {at}: not a valid frame ({err})") from None
     if len(out) != n:
         raise WireFormatError(f"zstd-coded section at byte {at}: {len(out)} symbols, its {size} bytes hold {n}")
-    symbols = np.frombuffer(out, dtype=np.uint8)
     if planes == 2:
-        return _interleave(symbols), end - at
+        return _interleave(out), end - at
+    symbols = np.frombuffer(out, dtype=np.uint8)
     if width < 8 and int(symbols.max(initial=0)) >> width:
         raise WireFormatError(f"zstd-coded section at byte {at}: a symbol above {width} bits (corrupted)")
     return pack(symbols, bits, size), end - at
