@@ -45,6 +45,9 @@ class Stage:
     """What must land first (text, for the page)."""
     added: str = ""
     """For a stage added after the plan's first results: when and after what (the page marks it)."""
+    tag: str = ""
+    """A pipeline stage's run-name suffix (``runs.pipeline_name``): the same codec, seed and depth as an earlier
+    stage's, run again (under another coder)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +71,14 @@ class Plan:
                 return s
         raise KeyError(f"{self.path}: no stage {name!r} (stages: {', '.join(s.name for s in self.stages)})")
 
-    def run_names(self, stage: Stage) -> list[str]:
+    @staticmethod
+    def run_names(stage: Stage) -> list[str]:
         """The names of an emulated or pipeline stage's runs, seed-major (bf16 once per seed, whatever the depth)."""
         names = []
         for seed in stage.seeds:
             for depth in stage.depths:
                 for codec in stage.codecs:
-                    name = runs.pipeline_name(codec, seed, depth) if stage.kind == "pipeline" else \
+                    name = runs.pipeline_name(codec, seed, depth, stage.tag) if stage.kind == "pipeline" else \
                         runs.run_name(codec, seed, depth)
                     if name not in names:
                         names.append(name)
@@ -154,9 +158,13 @@ def load(path: Path = PLAN) -> Plan:
             raise _fail(path, f"stage {name}: a pipeline check needs `exit` within {size.eval_from}..{size.iters}")
         stages.append(Stage(name, entry.get("what", ""), kind, codecs, tuple(int(s) for s in entry.get("seeds", seeds)),
                             depths, None if exit_step is None else int(exit_step), tuple(entry.get("flags", ())),
-                            entry.get("steps"), entry.get("after", ""), entry.get("added", "")))
+                            entry.get("steps"), entry.get("after", ""), entry.get("added", ""), entry.get("tag", "")))
     if len({s.name for s in stages}) != len(stages):
         raise _fail(path, "two stages share a name")
+    named = [n for s in stages if s.kind == "pipeline" for n in Plan.run_names(s)]
+    if len(set(named)) != len(named):
+        raise _fail(path, "two pipeline stages run the same codec, seed and depth under one name: give the later a "
+                    "`tag`")
     return Plan(path, raw["name"], str(raw["registered"]), size, seeds, target_step, points, dict(raw["rule"]),
                 dict(raw.get("budget", {})), tuple(stages), raw.get("schedule", ""), raw.get("machine", ""))
 
@@ -177,7 +185,7 @@ def stage_runs(plan: Plan, stage: Stage, model_dir: Path, data: dict[str, str], 
             for codec in stage.codecs:
                 if stage.kind == "pipeline":
                     todo.append(runs.pipeline_run(codec, seed, plan.size, model_dir, data, depth, flags=stage.flags,
-                                                  exit=stage.exit))
+                                                  exit=stage.exit, tag=stage.tag))
                 else:
                     todo.append(runs.train_run(codec, seed, plan.size, model_dir, data, out, depth))
     seen, unique = set(), []

@@ -375,10 +375,11 @@ def _hidden(out: Path) -> int:
     return int(flags[flags.index("--hidden-size") + 1])
 
 
-def pipeline_check(out: Path, codec: str, seeds: list[int], curves: dict, depth: int) -> dict:
+def pipeline_check(out: Path, codec: str, seeds: list[int], curves: dict, depth: int, name: str | None = None) -> dict:
     """The real pipeline's validation curves (both evaluations) against the emulated run of the same codec and seed,
-    on the iterations both validated, beside the spread between the emulated seeds there."""
-    records = read_log(out / f"{runs.pipeline_name(codec, seeds[0], depth)}.jsonl")
+    on the iterations both validated, beside the spread between the emulated seeds there; ``name``: the pipeline
+    run's (default ``runs.pipeline_name`` without a tag)."""
+    records = read_log(out / f"{name or runs.pipeline_name(codec, seeds[0], depth)}.jsonl")
     emulated_name = runs.run_name(codec, seeds[0], depth)
     found = {"codec": codec, "seed": seeds[0], "depth": depth,
              "ms": statistics.median([r["ms"] for r in records if r.get("ms")] or [0.0])}

@@ -229,9 +229,10 @@ def run_name(codec: str, seed: int, depth: int | None = None) -> str:
     return f"train_{codec}_s{seed}" if codec == "bf16" else f"train_{codec}_d{depth}_s{seed}"
 
 
-def pipeline_name(codec: str, seed: int, depth: int) -> str:
-    """``pipeline_<codec>_d<depth>_s<seed>``: a real pipeline run (:func:`pipeline_run`)."""
-    return f"pipeline_{codec}_d{depth}_s{seed}"
+def pipeline_name(codec: str, seed: int, depth: int, tag: str = "") -> str:
+    """``pipeline_<codec>_d<depth>_s<seed>[_<tag>]``: a real pipeline run (:func:`pipeline_run`); ``tag`` tells apart
+    a stage that runs the same codec, seed and depth again (under another coder)."""
+    return f"pipeline_{codec}_d{depth}_s{seed}" + (f"_{tag}" if tag else "")
 
 
 @dataclasses.dataclass
@@ -274,7 +275,7 @@ def train_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str
 
 
 def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[str, str], depth: int = 8,
-                 flags: tuple[str, ...] = (), exit: int | None = None) -> Run:
+                 flags: tuple[str, ...] = (), exit: int | None = None, tag: str = "") -> Run:
     """``codec``'s run with ``seed`` as the real pipeline of ``depth`` processes over gloo, the same schedule and
     evaluations as its emulated run, with further ``flags`` (``--tah-entropy-coding``); ``exit``: it stops after
     that step of the same schedule (Megatron's ``--exit-interval``), its damage corpus not scored."""
@@ -283,9 +284,9 @@ def pipeline_run(codec: str, seed: int, size: Size, model_dir: Path, data: dict[
                 "--train-data-path", data["train"], *_eval_flags(data, size.eval_iters),
                 "--eval-interval", str(size.eval_interval), "--log-interval", str(size.eval_interval),
                 "--seed", str(seed), "--tah-eval-traffic", "both", *codec_flags(codec), *more]
-    return PipelineRun(pipeline_name(codec, seed, depth), megatron, depth, label=f"{codec} (pipeline)",
+    return PipelineRun(pipeline_name(codec, seed, depth, tag), megatron, depth, label=f"{codec} (pipeline)",
                        info={"codec": codec, "seed": seed, "depth": depth, "iters": size.iters, "kind": "pipeline",
-                             "flags": list(flags), "exit": exit})
+                             "flags": list(flags), "exit": exit, **({"tag": tag} if tag else {})})
 
 
 @dataclasses.dataclass

@@ -123,13 +123,13 @@ def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
         for depth in stage.depths:
             for codec in stage.codecs:
                 for seed in stage.seeds:
-                    name = runs.pipeline_name(codec, seed, depth)
+                    name = runs.pipeline_name(codec, seed, depth, stage.tag)
                     meta = read_meta(out, name)
                     if not meta or meta.get("status") != 0:
                         continue
                     records = read_log(out / f"{name}.jsonl")
                     if runs.run_name(codec, seed, depth) in curves:
-                        check = report.pipeline_check(out, codec, [seed], curves, depth)
+                        check = report.pipeline_check(out, codec, [seed], curves, depth, name)
                         diffs = [check[t]["max_abs_diff"] for t in runs.TRAFFIC if check[t]["max_abs_diff"] is not None]
                         agrees = bool(diffs) and max(diffs) <= PIPELINE_TOLERANCE
                         check["parted_at"] = parted_at(records, read_log(out / f"{runs.run_name(codec, seed, depth)}.jsonl"))
@@ -425,8 +425,8 @@ def pipeline_line(c: dict, goal_bits: float) -> str:
     apart = ("" if c["agrees"] is None or "parted_at" not in c else
              f". The training losses are the same to 6 digits until iteration {parted - 1}, apart from iteration "
              f"{parted} on" if parted else ". The training losses are the same to 6 digits at every iteration")
-    return (f"- `{c['codec']}` at depth {c['depth']} ({' '.join(c['flags']) or 'no further flags'}, {c['exit']} steps, "
-            f"commit {str(c['commit'])[:10]}): "
+    return (f"- `{c['codec']}` at depth {c['depth']} (stage {c.get('stage', '?')}, "
+            f"{' '.join(c['flags']) or 'no further flags'}, {c['exit']} steps, commit {str(c['commit'])[:10]}): "
             + ("its emulated run has not finished: no comparison yet" if c["agrees"] is None else
                f"**{'agrees' if c['agrees'] else 'does not agree'}** within {PIPELINE_TOLERANCE}. " + "; ".join(parts))
             + apart

@@ -65,6 +65,8 @@ def test_the_plans_runs_are_seed_major_with_bf16_once_per_seed():
     a = plan.run_names(plan.stage("A"))
     assert a.count("train_bf16_s1235") == 1 and a.index("train_bf16_s1235") > a.index("train_paper_d8_s1234")
     assert plan.run_names(plan.stage("C")) == [runs.pipeline_name("lowrank_h3_rn", 1234, d) for d in (8, 4, 2)]
+    assert plan.run_names(plan.stage("J")) == [f"pipeline_lowrank_h3_rn_d{d}_s1234_zstd" for d in (8, 4, 2)]
+    assert plan.stage("J").flags == plan.stage("C").flags  # stage C again, under the coder users now get
 
 
 BASE = """name = "t"
@@ -100,6 +102,9 @@ codecs = ["bf16", "paper"]
     (("depth = 2\n", ""), "pipeline depth"),
     (("tie = 0.05\n", ""), "\\[rule\\] lacks \\['tie'\\]"),
     (('kind = "emulated"\ndepth = 2', 'kind = "toy"'), "needs its run length `steps`"),
+    (('kind = "emulated"\ndepth = 2\ncodecs = ["bf16", "paper"]', 'kind = "pipeline"\ndepth = 2\nexit = 8\n'
+      'codecs = ["paper"]\n[[stages]]\nname = "B"\nkind = "pipeline"\ndepth = 2\nexit = 8\ncodecs = ["paper"]'),
+     "give the later a `tag`"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_naming_the_file_and_the_field(tmp_path, change, error):
     assert plans.load(_write(tmp_path, BASE)).size.name == "tiny_long"  # the base plan loads
