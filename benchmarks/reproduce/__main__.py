@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import convergence, parity
-from .runner import ReproduceError, execute_all, say
+from ..common.runner import ReproduceError, execute_all, say
 
 PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "parity-compact",
          "memory", "report", "parity-report")

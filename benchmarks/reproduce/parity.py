@@ -40,7 +40,8 @@ from pathlib import Path
 from . import convergence
 from .convergence import _mean  # (None-tolerant mean)
 from .plots import DATA
-from .runner import Run, read_log, read_meta
+from ..common import stats
+from ..common.runner import Run, read_log, read_meta
 
 WIDTHS = (128, 256)
 SEEDS = (1234, 1235, 1236)
@@ -292,7 +293,7 @@ def _pct(x, spec="+.2f") -> str:
 
 
 def _interval_text(values: list[float]) -> str:
-    interval = convergence.interval95(values)
+    interval = stats.interval95(values)
     return "n/a" if interval is None else f"{_pct(interval[0])} to {_pct(interval[1])}"
 
 
@@ -303,7 +304,7 @@ def goal_verdict(bits: float | None, values: list[float], goal: tuple[float, flo
     max_bits, max_gap, upper = goal
     if bits is not None and bits > max_bits:
         return "not met"
-    interval = convergence.interval95(values)
+    interval = stats.interval95(values)
     if interval is None:
         return "unresolved"
     if _mean(values) <= max_gap and interval[1] < upper:
@@ -480,7 +481,7 @@ def _plot(table: dict, png: Path) -> list[str]:
         for codec in (c for c in SHOWN if c != "none"):
             values = gaps(table, hidden, codec)
             if len(values) >= 2:
-                rows.append((convergence.CODECS[codec][0], values, convergence.interval95(values)))
+                rows.append((convergence.CODECS[codec][0], values, stats.interval95(values)))
         if rows:
             points[hidden] = rows
     if not points:
@@ -602,7 +603,7 @@ def _default_reading(table: dict, default: str = "tah") -> list[str]:
 def both_verdict(ratio: float, against_default: list[float]) -> str:
     """The both-directions goal for a candidate with ``ratio`` times fewer bytes than the default and the
     same-seed loss differences ``against_default`` (negative: below the default's loss)."""
-    interval = convergence.interval95(against_default)
+    interval = stats.interval95(against_default)
     if ratio < GOAL_BOTH_RATIO or (interval is not None and interval[0] > 0):
         return "not met"
     return "met" if interval is not None and interval[1] < 0 else "unresolved"
@@ -818,7 +819,7 @@ def remeasured_reading(recorded: dict, table: dict, protocol: str) -> list[str]:
             continue
         before = [convergence.relative_gap(earlier[s]["row"]["late"], base[s]["late"]) for s in seeds]
         after = [convergence.relative_gap(current[(codec, hidden, s)]["row"]["late"], base[s]["late"]) for s in seeds]
-        interval = convergence.interval95(before)
+        interval = stats.interval95(before)
         inside = ("n/a" if interval is None else
                   "yes" if interval[0] <= _mean(after) <= interval[1] else "no")
         olds, news = [earlier[s] for s in seeds], [current[(codec, hidden, s)] for s in seeds]
@@ -874,7 +875,7 @@ def write_page(out: Path, docs: Path, size: str = "full") -> Path:
     body = intro + [""]
     for protocol, (title, plot) in PAGE_SECTIONS.items():
         body += section(None, size, docs, recorded=recorded, title=title, plot=plot, protocol=protocol)
-    from ..real_report import parity_section  # the codecs on real activations, the spectrum
+    from ..codec_report.real import parity_section  # the codecs on real activations, the spectrum
 
     body += parity_section(docs)
     path = docs / PAGE_NAME

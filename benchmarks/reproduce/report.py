@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 
 from . import convergence, parity, plots, throughput
-from .runner import read_meta
+from ..common.stats import interval95
+from ..common.runner import read_meta
 
 # The papers' numbers: GPT2-XL, 8 stages, tokens/s (FP32, AQ-SGD, TAH-Quant).
 PAPER_THROUGHPUT = {"1gbit": (2600, 4749, 5650), "500mbit": (2482, 4311, 5749), "300mbit": (1761, 4369, 5120),
@@ -290,7 +291,7 @@ def _seed_table(stats: dict) -> list[str]:
              "same-seed gaps |", "|---|---:|---:|---:|---:|---|---|"]
     for codec, st in stats.items():
         gaps = _paired(stats, codec, "none") if codec != "none" else []
-        interval = convergence.interval95(gaps)
+        interval = interval95(gaps)
         lines.append(f"| {convergence.CODECS[codec][0]} | {len(st['losses'])} | {st['mean']:.4f} | "
                      f"{st['min']:.4f} - {st['max']:.4f} | {_pct(sum(gaps) / len(gaps) if gaps else None, '+.2f')} | "
                      f"{(_pct(interval[0], '+.2f') + ' to ' + _pct(interval[1], '+.2f')) if interval else 'n/a'} | "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import stats
+from benchmarks.common import stats
 from benchmarks.reproduce import convergence, parity, report
 
 
@@ -193,11 +193,11 @@ def test_t_quantiles_intervals_and_seeds_needed():
         assert stats.t975(df) == pytest.approx(exact, abs=1e-3)
     with pytest.raises(ValueError):
         stats.t975(0)
-    assert convergence.interval95([0.01]) is None
-    lo, hi = convergence.interval95([0.01, 0.03])  # mean 0.02, sd 0.01414: half width 12.706 * 0.01
+    assert stats.interval95([0.01]) is None
+    lo, hi = stats.interval95([0.01, 0.03])  # mean 0.02, sd 0.01414: half width 12.706 * 0.01
     assert (lo, hi) == (pytest.approx(0.02 - 0.12706), pytest.approx(0.02 + 0.12706))
     values = [0.01 * (i % 3) for i in range(12)]  # 12 values: beyond the old 10-value table
-    assert convergence.interval95(values) is not None
+    assert stats.interval95(values) is not None
     # Spread 0.01 (sd of 0, 0.01, 0.02): n with t(n-1) * 0.01 / sqrt(n) <= 0.005 is 18 (t(17) = 2.110).
     n = convergence.seeds_needed([0.0, 0.01, 0.02], 0.005)
     assert n == 18 and stats.t975(n - 2) * 0.01 / (n - 1) ** 0.5 > 0.005
@@ -331,7 +331,7 @@ def test_a_superseded_run_is_kept_out_of_the_tables_and_compared_with_its_rerun(
     lines = parity.remeasured_reading(recorded, table, "gpt2")
     row = next(line for line in lines if line.startswith("| lowrank: 16 principal"))
     before, after = [0.002, 0.003, 0.004], [0.001, 0.001, 0.004]
-    low, high = convergence.interval95(before)
+    low, high = stats.interval95(before)
     assert f"| 128 | 3 | old basis | 2026-11-23 20:00-20:00 UTC | yes | +0.30% | {100 * low:+.2f}% to {100 * high:+.2f}% |" in row
     assert f"| 0.070 | 2026-11-23 20:00-20:00 UTC | yes | +0.20% | {parity._interval_text(after)} | 0.050 | yes |" in row
     assert row.endswith(f"| {parity._interval_text([a - b for a, b in zip(after, before)])} |")

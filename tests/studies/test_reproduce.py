@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reproduce import convergence, memory, report, runner, throughput
+from benchmarks.common import runner
+from benchmarks.reproduce import convergence, memory, report, throughput
 from megatron_tah.units import parse_bandwidth
 
 
@@ -344,7 +345,7 @@ def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
 def test_the_host_says_whether_torch_has_bf16_matrix_instructions_and_how_much_slower_bf16_is_without():
     import torch
 
-    from benchmarks.reproduce.runner import host_info
+    from benchmarks.common.runner import host_info
     from megatron_tah.megatron.cpu_shims import bf16_matmul_slowdown
 
     host = host_info()
