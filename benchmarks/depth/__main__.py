@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..reproduce.runner import host_info
+from ..common.runner import host_info
 from ..speedrun import runs as speedrun_runs
 
 ITERS = 250

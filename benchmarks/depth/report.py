@@ -7,8 +7,8 @@ import json
 import statistics
 from pathlib import Path
 
-from ..reproduce.runner import read_log
-from ..speedrun import score
+from ..common.runner import read_log
+from ..common import pages, score
 
 GROUPS = {
     "depth": "Depth: the paper's configuration at 1, 3 and 7 boundaries (pipeline depth 2, 4, 8)",
@@ -180,7 +180,7 @@ def write_page(studies, out: Path, page: Path, host: dict) -> dict:
     def value(name, key, digits=3):
         return _fmt(rows[name][key], digits) if name in rows else "–"
 
-    template = (Path(__file__).parent / "page.md").read_text()
+    template = pages.template(__file__)
     not_run = [st.name for st in studies if st.name not in rows]
     def steps(name):
         m = rows.get(name, {}).get("multiplier_at_least")

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from benchmarks.faults import ROOT, SITE, script_env  # noqa: F401  (SITE: the tests' too)
-from benchmarks.pages import replace_block
+from benchmarks.common.pages import replace_block
 
 BOUND_S = 10.0  # --tah-peer-timeout-s of every run (the default, 120 s, sized for a WAN, would only be slower)
 ITERS, SAVE_INTERVAL, FAULT_ITERATION = 16, 4, 6
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     parts = [n for n in names if n in PARTS]
     faults = [scenario(n) for n in names if n not in PARTS and n != "reference"]
     chosen = [scenario("reference")] + faults if faults or "reference" in names else []
-    from benchmarks.reproduce.runner import host_info
+    from benchmarks.common.runner import host_info
     from megatron_tah.data import prepare
 
     from . import checksum_cost, ratedrop

@@ -36,7 +36,7 @@ def demo_setting(page: Path = ROOT / "docs" / "DEMO.md") -> dict:
 
 def speedrun_setting(page: Path = ROOT / "docs" / "data" / "speedrun.json") -> dict:
     """The speedrun: PP 8, messages [seq, micro-batch, hidden] bf16, its micro-batches; each codec's s/step."""
-    from benchmarks.speedrun.runs import CODECS
+    from benchmarks.common.codecs import CODECS
 
     data = json.loads(page.read_text())
     setup = data["setup"]

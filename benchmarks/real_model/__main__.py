@@ -8,7 +8,7 @@
     python -m benchmarks.real_model --plan benchmarks/real_model/whole_run.toml --stages A  # a registered plan's stage
 
 What it does, in order (runs already complete under ``--out`` are not run again; ``runs.py`` says what each
-run is, ``report.py`` how it is scored):
+run is, ``scoring.py`` how it is scored):
 
 1. imports the model into a Megatron checkpoint and tokenizes the corpora with its tokenizer;
 2. evaluates the untouched checkpoint, and when ``--from-page``'s runs were made on another machine (CPU or torch),
@@ -19,9 +19,9 @@ run is, ``report.py`` how it is scored):
    and ``--other-codecs`` (default: the presets among ``--codecs``) at each of ``--other-depths``; seed by seed,
    so that an interrupted study has whole seeds;
 4. with ``--pipeline CODEC``, runs that codec with the first seed as the real pipeline at ``--depth``;
-5. scores (``report.py``; ``--score-only``: only this, over the runs finished so far: the target from bf16's curves, steps to it and along the curve, damage, intervals)
+5. scores (``scoring.py``; ``--score-only``: only this, over the runs finished so far: the target from bf16's curves, steps to it and along the curve, damage, intervals)
    and, with ``--write``, writes the page, its JSON and plots, and ``auto``'s steps charges per depth into the
-   checkout's ``megatron_tah/config/measured.json`` (``benchmarks/measured.py``) and the README's table and preset
+   checkout's ``megatron_tah/config/measured.json`` (``benchmarks/real_model/measured.py``) and the README's table and preset
    per depth (between its ``<!-- real_model:... -->`` markers).
 
 ``--pages-only`` does none of this: it writes the page, its plots and the README's sections from ``--from-page``'s
@@ -36,8 +36,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..reproduce.runner import ReproduceError, execute_all, host_info, say
-from ..speedrun.runs import CODECS
+from ..common.runner import ReproduceError, execute_all, host_info, say
+from ..common.codecs import CODECS
 from . import runs
 
 DEFAULT_SEEDS = (1234, 1235, 1236, 1237)
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     plan = {args.depth: codecs, **{d: ["bf16", *(c for c in other_codecs if c != "bf16")] for d in others}}
     out = args.out.resolve()
     from .readme import write_readme
-    from .report import build, reusable, write_page
+    from .report import write_page
+    from .scoring import build, reusable
 
     try:
         earlier = reusable(args.from_page, size) if args.from_page else None
@@ -112,14 +113,14 @@ def main(argv=None) -> int:
     if args.write:
         import shlex
 
-        from .. import measured
+        from . import measured
 
         command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])
         result["command"] = command
         write_page(result, args.write)
         print(f"[real_model] wrote {args.write}")
         written = measured.write_beside(args.write, measured.real_model_rows(result, command))
-        if written:  # auto's steps charges per depth (benchmarks/measured.py)
+        if written:  # auto's steps charges per depth (benchmarks/real_model/measured.py)
             print(f"[real_model] wrote {written}")
         readme = args.write.resolve().parent.parent / "README.md"
         if write_readme(result, readme):  # its table and preset per depth

@@ -29,8 +29,8 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from ..pages import replace_block
-from ..reproduce.runner import ReproduceError, execute_all, host_info, load_average, read_log, say
+from ..common.pages import replace_block
+from ..common.runner import ReproduceError, execute_all, host_info, load_average, read_log, say
 from . import runs
 
 CODER_FLAG = "--tah-entropy-coding"

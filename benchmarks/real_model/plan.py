@@ -18,7 +18,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from ..speedrun.runs import CODECS
+from ..common.codecs import CODECS
 from . import runs
 
 KINDS = ("emulated", "pipeline", "toy")

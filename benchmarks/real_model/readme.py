@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report import (GOALS, MORE_DAMAGE, _wrap, candidates, damage_text, fewest_bits, meets, multiplier_text,
-                     presets_by_depth, presets_text, qualifies, rule_text, serves, serving_bits, t_text)
+from .report import _wrap, damage_text, multiplier_text, presets_by_depth, presets_text, t_text
+
+from .scoring import MORE_DAMAGE, serving_bits
+
+from .verdicts import GOALS, candidates, fewest_bits, meets, qualifies, rule_text, serves
 
 
 WHOLE_RUN_DATA = Path("docs") / "data" / "whole_run.json"

@@ -30,11 +30,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..reproduce.runner import ReproduceError, Run, say
-from ..speedrun.runs import CODECS, codec_flags
+from ..common.runner import ReproduceError, Run, say
+from ..common.codecs import CODECS, codec_flags
 
 STUDY_CODECS = ("bf16", "channel_h4", "channel_b_h4", "hadint4", "paper", "lowrank", "channel9")
-"""The rows of the study by default (``benchmarks.speedrun.runs.CODECS`` names): bf16 and the presets."""
+"""The rows of the study by default (``benchmarks.common.codecs.CODECS`` names): bf16 and the presets."""
 EVAL_DATA_SEED = 1234  # the order of the validation and damage samples: the same for every run
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.real_model.sensitivity --out docs/data/real_model_sensitivity.json  # SmolLM2-135M, depth 8
 
-No training: the pretrained model (``benchmarks.real_activations``' SmolLM2-135M, fp32, through
+No training: the pretrained model (``benchmarks.common.real_activations``' SmolLM2-135M, fp32, through
 ``transformers``) reads ``batches`` x ``seq`` tokens of the shipped Shakespeare corpus's held-out documents (the
 study's validation split, ``megatron_tah.data.held_out_files``; the study's micro-batch:
 one sequence per message, ``[seq, 1, hidden]`` as Megatron's pipeline sends it, bf16), and at the layers after
@@ -99,7 +99,7 @@ def measure(forward: dict, backward: dict, bits: list[int], backward_bits: list[
             seq: int = 128, batches: int = 8, model: str = "smollm2-135m", load=None) -> dict:
     """The forward one-at-a-time gaps and the backward gradient errors (the module docstring) as a dict;
     ``load``: a callable giving (tokenizer, Llama-shaped ``transformers`` model) instead of ``model``'s."""
-    from ..real_activations import MODELS
+    from ..common.real_activations import MODELS
 
     tokenizer, net = (load or MODELS[model].load)()
     net.eval()

@@ -1,6 +1,6 @@
 """The whole-run study's scores and page, from the runs of a registered plan (``plan.py``, ``whole_run.toml``).
 
-What it adds to the short study's scoring (``report.py``: target, steps to it, damage at equal steps, bits):
+What it adds to the short study's scoring (``scoring.py``: target, steps to it, damage at equal steps, bits):
 
 * **The ratio along the run**, at each of the plan's ``points`` and on both evaluations: per seed, the point p over
   the step at which bf16 (same seed, served on its own) reached the codec's loss at p (``score.crossing``,
@@ -24,10 +24,10 @@ import math
 import shlex
 from pathlib import Path
 
-from ..pages import save_data
-from ..reproduce.runner import read_log, read_meta
-from ..speedrun import score
-from . import report, runs
+from ..common.pages import save_data
+from ..common.runner import read_log, read_meta
+from ..common import score
+from . import report, runs, scoring, verdicts
 from .plan import Plan
 
 PIPELINE_TOLERANCE = 0.02
@@ -63,7 +63,7 @@ def along(curves: dict, names: dict[int, str], bf16: dict[int, str], traffic: st
         whole = len(measured) == len(by_seed)
         interval = score.mean_interval(measured) if whole and measured else None
         found[str(point)] = {"by_seed": by_seed, "how": how, "censored": sorted(s for s, k in how.items() if k),
-                             **report._interval_fields("ratio", interval)}
+                             **scoring._interval_fields("ratio", interval)}
     return found
 
 
@@ -76,7 +76,7 @@ def trend(points: dict) -> dict:
         return {"change": None, "change_low": None, "change_high": None, "verdict": "–"}
     interval = score.mean_interval([last["by_seed"][s] - first["by_seed"][s] for s in seeds])
     verdict = "grows" if interval.low > 0 else "shrinks" if interval.high < 0 else "holds (within noise)"
-    return {**report._interval_fields("change", interval), "verdict": verdict, "from": int(keys[0]),
+    return {**scoring._interval_fields("change", interval), "verdict": verdict, "from": int(keys[0]),
             "to": int(keys[-1])}
 
 
@@ -88,7 +88,7 @@ def gaps(curves: dict, names: dict[int, str], bf16: dict[int, str], traffic: str
     for step in steps:
         diffs = [dict(curves[n][traffic])[step] - dict(curves[bf16[s]]["uncompressed"])[step] for s, n in names.items()]
         interval = score.mean_interval(diffs)
-        found.append({"step": step, **report._interval_fields("gap", interval), "n": interval.n})
+        found.append({"step": step, **scoring._interval_fields("gap", interval), "n": interval.n})
     return found
 
 
@@ -129,7 +129,7 @@ def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
                         continue
                     records = read_log(out / f"{name}.jsonl")
                     if runs.run_name(codec, seed, depth) in curves:
-                        check = report.pipeline_check(out, codec, [seed], curves, depth, name)
+                        check = scoring.pipeline_check(out, codec, [seed], curves, depth, name)
                         diffs = [check[t]["max_abs_diff"] for t in runs.TRAFFIC if check[t]["max_abs_diff"] is not None]
                         agrees = bool(diffs) and max(diffs) <= PIPELINE_TOLERANCE
                         check["parted_at"] = parted_at(records, read_log(out / f"{runs.run_name(codec, seed, depth)}.jsonl"))
@@ -144,7 +144,7 @@ def pipeline_checks(plan: Plan, out: Path, curves: dict) -> list[dict]:
 
 
 # ----- the toy, pretraining from scratch -----------------------------------------------------------------------
-TOY_FRACTION = 0.92  # the toy's target rule (benchmarks.speedrun.score.target_loss): bf16's worst seed at 92%
+TOY_FRACTION = 0.92  # the toy's target rule (benchmarks.common.score.target_loss): bf16's worst seed at 92%
 
 
 def toy_points(steps: int, interval: int) -> tuple[int, ...]:
@@ -158,7 +158,6 @@ def toy_results(plan: Plan, out: Path) -> list[dict]:
     same seed (interpolated; a seed that misses: None), the equivalent-steps ratio along the run (``along``) and the
     loss gap at equal steps (``gaps``)."""
     from ..speedrun import runs as toy
-    from ..speedrun import score as toy_score
 
     found = []
     for stage in (s for s in plan.stages if s.kind == "toy"):
@@ -183,7 +182,7 @@ def toy_results(plan: Plan, out: Path) -> list[dict]:
         bf16 = names.get("bf16", {})
         if not bf16:
             continue
-        target = toy_score.target_loss([curves[n]["uncompressed"] for n in bf16.values()], stage.steps, TOY_FRACTION)
+        target = score.target_loss([curves[n]["uncompressed"] for n in bf16.values()], stage.steps, TOY_FRACTION)
         points = toy_points(stage.steps, size.eval_interval)
         entry.update(target=target, points=list(points))
         for codec in (c for c in stage.codecs if c != "bf16" and c in names):
@@ -194,8 +193,8 @@ def toy_results(plan: Plan, out: Path) -> list[dict]:
             for traffic in runs.TRAFFIC:
                 steps = {}
                 for seed, name in mine.items():
-                    own = toy_score.crossing(curves[name][traffic], target)
-                    base = toy_score.crossing(curves[bf16[seed]]["uncompressed"], target)
+                    own = score.crossing(curves[name][traffic], target)
+                    base = score.crossing(curves[bf16[seed]]["uncompressed"], target)
                     steps[str(seed)] = {"steps": own, "bf16": base,
                                         "ratio": None if own is None or not base else own / base}
                 gap = gaps(curves, mine, bf16, traffic)
@@ -241,9 +240,9 @@ def eligible(row: dict, traffic: str, rule: dict) -> str:
     m, e = row[traffic], end(row, traffic)
     if row["codec"] == "bf16":
         return "the baseline"
-    if not report.candidates([row], traffic):  # the short study's candidates: presets, serving runs in the pipeline
+    if not verdicts.candidates([row], traffic):  # the short study's candidates: presets, serving runs in the pipeline
         return "not a preset" + (" (a serving variant: judged through the pipeline)" if traffic == "uncompressed"
-                                 and report.serving_bits(row["codec"]) is not None else "")
+                                 and scoring.serving_bits(row["codec"]) is not None else "")
     if m["missed_within"] is not None:
         return "missed the target in " + ", ".join(k for k, v in m["steps_by_seed"].items() if v is None)
     if len(row["seeds"]) < 2:
@@ -293,7 +292,7 @@ def build(plan: Plan, out: Path) -> dict:
     """Everything the page shows, from the plan's runs finished under ``out`` (a study going on: what is done)."""
     out = Path(out)
     depth_codecs = plan.depth_codecs()
-    curves = report.read_curves(out, depth_codecs, list(plan.seeds))
+    curves = scoring.read_curves(out, depth_codecs, list(plan.seeds))
     bf16 = {s: runs.run_name("bf16", s) for s in plan.seeds if runs.run_name("bf16", s) in curves}
     names = {s.name: plan.toy_run_names(s) if s.kind == "toy" else plan.run_names(s) for s in plan.stages}
     planned = {n for listed in names.values() for n in listed}
@@ -312,7 +311,7 @@ def build(plan: Plan, out: Path) -> dict:
         return result
     untouched = runs.evaluation(read_log(out / "eval_untouched.jsonl")) if (out / "eval_untouched.jsonl").is_file() \
         else None
-    target, slope = report.target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], plan.target_step,
+    target, slope = scoring.target_and_slope([curves[n]["uncompressed"] for n in bf16.values()], plan.target_step,
                                             window=max(4, plan.size.eval_interval))  # the validations either side
     result.update(target=target, target_slope=slope, curves=curves)
     checks = pipeline_checks(plan, out, curves)
@@ -323,7 +322,7 @@ def build(plan: Plan, out: Path) -> dict:
             names = {s: runs.run_name(codec, s, depth) for s in bf16 if runs.run_name(codec, s, depth) in curves}
             if not names:
                 continue
-            row = report.codec_row(codec, depth, names, bf16, curves, target, plan.size, out, untouched)
+            row = scoring.codec_row(codec, depth, names, bf16, curves, target, plan.size, out, untouched)
             for traffic in runs.TRAFFIC:
                 points = along(curves, names, bf16, traffic, plan.points)
                 gap = gaps(curves, names, bf16, traffic)
@@ -337,7 +336,7 @@ def build(plan: Plan, out: Path) -> dict:
             for traffic in runs.TRAFFIC:
                 row[traffic]["eligible"] = eligible(row, traffic, plan.rule)
             rows.append(row)
-        report.project(rows, depth)
+        scoring.project(rows, depth)
         result["tables"][str(depth)] = rows
         result["chosen"][str(depth)] = {t: choose(rows, t, plan.rule) for t in runs.TRAFFIC}
     return result
@@ -468,7 +467,7 @@ def write_page(result: dict, page: Path, command: str) -> None:
             if all(r["codec"] == "bf16" for r in rows):
                 continue  # no codec of this depth finished yet
             for traffic in runs.TRAFFIC:
-                lines += [f"## Depth {depth}, {report.TRAFFIC_LABEL[traffic]}", "",
+                lines += [f"## Depth {depth}, {scoring.TRAFFIC_LABEL[traffic]}", "",
                           table_markdown(rows, traffic, result["points"]), "",
                           "Loss gap at equal steps (codec minus bf16, same seed; bf16 served on its own):", "",
                           gaps_markdown(rows, traffic, result["points"]), "",
@@ -507,7 +506,7 @@ def plot(result: dict, path: Path) -> None:
             for point in result["points"]:
                 ax.axvline(point, color="grey", lw=0.5, ls="--")
             ax.axhline(1.0, color="grey", ls=":")
-            ax.set_title(f"depth {depth}, {report.TRAFFIC_LABEL[traffic]}", fontsize=9)
+            ax.set_title(f"depth {depth}, {scoring.TRAFFIC_LABEL[traffic]}", fontsize=9)
             ax.set_xlabel("step")
             ax.set_ylabel("equivalent-steps ratio vs bf16")
             if ax.get_legend_handles_labels()[0]:
@@ -520,7 +519,7 @@ def plot(result: dict, path: Path) -> None:
 def main_write(plan: Plan, out: Path, page: Path, argv) -> None:
     import sys
 
-    from .. import measured
+    from . import measured
 
     result = build(plan, out)
     command = shlex.join(["python", "-m", "benchmarks.real_model", *(sys.argv[1:] if argv is None else argv)])

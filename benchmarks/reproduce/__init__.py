@@ -13,5 +13,5 @@ Parts (``python -m benchmarks.reproduce PART``):
 
 Each run (``python -m megatron_tah.pretrain_gpt``, Megatron-LM's loop) writes ``NAME.jsonl`` (the plugin's per-iteration records) and
 ``NAME.meta.json`` (command, status, wall time, load average, peak RSS) under
-``runs/reproduce/PART/``; :mod:`.runner` skips runs that already completed.
+``runs/reproduce/PART/``; :mod:`benchmarks.common.runner` skips runs that already completed.
 """

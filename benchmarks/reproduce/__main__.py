@@ -15,8 +15,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from . import convergence, parity
-from .runner import ReproduceError, execute_all, say
+from . import convergence, parity, parity_report
+from ..common.runner import ReproduceError, execute_all, say
 
 PARTS = ("data", "throughput", "convergence", "ablations", "seeds", "long", "parity", "parity-seeds", "parity-compact",
          "memory", "report", "parity-report")
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
             docs = Path(args.docs) if args.docs else (Path("docs") if args.size == "full" else root / "docs")
             path = (report.write(root, docs, args.size) if args.part == "report"
-                    else parity.write_page(root / "convergence", docs, args.size))
+                    else parity_report.write_page(root / "convergence", docs, args.size))
             say(f"wrote {path}")
             if args.part == "parity-report" and report.refresh_compact_section(docs, args.size):
                 say(f"rewrote section 4b (the low-noise protocol: a pointer to PARITY.md) of {docs / 'RESULTS.md'}")

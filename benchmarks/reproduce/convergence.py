@@ -25,8 +25,8 @@ import math
 import statistics
 from pathlib import Path
 
-from .. import stats
-from .runner import ReproduceError, Run, read_log, read_meta
+from ..common import stats
+from ..common.runner import ReproduceError, Run, read_log, read_meta
 
 # The 6-bit backward codec (fixedpoint, tile 32) of every "6-bit bwd" run: flags are explicit, nothing is on by default.
 BACKWARD_6BIT = ["--tah-backward-codec", "fixedpoint"]
@@ -391,16 +391,6 @@ def collect(out_dir: Path, names) -> dict[str, dict]:
         records = read_log(path)
         rows[name] = {**summarize(records), "records": records, "meta": meta}
     return rows
-
-
-def interval95(values: list[float]) -> tuple[float, float] | None:
-    """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2)."""
-    n = len(values)
-    if n < 2:
-        return None
-    mean = sum(values) / n
-    half = stats.half_width(values)
-    return mean - half, mean + half
 
 
 def seeds_needed(values: list[float], half_width: float, most: int = 1000) -> int | None:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from .convergence import DEFAULT_SEED, EXTRA_SEEDS, SIZES, data_prefixes, seed_name, train_samples
-from .runner import ReproduceError, read_log, read_meta
+from ..common.runner import ReproduceError, read_log, read_meta
 
 GPT2_XL = {"seq": 1024, "hidden": 1600, "bytes_per_value": 2}
 """The AQ-SGD paper's setting (fp16 buffer), for the extrapolation row."""

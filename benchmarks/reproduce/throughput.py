@@ -36,7 +36,7 @@ from pathlib import Path
 from megatron_tah.units import parse_bandwidth
 
 from .convergence import BACKWARD_6BIT
-from .runner import Run, execute_all, host_info, load_average, read_log, read_meta, say, steady
+from ..common.runner import Run, execute_all, host_info, load_average, read_log, read_meta, say, steady
 
 MODEL_TEXT = (
     "In 1F1B with `p` stages and `m` micro-batches, every stage boundary carries `m` activation messages "

@@ -24,7 +24,7 @@ What it does, in order (runs already complete under ``--out`` are not run again)
 5. times every codec behind the emulated wire (``score.steady_seconds``);
 6. scores T = steps to target x steady s/step, with intervals over seeds, projects the ProtocolNanoGPT
    setup with the measured steps multipliers (``projection.py``) and, with ``--write``, writes the page,
-   its JSON and its plot (``auto``'s steps charges come from the real-model study, ``benchmarks/measured.py``).
+   its JSON and its plot (``auto``'s steps charges come from the real-model study, ``benchmarks/real_model/measured.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import math
 import sys
 from pathlib import Path
 
-from ..reproduce.runner import ReproduceError, execute_all, host_info, read_log
-from . import runs, score, simulate
+from ..common.runner import ReproduceError, execute_all, host_info, read_log
+from ..common import score
+from ..common.codecs import CODECS, NEEDS_LINK, entropy_coded
+from . import runs, simulate
 
 LINK_BOUND = 8.0  # bf16's step behind the emulated wire / its compute step (the issue asks >= 5)
 LATENCY_SHARE = 0.064  # share of bf16's step that is latency: 2 M messages x 50 ms of 100.475 s at the reference
@@ -113,7 +115,7 @@ def loss_results(run_list, out: Path, size: runs.Size) -> dict:
     messages = (size.stages - 1) * size.micro_batches
     for r in run_list:
         records = read_log(out / f"{r.name}.jsonl")
-        chooses = r.info["codec"] in runs.NEEDS_LINK  # its bytes once its choices settled: the run's second half
+        chooses = r.info["codec"] in NEEDS_LINK  # its bytes once its choices settled: the run's second half
         meta = json.loads((out / f"{r.name}.meta.json").read_text())
         restored = meta.get("measured")  # --from-page: kept there
         if r.info["emulated"]:
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speedrun", description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(runs.SIZES), default="full")
     parser.add_argument("--out", type=Path, default=Path("runs/speedrun"))
-    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma list of " + ", ".join(runs.CODECS))
+    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma list of " + ", ".join(CODECS))
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="seeds of bf16 and --multi-seed codecs")
     parser.add_argument("--multi-seed", default="paper,channel,channel9",
                         help="codecs besides bf16 run with every seed (comma list); CODEC=S1+S2 names its seeds")
@@ -236,10 +238,10 @@ def main(argv=None) -> int:
     size = runs.SIZES[args.size]
     emulated = args.loss_runs == "emulated"
     codecs = [c for c in args.codecs.split(",") if c]
-    unknown = sorted(set(codecs) - set(runs.CODECS))
+    unknown = sorted(set(codecs) - set(CODECS))
     if unknown or "bf16" not in codecs:
         parser.error(f"--codecs: unknown {unknown}" if unknown else "--codecs must include bf16 (the baseline)")
-    coded = [c for c in codecs if runs.entropy_coded(c)]
+    coded = [c for c in codecs if entropy_coded(c)]
     if coded:
         parser.error(f"--codecs: {coded} entropy-code their messages: the same steps as their codec, bytes measured "
                      "on the pipeline; time them with python -m benchmarks.speedrun.check")
@@ -298,7 +300,7 @@ def simulated_steps(codecs, size: runs.Size, compute_s: float, link: runs.Link, 
     messages = (size.stages - 1) * size.micro_batches
     steady = {}
     for codec in codecs:
-        if codec in runs.NEEDS_LINK:
+        if codec in NEEDS_LINK:
             first = min((r for r in losses.values() if r["codec"] == codec), key=lambda r: (r["iters"], r["seed"]))
             fwd, bwd = (n / messages for n in first["bytes"])
         else:

@@ -25,7 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..reproduce.runner import ReproduceError, execute_all, host_info, read_log
+from ..common.runner import ReproduceError, execute_all, host_info, read_log
+from ..common.codecs import CODECS, NEEDS_LINK, entropy_coded
 from . import runs, simulate
 
 SKIP = 2  # the first steps pay start-up (process groups, first messages): left out of the median
@@ -80,7 +81,7 @@ def run_check(codecs: list[str], micro_batches: list[int], size: runs.Size, link
             records = read_log(out / f"{run.name}.jsonl")
             times, nbytes = runs.step_seconds(records), measured_message_nbytes(records, at)
             measured = measured_seconds(times)
-            simulated = simulated_seconds(codec, at, compute_s, link, nbytes if runs.entropy_coded(codec) else None)
+            simulated = simulated_seconds(codec, at, compute_s, link, nbytes if entropy_coded(codec) else None)
             rows.append({"codec": codec, "micro_batches": m, "micro_batch": at.micro_batch, "compute_s": compute_s,
                          "measured_s": measured, "simulated_s": simulated, "error": simulated / measured - 1.0,
                          "message_nbytes": nbytes, "times": times})
@@ -110,7 +111,7 @@ def render(result: dict) -> str:
 
 
 def _coded(row: dict) -> bool:
-    return row["codec"] in runs.CODECS and runs.entropy_coded(row["codec"])
+    return row["codec"] in CODECS and entropy_coded(row["codec"])
 
 
 def entropy_pairs(result: dict) -> list[tuple[dict, dict]]:
@@ -119,8 +120,8 @@ def entropy_pairs(result: dict) -> list[tuple[dict, dict]]:
     rows = result["rows"]
     pairs = []
     for coded in (r for r in rows if _coded(r)):
-        fields = {k: v for k, v in runs.CODECS[coded["codec"]].items() if k != "tah_entropy_coding"}
-        base = [r for r in rows if r["codec"] in runs.CODECS and runs.CODECS[r["codec"]] == fields
+        fields = {k: v for k, v in CODECS[coded["codec"]].items() if k != "tah_entropy_coding"}
+        base = [r for r in rows if r["codec"] in CODECS and CODECS[r["codec"]] == fields
                 and r["micro_batches"] == coded["micro_batches"] and r["compute_s"] == coded["compute_s"]]
         if base:
             pairs.append((coded, base[0]))
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
                         help="with --write: keep the committed rows of other codecs and micro-batch counts")
     args = parser.parse_args(argv)
     codecs = [c for c in args.codecs.split(",") if c]
-    bad = [c for c in codecs if c not in runs.CODECS or c in runs.NEEDS_LINK]
+    bad = [c for c in codecs if c not in CODECS or c in NEEDS_LINK]
     if bad:
         parser.error(f"--codecs: {bad} unknown or choosing per link (their bytes are not fixed)")
     if args.iters <= SKIP:

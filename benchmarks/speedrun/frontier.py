@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import score
+from ..common import score
 
 PROJECTION_NAMES = {"bf16": "none"}  # speedrun codec -> projection.CODECS name, where they differ
 GOAL_BITS, GOAL_STEPS = 6.0, 1.05  # the goal's corner: at most these bits both ways and steps vs bf16

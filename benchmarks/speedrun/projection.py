@@ -26,8 +26,8 @@ from megatron_tah.codecs import get_codec
 from megatron_tah.config import TahConfig
 
 from . import simulate
-from .runs import CODECS as RUN_CODECS
-from .runs import NEEDS_LINK, busiest_nbytes, entropy_coded
+from ..common.codecs import CODECS as RUN_CODECS
+from ..common.codecs import NEEDS_LINK, busiest_nbytes, entropy_coded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASUREMENTS = ROOT / "docs" / "benchmarks" / "nvidia-h100-80gb-hbm3.json"
@@ -35,7 +35,7 @@ SETUP = simulate.RECORDS[0]  # dense bf16: the setup every codec is projected on
 HIDDEN = 1024
 SHAPE = (SETUP.seq, SETUP.micro_batch, HIDDEN)
 
-# name -> TahConfig fields: the speedrun's codecs (``runs.CODECS``; "none" is its bf16, megatron_tah's uncompressed
+# name -> TahConfig fields: the speedrun's codecs (``common.codecs.CODECS``; "none" is its bf16, megatron_tah's uncompressed
 # path: raw bf16 behind a 16-byte header) but those that choose per link and those entropy-coded (their bytes are
 # measured, not known at this shape: docs/CODECS.md projects the coder from real messages)
 CODECS = {"none": {}, **{name: fields for name, fields in RUN_CODECS.items()

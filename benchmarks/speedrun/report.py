@@ -6,8 +6,10 @@ import datetime
 import json
 from pathlib import Path
 
-from ..pages import save_data
-from . import check, frontier, projection, runs, score
+from ..common.pages import save_data
+from ..common import pages, score
+from ..common.codecs import CODECS, NEEDS_LINK, entropy_coded
+from . import check, frontier, projection, runs
 from .frontier import PROJECTION_NAMES
 SPLITS = (16, 32, 64, 128)  # micro-batch counts the projection compares at the setup's global batch (64: its own)
 
@@ -78,7 +80,7 @@ def build(size: runs.Size, target: float, compute_s: float, link: runs.Link, los
     base_steps = bf16_steps[emulated]
     base_mean = score.mean_interval(list(base_steps.values())).mean if base_steps else None
     rows = []
-    for codec in [c for c in runs.CODECS if c in steady]:
+    for codec in [c for c in CODECS if c in steady]:
         kind = runs.emulated_for(codec, emulated)
         same_kind = of_kind[kind]
         reached, longest, reached_on = _steps_by_seed(same_kind, codec, target)
@@ -335,7 +337,7 @@ def plot(result: dict, path: Path) -> None:
         first = min(c["seed"] for c in curves)
         for c in sorted((c for c in curves if c["seed"] == first), key=lambda c: c["iters"]):
             its, losses = zip(*c["validations"])
-            kind = ", pipeline" if c.get("pipeline") and codec not in runs.NEEDS_LINK else ""  # auto's twin
+            kind = ", pipeline" if c.get("pipeline") and codec not in NEEDS_LINK else ""  # auto's twin
             ax.plot([i * seconds[codec] / 3600 for i in its], losses, label=f"{codec} ({c['iters']} steps{kind})",
                     linestyle="--" if kind else "-")
     ax.axhline(result["target"], color="black", linestyle=":", label=f"target {result['target']:.3f}")
@@ -353,7 +355,7 @@ def write_page(result: dict, page: Path) -> None:
     page = Path(page)
     data, stem = save_data(result, page, plot)
     frontier.plot(result, data / f"{stem}_frontier.png")
-    template = (Path(__file__).parent / "page.md").read_text()
+    template = pages.template(__file__)
     page.write_text(template.format(
         headline=headline_text(result), **_page_fields(result, stem)))
 
@@ -420,8 +422,8 @@ def _page_fields(result: dict, stem: str) -> dict:
         longer=(f"; `--longer` applied them to {', '.join(f'`{c}`' for c in modes['longer'])} only: the other codecs "
                 f"that missed ran no longer schedule" if modes.get("longer") else ""),
         seeds=", ".join(sorted({str(s) for r in result["table"] for s in r["seeds"]})),
-        not_run=", ".join(f"`{c}`" for c in runs.CODECS if c not in {r["codec"] for r in result["table"]}
-                          and not runs.entropy_coded(c)) or "none",
+        not_run=", ".join(f"`{c}`" for c in CODECS if c not in {r["codec"] for r in result["table"]}
+                          and not entropy_coded(c)) or "none",
         date=result["date"], cpu=result["host"]["cpu"], cores=result["host"]["cores"],
         reused=_reused_text(result), provenance=provenance_text(result),
         parameters=f"{runs.SIZES[result['size']].parameters():,}",

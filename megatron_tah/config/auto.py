@@ -69,7 +69,7 @@ FLOOR_REFERENCE = "paper"  # the default TAH-Quant codec: its error is the defau
 
 MEASURED: dict = json.loads(importlib.resources.files(__package__).joinpath("measured.json").read_text())
 """What the studies measured, shipped as package data (``measured.json``, written by the studies that measured it:
-``benchmarks/measured.py``): per pipeline depth, the steps multipliers below, each row with its page, command, date
+``benchmarks/real_model/measured.py``): per pipeline depth, the steps multipliers below, each row with its page, command, date
 and host."""
 
 STEPS_MULTIPLIER: dict[int, dict[str, float]] = {

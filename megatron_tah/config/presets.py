@@ -3,7 +3,7 @@ one line that describes it.
 
 A preset is what the studies found worth choosing (docs/REAL_MODEL.md on a real model, docs/SPEEDRUN.md on the toy),
 plus ``paper``, TAH-Quant as its paper specifies it. The studies' other candidates are theirs
-(``benchmarks/speedrun/runs.py``'s ``CODECS``), or ``auto``'s when it may choose them (``auto.NON_PRESET``).
+(``benchmarks/common/codecs.py``'s ``CODECS``), or ``auto``'s when it may choose them (``auto.NON_PRESET``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import codec_report as report
+from benchmarks.codec_report import __main__ as report
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
 from megatron_tah.codecs.core import common
 from megatron_tah.numerics import MAX_ABS_VALUE

@@ -9,7 +9,7 @@ import torch
 
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
 from megatron_tah.codecs.core import common
-from benchmarks import codec_report as report
+from benchmarks.codec_report import __main__ as report
 from megatron_tah.numerics import MAX_ABS_VALUE
 from megatron_tah.codecs.core.header import HEADER_NBYTES, align_up
 from megatron_tah.config import TahConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_tah.codecs import CODECS, CodecError, WireFormatError, get_codec
-from benchmarks import codec_report as report
+from benchmarks.codec_report import __main__ as report
 from megatron_tah.numerics import MAX_ABS_VALUE
 from megatron_tah.codecs.core.header import HEADER_NBYTES, align_up
 from megatron_tah.codecs.lowrank import principal_directions

@@ -113,7 +113,7 @@ def test_the_emulated_boundaries_use_the_same_mapping():
 
 
 def test_the_studies_count_the_mean_bits_and_project_the_busiest_link():
-    from benchmarks.speedrun.runs import busiest_nbytes, forward_codecs
+    from benchmarks.common.codecs import busiest_nbytes, forward_codecs
 
     config = _config("2,8")
     shape = (1024, 8, 1024)

@@ -125,7 +125,7 @@ def test_the_presets_table_is_the_parity_study():
         bwd = 8 * config.backward_codec().wire_nbytes((128, 4, 128), torch.bfloat16) / (512 * 128)
         assert cells[3] == f"{bwd:.2f}", preset
     # the depth column: within how many steps the committed speedrun's codecs missed the target
-    from benchmarks.speedrun.score import missed_text
+    from benchmarks.common.score import missed_text
 
     speedrun = {r["codec"]: r for r in json.loads((DOCS / "data" / "speedrun.json").read_text())["table"]}
     for preset in ("paper", "hadint4"):
@@ -157,7 +157,7 @@ def test_the_codecs_pages_preset_table_is_the_committed_real_activation_run():
     """docs/CODECS.md's presets on real activations: bits, token error and the per-bit verdict of each preset
     per model, as docs/data/real_activations.json holds them; every preset, and every candidate of auto the studies
     measured, has its row (``real_report.PRESETS``)."""
-    from benchmarks.real_report import PRESETS, _range, preset_summary
+    from benchmarks.codec_report.real import PRESETS, _range, preset_summary
 
     result = json.loads((DOCS / "data" / "real_activations.json").read_text())
     by_model = [preset_summary({"models": [model]}) for model in result["models"]]
@@ -269,7 +269,7 @@ def test_the_readme_is_at_most_250_lines():
 def test_the_readme_s_study_sections_are_what_the_committed_json_writes(tmp_path):
     """Every section between ``<!-- real_model:... -->`` markers (the table, the rule with the choice per depth, what
     the study found) is ``readme.write_readme`` of docs/data/real_model.json: rewriting leaves the README as it is."""
-    from benchmarks.real_model import readme, report
+    from benchmarks.real_model import readme, report, verdicts
 
     copy = tmp_path / "README.md"
     copy.write_text(README)
@@ -277,7 +277,7 @@ def test_the_readme_s_study_sections_are_what_the_committed_json_writes(tmp_path
     assert readme.write_readme(result, copy, REPO / readme.WHOLE_RUN_DATA) and copy.read_text() == README
     assert set(readme.README_SECTIONS) == {"table", "presets", "found"}
     page = " ".join((DOCS / "REAL_MODEL.md").read_text().split())
-    assert " ".join(report.rule_text().split()) in page  # the page states the same rule
+    assert " ".join(verdicts.rule_text().split()) in page  # the page states the same rule
     assert report.presets_text(result) in (DOCS / "REAL_MODEL.md").read_text()
 
 
@@ -291,12 +291,12 @@ def test_no_readme_sentence_contradicts_its_tables():
     """The choice the README's prose names per use is the presets table's, depth by depth; every steps multiplier it
     quotes is one of the committed JSON's (a mean or an interval's end, at some depth, either evaluation) or a goal's;
     a sentence that says a codec was measured at one depth only names one that was."""
-    from benchmarks.real_model import report
+    from benchmarks.real_model import verdicts
 
     result = json.loads((DOCS / "data" / "real_model.json").read_text())
     prose = _study_prose()
     rows = _table_rows(_table(README, "| pipeline depth |"), "pipeline depth")
-    flags = {report.flag_line(c): c for t in ({str(result["depth"]): result["table"]}, result["depths"])
+    flags = {verdicts.flag_line(c): c for t in ({str(result["depth"]): result["table"]}, result["depths"])
              for rows_ in t.values() for c in (r["codec"] for r in rows_) if c != "bf16"}
     for use, column in (("**served on its own**", 0), ("**Served through the pipeline**", 1)):
         sentence = prose[prose.index(use):]
@@ -307,7 +307,7 @@ def test_no_readme_sentence_contradicts_its_tables():
     tables = {str(result["depth"]): result["table"], **result["depths"]}
     quoted = {f"{v:.2f}x" for rows_ in tables.values() for r in rows_ for t in ("uncompressed", "compressed")
               for k in ("multiplier", "multiplier_low", "multiplier_high") if (v := r[t].get(k)) is not None}
-    quoted |= {f"{v:.2f}x" for g in report.GOALS for v in (g.steps, g.steps_high, g.serving) if v is not None}
+    quoted |= {f"{v:.2f}x" for g in verdicts.GOALS for v in (g.steps, g.steps_high, g.serving) if v is not None}
     assert set(re.findall(r"\d+\.\d\dx", prose)) <= quoted
     for match in re.finditer(r"measured at depth (\d+) only", prose):  # some codec of its sentence was, only there
         sentence = re.split(r"\.\s", prose[:match.start()])[-1]
@@ -349,7 +349,7 @@ def test_the_lossless_pages_are_the_committed_measurement():
     assert row["T_coded"] < row["T_coder_time"] < row["T"]  # "the projected T falls with it even on the host"
     from benchmarks.speedrun import check
 
-    from benchmarks.lossless import CANDIDATES
+    from benchmarks.lossless.measure import CANDIDATES
 
     both = {}
     for r in (r for r in result["rows"] if r["preset"] not in CANDIDATES):  # "a preset's messages"

@@ -148,11 +148,11 @@ def test_the_table_is_the_measured_multipliers():
 
 
 def test_the_shipped_measurements_are_the_pages_and_say_where_they_come_from():
-    """The package data auto reads is what ``benchmarks/measured.py`` derives from the committed real-model page's
+    """The package data auto reads is what ``benchmarks/real_model/measured.py`` derives from the committed real-model page's
     JSON, with its date and host: a row per depth the study ran, each with every auto candidate it ran there."""
     from megatron_tah.config import CANDIDATES
 
-    from benchmarks import measured
+    from benchmarks.real_model import measured
 
     shipped = json.loads((ROOT / measured.MEASURED).read_text())["steps_multiplier"]
     result = _real_model()
@@ -171,7 +171,7 @@ def test_the_shipped_measurements_are_the_pages_and_say_where_they_come_from():
 def test_a_study_writes_its_row_beside_its_page_and_keeps_the_others(tmp_path):
     """The real-model study's ``--write`` puts its rows into the checkout's measured file (rows of depths it did not
     run kept), and leaves the file alone for a page outside a checkout's docs/ (a trial run's)."""
-    from benchmarks import measured
+    from benchmarks.real_model import measured
 
     checkout = tmp_path / "checkout"
     (checkout / measured.MEASURED).parent.mkdir(parents=True)
@@ -191,7 +191,7 @@ def test_a_study_writes_its_row_beside_its_page_and_keeps_the_others(tmp_path):
 
 
 def test_the_whole_runs_one_direction_runs_give_each_direction_its_share_and_the_file_keeps_the_rest(tmp_path):
-    from benchmarks import measured
+    from benchmarks.real_model import measured
 
     def row(codec, end):
         return {"codec": codec, "uncompressed": {"points": {"50": {"ratio": 1.5}, "200": {"ratio": end}}}}

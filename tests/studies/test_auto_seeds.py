@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import auto_seeds
+from benchmarks.auto_seeds import __main__ as auto_seeds
 
 
 def _rows(tah, auto, codecs=None):

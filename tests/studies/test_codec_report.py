@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import codec_report as report
+from benchmarks.codec_report import __main__ as report
 from megatron_tah.codecs import get_codec
 from megatron_tah.codecs.core.samples import activation_like
 from tests.helpers.codec_cases import cases

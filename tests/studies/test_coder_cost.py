@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.pages import replace_block
+from benchmarks.common.pages import replace_block
 from benchmarks.real_model import coder_cost, runs
 
 REPO = Path(__file__).resolve().parents[2]

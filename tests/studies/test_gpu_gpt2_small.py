@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import gpu_gpt2_small as gpu
+from benchmarks.gpu_gpt2_small import __main__ as gpu
 
 
 def test_commands_share_model_seed_and_time_budget(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.lossless import buffer_entropy_bits, entropy_bits
+from benchmarks.lossless.measure import buffer_entropy_bits, entropy_bits
 from megatron_tah.codecs.core import entropy
 from megatron_tah.codecs.core.samples import activation_like
 from megatron_tah.config import TahConfig
@@ -50,7 +50,7 @@ def test_a_uniform_code_section_costs_its_bits():
 def test_the_projection_with_the_coder_bills_the_measured_share_and_the_coders_time_at_the_same_steps(tmp_path):
     import json
 
-    from benchmarks.lossless import projected
+    from benchmarks.lossless.measure import projected
     from megatron_tah.config.auto import STEPS_MULTIPLIER
 
     speedrun = tmp_path / "speedrun.json"
@@ -92,7 +92,7 @@ def test_the_projection_with_the_coder_bills_the_measured_share_and_the_coders_t
 def test_the_host_coder_is_billed_its_time_and_credited_its_link_saving():
     import torch
 
-    from benchmarks.lossless import host_zlib, host_zlib_text
+    from benchmarks.lossless.measure import host_zlib, host_zlib_text
     from benchmarks.speedrun import projection
     from megatron_tah.codecs.core.samples import activation_like
     from megatron_tah.config import TahConfig
@@ -115,7 +115,7 @@ def test_the_host_coder_is_billed_its_time_and_credited_its_link_saving():
 
 
 def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_time():
-    from benchmarks.lossless import host_entropy, host_entropy_text, measure
+    from benchmarks.lossless.measure import host_entropy, host_entropy_text, measure
 
     x = activation_like((256, 1, 128), seed=4).to(torch.bfloat16)
     config = TahConfig(tah_preset="lowrank", tah_backend="torch")
@@ -134,7 +134,7 @@ def test_the_built_coder_sends_close_to_the_order0_estimate_and_is_billed_its_ti
 
 
 def test_the_coders_summary_gives_each_coders_span_per_shape_from_the_rows():
-    from benchmarks import coders
+    from benchmarks.lossless import coders
 
     def row(shape, order0, coded, mb_s, bps):
         return {"preset": "p", "direction": "forward", "shape": shape, "raw": 2 * order0, "order0": order0,

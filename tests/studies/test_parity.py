@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import stats
-from benchmarks.reproduce import convergence, parity, report
+from benchmarks.common import stats
+from benchmarks.reproduce import convergence, parity, parity_report, report
 
 
 def _flag(flags, name):
@@ -131,25 +131,25 @@ def test_gaps_intervals_and_verdicts(tmp_path):
                       # more than 4.5 bits forward: not met, whatever the loss (one seed)
                       (128, "tah_warmup20"): [base[0]]})
     table = parity.collect(tmp_path / "convergence", "full")
-    assert parity.gaps(table, 256, "tah") == [pytest.approx(0.03)] * 3
-    assert parity.verdicts(table) == {"tah": "not met", "hadint4": "met", "tah_bwd4sr": "unresolved",
+    assert parity_report.gaps(table, 256, "tah") == [pytest.approx(0.03)] * 3
+    assert parity_report.verdicts(table) == {"tah": "not met", "hadint4": "met", "tah_bwd4sr": "unresolved",
                                       "tah_warmup20": "not met"}  # diagnostic and absent runs get no verdict
-    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    md = "\n".join(parity_report.section(tmp_path / "convergence", "full"))
     assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 4.25 | 4.25 | 3 | +0.10% | +0.10% to +0.10% | 2 |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 7.00 | 3 | +3.00% |" in md
     assert "0->1: 0.070/n/a | 1->0: 0.030/n/a |" in md
     # Every run has the same error, so no correlation can be computed.
-    assert parity.error_gap_correlation(table, 256) == (None, 6) and "Pearson" not in md
+    assert parity_report.error_gap_correlation(table, 256) == (None, 6) and "Pearson" not in md
     rows = table[256]["tah"]
     for seed, error in zip(parity.SEEDS, (0.1, 0.2, 0.3)):
         rows[seed]["links"] = {"0->1": (error, None)}
     rows[parity.SEEDS[0]]["late"] *= 0.99  # gaps now +1.97%, +3%, +3% against errors 0.1, 0.2, 0.3
-    r, n = parity.error_gap_correlation(table, 256)
+    r, n = parity_report.error_gap_correlation(table, 256)
     assert n == 6 and 0 < r < 1
     assert "50.000% of tiles rotated in the first quarter of training, 0.000% in the last quarter" in md
     assert "| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | met | met | met |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | unresolved | not met | not met |" in md
-    assert [parity.width_verdict(table, h, "tah_bwd4sr") for h in parity.WIDTHS] == ["met", "not run"]
+    assert [parity_report.width_verdict(table, h, "tah_bwd4sr") for h in parity.WIDTHS] == ["met", "not run"]
     assert "| TAH-Quant fwd, uncompressed bwd (diagnostic) |" not in md.split("### Verdict")[1]
     # Against the default: hadint4 (4.25 + 4.25 bits) vs tah (4.25 + 7 bits), losses 1.001 / 1.03 at 256.
     assert ("| Hadamard INT4 fwd (tile 64, 4.25 bits), 6-bit bwd | 256 | 3 | 8.50 | 1.32x | -2.82% | "
@@ -172,10 +172,10 @@ def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
     _write(tmp_path / "convergence", "none", extra, 256, _records(4.0))
     _write(tmp_path / "convergence", "tah", extra, 256, _records(4.0 * 1.04))
     table = parity.collect(tmp_path / "convergence", "full")
-    assert sorted(parity.gaps(table, 256, "tah")) == [pytest.approx(g) for g in (0.01, 0.02, 0.03, 0.04)]
+    assert sorted(parity_report.gaps(table, 256, "tah")) == [pytest.approx(g) for g in (0.01, 0.02, 0.03, 0.04)]
     docs = tmp_path / "docs"
     docs.mkdir()
-    md = "\n".join(parity.section(tmp_path / "convergence", "full", docs))
+    md = "\n".join(parity_report.section(tmp_path / "convergence", "full", docs))
     assert "| 4 | +2.50% |" in md
     assert "![same-seed gaps per candidate and width](data/parity_gaps.png)" in md
     assert (docs / "data" / "parity_gaps.png").read_bytes()[:4] == b"\x89PNG"
@@ -183,7 +183,7 @@ def test_more_seeds_enter_the_intervals_and_the_plot(tmp_path):
     single = tmp_path / "single"
     _write(single / "convergence", "none", extra, 256, _records(4.0))
     _write(single / "convergence", "tah", extra, 256, _records(4.1))
-    assert "parity_gaps.png" not in "\n".join(parity.section(single / "convergence", "full", docs))
+    assert "parity_gaps.png" not in "\n".join(parity_report.section(single / "convergence", "full", docs))
 
 
 def test_t_quantiles_intervals_and_seeds_needed():
@@ -193,11 +193,11 @@ def test_t_quantiles_intervals_and_seeds_needed():
         assert stats.t975(df) == pytest.approx(exact, abs=1e-3)
     with pytest.raises(ValueError):
         stats.t975(0)
-    assert convergence.interval95([0.01]) is None
-    lo, hi = convergence.interval95([0.01, 0.03])  # mean 0.02, sd 0.01414: half width 12.706 * 0.01
+    assert stats.interval95([0.01]) is None
+    lo, hi = stats.interval95([0.01, 0.03])  # mean 0.02, sd 0.01414: half width 12.706 * 0.01
     assert (lo, hi) == (pytest.approx(0.02 - 0.12706), pytest.approx(0.02 + 0.12706))
     values = [0.01 * (i % 3) for i in range(12)]  # 12 values: beyond the old 10-value table
-    assert convergence.interval95(values) is not None
+    assert stats.interval95(values) is not None
     # Spread 0.01 (sd of 0, 0.01, 0.02): n with t(n-1) * 0.01 / sqrt(n) <= 0.005 is 18 (t(17) = 2.110).
     n = convergence.seeds_needed([0.0, 0.01, 0.02], 0.005)
     assert n == 18 and stats.t975(n - 2) * 0.01 / (n - 1) ** 0.5 > 0.005
@@ -215,10 +215,10 @@ def test_late_training_loss_and_where_the_spread_comes_from(tmp_path):
     for seed, gap in zip(parity.SEEDS, (0.01, 0.02, 0.04)):
         table[256]["none"][seed] = {"late": 4.0, "late_train": 5.0}
         table[256]["tah"][seed] = {"late": 4.0 * (1 + gap), "late_train": 5.0 * (1 + 2 * gap)}
-    r, n, train_sd, valid_sd = parity.train_valid_spread(table, 256)
+    r, n, train_sd, valid_sd = parity_report.train_valid_spread(table, 256)
     assert n == 3 and r == pytest.approx(1.0) and train_sd == pytest.approx(2 * valid_sd)
     assert valid_sd == pytest.approx(statistics.stdev([0.01, 0.02, 0.04]))
-    assert parity.train_valid_spread(table, 128) == (None, 0, None, None)
+    assert parity_report.train_valid_spread(table, 128) == (None, 0, None, None)
 
 
 def test_evaluation_share_of_the_gap(tmp_path):
@@ -234,8 +234,8 @@ def test_evaluation_share_of_the_gap(tmp_path):
                 r["valid_loss_uncompressed"] = r["valid_loss"] - b * extra  # the gap less 1, 2, 3 points
         path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     table = parity.collect(tmp_path / "convergence", "full")
-    assert "tah_evalboth" not in parity.verdicts(table)  # a diagnostic
-    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    assert "tah_evalboth" not in parity_report.verdicts(table)  # a diagnostic
+    md = "\n".join(parity_report.section(tmp_path / "convergence", "full"))
     row = next(line for line in md.splitlines() if line.startswith("| TAH-Quant, evaluated through the codec and "
                                                                        "uncompressed (diagnostic) | 128 | 3 |"))
     # Late losses are means with the final evaluation (0.99 x): the 1, 2, 3 points become x / 0.995 of it.
@@ -244,13 +244,13 @@ def test_evaluation_share_of_the_gap(tmp_path):
     _study(tmp_path, {(128, "tah"): [b * 1.02 for b in base]})
     path = tmp_path / "convergence" / f"{parity.run_name('full', 'tah', parity.SEEDS[1], 128)}.jsonl"
     path.write_text(path.read_text().replace('"iteration": 3, "lm_loss": 5.0', '"iteration": 3, "lm_loss": 5.01'))
-    md = "\n".join(parity.section(tmp_path / "convergence", "full"))
+    md = "\n".join(parity_report.section(tmp_path / "convergence", "full"))
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 128 | 1234 | +2.00% | +3.00% | +1.00% | identical |" in md
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 128 | 1235 | +2.00% | +3.00% | +1.00% | differ from iteration 3 |" in md
     # Runs without the uncompressed evaluation get no such table.
     other = tmp_path / "other"
     _study(other, {(128, "none"): base, (128, "tah"): base})
-    md = "\n".join(parity.section(other / "convergence", "full"))
+    md = "\n".join(parity_report.section(other / "convergence", "full"))
     assert "What evaluating through the codec adds" not in md and "trained twice" not in md
 
 
@@ -265,9 +265,9 @@ def test_seeds_outside_the_parts_own_enter_the_table(tmp_path):
     meta["info"]["phase"] = "finetune"  # same name pattern, another phase: not the study's
     (folder / f"{name}.meta.json").write_text(json.dumps(meta))
     table = parity.collect(folder, "full")
-    assert sorted(parity.gaps(table, 128, "hadint4_bwd4sr")) == [pytest.approx(0.01), pytest.approx(0.03)]
+    assert sorted(parity_report.gaps(table, 128, "hadint4_bwd4sr")) == [pytest.approx(0.01), pytest.approx(0.03)]
     assert "tah" not in table[128]
-    md = "\n".join(parity.section(folder, "full"))
+    md = "\n".join(parity_report.section(folder, "full"))
     assert "hidden 128: seeds 1240, 1251 (2)" in md
     assert "| Hadamard INT4 fwd, Hadamard INT4 bwd with stochastic rounding (4.25 bits each) | unresolved | not run |" in md
     assert "What the backward codec adds" not in md  # no pair of runs differing in it alone
@@ -293,11 +293,11 @@ def test_the_committed_record_keeps_runs_whose_logs_are_gone(tmp_path):
     merged = parity.update_record(elsewhere, "full", record)
     assert len(merged) == 14
     table = parity.collect(elsewhere, "full", recorded=merged)
-    assert sorted(parity.gaps(table, 128, "hadint4_bwd4sr")) == [pytest.approx(0.02)] * 3 + [pytest.approx(0.05)]
+    assert sorted(parity_report.gaps(table, 128, "hadint4_bwd4sr")) == [pytest.approx(0.02)] * 3 + [pytest.approx(0.05)]
     # A log here replaces the recorded run of the same name.
     _write(elsewhere, "hadint4_bwd4sr", 1234, 128, _records(4.0 * 1.10))
     table = parity.collect(elsewhere, "full", recorded=parity.load_record(record))
-    assert parity.gaps(table, 128, "hadint4_bwd4sr")[0] == pytest.approx(0.10)
+    assert parity_report.gaps(table, 128, "hadint4_bwd4sr")[0] == pytest.approx(0.10)
     record.write_text(record.read_text().replace('"version": 1', '"version": 99'))
     with pytest.raises(ValueError, match="record version 99"):
         parity.load_record(record)
@@ -327,19 +327,19 @@ def test_a_superseded_run_is_kept_out_of_the_tables_and_compared_with_its_rerun(
     recorded = parity.update_record(rerun, "full", record)
     assert len(recorded) == 9 and record.read_text().count("\n") == 9 + 2
     table = parity.collect(None, "full", recorded=parity.load_record(record))
-    assert parity.gaps(table, 128, "lowrank") == [pytest.approx(g) for g in (0.001, 0.001, 0.004)]
-    lines = parity.remeasured_reading(recorded, table, "gpt2")
+    assert parity_report.gaps(table, 128, "lowrank") == [pytest.approx(g) for g in (0.001, 0.001, 0.004)]
+    lines = parity_report.remeasured_reading(recorded, table, "gpt2")
     row = next(line for line in lines if line.startswith("| lowrank: 16 principal"))
     before, after = [0.002, 0.003, 0.004], [0.001, 0.001, 0.004]
-    low, high = convergence.interval95(before)
+    low, high = stats.interval95(before)
     assert f"| 128 | 3 | old basis | 2026-11-23 20:00-20:00 UTC | yes | +0.30% | {100 * low:+.2f}% to {100 * high:+.2f}% |" in row
-    assert f"| 0.070 | 2026-11-23 20:00-20:00 UTC | yes | +0.20% | {parity._interval_text(after)} | 0.050 | yes |" in row
-    assert row.endswith(f"| {parity._interval_text([a - b for a, b in zip(after, before)])} |")
-    assert parity.remeasured_reading(recorded, table, "compact") == []  # another protocol's runs: none
+    assert f"| 0.070 | 2026-11-23 20:00-20:00 UTC | yes | +0.20% | {parity_report._interval_text(after)} | 0.050 | yes |" in row
+    assert row.endswith(f"| {parity_report._interval_text([a - b for a, b in zip(after, before)])} |")
+    assert parity_report.remeasured_reading(recorded, table, "compact") == []  # another protocol's runs: none
     for seed in parity.SEEDS[:2]:  # two re-runs made on another machine than their uncompressed runs
         recorded[parity.run_name("full", "lowrank", seed, 128)]["host"] = {"cpu": "other CPU", "cores": 2}
-    assert "| 2026-11-23 20:00-20:00 UTC | partly | +0.20% |" in parity.remeasured_reading(recorded, table, "gpt2")[-2]
-    page = parity.write_page(tmp_path / "nothing", tmp_path / "docs").read_text()
+    assert "| 2026-11-23 20:00-20:00 UTC | partly | +0.20% |" in parity_report.remeasured_reading(recorded, table, "gpt2")[-2]
+    page = parity_report.write_page(tmp_path / "nothing", tmp_path / "docs").read_text()
     assert "### Rows re-measured after their codec changed" in page and "test CPU, 2 cores, torch ?, megatron-core ?: 6 runs." in page
 
 
@@ -350,15 +350,15 @@ def test_parity_report_writes_the_page_from_the_record(tmp_path):
     _study(tmp_path, {(128, "none"): base, (128, "hadint4_bwd4sr"): [b * 1.002 for b in base]})
     docs = tmp_path / "docs"
     assert main(["parity-report", "--out", str(tmp_path), "--docs", str(docs)]) == 0
-    page = (docs / parity.PAGE_NAME).read_text()
+    page = (docs / parity_report.PAGE_NAME).read_text()
     assert page.startswith("# Convergence parity study\n") and "\n### Hidden 128\n" in page
-    assert "| 3 | +0.20% |" in page and (docs / "data" / parity.PAGE_PLOT).is_file()
+    assert "| 3 | +0.20% |" in page and (docs / "data" / parity_report.PAGE_PLOT).is_file()
     assert "test CPU, 2 cores, torch ?, megatron-core ?: 6 runs." in page
     assert not (docs / "data" / "parity_gaps.png").exists()  # RESULTS.md's plot is left alone
     # On another machine (no logs), the page is the same, from the committed record.
-    (docs / "data" / parity.PAGE_PLOT).unlink()
+    (docs / "data" / parity_report.PAGE_PLOT).unlink()
     assert main(["parity-report", "--out", str(tmp_path / "elsewhere"), "--docs", str(docs)]) == 0
-    assert (docs / parity.PAGE_NAME).read_text() == page
+    assert (docs / parity_report.PAGE_NAME).read_text() == page
 
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -380,7 +380,7 @@ def test_committed_docs_regenerate_byte_identical_from_the_committed_record(tmp_
     assert end - start >= 3  # the section (a pointer) is there, and is removed before the regeneration
     (docs / "RESULTS.md").write_text("\n".join(results[:start] + results[end:]))
     assert main(["parity-report", "--out", str(tmp_path / "runs"), "--docs", str(docs)]) == 0
-    for name in (parity.PAGE_NAME, "RESULTS.md", parity.RECORD_NAME, f"data/{parity.PAGE_PLOT}",
+    for name in (parity_report.PAGE_NAME, "RESULTS.md", parity.RECORD_NAME, f"data/{parity_report.PAGE_PLOT}",
                  "data/parity_compact_gaps.png", "data/parity_compact_gaps_vs_error.png"):
         assert (docs / name).read_bytes() == (DOCS / name).read_bytes(), name
     assert "\n".join(report._places_section()) in (DOCS / "RESULTS.md").read_text()
@@ -418,7 +418,7 @@ def test_compact_protocol_runs(tmp_path):
     assert {(r.info["seed"], r.info["hidden"]) for r in diagnostics} == {(parity.COMPACT_SEEDS[0], 128)}
     backward = {(r.info["seed"], r.info["hidden"]) for r in runs if r.info["codec"] in parity.COMPACT_BACKWARD}
     assert backward == {(seed, 128) for seed in parity.COMPACT_SEEDS}
-    assert all(parity._diagnostic(c) for c in parity.COMPACT_DIAGNOSTICS + parity.COMPACT_BACKWARD + ("int8_both",))
+    assert all(parity_report._diagnostic(c) for c in parity.COMPACT_DIAGNOSTICS + parity.COMPACT_BACKWARD + ("int8_both",))
     twins = {(r.info["codec"], r.info["seed"], r.info["hidden"]): r for seed in parity.COMPACT_SEEDS
              for hidden in parity.WIDTHS for r in convergence.pretrain_runs(
                  tmp_path, "full", codecs=parity.COMPACT_CANDIDATES + parity.COMPACT_DIAGNOSTICS
@@ -468,19 +468,19 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
                protocol="compact")
     gpt2 = parity.collect(folder, "full")
     compact = parity.collect(folder, "full", protocol="compact")
-    assert sorted(parity.gaps(gpt2, 128, "tah")) == [pytest.approx(g) for g in (0.0, 0.02, 0.03)]
-    assert parity.gaps(compact, 128, "tah") == [pytest.approx(g) for g in (0.010, 0.012, 0.014)]
+    assert sorted(parity_report.gaps(gpt2, 128, "tah")) == [pytest.approx(g) for g in (0.0, 0.02, 0.03)]
+    assert parity_report.gaps(compact, 128, "tah") == [pytest.approx(g) for g in (0.010, 0.012, 0.014)]
     assert "int8_both" not in gpt2[128]
-    mean, sd, n = parity.noise_floor(compact, 128)
+    mean, sd, n = parity_report.noise_floor(compact, 128)
     assert n == 3 and mean == pytest.approx(0.0005 / 3) and sd == pytest.approx(statistics.stdev([0.001, -0.001, 0.0005]))
-    assert parity.noise_floor(gpt2, 128) == (None, None, 0)
-    assert parity.verdicts(compact) == {"tah": "not met"}  # the control is a diagnostic: no verdict
+    assert parity_report.noise_floor(gpt2, 128) == (None, None, 0)
+    assert parity_report.verdicts(compact) == {"tah": "not met"}  # the control is a diagnostic: no verdict
     docs = tmp_path / "docs"
     recorded = parity.update_record(folder, "full", docs / parity.RECORD_NAME)
     assert len(recorded) == 18 and {e.get("protocol") for e in recorded.values()} == {None, "compact"}
     assert parity.collect(None, "full", recorded=parity.load_record(docs / parity.RECORD_NAME),
                           protocol="compact") == compact
-    page = parity.write_page(folder, docs).read_text()
+    page = parity_report.write_page(folder, docs).read_text()
     low, old = page.split("## Low-noise protocol")[1].split("## GPT-2-vocabulary protocol")
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.20% |" in low
     assert "| TAH-Quant (4/3-bit fwd, 6-bit bwd) | 4.25 | 4.25 | 3 | +1.67% |" in old
@@ -492,7 +492,7 @@ def test_protocols_have_separate_tables_and_page_sections(tmp_path):
     assert "gap against its bits" not in old
     assert "reaches 0.5%" not in bits  # 0.4% and 0.9% (lowrank's 0.2% is not a scalar codec's): not between them
     assert "the lowrank codec's forward (4.38 bits) has an error of 0.044 and a gap of +0.20%" in bits
-    assert (docs / "data" / "parity_compact_gaps.png").is_file() and (docs / "data" / parity.PAGE_PLOT).is_file()
+    assert (docs / "data" / "parity_compact_gaps.png").is_file() and (docs / "data" / parity_report.PAGE_PLOT).is_file()
     # parity-report writes RESULTS.md's section 4b (the low-noise protocol: a pointer to PARITY.md, the one page
     # with its tables) before section 5, and leaves the others, section 4 included (the full report writes that
     # one from its machine's logs).
@@ -515,19 +515,19 @@ def test_error_for_gap_interpolates_between_the_runs_around_the_goal():
     # Gaps 2% at error 0.1 (4 bits) and 0.25% at 0.025 (6 bits): log-log, 0.5% lies 1/3 of the way from 0.025 up
     # (ln 2 / ln 8): error 0.025 * 4^(1/3) = 0.0397, bits 6 - 2/3.
     points = [(0.1, 0.02, 4.0), (0.025, 0.0025, 6.0), (0.05, 0.004, 5.0)]
-    error, bits = parity.error_for_gap([(0.1, 0.02, 4.0), (0.025, 0.0025, 6.0)], 0.005)
+    error, bits = parity_report.error_for_gap([(0.1, 0.02, 4.0), (0.025, 0.0025, 6.0)], 0.005)
     assert error == pytest.approx(0.025 * 4 ** (1 / 3)) and bits == pytest.approx(6 - 2 / 3)
-    error, bits = parity.error_for_gap(points, 0.005)  # now between 0.05 (0.4%) and 0.1 (2%)
+    error, bits = parity_report.error_for_gap(points, 0.005)  # now between 0.05 (0.4%) and 0.1 (2%)
     t = math.log(0.005 / 0.004) / math.log(0.02 / 0.004)
     assert error == pytest.approx(0.05 * 2 ** t) and bits == pytest.approx(5 - t)
-    assert parity.error_for_gap([(0.02, -0.001, 7.0), (0.04, 0.009, 6.0)], 0.005) == (
+    assert parity_report.error_for_gap([(0.02, -0.001, 7.0), (0.04, 0.009, 6.0)], 0.005) == (
         pytest.approx(0.032), pytest.approx(6.4))  # a gap <= 0: linear
-    assert parity.error_for_gap([(0.1, 0.02, 4.0), (0.05, 0.01, 5.0)], 0.005) is None  # not bracketed
+    assert parity_report.error_for_gap([(0.1, 0.02, 4.0), (0.05, 0.01, 5.0)], 0.005) is None  # not bracketed
     table = {128: {"none": {1: {"late": 4.0, "fwd_bits": 32.0, "bwd_bits": 32.0, "links": {}}}}}
     for (error, gap, bits), codec in zip(points, ("hadint4_bwdnone", "hadint6_bwdnone", "hadint5_bwdnone")):
         table[128][codec] = {1: {"late": 4.0 * (1 + gap), "fwd_bits": bits, "bwd_bits": 32.0,
                                  "links": {"0->1": (error, error), "1->0": (None, None)}}}
-    text = "\n".join(parity._bits_reading(table))
+    text = "\n".join(parity_report._bits_reading(table))
     expected = 0.05 * 2 ** t
     assert f"forward error of about {expected:.3f}" in text and f"at least {math.log2(1 / expected):.1f} bits" in text
 
@@ -535,13 +535,13 @@ def test_error_for_gap_interpolates_between_the_runs_around_the_goal():
 def test_backward_verdict():
     """<= 5 bits adding <= 0.1% with the interval's upper end below 0.2%: met; more bits or an interval above
     0.1%: not met; one seed or an interval straddling: unresolved."""
-    assert parity.backward_verdict(4.25, [0.0005, 0.0006, 0.0004]) == "met"
-    assert parity.backward_verdict(7.0, [0.0, 0.0, 0.0]) == "not met"
-    assert parity.backward_verdict(4.25, [0.003, 0.004, 0.0035]) == "not met"
-    assert parity.backward_verdict(4.25, [0.0005]) == "unresolved"
-    assert parity.backward_verdict(5.002, [0.0005, 0.0006, 0.0004]) == "met"  # 5.00 as shown: the header's 0.002
-    assert parity.backward_verdict(5.01, [0.0005, 0.0006, 0.0004]) == "not met"
-    assert parity.backward_verdict(4.25, [-0.002, 0.004, 0.001]) == "unresolved"
+    assert parity_report.backward_verdict(4.25, [0.0005, 0.0006, 0.0004]) == "met"
+    assert parity_report.backward_verdict(7.0, [0.0, 0.0, 0.0]) == "not met"
+    assert parity_report.backward_verdict(4.25, [0.003, 0.004, 0.0035]) == "not met"
+    assert parity_report.backward_verdict(4.25, [0.0005]) == "unresolved"
+    assert parity_report.backward_verdict(5.002, [0.0005, 0.0006, 0.0004]) == "met"  # 5.00 as shown: the header's 0.002
+    assert parity_report.backward_verdict(5.01, [0.0005, 0.0006, 0.0004]) == "not met"
+    assert parity_report.backward_verdict(4.25, [-0.002, 0.004, 0.001]) == "unresolved"
 
 
 def test_every_study_codec_is_a_valid_megatron_tah_command_line():
@@ -559,8 +559,8 @@ def test_every_study_codec_is_a_valid_megatron_tah_command_line():
 
 
 def test_both_directions_verdict():
-    assert parity.both_verdict(1.4, [-0.010, -0.012, -0.011]) == "met"
-    assert parity.both_verdict(1.2, [-0.010, -0.012, -0.011]) == "not met"  # too few bytes saved
-    assert parity.both_verdict(1.4, [0.010, 0.012, 0.011]) == "not met"  # a resolved larger gap
-    assert parity.both_verdict(1.4, [-0.010, 0.012, 0.001]) == "unresolved"
-    assert parity.both_verdict(1.4, [-0.010]) == "unresolved"  # one seed: no interval
+    assert parity_report.both_verdict(1.4, [-0.010, -0.012, -0.011]) == "met"
+    assert parity_report.both_verdict(1.2, [-0.010, -0.012, -0.011]) == "not met"  # too few bytes saved
+    assert parity_report.both_verdict(1.4, [0.010, 0.012, 0.011]) == "not met"  # a resolved larger gap
+    assert parity_report.both_verdict(1.4, [-0.010, 0.012, 0.001]) == "unresolved"
+    assert parity_report.both_verdict(1.4, [-0.010]) == "unresolved"  # one seed: no interval

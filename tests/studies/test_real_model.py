@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.real_model import readme as readme_sections
-from benchmarks.real_model import report, runs
-from benchmarks.speedrun import score
+from benchmarks.real_model import report, runs, scoring, verdicts
+from benchmarks.common import score
 from megatron_tah.hf_checkpoint import UnsupportedModel, split_flags, stage_layers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,47 +179,47 @@ def _curves(slope_codec: float, seeds=(1, 2, 3), noise=(0.0, 0.004, -0.003)):
 
 def test_the_target_is_bf16s_mean_loss_at_its_step_where_the_slope_is_measured():
     base = [[(i, 4.0 - 0.02 * (i - 10) + d) for i in range(10, 41, 2)] for d in (0.0, 0.01, -0.01)]
-    target, slope = report.target_and_slope(base, 21)
+    target, slope = scoring.target_and_slope(base, 21)
     assert target == pytest.approx(4.0 - 0.02 * 11, abs=1e-4) and slope == pytest.approx(0.02)
     with pytest.raises(ValueError, match="outside"):
-        report.target_and_slope(base, 50)
+        scoring.target_and_slope(base, 50)
     sparse = [[(i, 4.0 - 0.02 * (i - 10)) for i in range(10, 41, 10)]]  # one validation every 10 steps
     with pytest.raises(ValueError, match="fewer than two bf16 validations within 4 steps"):
-        report.target_and_slope(sparse, 20)
-    assert report.target_and_slope(sparse, 20, window=10)[1] == pytest.approx(0.02)
+        scoring.target_and_slope(sparse, 20)
+    assert scoring.target_and_slope(sparse, 20, window=10)[1] == pytest.approx(0.02)
 
 
 def test_a_codec_at_half_the_slope_needs_more_steps_and_one_that_missed_gets_no_multiplier():
     curves = _curves(0.01)
     names = {s: runs.run_name("x", s, 8) for s in (1, 2, 3)}
     bf16 = {s: runs.run_name("bf16", s) for s in (1, 2, 3)}
-    m = report.metric(curves, names, bf16, "uncompressed", 3.8, 40)
+    m = scoring.metric(curves, names, bf16, "uncompressed", 3.8, 40)
     # bf16 reaches 3.8 at step 20 (+ the jitter / 0.02), the codec at step 30 (+ the jitter / 0.01)
     assert m["steps_by_seed"]["2"] == pytest.approx(30.4) and m["multiplier"] == pytest.approx(
         statistics.fmean([30 / 20, 30.4 / 20.2, 29.7 / 19.85]), rel=1e-6)
     assert m["multiplier_low"] < m["multiplier"] < m["multiplier_high"] and m["missed_within"] is None
     assert m["along"] > 1.2  # at every N where bf16 reached the codec's loss, bf16 had taken fewer steps
-    missed = report.metric(curves, names, bf16, "uncompressed", 3.6, 40)  # the codec ends at 3.7
+    missed = scoring.metric(curves, names, bf16, "uncompressed", 3.6, 40)  # the codec ends at 3.7
     assert missed["multiplier"] is None and missed["missed_within"] == 40
     assert report.multiplier_text(missed) == "missed within 40 steps (3 of 3 seeds)"
     assert report.steps_text(missed) == "missed within 40 steps (seed 1, 2, 3)"
 
 
 def test_damage_verdicts_follow_the_paired_interval():
-    assert report.verdict(score.mean_interval([0.02, 0.03, 0.025])) == report.MORE_DAMAGE
-    assert report.verdict(score.mean_interval([-0.02, -0.03, -0.025])) == "less damage than bf16's"
-    assert report.verdict(score.mean_interval([0.02, -0.03, 0.01])) == "within noise"
-    assert report.verdict(score.mean_interval([0.02])) == "one seed"
+    assert scoring.verdict(score.mean_interval([0.02, 0.03, 0.025])) == scoring.MORE_DAMAGE
+    assert scoring.verdict(score.mean_interval([-0.02, -0.03, -0.025])) == "less damage than bf16's"
+    assert scoring.verdict(score.mean_interval([0.02, -0.03, 0.01])) == "within noise"
+    assert scoring.verdict(score.mean_interval([0.02])) == "one seed"
 
 
 def test_bits_are_the_codecs_exact_wire_bytes_at_the_reference_shape():
-    fwd, bwd = report.bits("paper", report.REFERENCE_SHAPE)
+    fwd, bwd = scoring.bits("paper", scoring.REFERENCE_SHAPE)
     assert fwd == pytest.approx(4.43, abs=0.01) and bwd == pytest.approx(7.0, abs=0.01)
-    assert report.bits("bf16", report.REFERENCE_SHAPE) == pytest.approx((16.0, 16.0), abs=0.001)
+    assert scoring.bits("bf16", scoring.REFERENCE_SHAPE) == pytest.approx((16.0, 16.0), abs=0.001)
     # bits per boundary: the mean over the boundaries; the busiest link carries the most
-    fwd, _ = report.bits("channel_b_h4", report.REFERENCE_SHAPE, 8)
+    fwd, _ = scoring.bits("channel_b_h4", scoring.REFERENCE_SHAPE, 8)
     assert fwd == pytest.approx(5.31, abs=0.01)
-    assert report.busiest_bits("channel_b_h4", report.REFERENCE_SHAPE, 8) == pytest.approx(6.02 + 4.25, abs=0.01)
+    assert scoring.busiest_bits("channel_b_h4", scoring.REFERENCE_SHAPE, 8) == pytest.approx(6.02 + 4.25, abs=0.01)
 
 
 def _table_row(codec, multiplier, verdict, t, bits=(4.0, 4.0), seeds=(1, 2, 3), spread=0.01, busiest=None):
@@ -238,25 +238,25 @@ def _table_row(codec, multiplier, verdict, t, bits=(4.0, 4.0), seeds=(1, 2, 3), 
 
 def test_the_recommended_preset_reached_the_target_without_more_damage_and_ties_go_to_fewer_bits():
     table = [_table_row("bf16", 1.0, "–", 300_000.0, (16, 16)),
-             _table_row("hadint4", 1.0, report.MORE_DAMAGE, 50_000.0),
+             _table_row("hadint4", 1.0, scoring.MORE_DAMAGE, 50_000.0),
              _table_row("paper", None, "within noise", None, (3, 3)),
              _table_row("channel9", 1.6, "within noise", 160_000.0),
              _table_row("channel_h4", 1.1, "less damage than bf16's", 100_000.0, (6, 4)),
              _table_row("not_a_preset", 1.0, "within noise", 90_000.0)]
-    assert report.recommended(table) == "channel_h4"
-    assert report.recommended(table[:3]) is None
+    assert verdicts.recommended(table) == "channel_h4"
+    assert verdicts.recommended(table[:3]) is None
     # a preset within noise of the best projected T, with fewer bits on the busiest link, is chosen instead
     tied = [*table, _table_row("channel_b_h4", 1.12, "within noise", 101_000.0, (5, 4), spread=-0.05, busiest=9.0)]
-    assert report.recommended(tied) == "channel_b_h4"
+    assert verdicts.recommended(tied) == "channel_b_h4"
     # not within noise (the seeds agree closely on a clearly larger T): the best stays
     apart = [*table, _table_row("channel_b_h4", 1.5, "within noise", 150_000.0, (5, 4), spread=0.001, busiest=9.0)]
-    assert report.recommended(apart) == "channel_h4"
+    assert verdicts.recommended(apart) == "channel_h4"
     # within noise of the best but far slower on average (few seeds, a wide interval): not a tie
     wide = [*table, _table_row("channel_b_h4", 1.5, "within noise", 150_000.0, (5, 4), spread=0.5, busiest=9.0)]
-    assert report.recommended(wide) == "channel_h4"
+    assert verdicts.recommended(wide) == "channel_h4"
     # one seed is no evidence: a preset must have reached the target in two or more
     alone = [*table, _table_row("channel_b_h4", 1.0, "within noise", 60_000.0, (5, 4), seeds=(1,), busiest=9.0)]
-    assert report.recommended(alone) == "channel_h4"
+    assert verdicts.recommended(alone) == "channel_h4"
     one = {**alone[-1]["uncompressed"], "multiplier_low": 1.0, "multiplier_high": 1.0}
     assert report.multiplier_text(one) == "1.00x (one seed)"
     text = report.frontier_text({"table": table})
@@ -293,18 +293,18 @@ def test_the_pipeline_column_is_judged_on_the_evaluation_through_the_codecs_with
     runs trained as usual and served at more forward bits compete there only."""
     bf16 = _table_row("bf16", 1.0, "–", 300_000.0, (16, 16))
     best = _table_row("channel_h4", 1.05, "within noise", 100_000.0, (6, 4))
-    best["compressed"]["damage_verdict"] = report.MORE_DAMAGE  # fine served on its own, not through the pipeline
+    best["compressed"]["damage_verdict"] = scoring.MORE_DAMAGE  # fine served on its own, not through the pipeline
     other = _table_row("hadint4", 1.3, "within noise", 130_000.0)
     served = _table_row("lowrank_h3_rn_s8", 1.1, "within noise", 90_000.0, (3.4, 3.3))
     rows = [bf16, best, other, served]
-    assert report.recommended(rows, "uncompressed") == "channel_h4"  # a serving candidate is no choice here
-    assert report.recommended(rows, "compressed") == "lowrank_h3_rn_s8"
-    served["compressed"]["damage_verdict"] = report.MORE_DAMAGE
-    assert report.recommended(rows, "compressed") == "hadint4"
+    assert verdicts.recommended(rows, "uncompressed") == "channel_h4"  # a serving candidate is no choice here
+    assert verdicts.recommended(rows, "compressed") == "lowrank_h3_rn_s8"
+    served["compressed"]["damage_verdict"] = scoring.MORE_DAMAGE
+    assert verdicts.recommended(rows, "compressed") == "hadint4"
     other["compressed"].update(multiplier=None)  # missed through the codecs
-    assert report.recommended(rows, "compressed") is None
-    assert [r["codec"] for r in report.candidates(rows, "compressed")] == ["channel_h4", "hadint4", "lowrank_h3_rn_s8"]
-    assert [r["codec"] for r in report.candidates(rows, "uncompressed")] == ["channel_h4", "hadint4"]
+    assert verdicts.recommended(rows, "compressed") is None
+    assert [r["codec"] for r in verdicts.candidates(rows, "compressed")] == ["channel_h4", "hadint4", "lowrank_h3_rn_s8"]
+    assert [r["codec"] for r in verdicts.candidates(rows, "uncompressed")] == ["channel_h4", "hadint4"]
 
 
 def test_tied_candidates_with_the_same_busiest_link_go_to_the_lower_projected_t_not_to_fewer_bits_elsewhere():
@@ -314,16 +314,16 @@ def test_tied_candidates_with_the_same_busiest_link_go_to_the_lower_projected_t_
              _table_row("channel_h4", 1.07, "within noise", 117_000.0, (6.02, 4.25), spread=0.05, busiest=10.27),
              _table_row("channel_b_h4", 1.12, "within noise", 122_000.0, (5.31, 4.25), spread=0.1, busiest=10.27)]
     for traffic in report.runs.TRAFFIC:
-        assert report.recommended(table, traffic) == "channel_h4"
+        assert verdicts.recommended(table, traffic) == "channel_h4"
     table[2]["busiest_bits"] = 9.5  # fewer bits on the busiest link: it wins the tie
-    assert report.recommended(table, "uncompressed") == "channel_b_h4"
+    assert verdicts.recommended(table, "uncompressed") == "channel_b_h4"
     table[2]["uncompressed"]["projected_T"] = 1.06 * 117_000.0  # beyond TIE: no tie
-    assert report.recommended(table, "uncompressed") == "channel_h4"
+    assert verdicts.recommended(table, "uncompressed") == "channel_h4"
 
 
 def test_the_rule_is_written_once_with_its_ties_and_the_page_and_the_readme_print_it(tmp_path):
-    text = " ".join(report.rule_text().split())
-    assert f"within noise of it (the paired interval of the T ratio holds 1) and within {report.TIE:.0%} of it ties" \
+    text = " ".join(verdicts.rule_text().split())
+    assert f"within noise of it (the paired interval of the T ratio holds 1) and within {verdicts.TIE:.0%} of it ties" \
         in text and "the fewest bits on the busiest link win, then the lowest projected T." in text
     assert "through the codecs" in text and "`--tah-eval-forward-bits`" in text
     template = (REPO / "benchmarks" / "real_model" / "page.md").read_text()
@@ -340,27 +340,27 @@ def test_a_choice_s_flags_train_and_serve_as_its_runs_did():
     import argparse
     import dataclasses
 
-    from benchmarks.speedrun.runs import CODECS
+    from benchmarks.common.codecs import CODECS
     from megatron_tah.config import TahConfig
     from megatron_tah.megatron.arguments import add_tah_arguments, tah_config_from_args
 
-    assert report.flag_line("channel_h4") == "--tah-preset channel_h4"
-    assert report.flag_line("lowrank_h3_rn_s8") == "--tah-preset lowrank_h3_rn --tah-eval-forward-bits 8"
-    assert report.flag_line("lowrank_s5") == "--tah-preset lowrank --tah-eval-forward-bits 5"
+    assert verdicts.flag_line("channel_h4") == "--tah-preset channel_h4"
+    assert verdicts.flag_line("lowrank_h3_rn_s8") == "--tah-preset lowrank_h3_rn --tah-eval-forward-bits 8"
+    assert verdicts.flag_line("lowrank_s5") == "--tah-preset lowrank --tah-eval-forward-bits 5"
     parser = add_tah_arguments(argparse.ArgumentParser())
     for codec in ("channel4_h3_s6", "lowrank_h3_rn_s8", "channel_b_h4"):
-        parsed = dataclasses.asdict(tah_config_from_args(parser.parse_args(report.flag_line(codec).split())))
+        parsed = dataclasses.asdict(tah_config_from_args(parser.parse_args(verdicts.flag_line(codec).split())))
         wanted = dataclasses.asdict(TahConfig(**CODECS[codec]))
         assert {**parsed, "tah_preset": None} == {**wanted, "tah_preset": None}, codec
 
 
 def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_end_over_two_seeds():
     row = _table_row("cheap", 1.04, "within noise", 90_000.0, (4, 3))  # damage +0.1% [-0.2%, +0.4%]
-    assert report.meets(row, 8.0, 1.05, 0.005)
-    assert not report.meets(row, 6.0, 1.05, 0.005)  # 7 bits
-    assert not report.meets(row, 8.0, 1.03, 0.005)  # its multiplier
-    assert not report.meets(row, 8.0, 1.05, 0.003)  # its damage interval's upper end
-    assert not report.meets(_table_row("cheap", 1.04, "one seed", 90_000.0, (4, 3), seeds=(1,)), 8.0, 1.05, 0.005)
+    assert verdicts.meets(row, 8.0, 1.05, 0.005)
+    assert not verdicts.meets(row, 6.0, 1.05, 0.005)  # 7 bits
+    assert not verdicts.meets(row, 8.0, 1.03, 0.005)  # its multiplier
+    assert not verdicts.meets(row, 8.0, 1.05, 0.003)  # its damage interval's upper end
+    assert not verdicts.meets(_table_row("cheap", 1.04, "one seed", 90_000.0, (4, 3), seeds=(1,)), 8.0, 1.05, 0.005)
     text = report.goals_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), row]})
     assert "At most 8 bits" in text and "met by `cheap`" in text
     assert "At most 6 bits" in text and "not met. Within the bits: no candidate run had so few bits" in text
@@ -368,8 +368,8 @@ def test_a_goal_is_met_by_bits_mean_multiplier_and_the_damage_intervals_upper_en
 
 def test_the_six_bit_goal_bounds_the_steps_intervals_upper_end_and_asks_for_a_serving_codec():
     row = _table_row("cheap", 1.04, "within noise", 90_000.0, (3, 2.5))  # 1.04x [0.94x, 1.14x]
-    assert report.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.20)
-    assert not report.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.10)  # its interval's upper end
+    assert verdicts.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.20)
+    assert not verdicts.meets(row, 6.0, 1.10, 0.005, multiplier_high=1.10)  # its interval's upper end
     bf16 = _table_row("bf16", 1.0, "–", 3e5, (16, 16))
     text = report.goals_text({"table": [bf16, row]})
     assert "At most 6 bits both ways, at most 1.10x bf16's steps (upper end at most 1.20x; model served on its own)" in text
@@ -391,7 +391,7 @@ def test_the_six_bit_goal_bounds_the_steps_intervals_upper_end_and_asks_for_a_se
     text = report.goals_text({"table": [bf16, served]})
     assert "1.08x [1.06x, 1.10x] served on its own (the same runs): the training itself takes more than 1.05x " \
            "bf16's steps, whatever the pipeline serves at." in text
-    assert not report.serves(row, 1.05)  # evaluated through its training codec: not a serving candidate
+    assert not verdicts.serves(row, 1.05)  # evaluated through its training codec: not a serving candidate
 
 
 def test_the_six_bit_goal_says_its_projected_t_and_the_toys_t_and_why_not():
@@ -419,15 +419,15 @@ def test_the_six_bit_goal_says_its_projected_t_and_the_toys_t_and_why_not():
     assert "0.35x bf16's:** met by `cheap`: `cheap` (2 seeds): T 0.330x bf16's (steps 1.10x [1.00x, 1.20x]); its " \
            "seconds per step alone are 0.300x bf16's." in report.goals_text({"table": [bf16, row]}, toy)
     toy_page = Path(__file__).parent / "no_such_dir" / "speedrun.json"
-    assert report.toy_rows(toy_page) == {}
+    assert verdicts.toy_rows(toy_page) == {}
 
 
 def test_a_goal_counts_the_bits_the_lossless_coder_sends_where_it_was_measured():
     row = _table_row("cheap", 1.04, "within noise", 90_000.0, (4, 3))
-    assert not report.meets(row, 6.0, 1.05, 0.005)
+    assert not verdicts.meets(row, 6.0, 1.05, 0.005)
     coded = {**row, "coded_bits": 5.5}
-    assert report.meets(coded, 6.0, 1.05, 0.005) and report.fewest_bits(coded) == 5.5
-    assert report.fewest_bits({**row, "coded_bits": 7.5}) == 7.0  # the coder would send more: not counted
+    assert verdicts.meets(coded, 6.0, 1.05, 0.005) and verdicts.fewest_bits(coded) == 5.5
+    assert verdicts.fewest_bits({**row, "coded_bits": 7.5}) == 7.0  # the coder would send more: not counted
     text = report.goals_text({"table": [_table_row("bf16", 1.0, "–", 3e5, (16, 16)), coded]})
     assert "met by `cheap` (7.00 bits, 5.50 with `--tah-entropy-coding`)" in text
     slow = {**coded, "uncompressed": {**coded["uncompressed"], "multiplier": 1.2}}
@@ -446,11 +446,11 @@ def test_coded_bits_scale_each_direction_by_the_coders_measured_share_for_the_sa
         {"preset": "channel4_h3", "direction": "forward", "bits": 4.0, "coded": 3.0},
         {"preset": "channel4_h3", "direction": "backward", "bits": 4.0, "coded": 2.0}]}))
     expected = (4.02 * 0.75 + 3.25 * 0.5) * (1 + frames.MARGIN)
-    assert report.coded_bits("channel4_h3", 4.02, 3.25, lossless) == pytest.approx(expected)
+    assert scoring.coded_bits("channel4_h3", 4.02, 3.25, lossless) == pytest.approx(expected)
     # a serving candidate trains as channel4_h3: the same buffers, the same share
-    assert report.coded_bits("channel4_h3_s6", 4.02, 3.25, lossless) == pytest.approx(expected)
-    assert report.coded_bits("lowrank", 3.38, 4.25, lossless) is None  # not measured
-    assert report.coded_bits("bf16", 16.0, 16.0, lossless) is None
+    assert scoring.coded_bits("channel4_h3_s6", 4.02, 3.25, lossless) == pytest.approx(expected)
+    assert scoring.coded_bits("lowrank", 3.38, 4.25, lossless) is None  # not measured
+    assert scoring.coded_bits("bf16", 16.0, 16.0, lossless) is None
 
 
 def test_serving_at_other_bits_is_reported_beside_the_same_training_through_its_own_codec():
@@ -484,12 +484,12 @@ def test_evaluation_noise_is_the_paired_standard_error_on_the_same_samples(tmp_p
         traffic = "codec" if "bf16" in name else "uncompressed"
         (tmp_path / f"{name}.evals.jsonl").write_text(
             json.dumps({"iteration": 20, "split": "valid", "traffic": traffic, "losses": losses}) + "\n")
-    found = report.noise(curves, tmp_path, {1: runs.run_name("bf16", 1)}, 0.02)
+    found = scoring.noise(curves, tmp_path, {1: runs.run_name("bf16", 1)}, 0.02)
     diffs = [0.1, 0.1, 0.1, 0.3]
     assert found["pairs"] == 1 and found["median_gap"] == pytest.approx(0.15)
     assert found["median_se"] == pytest.approx(statistics.stdev(diffs) / 2)
     assert found["se_in_steps"] == pytest.approx(found["median_se"] / 0.02)
-    resolution = report.resolution(_curves(0.01), 3.81, 2)
+    resolution = scoring.resolution(_curves(0.01), 3.81, 2)
     assert resolution["max_diff_steps"] == pytest.approx(0.0, abs=1e-9)  # a straight line interpolates exactly
 
 
@@ -508,7 +508,7 @@ def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
     assert set(rows) == {"bf16", "paper"} and [r["codec"] for r in result["depths"]["4"]] == ["bf16", "paper"]
     assert result["boundaries"] == {"2": [2], "4": [1, 2, 3]}
     bf16 = [result["curves"][runs.run_name("bf16", s)]["uncompressed"] for s in (1, 2)]
-    assert result["target"] == pytest.approx(report.target_and_slope(bf16, size.target_step)[0])
+    assert result["target"] == pytest.approx(scoring.target_and_slope(bf16, size.target_step)[0])
     for name, curve in result["curves"].items():  # every run the same steps, validated from eval_from on, both ways
         assert [i for i, _ in curve["uncompressed"]] == list(range(size.eval_from, size.iters + 1, size.eval_interval))
         same = curve["uncompressed"] == curve["compressed"]
@@ -546,7 +546,7 @@ def test_the_tiny_study_runs_scores_and_writes_its_page(tmp_path):
     other = dict(result, setup={**result["setup"], "iters": result["setup"]["iters"] + 1})
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="not this study's"):
-        report.reusable(tmp_path / "other.json", size)
+        scoring.reusable(tmp_path / "other.json", size)
 
 
 def test_the_sensitivity_probe_measures_each_boundary_and_the_gradients_on_a_random_llama(tmp_path):
@@ -593,19 +593,19 @@ def test_bf16_trained_again_here_is_compared_with_its_reused_curve_at_the_valida
     name = runs.run_name("bf16", 1)
     reused = {name: {"codec": "bf16", "seed": 1, "reused": True, "uncompressed": [(10, 4.0), (12, 3.9), (14, 3.8)],
                      "damage": {"uncompressed": {"damage_loss": 3.70}}}}
-    assert report.control(tmp_path, reused, 3.85) is None  # not trained again
+    assert scoring.control(tmp_path, reused, 3.85) is None  # not trained again
     records = [{"iteration": 10, "valid_loss": 4.01}, {"iteration": 12, "valid_loss": 3.88},
                {"iteration": 14, "valid_loss": 3.80}, {"iteration": 16, "valid_loss": 3.70}]
     log = tmp_path / f"{runs.CONTROL}{name}.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert report.control(tmp_path, reused, 3.85) is None  # unfinished: no damage evaluation yet
+    assert scoring.control(tmp_path, reused, 3.85) is None  # unfinished: no damage evaluation yet
     log.write_text(log.read_text() + json.dumps({"iteration": 16, "test_loss": 3.72, "valid_loss": 3.70}) + "\n")
-    found = report.control(tmp_path, reused, 3.85)
+    found = scoring.control(tmp_path, reused, 3.85)
     assert found["run"] == name and found["validations"] == 3  # step 16 is only here
     assert found["mean_diff"] == pytest.approx((0.01 - 0.02 + 0.0) / 3) and found["max_abs_diff"] == pytest.approx(0.02)
     assert found["damage_diff"] == pytest.approx(0.02)
     assert found["steps_there"] == pytest.approx(13.0) and found["steps_here"] == pytest.approx(12.75)
-    assert report.control(tmp_path, {name: {**reused[name], "reused": False}}, 3.85) is None  # run here: no check
+    assert scoring.control(tmp_path, {name: {**reused[name], "reused": False}}, 3.85) is None  # run here: no check
     result = {"host": {"cpu": "AMD EPYC", "torch": "2"}, "reused": {
         "runs": 1, "date": "d", "run_hours": 1.0, "earlier_runs": 1, "host": {"cpu": "Intel", "torch": "2"},
         "control": found}}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reproduce import convergence, memory, report, runner, throughput
+from benchmarks.common import runner
+from benchmarks.reproduce import convergence, memory, report, throughput
 from megatron_tah.units import parse_bandwidth
 
 
@@ -249,7 +250,7 @@ def test_tiny_compact_protocol_end_to_end(tmp_path):
     """Part parity-compact at the tiny size: compact-vocabulary data, runs trained through Megatron's loop with
     that vocabulary, and the study's table built from their logs (an 8-bit codec lands next to uncompressed)."""
     from megatron_tah.data import read_documents
-    from benchmarks.reproduce import parity
+    from benchmarks.reproduce import parity, parity_report
     from benchmarks.reproduce.__main__ import main
 
     assert main(["parity-compact", "--size", "tiny", "--out", str(tmp_path), "--seeds", "1234", "--widths", "64",
@@ -262,7 +263,7 @@ def test_tiny_compact_protocol_end_to_end(tmp_path):
     assert meta["status"] == 0 and meta["command"][meta["command"].index("--vocab-size") + 1] == str(limit)
     table = parity.collect(tmp_path / "convergence", "tiny", widths=(64,), protocol="compact")
     assert set(table[64]) == {"none", "int8_both"} and parity.collect(tmp_path / "convergence", "tiny", widths=(64,)) == {}
-    (gap,) = parity.gaps(table, 64, "int8_both")
+    (gap,) = parity_report.gaps(table, 64, "int8_both")
     assert abs(gap) < 0.01 and table[64]["int8_both"][1234]["fwd_bits"] < 32
 
 
@@ -344,7 +345,7 @@ def test_report_compares_auto_with_the_best_fixed_codec_and_with_bf16(tmp_path):
 def test_the_host_says_whether_torch_has_bf16_matrix_instructions_and_how_much_slower_bf16_is_without():
     import torch
 
-    from benchmarks.reproduce.runner import host_info
+    from benchmarks.common.runner import host_info
     from megatron_tah.megatron.cpu_shims import bf16_matmul_slowdown
 
     host = host_info()

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks.speedrun import __main__ as speedrun
+from benchmarks.common import codecs
 from benchmarks.speedrun import runs, simulate
 
 
@@ -21,7 +22,7 @@ def test_the_link_makes_bf16_link_bound_by_the_factor_with_the_reference_latency
 
 
 def test_codec_flags_and_bytes_come_from_one_declaration():
-    assert runs.codec_flags("fixedpoint4") == ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4",
+    assert codecs.codec_flags("fixedpoint4") == ["--tah-forward-codec", "fixedpoint", "--tah-forward-bits", "4",
                                                "--tah-tile-size", "64", "--tah-backward-codec", "fixedpoint",
                                                "--tah-backward-bits", "6", "--tah-backward-tile-size", "32"]
     size = runs.SIZES["full"]
@@ -39,7 +40,7 @@ def test_the_channel_h4_preset_is_the_codec_the_speedrun_measured():
 
     from megatron_tah.config import TahConfig
 
-    preset, measured = TahConfig(tah_preset="channel_h4"), TahConfig(**runs.CODECS["channel_h4"])
+    preset, measured = TahConfig(tah_preset="channel_h4"), TahConfig(**codecs.CODECS["channel_h4"])
     for build in ("forward_codec", "backward_codec"):
         a, b = getattr(preset, build)(), getattr(measured, build)()
         assert a.config() == b.config() and a.name == b.name
@@ -230,7 +231,7 @@ def test_a_codec_that_missed_is_missed_within_its_longest_schedule_with_no_multi
 def test_a_pages_runs_are_reused_and_only_new_runs_would_run(tmp_path):
     """``--from-page``: each curve of the page's JSON becomes a complete run under ``--out`` (the same
     validations read back), its compute step is returned; a page of another size is refused."""
-    from benchmarks.reproduce.runner import ReproduceError, is_complete
+    from benchmarks.common.runner import ReproduceError, is_complete
 
     size = runs.SIZES["tiny"]
     curve = [[i, 6.0 - i / 100] for i in range(size.eval_interval, size.iters + 1, size.eval_interval)]
@@ -324,7 +325,8 @@ def test_seeds_per_codec():
 def test_the_frontier_keeps_the_codecs_no_other_beats_in_both_bits_and_steps():
     """Beaten: another codec with at most its bits takes fewer steps beyond noise (the paired interval of their
     same-seed steps ratio below 1); a codec that missed: another's interval below its measured lower bound."""
-    from benchmarks.speedrun import frontier, score
+    from benchmarks.common import score
+    from benchmarks.speedrun import frontier
 
     def row(codec, bits, by_seed=None, missed=None):
         r = {"codec": codec, "seeds": sorted(by_seed or missed), "forward_bits": bits / 2 + 0.5,
@@ -367,7 +369,7 @@ def test_the_frontier_keeps_the_codecs_no_other_beats_in_both_bits_and_steps():
 
 
 def test_the_headline_compares_the_best_codec_with_the_next_by_the_paired_interval_of_their_T_ratio():
-    from benchmarks.speedrun import score
+    from benchmarks.common import score
     from benchmarks.speedrun.report import headline_text
 
     def row(codec, t, by_seed):

@@ -4,10 +4,10 @@ the table that flags a codec whose real error is far above its toy error."""
 import pytest
 import torch
 
-from benchmarks import transfer
+from benchmarks.transfer import __main__ as transfer
 from benchmarks.depth import boundaries as depth_boundaries
 from benchmarks.depth.boundaries import Boundaries, _RoundTrip
-from benchmarks.speedrun.runs import CODECS
+from benchmarks.common.codecs import CODECS
 
 
 def test_boundaries_capture_the_first_messages_of_the_chosen_iterations(tmp_path, monkeypatch):

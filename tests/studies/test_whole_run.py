@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.real_model import plan as plans
 from benchmarks.real_model import runs, whole_run
-from benchmarks.speedrun.runs import CODECS
+from benchmarks.common.codecs import CODECS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def test_the_registered_plan_runs_the_readme_choices_made_before_it_and_paper_wi
     codecs = plan.depth_codecs()
     readme = (REPO / "README.md").read_text()
     presets = readme[readme.index("<!-- real_model:presets -->"):readme.index("<!-- /real_model:presets -->")]
-    from benchmarks.real_model.report import flag_line
+    from benchmarks.real_model.verdicts import flag_line
 
     by_flags = {flag_line(c): c for c in CODECS if c not in ("bf16", "auto")}
     piped = {(d, c) for s in plan.stages if s.kind == "pipeline" for d in s.depths for c in s.codecs}

@@ -12,7 +12,7 @@ the section's bits). The coding itself is the library's (PyPI ``constriction``, 
 CUDA buffer is copied to the host to be coded (see ``entropy.py``: the device coder is ``huffman.py``).
 
 Why this library (measured on this project's 2-core CPU beside another job, one thread; the tables and commands are
-in docs/CODECS.md, "Which coder, and where it pays"): ``python -m benchmarks.coder_libraries`` put the same symbols
+in docs/CODECS.md, "Which coder, and where it pays"): ``python -m benchmarks.lossless.coder_libraries`` put the same symbols
 (every section of ``lowrank_h3_rn``'s buffers of real SmolLM2-135M messages at [1024, 1, 576] and [128, 1, 576])
 through PyPI ``constriction`` 0.5 (0.9999-1.0009x the order-0 bound, 31 MB/s of codec buffer encode + decode at
 both shapes) and PyPI ``torch-ans`` 0.4 (rANS, 4 interleaved states: 1.0004-1.0076x, 10.5-29.8 MB/s, its per-call

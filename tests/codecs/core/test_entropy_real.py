@@ -1,4 +1,4 @@
-"""The lossless coders on real codes: SmolLM2-135M's messages at its PP 4 cuts (``benchmarks.lossless.messages``,
+"""The lossless coders on real codes: SmolLM2-135M's messages at its PP 4 cuts (``benchmarks.lossless.measure.messages``,
 cached under ``runs/real_activations`` after the first run) through ``lowrank_h3_rn``'s codecs, at ``[1024, 1, 576]``
 and ``[128, 1, 576]``: every coder gives the buffer back bit for bit, and the ANS coder sends the packed codes within 1% of their order-0
 bound (its tables included), the whole buffer within 1% at ``[1024, 1, 576]``; the zstd coder within 2% and 2%."""
@@ -24,13 +24,13 @@ PRESET = "lowrank_h3_rn"
 
 @pytest.fixture(scope="module")
 def found():
-    from benchmarks.lossless import messages
+    from benchmarks.lossless.measure import messages
 
     return messages()
 
 
 def _buffers(found, direction: str, tokens: int):
-    from benchmarks.lossless import fields
+    from benchmarks.lossless.measure import fields
     from megatron_tah.config import TahConfig
 
     config = TahConfig(**fields(PRESET))
@@ -44,7 +44,7 @@ def _buffers(found, direction: str, tokens: int):
 @pytest.mark.parametrize("tokens", [1024, 128])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_every_coder_gives_real_buffers_back_and_ans_sits_at_the_order0_bound(found, direction, tokens):
-    from benchmarks.coders import buffer_entropy_bits, entropy_bits
+    from benchmarks.lossless.coders import buffer_entropy_bits, entropy_bits
 
     for codec, x, buf in _buffers(found, direction, tokens):
         shape = tuple(x.shape)

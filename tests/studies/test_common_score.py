@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from benchmarks import stats
-from benchmarks.speedrun import score
+from benchmarks.common import score, stats
 
 
 def test_steps_to_target_is_the_first_validation_at_or_below_it():

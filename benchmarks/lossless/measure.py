@@ -7,7 +7,7 @@ target loss (docs/SPEEDRUN.md) do not change, only its bytes. This measures what
 (``--coders``: every coder of ``entropy.CODERS``, its size against the order-0 bound, its encode and decode time and
 the link rate below which it pays), what the default coder and ``zlib`` on the host cost against what they save
 (``host_entropy``, ``host_zlib``) and the projected T with the coded bytes and the coder's time (``projected``),
-on real models' messages (``benchmarks.real_activations``: SmolLM2-135M's hidden states after the layers
+on real models' messages (``benchmarks.common.real_activations``: SmolLM2-135M's hidden states after the layers
 where PP 4 cuts it, and the gradients of its language-model loss with respect to them), per preset and
 direction (the forward codec on the hidden state, the backward codec on its gradient):
 
@@ -39,14 +39,14 @@ from megatron_tah.config import TahConfig, candidate_fields
 from megatron_tah.link import frames
 
 from . import coders
-from .codec_rows import STUDIED_PRESETS as PRESETS
+from ..common.codec_rows import STUDIED_PRESETS as PRESETS
 from .coders import buffer_entropy_bits, entropy_bits  # noqa: F401 (the order-0 bound, read from here too)
-from .pages import replace_block
-from .reproduce.runner import host_info
-from .real_activations import CACHE, MODELS, boundaries, corpus_text
+from ..common.pages import replace_block
+from ..common.runner import host_info
+from ..common.real_activations import CACHE, MODELS, boundaries, corpus_text
 
 CANDIDATES = ("channel4_h3", "channel3_h3", "lowrank_h3", "lowrank_h3_t32", "lowrank_h3_rn", "lowrank_g2")
-"""The real-model study's candidates near 6 bits both ways (``benchmarks.speedrun.runs.CODECS``), measured beside the
+"""The real-model study's candidates near 6 bits both ways (``benchmarks.common.codecs.CODECS``), measured beside the
 presets: the coder's bits with the steps their runs measured answer the study's 6-bit goal (docs/REAL_MODEL.md)."""
 MODEL = "smollm2-135m"
 TOKENS = 1024
@@ -99,7 +99,7 @@ def _host_cost(found: dict, preset: str, repeats: int, code, uncode) -> dict:
     states, backward on the gradients; the best of ``repeats``), their rates scaled to that message."""
     import time
 
-    from .speedrun import projection, simulate
+    from ..speedrun import projection, simulate
 
     config = TahConfig(**fields(preset))
     out = {"preset": preset}
@@ -144,7 +144,7 @@ def host_entropy(found: dict, preset: str = HOST_PRESET, repeats: int = 3, coder
 
 def fields(name: str) -> dict:
     """The ``TahConfig`` fields of a preset, one of ``auto``'s candidates or a study candidate."""
-    from .speedrun.runs import CODECS
+    from ..common.codecs import CODECS
 
     return dict(CODECS[name]) if name in CODECS else candidate_fields(name)
 
@@ -180,7 +180,7 @@ def projected(result: dict, speedrun: Path = Path("docs/data/speedrun.json"), de
     added on the sender and the receiver as the codec's own time is)."""
     from megatron_tah.config.auto import STEPS_MULTIPLIER
 
-    from .speedrun import projection
+    from ..speedrun import projection
 
     measured = {row["codec"]: (row["multiplier"], "the toy speedrun") for row in
                 json.loads(speedrun.read_text())["table"] if row.get("multiplier") and row["codec"] in PRESETS}
@@ -254,7 +254,7 @@ def table(result: dict) -> str:
                   f"{r['bits']:.2f} | {r['bits_coded']:.2f} | {r['s_per_step']:.2f} | {r['s_per_step_coded']:.2f} | "
                   f"{r.get('s_per_step_coder_time', float('nan')):.2f} | {r['T']:,.0f} | {r['T_coded']:,.0f} | "
                   f"{r.get('T_coder_time', float('nan')):,.0f} | {r['T_coded_split']:,.0f} |" for r in result["projected"]]
-        from .speedrun.projection import SETUP as setup
+        from ..speedrun.projection import SETUP as setup
 
         sequences = setup.micro_batch * setup.micro_batches
         lines += ["", f"The last column also splits the step's {sequences} sequences into {SPLIT} micro-batches of "
@@ -303,7 +303,7 @@ CODER_PRESETS = ("lowrank_h3_rn", "lowrank", "hadint4", "paper")  # the study's 
 
 
 def coders_report(model: str = MODEL, presets=None, write: Path | None = None, only: bool = False) -> str:
-    """``benchmarks.coders``' rows for ``presets`` (default ``CODER_PRESETS``) on ``model``'s messages at both
+    """``benchmarks.lossless.coders``' rows for ``presets`` (default ``CODER_PRESETS``) on ``model``'s messages at both
     shapes; with ``write``, its ``lossless_coders`` block and ``CODERS_DATA`` (``only``: run as ``--coders``)."""
     found = messages(model)
     names = presets or CODER_PRESETS
@@ -341,7 +341,3 @@ def main(argv=None) -> None:
         args.write.write_text(replace_block(args.write.read_text(), "lossless", block))
     if not math.isfinite(sum(r["order0"] for r in result["rows"])):
         raise SystemExit("a non-finite entropy: see the table")
-
-
-if __name__ == "__main__":
-    main()

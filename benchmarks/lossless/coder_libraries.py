@@ -1,7 +1,7 @@
-"""``python -m benchmarks.coder_libraries``: the host coder's library, chosen by measurement.
+"""``python -m benchmarks.lossless.coder_libraries``: the host coder's library, chosen by measurement.
 
 The same symbols through each candidate library's order-0 ANS coder: every section of ``lowrank_h3_rn``'s codec
-buffers of the real model's messages (``benchmarks.lossless.messages``, after ``make real-models``) at
+buffers of the real model's messages (``benchmarks.lossless.measure.messages``, after ``make real-models``) at
 ``[1024, 1, 576]`` and ``[128, 1, 576]``, unpacked as ``megatron_tah.codecs.core.ans`` unpacks them, each section under a
 model of its own counts. Per library: the coded stream's bytes (the libraries' model tables excluded) against the
 sections' order-0 bound, and encode + decode time (model set-up included, the best of 3, one thread) in MB/s of codec
@@ -25,9 +25,9 @@ from megatron_tah.codecs.core import ans, entropy
 from megatron_tah.config import TahConfig
 
 from .coders import SHAPES, best_of
-from .lossless import fields, messages
-from .pages import replace_block
-from .reproduce.runner import host_info
+from .measure import fields, messages
+from ..common.pages import replace_block
+from ..common.runner import host_info
 
 PRESET = "lowrank_h3_rn"
 
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     parser.add_argument("--write", type=Path, default=None, help="the page whose coder_libraries block to replace")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    command = "python -m benchmarks.coder_libraries" + (f" --write {args.write}" if args.write else "")
+    command = "python -m benchmarks.lossless.coder_libraries" + (f" --write {args.write}" if args.write else "")
     block = table(run(), command)
     print(block)
     if args.write:

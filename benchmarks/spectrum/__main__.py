@@ -1,14 +1,11 @@
 """When does lowrank help? The energy share of a message's top-k principal directions.
 
-``energy_share(x, ks)``: for a message ``x`` of shape ``[..., hidden]`` seen as a matrix ``M`` of
-``rows x hidden`` (every token of every sample one row), the share of ``||M||_F^2`` that its top-k
-right singular directions carry, ``sum(s[:k]^2) / sum(s^2)`` (uncentred, as the ``lowrank`` codec
-projects: what the codec sends apart is exactly that share, what it leaves to the residual the rest).
+The measure is ``benchmarks.common.energy.energy_share``.
 
 ``python -m benchmarks.spectrum run --hidden 128 [--iters 150]`` trains the parity study's compact
 protocol (``benchmarks.reproduce.convergence``: 4 layers, PP 4, 4096-id vocabulary, micro batch 4 x
 128 tokens; uncompressed, seed 1234; ``--iters`` replaces its 300 iterations, the cosine schedule
-shrinks with it) in Megatron's loop, each stage process started through ``benchmarks.spectrum_hook``,
+shrinks with it) in Megatron's loop, each stage process started through ``benchmarks.spectrum.hook``,
 which records the shares of the first activation message each stage sends in every ``--every``-th
 iteration (``runs/spectrum/h<hidden>/rank<r>.jsonl``). ``python -m benchmarks.spectrum plot`` draws
 those records beside the shares of the real models' hidden states (``docs/data/real_activations.json``,
@@ -25,40 +22,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
-KS = (1, 2, 4, 8, 16, 32, 64)
-"""The numbers of directions whose share is recorded (``lowrank`` sends 16, ``lowrank8`` 8)."""
-ENV_OUT = "TAH_SPECTRUM_OUT"
-"""The folder the stage hook writes its records to (set by ``run``; read when the hook is installed)."""
-ENV_EVERY = "TAH_SPECTRUM_EVERY"
-
-
-def energy_share(x: torch.Tensor, ks: Sequence[int] = KS) -> dict[int, float]:
-    """``{k: share of the energy in the top-k principal directions}`` of ``x`` seen as ``[-1, hidden]``.
-
-    Computed in fp64 from the singular values; ``k`` past the matrix rank gives 1.0. An all-zero
-    message has no directions: ``ValueError``, as for non-finite values or a ``k < 1``.
-    """
-    if x.dim() < 2:
-        raise ValueError(f"energy_share takes a [..., hidden] message, got shape {list(x.shape)}")
-    if any(int(k) < 1 for k in ks):
-        raise ValueError(f"k must be >= 1, got {list(ks)}")
-    m = x.detach().reshape(-1, x.shape[-1]).double()
-    if not torch.isfinite(m).all():
-        raise ValueError("energy_share: the message holds NaN or Inf")
-    energy = torch.linalg.svdvals(m).square()
-    total = energy.sum()
-    if total == 0:
-        raise ValueError("energy_share: an all-zero message has no principal directions")
-    cumulative = energy.cumsum(0) / total
-    return {int(k): min(1.0, cumulative[min(int(k), cumulative.numel()) - 1].item()) for k in ks}
+from .hook import ENV_EVERY, ENV_OUT
 
 
 # ----------------------------------------------------------------------------- training runs
 def run_command(hidden: int, iters: int, out: Path, python: str = sys.executable) -> list[str]:
     """The compact protocol's uncompressed seed-1234 run at ``hidden``, its stages through the hook."""
-    from .reproduce import convergence
+    from ..reproduce import convergence
 
     run = convergence.pretrain_runs(out / "reproduce", "full", codecs=("none",), hidden=hidden,
                                     protocol="compact")[0]
@@ -66,13 +36,13 @@ def run_command(hidden: int, iters: int, out: Path, python: str = sys.executable
     flags[flags.index("--train-iters") + 1] = str(iters)
     run.flags = flags
     command = run.command(out / f"h{hidden}", python)
-    command[command.index("megatron_tah.pretrain_gpt")] = "benchmarks.spectrum_hook"
+    command[command.index("megatron_tah.pretrain_gpt")] = "benchmarks.spectrum.hook"
     return command
 
 
 def run(hidden: int, iters: int, every: int, out: Path) -> Path:
     """Train once (see the module doc) and return the folder of its records."""
-    from .reproduce import convergence
+    from ..reproduce import convergence
 
     convergence.prepare_data(out / "reproduce", "full", "compact")
     folder = out / f"h{hidden}"

@@ -1,4 +1,5 @@
-"""The speedrun's scoring rules: steps to a target loss, steady seconds per step, T, and intervals.
+"""Steps to a loss and their intervals, the scoring rules every study shares (the speedrun's first): steps to a
+target loss, steady seconds per step, T, and intervals.
 
 * **Steps to target** (``steps_to_target``): the iteration of the first validation whose loss is at
   or below the target; ``None`` when no validation of the run reaches it ("missed").
@@ -31,7 +32,7 @@ import math
 import statistics
 from typing import Iterable, Mapping, Sequence
 
-from .. import stats
+from . import stats
 
 def steps_to_target(validations: Iterable[tuple[int, float]], target: float) -> int | None:
     """The first iteration (ascending) whose validation loss is ``<= target``; None: the run missed it."""

@@ -1,6 +1,6 @@
 """The studies' statistics, written once: Student's t quantile and the 95% interval of a mean.
 
-Every study's interval comes from here (``speedrun.score.mean_interval``, ``reproduce.convergence.interval95`` and
+Every study's interval comes from here (``interval95``, ``score.mean_interval`` and
 the pages built on them): two-sided 95%, Student's t with n - 1 degrees of freedom over n paired values.
 """
 
@@ -31,3 +31,13 @@ def t975(df: int) -> float:
 def half_width(values: list[float]) -> float:
     """The 95% interval's half width of the mean of ``values`` (two or more)."""
     return t975(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+
+
+def interval95(values: list[float]) -> tuple[float, float] | None:
+    """Two-sided 95% t-interval of the mean of ``values`` (None with fewer than 2)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    half = half_width(values)
+    return mean - half, mean + half

@@ -12,7 +12,7 @@ with it, a message's error is mostly that token's; the codec still codes the who
   layers 1-7, seed 1234, the first micro-batch of iterations ``CAPTURE_AT``), activations forward and
   activation gradients backward (``capture``: about 6 minutes on 2 cores, kept under ``--toy``);
 * real: SmolLM2-135M's hidden states after layers 7, 15 and 22 and its language-model loss's gradients
-  there, 1024 tokens of the shipped corpus (``benchmarks.lossless.messages``; ``make real-models``).
+  there, 1024 tokens of the shipped corpus (``benchmarks.lossless.measure.messages``; ``make real-models``).
 
 One codec object per boundary and direction, fed that boundary's messages in order (``lowrank`` tracks its basis
 across them, as on a link; stochastic rounding salted per boundary). Prints the table; ``--write PAGE`` replaces
@@ -34,9 +34,9 @@ import torch
 
 from megatron_tah.config import TahConfig
 
-from .pages import replace_block
-from .spectrum import energy_share
-from .speedrun.score import missed_text
+from ..common.pages import replace_block
+from ..common.energy import energy_share
+from ..common.score import missed_text
 
 CAPTURE_AT = (100, 250, 400)  # iterations of the 500-step schedule whose first micro-batch is captured
 SEED = 1234
@@ -52,7 +52,7 @@ _NAME = re.compile(r"i(\d+)_b(\d+)_(forward|backward)_(\d+)\.pt")
 def capture_command(toy: Path, out: Path, python: str = sys.executable) -> list[str]:
     """The bf16 speedrun loss run (full size, ``SEED``) that saves its messages and its log under ``toy`` and stops
     after the last iteration of ``CAPTURE_AT`` (Megatron's ``--exit-interval``); its data prepared under ``out``."""
-    from .speedrun import runs
+    from ..speedrun import runs
 
     size = runs.SIZES["full"]
     prefix, vocab = runs.prepare_data(out, size)
@@ -78,8 +78,8 @@ def toy_messages(folder: Path) -> dict[tuple[int, str], list[torch.Tensor]]:
 
 
 def real_messages() -> dict[tuple[int, str], list[torch.Tensor]]:
-    """{(layer, direction): [message]} of SmolLM2-135M (``benchmarks.lossless.messages``)."""
-    from .lossless import messages
+    """{(layer, direction): [message]} of SmolLM2-135M (``benchmarks.lossless.measure.messages``)."""
+    from ..lossless.measure import messages
 
     return {(layer, direction): [pair[i]] for layer, pair in sorted(messages().items())
             for i, direction in enumerate(DIRECTIONS)}
@@ -170,7 +170,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from .speedrun.runs import CODECS
+    from ..common.codecs import CODECS
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer", description=__doc__.split("\n")[0])
     parser.add_argument("--toy", type=Path, default=Path("runs/transfer/toy"),

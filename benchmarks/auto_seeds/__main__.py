@@ -27,7 +27,7 @@ from megatron_tah import demo
 from megatron_tah.megatron.run_log import read_records
 from megatron_tah.units import parse_bandwidth
 
-from .reproduce.convergence import interval95
+from ..common.stats import interval95
 
 DEMO_SEED = 1234  # Megatron's default --seed, which the demo leaves alone
 NAMES = ("tah", "auto")

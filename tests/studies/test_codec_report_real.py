@@ -6,7 +6,10 @@ import math
 import pytest
 import torch
 
-from benchmarks import codec_report, real_activations, real_report, spectrum
+from benchmarks.codec_report import __main__ as codec_report
+from benchmarks.codec_report import real as real_report
+from benchmarks.spectrum import __main__ as spectrum
+from benchmarks.common import energy, real_activations
 from megatron_tah.config import TahConfig, candidate_fields
 
 
@@ -22,7 +25,7 @@ def _planted(rows, hidden, energies, seed=0):
 def test_energy_share_matches_a_planted_spectrum():
     energies = [50.0, 30.0, 10.0, 6.0, 4.0]
     x = _planted(96, 64, energies).reshape(48, 2, 64)
-    share = spectrum.energy_share(x, ks=(1, 2, 3, 5, 16))
+    share = energy.energy_share(x, ks=(1, 2, 3, 5, 16))
     total = sum(energies)
     assert share[1] == pytest.approx(0.5, abs=1e-12)
     assert share[2] == pytest.approx(80 / total, abs=1e-12)
@@ -33,13 +36,13 @@ def test_energy_share_matches_a_planted_spectrum():
 
 def test_energy_share_rejects_what_has_no_directions():
     with pytest.raises(ValueError, match="all-zero"):
-        spectrum.energy_share(torch.zeros(8, 1, 16))
+        energy.energy_share(torch.zeros(8, 1, 16))
     with pytest.raises(ValueError, match="NaN or Inf"):
-        spectrum.energy_share(torch.full((8, 1, 16), math.nan))
+        energy.energy_share(torch.full((8, 1, 16), math.nan))
     with pytest.raises(ValueError, match="k must be"):
-        spectrum.energy_share(torch.ones(8, 1, 16), ks=(0,))
+        energy.energy_share(torch.ones(8, 1, 16), ks=(0,))
     with pytest.raises(ValueError, match="hidden"):
-        spectrum.energy_share(torch.ones(16))
+        energy.energy_share(torch.ones(16))
 
 
 def test_spectrum_summary_groups_by_width_and_boundary():
@@ -152,7 +155,7 @@ def test_real_report_rejects_unknown_models(capsys):
 
 def test_spectrum_run_command_starts_the_compact_protocol_through_the_hook(tmp_path):
     command = spectrum.run_command(256, 40, tmp_path)
-    assert "benchmarks.spectrum_hook" in command and "megatron_tah.pretrain_gpt" not in command
+    assert "benchmarks.spectrum.hook" in command and "megatron_tah.pretrain_gpt" not in command
     flag = lambda name: command[command.index(name) + 1]  # noqa: E731
     assert (flag("--train-iters"), flag("--hidden-size"), flag("--pipeline-model-parallel-size")) == ("40", "256", "4")
     assert flag("--vocab-size") == "4096" and flag("--micro-batch-size") == "4"
@@ -199,7 +202,7 @@ def test_the_studied_presets_are_every_preset_and_the_former_ones_and_a_preset_w
     candidates that were presets; the real-activation report's rows are their forward codecs, once each."""
     import importlib
 
-    from benchmarks import codec_rows
+    from benchmarks.common import codec_rows
     from megatron_tah.config import NON_PRESET, PRESETS
     from megatron_tah.config.presets import Preset
 

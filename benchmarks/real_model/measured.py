@@ -1,6 +1,6 @@
 """The values the product reads from the studies: ``megatron_tah/config/measured.json`` (package data).
 
-    python -m benchmarks.measured    # rewrite it from the committed real-model page's JSON (docs/data/real_model.json)
+    python -m benchmarks.real_model.measured    # rewrite it from the committed real-model page's JSON (docs/data/real_model.json)
 
 Its ``steps_multiplier`` holds, per pipeline depth, ``auto``'s steps multipliers (``config/auto.py``): a row
 ``{"multipliers": {candidate: steps to the target loss / bf16's}, "at_least": [the candidates whose multiplier is a
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from megatron_tah.config import CANDIDATES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MEASURED = Path("megatron_tah") / "config" / "measured.json"  # under a checkout's root
 REAL_MODEL = {"page": "docs/data/real_model.json",
               "command": "python -m benchmarks.real_model --write docs/REAL_MODEL.md"}

@@ -1,5 +1,5 @@
-"""What the benchmarks that write a page share: its data beside it (``save_data``) and replacing its measured block
-between the block's markers (``replace_block``)."""
+"""What the studies that write a page share: its template beside the study (``template``), its data beside it
+(``save_data``) and replacing its measured block between the block's markers (``replace_block``)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,9 @@ def save_data(result: dict, page: Path, plot) -> tuple[Path, str]:
     (data / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, data / f"{stem}.png")
     return data, stem
+
+
+def template(study_file: str | Path) -> str:
+    """The ``page.md`` beside a study's module (pass its ``__file__``): the page's text, with ``{field}``s to
+    ``str.format``."""
+    return (Path(study_file).parent / "page.md").read_text()

@@ -1,7 +1,7 @@
 """Codec comparison table: ``python -m benchmarks.codec_report [--shape S B H] [--dtype bf16] [--seed 0]``.
 
 ``--real [--models NAME ...] [--tokens N] [--docs DIR]``: instead, every codec and preset on hidden
-states of real pretrained models (``benchmarks/real_report.py``; writes ``docs/real_activations.md`` and ``docs/data/real_activations.*``).
+states of real pretrained models (``benchmarks/codec_report/real.py``; writes ``docs/real_activations.md`` and ``docs/data/real_activations.*``).
 
 Further options: ``--repeats N`` (timed runs, median; default 3), ``--device cuda``,
 ``--backend triton|auto`` (default ``torch``, the reference).
@@ -33,7 +33,7 @@ import torch
 from megatron_tah.codecs import get_codec, load_all_codecs
 from megatron_tah.codecs.core.samples import activation_like
 
-from .codec_rows import AQSGD_OPTIONS, STATELESS_ROWS, stateless_rows  # noqa: F401  (STATELESS_ROWS re-exported)
+from ..common.codec_rows import AQSGD_OPTIONS, STATELESS_ROWS, stateless_rows  # noqa: F401  (STATELESS_ROWS re-exported)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -159,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.real:
         from pathlib import Path
 
-        from . import real_activations, real_report
+        from ..common import real_activations
+        from . import real as real_report
 
         models = args.models or list(real_activations.MODELS)
         unknown = sorted(set(models) - set(real_activations.MODELS))

@@ -6,7 +6,7 @@ in ``megatron_tah.link.transport``, looked up at call time), so that the first f
 iteration (``args.curr_iteration``, N from ``$TAH_SPECTRUM_EVERY``; evaluations come after the
 iteration's training messages, so they are never the first) adds one JSON line to
 ``$TAH_SPECTRUM_OUT/rank<r>.jsonl``: ``{"iteration", "rank", "shape", "share": {k: share}}``
-(``benchmarks.spectrum.energy_share``). Training itself is unchanged.
+(``benchmarks.common.energy.energy_share``). Training itself is unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ import json
 import os
 from pathlib import Path
 
-from .spectrum import ENV_EVERY, ENV_OUT, energy_share
+from ..common.energy import energy_share
+
+ENV_OUT = "TAH_SPECTRUM_OUT"
+"""The folder the stage hook writes its records to (set by ``run``; read when the hook is installed)."""
+ENV_EVERY = "TAH_SPECTRUM_EVERY"
 
 
 def install() -> None:

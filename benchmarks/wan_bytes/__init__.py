@@ -1,0 +1,1 @@
+"""The WAN ledger of pretraining runs (``python -m benchmarks.wan_bytes RUN_DIR``)."""
