@@ -18,14 +18,18 @@ WHOLE_RUN_DATA = Path("docs") / "data" / "whole_run.json"
 """The whole-run study's JSON (beside the README): its real pipeline runs' WAN-ledger bits (``wire_bits``)."""
 
 
-def wire_bits(data: Path) -> dict[str, dict[int, dict]]:
-    """{codec: {depth: {"forward", "backward", "both", "shape"}}}: the bits per value the WAN ledger counted in the
-    real pipeline runs with the lossless coder of a whole-run page's JSON (``data``); {} without the file."""
+def read_whole_run(data: Path) -> dict:
+    """The whole-run page's JSON (``data``); {} without the file."""
     path = Path(data)
-    if not path.is_file():
-        return {}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def wire_bits(data: Path | dict) -> dict[str, dict[int, dict]]:
+    """{codec: {depth: {"forward", "backward", "both", "shape"}}}: the bits per value the WAN ledger counted in the
+    real pipeline runs with the lossless coder of a whole-run page's JSON (``data``: its path, or it read); {}
+    without the file. A later stage's run of the same codec and depth replaces an earlier's."""
     found: dict[str, dict[int, dict]] = {}
-    for check in json.loads(path.read_text()).get("pipeline", []):
+    for check in (data if isinstance(data, dict) else read_whole_run(data)).get("pipeline", []):
         if check.get("ledger_bits") and "--tah-entropy-coding" in check.get("flags", []):
             found.setdefault(check["codec"], {})[int(check["depth"])] = {**check["ledger_bits"], "shape": check["shape"]}
     return found
@@ -176,10 +180,40 @@ def goals_summary(result: dict, wire: dict | None = None) -> str:
     return f"The page's goals at depth {result['depth']} (served on its own): " + "; ".join(parts) + "."
 
 
-README_SECTIONS = {"table": lambda result, wire: readme_table(result, wire=wire),
-                   "presets": lambda result, wire: _wrap(rule_text()) + "\n\n" + presets_text(result, (2, 4, 8),
-                                                                                             flag=True),
-                   "found": lambda result, wire: found_text(result, wire)}
+def so_far_text(result: dict, whole: dict) -> str:
+    """The README's word on the whole-run study (``whole``: its page's JSON) while it goes on: at its main depth,
+    served on its own, each preset's end-of-run steps ratio so far, the toy's from-scratch runs, and whether the
+    choice above (``result``'s, from the short study) is above the plan's goal there."""
+    from megatron_tah.config.presets import PRESETS
+
+    if not whole.get("tables"):
+        return "The whole-run study ([docs/WHOLE_RUN.md](docs/WHOLE_RUN.md)) has no finished run yet."
+    depth = str(max(int(d) for d in whole["tables"]))
+    end, goal = str(max(int(p) for p in whole["points"])), whole["rule"]["goal_ratio"]
+    ends = {}
+    for row in whole["tables"][depth]:
+        point = (row.get("uncompressed") or {}).get("points", {}).get(end)
+        if row["codec"] in PRESETS and point and point.get("ratio") is not None:
+            ends[row["codec"]] = (point["ratio"], len(point["by_seed"]))
+    parts = [f"`{c}` {r:.2f}x ({n})" for c, (r, n) in sorted(ends.items(), key=lambda x: x[1][0])]
+    toy = [f"the toy's from-scratch `{row['codec']}` missed bf16's target in {missed} of {len(row['seeds'])} seeds"
+           for stage in whole.get("toy", []) for row in stage["rows"]
+           if (missed := sum(v["steps"] is None for v in row["uncompressed"]["to_target"].values()))]
+    chosen = presets_by_depth(result).get(depth, {}).get("uncompressed")
+    verdict = ""
+    if chosen in ends and ends[chosen][0] > goal:
+        verdict = f" So far the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's goal ({goal:.2f}x)."
+    return _wrap(f"**Over a whole run** ([docs/WHOLE_RUN.md](docs/WHOLE_RUN.md), {end} steps, "
+                 f"{whole.get('planned_finished', 0)} of {whole.get('planned', 0)} planned runs in), served on its own "
+                 f"at depth {depth}, steps vs bf16 at the end (seeds): " + ", ".join(parts)
+                 + ("; " + "; ".join(toy) if toy else "") + "." + verdict)
+
+
+README_SECTIONS = {"table": lambda result, whole: readme_table(result, wire=wire_bits(whole)),
+                   "presets": lambda result, whole: _wrap(rule_text()) + "\n\n" + presets_text(result, (2, 4, 8),
+                                                                                              flag=True),
+                   "found": lambda result, whole: found_text(result, wire_bits(whole)),
+                   "whole_run": so_far_text}
 """The README's parts a study writes: each between ``<!-- real_model:NAME -->`` and ``<!-- /real_model:NAME -->``."""
 
 
@@ -191,12 +225,12 @@ def write_readme(result: dict, readme: Path, whole_run: Path | None = None) -> b
     if not readme.is_file():
         return False
     text = readme.read_text()
-    wire = wire_bits(readme.parent / WHOLE_RUN_DATA if whole_run is None else whole_run)
+    whole = read_whole_run(readme.parent / WHOLE_RUN_DATA if whole_run is None else whole_run)
     for name, make in README_SECTIONS.items():
         begin, end = f"<!-- real_model:{name} -->", f"<!-- /real_model:{name} -->"
         if begin not in text or end not in text:
             return False
         head, rest = text.split(begin, 1)
-        text = head + begin + "\n" + make(result, wire) + "\n" + end + rest.split(end, 1)[1]
+        text = head + begin + "\n" + make(result, whole) + "\n" + end + rest.split(end, 1)[1]
     readme.write_text(text)
     return True

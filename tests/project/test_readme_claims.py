@@ -275,7 +275,7 @@ def test_the_readme_s_study_sections_are_what_the_committed_json_writes(tmp_path
     copy.write_text(README)
     result = json.loads((DOCS / "data" / "real_model.json").read_text())
     assert readme.write_readme(result, copy, REPO / readme.WHOLE_RUN_DATA) and copy.read_text() == README
-    assert set(readme.README_SECTIONS) == {"table", "presets", "found"}
+    assert set(readme.README_SECTIONS) == {"table", "presets", "found", "whole_run"}
     page = " ".join((DOCS / "REAL_MODEL.md").read_text().split())
     assert " ".join(verdicts.rule_text().split()) in page  # the page states the same rule
     assert report.presets_text(result) in (DOCS / "REAL_MODEL.md").read_text()
@@ -308,6 +308,10 @@ def test_no_readme_sentence_contradicts_its_tables():
     quoted = {f"{v:.2f}x" for rows_ in tables.values() for r in rows_ for t in ("uncompressed", "compressed")
               for k in ("multiplier", "multiplier_low", "multiplier_high") if (v := r[t].get(k)) is not None}
     quoted |= {f"{v:.2f}x" for g in verdicts.GOALS for v in (g.steps, g.steps_high, g.serving) if v is not None}
+    whole = json.loads((DOCS / "data" / "whole_run.json").read_text())  # the whole run's word: its JSON's ratios
+    quoted |= {f"{p['ratio']:.2f}x" for rows_ in whole["tables"].values() for r in rows_ for t in ("uncompressed",
+               "compressed") for p in (r.get(t) or {}).get("points", {}).values() if p.get("ratio") is not None}
+    quoted.add(f"{whole['rule']['goal_ratio']:.2f}x")
     assert set(re.findall(r"\d+\.\d\dx", prose)) <= quoted
     for match in re.finditer(r"measured at depth (\d+) only", prose):  # some codec of its sentence was, only there
         sentence = re.split(r"\.\s", prose[:match.start()])[-1]

@@ -610,3 +610,24 @@ def test_bf16_trained_again_here_is_compared_with_its_reused_curve_at_the_valida
         "runs": 1, "date": "d", "run_hours": 1.0, "earlier_runs": 1, "host": {"cpu": "Intel", "torch": "2"},
         "control": found}}
     assert f"`{name}` trained again here: its 3 validations differ" in report.reused_text(result)
+
+
+def test_the_readme_says_how_the_whole_run_stands_and_when_the_short_studys_choice_ends_above_its_goal():
+    def row(codec, ratio, seeds):
+        return {"codec": codec, "uncompressed": {"points": {"200": {"ratio": ratio, "by_seed": dict.fromkeys(seeds, ratio)}}}}
+
+    whole = {"tables": {"8": [row("bf16", 1.0, "ab"), row("lowrank_h3_rn", 1.4, "ab"), row("channel_h4", 1.07, "a"),
+                              row("lowrank_h3_rn_s8", 1.5, "a")]},
+             "points": [50, 200], "rule": {"goal_ratio": 1.1}, "planned": 58, "planned_finished": 18,
+             "toy": [{"rows": [{"codec": "lowrank_h3_rn", "seeds": [1, 2], "uncompressed": {"to_target": {
+                 "1": {"steps": None}, "2": {"steps": 500.0}}}}]}]}
+    result = json.loads((REPO / "docs" / "data" / "real_model.json").read_text())
+    chosen = report.presets_by_depth(result)["8"]["uncompressed"]
+    text = " ".join(readme_sections.so_far_text(result, whole).split())
+    assert "18 of 58 planned runs in" in text and "`channel_h4` 1.07x (1), `lowrank_h3_rn` 1.40x (2)" in text
+    assert "lowrank_h3_rn_s8" not in text and "`bf16`" not in text  # presets only
+    assert "missed bf16's target in 1 of 2 seeds" in text
+    assert ("ends above the plan's goal (1.10x)" in text) == (chosen == "lowrank_h3_rn")
+    whole["tables"]["8"][1] = row("lowrank_h3_rn", 1.05, "ab")
+    assert "ends above" not in readme_sections.so_far_text(result, whole)
+    assert "no finished run yet" in readme_sections.so_far_text(result, {})
