@@ -1,6 +1,7 @@
 """The README's study sections (``write_readme``): each between ``<!-- real_model:NAME -->`` and
 ``<!-- /real_model:NAME -->``, written from the study's result dict alone (``report.build``'s, or the page's JSON):
-the summary table, the rule with the choice per depth and use, and what the study found."""
+the summary table, the rule with the choice per depth and use, what the study found, and where the whole-run study
+stands (from its page's JSON)."""
 
 from __future__ import annotations
 
@@ -218,9 +219,9 @@ README_SECTIONS = {"table": lambda result, whole: readme_table(result, wire=wire
 
 
 def write_readme(result: dict, readme: Path, whole_run: Path | None = None) -> bool:
-    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result`` and the bits on the wire of the
-    whole-run study's JSON (``whole_run``, default ``WHOLE_RUN_DATA`` beside ``readme``); False (nothing written) when
-    the file or a section's markers are missing."""
+    """Rewrite ``readme``'s study sections (``README_SECTIONS``) from ``result`` and the whole-run study's JSON
+    (``whole_run``, default ``WHOLE_RUN_DATA`` beside ``readme``: its ledger bits and where it stands); False (nothing
+    written) when the file or a section's markers are missing."""
     readme = Path(readme)
     if not readme.is_file():
         return False
