@@ -141,9 +141,8 @@ def summary(rows_: list[dict]) -> str:
     shapes = sorted({tuple(r["shape"]) for r in rows_}, reverse=True)
     lines = []
     for coder in coders:
-        sizes = "; ".join(
-            f"`{list(shape)}` {_span([r['coders'][coder]['coded'] / r['order0'] for r in rows_ if tuple(r['shape']) == shape], 4)}"
-            for shape in shapes)
+        sizes = "; ".join(f"`{list(shape)}` " + _span([r["coders"][coder]["coded"] / r["order0"] for r in rows_
+                                                         if tuple(r["shape"]) == shape], 4) for shape in shapes)
         speed = _span([r["coders"][coder]["mb_s"] for r in rows_], 1)
         pays = [r["coders"][coder]["break_even_bps"] for r in rows_]
         lines.append(f"- `{coder}`: {sizes} of the order-0 bound; {speed} MB/s; pays below "

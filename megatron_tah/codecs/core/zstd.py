@@ -7,8 +7,9 @@ section goes as its bytes, in order or, where its odd bytes span few values (``P
 (its even bytes, then its odd bytes): a section of 16-bit scales has a sign-and-exponent byte of a few values beside
 a mantissa byte of many, and apart their order-0 entropies sum to less than theirs mixed (measured on
 ``lowrank_h3_rn``'s scale section of a ``[128, 1, 576]`` message: 1634 bytes in order, 1394 as planes). That byte
-stream goes through the zstd library (PyPI ``zstandard``, level ``LEVEL``): on such a stream zstd's Huffman literal coder comes close to the symbols' order-0 entropy (on a bit-packed stream,
-where codes straddle bytes, it cannot), at about a GB/s; most of this coder's time is numpy's unpacking and packing.
+stream goes through the zstd library (PyPI ``zstandard``, level ``LEVEL``): on such a stream zstd's Huffman literal
+coder comes close to the symbols' order-0 entropy (on a bit-packed stream, where codes straddle bytes, it cannot), at
+about a GB/s; most of this coder's time is numpy's unpacking and packing.
 
 Why beside ``ans`` (``ans.py``): measured on this project's 2-core CPU, one thread, on ``lowrank_h3_rn``'s buffers of
 real SmolLM2-135M messages (``python -m benchmarks.lossless --coders``, docs/CODECS.md "Which coder, and where it
@@ -21,10 +22,10 @@ Section format (``entropy.py`` writes the bytes around it), little endian::
     2   4   N: the zstd frame's length in bytes
     6   N   one zstd frame of the symbols (its content size and checksum written: decoding checks both)
 
-Decoding checks the planes byte, the frame's length against the buffer, the frame itself (zstd: its content size, its checksum),
-the symbol count the section's size implies and that no symbol exceeds its bits; anything else is the payload
-checksum's (``--tah-wire-checksum``). The frame format is zstd's stable one: any zstd decodes any other's frames,
-so the two ends of a link need not hold the same library version (``IDENTITY``).
+Decoding checks the planes byte, the frame's length against the buffer, the frame itself (zstd: its content size,
+its checksum), the symbol count the section's size implies and that no symbol exceeds its bits; anything else is the
+payload checksum's (``--tah-wire-checksum``). The frame format is zstd's stable one: any zstd decodes any other's
+frames, so the two ends of a link need not hold the same library version (``IDENTITY``).
 """
 
 from __future__ import annotations
