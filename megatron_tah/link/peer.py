@@ -119,18 +119,9 @@ class PeerWatch:
         limit = None
         if bounded and self.timeout_s > 0:
             limit = self.timeout_s + (0.0 if peer in self.heard else self.start_up_s)
-        start = self.clock()
-        try:
-            if limit is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=limit))
-        except LinkError:
-            raise
-        except Exception as err:  # noqa: BLE001 (the backend's error, named and chained)
-            waited = self.clock() - start
-            timed_out = (limit is not None and waited >= 0.99 * limit) or any(
-                marker in str(err).lower() for marker in TIMEOUT_MARKERS)
+        failed = _wait_within(work, limit, self.clock)
+        if failed is not None:
+            err, waited, timed_out = failed
             raise self._error(err, timed_out, peer, stages, ranks, receiving, what, iteration, waited,
                               limit) from err
         if receiving and not start_up:
@@ -161,13 +152,10 @@ class PeerWatch:
                    last_heard_s=last)
 
 
-def wait_collective(work, *, timeout_s: float, what: str, ranks: list[int], me: int, iteration: int | None,
-                    start_up_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
-    """Wait for a collective's ``work`` (``what``: e.g. "data-parallel int8 all-reduce") over the group of world
-    ``ranks`` within ``timeout_s + start_up_s`` (``timeout_s`` 0: ``work.wait()``, the process group's own
-    timeout); raise :class:`PeerTimeoutError` / :class:`PeerLostError` naming the group, the ranks that may not
-    have answered (the others of the group), this rank and the iteration."""
-    limit = timeout_s + start_up_s if timeout_s > 0 else None
+def _wait_within(work, limit: float | None, clock: Callable[[], float]):
+    """``work.wait()`` within ``limit`` seconds (None: the process group's own timeout). None when it completed;
+    else the backend's error, the seconds waited and whether it was a timeout (the limit reached, or the backend
+    says so). A :class:`LinkError` raised inside passes through."""
     start = clock()
     try:
         if limit is None:
@@ -176,24 +164,39 @@ def wait_collective(work, *, timeout_s: float, what: str, ranks: list[int], me: 
             work.wait(datetime.timedelta(seconds=limit))
     except LinkError:
         raise
-    except Exception as err:  # noqa: BLE001 (the backend's error, named and chained)
+    except Exception as err:  # noqa: BLE001 (the backend's error, named and chained by the caller)
         waited = clock() - start
         timed_out = (limit is not None and waited >= 0.99 * limit) or any(
             marker in str(err).lower() for marker in TIMEOUT_MARKERS)
-        others = [r for r in ranks if r != me]
-        where = (f"world rank {me}, {what} over world ranks {list(ranks)}"
-                 + ("" if iteration is None else f", iteration {iteration}"))
-        if timed_out:
-            bound = ("within the process group's timeout" if limit is None else
-                     f"within --tah-peer-timeout-s {timeout_s:g} s" if not start_up_s else
-                     f"within {limit:g} s (--tah-peer-timeout-s {timeout_s:g} + --tah-peer-start-up-s {start_up_s:g}:"
-                     " the group's first collective)")
-            text = (f"megatron_tah: {where}: world rank(s) {others} did not answer {bound}. A rank is frozen, cut "
-                    "off or far behind; this rank stops so that the job can be restarted from its last checkpoint")
-            cls = PeerTimeoutError
-        else:
-            text = (f"megatron_tah: {where}: failed after {waited:.1f} s ({type(err).__name__}: {str(err).strip()}); "
-                    f"world rank(s) {others} likely died; this rank stops so that the job can be restarted from its "
-                    "last checkpoint")
-            cls = PeerLostError
-        raise cls(text, link=None, ranks=None, iteration=iteration, waited_s=waited, last_heard_s=None) from err
+        return err, waited, timed_out
+    return None
+
+
+def wait_collective(work, *, timeout_s: float, what: str, ranks: list[int], me: int, iteration: int | None,
+                    start_up_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait for a collective's ``work`` (``what``: e.g. "data-parallel int8 all-reduce") over the group of world
+    ``ranks`` within ``timeout_s + start_up_s`` (``timeout_s`` 0: ``work.wait()``, the process group's own
+    timeout); raise :class:`PeerTimeoutError` / :class:`PeerLostError` naming the group, the ranks that may not
+    have answered (the others of the group), this rank and the iteration."""
+    limit = timeout_s + start_up_s if timeout_s > 0 else None
+    failed = _wait_within(work, limit, clock)
+    if failed is None:
+        return
+    err, waited, timed_out = failed
+    others = [r for r in ranks if r != me]
+    where = (f"world rank {me}, {what} over world ranks {list(ranks)}"
+             + ("" if iteration is None else f", iteration {iteration}"))
+    if timed_out:
+        bound = ("within the process group's timeout" if limit is None else
+                 f"within --tah-peer-timeout-s {timeout_s:g} s" if not start_up_s else
+                 f"within {limit:g} s (--tah-peer-timeout-s {timeout_s:g} + --tah-peer-start-up-s {start_up_s:g}:"
+                 " the group's first collective)")
+        text = (f"megatron_tah: {where}: world rank(s) {others} did not answer {bound}. A rank is frozen, cut "
+                "off or far behind; this rank stops so that the job can be restarted from its last checkpoint")
+        cls = PeerTimeoutError
+    else:
+        text = (f"megatron_tah: {where}: failed after {waited:.1f} s ({type(err).__name__}: {str(err).strip()}); "
+                f"world rank(s) {others} likely died; this rank stops so that the job can be restarted from its "
+                "last checkpoint")
+        cls = PeerLostError
+    raise cls(text, link=None, ranks=None, iteration=iteration, waited_s=waited, last_heard_s=None) from err

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.dist_utils import RankFailure, run_distributed
+from tests.helpers.p2p import p2p_call
 
 pytestmark = pytest.mark.distributed
 
@@ -30,21 +31,9 @@ class _Died(Exception):
 
 
 def _call(rank: int, batched: bool, send: torch.Tensor | None, receive: bool, wait: bool = True):
-    """One transport call of a 2-stage pipeline: stage 0 sends activations (``send``) and receives gradients,
-    stage 1 the other way round; ``wait``: wait for the handles (unbatched). Returns (received, handles)."""
-    from megatron.core.pipeline_parallel import p2p_communication as p2p
-
+    """One transport call of a 2-stage pipeline (``receive``: into a fresh tensor); returns (received, handles)."""
     received = torch.empty(SHAPE) if receive else None
-    call = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None,
-                group=torch.distributed.group.WORLD, prev_pipeline_rank=1 - rank, next_pipeline_rank=1 - rank)
-    if rank == 0:
-        call.update(tensor_send_next=send, tensor_recv_next=received)
-    else:
-        call.update(tensor_recv_prev=received, tensor_send_prev=send)
-    handles = (p2p._batched_p2p_ops if batched else p2p._p2p_ops)(**call)
-    for handle in (handles.values() if isinstance(handles, dict) and wait else ()):
-        handle.wait()
-    return received, handles
+    return received, p2p_call(rank, batched, send, received, wait)
 
 
 def _stop(fate: str) -> str:

@@ -7,6 +7,7 @@ import torch
 from megatron_tah.codecs import get_codec
 from megatron_tah.link.message import HostStaging
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.p2p import p2p_call, transport_call
 
 
 def _through(staging: HostStaging, wire: torch.Tensor) -> torch.Tensor:
@@ -115,18 +116,8 @@ SHAPE = (16, 2, 32)
 def _exchange(rank: int, batched: bool, activation: torch.Tensor, gradient: torch.Tensor):
     """One transport call per rank of a 2-stage pipeline: stage 0 sends ``activation`` and receives a
     gradient, stage 1 receives the activation and sends ``gradient``; returns what this rank received."""
-    from megatron.core.pipeline_parallel import p2p_communication as p2p
-
     received = torch.empty_like(activation)
-    call = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None,
-                group=torch.distributed.group.WORLD, prev_pipeline_rank=1 - rank, next_pipeline_rank=1 - rank)
-    if rank == 0:
-        call.update(tensor_send_next=activation, tensor_recv_next=received)
-    else:
-        call.update(tensor_recv_prev=received, tensor_send_prev=gradient)
-    handles = (p2p._batched_p2p_ops if batched else p2p._p2p_ops)(**call)
-    for handle in (handles.values() if isinstance(handles, dict) else ()):
-        handle.wait()
+    p2p_call(rank, batched, activation if rank == 0 else gradient, received)
     return received
 
 
@@ -261,11 +252,7 @@ def test_a_staged_send_awaits_its_host_copy_when_posted_so_the_next_encode_overl
     call = dict(tensor_send_prev=torch.randn(SHAPE, generator=gen), tensor_recv_prev=None,
                 tensor_send_next=torch.randn(SHAPE, generator=gen), tensor_recv_next=None,
                 group=group, prev_pipeline_rank=0, next_pipeline_rank=2)
-    if batched:
-        transport.batched_p2p_ops(**call)
-    else:
-        for handle in transport.p2p_ops(**call).values():
-            handle.wait()
+    transport_call(transport, batched, **call)
     assert events.index(("encode", "forward")) < events.index(("host", "send_prev")), events
     last_encode = max(i for i, (what, _) in enumerate(events) if what == "encode")
     assert all(i > last_encode for i, (what, _) in enumerate(events) if what == "host"), events

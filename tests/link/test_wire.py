@@ -13,6 +13,7 @@ from megatron_tah.link.transport import PipelineTransport
 from megatron_tah.link.wire import Trailer, append_trailer, wall_seconds
 from megatron_tah.megatron.places import STREAMS
 from megatron_tah.megatron.stats import Stats
+from tests.helpers.p2p import transport_call
 
 SHAPE = (16, 2, 32)
 DEVICE_MS = 30.0  # the receive's own time on the device, as the backend reports it
@@ -115,11 +116,7 @@ def test_a_timed_receive_reports_its_device_time_not_the_wait_for_a_late_host_re
     received = torch.empty(SHAPE)
     call = dict(tensor_send_prev=None, tensor_recv_prev=received, tensor_send_next=None, tensor_recv_next=None,
                 group=group, prev_pipeline_rank=0, next_pipeline_rank=2)
-    if batched:
-        transport.batched_p2p_ops(**call)
-    else:
-        for handle in transport.p2p_ops(**call).values():
-            handle.wait()
+    transport_call(transport, batched, **call)
     report = transport.link("backward", "send", 0).report  # what stage 1 tells stage 0 of its forward direction
     assert report is not None and report[0] == posted[0]
     assert report[1] == pytest.approx(transit, rel=0.05)

@@ -101,33 +101,35 @@ def encode(codec: Codec, buf: torch.Tensor, shape, dtype, coder: str = DEFAULT_C
     if coder in ("huffman", "raw"):  # on the buffer's device
         return _encode_on_device(codec, buf, shape, dtype, coder == "huffman")
     _check_coder(coder)
-    host = buf.cpu().numpy()
-    parts = []
-    for start, size, bits, section in _regions(codec, shape, dtype):
-        raw = host[start : start + size]
-        if not section:
-            parts.append(raw)
-            continue
-        coded = _HOST[coder].encode_section(raw, bits) if bits else None
-        if coded is None or coded.size >= size + 1:
-            coded = np.concatenate([np.array([RAW], dtype=np.uint8), raw])
-        parts.append(coded)
-    return torch.from_numpy(np.concatenate(parts)).to(buf.device)
+    coded = _code_sections(codec, buf.cpu().numpy(), shape, dtype, _HOST[coder].encode_section,
+                           lambda raw: np.concatenate([np.array([RAW], dtype=np.uint8), raw]), np.concatenate)
+    return torch.from_numpy(coded).to(buf.device)
 
 
 def _encode_on_device(codec: Codec, buf: torch.Tensor, shape, dtype, code: bool) -> torch.Tensor:
     """``encode`` in torch operations on ``buf``'s device: the device coder (``code``), or every section raw."""
+    def huffman_section(raw, bits):
+        return huffman.encode_symbols(unpack_bits(raw, bits, raw.numel() * 8 // bits), bits) if code else None
+
+    return _code_sections(codec, buf, shape, dtype, huffman_section,
+                          lambda raw: torch.cat([raw.new_tensor([RAW]), raw]), torch.cat)
+
+
+def _code_sections(codec: Codec, data, shape, dtype, code_section, as_raw, join):
+    """``data`` (a 1-D uint8 array or tensor: the codec's buffer) with every section of ``bits``-bit symbols coded
+    by ``code_section(raw, bits)`` (None: not coded), sent raw (``as_raw``: the RAW mode byte, then the bytes)
+    where coding does not make it smaller; the parts that are not sections as they are; ``join``ed."""
     parts = []
     for start, size, bits, section in _regions(codec, shape, dtype):
-        raw = buf[start : start + size]
+        raw = data[start : start + size]
         if not section:
             parts.append(raw)
             continue
-        coded = huffman.encode_symbols(unpack_bits(raw, bits, size * 8 // bits), bits) if bits and code else None
-        if coded is None or coded.numel() >= size + 1:
-            coded = torch.cat([raw.new_tensor([RAW]), raw])
+        coded = code_section(raw, bits) if bits else None
+        if coded is None or len(coded) >= size + 1:
+            coded = as_raw(raw)
         parts.append(coded)
-    return torch.cat(parts)
+    return join(parts)
 
 
 def _section_mode(mode: int, start: int, bits: int | None, coder: str) -> int:
