@@ -87,6 +87,8 @@ CODECS["lowrank_h3_rn_s8"] = {**CODECS["lowrank_h3_rn"], "tah_eval_forward_bits"
 # lowrank_h3_rn one direction at a time (the other uncompressed): each direction's share of its steps multiplier
 CODECS["lowrank_h3_rn_fwd"] = {**CODECS["lowrank_h3_rn"], "tah_backward_codec": "none"}
 CODECS["lowrank_h3_rn_bwd"] = {**CODECS["lowrank_h3_rn"], "tah_forward_codec": "none"}
+ONE_DIRECTION = ("lowrank_h3_rn_fwd", "lowrank_h3_rn_bwd")
+"""Measurements of one direction's share of a preset's steps multiplier: not candidates to project or to pick."""
 
 NEEDS_LINK = ("auto",)
 """Codecs whose loss runs must see the emulated link (their choice depends on it)."""

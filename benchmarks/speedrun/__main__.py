@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     except ReproduceError as err:
         print(f"speedrun: {err}", file=sys.stderr)
         return 1
-    from .report import build, publish
+    from .report import publish
+    from .scoring import build
 
     result = build(size, target, compute_s, link, losses, steady, host_info(),
                    modes={"loss_runs": args.loss_runs, "timing": args.timing, "max_factor": args.max_factor,

@@ -27,7 +27,7 @@ from megatron_tah.config import TahConfig
 
 from . import simulate
 from ..common.codecs import CODECS as RUN_CODECS
-from ..common.codecs import NEEDS_LINK, busiest_nbytes, entropy_coded
+from ..common.codecs import NEEDS_LINK, ONE_DIRECTION, busiest_nbytes, entropy_coded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASUREMENTS = ROOT / "docs" / "benchmarks" / "nvidia-h100-80gb-hbm3.json"
@@ -37,9 +37,10 @@ SHAPE = (SETUP.seq, SETUP.micro_batch, HIDDEN)
 
 # name -> TahConfig fields: the speedrun's codecs (``common.codecs.CODECS``; "none" is its bf16, megatron_tah's uncompressed
 # path: raw bf16 behind a 16-byte header) but those that choose per link and those entropy-coded (their bytes are
-# measured, not known at this shape: docs/CODECS.md projects the coder from real messages)
+# measured, not known at this shape: docs/CODECS.md projects the coder from real messages) and the one-direction
+# measurements
 CODECS = {"none": {}, **{name: fields for name, fields in RUN_CODECS.items()
-                         if name != "bf16" and name not in NEEDS_LINK and not entropy_coded(name)}}
+                         if name != "bf16" and name not in NEEDS_LINK + ONE_DIRECTION and not entropy_coded(name)}}
 
 
 @dataclasses.dataclass(frozen=True)

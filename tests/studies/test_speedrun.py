@@ -149,16 +149,16 @@ def test_a_missed_run_gets_a_schedule_long_enough_for_the_loss_it_reached():
 
 
 def _built(codec: str, runs_of_codec) -> tuple[dict, dict]:
-    """(losses, ``report.build``'s result) of bf16 (seed 1 on 500 steps, seed 2 on 500 and 740) and ``codec``'s
+    """(losses, ``scoring.build``'s result) of bf16 (seed 1 on 500 steps, seed 2 on 500 and 740) and ``codec``'s
     (seed, iters, the step its loss falls under the target 5.5 at) runs, every s/step 1."""
-    from benchmarks.speedrun import report
+    from benchmarks.speedrun import scoring
 
     curve = lambda iters, hit: [(i, 5.0 if i >= hit else 6.0) for i in range(10, iters + 1, 10)]  # noqa: E731
     spec = [("bf16", 1, 500, 300), ("bf16", 2, 500, 400), ("bf16", 2, 740, 350), *((codec, *r) for r in runs_of_codec)]
     losses = {f"{c}_{s}_{n}": {"codec": c, "seed": s, "iters": n, "validations": curve(n, hit), "bytes": (1, 1)}
               for c, s, n, hit in spec}
     steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", codec)}
-    return losses, report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady,
+    return losses, scoring.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady,
                                 {"cpu": "x", "cores": 2})
 
 
@@ -166,14 +166,14 @@ def test_a_codec_that_misses_through_its_codecs_is_scored_on_its_own_where_it_va
     """Both evaluations: through the codecs the codec misses; evaluated uncompressed it reaches the target, and its
     multiplier there pairs with bf16's same-seed, same-schedule steps; runs that validated through the codecs
     only say "not measured"."""
-    from benchmarks.speedrun import report
+    from benchmarks.speedrun import report, scoring
 
     losses, _ = _built("paper", ((1, 500, 10_000), (2, 500, 10_000)))
     for seed, hit in ((1, 330), (2, 480)):
         losses[f"paper_{seed}_500"]["validations_uncompressed"] = [(i, 5.0 if i >= hit else 6.0)
                                                                    for i in range(10, 501, 10)]
     steady = {c: {"seconds": 1.0, "steady": True} for c in ("bf16", "paper")}
-    result = report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
+    result = scoring.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
     row = next(r for r in result["table"] if r["codec"] == "paper")
     assert row["multiplier"] is None and row["missed_within"] == {"1": 500, "2": 500}
     own = row["uncompressed"]
@@ -182,10 +182,10 @@ def test_a_codec_that_misses_through_its_codecs_is_scored_on_its_own_where_it_va
     assert report._on_its_own_text(row).startswith(f"{own['multiplier']:.2f}x [")
     assert "validations_uncompressed" in result["curves"]["paper_1_500"]
     page = {"size": "full", "curves": {"emulated_paper_s1": result["curves"]["paper_1_500"]}}
-    again = report.losses_from_page(page)  # the page's JSON keeps both curves
+    again = scoring.losses_from_page(page)  # the page's JSON keeps both curves
     assert again["emulated_paper_s1"]["validations_uncompressed"] == losses["paper_1_500"]["validations_uncompressed"]
     del losses["paper_1_500"]["validations_uncompressed"], losses["paper_2_500"]["validations_uncompressed"]
-    result = report.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
+    result = scoring.build(runs.SIZES["full"], 5.5, 1.0, runs.Link(1e6, 0.01), losses, steady, {"cpu": "x", "cores": 2})
     assert report._on_its_own_text(next(r for r in result["table"] if r["codec"] == "paper")) == "not measured"
 
 
