@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.speedrun import check, projection, report, runs, simulate
+from benchmarks.speedrun import check, projection, report, runs, scoring, simulate, verdicts
 
 
 def test_a_split_keeps_the_global_batch_and_refuses_one_that_does_not_divide_it():
@@ -93,8 +93,8 @@ def test_the_cli_refuses_codecs_without_fixed_bytes_and_too_few_iterations(tmp_p
 
 def test_the_page_shows_each_codecs_best_split_against_the_setups_own():
     # "unrun": a codec this page did not run, projected at equal steps: never the lowest T's verdict
-    result = {"projection": [{"codec": "none", "steps_label": report.MEASURED},
-                             {"codec": "lowrank", "steps_label": report.MEASURED},
+    result = {"projection": [{"codec": "none", "steps_label": scoring.MEASURED},
+                             {"codec": "lowrank", "steps_label": scoring.MEASURED},
                              {"codec": "unrun", "steps_label": "at equal steps"}],
               "projection_splits": {str(m): projection_rows for m, projection_rows in {
                   32: [{"codec": "none", "micro_batch": 16, "s_per_step": 105.0, "steps": 2925, "T": 307125.0},
@@ -103,21 +103,21 @@ def test_the_page_shows_each_codecs_best_split_against_the_setups_own():
                   64: [{"codec": "none", "micro_batch": 8, "s_per_step": 100.0, "steps": 2925, "T": 292500.0},
                        {"codec": "lowrank", "micro_batch": 8, "s_per_step": 30.0, "steps": 3195, "T": 95850.0},
                        {"codec": "unrun", "micro_batch": 8, "s_per_step": 21.0, "steps": 2925, "T": 61425.0}]}.items()}}
-    best = report.best_split(result, "lowrank")
+    best = verdicts.best_split(result, "lowrank")
     assert (best["micro_batches"], best["T"]) == (32, 89460.0)
     assert best["vs_setup"] == pytest.approx(89460.0 / 95850.0)
-    assert report.best_split(result, "none")["micro_batches"] == 64
-    assert report.best_split(result, "paper") is None
+    assert verdicts.best_split(result, "none")["micro_batches"] == 64
+    assert verdicts.best_split(result, "paper") is None
     table = report.splits_markdown(result)
     assert "| lowrank | 28.00 | 30.00 | 32 x 16 | 89,460 | 0.933x |" in table
     assert "| none | 105.00 | 100.00 | 64 x 8 | 292,500 | 1.000x |" in table
     # the lowest projected T's split, judged by the simulator's error in the micro-batch dependence
     checked = {"rows": [_row("lowrank", 16, 7.0, 7.5), _row("lowrank", 8, 7.0, 7.2)]}  # ratio 0.960 vs 1.000: -4%
-    verdict = report.split_verdict(result, checked)
+    verdict = verdicts.split_verdict(result, checked)
     assert "`lowrank`'s at 32 micro-batches of 16: 89,460 s, 6.7% under its 64-micro-batch projection" in verdict
     assert "erred by up to 4.0% (`lowrank`), always in favour of fewer" in verdict and "not a recommendation" in verdict
     checked = {"rows": [_row("lowrank", 16, 7.0, 7.0), _row("lowrank", 8, 7.0, 7.07)]}  # +1%: small against 6.7%
-    assert "larger than that error" in report.split_verdict(result, checked)
+    assert "larger than that error" in verdicts.split_verdict(result, checked)
 
 
 def test_the_speedrun_refuses_an_entropy_coded_codec_and_names_the_check(capsys):
