@@ -183,8 +183,9 @@ def goals_summary(result: dict, wire: dict | None = None) -> str:
 
 def so_far_text(result: dict, whole: dict) -> str:
     """The README's word on the whole-run study (``whole``: its page's JSON) while it goes on: at its main depth,
-    served on its own, each preset's end-of-run steps ratio so far, the toy's from-scratch runs, and whether the
-    choice above (``result``'s, from the short study) is above the plan's goal there."""
+    served on its own, each preset's end-of-run steps ratio so far, the toy's from-scratch runs, whether the
+    choice above (``result``'s, from the short study) is above the plan's goal there, and the plan's rule's choice
+    so far where it differs."""
     from megatron_tah.config.presets import PRESETS
 
     if not whole.get("tables"):
@@ -204,6 +205,10 @@ def so_far_text(result: dict, whole: dict) -> str:
     verdict = ""
     if chosen in ends and ends[chosen][0] > goal:
         verdict = f" So far the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's goal ({goal:.2f}x)."
+    picked = whole.get("chosen", {}).get(depth, {}).get("uncompressed")
+    if picked and picked != chosen and picked in ends:
+        verdict += (f" The plan's rule, over the seeds in so far, chooses `{picked}` there ({ends[picked][0]:.2f}x, "
+                    f"{ends[picked][1]} seed{'s' * (ends[picked][1] != 1)}; its verdict waits for every seed).")
     return _wrap(f"**Over a whole run** ([docs/WHOLE_RUN.md](docs/WHOLE_RUN.md), {end} steps, "
                  f"{whole.get('planned_finished', 0)} of {whole.get('planned', 0)} planned runs in), served on its own "
                  f"at depth {depth}, steps vs bf16 at the end (seeds): " + ", ".join(parts)

@@ -433,6 +433,16 @@ def pipeline_line(c: dict, goal_bits: float) -> str:
             f"[{c['shape'][0]}, {c['shape'][1]}, hidden].")
 
 
+def chosen_text(rows: list[dict], chosen: str | None) -> str:
+    """The rule's choice at a depth, named as a study going on while a codec there has fewer seeds than planned."""
+    short = sorted({f"{len(r['seeds'])} of {len(set(r['planned_seeds']))}" for r in rows
+                    if len(r["seeds"]) < len(set(r["planned_seeds"]))})
+    if not short:
+        return f"Chosen by the rule: {chosen or 'none'}."
+    return (f"Chosen by the rule so far (codecs here have {' or '.join(short)} planned seeds; not the plan's verdict "
+            f"until every seed is in): {chosen or 'none yet'}.")
+
+
 def write_page(result: dict, page: Path, command: str) -> None:
     """``page`` with its JSON and plot under ``docs/data/``."""
     result["command"] = command
@@ -471,7 +481,7 @@ def write_page(result: dict, page: Path, command: str) -> None:
                           table_markdown(rows, traffic, result["points"]), "",
                           "Loss gap at equal steps (codec minus bf16, same seed; bf16 served on its own):", "",
                           gaps_markdown(rows, traffic, result["points"]), "",
-                          f"Chosen by the rule: {result['chosen'][depth][traffic] or 'none yet'}.", ""]
+                          chosen_text(rows, result["chosen"][depth][traffic]), ""]
         if result["pipeline"]:
             lines += ["## The real pipeline", "",
                       f"Each run against its emulated run (same codec, seed and depth) at every validation both ways; "

@@ -630,4 +630,8 @@ def test_the_readme_says_how_the_whole_run_stands_and_when_the_short_studys_choi
     assert ("ends above the plan's goal (1.10x)" in text) == (chosen == "lowrank_h3_rn")
     whole["tables"]["8"][1] = row("lowrank_h3_rn", 1.05, "ab")
     assert "ends above" not in readme_sections.so_far_text(result, whole)
+    assert "chooses" not in text  # the rule has chosen nothing yet
+    whole["chosen"] = {"8": {"uncompressed": "channel_h4", "compressed": None}}
+    assert ("The plan's rule, over the seeds in so far, chooses `channel_h4` there (1.07x, 1 seed;"
+            in " ".join(readme_sections.so_far_text(result, whole).split())) == (chosen != "channel_h4")
     assert "no finished run yet" in readme_sections.so_far_text(result, {})

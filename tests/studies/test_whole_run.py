@@ -222,6 +222,18 @@ def test_the_rule_takes_the_fewest_busiest_bits_among_eligible_presets_tied_with
     assert whole_run.choose([rows[0], rows[3]], "uncompressed", {**RULE, "ratio_high": 1.1}) is None
 
 
+def test_the_choice_over_fewer_seeds_than_planned_is_named_as_a_study_going_on():
+    rows = [_row("bf16", 1.0, 1.0, 32.0), _row("channel_b_h4", 1.01, 1.17, 6.0, seeds=(1, 2))]
+    for row in rows:
+        row["planned_seeds"] = [1, 2, 3, 1, 2, 3]  # (a codec planned in two stages at this depth counts its seeds once)
+    text = whole_run.chosen_text(rows, "channel_b_h4")
+    assert text.startswith("Chosen by the rule so far (codecs here have 2 of 3 planned seeds; not the plan's verdict")
+    assert text.endswith(": channel_b_h4.")
+    rows[1]["seeds"] = [1, 2, 3]
+    assert whole_run.chosen_text(rows, "channel_b_h4") == "Chosen by the rule: channel_b_h4."
+    assert whole_run.chosen_text(rows, None) == "Chosen by the rule: none."
+
+
 def test_the_goal_names_each_figure_that_fails_and_asks_for_the_ledgers_bits_with_the_coder():
     row = _row("x", 1.12, 1.19, 5.0, damage_low=0.004)  # damage up to +0.8%
     check = {"codec": "x", "depth": 8, "flags": ["--tah-entropy-coding"],
