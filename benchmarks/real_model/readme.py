@@ -107,10 +107,11 @@ def _through_text(rows: list[dict], iters: str, detail: bool) -> str:
     return "; ".join(parts)
 
 
-def found_text(result: dict, wire: dict | None = None) -> str:
+def found_text(result: dict, wire: dict | None = None, replaced: list[str] | None = None) -> str:
     """The README's "What the study found", from ``result`` alone: per use, the presets' steps and damage at every
     depth (the candidates that missed or did more damage through the pipeline at the main depth only), the choice
-    per depth (``presets_by_depth``, as the table above it), and the page's goals at its main depth (``GOALS``)."""
+    per depth (``presets_by_depth``, as the table above it, but at the depths ``replaced`` by the whole run's
+    verdict, said so), and the page's goals at its main depth (``GOALS``)."""
     from megatron_tah.config.presets import PRESETS
 
     tables = {str(result["depth"]): result["table"], **result["depths"]}
@@ -146,7 +147,9 @@ def found_text(result: dict, wire: dict | None = None) -> str:
     text.append("**Served through the pipeline** a forward codec's error is paid at every evaluation. "
                 f"At depth {main}, {_through_text(tables[main], iters, True)}."
                 + (" Without more damage, " + _listed(others) + "." if others else "")
-                + f" The choice is {_by_codec(through)}. " + goals_summary(result, wire))
+                + f" The choice is {_by_codec(through)}. " + goals_summary(result, wire)
+                + (f" At {_at_depths(replaced)} the whole run's verdict replaces these choices (the table above)."
+                   if replaced else ""))
     return _wrap("\n".join(text))
 
 
@@ -215,10 +218,29 @@ def so_far_text(result: dict, whole: dict) -> str:
                  + ("; " + "; ".join(toy) if toy else "") + "." + verdict)
 
 
+def whole_run_verdicts(whole: dict) -> dict[str, dict[str, str | None]]:
+    """{depth: {use: the whole run's choice}} at the depths where its plan's verdict is in (``whole``: its page's
+    JSON; ``final``)."""
+    return {d: whole["chosen"][d] for d, final in sorted(whole.get("final", {}).items(), key=lambda x: -int(x[0]))
+            if final}
+
+
+def presets_section(result: dict, whole: dict) -> str:
+    """The README's rule and choice per depth: the short study's (``result``), but where the whole run's verdict is
+    in (``whole_run_verdicts``), the whole run's choice by its own rule, said so."""
+    final = whole_run_verdicts(whole)
+    text = _wrap(rule_text())
+    if final:
+        end = max(int(p) for p in whole["points"])
+        text += "\n\n" + _wrap(f"At {_at_depths(list(final))} the whole run's verdict ([docs/WHOLE_RUN.md]"
+                                f"(docs/WHOLE_RUN.md), {end} steps, every planned seed) replaces it, by that study's "
+                                f"rule: {whole['rule']['text']}.")
+    return text + "\n\n" + presets_text(result, (2, 4, 8), flag=True, override=final)
+
+
 README_SECTIONS = {"table": lambda result, whole: readme_table(result, wire=wire_bits(whole)),
-                   "presets": lambda result, whole: _wrap(rule_text()) + "\n\n" + presets_text(result, (2, 4, 8),
-                                                                                              flag=True),
-                   "found": lambda result, whole: found_text(result, wire_bits(whole)),
+                   "presets": presets_section,
+                   "found": lambda result, whole: found_text(result, wire_bits(whole), list(whole_run_verdicts(whole))),
                    "whole_run": so_far_text}
 """The README's parts a study writes: each between ``<!-- real_model:NAME -->`` and ``<!-- /real_model:NAME -->``."""
 

@@ -285,23 +285,26 @@ def noise_text(result: dict) -> str:
     return " ".join(parts) or "Not measured."
 
 
-def presets_text(result: dict, depths=None, flag: bool = False) -> str:
+def presets_text(result: dict, depths=None, flag: bool = False, override: dict | None = None) -> str:
     """The choice per depth and per use (``presets_by_depth``) as a table; ``depths`` adds rows for depths the study
-    did not run ("not measured on the real model"); ``flag`` writes each choice's ``flag_line`` (the README's)."""
+    did not run ("not measured on the real model"); ``flag`` writes each choice's ``flag_line`` (the README's);
+    ``override``: {depth: {use: choice}} from another study (the whole run's verdict) in place of this one's."""
     from megatron_tah.config.presets import PRESETS
 
-    picks = presets_by_depth(result)
+    picks = {**presets_by_depth(result), **(override or {})}
     tables = {str(result["depth"]): result["table"], **result["depths"]}
     lines = [f"| pipeline depth | {USE['uncompressed']} | {USE['compressed']} |", "|---:|---|---|"]
     for depth in sorted({*picks, *map(str, depths or ())}, key=int):
         if depth not in picks:
             lines.append(f"| {depth} | not measured on the real model | not measured on the real model |")
             continue
-        seeds = max((len(r["seeds"]) for r in tables[depth] if r["codec"] in PRESETS), default=0)
+        seeds = max((len(r["seeds"]) for r in tables.get(depth, []) if r["codec"] in PRESETS), default=0)
         none = ("none qualified: none (uncompressed)" if seeds >= 2 else
                 "not chosen: the presets ran with one seed here (" + ", ".join(
                     f"`{r['codec']}` {multiplier_text(r['uncompressed'])}" for r in tables[depth]
                     if r["codec"] in PRESETS) + ")")
+        if depth in (override or {}):
+            none = "none met the whole run's rule: none (uncompressed)"
         cells = [none if picks[depth][t] is None
                  else (f"`{flag_line(picks[depth][t])}`" if flag else f"`{picks[depth][t]}`") for t in runs.TRAFFIC]
         lines.append(f"| {depth} | " + " | ".join(cells) + " |")

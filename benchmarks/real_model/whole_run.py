@@ -302,7 +302,7 @@ def build(plan: Plan, out: Path) -> dict:
               "points": list(plan.points), "rule": plan.rule, "budget": plan.budget,
               "stages": [{"name": st.name, "what": st.what, "kind": st.kind, "runs": names[st.name], "after": st.after,
                           "added": st.added} for st in plan.stages],
-              "tables": {}, "chosen": {}}
+              "tables": {}, "chosen": {}, "final": {}}
     result["finished"] = finished_runs(out)
     result.update(planned=len(planned), planned_finished=len(planned & set(result["finished"])))
     result["toy"] = toy_results(plan, out)
@@ -339,6 +339,7 @@ def build(plan: Plan, out: Path) -> dict:
         scoring.project(rows, depth)
         result["tables"][str(depth)] = rows
         result["chosen"][str(depth)] = {t: choose(rows, t, plan.rule) for t in runs.TRAFFIC}
+        result["final"][str(depth)] = verdict_in(rows, codecs)
     return result
 
 
@@ -433,14 +434,21 @@ def pipeline_line(c: dict, goal_bits: float) -> str:
             f"[{c['shape'][0]}, {c['shape'][1]}, hidden].")
 
 
-def chosen_text(rows: list[dict], chosen: str | None) -> str:
-    """The rule's choice at a depth, named as a study going on while a codec there has fewer seeds than planned."""
-    short = sorted({f"{len(r['seeds'])} of {len(set(r['planned_seeds']))}" for r in rows
-                    if len(r["seeds"]) < len(set(r["planned_seeds"]))})
-    if not short:
+def verdict_in(rows: list[dict], codecs: list[str]) -> bool:
+    """Whether the plan's verdict at a depth is in: bf16 and every codec planned there that the rule may choose
+    (``codecs``' presets and serving variants; not the one-direction measurements) have every planned seed."""
+    from megatron_tah.config.presets import PRESETS
+
+    done = {r["codec"] for r in rows if len(r["seeds"]) >= len(set(r["planned_seeds"]))}
+    return all(c in done for c in codecs if c == "bf16" or c in PRESETS or scoring.serving_bits(c) is not None)
+
+
+def chosen_text(chosen: str | None, final: bool) -> str:
+    """The rule's choice at a depth; named as a study going on until its verdict is in (``final``)."""
+    if final:
         return f"Chosen by the rule: {chosen or 'none'}."
-    return (f"Chosen by the rule so far (codecs here have {' or '.join(short)} planned seeds; not the plan's verdict "
-            f"until every seed is in): {chosen or 'none yet'}.")
+    return ("Chosen by the rule so far (not the plan's verdict until every planned seed of every codec here is in): "
+            f"{chosen or 'none yet'}.")
 
 
 def write_page(result: dict, page: Path, command: str) -> None:
@@ -481,7 +489,7 @@ def write_page(result: dict, page: Path, command: str) -> None:
                           table_markdown(rows, traffic, result["points"]), "",
                           "Loss gap at equal steps (codec minus bf16, same seed; bf16 served on its own):", "",
                           gaps_markdown(rows, traffic, result["points"]), "",
-                          chosen_text(rows, result["chosen"][depth][traffic]), ""]
+                          chosen_text(result["chosen"][depth][traffic], result["final"][depth]), ""]
         if result["pipeline"]:
             lines += ["## The real pipeline", "",
                       f"Each run against its emulated run (same codec, seed and depth) at every validation both ways; "

@@ -612,6 +612,28 @@ def test_bf16_trained_again_here_is_compared_with_its_reused_curve_at_the_valida
     assert f"`{name}` trained again here: its 3 validations differ" in report.reused_text(result)
 
 
+def test_where_the_whole_runs_verdict_is_in_the_readme_recommends_its_choice_by_its_rule():
+    result = json.loads((REPO / "docs" / "data" / "real_model.json").read_text())
+    short = report.presets_by_depth(result)
+    whole = {"points": [50, 200], "rule": {"text": "eligible: every seed reached the target"},
+             "chosen": {"8": {"uncompressed": "channel_b_h4", "compressed": None},
+                        "4": {"uncompressed": "channel_h4", "compressed": "channel_h4"}},
+             "final": {"8": True, "4": False}}
+    assert readme_sections.whole_run_verdicts(whole) == {"8": whole["chosen"]["8"]}  # depth 4: still going on
+    text = readme_sections.presets_section(result, whole)
+    flat = " ".join(text.split())
+    assert ("At depth 8 the whole run's verdict ([docs/WHOLE_RUN.md](docs/WHOLE_RUN.md), 200 steps, every planned "
+            "seed) replaces it, by that study's rule: eligible: every seed reached the target.") in flat
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines()
+            if line.startswith("| ") and line[2].isdigit()}
+    assert rows["8"][0] == f"`{verdicts.flag_line('channel_b_h4')}`"
+    assert rows["8"][1] == "none met the whole run's rule: none (uncompressed) |"
+    assert rows["4"][0] == f"`{verdicts.flag_line(short['4']['uncompressed'])}`"  # the short study's, as before
+    found = " ".join(readme_sections.found_text(result, None, ["8"]).split())
+    assert found.endswith("At depth 8 the whole run's verdict replaces these choices (the table above).")
+    assert "replaces" not in readme_sections.presets_section(result, {**whole, "final": {"8": False}})
+
+
 def test_the_readme_says_how_the_whole_run_stands_and_when_the_short_studys_choice_ends_above_its_goal():
     def row(codec, ratio, seeds):
         return {"codec": codec, "uncompressed": {"points": {"200": {"ratio": ratio, "by_seed": dict.fromkeys(seeds, ratio)}}}}

@@ -222,16 +222,20 @@ def test_the_rule_takes_the_fewest_busiest_bits_among_eligible_presets_tied_with
     assert whole_run.choose([rows[0], rows[3]], "uncompressed", {**RULE, "ratio_high": 1.1}) is None
 
 
-def test_the_choice_over_fewer_seeds_than_planned_is_named_as_a_study_going_on():
-    rows = [_row("bf16", 1.0, 1.0, 32.0), _row("channel_b_h4", 1.01, 1.17, 6.0, seeds=(1, 2))]
+def test_the_verdict_at_a_depth_is_in_when_every_codec_the_rule_may_choose_has_every_planned_seed():
+    rows = [_row("bf16", 1.0, 1.0, 32.0), _row("channel_b_h4", 1.01, 1.17, 6.0, seeds=(1, 2)),
+            _row("lowrank_h3_rn_fwd", 1.0, 1.0, 0.5, seeds=(1,))]
     for row in rows:
         row["planned_seeds"] = [1, 2, 3, 1, 2, 3]  # (a codec planned in two stages at this depth counts its seeds once)
-    text = whole_run.chosen_text(rows, "channel_b_h4")
-    assert text.startswith("Chosen by the rule so far (codecs here have 2 of 3 planned seeds; not the plan's verdict")
-    assert text.endswith(": channel_b_h4.")
+    codecs = ["bf16", "channel_b_h4", "lowrank_h3_rn_fwd"]
+    assert not whole_run.verdict_in(rows, codecs)  # channel_b_h4 has 2 of 3 seeds
+    assert whole_run.chosen_text("channel_b_h4", False).startswith("Chosen by the rule so far (not the plan's verdict")
     rows[1]["seeds"] = [1, 2, 3]
-    assert whole_run.chosen_text(rows, "channel_b_h4") == "Chosen by the rule: channel_b_h4."
-    assert whole_run.chosen_text(rows, None) == "Chosen by the rule: none."
+    assert whole_run.verdict_in(rows, codecs)  # the one-direction measurement is never chosen: it does not wait
+    assert not whole_run.verdict_in(rows, codecs + ["channel_h4"])  # a planned preset with no run finished
+    assert not whole_run.verdict_in(rows, codecs + ["lowrank_h3_rn_s8"])  # a serving variant may be chosen too
+    assert whole_run.chosen_text("channel_b_h4", True) == "Chosen by the rule: channel_b_h4."
+    assert whole_run.chosen_text(None, True) == "Chosen by the rule: none."
 
 
 def test_the_goal_names_each_figure_that_fails_and_asks_for_the_ledgers_bits_with_the_coder():
