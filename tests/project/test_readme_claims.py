@@ -254,7 +254,7 @@ def test_the_preset_for_each_depth_and_use_is_the_one_the_real_model_supports():
     """The first screen's preset per depth (2, 4, 8) and per use (a model served on its own, or through the same
     compressed pipeline) is the study's choice (``report.presets_text``), each depth measured or said not to be, but
     where the whole run's verdict is in: its choice."""
-    from benchmarks.real_model.readme import read_whole_run, whole_run_verdicts
+    from benchmarks.real_model.readme import WHOLE_RUN_DATA, read_whole_run, whole_run_verdicts
     from benchmarks.real_model.report import presets_text
 
     result = json.loads((DOCS / "data" / "real_model.json").read_text())
