@@ -207,7 +207,13 @@ def so_far_text(result: dict, whole: dict) -> str:
     chosen = presets_by_depth(result).get(depth, {}).get("uncompressed")
     verdict = ""
     if chosen in ends and ends[chosen][0] > goal:
-        verdict = f" So far the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's goal ({goal:.2f}x)."
+        row = next(r for r in whole["tables"][depth] if r["codec"] == chosen)
+        if len(row.get("seeds", ())) >= len(set(row.get("planned_seeds", ()))) > 0:  # its own runs are all in
+            damage = row["uncompressed"].get("damage_vs_bf16")
+            verdict = (f" Over every planned seed the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's "
+                       f"goal ({goal:.2f}x)" + (f", damage {100 * damage:+.2f}%" if damage is not None else "") + ".")
+        else:
+            verdict = f" So far the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's goal ({goal:.2f}x)."
     picked = whole.get("chosen", {}).get(depth, {}).get("uncompressed")
     if picked and picked != chosen and picked in ends:
         verdict += (f" The plan's rule, over the seeds in so far, chooses `{picked}` there ({ends[picked][0]:.2f}x, "

@@ -649,7 +649,12 @@ def test_the_readme_says_how_the_whole_run_stands_and_when_the_short_studys_choi
     assert "18 of 58 planned runs in" in text and "`channel_h4` 1.07x (1), `lowrank_h3_rn` 1.40x (2)" in text
     assert "lowrank_h3_rn_s8" not in text and "`bf16`" not in text  # presets only
     assert "missed bf16's target in 1 of 2 seeds" in text
-    assert ("ends above the plan's goal (1.10x)" in text) == (chosen == "lowrank_h3_rn")
+    assert ("So far the 40-step choice at depth 8, `lowrank_h3_rn`, ends above the plan's goal (1.10x)." in text) == (
+        chosen == "lowrank_h3_rn")
+    whole["tables"]["8"][1].update(seeds=[1, 2, 3], planned_seeds=[1, 2, 3])
+    whole["tables"]["8"][1]["uncompressed"]["damage_vs_bf16"] = 0.0075
+    assert ("Over every planned seed the 40-step choice at depth 8, `lowrank_h3_rn`, ends above the plan's goal (1.10x), "
+            "damage +0.75%." in " ".join(readme_sections.so_far_text(result, whole).split())) == (chosen == "lowrank_h3_rn")
     whole["tables"]["8"][1] = row("lowrank_h3_rn", 1.05, "ab")
     assert "ends above" not in readme_sections.so_far_text(result, whole)
     assert "chooses" not in text  # the rule has chosen nothing yet
