@@ -215,7 +215,9 @@ def so_far_text(result: dict, whole: dict) -> str:
         else:
             verdict = f" So far the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's goal ({goal:.2f}x)."
     picked = whole.get("chosen", {}).get(depth, {}).get("uncompressed")
-    if picked and picked != chosen and picked in ends:
+    if picked and picked != chosen and picked in ends and whole.get("final", {}).get(depth):
+        verdict += f" The plan's verdict there, over every planned seed: `{picked}` ({ends[picked][0]:.2f}x)."
+    elif picked and picked != chosen and picked in ends:
         verdict += (f" The plan's rule, over the seeds in so far, chooses `{picked}` there ({ends[picked][0]:.2f}x, "
                     f"{ends[picked][1]} seed{'s' * (ends[picked][1] != 1)}; its verdict waits for every seed).")
     return _wrap(f"**Over a whole run** ([docs/WHOLE_RUN.md](docs/WHOLE_RUN.md), {end} steps, "
