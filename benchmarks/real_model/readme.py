@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .report import _wrap, damage_text, multiplier_text, presets_by_depth, presets_text, t_text
 
-from .scoring import MORE_DAMAGE, serving_bits
+from .scoring import MORE_DAMAGE, seeds_all_in, serving_bits
 
 from .verdicts import GOALS, candidates, fewest_bits, meets, qualifies, rule_text, serves
 
@@ -208,7 +208,7 @@ def so_far_text(result: dict, whole: dict) -> str:
     verdict = ""
     if chosen in ends and ends[chosen][0] > goal:
         row = next(r for r in whole["tables"][depth] if r["codec"] == chosen)
-        if len(row.get("seeds", ())) >= len(set(row.get("planned_seeds", ()))) > 0:  # its own runs are all in
+        if seeds_all_in(row):
             damage = row["uncompressed"].get("damage_vs_bf16")
             verdict = (f" Over every planned seed the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's "
                        f"goal ({goal:.2f}x)" + (f", damage {100 * damage:+.2f}%" if damage is not None else "") + ".")

@@ -62,6 +62,12 @@ def bits(codec: str, shape, stages: int = 8) -> tuple[float, float]:
 LOSSLESS = Path("docs/data/lossless.json")  # benchmarks.lossless: each codec set's coded share on SmolLM2's messages
 
 
+def seeds_all_in(row: dict) -> bool:
+    """Whether a whole-run table row (``seeds`` finished, ``planned_seeds`` registered) has every planned seed."""
+    planned = set(row.get("planned_seeds", ()))
+    return bool(planned) and len(row.get("seeds", ())) >= len(planned)
+
+
 def serving_bits(codec: str) -> int | None:
     """The forward bits a serving candidate evaluates through the pipeline at (``--tah-eval-forward-bits``), or None
     when it evaluates through its training codec."""

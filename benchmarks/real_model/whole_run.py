@@ -439,7 +439,7 @@ def verdict_in(rows: list[dict], codecs: list[str]) -> bool:
     (``codecs``' presets and serving variants; not the one-direction measurements) have every planned seed."""
     from megatron_tah.config.presets import PRESETS
 
-    done = {r["codec"] for r in rows if len(r["seeds"]) >= len(set(r["planned_seeds"]))}
+    done = {r["codec"] for r in rows if scoring.seeds_all_in(r)}
     return all(c in done for c in codecs if c == "bf16" or c in PRESETS or scoring.serving_bits(c) is not None)
 
 
