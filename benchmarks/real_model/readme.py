@@ -216,7 +216,9 @@ def so_far_text(result: dict, whole: dict) -> str:
             verdict = f" So far the 40-step choice at depth {depth}, `{chosen}`, ends above the plan's goal ({goal:.2f}x)."
     picked = whole.get("chosen", {}).get(depth, {}).get("uncompressed")
     if picked and picked != chosen and picked in ends and whole.get("final", {}).get(depth):
-        verdict += f" The plan's verdict there, over every planned seed: `{picked}` ({ends[picked][0]:.2f}x)."
+        fails = next(r for r in whole["tables"][depth] if r["codec"] == picked)["uncompressed"].get("goal_fails")
+        verdict += (f" The plan's verdict there, over every planned seed: `{picked}` ({ends[picked][0]:.2f}x; "
+                    + (f"short of the plan's goal: {'; '.join(fails)}" if fails else "it meets the plan's goal") + ").")
     elif picked and picked != chosen and picked in ends:
         verdict += (f" The plan's rule, over the seeds in so far, chooses `{picked}` there ({ends[picked][0]:.2f}x, "
                     f"{ends[picked][1]} seed{'s' * (ends[picked][1] != 1)}; its verdict waits for every seed).")

@@ -662,6 +662,11 @@ def test_the_readme_says_how_the_whole_run_stands_and_when_the_short_studys_choi
     assert ("The plan's rule, over the seeds in so far, chooses `channel_h4` there (1.07x, 1 seed;"
             in " ".join(readme_sections.so_far_text(result, whole).split())) == (chosen != "channel_h4")
     whole["final"] = {"8": True}
-    assert ("The plan's verdict there, over every planned seed: `channel_h4` (1.07x)."
+    whole["tables"]["8"][2]["uncompressed"]["goal_fails"] = ["10.20 bits both ways on the WAN ledger"]
+    assert ("The plan's verdict there, over every planned seed: `channel_h4` (1.07x; short of the plan's goal: "
+            "10.20 bits both ways on the WAN ledger)."
+            in " ".join(readme_sections.so_far_text(result, whole).split())) == (chosen != "channel_h4")
+    whole["tables"]["8"][2]["uncompressed"]["goal_fails"] = []
+    assert ("`channel_h4` (1.07x; it meets the plan's goal)."
             in " ".join(readme_sections.so_far_text(result, whole).split())) == (chosen != "channel_h4")
     assert "no finished run yet" in readme_sections.so_far_text(result, {})

@@ -247,6 +247,23 @@ def test_the_goal_names_each_figure_that_fails_and_asks_for_the_ledgers_bits_wit
     assert whole_run.goal(row, RULE, [{**check, "flags": []}])[-1].startswith("no real pipeline run with the coder")
     good = _row("x", 1.05, 1.15, 5.0)
     assert whole_run.goal(good, RULE, [{**check, "ledger_bits": {"both": 5.9}}]) == []
+    # through the pipeline: the ratio and damage on that evaluation, with the serving bits (no ledger figure)
+    assert whole_run.goal(good, RULE, [], "compressed") == []
+    assert whole_run.goal(row, RULE, [], "compressed") == fails[:2]
+
+
+def test_the_page_says_whether_the_rules_choice_meets_the_plans_goal_naming_what_fails():
+    rows = [_row("bf16", 1.0, 1.0, 32.0), _row("channel_b_h4", 1.05, 1.19, 10.0)]
+    rows[1]["uncompressed"]["goal_fails"] = ["10.20 bits both ways on the WAN ledger"]
+    rows[1]["compressed"] = {**rows[1]["compressed"], "goal_fails": []}
+    own = whole_run.goal_text(rows, "channel_b_h4", "uncompressed", RULE)
+    assert own.startswith("The plan's goal (end-of-run ratio <= 1.10x with its upper end <= 1.20x, damage within "
+                          "0.5% of bf16's, <= 6 bits both ways on the WAN ledger of a real pipeline run with the coder)")
+    assert own.endswith("`channel_b_h4` does not meet it: 10.20 bits both ways on the WAN ledger.")
+    assert whole_run.goal_text(rows, "channel_b_h4", "compressed", RULE).endswith(
+        "with its serving bits): `channel_b_h4` meets it.")
+    assert whole_run.goal_text(rows, None, "compressed", RULE).endswith("no preset is eligible, so none meets it "
+                                                                        "here; bf16 (uncompressed) stays.")
 
 
 def test_a_pipeline_check_on_the_page_names_the_validations_outside_the_tolerance_and_the_bits_against_the_goal():
