@@ -8,6 +8,7 @@ after the first step, lifted around checkpoint saves, and a collective's failure
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 
@@ -175,20 +176,44 @@ class _Died(Exception):
     """Stage 1's end in the "dead" scenario."""
 
 
-def _silent_or_dead_peer(rank, world_size, fate, bound):
-    """Two exchanges; then stage 1 goes silent (sleeps), dies (its process exits) or goes quiet for less than the bound, while
-    stage 0 posts its third exchange at iteration 7. Returns (what stage 0 raised, seconds its wait took)."""
+@contextlib.contextmanager
+def _megatron_iteration(iteration):
+    """Megatron's global args with ``curr_iteration`` (what the link reads) for the body; the project uninstalled
+    and the args cleared after it."""
     import types
 
     import megatron_tah
     from megatron.training import global_vars
+
+    args = types.SimpleNamespace(curr_iteration=iteration)
+    global_vars._GLOBAL_ARGS = args
+    try:
+        yield args
+    finally:
+        megatron_tah.uninstall()
+        global_vars._GLOBAL_ARGS = None
+
+
+def _what_it_raised(call, start):
+    """("no error", seconds) after ``call()``, or the LinkError's (class, text, link, iteration, seconds since
+    ``start``, a ``time.monotonic()`` reading, or the call's start when None)."""
+    start = time.monotonic() if start is None else start
+    try:
+        call()
+        return ("no error", time.monotonic() - start)
+    except LinkError as err:
+        return (type(err).__name__, str(err), err.link, err.iteration, time.monotonic() - start)
+
+
+def _silent_or_dead_peer(rank, world_size, fate, bound):
+    """Two exchanges; then stage 1 goes silent (sleeps), dies (its process exits) or goes quiet for less than the bound, while
+    stage 0 posts its third exchange at iteration 7. Returns (what stage 0 raised, seconds its wait took)."""
+    import megatron_tah
     from tests.link.test_message import SHAPE, _exchange
 
-    args = types.SimpleNamespace(curr_iteration=0)
-    global_vars._GLOBAL_ARGS = args
-    megatron_tah.install(tah_preset="paper", tah_backend="torch", tah_peer_timeout_s=bound)
     x = torch.randn(SHAPE)
-    try:
+    with _megatron_iteration(0) as args:
+        megatron_tah.install(tah_preset="paper", tah_backend="torch", tah_peer_timeout_s=bound)
         for args.curr_iteration in (5, 6):
             _exchange(rank, True, x, x)
         args.curr_iteration = 7
@@ -198,15 +223,7 @@ def _silent_or_dead_peer(rank, world_size, fate, bound):
             time.sleep({"silent": bound + 8.0, "outage": bound / 3}[fate])
             if fate == "silent":
                 return "slept"
-        start = time.monotonic()
-        try:
-            _exchange(rank, True, x, x)
-            return ("no error", time.monotonic() - start)
-        except LinkError as err:
-            return (type(err).__name__, str(err), err.link, err.iteration, time.monotonic() - start)
-    finally:
-        megatron_tah.uninstall()
-        global_vars._GLOBAL_ARGS = None
+        return _what_it_raised(lambda: _exchange(rank, True, x, x), None)
 
 
 @pytest.mark.distributed
@@ -358,20 +375,31 @@ def _silent_from_the_start(rank, world_size, where):
     import types
 
     import megatron_tah
-    from megatron.training import global_vars
     from megatron_tah.link.handshake import check_group
     from megatron_tah.megatron import collectives, embedding
     from megatron_tah.megatron.bounded import collective_wait
     from megatron_tah.megatron.pipeline_parallel import installed_transport
     from tests.link.test_message import SHAPE, _exchange
 
-    args = types.SimpleNamespace(curr_iteration=1)
-    global_vars._GLOBAL_ARGS = args
     config = TahConfig(tah_preset="paper", tah_backend="torch", tah_peer_timeout_s=START_BOUND,
                        tah_peer_start_up_s=START_UP)
     world, x = torch.distributed.group.WORLD, torch.randn(SHAPE)
     silent_for = START_BOUND + START_UP + 8.0
-    try:
+
+    def first_wait():
+        if where == "dp collective":
+            codec = config.build_codec("int8", 8, config.tah_int8_block_size)
+            collectives.all_reduce(codec, torch.randn(4096), world,
+                                   wait=collective_wait(config, world, prefix="data-parallel int8 "))
+        elif where == "embedding exchange":
+            place = types.SimpleNamespace(config=config, state={})
+            codec = config.build_codec("int8", 8, config.tah_int8_block_size)
+            embedding.exchange(codec, torch.randn(64, 16), world, 1, first=True,
+                               wait=embedding._watched(place, world, world, 1, first=True))
+        else:
+            _exchange(rank, True, x, x)
+
+    with _megatron_iteration(1):
         if rank == 1:
             if where != "settings check":
                 megatron_tah.install(config)
@@ -380,27 +408,10 @@ def _silent_from_the_start(rank, world_size, where):
                 check_group(config, world, x.device, transport.handshake_wait(world))
             time.sleep(silent_for)
             return "slept"
-        start = time.monotonic()
-        try:
-            megatron_tah.install(config)
-            start = start if where == "settings check" else time.monotonic()
-            if where == "dp collective":
-                codec = config.build_codec("int8", 8, config.tah_int8_block_size)
-                collectives.all_reduce(codec, torch.randn(4096), world,
-                                       wait=collective_wait(config, world, prefix="data-parallel int8 "))
-            elif where == "embedding exchange":
-                place = types.SimpleNamespace(config=config, state={})
-                codec = config.build_codec("int8", 8, config.tah_int8_block_size)
-                embedding.exchange(codec, torch.randn(64, 16), world, 1, first=True,
-                                   wait=embedding._watched(place, world, world, 1, first=True))
-            elif where != "settings check":
-                _exchange(rank, True, x, x)
-            return ("no error", time.monotonic() - start)
-        except LinkError as err:
-            return (type(err).__name__, str(err), err.link, err.iteration, time.monotonic() - start)
-    finally:
-        megatron_tah.uninstall()
-        global_vars._GLOBAL_ARGS = None
+        if where == "settings check":  # the wait is install's own check of the group's settings
+            return _what_it_raised(lambda: megatron_tah.install(config), None)
+        megatron_tah.install(config)
+        return _what_it_raised(first_wait, None)
 
 
 @pytest.mark.distributed
