@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks.faults.__main__ import stage_pid
 from megatron_tah import restart
+from tests.helpers.rank_entry import alive
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_TRAINER = """
@@ -119,20 +120,12 @@ def test_an_attempt_whose_launcher_ended_leaves_none_of_its_workers_behind():
                                 stdout=subprocess.PIPE, text=True)
     worker = int(launcher.stdout.readline())
     launcher.wait(timeout=30)
-    assert _running(worker)  # the launcher is gone, its worker is not
+    assert alive(worker)  # the launcher is gone, its worker is not
     stop_process(launcher)
     deadline = time.monotonic() + 10
-    while _running(worker) and time.monotonic() < deadline:
+    while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(worker)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not alive(worker)
 
 
 ORPHAN = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'tah_orphan = 1; import time; time.sleep(600)'], " \
