@@ -522,13 +522,17 @@ def write_page(result: dict, page: Path, command: str) -> None:
     page.write_text("\n".join(lines) + "\n")
 
 
+PLOT_RANGE = (0.5, 10.0)  # the ratio axis (log): a band of two seeds may reach below 0 or far above; drawn clipped
+
+
 def plot(result: dict, path: Path) -> None:
-    """The ratio at every validation per codec at each depth (mean over seeds, band: its 95% interval; dashed: the
-    plan's points), both evaluations."""
+    """The ratio at every validation per codec at each depth (mean over seeds, band: its 95% interval clipped to
+    ``PLOT_RANGE``; dashed: the plan's points; red: the plan's goal), both evaluations, on a log axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     tables = {d: rows for d, rows in (result.get("tables") or {}).items() if any(r["codec"] != "bf16" for r in rows)}
     fig, axes = plt.subplots(max(len(tables), 1), 2, figsize=(12, 4 * max(len(tables), 1)), squeeze=False)
@@ -539,10 +543,18 @@ def plot(result: dict, path: Path) -> None:
                 if ratios:
                     xs, means, lows, highs = zip(*ratios)
                     ax.plot(xs, means, color=f"C{c % 10}", label=row["codec"])
+                    lows = [max(PLOT_RANGE[0], m if v is None else v) for v, m in zip(lows, means)]
+                    highs = [min(PLOT_RANGE[1], m if v is None else v) for v, m in zip(highs, means)]
                     ax.fill_between(xs, lows, highs, color=f"C{c % 10}", alpha=0.15)
             for point in result["points"]:
                 ax.axvline(point, color="grey", lw=0.5, ls="--")
             ax.axhline(1.0, color="grey", ls=":")
+            ax.axhline(result["rule"]["goal_ratio"], color="red", lw=0.8, ls=":", label="the plan's goal")
+            ax.set_yscale("log")
+            ax.set_ylim(*PLOT_RANGE)
+            ax.set_yticks([0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_title(f"depth {depth}, {scoring.TRAFFIC_LABEL[traffic]}", fontsize=9)
             ax.set_xlabel("step")
             ax.set_ylabel("equivalent-steps ratio vs bf16")
