@@ -242,9 +242,8 @@ def presets_section(result: dict, whole: dict) -> str:
     text = _wrap(rule_text())
     if final:
         end = max(int(p) for p in whole["points"])
-        text += "\n\n" + _wrap(f"At {_at_depths(list(final))} the whole run's verdict ([docs/WHOLE_RUN.md]"
-                                f"(docs/WHOLE_RUN.md), {end} steps, every planned seed) replaces it, by that study's "
-                                f"rule: {whole['rule']['text']}.")
+        text += "\n\n" + _wrap(f"At {_at_depths(list(final))} the whole run's verdict ({end} steps, every planned "
+                                "seed, by its own rule: [docs/WHOLE_RUN.md](docs/WHOLE_RUN.md)) replaces it.")
     return text + "\n\n" + presets_text(result, (2, 4, 8), flag=True, override=final)
 
 

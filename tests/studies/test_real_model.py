@@ -622,8 +622,8 @@ def test_where_the_whole_runs_verdict_is_in_the_readme_recommends_its_choice_by_
     assert readme_sections.whole_run_verdicts(whole) == {"8": whole["chosen"]["8"]}  # depth 4: still going on
     text = readme_sections.presets_section(result, whole)
     flat = " ".join(text.split())
-    assert ("At depth 8 the whole run's verdict ([docs/WHOLE_RUN.md](docs/WHOLE_RUN.md), 200 steps, every planned "
-            "seed) replaces it, by that study's rule: eligible: every seed reached the target.") in flat
+    assert ("At depth 8 the whole run's verdict (200 steps, every planned seed, by its own rule: "
+            "[docs/WHOLE_RUN.md](docs/WHOLE_RUN.md)) replaces it.") in flat
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines()
             if line.startswith("| ") and line[2].isdigit()}
     assert rows["8"][0] == f"`{verdicts.flag_line('channel_b_h4')}`"
