@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import shutil
 import statistics
@@ -52,6 +53,13 @@ from xml.etree import ElementTree
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.1
 HANG_MARKS = ("gave no result", "Failed: stopped after ")  # a multi-process run or the watchdog timed out
+HANG_ERROR = re.compile(r"\bTimeoutError\b")  # run_distributed's; not a product error such as PeerTimeoutError
+
+
+def failure_kind(text: str) -> str:
+    """"hang" when a failed test's report ``text`` says a multi-process run or the watchdog timed out, else
+    "failed" (a product's own error, ``PeerTimeoutError`` among them, is a failure)."""
+    return "hang" if HANG_ERROR.search(text) or any(mark in text for mark in HANG_MARKS) else "failed"
 
 
 def collect(paths: list[str], marker: str) -> list[str]:
@@ -136,8 +144,7 @@ def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0
             test = case.get("name")  # (unique within one file's run; the class name depends on the rootdir)
             problems = [child for child in case if child.tag in ("failure", "error")]
             text = " ".join(f"{p.get('message', '')} {p.text or ''}" for p in problems)
-            verdict = ("passed" if not problems else
-                       "hang" if "TimeoutError" in text or any(mark in text for mark in HANG_MARKS) else "failed")
+            verdict = "passed" if not problems else failure_kind(text)
             if case.find("skipped") is not None and not problems:
                 verdict = "skipped"
             found[test] = {"verdict": verdict, "seconds": round(float(case.get("time", 0.0)), 1)}

@@ -365,6 +365,7 @@ def test_the_error_that_ends_the_training_loop_is_recorded_for_the_restart_loop(
 
 # ----- from the first byte: the handshake, the first message and a place's collective, measured -------------
 START_BOUND, START_UP = 3.0, 2.0  # --tah-peer-timeout-s and --tah-peer-start-up-s of these runs
+LATE_S = 5.0  # how late past the bound an error may surface on a loaded machine (far from the group's 10 minutes)
 
 
 def _silent_from_the_start(rank, world_size, where):
@@ -399,6 +400,9 @@ def _silent_from_the_start(rank, world_size, where):
         else:
             _exchange(rank, True, x, x)
 
+    # both ranks past their imports before either installs: under load one rank's imports may trail the other's by
+    # more than the bounds here (5 s), and the first rank's own settings check would then end the run instead
+    torch.distributed.barrier()
     with _megatron_iteration(1):
         if rank == 1:
             if where != "settings check":
@@ -428,8 +432,8 @@ def test_a_peer_silent_from_the_start_stops_the_run_within_the_bound_and_the_sta
     assert not isinstance(stage0, RankFailure) and stage0[0] == "PeerTimeoutError", stage0
     _, text, link, iteration, seconds = stage0
     print(f"{where}: PeerTimeoutError after {seconds:.2f} s (bound {START_BOUND:g} + allowance {START_UP:g} s)")
-    limit = START_BOUND + START_UP
-    assert limit - 0.5 <= seconds <= limit + 2.0 and iteration == 1, stage0
+    limit = START_BOUND + START_UP  # + the scheduling of a loaded machine: 2.34 s more at a load average near 50
+    assert limit - 0.5 <= seconds <= limit + LATE_S and iteration == 1, stage0
     if where in ("dp collective", "settings check"):
         what = "data-parallel int8 all-to-all" if where == "dp collective" else "settings check lengths all-gather"
         assert link is None and text.startswith(f"megatron_tah: world rank 0, {what} over world ranks [0, 1], "

@@ -144,3 +144,18 @@ def test_only_the_soaks_own_run_folders_count_as_left_and_are_removed(tmp_path, 
     mine, theirs = tmp_path / "tah_dist_123_a", tmp_path / "tah_dist_1234_b"
     mine.mkdir(), theirs.mkdir()
     assert soak.run_folders(123) == {mine} and soak.run_folders(1234) == {theirs}
+
+
+def test_a_product_timeout_error_is_a_failure_and_the_harness_timing_out_is_a_hang():
+    """A run is a hang when the harness or the watchdog gave up on it, not when the code under test raised its own
+    ``PeerTimeoutError`` (the error a silent peer should cause) and an assertion about it failed."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import soak
+    finally:
+        sys.path.pop(0)
+    assert soak.failure_kind("AssertionError: ('PeerTimeoutError', 'megatron_tah: world rank 0 ...', 7.34)") == "failed"
+    assert soak.failure_kind("TimeoutError: ranks [1] gave no result within 120 s") == "hang"
+    assert soak.failure_kind("builtins.TimeoutError: x") == "hang"
+    assert soak.failure_kind("Failed: stopped after 900 s") == "hang"
+    assert soak.failure_kind("AssertionError: assert 1 == 2") == "failed"
