@@ -70,6 +70,7 @@ def _soak(test: Path, tmp_path: Path, *flags: str, hang: bool = False) -> subpro
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow  # a soak of its own beside a CPU hog: `make test-all`
 def test_healthy_tests_pass_once_their_fork_server_has_ended(fake, tmp_path):
     proc = _soak(fake, tmp_path, "--runs", "2", "--timeout", "60")
     out, _ = proc.communicate(timeout=300)
@@ -77,6 +78,7 @@ def test_healthy_tests_pass_once_their_fork_server_has_ended(fake, tmp_path):
     assert "| 2 | 2 | 0 | 0 | 0 | 0 |" in out, out  # 2 runs, 2 passed, no failure, hang, skip or leftover
 
 
+@pytest.mark.slow  # a soak of its own beside a CPU hog: `make test-all`
 def test_a_resumed_soak_runs_only_the_rounds_its_records_lack_and_counts_them_all(fake, tmp_path):
     records = tmp_path / "soak.json"
     proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "60", "--json", str(records))
@@ -93,6 +95,7 @@ def test_a_resumed_soak_runs_only_the_rounds_its_records_lack_and_counts_them_al
     assert not list(tmp_path.glob("*.partial"))
 
 
+@pytest.mark.slow  # a soak of its own beside a CPU hog: `make test-all`
 def test_a_hanging_test_makes_the_soak_fail(fake, tmp_path):
     proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "5", "--settle-s", "2", hang=True)
     out, _ = proc.communicate(timeout=300)
@@ -100,6 +103,7 @@ def test_a_hanging_test_makes_the_soak_fail(fake, tmp_path):
     assert "hang" in out and "test_hangs" in out, out
 
 
+@pytest.mark.slow  # a soak of its own beside a CPU hog: `make test-all`
 def test_sigterm_stops_the_running_pytest_and_the_hog(fake, tmp_path):
     proc = _soak(fake, tmp_path, "--runs", "1", "--timeout", "120", hang=True)
     mark = tmp_path / "mark.hang"
