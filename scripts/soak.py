@@ -53,6 +53,8 @@ from xml.etree import ElementTree
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.1
 HANG_MARKS = ("gave no result", "Failed: stopped after ")  # a multi-process run or the watchdog timed out
+SETTLE_S = 30.0  # a session's processes get this long to end after pytest: waited for only while they run (a fork
+# server outlived pytest by more than 10 s beside a training study and a CI run)
 HANG_ERROR = re.compile(r"\bTimeoutError\b")  # run_distributed's; not a product error such as PeerTimeoutError
 
 
@@ -106,7 +108,7 @@ def run_folders(pid: int) -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"tah_dist_{pid}_*"))
 
 
-def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = 10.0) -> list[dict]:
+def run_unit(tests: list[str], timeout: float, log: Path, settle_s: float = SETTLE_S) -> list[dict]:
     """One run of ``tests`` (one file's) in one pytest: each test's verdict and seconds (from its JUnit XML
     report), and the processes the run left ``settle_s`` s after it ended (counted for each of its tests).
     Interrupted (SIGTERM/SIGINT as ``KeyboardInterrupt``), its session is killed before the interruption goes on."""
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(round, test) pairs it lacks; the table covers them all")
     parser.add_argument("--budget-minutes", type=float, help="start no run after this many minutes; the tests run "
                         "one at a time, round-robin, so every test is sampled before any runs twice")
-    parser.add_argument("--settle-s", type=float, default=10.0, help="seconds a file's processes get to end after "
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="seconds a file's processes get to end after "
                         "pytest (fork server, resource tracker) before they count as left")
     args = parser.parse_args(argv)
     if args.resume and args.json is None:

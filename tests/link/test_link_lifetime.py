@@ -22,7 +22,9 @@ pytestmark = pytest.mark.distributed
 ENV = {"TRITON_INTERPRET": "1"}
 CODECS = dict(tah_forward_codec="hadint", tah_forward_bits=4, tah_backward_codec="hadint", tah_backward_bits=4,
               tah_backend="torch", tah_entropy_coding=True)
-BOUND = 3.0  # --tah-peer-timeout-s of these runs
+BOUND = 3.0  # --tah-peer-timeout-s of these runs where stage 1 falls silent
+DEAD_BOUND = 30.0  # where it dies: its death shows once its process has ended, which took more than 3 s beside a
+# training study and a CI run; a dead peer must be named lost well before this bound, not timed out at it
 SHAPE = (16, 2, 32)
 
 
@@ -56,7 +58,7 @@ def _peer_stops(rank, world_size, point, fate):
 
     args = types.SimpleNamespace(curr_iteration=0)
     global_vars._GLOBAL_ARGS = args
-    options = dict(CODECS, tah_peer_timeout_s=BOUND)
+    options = dict(CODECS, tah_peer_timeout_s=BOUND if fate == "silent" else DEAD_BOUND)
     if point == "message":  # with the trailer on (the inbound wire's send stamp): part of the same transfer
         options.update(tah_emulate_bandwidth="10gbit", tah_emulate_wire="inbound")
     batched = point == "overflow"
@@ -149,7 +151,7 @@ def test_a_peer_that_stops_at_any_point_of_a_message_is_named_within_the_bound(p
         assert name == "PeerTimeoutError" and BOUND - 0.5 <= seconds <= BOUND + 3.0, stage0
         assert f"within --tah-peer-timeout-s {BOUND:g} s" in text
     else:
-        assert name == "PeerLostError" and seconds < BOUND, stage0
+        assert name == "PeerLostError" and seconds < DEAD_BOUND, stage0
 
 
 def _late_receiver(rank, world_size):
