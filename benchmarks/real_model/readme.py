@@ -70,6 +70,16 @@ def _at_depths(depths: list[str]) -> str:
     return ("depth " if len(depths) == 1 else "depths ") + _listed(depths)
 
 
+def _choice_text(picks: dict[str, str | None], replaced: list[str] | None) -> str:
+    """The short study's choice per depth, but at the depths ``replaced`` by the whole run's verdict, said so."""
+    replaced = [d for d in picks if d in (replaced or ())]
+    kept = {d: c for d, c in picks.items() if d not in replaced}
+    if not replaced:
+        return _by_codec(kept)
+    whole = f"the whole run's at {_at_depths(sorted(replaced, key=lambda d: -int(d)))} (the table above)"
+    return f"{_by_codec(kept)}, {whole}" if kept else whole
+
+
 def _by_codec(picks: dict[str, str | None]) -> str:
     """``{depth: codec}`` as "`a` at depths 8 and 4, `b` at depth 2"."""
     depths: dict[str, list[str]] = {}
@@ -138,7 +148,7 @@ def found_text(result: dict, wire: dict | None = None, replaced: list[str] | Non
     text = [f"What the study found, on this model and this short fine-tune ({seeds[0]} to {seeds[-1]} paired seeds "
             "per preset; the page has every interval): **served on its own**, the presets needed "
             + _listed(ranges) + " (means" + ("; " + _listed(missed) + " missed the target" if missed else "")
-            + f"), and {damage}. The choice is {_by_codec(own)}"
+            + f"), and {damage}. The choice is {_choice_text(own, replaced)}"
             + (f"; at depth {main} `{chosen['codec']}` ({PRESETS[chosen['codec']].description}) needed "
                f"{multiplier_text(chosen['uncompressed'])} ({len(chosen['seeds'])} seeds), damage "
                f"{damage_text(chosen['uncompressed'], chosen['codec'])}" if chosen else "") + ".", ""]
@@ -147,9 +157,7 @@ def found_text(result: dict, wire: dict | None = None, replaced: list[str] | Non
     text.append("**Served through the pipeline** a forward codec's error is paid at every evaluation. "
                 f"At depth {main}, {_through_text(tables[main], iters, True)}."
                 + (" Without more damage, " + _listed(others) + "." if others else "")
-                + f" The choice is {_by_codec(through)}. " + goals_summary(result, wire)
-                + (f" At {_at_depths(replaced)} the whole run's verdict replaces these choices (the table above)."
-                   if replaced else ""))
+                + f" The choice is {_choice_text(through, replaced)}. " + goals_summary(result, wire))
     return _wrap("\n".join(text))
 
 

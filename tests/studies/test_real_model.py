@@ -630,7 +630,8 @@ def test_where_the_whole_runs_verdict_is_in_the_readme_recommends_its_choice_by_
     assert rows["8"][1] == "none met the whole run's rule: none (uncompressed) |"
     assert rows["4"][0] == f"`{verdicts.flag_line(short['4']['uncompressed'])}`"  # the short study's, as before
     found = " ".join(readme_sections.found_text(result, None, ["8"]).split())
-    assert found.endswith("At depth 8 the whole run's verdict replaces these choices (the table above).")
+    assert found.count("the whole run's at depth 8 (the table above)") == 2  # both uses, depth 8 only
+    assert "The choice is `lowrank_h3_rn` at depths 4 and 2, the whole run's at depth 8" in found
     assert "replaces" not in readme_sections.presets_section(result, {**whole, "final": {"8": False}})
 
 
