@@ -292,17 +292,20 @@ def goal(row: dict, rule: dict, checks: list[dict], traffic: str = "uncompressed
     return fails
 
 
-def goal_text(rows: list[dict], chosen: str | None, traffic: str, rule: dict) -> str:
-    """The page's line on the plan's goal for the rule's choice on ``traffic`` (each figure that fails named)."""
+def goal_text(rows: list[dict], chosen: str | None, traffic: str, rule: dict, final: bool = True) -> str:
+    """The page's line on the plan's goal for the rule's choice on ``traffic`` (each figure that fails named); "so
+    far" until the depth's verdict is in (``final``)."""
     what = (f"end-of-run ratio <= {rule['goal_ratio']:.2f}x with its upper end <= {rule['ratio_high']:.2f}x, damage "
             f"within {100 * rule['goal_damage']:g}% of bf16's" +
             (f", <= {rule['goal_bits']:g} bits both ways on the WAN ledger of a real pipeline run with the coder"
              if traffic == "uncompressed" else ", with its serving bits"))
     if chosen is None:
-        return f"The plan's goal ({what}): no preset is eligible, so none meets it here; bf16 (uncompressed) stays."
+        return (f"The plan's goal ({what}): no preset is eligible, so none meets it here; bf16 (uncompressed) stays."
+                if final else f"The plan's goal ({what}): no preset is eligible so far.")
     fails = next(r for r in rows if r["codec"] == chosen)[traffic]["goal_fails"]
+    so_far = "" if final else " so far"
     return (f"The plan's goal ({what}): `{chosen}` " +
-            (f"does not meet it: {'; '.join(fails)}." if fails else "meets it."))
+            (f"does not meet it{so_far}: {'; '.join(fails)}." if fails else f"meets it{so_far}."))
 
 
 # ----- the whole study -----------------------------------------------------------------------------------------
@@ -508,7 +511,8 @@ def write_page(result: dict, page: Path, command: str) -> None:
                           "Loss gap at equal steps (codec minus bf16, same seed; bf16 served on its own):", "",
                           gaps_markdown(rows, traffic, result["points"]), "",
                           chosen_text(result["chosen"][depth][traffic], result["final"][depth]), "",
-                          goal_text(rows, result["chosen"][depth][traffic], traffic, result["rule"]), ""]
+                          goal_text(rows, result["chosen"][depth][traffic], traffic, result["rule"],
+                                    result["final"][depth]), ""]
         if result["pipeline"]:
             lines += ["## The real pipeline", "",
                       f"Each run against its emulated run (same codec, seed and depth) at every validation both ways; "

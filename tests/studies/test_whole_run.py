@@ -266,6 +266,12 @@ def test_the_page_says_whether_the_rules_choice_meets_the_plans_goal_naming_what
         "with its serving bits): `channel_b_h4` meets it.")
     assert whole_run.goal_text(rows, None, "compressed", RULE).endswith("no preset is eligible, so none meets it "
                                                                         "here; bf16 (uncompressed) stays.")
+    # until every planned seed of the depth is in, the line says so far, never "stays"
+    assert whole_run.goal_text(rows, None, "compressed", RULE, final=False).endswith(
+        "with its serving bits): no preset is eligible so far.")
+    assert whole_run.goal_text(rows, "channel_b_h4", "uncompressed", RULE, final=False).endswith(
+        "`channel_b_h4` does not meet it so far: 10.20 bits both ways on the WAN ledger.")
+    assert whole_run.goal_text(rows, "channel_b_h4", "compressed", RULE, final=False).endswith("meets it so far.")
 
 
 def test_a_pipeline_check_on_the_page_names_the_validations_outside_the_tolerance_and_the_bits_against_the_goal():
